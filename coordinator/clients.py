@@ -1,0 +1,110 @@
+"""Stubs for the draft and target services, with per-call deadlines and status translation.
+
+Errors from the model services become domain errors here, so the pipeline reasons about
+"session lost" or "node unavailable" and never about gRPC codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
+from specdec.serving import message_size_options
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ServiceClient:
+    """One channel to a model service; `role` ("draft"/"target") names it in errors."""
+
+    def __init__(self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.role = role
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def call(self, method: Callable[..., Awaitable[T]], request, timeout_s: float | None = None) -> T:
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self.translate(exc) from exc
+
+    def translate(self, exc: grpc.aio.AioRpcError) -> SpecDecError:
+        code, details = exc.code(), exc.details()
+        where = f"{self.role} service at {self.address}"
+        if code == grpc.StatusCode.NOT_FOUND:
+            return SessionNotFound(f"{where}: {details}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return Unavailable(f"{where} is unavailable ({code.name}): {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(f"{where} is out of capacity: {details}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            # The coordinator validated the request, so this is a protocol bug, not the client's fault.
+            return SpecDecError(f"{where} rejected an internal call: {details}")
+        return SpecDecError(f"{where} failed ({code.name}): {details}")
+
+    async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:
+        return await self.call(self._stub.Info, common_pb2.InfoRequest(), timeout_s)
+
+    async def end_session(self, session_id: str) -> None:
+        """Best effort: a session that cannot be ended expires by TTL on the service."""
+        try:
+            await self.call(self._stub.EndSession, common_pb2.EndSessionRequest(session_id=session_id), 2.0)
+        except SpecDecError as exc:
+            logger.debug("could not end %s session %s: %s", self.role, session_id, exc)
+
+    async def wait_info(self, total_timeout_s: float) -> common_pb2.ModelInfo:
+        """Info, retried until the service answers or `total_timeout_s` passes (start-up)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + total_timeout_s
+        while True:
+            try:
+                return await self.info(timeout_s=max(0.1, min(5.0, deadline - loop.time())))
+            except Unavailable:
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+
+class DraftClient(ServiceClient):
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        super().__init__("draft", address, timeout_s, max_message_bytes)
+        self._stub = draft_pb2_grpc.DraftStub(self.channel)
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        return await self.call(self._stub.Propose, request)
+
+
+class TargetClient(ServiceClient):
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        super().__init__("target", address, timeout_s, max_message_bytes)
+        self._stub = target_pb2_grpc.TargetStub(self.channel)
+
+    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        return await self.call(self._stub.Verify, request)
+
+
+def check_pair(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo, tokenizer_fingerprint: str, draft_address: str, target_address: str) -> None:
+    """Refuses a pair that would not speak the same token ids."""
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise InvalidArgument(
+            f"draft and target tokenizers differ: draft {draft.model_id!r} at {draft_address} has tokenizer "
+            f"{draft.tokenizer_fingerprint[:16]}, target {target.model_id!r} at {target_address} has "
+            f"{target.tokenizer_fingerprint[:16]}; speculative decoding needs the same tokenizer"
+        )
+    if tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise InvalidArgument(
+            f"the coordinator's --tokenizer (fingerprint {tokenizer_fingerprint[:16]}) differs from target "
+            f"{target.model_id!r} at {target_address} ({target.tokenizer_fingerprint[:16]})"
+        )

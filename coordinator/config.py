@@ -1,0 +1,72 @@
+"""Coordinator configuration: flags over SPECDEC_COORDINATOR_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, EnvArgs
+
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    draft_address: str
+    target_address: str
+    tokenizer: str  # folder or id of the pair's tokenizer, for text in and out
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    default_num_speculative_tokens: int = 4
+    max_num_speculative_tokens: int = 8
+    default_max_new_tokens: int = 64
+    max_new_tokens_limit: int = 2048
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    draft_timeout_s: float = 30.0
+    target_timeout_s: float = 60.0
+    connect_timeout_s: float = 120.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    log_level: str = "INFO"
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description="Coordinator: the public Generate API")
+    args = EnvArgs(parser, "SPECDEC_COORDINATOR", env)
+    args.add("--draft", None, "draft service address HOST:PORT")
+    args.add("--target", None, "target service address HOST:PORT")
+    args.add("--tokenizer", None, "tokenizer folder or id (the pair's); checked against the target's fingerprint")
+    args.add("--host", "127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    args.add("--port", DEFAULT_PORT, "port to listen on (0 picks a free one)", type=int)
+    args.add("--num-speculative-tokens", 4, "default K per round when a request leaves it unset", type=int)
+    args.add("--max-num-speculative-tokens", 8, "largest K a request may ask for", type=int)
+    args.add("--default-max-new-tokens", 64, "max_new_tokens when a request leaves it unset", type=int)
+    args.add("--max-new-tokens-limit", 2048, "largest max_new_tokens a request may ask for", type=int)
+    args.add("--draft-timeout", 30.0, "deadline of one draft call, seconds", type=float)
+    args.add("--target-timeout", 60.0, "deadline of one target call, seconds", type=float)
+    args.add("--connect-timeout", 120.0, "how long start-up waits for draft and target to answer Info", type=float)
+    args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
+    args.add("--log-level", "INFO", "logging level")
+    ns = parser.parse_args(argv)
+    for flag in ("draft", "target", "tokenizer"):
+        if not getattr(ns, flag):
+            parser.error(f"--{flag} is required (or set the environment variable named in --help)")
+    if not 0 <= ns.num_speculative_tokens <= ns.max_num_speculative_tokens:
+        parser.error("--num-speculative-tokens must be in [0, --max-num-speculative-tokens]")
+    return CoordinatorConfig(
+        draft_address=ns.draft,
+        target_address=ns.target,
+        tokenizer=ns.tokenizer,
+        host=ns.host,
+        port=ns.port,
+        default_num_speculative_tokens=ns.num_speculative_tokens,
+        max_num_speculative_tokens=ns.max_num_speculative_tokens,
+        default_max_new_tokens=ns.default_max_new_tokens,
+        max_new_tokens_limit=ns.max_new_tokens_limit,
+        draft_timeout_s=ns.draft_timeout,
+        target_timeout_s=ns.target_timeout,
+        connect_timeout_s=ns.connect_timeout,
+        max_message_bytes=ns.max_message_bytes,
+        log_level=ns.log_level,
+    )

@@ -1,0 +1,59 @@
+"""The coordinator's side of lossless rejection sampling: pure functions, no I/O.
+
+Draft token d_i, drawn from draft_probs_i, is *accepted* when u_i < target_prob_i / draft_prob_i
+with u_i ~ U[0, 1). At the first rejection the target's *recovered* sample for that position
+(drawn from norm(max(0, target_probs_i - draft_probs_i))) is emitted and the round ends; if
+all K are accepted, the target's *bonus* sample is emitted. This is the Leviathan et al. /
+Chen et al. scheme, so the committed tokens are distributed exactly as the target's own samples.
+Greedy needs no special case: the target's distribution is one-hot, so the ratio is 0 or ≥ 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """Result of one speculation round."""
+
+    num_accepted: int  # draft tokens kept, 0..K
+    next_token_id: int  # the recovered (num_accepted < K) or bonus (num_accepted == K) token
+
+    def committed(self, draft_token_ids: Sequence[int]) -> list[int]:
+        """Tokens this round adds to the sequence: the accepted drafts, then the next token."""
+        return [*draft_token_ids[: self.num_accepted], self.next_token_id]
+
+    def is_bonus(self, num_draft: int) -> bool:
+        return self.num_accepted == num_draft
+
+
+def count_accepted(
+    draft_token_target_probs: Sequence[float],  # [K]
+    draft_token_draft_probs: Sequence[float],  # [K], each > 0 since the draft sampled the token
+    uniforms: Sequence[float],  # [K], each in [0, 1)
+) -> int:
+    """Length of the accepted prefix of the draft tokens."""
+    for i, (target_prob, draft_prob, u) in enumerate(
+        zip(draft_token_target_probs, draft_token_draft_probs, uniforms, strict=True)
+    ):
+        # u < t / d, written without the division; strict so a token with target
+        # probability 0 is never accepted.
+        if not u * draft_prob < target_prob:
+            return i
+    return len(uniforms)
+
+
+def decide_round(
+    draft_token_target_probs: Sequence[float],  # [K]
+    draft_token_draft_probs: Sequence[float],  # [K]
+    uniforms: Sequence[float],  # [K]
+    recovered_token_ids: Sequence[int],  # [K]
+    bonus_token_id: int,
+) -> RoundOutcome:
+    """Accepted prefix plus the recovered or bonus token that follows it."""
+    num_accepted = count_accepted(draft_token_target_probs, draft_token_draft_probs, uniforms)
+    if num_accepted < len(recovered_token_ids):
+        return RoundOutcome(num_accepted, int(recovered_token_ids[num_accepted]))
+    return RoundOutcome(num_accepted, int(bonus_token_id))

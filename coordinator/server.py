@@ -1,0 +1,82 @@
+"""Coordinator gRPC server: connect to draft and target, check the pair, serve Generate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from transformers import AutoTokenizer
+
+from coordinator.clients import DraftClient, TargetClient, check_pair
+from coordinator.config import CoordinatorConfig
+from coordinator.pipeline import Coordinator, PairInfo
+from coordinator.servicer import CoordinatorServicer
+from specdec.errors import SpecDecError
+from specdec.modeling import tokenizer_fingerprint
+from specdec.serving import RunningServer, configure_logging, start_server
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+async def connect(config: CoordinatorConfig) -> Coordinator:
+    """Waits for both services, checks they form a pair, and builds the coordinator."""
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=False)
+    draft = DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes)
+    target = TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes)
+    draft_info, target_info = await asyncio.gather(
+        draft.wait_info(config.connect_timeout_s), target.wait_info(config.connect_timeout_s)
+    )
+    check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), config.draft_address, config.target_address)
+    pair = PairInfo(
+        vocab_size=min(draft_info.vocab_size, target_info.vocab_size),
+        eos_token_ids=frozenset(target_info.eos_token_ids),
+        max_context=target_info.max_context,
+        draft_max_context=draft_info.max_context,
+        max_num_speculative_tokens=min(
+            config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
+        ),
+    )
+    logger.info(
+        "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
+        draft_info.model_id, draft_info.dtype, draft_info.device, config.draft_address,
+        target_info.model_id, target_info.dtype, target_info.device, config.target_address,
+        pair.max_num_speculative_tokens,
+    )
+    return Coordinator(config, draft, target, tokenizer, pair)
+
+
+async def build_server(config: CoordinatorConfig) -> RunningServer:
+    coordinator = await connect(config)
+    servicer = CoordinatorServicer(coordinator)
+
+    def close_channels() -> None:
+        for client in (coordinator.draft, coordinator.target):
+            asyncio.get_running_loop().create_task(client.close())
+
+    return await start_server(
+        lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        config.host,
+        config.port,
+        config.max_message_bytes,
+        on_stop=close_channels,
+    )
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    configure_logging(config.log_level)
+    try:
+        running = await build_server(config)
+    except SpecDecError as exc:
+        logger.error("cannot start: %s", exc)
+        sys.exit(2)
+    await running.serve_until_signal()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from coordinator.config import parse_config
+
+    asyncio.run(serve(parse_config(argv)))

@@ -1,0 +1,85 @@
+"""Coordinator gRPC servicer: GenerateRequest → GenerationRequest, chunks → GenerateResponse."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.metrics import GenerationStats
+from coordinator.pipeline import Chunk, Coordinator, GenerationRequest
+from specdec.errors import grpc_errors
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationRequest:
+    def optional(name: str):
+        return getattr(request, name) if request.HasField(name) else None
+
+    return GenerationRequest(
+        prompt=request.prompt,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        max_new_tokens=optional("max_new_tokens"),
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=optional("top_p"),
+        seed=optional("seed"),
+        stop=tuple(request.stop),
+        num_speculative_tokens=optional("num_speculative_tokens"),
+    )
+
+
+def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
+    return coordinator_pb2.GenerationStats(
+        rounds=stats.rounds,
+        proposed_tokens=stats.proposed_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        recovered_tokens=stats.recovered_tokens,
+        bonus_tokens=stats.bonus_tokens,
+        generated_tokens=stats.generated_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.mean_accepted_length,
+        time_to_first_token_ms=stats.time_to_first_token_ms,
+        total_ms=stats.total_ms,
+        tokens_per_second=stats.tokens_per_second,
+        draft_ms=stats.draft_ms,
+        target_ms=stats.target_ms,
+        reprefills=stats.reprefills,
+        prompt_tokens=stats.prompt_tokens,
+    )
+
+
+def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
+    response = coordinator_pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids)
+    if chunk.finish_reason is not None:
+        response.finish_reason = chunk.finish_reason
+    if chunk.stats is not None:
+        response.stats.CopyFrom(stats_to_pb(chunk.stats))
+    return response
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    @grpc_errors
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GenerateResponse:
+        chunks = [chunk async for chunk in self._coordinator.generate(request_from_pb(request))]
+        final = chunks[-1]
+        return chunk_to_pb(
+            Chunk(
+                token_ids=[t for chunk in chunks for t in chunk.token_ids],
+                text="".join(chunk.text for chunk in chunks),
+                finish_reason=final.finish_reason,
+                stats=final.stats,
+            )
+        )
+
+    @grpc_errors
+    async def GenerateStream(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        async for chunk in self._coordinator.generate(request_from_pb(request)):
+            yield chunk_to_pb(chunk)

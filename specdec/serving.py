@@ -1,0 +1,140 @@
+"""gRPC server plumbing shared by the three services: options, health, reflection, shutdown,
+and the single model thread that every runner call goes through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def create_server(max_message_bytes: int) -> grpc.aio.Server:
+    return grpc.aio.server(options=message_size_options(max_message_bytes))
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
+    """Standard health service (starts NOT_SERVING) and reflection, so grpcurl can list/describe."""
+    names = list(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, service_names: Iterable[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"could not listen on {address}")
+    return bound
+
+
+class ModelThread:
+    """Runs runner calls one at a time on a dedicated thread, so the event loop keeps serving
+    health checks and cancellations while a forward pass runs, and runner state is only ever
+    touched from one thread."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def expire_sessions_periodically(model_thread: ModelThread, expire: Callable[[], int], every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        expired = await model_thread.run(expire)
+        if expired:
+            logger.info("expired %d idle sessions", expired)
+
+
+class RunningServer:
+    """A started server with what must be stopped along with it."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer: health.aio.HealthServicer,
+        service_names: list[str],
+        background: list[asyncio.Task] | None = None,
+        on_stop: Callable[[], Any] | None = None,
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.service_names = service_names
+        self._background = background or []
+        self._on_stop = on_stop
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await set_serving(self.health, self.service_names, False)
+        for task in self._background:
+            task.cancel()
+        await self.server.stop(grace_s)
+        if self._on_stop:
+            self._on_stop()
+
+    async def serve_until_signal(self, grace_s: float = 5.0) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
+        await stop.wait()
+        logger.info("shutting down: draining for up to %.1fs", grace_s)
+        await self.stop(grace_s)
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    background: list[Callable[[], Any]] = (),
+    on_stop: Callable[[], Any] | None = None,
+) -> RunningServer:
+    """Creates, binds and starts a server with health (SERVING once started) and reflection."""
+    server = create_server(max_message_bytes)
+    register(server)
+    health_servicer = add_health_and_reflection(server, service_names)
+    bound = bind(server, host, port)
+    await server.start()
+    await set_serving(health_servicer, service_names, True)
+    tasks = [asyncio.create_task(make()) for make in background]
+    return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop)

@@ -1,0 +1,102 @@
+"""Per-session token sequences with a KV cache that is cropped, never rebuilt, on rollback.
+
+Both model services keep one `KVSession` per generation. A call says how much of the
+session's sequence is still valid (`keep_tokens`) and which tokens follow; the session crops
+its cache to that prefix and hands back only the tokens the model has not seen yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+
+
+@dataclass
+class KVSession:
+    session_id: str
+    tokens: list[int] = field(default_factory=list)  # full sequence; may run ahead of the cache
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cache.get_seq_length()
+
+    def extend(self, keep_tokens: int, new_tokens: list[int]) -> list[int]:
+        """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run."""
+        if keep_tokens < 0 or keep_tokens > len(self.tokens):
+            raise InvalidArgument(
+                f"keep_tokens={keep_tokens} is outside the session's sequence of {len(self.tokens)} tokens; "
+                f"it must be in [0, {len(self.tokens)}]"
+            )
+        del self.tokens[keep_tokens:]
+        self.tokens.extend(new_tokens)
+        surplus = self.cached_tokens - keep_tokens
+        if surplus > 0:
+            # transformers 5 semantics: a negative argument removes that many tokens.
+            self.cache.crop(-surplus)
+        pending = self.tokens[self.cached_tokens :]
+        if not pending:
+            raise InvalidArgument(
+                "nothing to run: every kept token is already cached and no new tokens were sent; "
+                "send at least one new token"
+            )
+        self.last_used = time.monotonic()
+        return pending
+
+
+class SessionStore:
+    """Sessions by id with an idle TTL and a cap on how many are held.
+
+    Not thread-safe: a service touches it only from its single model thread.
+    """
+
+    def __init__(self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache] = DynamicCache) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._cache_factory = cache_factory
+        self._sessions: OrderedDict[str, KVSession] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, session_id: str, keep_tokens: int) -> KVSession:
+        """The session for a call: known ids are resumed; unknown ids start empty, which is
+        only valid when the call keeps nothing (keep_tokens == 0)."""
+        if not session_id:
+            raise InvalidArgument("session_id is empty; pass a unique id per generation")
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions.move_to_end(session_id)
+            return session
+        if keep_tokens > 0:
+            raise SessionNotFound(
+                f"session {session_id!r} is not held here (expired, evicted or the service restarted); "
+                "re-send the whole sequence with keep_tokens=0"
+            )
+        self.expire()
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"{len(self._sessions)} sessions are open, the configured maximum is {self.max_sessions}; "
+                "retry later or raise --max-sessions"
+            )
+        session = KVSession(session_id, cache=self._cache_factory())
+        self._sessions[session_id] = session
+        return session
+
+    def end(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def expire(self, now: float | None = None) -> int:
+        """Drops sessions idle longer than the TTL; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+        for sid in stale:
+            del self._sessions[sid]
+        return len(stale)

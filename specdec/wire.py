@@ -1,0 +1,130 @@
+"""Protobuf ↔ tensor conversion for proposal distributions, shared by servicers and coordinator.
+
+A proposal distribution travels in the smallest exact form: a marker for one-hot proposals,
+(id, prob) pairs for truncated ones and raw little-endian float32 for full ones. All three
+decode to the same float32 values the draft sampled from, so the residual is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.probs import SamplingParams
+from specdec.runner import ModelDescription
+from specdec.v1 import common_pb2
+
+# Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.
+_SPARSE_MAX_FRACTION = 0.5
+
+
+def encode_distribution(probs: torch.Tensor, deterministic: bool) -> common_pb2.ProposalDistribution:
+    """probs: [V] float32 on any device."""
+    if deterministic:
+        return common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())
+    probs = probs.detach().to("cpu", torch.float32)
+    nonzero = torch.nonzero(probs, as_tuple=True)[0]  # [nnz]
+    if nonzero.numel() <= _SPARSE_MAX_FRACTION * probs.numel():
+        return common_pb2.ProposalDistribution(
+            sparse=common_pb2.SparseProbs(token_ids=nonzero.tolist(), probs=probs[nonzero].tolist())
+        )
+    return common_pb2.ProposalDistribution(dense=encode_dense(probs))
+
+
+def encode_dense(probs: torch.Tensor) -> common_pb2.DenseProbs:
+    """probs: [V] → DenseProbs (little-endian float32)."""
+    return common_pb2.DenseProbs(float32_le=probs.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes())
+
+
+def decode_dense(dense: common_pb2.DenseProbs) -> np.ndarray:
+    """DenseProbs → [V] float32 (read-only view of the message bytes)."""
+    if len(dense.float32_le) % 4:
+        raise InvalidArgument(f"dense distribution has {len(dense.float32_le)} bytes; expected a multiple of 4")
+    return np.frombuffer(dense.float32_le, dtype="<f4")
+
+
+def decode_distributions(
+    distributions: list[common_pb2.ProposalDistribution],
+    token_ids: list[int],
+    vocab_size: int,
+) -> torch.Tensor:
+    """Draft distributions as a dense [K, vocab_size] float32 tensor over the target's vocab.
+
+    Mass the draft put on ids the target does not have is dropped: the target gives those
+    ids probability 0, so they are never accepted or recovered either way.
+    """
+    if len(distributions) != len(token_ids):
+        raise InvalidArgument(
+            f"got {len(token_ids)} draft tokens but {len(distributions)} distributions; one per token is required"
+        )
+    draft_probs = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32)  # [K, V]
+    for row, (dist, token_id) in enumerate(zip(distributions, token_ids)):
+        kind = dist.WhichOneof("kind")
+        if kind == "one_hot":
+            if 0 <= token_id < vocab_size:
+                draft_probs[row, token_id] = 1.0
+        elif kind == "sparse":
+            ids = np.asarray(dist.sparse.token_ids, dtype=np.int64)
+            values = np.asarray(dist.sparse.probs, dtype=np.float32)
+            if ids.shape != values.shape:
+                raise InvalidArgument(
+                    f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
+                )
+            inside = (ids >= 0) & (ids < vocab_size)
+            draft_probs[row, torch.from_numpy(ids[inside])] = torch.from_numpy(values[inside])
+        elif kind == "dense":
+            values = decode_dense(dist.dense)[:vocab_size]
+            draft_probs[row, : values.size] = torch.from_numpy(values.copy())
+        else:
+            raise InvalidArgument(f"distribution {row} is empty; set one_hot, sparse or dense")
+    if not torch.isfinite(draft_probs).all() or (draft_probs < 0).any():
+        raise InvalidArgument("draft distributions must hold finite, non-negative probabilities")
+    return draft_probs
+
+
+def token_probability(distribution: common_pb2.ProposalDistribution, token_id: int) -> float:
+    """The probability a proposal distribution gives `token_id`, without densifying it."""
+    kind = distribution.WhichOneof("kind")
+    if kind == "one_hot":
+        return 1.0
+    if kind == "sparse":
+        for candidate, prob in zip(distribution.sparse.token_ids, distribution.sparse.probs):
+            if candidate == token_id:
+                return float(prob)
+        return 0.0
+    if kind == "dense":
+        values = decode_dense(distribution.dense)
+        return float(values[token_id]) if 0 <= token_id < values.size else 0.0
+    raise InvalidArgument("proposal distribution is empty; set one_hot, sparse or dense")
+
+
+def params_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
+    """Validates internal sampling settings; the coordinator has already checked the request."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0; got {sampling.temperature}")
+    if sampling.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {sampling.top_k}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {sampling.top_p}")
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+
+def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+
+def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=description.model_id,
+        vocab_size=description.vocab_size,
+        tokenizer_fingerprint=description.tokenizer_fingerprint,
+        eos_token_ids=list(description.eos_token_ids),
+        max_context=description.max_context,
+        dtype=description.dtype,
+        device=description.device,
+        open_sessions=description.open_sessions,
+        max_speculative_tokens=description.max_speculative_tokens,
+    )

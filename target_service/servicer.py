@@ -1,0 +1,55 @@
+"""Target gRPC servicer: protobuf ↔ runner calls, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec import wire
+from specdec.errors import grpc_errors
+from specdec.serving import ModelThread
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.runner import TargetRunner
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, runner: TargetRunner, model_thread: ModelThread) -> None:
+        self._runner = runner
+        self._model_thread = model_thread
+
+    @grpc_errors
+    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
+        draft_token_ids = list(request.draft_token_ids)
+        draft_probs = wire.decode_distributions(
+            list(request.draft_distributions), draft_token_ids, self._runner.loaded.vocab_size
+        )
+        result = await self._model_thread.run(
+            self._runner.verify,
+            request.session_id,
+            request.keep_tokens,
+            list(request.new_tokens),
+            draft_token_ids,
+            draft_probs,
+            wire.params_from_pb(request.sampling),
+            request.seed,
+            request.return_distributions,
+        )
+        return target_pb2.VerifyResponse(
+            draft_token_target_probs=result.draft_token_target_probs,
+            recovered_token_ids=result.recovered_token_ids,
+            bonus_token_id=result.bonus_token_id,
+            target_distributions=[wire.encode_dense(row) for row in result.target_probs]
+            if result.target_probs is not None
+            else [],
+            processed_tokens=result.processed_tokens,
+            sequence_length=result.sequence_length,
+            compute_ms=result.compute_ms,
+        )
+
+    @grpc_errors
+    async def EndSession(self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+        existed = await self._model_thread.run(self._runner.end_session, request.session_id)
+        return common_pb2.EndSessionResponse(existed=existed)
+
+    @grpc_errors
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return wire.description_to_pb(await self._model_thread.run(self._runner.describe))

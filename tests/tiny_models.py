@@ -1,0 +1,103 @@
+"""Tiny model pairs the tests build themselves: transformers' Qwen2 classes with random
+weights, tokenizers built with the `tokenizers` library, saved with `save_pretrained` and
+loaded back by the services through their real `--model` path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+EOS = "<|endoftext|>"
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "for i in range(10):\n    print(i * i)\n",
+    "Résumé: naïve café — ünïcödé text, 東京 and emojis 🙂 too.",
+] * 20
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target: Path
+    draft: Path
+    vocab_size: int
+    eos_token_id: int | None
+
+
+def byte_level_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE like Qwen's: encodes any text, splits multi-byte characters."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+
+
+def word_tokenizer(num_words: int) -> PreTrainedTokenizerFast:
+    """Words w0..w{n-1}: a vocabulary small enough for exact distribution tests."""
+    vocab = {f"w{i}": i for i in range(num_words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0")
+
+
+def build_model(
+    folder: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int,
+    logit_scale: float,
+    eos_token_id: int | None,
+    base: Qwen2ForCausalLM | None = None,
+    noise: float = 0.0,
+    max_context: int = 512,
+    layers: int = 2,
+) -> Qwen2ForCausalLM:
+    """Random Qwen2; with `base`, a noisy copy of it (a draft that agrees often, not always).
+    `logit_scale` sets the logits' spread so distributions are peaked, not uniform."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_context,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        if base is not None:
+            model.load_state_dict(base.state_dict())
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * noise * (param.std() if param.numel() > 1 else 1.0))
+        else:
+            # Hidden states leave the final RMSNorm with unit scale, so logits get std ≈ logit_scale.
+            model.lm_head.weight.normal_(0.0, logit_scale / config.hidden_size**0.5)
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def build_pair(root: Path, tokenizer: PreTrainedTokenizerFast, *, logit_scale: float, noise: float, eos: bool, max_context: int = 512) -> TinyPair:
+    eos_token_id = tokenizer.convert_tokens_to_ids(EOS) if eos else None
+    target = build_model(root / "target", tokenizer, seed=0, logit_scale=logit_scale, eos_token_id=eos_token_id, max_context=max_context)
+    build_model(root / "draft", tokenizer, seed=1, logit_scale=1.0, eos_token_id=eos_token_id, base=target, noise=noise, max_context=max_context)
+    return TinyPair(root / "target", root / "draft", len(tokenizer), eos_token_id)
