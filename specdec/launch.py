@@ -1,0 +1,70 @@
+"""Starting the three services as separate local processes: for `make run`, the benchmark and
+the end-to-end tests. Deployments start them with their own process managers instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log: Path
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Blocks until the gRPC health service says SERVING; raises with the log if it exits."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log.read_text()[-4000:]}")
+                try:
+                    response = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> ServiceProcess:
+    """`python -m module args --port port`, output to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    full_env.update(env or {})
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args, "--port", str(port)],
+        cwd=cwd, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )
+    return ServiceProcess(name, f"127.0.0.1:{port}", process, log)

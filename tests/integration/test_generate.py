@@ -1,0 +1,210 @@
+"""Generate and GenerateStream through real gRPC servers (in process, port 0) on tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.v1 import coordinator_pb2 as pb
+from tests.stack import inprocess_stack
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    "SELECT name, count(*) FROM",
+    "Speculative decoding drafts tokens",
+    "for i in range(10):\n",
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(tiny_pair):
+    async with inprocess_stack(tiny_pair) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """Plain transformers greedy decoding with the target in float32: the ground truth."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+
+    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    return generate
+
+
+async def generate(stack, **fields) -> pb.GenerateResponse:
+    return await stack.stub.Generate(pb.GenerateRequest(**fields), timeout=60)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_is_token_identical_to_target_alone_and_to_transformers(stack, reference, prompt):
+    expected = reference(prompt, 40)
+    target_only = await generate(stack, prompt=prompt, max_new_tokens=40, num_speculative_tokens=0)
+    assert list(target_only.token_ids) == expected
+    assert target_only.stats.proposed_tokens == 0
+    for k in (1, 2, 3, 5, 8):
+        speculative = await generate(stack, prompt=prompt, max_new_tokens=40, num_speculative_tokens=k)
+        assert list(speculative.token_ids) == expected, f"K={k} diverged from the target's greedy output"
+        assert speculative.text == target_only.text
+
+
+async def test_speculation_accepts_tokens_and_reports_stats(stack):
+    response = await generate(stack, prompt=PROMPTS[0], max_new_tokens=48, num_speculative_tokens=4)
+    stats = response.stats
+    assert stats.generated_tokens == len(response.token_ids)
+    assert stats.accepted_tokens > 0, "the noisy-copy draft should agree with the target sometimes"
+    assert stats.rounds < stats.generated_tokens, "speculation should commit more than one token per round"
+    assert stats.recovered_tokens + stats.bonus_tokens == stats.rounds
+    assert stats.accepted_tokens + stats.rounds >= stats.generated_tokens
+    assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.proposed_tokens)
+    assert stats.total_ms >= stats.time_to_first_token_ms > 0
+    assert stats.prompt_tokens > 0 and stats.tokens_per_second > 0
+    assert response.finish_reason in ("length", "eos")
+
+
+async def test_target_runs_each_token_once(stack):
+    """The committed prefix is never recomputed: the target runs the prompt once, then only
+    each round's new token and draft tokens."""
+    before = stack.target_runner.processed_tokens_total
+    response = await generate(stack, prompt=PROMPTS[1], max_new_tokens=30, num_speculative_tokens=3)
+    processed = stack.target_runner.processed_tokens_total - before
+    stats = response.stats
+    assert processed == stats.prompt_tokens + stats.proposed_tokens + (stats.rounds - 1)
+
+
+async def test_stream_matches_unary(stack):
+    request = dict(prompt=PROMPTS[2], max_new_tokens=32, num_speculative_tokens=3)
+    unary = await generate(stack, **request)
+    chunks = [chunk async for chunk in stack.stub.GenerateStream(pb.GenerateRequest(**request), timeout=60)]
+    assert len(chunks) > 1
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert all(not c.finish_reason for c in chunks[:-1])
+    assert chunks[-1].finish_reason == unary.finish_reason and chunks[-1].stats.rounds == unary.stats.rounds
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+async def test_max_new_tokens_is_exact_even_when_a_round_accepts_several(stack, k):
+    for max_new_tokens in (1, 2, 5, 7):
+        response = await generate(stack, prompt=PROMPTS[4], max_new_tokens=max_new_tokens, num_speculative_tokens=k)
+        assert len(response.token_ids) == max_new_tokens or response.finish_reason == "eos"
+
+
+async def test_stop_string_ends_generation_before_it(stack, reference):
+    full = await generate(stack, prompt=PROMPTS[3], max_new_tokens=40, num_speculative_tokens=4)
+    text = full.text
+    assert len(text) > 12
+    stop = text[8:11]
+    first = text.find(stop)
+    for streamed in (False, True):
+        request = pb.GenerateRequest(prompt=PROMPTS[3], max_new_tokens=40, num_speculative_tokens=4, stop=[stop, "never-seen"])
+        if streamed:
+            chunks = [c async for c in stack.stub.GenerateStream(request, timeout=60)]
+            out_text = "".join(c.text for c in chunks)
+            finish = chunks[-1].finish_reason
+            assert all(stop not in "".join(c.text for c in chunks[: i + 1]) for i in range(len(chunks)))
+        else:
+            response = await stack.stub.Generate(request, timeout=60)
+            out_text, finish = response.text, response.finish_reason
+        assert finish == "stop"
+        assert out_text == text[:first]
+
+
+async def test_same_seed_same_output_and_sampling_varies(stack):
+    request = dict(prompt=PROMPTS[0], max_new_tokens=24, temperature=0.9, top_p=0.95, num_speculative_tokens=3)
+    first = await generate(stack, seed=42, **request)
+    second = await generate(stack, seed=42, **request)
+    assert list(first.token_ids) == list(second.token_ids)
+    others = {tuple((await generate(stack, seed=seed, **request)).token_ids) for seed in range(5)}
+    assert len(others) > 1
+
+
+async def test_sessions_are_freed_after_each_request(stack):
+    await generate(stack, prompt=PROMPTS[0], max_new_tokens=8, num_speculative_tokens=2)
+    for _ in range(50):
+        if len(stack.draft_runner.sessions) == 0 and len(stack.target_runner.sessions) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert len(stack.draft_runner.sessions) == 0 and len(stack.target_runner.sessions) == 0
+
+
+async def test_client_cancel_frees_sessions(stack):
+    call = stack.stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=2))
+    await call.read()
+    call.cancel()
+    for _ in range(100):
+        if len(stack.draft_runner.sessions) == 0 and len(stack.target_runner.sessions) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert len(stack.draft_runner.sessions) == 0 and len(stack.target_runner.sessions) == 0
+
+
+async def test_lost_sessions_are_reprefilled_without_changing_output(stack, reference):
+    """A service that forgets a session mid-generation (eviction, restart) answers NOT_FOUND;
+    the coordinator re-sends the sequence and the greedy output is unchanged."""
+    prompt = PROMPTS[0]
+    expected = reference(prompt, 40)
+    tokens, reprefills = [], 0
+    call = stack.stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=60)
+    index = 0
+    async for chunk in call:
+        tokens.extend(chunk.token_ids)
+        if index in (1, 3):  # forget both sessions twice during the generation
+            for runner in (stack.draft_runner, stack.target_runner):
+                for session_id in list(runner.sessions._sessions):
+                    runner.end_session(session_id)
+        if chunk.finish_reason:
+            reprefills = chunk.stats.reprefills
+        index += 1
+    assert tokens == expected
+    assert reprefills >= 2
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+BAD_REQUESTS = {
+    "empty prompt": (dict(prompt=""), "prompt is empty"),
+    "both prompt and ids": (dict(prompt="hi", prompt_token_ids=[1, 2]), "exactly one of prompt and prompt_token_ids"),
+    "token id beyond vocab": (dict(prompt_token_ids=[1, 320]), r"outside the vocabulary; ids must be in \[0, 320\)"),
+    "negative token id": (dict(prompt_token_ids=[-1]), "outside the vocabulary"),
+    "negative temperature": (dict(prompt="hi", temperature=-0.5), "temperature must be a finite number >= 0"),
+    "nan temperature": (dict(prompt="hi", temperature=float("nan")), "temperature must be a finite number"),
+    "top_p zero": (dict(prompt="hi", top_p=0.0), r"top_p must be in \(0, 1\]"),
+    "top_p above one": (dict(prompt="hi", top_p=1.5), r"top_p must be in \(0, 1\]"),
+    "negative top_k": (dict(prompt="hi", top_k=-3), "top_k must be >= 0"),
+    "zero max_new_tokens": (dict(prompt="hi", max_new_tokens=0), r"max_new_tokens must be in \[1, 2048\]"),
+    "huge max_new_tokens": (dict(prompt="hi", max_new_tokens=100_000), r"max_new_tokens must be in \[1, 2048\]"),
+    "prompt longer than context": (dict(prompt_token_ids=[5] * 256), "the model's context is 256"),
+    "K above maximum": (dict(prompt="hi", num_speculative_tokens=9), r"num_speculative_tokens must be in \[0, 8\]"),
+    "negative K": (dict(prompt="hi", num_speculative_tokens=-1), r"num_speculative_tokens must be in \[0, 8\]"),
+    "empty stop string": (dict(prompt="hi", stop=[""]), "stop strings must have 1 to 256 characters"),
+    "too many stop strings": (dict(prompt="hi", stop=["x"] * 17), "at most 16 are accepted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+async def test_bad_request_is_invalid_argument_and_service_keeps_serving(stack, case):
+    fields, message = BAD_REQUESTS[case]
+    for streamed in (False, True):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            if streamed:
+                async for _ in stack.stub.GenerateStream(pb.GenerateRequest(**fields), timeout=30):
+                    pass
+            else:
+                await stack.stub.Generate(pb.GenerateRequest(**fields), timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() and re.search(message, error.value.details()), error.value.details()
+    ok = await generate(stack, prompt="hi", max_new_tokens=2)
+    assert len(ok.token_ids) >= 1

@@ -1,0 +1,73 @@
+"""Real grpc.aio draft, target and coordinator servers on loopback port 0, in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator import server as coordinator_server
+from coordinator.config import CoordinatorConfig
+from draft_service import server as draft_server
+from draft_service.config import DraftConfig
+from draft_service.runner import DraftRunner
+from specdec.serving import RunningServer
+from specdec.v1 import coordinator_pb2_grpc
+from target_service import server as target_server
+from target_service.config import TargetConfig
+from target_service.runner import TargetRunner
+from tests.tiny_models import TinyPair
+
+
+def model_service_config(cls, model, **overrides):
+    base = dict(
+        model=str(model), dtype="float32", device="cpu", host="127.0.0.1", port=0, threads=0,
+        max_sessions=64, session_ttl_s=60.0, max_speculative_tokens=16,
+        max_message_bytes=64 * 1024 * 1024, log_level="INFO",
+    )
+    base.update(overrides)
+    return cls(**base)
+
+
+@dataclass
+class Stack:
+    stub: coordinator_pb2_grpc.CoordinatorStub
+    channel: grpc.aio.Channel
+    draft: RunningServer
+    target: RunningServer
+    coordinator: RunningServer
+    draft_runner: DraftRunner
+    target_runner: TargetRunner
+    coordinator_config: CoordinatorConfig
+
+
+@asynccontextmanager
+async def inprocess_stack(pair: TinyPair, draft_overrides: dict | None = None, coordinator_overrides: dict | None = None) -> AsyncIterator[Stack]:
+    draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
+    target_config = model_service_config(TargetConfig, pair.target)
+    draft_runner = draft_server.load_runner(draft_config)
+    target_runner = target_server.load_runner(target_config)
+    draft = await draft_server.build_server(draft_config, draft_runner)
+    target = await target_server.build_server(target_config, target_runner)
+    coordinator_config = CoordinatorConfig(
+        draft_address=f"127.0.0.1:{draft.port}",
+        target_address=f"127.0.0.1:{target.port}",
+        tokenizer=str(pair.target),
+        port=0,
+        connect_timeout_s=10.0,
+    )
+    coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))
+    coordinator = await coordinator_server.build_server(coordinator_config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.port}")
+    try:
+        yield Stack(
+            coordinator_pb2_grpc.CoordinatorStub(channel), channel, draft, target, coordinator,
+            draft_runner, target_runner, coordinator_config,
+        )
+    finally:
+        await channel.close()
+        for running in (coordinator, draft, target):
+            await running.stop(0)
