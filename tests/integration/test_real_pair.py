@@ -1,0 +1,70 @@
+"""The real Qwen2.5-Coder pair, when `make models` has prepared it (skipped otherwise, as in CI).
+
+float32 target, as the exactness promise is stated for float32: greedy speculative output is
+token-identical to the target alone and to transformers' own `generate`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.launch import free_port, spawn
+from specdec.real_models import DRAFT, TARGET
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS_DIR", ROOT / ".cache/models"))
+READY = all((MODELS_DIR / m.name / "specdec-ready").exists() for m in (DRAFT, TARGET))
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not READY, reason=f"real pair not prepared in {MODELS_DIR} (make models)")]
+
+PROMPTS = [
+    "<|im_start|>user\nWrite a Python function that reverses a linked list.<|im_end|>\n<|im_start|>assistant\n",
+    "def quicksort(items):\n",
+]
+NEW_TOKENS = 24
+
+
+def test_real_pair_greedy_is_exact(tmp_path):
+    target_dir, draft_dir = MODELS_DIR / TARGET.name, MODELS_DIR / DRAFT.name
+    env = {"OMP_NUM_THREADS": "2"}
+    draft = spawn("draft", "draft_service", ["--model", str(draft_dir), "--dtype", "bfloat16", "--threads", "2"], free_port(), tmp_path / "draft.log", env, ROOT)
+    target = spawn("target", "target_service", ["--model", str(target_dir), "--dtype", "float32", "--threads", "2"], free_port(), tmp_path / "target.log", env, ROOT)
+    services = [draft, target]
+    try:
+        draft.wait_healthy(600)
+        target.wait_healthy(600)
+        coordinator = spawn(
+            "coordinator", "coordinator",
+            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(target_dir)],
+            free_port(), tmp_path / "coordinator.log", {}, ROOT,
+        )
+        services.append(coordinator)
+        coordinator.wait_healthy(120)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            outputs = {
+                (prompt, k): stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=k), timeout=600)
+                for prompt in PROMPTS
+                for k in (0, 4)
+            }
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert list(outputs[prompt, 0].token_ids) == expected
+        assert list(outputs[prompt, 4].token_ids) == expected
+        assert outputs[prompt, 4].stats.accepted_tokens > 0
