@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from transformers import AutoTokenizer
 
 from coordinator.clients import DraftClient, TargetClient, check_pair
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer
-from specdec.errors import SpecDecError
 from specdec.modeling import tokenizer_fingerprint
-from specdec.serving import RunningServer, configure_logging, start_server
+from specdec.serving import RunningServer, serve_forever, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -66,17 +64,6 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     )
 
 
-async def serve(config: CoordinatorConfig) -> None:
-    configure_logging(config.log_level)
-    try:
-        running = await build_server(config)
-    except SpecDecError as exc:
-        logger.error("cannot start: %s", exc)
-        sys.exit(2)
-    await running.serve_until_signal()
-
-
 def main(argv: list[str] | None = None) -> None:
-    from coordinator.config import parse_config
-
-    asyncio.run(serve(parse_config(argv)))
+    config = parse_config(argv)
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level))

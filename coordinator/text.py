@@ -28,6 +28,10 @@ class Delta:
 
 
 class TextAssembler:
+    """Incremental detokenisation as in TGI: each token decodes only a short window
+    (`prefix_offset`..end) and is compared with the window's previous text, so the cost per
+    token stays constant however long the output grows."""
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
@@ -37,10 +41,13 @@ class TextAssembler:
         max_new_tokens: int,
     ) -> None:
         self._tokenizer = tokenizer
-        self._context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._context_text = self._decode(self._context)
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids = context  # prompt context + generated tokens
+        self._prefix_offset = 0
+        self._read_offset = len(context)
         self._eos = eos_token_ids
         self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
         self._max_new_tokens = max_new_tokens
         self.token_ids: list[int] = []
         self.text = ""  # final text so far (stop string excluded)
@@ -51,48 +58,60 @@ class TextAssembler:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def _decode_new(self, flush: bool = False) -> str:
+        """Text the tokens since `read_offset` add; "" while they end inside a UTF-8 character."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if len(window_text) > len(prefix_text) and (flush or not window_text.endswith("\ufffd")):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return window_text[len(prefix_text) :]
+        return ""
+
     def push(self, token_id: int) -> bool:
         """Adds one committed token; returns True once the generation has finished."""
         if self.finish_reason is not None:
             raise RuntimeError("push after finish")
         self.token_ids.append(token_id)
+        self._ids.append(token_id)
         if token_id in self._eos:
-            self.finish_reason = FINISH_EOS
+            self.finish(FINISH_EOS)
             return True
-        full = self._decode(self._context + self.token_ids)
-        self.text = full[len(self._context_text) :] if full.startswith(self._context_text) else self._decode(self.token_ids)
-        if self._stop:
-            cut = self._first_stop()
+        new_text = self._decode_new()
+        if new_text and self._stop:
+            search_from = max(0, len(self.text) - self._longest_stop + 1)
+            self.text += new_text
+            cut = self._first_stop(search_from)
             if cut is not None:
                 self.text = self.text[:cut]
                 self.finish_reason = FINISH_STOP
                 return True
+        else:
+            self.text += new_text
         if len(self.token_ids) >= self._max_new_tokens:
-            self.finish_reason = FINISH_LENGTH
+            self.finish(FINISH_LENGTH)
             return True
         return False
 
     def finish(self, reason: str) -> None:
-        """Ends the generation for a reason found outside the tokens (e.g. the context is full)."""
-        self.finish_reason = self.finish_reason or reason
+        """Ends the generation (for a reason found outside the tokens, e.g. a full context),
+        flushing any trailing partial character as the tokenizer renders it."""
+        if self.finish_reason is None:
+            self.text += self._decode_new(flush=True)
+            self.finish_reason = reason
 
-    def _first_stop(self) -> int | None:
-        positions = [i for i in (self.text.find(s) for s in self._stop) if i >= 0]
+    def _first_stop(self, search_from: int) -> int | None:
+        positions = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
         return min(positions) if positions else None
 
     def _held_back(self) -> int:
-        """Characters at the end of the text that must not be streamed yet."""
+        """Characters at the end of the text that could still grow into a stop string."""
         if self.finish_reason is not None:
             return 0
-        held = 0
-        if self.text.endswith("\ufffd"):  # a multi-byte character split across tokens
-            held = len(self.text) - len(self.text.rstrip("\ufffd"))
-        for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:size]):
-                    held = max(held, size)
-                    break
-        return held
+        for size in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-size:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return size
+        return 0
 
     def take_delta(self) -> Delta:
         """Tokens and text not handed out yet (everything, once finished)."""

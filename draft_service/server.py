@@ -7,11 +7,11 @@ import logging
 
 import torch
 
-from draft_service.config import DraftConfig
+from draft_service.config import DraftConfig, parse_config
 from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from specdec.modeling import load_causal_lm
-from specdec.serving import ModelThread, RunningServer, configure_logging, expire_sessions_periodically, start_server
+from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -34,27 +34,11 @@ def load_runner(config: DraftConfig) -> DraftRunner:
 
 async def build_server(config: DraftConfig, runner: DraftRunner | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
-    runner = runner or load_runner(config)
-    model_thread = ModelThread("draft-model")
-    servicer = DraftServicer(runner, model_thread)
-    return await start_server(
-        lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),
-        [SERVICE_NAME],
-        config.host,
-        config.port,
-        config.max_message_bytes,
-        background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
-        on_stop=model_thread.shutdown,
+    return await start_model_server(
+        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME
     )
 
 
-async def serve(config: DraftConfig) -> None:
-    configure_logging(config.log_level)
-    running = await build_server(config)
-    await running.serve_until_signal()
-
-
 def main(argv: list[str] | None = None) -> None:
-    from draft_service.config import parse_config
-
-    asyncio.run(serve(parse_config(argv)))
+    config = parse_config(argv)
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level))

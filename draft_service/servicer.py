@@ -7,11 +7,12 @@ import grpc
 from draft_service.runner import DraftRunner
 from specdec import wire
 from specdec.errors import grpc_errors
+from specdec.servicer_base import SessionServicerMixin
 from specdec.serving import ModelThread
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
-class DraftServicer(draft_pb2_grpc.DraftServicer):
+class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
     def __init__(self, runner: DraftRunner, model_thread: ModelThread) -> None:
         self._runner = runner
         self._model_thread = model_thread
@@ -34,12 +35,3 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             sequence_length=proposal.sequence_length,
             compute_ms=proposal.compute_ms,
         )
-
-    @grpc_errors
-    async def EndSession(self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
-        existed = await self._model_thread.run(self._runner.end_session, request.session_id)
-        return common_pb2.EndSessionResponse(existed=existed)
-
-    @grpc_errors
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return wire.description_to_pb(await self._model_thread.run(self._runner.describe))

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -36,6 +37,10 @@ def load_causal_lm(model_id: str, dtype: str, device: str, device_map: str | Non
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    # Hub ids are "name" or "org/name"; anything else path-like must be an existing folder.
+    looks_like_path = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
+    if looks_like_path and not Path(model_id).expanduser().is_dir():
+        raise ValueError(f"model folder {model_id!r} does not exist (pass a folder with config.json, or a hub id)")
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": False}
     if device_map:

@@ -138,3 +138,40 @@ async def start_server(
     await set_serving(health_servicer, service_names, True)
     tasks = [asyncio.create_task(make()) for make in background]
     return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop)
+
+
+async def start_model_server(
+    config,  # a specdec.config.ModelServiceConfig
+    runner,  # a specdec.runner.ModelRunner
+    make_servicer: Callable[[Any, ModelThread], Any],
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+) -> RunningServer:
+    """What the draft and target servers share: one model thread, the servicer, health and
+    reflection, and periodic expiry of idle sessions."""
+    model_thread = ModelThread(f"{service_name.rsplit('.', 1)[-1].lower()}-model")
+    servicer = make_servicer(runner, model_thread)
+    return await start_server(
+        lambda server: add_servicer(servicer, server),
+        [service_name],
+        config.host,
+        config.port,
+        config.max_message_bytes,
+        background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
+        on_stop=model_thread.shutdown,
+    )
+
+
+async def serve_forever(build: Callable[[], Any], log_level: str) -> None:
+    """Configures logging, builds the server and serves until SIGTERM/SIGINT. A start-up
+    failure (model not found, services unreachable, mismatched pair) exits with status 2 and
+    a one-line reason instead of a traceback."""
+    from specdec.errors import SpecDecError
+
+    configure_logging(log_level)
+    try:
+        running = await build()
+    except (SpecDecError, OSError, ValueError) as exc:
+        logger.error("cannot start: %s", exc)
+        raise SystemExit(2) from None
+    await running.serve_until_signal()

@@ -7,11 +7,11 @@ import logging
 
 import torch
 
-from target_service.config import TargetConfig
+from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
 from specdec.modeling import load_causal_lm
-from specdec.serving import ModelThread, RunningServer, configure_logging, expire_sessions_periodically, start_server
+from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,27 +32,11 @@ def load_runner(config: TargetConfig) -> TargetRunner:
 
 async def build_server(config: TargetConfig, runner: TargetRunner | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
-    runner = runner or load_runner(config)
-    model_thread = ModelThread("target-model")
-    servicer = TargetServicer(runner, model_thread)
-    return await start_server(
-        lambda server: target_pb2_grpc.add_TargetServicer_to_server(servicer, server),
-        [SERVICE_NAME],
-        config.host,
-        config.port,
-        config.max_message_bytes,
-        background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
-        on_stop=model_thread.shutdown,
+    return await start_model_server(
+        config, runner or load_runner(config), TargetServicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME
     )
 
 
-async def serve(config: TargetConfig) -> None:
-    configure_logging(config.log_level)
-    running = await build_server(config)
-    await running.serve_until_signal()
-
-
 def main(argv: list[str] | None = None) -> None:
-    from target_service.config import parse_config
-
-    asyncio.run(serve(parse_config(argv)))
+    config = parse_config(argv)
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level))

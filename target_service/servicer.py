@@ -6,12 +6,13 @@ import grpc
 
 from specdec import wire
 from specdec.errors import grpc_errors
+from specdec.servicer_base import SessionServicerMixin
 from specdec.serving import ModelThread
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner
 
 
-class TargetServicer(target_pb2_grpc.TargetServicer):
+class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
     def __init__(self, runner: TargetRunner, model_thread: ModelThread) -> None:
         self._runner = runner
         self._model_thread = model_thread
@@ -44,12 +45,3 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             sequence_length=result.sequence_length,
             compute_ms=result.compute_ms,
         )
-
-    @grpc_errors
-    async def EndSession(self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
-        existed = await self._model_thread.run(self._runner.end_session, request.session_id)
-        return common_pb2.EndSessionResponse(existed=existed)
-
-    @grpc_errors
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return wire.description_to_pb(await self._model_thread.run(self._runner.describe))

@@ -1,0 +1,60 @@
+"""Committed tokens → text: partial UTF-8, stop strings across tokens, EOS and length."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.text import TextAssembler
+from tests.tiny_models import byte_level_tokenizer
+
+TEXT = "Résumé: naïve café — 東京 🙂 and SELECT name FROM users;"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+def feed(tokenizer, ids, stop=(), max_new_tokens=1000, eos=frozenset()):
+    assembler = TextAssembler(tokenizer, tokenizer.encode("Prompt:"), set(eos), tuple(stop), max_new_tokens)
+    deltas = []
+    for token in ids:
+        done = assembler.push(token)
+        deltas.append(assembler.take_delta())
+        if done:
+            break
+    return assembler, deltas
+
+
+def test_streamed_text_equals_full_decode_and_never_splits_a_character(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT.split()), "the byte-level tokenizer should split multi-byte characters"
+    assembler, deltas = feed(tokenizer, ids)
+    assembler.finish("length")
+    tail = assembler.take_delta()
+    assert "".join(d.text for d in deltas) + tail.text == TEXT
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == ids
+
+
+def test_stop_string_across_tokens_cuts_text_and_is_never_streamed(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assembler, deltas = feed(tokenizer, ids, stop=("café —", "zzz"))
+    assert assembler.finish_reason == "stop"
+    assert assembler.text == "Résumé: naïve "
+    streamed = "".join(d.text for d in deltas)
+    assert streamed == "Résumé: naïve "
+    assert all("caf" not in "".join(d.text for d in deltas[: i + 1]) for i in range(len(deltas)))
+    # The generation ended at the token completing the stop string: nothing after it.
+    assert len(assembler.token_ids) < len(ids)
+
+
+def test_max_new_tokens_and_eos(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assembler, _ = feed(tokenizer, ids, max_new_tokens=3)
+    assert assembler.finish_reason == "length" and len(assembler.token_ids) == 3
+    eos = tokenizer.eos_token_id
+    assembler, deltas = feed(tokenizer, ids[:4] + [eos] + ids[4:], eos={eos})
+    assert assembler.finish_reason == "eos"
+    assert assembler.token_ids == ids[:4] + [eos]
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids[:4])
