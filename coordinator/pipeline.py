@@ -188,12 +188,16 @@ class Coordinator:
                 round_ = _Round()
                 if k:
                     proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
+                    _check_reply(self.draft.address, "token_ids", len(proposal.token_ids), k)
+                    _check_reply(self.draft.address, "distributions", len(proposal.distributions), k)
                     round_ = _Round(
                         list(proposal.token_ids),
                         [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
                         list(proposal.distributions),
                     )
                 verification = await self._verify(target_view, sequence, round_, sampling, target_seed, stats)
+                _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), k)
+                _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), k)
                 outcome = decide_round(
                     verification.draft_token_target_probs,
                     round_.draft_token_draft_probs,
@@ -279,3 +283,9 @@ class Coordinator:
                 task = asyncio.get_running_loop().create_task(client.end_session(view.session_id))
                 self._cleanup.add(task)
                 task.add_done_callback(self._cleanup.discard)
+
+
+def _check_reply(address: str, field_name: str, got: int, expected: int) -> None:
+    """A node that answers with the wrong shape fails the request; it never corrupts output."""
+    if got != expected:
+        raise SpecDecError(f"service at {address} returned {got} {field_name} for K={expected}; the reply is malformed")

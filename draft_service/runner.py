@@ -72,9 +72,10 @@ class DraftRunner(ModelRunner):
             processed += len(feed)
             if deterministic:
                 probs = one_hot_argmax(logits)  # [V]
+                token = int(logits.argmax())
             else:
                 probs = truncate_top_k(logits_to_probs(logits, params), self.proposal_top_k)  # [V]
-            token = int(sample(probs[None], generator)[0])
+                token = int(sample(probs[None], generator)[0])
             token_ids.append(token)
             rows.append(probs)
             session.tokens.append(token)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.probs import SamplingParams, logits_to_probs, verify_outputs
+from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
 from specdec.runner import ModelRunner, Stopwatch
 
 
@@ -55,14 +55,16 @@ class TargetRunner(ModelRunner):
         # One pass over every unseen token; only the K + 1 positions that predict a draft
         # token or the bonus token need the (vocab-wide) output head.
         logits = self.forward(session, pending, logits_to_keep=num_draft + 1)  # [K + 1, V]
-        target_probs = logits_to_probs(logits, params).cpu()  # [K + 1, V]
-        generator = torch.Generator().manual_seed(seed)
-        outputs = verify_outputs(
-            target_probs,
-            draft_probs,
-            torch.tensor(draft_token_ids, dtype=torch.int64),
-            generator,
-        )
+        draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64)  # [K]
+        if params.greedy and not return_distributions:
+            # The one-hot special case of verify_outputs, without building or sampling one-hots:
+            # every residual of a one-hot target is one-hot at the same argmax.
+            argmax = logits.argmax(dim=-1).cpu()  # [K + 1]
+            outputs = VerifyOutputs((draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft]))
+            target_probs = None
+        else:
+            target_probs = logits_to_probs(logits, params).cpu()  # [K + 1, V]
+            outputs = verify_outputs(target_probs, draft_probs, draft_ids, torch.Generator().manual_seed(seed))
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
             recovered_token_ids=outputs.recovered_token_ids.tolist(),

@@ -77,8 +77,8 @@ def test_reflection_lists_services(processes):
         assert {service, "grpc.health.v1.Health"} <= names
 
 
-def test_unreachable_draft_gives_unavailable_naming_it(processes):
-    """Runs last in this module: it stops the draft process."""
+def test_unreachable_services_give_unavailable_naming_them(processes):
+    """Runs last among the tests on `processes`: it stops the draft, then the target."""
     processes["draft"].stop()
     with grpc.insecure_channel(processes["coordinator"].address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -91,6 +91,11 @@ def test_unreachable_draft_gives_unavailable_naming_it(processes):
         # Target-only requests do not need the draft and keep working.
         response = stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=4, num_speculative_tokens=0), timeout=30)
         assert len(response.token_ids) >= 1
+        processes["target"].stop()
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=4, num_speculative_tokens=0), timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert processes["target"].address in error.value.details()
 
 
 def test_coordinator_refuses_pair_with_different_tokenizers(tiny_pair, tmp_path):

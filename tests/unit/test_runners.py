@@ -125,3 +125,18 @@ def test_idle_sessions_expire(tiny_pair):
     runner.verify("idle", 0, [1, 2], [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
     assert runner.expire_sessions() == 1
     assert runner.describe().open_sessions == 0
+
+
+def test_greedy_fast_path_equals_generic_one_hot_path(target_runner):
+    """Greedy verify skips building one-hot distributions; asking for the distributions forces
+    the generic path, and both must agree for every kind of draft distribution."""
+    vocab = target_runner.loaded.vocab_size
+    prompt, drafts = [5, 6, 7, 8, 9], [10, 11, 12]
+    for draft_probs in (torch.zeros(3, vocab).scatter_(1, torch.tensor([[10], [11], [12]]), 1.0), torch.full((3, vocab), 1.0 / vocab)):
+        fast = target_runner.verify("fast", 0, prompt, drafts, draft_probs, GREEDY, 1)
+        generic = target_runner.verify("generic", 0, prompt, drafts, draft_probs, GREEDY, 2, True)
+        assert fast.recovered_token_ids == generic.recovered_token_ids
+        assert fast.bonus_token_id == generic.bonus_token_id
+        assert fast.draft_token_target_probs == generic.draft_token_target_probs
+        target_runner.end_session("fast")
+        target_runner.end_session("generic")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from coordinator.sampling import count_accepted, decide_round
-from specdec.probs import SamplingParams, logits_to_probs, residual_probs, truncate_top_k, verify_outputs
+from specdec.probs import SamplingParams, logits_to_probs, residual_probs, sample, truncate_top_k, verify_outputs
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
 # --- logits processing -------------------------------------------------------------------
@@ -202,3 +203,13 @@ def test_greedy_target_always_gives_target_argmax_path():
         expected_path.append(prev)
     samples = _speculative_sample(_one_hot_rows(TARGET_ROWS), DRAFT_ROWS, seed=7, trials=300)
     assert set(samples) == {tuple(expected_path)}
+
+
+def test_sample_draws_in_proportion_and_never_draws_zero_mass():
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]])  # unnormalised on purpose
+    draws = sample(weights.repeat(50_000, 1), generator)
+    counts = torch.bincount(draws, minlength=6).tolist()
+    assert counts[0] == counts[2] == counts[5] == 0
+    p_value = stats.chisquare(counts[1:2] + counts[3:5], [10_000, 25_000, 15_000]).pvalue
+    assert p_value > P_VALUE_FLOOR

@@ -1,0 +1,38 @@
+"""Each service's frozen config: flags over environment variables over defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator.config import parse_config as coordinator_config
+from draft_service.config import parse_config as draft_config
+from target_service.config import parse_config as target_config
+
+
+def test_environment_sets_defaults_and_flags_win():
+    env = {"SPECDEC_DRAFT_MODEL": "/models/draft", "SPECDEC_DRAFT_PORT": "6000", "SPECDEC_DRAFT_DTYPE": "bfloat16"}
+    config = draft_config(["--port", "7000"], env)
+    assert (config.model, config.port, config.dtype) == ("/models/draft", 7000, "bfloat16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+
+
+def test_target_device_map_and_defaults():
+    config = target_config(["--model", "m", "--device-map", "auto"], {})
+    assert config.device_map == "auto" and config.device == "cpu" and config.dtype == "float32"
+    assert target_config(["--model", "m"], {}).device_map is None
+
+
+def test_malformed_environment_value_is_a_clear_start_up_error():
+    with pytest.raises(SystemExit, match="SPECDEC_TARGET_PORT='abc' is invalid"):
+        target_config(["--model", "m"], {"SPECDEC_TARGET_PORT": "abc"})
+
+
+def test_required_settings_are_named(capsys):
+    with pytest.raises(SystemExit):
+        coordinator_config(["--draft", "a:1", "--target", "b:2"], {})
+    assert "--tokenizer is required" in capsys.readouterr().err
+    config = coordinator_config([], {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"})
+    assert (config.draft_address, config.target_address, config.default_num_speculative_tokens) == ("a:1", "b:2", 4)
