@@ -17,8 +17,10 @@ class GenerationStats:
     bonus_tokens: int = 0
     generated_tokens: int = 0
     reprefills: int = 0
-    draft_ms: float = 0.0
-    target_ms: float = 0.0
+    draft_ms: float = 0.0  # waiting on Propose calls
+    target_ms: float = 0.0  # waiting on Verify calls
+    draft_compute_ms: float = 0.0  # model work inside the draft service
+    target_compute_ms: float = 0.0
     time_to_first_token_ms: float = 0.0
     total_ms: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)  # index i: rounds accepting draft i

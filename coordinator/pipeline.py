@@ -190,6 +190,7 @@ class Coordinator:
                     proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
                     _check_reply(self.draft.address, "token_ids", len(proposal.token_ids), k)
                     _check_reply(self.draft.address, "distributions", len(proposal.distributions), k)
+                    stats.draft_compute_ms += proposal.compute_ms
                     round_ = _Round(
                         list(proposal.token_ids),
                         [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
@@ -198,6 +199,7 @@ class Coordinator:
                 verification = await self._verify(target_view, sequence, round_, sampling, target_seed, stats)
                 _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), k)
                 _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), k)
+                stats.target_compute_ms += verification.compute_ms
                 outcome = decide_round(
                     verification.draft_token_target_probs,
                     round_.draft_token_draft_probs,

@@ -46,6 +46,9 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         target_ms=stats.target_ms,
         reprefills=stats.reprefills,
         prompt_tokens=stats.prompt_tokens,
+        draft_compute_ms=stats.draft_compute_ms,
+        target_compute_ms=stats.target_compute_ms,
+        accepted_per_position=stats.accepted_per_position,
     )
 
 

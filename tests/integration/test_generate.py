@@ -71,6 +71,9 @@ async def test_speculation_accepts_tokens_and_reports_stats(stack):
     assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.proposed_tokens)
     assert stats.total_ms >= stats.time_to_first_token_ms > 0
     assert stats.prompt_tokens > 0 and stats.tokens_per_second > 0
+    assert 0 < stats.target_compute_ms <= stats.target_ms and 0 < stats.draft_compute_ms <= stats.draft_ms
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert list(stats.accepted_per_position) == sorted(stats.accepted_per_position, reverse=True)
     assert response.finish_reason in ("length", "eos")
 
 
