@@ -12,11 +12,13 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test test-fast clean
+.PHONY: help install protos models run test bench bench-quick clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
 	@echo "make test   - install test dependencies and run the test suite"
+	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
+	@echo "make bench-quick - the same in a few minutes"
 	@echo "make protos - regenerate the gRPC stubs from protos/"
 
 $(VENV)/bin/python:
@@ -46,6 +48,12 @@ models: $(VENV)/.models-installed
 
 run: install models
 	$(PY) scripts/run_demo.py --models-dir $(MODELS_DIR)
+
+bench: install models
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-quick: install models
+	$(PY) -m bench --quick $(BENCH_ARGS)
 
 test: install
 	$(PY) -m pytest -q

@@ -30,7 +30,7 @@ class TargetRunner(ModelRunner):
         keep_tokens: int,
         new_tokens: list[int],
         draft_token_ids: list[int],
-        draft_probs: torch.Tensor,  # [K, V] float32 (CPU), from specdec.wire.decode_distributions
+        draft_probs: torch.Tensor,  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
         params: SamplingParams,
         seed: int,
         return_distributions: bool = False,
@@ -42,7 +42,8 @@ class TargetRunner(ModelRunner):
             )
         if not new_tokens:
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
-        if draft_probs.shape != (num_draft, self.loaded.vocab_size):
+        greedy_fast_path = params.greedy and not return_distributions
+        if not greedy_fast_path and draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
                 f"draft distributions have shape {tuple(draft_probs.shape)}; expected ({num_draft}, {self.loaded.vocab_size})"
             )
@@ -56,7 +57,7 @@ class TargetRunner(ModelRunner):
         # token or the bonus token need the (vocab-wide) output head.
         logits = self.forward(session, pending, logits_to_keep=num_draft + 1)  # [K + 1, V]
         draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64)  # [K]
-        if params.greedy and not return_distributions:
+        if greedy_fast_path:
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
             argmax = logits.argmax(dim=-1).cpu()  # [K + 1]

@@ -20,9 +20,10 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
         draft_token_ids = list(request.draft_token_ids)
-        draft_probs = wire.decode_distributions(
-            list(request.draft_distributions), draft_token_ids, self._runner.loaded.vocab_size
-        )
+        params = wire.params_from_pb(request.sampling)
+        # Greedy verification only compares with the argmax; skip densifying [K, V] draft rows.
+        vocab = self._runner.loaded.vocab_size if not params.greedy or request.return_distributions else 0
+        draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
         result = await self._model_thread.run(
             self._runner.verify,
             request.session_id,
@@ -30,7 +31,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             list(request.new_tokens),
             draft_token_ids,
             draft_probs,
-            wire.params_from_pb(request.sampling),
+            params,
             request.seed,
             request.return_distributions,
         )

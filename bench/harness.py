@@ -1,0 +1,289 @@
+"""Benchmark harness: our services against plain transformers and Hugging Face assisted
+generation, interleaved in one invocation, on the same prompts, pair and cores.
+
+Every mode runs each prompt once per repeat, round-robin across modes, so machine noise
+lands on all modes alike and every ratio is taken within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+from specdec.launch import ServiceProcess, free_port, spawn
+from specdec.real_models import DRAFT, TARGET
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("bench")
+
+OURS_TARGET_ONLY = "ours target-only (K=0)"
+HF_TARGET_ONLY = "HF generate target-only"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    draft_model: Path
+    target_model: Path
+    draft_dtype: str
+    target_dtype: str
+    device: str
+    threads: int
+    max_new_tokens: int
+    repeats: int
+    ks: tuple[int, ...]
+    hf_assisted: tuple[str, ...]  # "default" (HF's own schedule) or a fixed K
+    temperatures: tuple[float, ...]
+    prompts_file: Path
+    out_dir: Path
+    seed: int
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    family: str  # "ours" or "hf"
+    k: int = 0  # ours: num_speculative_tokens
+    assisted: str | None = None  # hf: None (target only), "default" or a fixed K
+
+
+@dataclass
+class Sample:
+    mode: str
+    kind: str
+    temperature: float
+    repeat: int
+    tokens: int
+    total_ms: float
+    ttft_ms: float
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_compute_ms: float = 0.0
+    target_compute_ms: float = 0.0
+
+
+def build_modes(config: BenchConfig) -> list[Mode]:
+    modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
+    modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
+    modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
+    return modes
+
+
+class OursRunner:
+    """Draft, target and coordinator as separate processes on loopback."""
+
+    def __init__(self, config: BenchConfig, log_dir: Path) -> None:
+        common = ["--threads", str(config.threads), "--device", config.device, "--max-speculative-tokens", "16"]
+        env = {"OMP_NUM_THREADS": str(config.threads)}
+        self.services: list[ServiceProcess] = []
+        draft = spawn("draft", "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *common], free_port(), log_dir / "draft.log", env, ROOT)
+        target = spawn("target", "target_service", ["--model", str(config.target_model), "--dtype", config.target_dtype, *common], free_port(), log_dir / "target.log", env, ROOT)
+        self.services += [draft, target]
+        draft.wait_healthy(900)
+        target.wait_healthy(900)
+        coordinator = spawn(
+            "coordinator", "coordinator",
+            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(config.target_model),
+             "--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"],
+            free_port(), log_dir / "coordinator.log", {}, ROOT,
+        )
+        self.services.append(coordinator)
+        coordinator.wait_healthy(120)
+        self.channel = grpc.insecure_channel(coordinator.address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
+        response = self.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, num_speculative_tokens=mode.k),
+            timeout=3600,
+        )
+        s = response.stats
+        return Sample(
+            mode.name, "", temperature, 0, s.generated_tokens, s.total_ms, s.time_to_first_token_ms, s.rounds,
+            s.proposed_tokens, s.accepted_tokens, list(s.accepted_per_position), s.draft_compute_ms, s.target_compute_ms,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+        for service in reversed(self.services):
+            service.stop()
+
+
+class _FirstTokenTimer(BaseStreamer):
+    """transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_token_at is None:  # the first call carries the prompt
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """The baseline a user has today: transformers in this process, same models and dtypes."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        self.device = config.device
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target_model)
+        self.target = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=dtypes[config.target_dtype]).to(config.device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtypes[config.draft_dtype]).to(config.device).eval()
+        self._default_assistant = {
+            name: getattr(self.draft.generation_config, name, None)
+            for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+        }
+
+    def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
+        kwargs: dict = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
+        if temperature > 0:
+            # top_k=0: transformers would otherwise apply its default top-k of 50.
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        if mode.assisted is not None:
+            for name, value in self._default_assistant.items():
+                setattr(self.draft.generation_config, name, value)
+            if mode.assisted != "default":
+                self.draft.generation_config.num_assistant_tokens = int(mode.assisted)
+                self.draft.generation_config.num_assistant_tokens_schedule = "constant"
+                self.draft.generation_config.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = self.draft
+        timer = _FirstTokenTimer()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.generate(ids, streamer=timer, **kwargs)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        total_ms = (time.perf_counter() - start) * 1e3
+        ttft_ms = ((timer.first_token_at or time.perf_counter()) - start) * 1e3
+        return Sample(mode.name, "", temperature, 0, int(out.shape[1] - ids.shape[1]), total_ms, ttft_ms)
+
+
+def machine_info(config: BenchConfig) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "device": config.device,
+        "gpu": torch.cuda.get_device_name(0) if config.device.startswith("cuda") else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": {
+            "draft_service": config.threads,
+            "target_service": config.threads,
+            "in_process_hf": config.threads,
+            "note": "rounds are sequential, so the draft and target services never compute at the same time; "
+            "every mode uses the same cores",
+        },
+    }
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    return info
+
+
+def run_bench(config: BenchConfig) -> dict:
+    prompts = json.loads(config.prompts_file.read_text())["prompts"]
+    modes = build_modes(config)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(config.threads)
+    logger.info("starting services and loading in-process models")
+    ours = OursRunner(config, config.out_dir / "logs")
+    try:
+        hf = HFRunner(config)
+        runners = {"ours": ours, "hf": hf}
+        for mode in modes:  # warm-up: first calls pay one-off costs
+            runners[mode.family].run(mode, prompts[0]["text"], 4, 0.0, config.seed)
+        per_mode = len(prompts) * config.repeats * len(config.temperatures)
+        bars = {mode.name: tqdm(total=per_mode, desc=f"{mode.name:32s}", position=i, leave=True) for i, mode in enumerate(modes)}
+        samples: list[Sample] = []
+        for temperature in config.temperatures:
+            for repeat in range(config.repeats):
+                for p_index, prompt in enumerate(prompts):
+                    seed = config.seed + 1000 * repeat + p_index
+                    for mode in modes:
+                        sample = runners[mode.family].run(mode, prompt["text"], config.max_new_tokens, temperature, seed)
+                        sample.kind, sample.repeat = prompt["kind"], repeat
+                        samples.append(sample)
+                        bars[mode.name].update()
+        for bar in bars.values():
+            bar.close()
+    finally:
+        ours.close()
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "machine": machine_info(config),
+        "prompts": [p["kind"] for p in prompts],
+        "modes": [asdict(m) for m in modes],
+        "samples": [asdict(s) for s in samples],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    models = ROOT / ".cache/models"
+    parser.add_argument("--draft-model", type=Path, default=models / DRAFT.name)
+    parser.add_argument("--target-model", type=Path, default=models / TARGET.name)
+    parser.add_argument("--draft-dtype", default="bfloat16")
+    parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda; results are written per device, never mixed")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every mode")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8], help="our K sweep")
+    parser.add_argument("--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--prompts-file", type=Path, default=ROOT / "bench/prompts.json")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
+        args.hf_assisted = ["default"]
+    out = args.out or ROOT / "bench/results" / (f"{args.device}-quick" if args.quick else args.device)
+    config = BenchConfig(
+        draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,
+        target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
+        prompts_file=args.prompts_file, out_dir=out, seed=args.seed,
+    )
+    if args.quick:
+        prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]
+        quick_file = out / "prompts-quick.json"
+        out.mkdir(parents=True, exist_ok=True)
+        quick_file.write_text(json.dumps({"prompts": prompts}))
+        config = BenchConfig(**{**asdict(config), "prompts_file": quick_file})
+    return config

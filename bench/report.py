@@ -1,0 +1,169 @@
+"""Turns benchmark samples into per-mode figures, a Markdown table and plots.
+
+Throughput per repeat is Σ tokens / Σ time over all prompts, so long and short prompts weigh by
+their tokens; the median and range are over repeats. Ratios are taken between modes of the same
+run and temperature.
+
+Theoretical speedup (Leviathan et al.): S = (1 − α^(K+1)) / ((1 − α)(K·c + 1)), with α the
+measured acceptance rate and c = draft step time / target step time, both measured inside the
+services in this run (draft: compute per proposed token; target: compute per K=0 round).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.harness import HF_TARGET_ONLY, OURS_TARGET_ONLY  # noqa: E402
+
+
+def theoretical_speedup(alpha: float, k: int, c: float) -> float:
+    if k == 0:
+        return 1.0
+    expected_tokens = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected_tokens / (k * c + 1)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarise(results: dict) -> dict[float, list[dict]]:
+    """{temperature: [row per mode]} in mode order."""
+    modes = results["modes"]
+    by_key: dict[tuple[float, str], list[dict]] = defaultdict(list)
+    for sample in results["samples"]:
+        by_key[sample["temperature"], sample["mode"]].append(sample)
+    summary: dict[float, list[dict]] = {}
+    for temperature in sorted({s["temperature"] for s in results["samples"]}):
+        rows = []
+        for mode in modes:
+            samples = by_key[temperature, mode["name"]]
+            per_repeat: dict[int, list[dict]] = defaultdict(list)
+            for s in samples:
+                per_repeat[s["repeat"]].append(s)
+            throughput = [
+                sum(s["tokens"] for s in group) / (sum(s["total_ms"] for s in group) / 1e3) for group in per_repeat.values()
+            ]
+            proposed = sum(s["proposed"] for s in samples)
+            accepted = sum(s["accepted"] for s in samples)
+            rounds = sum(s["rounds"] for s in samples)
+            positions = max((len(s["accepted_per_position"]) for s in samples), default=0)
+            per_position = [
+                sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / rounds
+                for i in range(positions)
+            ] if rounds else []
+            row = {
+                "mode": mode["name"],
+                "family": mode["family"],
+                "k": mode["k"],
+                "tokens_per_s": _median(throughput),
+                "tokens_per_s_min": min(throughput) if throughput else None,
+                "tokens_per_s_max": max(throughput) if throughput else None,
+                "acceptance": accepted / proposed if proposed else None,
+                "mean_accepted_length": (accepted + rounds) / rounds if rounds and mode["family"] == "ours" else None,
+                "per_position_acceptance": per_position,
+                "ttft_ms": _median([s["ttft_ms"] for s in samples]),
+                "tpot_ms": _median([(s["total_ms"] - s["ttft_ms"]) / (s["tokens"] - 1) for s in samples if s["tokens"] > 1]),
+                "overhead_per_round_ms": _median(
+                    [(s["total_ms"] - s["draft_compute_ms"] - s["target_compute_ms"]) / s["rounds"] for s in samples if s["rounds"]]
+                ) if mode["family"] == "ours" else None,
+                "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
+                "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,
+            }
+            rows.append(row)
+        _add_ratios(rows)
+        summary[temperature] = rows
+    return summary
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    by_mode = {row["mode"]: row for row in rows}
+    base = by_mode[OURS_TARGET_ONLY]["tokens_per_s"]
+    assisted = [row for row in rows if row["family"] == "hf" and row["mode"] != HF_TARGET_ONLY and row["tokens_per_s"]]
+    best_assisted = max(assisted, key=lambda row: row["tokens_per_s"]) if assisted else None
+    target_step = by_mode[OURS_TARGET_ONLY]["target_round_ms"]
+    for row in rows:
+        tps = row["tokens_per_s"]
+        row["speedup_vs_target_only"] = tps / base if tps and base else None
+        row["speedup_vs_hf_assisted"] = tps / best_assisted["tokens_per_s"] if tps and best_assisted else None
+        row["best_hf_assisted"] = best_assisted["mode"] if best_assisted else None
+        if row["family"] == "ours" and row["k"] and row["acceptance"] is not None and target_step and row["draft_step_ms"]:
+            c = row["draft_step_ms"] / target_step
+            row["cost_ratio_c"] = c
+            row["theoretical_speedup"] = theoretical_speedup(row["acceptance"], row["k"], c)
+            row["achieved_over_theoretical"] = row["speedup_vs_target_only"] / row["theoretical_speedup"]
+        else:
+            row["cost_ratio_c"] = row["theoretical_speedup"] = row["achieved_over_theoretical"] = None
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(summary: dict[float, list[dict]], machine: dict) -> str:
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
+        + (f" ({machine['gpu']})" if machine.get("gpu") else "")
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['threads']['in_process_hf']} threads per mode; {machine['date']}",
+        "",
+    ]
+    for temperature, rows in summary.items():
+        lines += [
+            f"**{'greedy' if temperature == 0 else f'temperature {temperature}'}**",
+            "",
+            "| Mode | tok/s (median, range) | vs ours K=0 | vs best HF assisted | acceptance | tokens/round | per-position acceptance | TTFT ms | TPOT ms | overhead/round ms | c | theoretical | achieved/theoretical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            positions = " ".join(f"{p:.2f}" for p in row["per_position_acceptance"]) or "—"
+            lines.append(
+                f"| {row['mode']} | {_fmt(row['tokens_per_s'])} ({_fmt(row['tokens_per_s_min'])}–{_fmt(row['tokens_per_s_max'])}) "
+                f"| {_fmt(row['speedup_vs_target_only'], suffix='×')} | {_fmt(row['speedup_vs_hf_assisted'], suffix='×')} "
+                f"| {_fmt(row['acceptance'])} | {_fmt(row['mean_accepted_length'])} | {positions} "
+                f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
+                f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
+            )
+        best = max((r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None)
+        if best:
+            lines += [
+                "",
+                f"Best K = {best['k']}: {_fmt(best['speedup_vs_target_only'], suffix='×')} ours target-only, "
+                f"{_fmt(best['speedup_vs_hf_assisted'], suffix='×')} {best['best_hf_assisted']}, "
+                f"{_fmt(best['achieved_over_theoretical'], '.0%')} of theoretical, "
+                f"{_fmt(best['overhead_per_round_ms'], '.1f')} ms overhead per round.",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[float, list[dict]], out_dir) -> list[str]:
+    """tokens/s vs K and acceptance vs K, one panel per temperature; baselines as lines."""
+    written = []
+    for metric, ylabel, filename in (
+        ("tokens_per_s", "tokens/s (median over repeats)", "tokens_per_s_vs_k.png"),
+        ("acceptance", "acceptance rate", "acceptance_vs_k.png"),
+    ):
+        fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4), squeeze=False)
+        for ax, (temperature, rows) in zip(axes[0], summary.items()):
+            ours = [r for r in rows if r["family"] == "ours" and r["k"] and r[metric] is not None]
+            ax.plot([r["k"] for r in ours], [r[metric] for r in ours], "o-", label="ours (sequential)")
+            if metric == "tokens_per_s":
+                for r, style in zip([r for r in rows if not (r["family"] == "ours" and r["k"])], ("--", ":", "-.", (0, (1, 3)))):
+                    if r["tokens_per_s"]:
+                        ax.axhline(r["tokens_per_s"], linestyle=style, color="gray", label=r["mode"])
+            ax.set_xlabel("K (draft tokens per round)")
+            ax.set_ylabel(ylabel)
+            ax.set_title("greedy" if temperature == 0 else f"temperature {temperature}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / filename, dpi=110)
+        plt.close(fig)
+        written.append(filename)
+    return written

@@ -1,0 +1,41 @@
+"""The benchmark harness end to end on the tiny pair, so it cannot rot. It checks that the harness
+works and reports every figure; it asserts no speed."""
+
+from __future__ import annotations
+
+import json
+
+from bench.__main__ import main as bench_main
+
+
+def test_bench_harness_runs_all_modes_and_writes_results(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}))
+    out = tmp_path / "out"
+    code = bench_main([
+        "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
+        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1",
+        "--max-new-tokens", "8", "--repeats", "2", "--ks", "1", "3", "--hf-assisted", "default", "2",
+        "--temperatures", "0", "0.7", "--prompts-file", str(prompts), "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    names = [m["name"] for m in results["modes"]]
+    assert names == [
+        "ours target-only (K=0)", "HF generate target-only", "HF assisted (default)", "HF assisted (K=2)", "ours K=1", "ours K=3",
+    ]
+    assert len(results["samples"]) == len(names) * 2 * 2 * 2  # modes × prompts × repeats × temperatures
+    assert results["machine"]["torch"] and results["machine"]["cores"]
+    for temperature in ("0.0", "0.7"):
+        rows = {row["mode"]: row for row in results["summary"][temperature]}
+        assert rows["ours target-only (K=0)"]["speedup_vs_target_only"] == 1.0
+        for name in ("ours K=1", "ours K=3"):
+            row = rows[name]
+            assert row["tokens_per_s"] > 0 and 0 <= row["acceptance"] <= 1
+            assert row["theoretical_speedup"] > 0 and row["achieved_over_theoretical"] > 0
+            assert row["overhead_per_round_ms"] is not None and row["speedup_vs_hf_assisted"] > 0
+            assert len(row["per_position_acceptance"]) == row["k"]
+        assert rows["HF assisted (K=2)"]["tokens_per_s"] > 0 and rows["HF generate target-only"]["ttft_ms"] > 0
+    table = (out / "table.md").read_text()
+    assert "achieved/theoretical" in table and "Best K" in table
+    assert (out / "tokens_per_s_vs_k.png").stat().st_size > 0 and (out / "acceptance_vs_k.png").stat().st_size > 0
