@@ -1,10 +1,12 @@
-"""python -m bench: run the benchmark, write results.json, table.md and plots, print the table."""
+"""python -m bench: run the benchmark, write results.json, table.md and plots, print the table.
+`python -m bench report DIR` re-summarises a finished run."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from pathlib import Path
 
 from bench.harness import parse_args, run_bench
 from bench.report import markdown_table, plot, summarise
@@ -12,16 +14,25 @@ from bench.report import markdown_table, plot, summarise
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        # python -m bench report DIR: re-summarise a finished run's samples without re-running it.
+        out_dir = Path(argv[1])
+        results = json.loads((out_dir / "results.json").read_text())
+        return _write(results, out_dir)
     config = parse_args(argv)
-    results = run_bench(config)
+    return _write(run_bench(config), config.out_dir)
+
+
+def _write(results: dict, out_dir: Path) -> int:
     summary = summarise(results)
     results["summary"] = {str(t): rows for t, rows in summary.items()}
     table = markdown_table(summary, results["machine"])
-    (config.out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (config.out_dir / "table.md").write_text(table + "\n")
-    plots = plot(summary, config.out_dir)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "table.md").write_text(table + "\n")
+    plots = plot(summary, out_dir)
     print("\n" + table)
-    print(f"results: {config.out_dir}/results.json, table.md, {', '.join(plots)}")
+    print(f"results: {out_dir}/results.json, table.md, {', '.join(plots)}")
     return 0
 
 

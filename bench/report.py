@@ -4,9 +4,14 @@ Throughput per repeat is Σ tokens / Σ time over all prompts, so long and short
 their tokens; the median and range are over repeats. Ratios are taken between modes of the same
 run and temperature.
 
-Theoretical speedup (Leviathan et al.): S = (1 − α^(K+1)) / ((1 − α)(K·c + 1)), with α the
-measured acceptance rate and c = draft step time / target step time, both measured inside the
-services in this run (draft: compute per proposed token; target: compute per K=0 round).
+Theoretical speedup (Leviathan et al.): S = (1 − α^(K+1)) / ((1 − α)(K·c + 1)). There α is the
+per-token acceptance probability: a draft token is only evaluated if every earlier one in its
+round was accepted, so α is estimated as Σ accepted at position i / Σ rounds that reached
+position i (the geometric model's maximum-likelihood estimate). Plain accepted/proposed, the
+"acceptance" column, also counts positions never evaluated and understates α for large K.
+The last round of a request may propose fewer than K tokens; that biases α by at most one round
+per request. c = draft step time / target step time, both measured inside the services in
+this run (draft: compute per proposed token; target: compute per K=0 round).
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / rounds
                 for i in range(positions)
             ] if rounds else []
+            # Rounds reaching position i: all of them for i = 0, then those that accepted i tokens.
+            reached = [rounds] + [
+                sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
+                for i in range(positions - 1)
+            ]
             row = {
                 "mode": mode["name"],
                 "family": mode["family"],
@@ -66,6 +76,7 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "tokens_per_s_min": min(throughput) if throughput else None,
                 "tokens_per_s_max": max(throughput) if throughput else None,
                 "acceptance": accepted / proposed if proposed else None,
+                "alpha": accepted / sum(reached) if proposed and sum(reached) else None,
                 "mean_accepted_length": (accepted + rounds) / rounds if rounds and mode["family"] == "ours" else None,
                 "per_position_acceptance": per_position,
                 "ttft_ms": _median([s["ttft_ms"] for s in samples]),
@@ -93,10 +104,10 @@ def _add_ratios(rows: list[dict]) -> None:
         row["speedup_vs_target_only"] = tps / base if tps and base else None
         row["speedup_vs_hf_assisted"] = tps / best_assisted["tokens_per_s"] if tps and best_assisted else None
         row["best_hf_assisted"] = best_assisted["mode"] if best_assisted else None
-        if row["family"] == "ours" and row["k"] and row["acceptance"] is not None and target_step and row["draft_step_ms"]:
+        if row["family"] == "ours" and row["k"] and row["alpha"] is not None and target_step and row["draft_step_ms"]:
             c = row["draft_step_ms"] / target_step
             row["cost_ratio_c"] = c
-            row["theoretical_speedup"] = theoretical_speedup(row["acceptance"], row["k"], c)
+            row["theoretical_speedup"] = theoretical_speedup(row["alpha"], row["k"], c)
             row["achieved_over_theoretical"] = row["speedup_vs_target_only"] / row["theoretical_speedup"]
         else:
             row["cost_ratio_c"] = row["theoretical_speedup"] = row["achieved_over_theoretical"] = None
@@ -117,15 +128,15 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict) -> str:
         lines += [
             f"**{'greedy' if temperature == 0 else f'temperature {temperature}'}**",
             "",
-            "| Mode | tok/s (median, range) | vs ours K=0 | vs best HF assisted | acceptance | tokens/round | per-position acceptance | TTFT ms | TPOT ms | overhead/round ms | c | theoretical | achieved/theoretical |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| Mode | tok/s (median, range) | vs ours K=0 | vs best HF assisted | acceptance | α | tokens/round | per-position acceptance | TTFT ms | TPOT ms | overhead/round ms | c | theoretical | achieved/theoretical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             positions = " ".join(f"{p:.2f}" for p in row["per_position_acceptance"]) or "—"
             lines.append(
                 f"| {row['mode']} | {_fmt(row['tokens_per_s'])} ({_fmt(row['tokens_per_s_min'])}–{_fmt(row['tokens_per_s_max'])}) "
                 f"| {_fmt(row['speedup_vs_target_only'], suffix='×')} | {_fmt(row['speedup_vs_hf_assisted'], suffix='×')} "
-                f"| {_fmt(row['acceptance'])} | {_fmt(row['mean_accepted_length'])} | {positions} "
+                f"| {_fmt(row['acceptance'])} | {_fmt(row['alpha'])} | {_fmt(row['mean_accepted_length'])} | {positions} "
                 f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
                 f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
@@ -154,9 +165,11 @@ def plot(summary: dict[float, list[dict]], out_dir) -> list[str]:
             ours = [r for r in rows if r["family"] == "ours" and r["k"] and r[metric] is not None]
             ax.plot([r["k"] for r in ours], [r[metric] for r in ours], "o-", label="ours (sequential)")
             if metric == "tokens_per_s":
-                for r, style in zip([r for r in rows if not (r["family"] == "ours" and r["k"])], ("--", ":", "-.", (0, (1, 3)))):
+                baselines = [r for r in rows if not (r["family"] == "ours" and r["k"])]
+                styles = zip(("--", ":", "-.", (0, (3, 1, 1, 1)), (0, (1, 1))), ("black", "tab:orange", "tab:green", "tab:red", "tab:purple"))
+                for r, (style, color) in zip(baselines, styles):
                     if r["tokens_per_s"]:
-                        ax.axhline(r["tokens_per_s"], linestyle=style, color="gray", label=r["mode"])
+                        ax.axhline(r["tokens_per_s"], linestyle=style, color=color, label=r["mode"])
             ax.set_xlabel("K (draft tokens per round)")
             ax.set_ylabel(ylabel)
             ax.set_title("greedy" if temperature == 0 else f"temperature {temperature}")

@@ -39,10 +39,6 @@ class Unavailable(SpecDecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class DeadlineExceeded(SpecDecError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 

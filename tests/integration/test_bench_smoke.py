@@ -31,7 +31,7 @@ def test_bench_harness_runs_all_modes_and_writes_results(tiny_pair, tmp_path):
         assert rows["ours target-only (K=0)"]["speedup_vs_target_only"] == 1.0
         for name in ("ours K=1", "ours K=3"):
             row = rows[name]
-            assert row["tokens_per_s"] > 0 and 0 <= row["acceptance"] <= 1
+            assert row["tokens_per_s"] > 0 and 0 <= row["acceptance"] <= 1 and 0 <= row["alpha"] <= 1
             assert row["theoretical_speedup"] > 0 and row["achieved_over_theoretical"] > 0
             assert row["overhead_per_round_ms"] is not None and row["speedup_vs_hf_assisted"] > 0
             assert len(row["per_position_acceptance"]) == row["k"]
