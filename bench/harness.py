@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field

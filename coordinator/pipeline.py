@@ -145,8 +145,11 @@ class Coordinator:
         top_p = 1.0 if request.top_p is None else request.top_p
         if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
             raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}")
-        k = config.default_num_speculative_tokens if request.num_speculative_tokens is None else request.num_speculative_tokens
-        k = min(k, pair.max_num_speculative_tokens) if request.num_speculative_tokens is None else k
+        if request.num_speculative_tokens is None:
+            # The configured default, within what both services accept.
+            k = min(config.default_num_speculative_tokens, pair.max_num_speculative_tokens)
+        else:
+            k = request.num_speculative_tokens
         if not 0 <= k <= pair.max_num_speculative_tokens:
             raise InvalidArgument(
                 f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}"
