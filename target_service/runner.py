@@ -24,6 +24,12 @@ class Verification:
 
 
 class TargetRunner(ModelRunner):
+    @staticmethod
+    def needs_draft_probs(params: SamplingParams, return_distributions: bool) -> bool:
+        """False on the greedy fast path, which only compares draft tokens with the argmax;
+        callers then need not densify [K, V] draft distributions."""
+        return not params.greedy or return_distributions
+
     def verify(
         self,
         session_id: str,
@@ -42,7 +48,7 @@ class TargetRunner(ModelRunner):
             )
         if not new_tokens:
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
-        greedy_fast_path = params.greedy and not return_distributions
+        greedy_fast_path = not self.needs_draft_probs(params, return_distributions)
         if not greedy_fast_path and draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
                 f"draft distributions have shape {tuple(draft_probs.shape)}; expected ({num_draft}, {self.loaded.vocab_size})"

@@ -21,8 +21,9 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
         draft_token_ids = list(request.draft_token_ids)
         params = wire.params_from_pb(request.sampling)
-        # Greedy verification only compares with the argmax; skip densifying [K, V] draft rows.
-        vocab = self._runner.loaded.vocab_size if not params.greedy or request.return_distributions else 0
+        # Width 0 still checks the messages' structure but builds no [K, V] rows.
+        needed = self._runner.needs_draft_probs(params, request.return_distributions)
+        vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
         result = await self._model_thread.run(
             self._runner.verify,
