@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.launch import ServiceProcess, free_port, spawn
+from specdec.launch import local_stack
 from specdec.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -89,23 +90,15 @@ class OursRunner:
     """Draft, target and coordinator as separate processes on loopback."""
 
     def __init__(self, config: BenchConfig, log_dir: Path) -> None:
-        common = ["--threads", str(config.threads), "--device", config.device, "--max-speculative-tokens", "16"]
-        env = {"OMP_NUM_THREADS": str(config.threads)}
-        self.services: list[ServiceProcess] = []
-        draft = spawn("draft", "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *common], free_port(), log_dir / "draft.log", env, ROOT)
-        target = spawn("target", "target_service", ["--model", str(config.target_model), "--dtype", config.target_dtype, *common], free_port(), log_dir / "target.log", env, ROOT)
-        self.services += [draft, target]
-        draft.wait_healthy(900)
-        target.wait_healthy(900)
-        coordinator = spawn(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(config.target_model),
-             "--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"],
-            free_port(), log_dir / "coordinator.log", {}, ROOT,
+        self._processes = ExitStack()
+        services = self._processes.enter_context(
+            local_stack(
+                config.draft_model, config.target_model, log_dir,
+                draft_dtype=config.draft_dtype, target_dtype=config.target_dtype, device=config.device, threads=config.threads,
+                coordinator_args=["--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"], cwd=ROOT,
+            )
         )
-        self.services.append(coordinator)
-        coordinator.wait_healthy(120)
-        self.channel = grpc.insecure_channel(coordinator.address)
+        self.channel = grpc.insecure_channel(services["coordinator"].address)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
@@ -121,8 +114,7 @@ class OursRunner:
 
     def close(self) -> None:
         self.channel.close()
-        for service in reversed(self.services):
-            service.stop()
+        self._processes.close()
 
 
 class _FirstTokenTimer(BaseStreamer):

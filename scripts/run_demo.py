@@ -16,7 +16,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specdec.launch import free_port, spawn  # noqa: E402
+from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -59,29 +59,13 @@ def main() -> int:
 
     draft_dir, target_dir = args.models_dir / DRAFT.name, args.models_dir / TARGET.name
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-logs-"))
-    threads = str(args.threads)
-    common = ["--threads", threads, "--max-speculative-tokens", "16"]
-    env = {"OMP_NUM_THREADS": threads}
-    draft = spawn("draft", "draft_service", ["--model", str(draft_dir), "--dtype", args.draft_dtype, *common], free_port(), log_dir / "draft.log", env, ROOT)
-    target = spawn("target", "target_service", ["--model", str(target_dir), "--dtype", args.target_dtype, *common], free_port(), log_dir / "target.log", env, ROOT)
-    services = [draft, target]
-    try:
-        print(f"starting draft ({DRAFT.name}, {args.draft_dtype}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
-        draft.wait_healthy(600)
-        target.wait_healthy(600)
-        coordinator = spawn(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(target_dir),
-             "--num-speculative-tokens", str(args.k), "--max-num-speculative-tokens", "16"],
-            free_port(), log_dir / "coordinator.log", {}, ROOT,
-        )
-        services.append(coordinator)
-        coordinator.wait_healthy(120)
-        print(f"coordinator on {coordinator.address} (draft {draft.address}, target {target.address})\n")
-        return run_prompts(coordinator.address, args)
-    finally:
-        for service in reversed(services):
-            service.stop()
+    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
+    with local_stack(
+        draft_dir, target_dir, log_dir, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, threads=args.threads,
+        coordinator_args=["--num-speculative-tokens", str(args.k), "--max-num-speculative-tokens", "16"], cwd=ROOT,
+    ) as services:
+        print(f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}, target {services['target'].address})\n")
+        return run_prompts(services["coordinator"].address, args)
 
 
 def run_prompts(address: str, args: argparse.Namespace) -> int:

@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,3 +69,39 @@ def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Ma
         cwd=cwd, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log)
+
+
+@contextmanager
+def local_stack(
+    draft_model: Path,
+    target_model: Path,
+    log_dir: Path,
+    *,
+    draft_dtype: str = "float32",
+    target_dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 0,
+    coordinator_args: Sequence[str] = (),
+    cwd: Path | None = None,
+    start_timeout_s: float = 900.0,
+) -> Iterator[dict[str, ServiceProcess]]:
+    """Draft, target and coordinator as three local processes on free loopback ports, healthy
+    on entry and stopped (coordinator first) on exit. The coordinator uses the target's tokenizer."""
+    model_args = ["--device", device, "--max-speculative-tokens", "16"] + (["--threads", str(threads)] if threads else [])
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    services: dict[str, ServiceProcess] = {}
+    try:
+        services["draft"] = spawn("draft", "draft_service", ["--model", str(draft_model), "--dtype", draft_dtype, *model_args], free_port(), log_dir / "draft.log", env, cwd)
+        services["target"] = spawn("target", "target_service", ["--model", str(target_model), "--dtype", target_dtype, *model_args], free_port(), log_dir / "target.log", env, cwd)
+        services["draft"].wait_healthy(start_timeout_s)
+        services["target"].wait_healthy(start_timeout_s)
+        services["coordinator"] = spawn(
+            "coordinator", "coordinator",
+            ["--draft", services["draft"].address, "--target", services["target"].address, "--tokenizer", str(target_model), *coordinator_args],
+            free_port(), log_dir / "coordinator.log", {}, cwd,
+        )
+        services["coordinator"].wait_healthy(120)
+        yield services
+    finally:
+        for service in reversed(list(services.values())):
+            service.stop()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.launch import free_port, spawn
+from specdec.launch import local_stack
 from specdec.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -34,30 +34,14 @@ NEW_TOKENS = 24
 
 def test_real_pair_greedy_is_exact(tmp_path):
     target_dir, draft_dir = MODELS_DIR / TARGET.name, MODELS_DIR / DRAFT.name
-    env = {"OMP_NUM_THREADS": "2"}
-    draft = spawn("draft", "draft_service", ["--model", str(draft_dir), "--dtype", "bfloat16", "--threads", "2"], free_port(), tmp_path / "draft.log", env, ROOT)
-    target = spawn("target", "target_service", ["--model", str(target_dir), "--dtype", "float32", "--threads", "2"], free_port(), tmp_path / "target.log", env, ROOT)
-    services = [draft, target]
-    try:
-        draft.wait_healthy(600)
-        target.wait_healthy(600)
-        coordinator = spawn(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(target_dir)],
-            free_port(), tmp_path / "coordinator.log", {}, ROOT,
-        )
-        services.append(coordinator)
-        coordinator.wait_healthy(120)
-        with grpc.insecure_channel(coordinator.address) as channel:
+    with local_stack(draft_dir, target_dir, tmp_path, draft_dtype="bfloat16", target_dtype="float32", threads=2, cwd=ROOT) as services:
+        with grpc.insecure_channel(services["coordinator"].address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             outputs = {
                 (prompt, k): stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=k), timeout=600)
                 for prompt in PROMPTS
                 for k in (0, 4)
             }
-    finally:
-        for service in reversed(services):
-            service.stop()
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
