@@ -77,16 +77,14 @@ class TextAssembler:
             self.finish(FINISH_EOS)
             return True
         new_text = self._decode_new()
+        search_from = max(0, len(self.text) - self._longest_stop + 1)  # a stop may start in old text
+        self.text += new_text
         if new_text and self._stop:
-            search_from = max(0, len(self.text) - self._longest_stop + 1)
-            self.text += new_text
             cut = self._first_stop(search_from)
             if cut is not None:
                 self.text = self.text[:cut]
                 self.finish_reason = FINISH_STOP
                 return True
-        else:
-            self.text += new_text
         if len(self.token_ids) >= self._max_new_tokens:
             self.finish(FINISH_LENGTH)
             return True
