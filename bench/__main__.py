@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench.harness import parse_args, run_bench
-from bench.report import markdown_table, plot, summarise
+from bench.report import by_kind, markdown_table, plot, summarise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(results: dict, out_dir: Path) -> int:
     summary = summarise(results)
     results["summary"] = {str(t): rows for t, rows in summary.items()}
-    table = markdown_table(summary, results["machine"])
+    table = markdown_table(summary, results["machine"], by_kind(results))
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "table.md").write_text(table + "\n")
     plots = plot(summary, out_dir)

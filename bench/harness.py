@@ -24,7 +24,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from specdec.launch import local_stack
+from specdec.launch import free_port, model_service_args, spawn, spawn_coordinator
+from specdec.modeling import DTYPES, quantize_int8_dynamic
 from specdec.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -34,6 +35,20 @@ logger = logging.getLogger("bench")
 
 OURS_TARGET_ONLY = "ours target-only (K=0)"
 HF_TARGET_ONLY = "HF generate target-only"
+
+# Draft service variants, by name: extra flags for `python -m draft_service` (the draft's
+# --dtype comes first, from --draft-dtype, so a variant's own --dtype wins).
+def drafter_args(name: str, config: BenchConfig) -> list[str]:
+    return {
+        "model": ["--quantize", "none"],  # the draft model at --draft-dtype
+        "int8": ["--dtype", "float32", "--quantize", "int8"],
+        "int8+vocab": ["--dtype", "float32", "--quantize", "int8", "--draft-vocab", str(config.draft_vocab)],
+        "ngram": ["--drafter", "ngram"],
+    }[name]
+
+
+# The in-process HF baseline's draft for each variant that has a model.
+HF_DRAFTS = {"model": "as --draft-dtype", "int8": "float32 weights, int8 dynamic Linear layers"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,8 @@ class BenchConfig:
     prompts_file: Path
     out_dir: Path
     seed: int
+    suite: str = "k-sweep"  # or "drafters"
+    draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,8 @@ class Mode:
     name: str
     family: str  # "ours" or "hf"
     k: int = 0  # ours: num_speculative_tokens
-    assisted: str | None = None  # hf: None (target only), "default" or a fixed K
+    assisted: str | None = None  # hf: None (target only), "default", a fixed K, or "lookup" (prompt lookup)
+    drafter: str = "model"  # ours: the draft service variant (drafter_args); hf: the assistant (HF_DRAFTS)
 
 
 @dataclass
@@ -80,29 +98,72 @@ class Sample:
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
+    if config.suite == "drafters":
+        return drafter_modes()
     modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
     modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
     modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
     return modes
 
 
-class OursRunner:
-    """Draft, target and coordinator as separate processes on loopback."""
+def drafter_modes() -> list[Mode]:
+    """Each drafter against target-only and against HF's best peers with the same drafts:
+    assisted generation with the int8 draft, and HF's own prompt lookup."""
+    return [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="ngram"),
+        Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("HF prompt lookup (10)", "hf", assisted="lookup"),
+        Mode("ours model K=2", "ours", 2, drafter="model"),
+        Mode("ours int8 K=3", "ours", 3, drafter="int8"),
+        Mode("ours int8 K=5", "ours", 5, drafter="int8"),
+        Mode("ours int8+reduced vocab K=4", "ours", 4, drafter="int8+vocab"),
+        Mode("ours ngram K=4", "ours", 4, drafter="ngram"),
+        Mode("ours ngram K=8", "ours", 8, drafter="ngram"),
+    ]
 
-    def __init__(self, config: BenchConfig, log_dir: Path) -> None:
+
+class OursRunner:
+    """One target service, and a draft service plus a coordinator per drafter variant, all
+    separate processes on loopback. Rounds are sequential, so at most one computes at a time."""
+
+    def __init__(self, config: BenchConfig, drafters: list[str], log_dir: Path) -> None:
         self._processes = ExitStack()
-        services = self._processes.enter_context(
-            local_stack(
-                config.draft_model, config.target_model, log_dir,
-                draft_dtype=config.draft_dtype, target_dtype=config.target_dtype, device=config.device, threads=config.threads,
-                coordinator_args=["--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"], cwd=ROOT,
+        model_args, env = model_service_args(config.device, config.threads)
+        try:
+            target = self._start(
+                "target_service", ["--model", str(config.target_model), "--dtype", config.target_dtype, *model_args], log_dir / "target.log", env
             )
-        )
-        self.channel = grpc.insecure_channel(services["coordinator"].address)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+            drafts = {
+                name: self._start(
+                    "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *model_args, *drafter_args(name, config)],
+                    log_dir / f"draft-{name}.log", env,
+                )
+                for name in drafters
+            }
+            for process in [target, *drafts.values()]:
+                process.wait_healthy(900)
+            self.channels: dict[str, grpc.Channel] = {}
+            self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
+            for name, draft in drafts.items():
+                coordinator = spawn_coordinator(
+                    draft, target, config.target_model, log_dir / f"coordinator-{name}.log",
+                    ["--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"], ROOT,
+                )
+                self._processes.callback(coordinator.stop)
+                self.channels[name] = grpc.insecure_channel(coordinator.address)
+                self.stubs[name] = coordinator_pb2_grpc.CoordinatorStub(self.channels[name])
+        except BaseException:
+            self._processes.close()
+            raise
+
+    def _start(self, module: str, args: list[str], log: Path, env: dict[str, str]):
+        process = spawn(module, module, args, free_port(), log, env, ROOT)
+        self._processes.callback(process.stop)
+        return process
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
-        response = self.stub.Generate(
+        response = self.stubs[mode.drafter].Generate(
             pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, num_speculative_tokens=mode.k),
             timeout=3600,
         )
@@ -113,7 +174,8 @@ class OursRunner:
         )
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels.values():
+            channel.close()
         self._processes.close()
 
 
@@ -136,16 +198,19 @@ class _FirstTokenTimer(BaseStreamer):
 class HFRunner:
     """The baseline a user has today: transformers in this process, same models and dtypes."""
 
-    def __init__(self, config: BenchConfig) -> None:
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    def __init__(self, config: BenchConfig, drafts: list[str]) -> None:
         self.device = config.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_model)
-        self.target = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=dtypes[config.target_dtype]).to(config.device).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtypes[config.draft_dtype]).to(config.device).eval()
+        self.target = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype]).to(config.device).eval()
+        self.drafts = {}
+        for name in drafts:
+            dtype = DTYPES["float32" if name == "int8" else config.draft_dtype]
+            draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype).to(config.device).eval()
+            self.drafts[name] = quantize_int8_dynamic(draft) if name == "int8" else draft
         self._default_assistant = {
-            name: getattr(self.draft.generation_config, name, None)
+            name: getattr(next(iter(self.drafts.values())).generation_config, name, None)
             for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-        }
+        } if self.drafts else {}
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
@@ -154,14 +219,17 @@ class HFRunner:
             # top_k=0: transformers would otherwise apply its default top-k of 50.
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
-        if mode.assisted is not None:
+        if mode.assisted == "lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10  # as in transformers' docs and shared/MODELS.md
+        elif mode.assisted is not None:
+            draft = self.drafts[mode.drafter]
             for name, value in self._default_assistant.items():
-                setattr(self.draft.generation_config, name, value)
+                setattr(draft.generation_config, name, value)
             if mode.assisted != "default":
-                self.draft.generation_config.num_assistant_tokens = int(mode.assisted)
-                self.draft.generation_config.num_assistant_tokens_schedule = "constant"
-                self.draft.generation_config.assistant_confidence_threshold = 0.0
-            kwargs["assistant_model"] = self.draft
+                draft.generation_config.num_assistant_tokens = int(mode.assisted)
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
+                draft.generation_config.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = draft
         timer = _FirstTokenTimer()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -197,6 +265,10 @@ def machine_info(config: BenchConfig) -> dict:
             "note": "rounds are sequential, so the draft and target services never compute at the same time; "
             "every mode uses the same cores",
         },
+        "drafters": {
+            "ours": {m.drafter: drafter_args(m.drafter, config) for m in build_modes(config) if m.family == "ours"},
+            "hf": {m.drafter: HF_DRAFTS[m.drafter] for m in build_modes(config) if m.family == "hf" and m.assisted not in (None, "lookup")},
+        },
     }
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -211,9 +283,11 @@ def run_bench(config: BenchConfig) -> dict:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     logger.info("starting services and loading in-process models")
-    ours = OursRunner(config, config.out_dir / "logs")
+    ours_drafters = list(dict.fromkeys(m.drafter for m in modes if m.family == "ours"))
+    hf_drafts = list(dict.fromkeys(m.drafter for m in modes if m.family == "hf" and m.assisted not in (None, "lookup")))
+    ours = OursRunner(config, ours_drafters, config.out_dir / "logs")
     try:
-        hf = HFRunner(config)
+        hf = HFRunner(config, hf_drafts)
         runners = {"ours": ours, "hf": hf}
         for mode in modes:  # warm-up: first calls pay one-off costs
             runners[mode.family].run(mode, prompts[0]["text"], 4, 0.0, config.seed)
@@ -259,17 +333,23 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--prompts-file", type=Path, default=ROOT / "bench/prompts.json")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--suite", choices=["k-sweep", "drafters"], default="k-sweep",
+        help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted and prompt lookup",
+    )
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
     parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
-    out = args.out or ROOT / "bench/results" / (f"{args.device}-quick" if args.quick else args.device)
+    folder = args.device + ("-drafters" if args.suite == "drafters" else "")
+    out = args.out or ROOT / "bench/results" / (f"{folder}-quick" if args.quick else folder)
     config = BenchConfig(
         draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,
         target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
-        prompts_file=args.prompts_file, out_dir=out, seed=args.seed,
+        prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

@@ -10,7 +10,9 @@ round was accepted, so α is estimated as Σ accepted at position i / Σ rounds 
 position i (the geometric model's maximum-likelihood estimate). Plain accepted/proposed, the
 "acceptance" column, also counts positions never evaluated and understates α for large K.
 The last round of a request may propose fewer than K tokens; that biases α by at most one round
-per request. c = draft step time / target step time, both measured inside the services in
+per request. The prompt-lookup drafter proposes fewer than K (often none) whenever the text has
+no recurring n-gram; such rounds still count as reaching position 1, so its α is a lower bound
+and its "theoretical" column is not meaningful. c = draft step time / target step time, both measured inside the services in
 this run (draft: compute per proposed token; target: compute per K=0 round).
 """
 
@@ -72,6 +74,7 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "mode": mode["name"],
                 "family": mode["family"],
                 "k": mode["k"],
+                "drafter": mode.get("drafter", "model"),
                 "tokens_per_s": _median(throughput),
                 "tokens_per_s_min": min(throughput) if throughput else None,
                 "tokens_per_s_max": max(throughput) if throughput else None,
@@ -91,6 +94,19 @@ def summarise(results: dict) -> dict[float, list[dict]]:
         _add_ratios(rows)
         summary[temperature] = rows
     return summary
+
+
+def by_kind(results: dict) -> dict[float, dict[str, dict[str, float]]]:
+    """{temperature: {mode: {prompt kind: tokens/s over all repeats}}}: where each drafter pays."""
+    tokens: dict[tuple[float, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for s in results["samples"]:
+        entry = tokens[s["temperature"], s["mode"], s["kind"]]
+        entry[0] += s["tokens"]
+        entry[1] += s["total_ms"] / 1e3
+    table: dict[float, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for (temperature, mode, kind), (count, seconds) in tokens.items():
+        table[temperature][mode][kind] = count / seconds
+    return table
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -117,7 +133,21 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
-def markdown_table(summary: dict[float, list[dict]], machine: dict) -> str:
+def _kind_table(per_mode: dict[str, dict[str, float]], modes: list[str]) -> list[str]:
+    kinds = list(per_mode.get(OURS_TARGET_ONLY, {}))
+    base = per_mode.get(OURS_TARGET_ONLY, {})
+    lines = ["", "tokens/s by prompt kind (× ours target-only on the same prompts):", "",
+             "| Mode | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for mode in modes:
+        cells = []
+        for kind in kinds:
+            tps = per_mode.get(mode, {}).get(kind)
+            cells.append(f"{_fmt(tps)} ({_fmt(tps / base[kind] if tps and base.get(kind) else None, suffix='×')})")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict | None = None) -> str:
     lines = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
@@ -140,6 +170,8 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict) -> str:
                 f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
                 f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
+        if kinds and temperature in kinds:
+            lines += _kind_table(kinds[temperature], [row["mode"] for row in rows])
         best = max((r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None)
         if best:
             lines += [
@@ -163,7 +195,11 @@ def plot(summary: dict[float, list[dict]], out_dir) -> list[str]:
         fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4), squeeze=False)
         for ax, (temperature, rows) in zip(axes[0], summary.items()):
             ours = [r for r in rows if r["family"] == "ours" and r["k"] and r[metric] is not None]
-            ax.plot([r["k"] for r in ours], [r[metric] for r in ours], "o-", label="ours (sequential)")
+            drafters = list(dict.fromkeys(r["drafter"] for r in ours))
+            for drafter in drafters:
+                points = [r for r in ours if r["drafter"] == drafter]
+                label = "ours (sequential)" if drafters == ["model"] else f"ours, {drafter} drafter"
+                ax.plot([r["k"] for r in points], [r[metric] for r in points], "o-", label=label)
             if metric == "tokens_per_s":
                 baselines = [r for r in rows if not (r["family"] == "ours" and r["k"])]
                 styles = zip(("--", ":", "-.", (0, (3, 1, 1, 1)), (0, (1, 1))), ("black", "tab:orange", "tab:green", "tab:red", "tab:purple"))

@@ -191,26 +191,31 @@ class Coordinator:
                 round_ = _Round()
                 if k:
                     proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
-                    _check_reply(self.draft.address, "token_ids", len(proposal.token_ids), k)
-                    _check_reply(self.draft.address, "distributions", len(proposal.distributions), k)
+                    if len(proposal.token_ids) > k:
+                        raise SpecDecError(
+                            f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
+                        )
+                    _check_reply(self.draft.address, "distributions", len(proposal.distributions), len(proposal.token_ids))
                     stats.draft_compute_ms += proposal.compute_ms
                     round_ = _Round(
                         list(proposal.token_ids),
                         [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
                         list(proposal.distributions),
                     )
+                # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
+                proposed = len(round_.draft_token_ids)
                 verification = await self._verify(target_view, sequence, round_, sampling, target_seed, stats)
-                _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), k)
-                _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), k)
+                _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
+                _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
                 stats.target_compute_ms += verification.compute_ms
                 outcome = decide_round(
                     verification.draft_token_target_probs,
                     round_.draft_token_draft_probs,
-                    uniforms,
+                    uniforms[:proposed],
                     verification.recovered_token_ids,
                     verification.bonus_token_id,
                 )
-                stats.record_round(k, outcome.num_accepted)
+                stats.record_round(proposed, outcome.num_accepted)
                 # Both services hold sequence + drafts; only the accepted drafts stay valid.
                 target_view.synced = len(sequence) + outcome.num_accepted
                 if k:

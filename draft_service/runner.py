@@ -1,4 +1,4 @@
-"""The draft model side: propose K tokens autoregressively, each with its exact distribution."""
+"""The model drafter: propose K tokens autoregressively, each with its exact distribution."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ PROPOSAL_MODES = ("sample", "greedy")
 
 @dataclass(frozen=True)
 class Proposal:
-    token_ids: list[int]  # [K]
-    probs: torch.Tensor  # [K, V] float32: the distribution each token was drawn from
-    deterministic: bool  # every row one-hot at its token
+    token_ids: list[int]  # [K'], K' <= K: a drafter may propose fewer, even none
+    probs: torch.Tensor | None  # [K', V] float32: the distribution each token was drawn from;
+    # None when deterministic (every row one-hot at its token)
+    deterministic: bool
     processed_tokens: int
     sequence_length: int
     compute_ms: float
@@ -28,7 +29,12 @@ class DraftRunner(ModelRunner):
     """Proposals follow the request's sampling settings, then the draft's own policy:
     `proposal_mode="greedy"` proposes the draft's argmax (one-hot), `proposal_top_k` truncates.
     Either only changes how often the target accepts, never what the output distribution is,
-    because the target sees the exact distribution each token came from."""
+    because the target sees the exact distribution each token came from.
+
+    `head_ids` ([N] int64, ascending) means the model's output head was restricted to those
+    token ids (see `modeling.restrict_output_head`): its logits are [N], and every proposal
+    distribution is zero outside `head_ids`, which the sparse wire form carries exactly.
+    """
 
     def __init__(
         self,
@@ -38,8 +44,10 @@ class DraftRunner(ModelRunner):
         max_speculative_tokens: int,
         proposal_mode: str = "sample",
         proposal_top_k: int = 0,
+        head_ids: torch.Tensor | None = None,
     ):
         super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens)
+        self.head_ids = None if head_ids is None else head_ids.to(loaded.device)  # [N]
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
         self.proposal_mode = proposal_mode
@@ -68,14 +76,16 @@ class DraftRunner(ModelRunner):
         rows: list[torch.Tensor] = []
         feed = pending
         for step in range(num_tokens):
-            logits = self.forward(session, feed, logits_to_keep=1)[-1]  # [V]
+            logits = self.forward(session, feed, logits_to_keep=1)[-1]  # [N] (N = V without a reduced head)
             processed += len(feed)
             if deterministic:
-                probs = one_hot_argmax(logits)  # [V]
-                token = int(logits.argmax())
+                head_probs = one_hot_argmax(logits)  # [N]
+                row = int(logits.argmax())
             else:
-                probs = truncate_top_k(logits_to_probs(logits, params), self.proposal_top_k)  # [V]
-                token = int(sample(probs[None], generator)[0])
+                head_probs = truncate_top_k(logits_to_probs(logits, params), self.proposal_top_k)  # [N]
+                row = int(sample(head_probs[None], generator)[0])
+            probs = self._over_vocab(head_probs)  # [V]
+            token = row if self.head_ids is None else int(self.head_ids[row])
             token_ids.append(token)
             rows.append(probs)
             session.tokens.append(token)
@@ -90,3 +100,24 @@ class DraftRunner(ModelRunner):
             sequence_length=len(session.tokens),
             compute_ms=clock.ms(),
         )
+
+    def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
+        """[N] over the head's ids → [V] over the whole vocabulary (zeros elsewhere)."""
+        if self.head_ids is None:
+            return head_probs
+        probs = torch.zeros(self.loaded.vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
+        return probs.index_copy_(0, self.head_ids, head_probs)
+
+
+def frequent_token_ids(tokenizer, vocab_size: int, keep: int, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """The `keep` lowest ids plus every special and EOS id: [N] int64, ascending.
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) number tokens in merge order, and
+    merges are learned most-frequent first, so low ids approximate the most frequent tokens
+    without a corpus. Special tokens stay so the draft can still propose the end of a turn.
+    """
+    if not 0 < keep < vocab_size:
+        raise ValueError(f"the reduced vocabulary must keep between 1 and {vocab_size - 1} ids; got {keep}")
+    special = {int(i) for i in tokenizer.all_special_ids} | set(eos_token_ids)
+    ids = set(range(keep)) | {i for i in special if 0 <= i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import torch
 
-from draft_service.config import DraftConfig, parse_config
-from draft_service.runner import DraftRunner
+from draft_service.config import DraftConfig, config_problem, parse_config
+from draft_service.ngram import NgramDrafter
+from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
-from specdec.modeling import load_causal_lm
+from specdec.modeling import load_causal_lm, load_tokenizer_info, quantize_int8_dynamic, restrict_output_head
 from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -18,10 +20,30 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
-def load_runner(config: DraftConfig) -> DraftRunner:
+def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
+    if problem := config_problem(config):
+        raise ValueError(problem)
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.drafter == "ngram":
+        return NgramDrafter(
+            load_tokenizer_info(config.model),
+            max_sessions=config.max_sessions,
+            session_ttl_s=config.session_ttl_s,
+            max_speculative_tokens=config.max_speculative_tokens,
+            min_n=config.ngram_min,
+            max_n=config.ngram_max,
+        )
     loaded = load_causal_lm(config.model, config.dtype, config.device)
+    head_ids = None
+    if config.draft_vocab:
+        head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, config.draft_vocab, loaded.eos_token_ids)
+        restrict_output_head(loaded.model, head_ids)
+        logger.info("draft output head restricted to %d of %d ids", len(head_ids), loaded.vocab_size)
+    if config.resolved_quantize() == "int8":
+        quantize_int8_dynamic(loaded.model)
+        loaded = dataclasses.replace(loaded, dtype_label="int8 (dynamic, float32 activations)")
+        logger.info("draft Linear layers quantised to int8 (dynamic)")
     return DraftRunner(
         loaded,
         max_sessions=config.max_sessions,
@@ -29,10 +51,11 @@ def load_runner(config: DraftConfig) -> DraftRunner:
         max_speculative_tokens=config.max_speculative_tokens,
         proposal_mode=config.proposal_mode,
         proposal_top_k=config.proposal_top_k,
+        head_ids=head_ids,
     )
 
 
-async def build_server(config: DraftConfig, runner: DraftRunner | None = None) -> RunningServer:
+async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
     return await start_model_server(
         config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner
 from specdec import wire
 from specdec.errors import grpc_errors
@@ -13,7 +14,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: DraftRunner, model_thread: ModelThread) -> None:
+    def __init__(self, runner: DraftRunner | NgramDrafter, model_thread: ModelThread) -> None:
         self._runner = runner
         self._model_thread = model_thread
 
@@ -30,7 +31,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         )
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
-            distributions=[wire.encode_distribution(row, proposal.deterministic) for row in proposal.probs],
+            distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),
             processed_tokens=proposal.processed_tokens,
             sequence_length=proposal.sequence_length,
             compute_ms=proposal.compute_ms,

@@ -71,6 +71,29 @@ def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Ma
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log)
 
 
+def model_service_args(device: str, threads: int) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment shared by a local draft or target service."""
+    args = ["--device", device, "--max-speculative-tokens", "16"] + (["--threads", str(threads)] if threads else [])
+    return args, ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+
+
+def spawn_coordinator(
+    draft: ServiceProcess, target: ServiceProcess, tokenizer: Path, log: Path, args: Sequence[str] = (), cwd: Path | None = None
+) -> ServiceProcess:
+    """A coordinator for a running draft and target, healthy on return."""
+    coordinator = spawn(
+        "coordinator", "coordinator",
+        ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tokenizer), *args],
+        free_port(), log, {}, cwd,
+    )
+    try:
+        coordinator.wait_healthy(120)
+    except BaseException:
+        coordinator.stop()
+        raise
+    return coordinator
+
+
 @contextmanager
 def local_stack(
     draft_model: Path,
@@ -81,26 +104,27 @@ def local_stack(
     target_dtype: str = "float32",
     device: str = "cpu",
     threads: int = 0,
+    draft_args: Sequence[str] = (),
     coordinator_args: Sequence[str] = (),
     cwd: Path | None = None,
     start_timeout_s: float = 900.0,
 ) -> Iterator[dict[str, ServiceProcess]]:
     """Draft, target and coordinator as three local processes on free loopback ports, healthy
-    on entry and stopped (coordinator first) on exit. The coordinator uses the target's tokenizer."""
-    model_args = ["--device", device, "--max-speculative-tokens", "16"] + (["--threads", str(threads)] if threads else [])
-    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    on entry and stopped (coordinator first) on exit. The coordinator uses the target's tokenizer.
+    `draft_args` go last on the draft's command line, so they override `draft_dtype`."""
+    model_args, env = model_service_args(device, threads)
     services: dict[str, ServiceProcess] = {}
     try:
-        services["draft"] = spawn("draft", "draft_service", ["--model", str(draft_model), "--dtype", draft_dtype, *model_args], free_port(), log_dir / "draft.log", env, cwd)
+        services["draft"] = spawn(
+            "draft", "draft_service", ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
+            free_port(), log_dir / "draft.log", env, cwd,
+        )
         services["target"] = spawn("target", "target_service", ["--model", str(target_model), "--dtype", target_dtype, *model_args], free_port(), log_dir / "target.log", env, cwd)
         services["draft"].wait_healthy(start_timeout_s)
         services["target"].wait_healthy(start_timeout_s)
-        services["coordinator"] = spawn(
-            "coordinator", "coordinator",
-            ["--draft", services["draft"].address, "--target", services["target"].address, "--tokenizer", str(target_model), *coordinator_args],
-            free_port(), log_dir / "coordinator.log", {}, cwd,
+        services["coordinator"] = spawn_coordinator(
+            services["draft"], services["target"], target_model, log_dir / "coordinator.log", coordinator_args, cwd
         )
-        services["coordinator"].wait_healthy(120)
         yield services
     finally:
         for service in reversed(list(services.values())):

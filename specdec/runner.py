@@ -50,7 +50,7 @@ class ModelRunner:
             tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
             eos_token_ids=self.loaded.eos_token_ids,
             max_context=self.loaded.max_context,
-            dtype=str(self.model.dtype).removeprefix("torch."),
+            dtype=self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch."),
             device=self.loaded.device_label,
             open_sessions=len(self.sessions),
             max_speculative_tokens=self.max_speculative_tokens,
@@ -63,16 +63,10 @@ class ModelRunner:
         return self.sessions.expire()
 
     def check_tokens(self, token_ids: list[int], what: str) -> None:
-        vocab = self.loaded.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        check_token_ids(token_ids, self.loaded.vocab_size, what)
 
     def check_length(self, total: int) -> None:
-        if total > self.loaded.max_context:
-            raise InvalidArgument(
-                f"sequence would reach {total} tokens; the model's context is {self.loaded.max_context}"
-            )
+        check_context(total, self.loaded.max_context)
 
     @torch.inference_mode()
     def forward(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
@@ -97,6 +91,17 @@ class ModelRunner:
             raise
         self.processed_tokens_total += len(token_ids)
         return out.logits[0].float()  # [min(logits_to_keep, N), V]
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def check_context(total: int, max_context: int) -> None:
+    if total > max_context:
+        raise InvalidArgument(f"sequence would reach {total} tokens; the model's context is {max_context}")
 
 
 class Stopwatch:

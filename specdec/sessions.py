@@ -21,15 +21,15 @@ from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 class KVSession:
     session_id: str
     tokens: list[int] = field(default_factory=list)  # full sequence; may run ahead of the cache
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache | None = field(default_factory=DynamicCache)  # None: a model-free drafter
     last_used: float = field(default_factory=time.monotonic)
 
     @property
     def cached_tokens(self) -> int:
-        return self.cache.get_seq_length()
+        return 0 if self.cache is None else self.cache.get_seq_length()
 
-    def extend(self, keep_tokens: int, new_tokens: list[int]) -> list[int]:
-        """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run."""
+    def rollback(self, keep_tokens: int, new_tokens: list[int]) -> None:
+        """Keeps the first `keep_tokens` of the sequence and appends `new_tokens` (no model work)."""
         if keep_tokens < 0 or keep_tokens > len(self.tokens):
             raise InvalidArgument(
                 f"keep_tokens={keep_tokens} is outside the session's sequence of {len(self.tokens)} tokens; "
@@ -37,6 +37,11 @@ class KVSession:
             )
         del self.tokens[keep_tokens:]
         self.tokens.extend(new_tokens)
+        self.last_used = time.monotonic()
+
+    def extend(self, keep_tokens: int, new_tokens: list[int]) -> list[int]:
+        """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run."""
+        self.rollback(keep_tokens, new_tokens)
         surplus = self.cached_tokens - keep_tokens
         if surplus > 0:
             # transformers 5 semantics: a negative argument removes that many tokens.
@@ -47,7 +52,6 @@ class KVSession:
                 "nothing to run: every kept token is already cached and no new tokens were sent; "
                 "send at least one new token"
             )
-        self.last_used = time.monotonic()
         return pending
 
 
@@ -57,7 +61,7 @@ class SessionStore:
     Not thread-safe: a service touches it only from its single model thread.
     """
 
-    def __init__(self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache] = DynamicCache) -> None:
+    def __init__(self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache | None] = DynamicCache) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._cache_factory = cache_factory

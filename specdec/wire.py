@@ -34,6 +34,13 @@ def encode_distribution(probs: torch.Tensor, deterministic: bool) -> common_pb2.
     return common_pb2.ProposalDistribution(dense=encode_dense(probs))
 
 
+def encode_distributions(probs: torch.Tensor | None, count: int, deterministic: bool) -> list[common_pb2.ProposalDistribution]:
+    """probs: [count, V], or None when deterministic (one-hot rows need no values)."""
+    if deterministic:
+        return [common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot()) for _ in range(count)]
+    return [encode_distribution(row, False) for row in probs]
+
+
 def encode_dense(probs: torch.Tensor) -> common_pb2.DenseProbs:
     """probs: [V] → DenseProbs (little-endian float32)."""
     return common_pb2.DenseProbs(float32_le=probs.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes())

@@ -39,3 +39,22 @@ def test_bench_harness_runs_all_modes_and_writes_results(tiny_pair, tmp_path):
     table = (out / "table.md").read_text()
     assert "achieved/theoretical" in table and "Best K" in table
     assert (out / "tokens_per_s_vs_k.png").stat().st_size > 0 and (out / "acceptance_vs_k.png").stat().st_size > 0
+
+
+def test_bench_drafters_suite_runs_every_drafter(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"kind": "code-edit", "text": "x = 1\nx = 1\nx ="}]}))
+    out = tmp_path / "out"
+    code = bench_main([
+        "--suite", "drafters", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
+        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1", "--draft-vocab", "128",
+        "--max-new-tokens", "8", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["mode"]: row for row in results["summary"]["0.0"]}
+    assert {m["drafter"] for m in results["modes"] if m["family"] == "ours"} == {"model", "int8", "int8+vocab", "ngram"}
+    assert all(row["tokens_per_s"] > 0 for row in rows.values())
+    assert rows["ours ngram K=4"]["acceptance"] is not None, "the lookup drafter must propose on a repeating prompt"
+    assert results["machine"]["drafters"]["ours"]["int8+vocab"][-1] == "128"
+    assert "by prompt kind" in (out / "table.md").read_text()

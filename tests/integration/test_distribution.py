@@ -4,8 +4,9 @@ A 12-token tiny pair lets us compute the target's exact distribution over whole 
 continuations by enumeration (1 + 12 + 144 forward passes), then compare thousands of
 seeded speculative generations against it with a χ² test at a fixed bound. Each case
 exercises one wire form of the draft distribution: dense (the draft samples its full
-distribution), sparse (the draft truncates to its top-k) and one-hot (greedy proposals),
-plus a target whose top-k gives most tokens probability 0.
+distribution), sparse (the draft truncates to its top-k, or its output head covers only part
+of the vocabulary) and one-hot (greedy proposals, prompt lookup), plus a target whose top-k
+gives most tokens probability 0, and each drafter of the draft service.
 """
 
 from __future__ import annotations
@@ -27,17 +28,24 @@ NUM_DRAFT = 2
 SAMPLES = 3000
 CONCURRENCY = 16
 
+# A prompt whose tokens recur, so the prompt-lookup drafter proposes in most rounds.
+REPEATING_PROMPT = [3, 7, 5, 3, 7]
+T1 = SamplingParams(temperature=1.0)
+
 CASES = {
-    # name: (draft service overrides, request sampling settings)
-    "dense_full_draft_distribution": ({}, SamplingParams(temperature=1.0)),
-    "sparse_draft_top_k": ({"proposal_top_k": 3}, SamplingParams(temperature=1.0)),
-    "one_hot_greedy_proposals": ({"proposal_mode": "greedy"}, SamplingParams(temperature=1.0)),
-    "target_top_k_top_p_zeros": ({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+    # name: (draft service overrides, request sampling settings, prompt)
+    "dense_full_draft_distribution": ({"quantize": "none"}, T1, PROMPT),
+    "dense_int8_draft": ({"quantize": "int8"}, T1, PROMPT),
+    "sparse_draft_top_k": ({"proposal_top_k": 3}, T1, PROMPT),
+    "sparse_reduced_vocab_head": ({"draft_vocab": 6}, T1, PROMPT),
+    "one_hot_greedy_proposals": ({"proposal_mode": "greedy"}, T1, PROMPT),
+    "one_hot_ngram_prompt_lookup": ({"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, T1, REPEATING_PROMPT),
+    "target_top_k_top_p_zeros": ({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), PROMPT),
 }
 
 
-def exact_target_distribution(model_dir, params: SamplingParams, vocab: int) -> dict[tuple[int, ...], float]:
-    """Probability of every LENGTH-token continuation of PROMPT under the target, by enumeration."""
+def exact_target_distribution(model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
+    """Probability of every LENGTH-token continuation of `prompt` under the target, by enumeration."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
@@ -47,37 +55,41 @@ def exact_target_distribution(model_dir, params: SamplingParams, vocab: int) -> 
                 if prefix_prob == 0.0:
                     row = torch.zeros(vocab)
                 else:
-                    row = logits_to_probs(model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], params)
+                    row = logits_to_probs(model(torch.tensor([prompt + list(prefix)])).logits[0, -1], params)
                 for token in range(vocab):
                     extended[prefix + (token,)] = prefix_prob * float(row[token])
             probs = extended
     return probs
 
 
-async def sample_continuations(stub, params: SamplingParams, seeds) -> list[tuple[int, ...]]:
+async def sample_continuations(stub, params: SamplingParams, seeds, prompt: list[int] = PROMPT) -> list[tuple[int, ...]]:
     semaphore = asyncio.Semaphore(CONCURRENCY)
 
     async def one(seed: int) -> tuple[int, ...]:
         async with semaphore:
             response = await stub.Generate(
                 pb.GenerateRequest(
-                    prompt_token_ids=PROMPT, max_new_tokens=LENGTH, num_speculative_tokens=NUM_DRAFT,
+                    prompt_token_ids=prompt, max_new_tokens=LENGTH, num_speculative_tokens=NUM_DRAFT,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
                 ),
                 timeout=60,
             )
+            proposed.append(response.stats.proposed_tokens)
             return tuple(response.token_ids)
 
-    return await asyncio.gather(*(one(seed) for seed in seeds))
+    proposed: list[int] = []
+    samples = await asyncio.gather(*(one(seed) for seed in seeds))
+    assert sum(proposed) > 0, "the draft never proposed, so nothing was tested"
+    return samples
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_sampled_output_has_target_distribution(word_pair, case):
-    draft_overrides, params = CASES[case]
-    expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size)
+    draft_overrides, params, prompt = CASES[case]
+    expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size, prompt)
     async with inprocess_stack(word_pair, draft_overrides=draft_overrides) as stack:
-        samples = await sample_continuations(stack.stub, params, range(SAMPLES))
-        repeat = await sample_continuations(stack.stub, params, range(20))
+        samples = await sample_continuations(stack.stub, params, range(SAMPLES), prompt)
+        repeat = await sample_continuations(stack.stub, params, range(20), prompt)
     assert repeat == samples[:20], "the same seed must give the same output"
     assert all(len(s) == LENGTH for s in samples)
     zero = {seq for seq, p in expected.items() if p == 0.0}

@@ -1,0 +1,108 @@
+"""The prompt-lookup drafter: model-free proposals copied from the session's own sequence.
+
+When the output repeats its input (summaries quote the source, code edits copy the code),
+the tokens after the most recent earlier occurrence of the sequence's last n tokens are a
+good guess for what comes next, and finding them costs microseconds instead of a forward pass.
+Proposals are deterministic, so they travel as one-hot distributions and the target accepts
+each with exactly its own probability of that token (see specdec.probs.verify_outputs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from draft_service.runner import Proposal
+from specdec.errors import InvalidArgument
+from specdec.modeling import TokenizerInfo
+from specdec.probs import SamplingParams
+from specdec.runner import ModelDescription, Stopwatch, check_context, check_token_ids
+from specdec.sessions import SessionStore
+
+
+def lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """Up to `num_tokens` tokens that followed the most recent earlier occurrence of the
+    longest suffix n-gram, n from `max_n` down to `min_n`; [] when no suffix recurs.
+
+    tokens: [L] int64
+    """
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]  # [n]
+        windows = sliding_window_view(tokens[: length - 1], n)  # [L - n, n]; excludes the suffix itself
+        matches = np.flatnonzero((windows == suffix).all(axis=1))
+        if matches.size:
+            start = int(matches[-1]) + n  # < L, so at least one token follows
+            return tokens[start : start + num_tokens].tolist()
+    return []
+
+
+class NgramDrafter:
+    """Same interface as DraftRunner (propose, describe, end_session, expire_sessions), no model."""
+
+    def __init__(
+        self,
+        info: TokenizerInfo,
+        max_sessions: int,
+        session_ttl_s: float,
+        max_speculative_tokens: int,
+        min_n: int = 2,
+        max_n: int = 4,
+    ):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max; got min {min_n}, max {max_n}")
+        self.info = info
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_speculative_tokens = max_speculative_tokens
+        self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
+
+    def propose(
+        self,
+        session_id: str,
+        keep_tokens: int,
+        new_tokens: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        seed: int,
+    ) -> Proposal:
+        """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
+        if not 1 <= num_tokens <= self.max_speculative_tokens:
+            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {num_tokens}")
+        check_token_ids(new_tokens, self.info.vocab_size, "new_tokens")
+        check_context(keep_tokens + len(new_tokens) + num_tokens, self.info.max_context)
+        clock = Stopwatch()
+        session = self.sessions.open(session_id, keep_tokens)
+        session.rollback(keep_tokens, new_tokens)
+        if not session.tokens:
+            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, num_tokens)
+        session.tokens.extend(token_ids)
+        return Proposal(
+            token_ids=token_ids,
+            probs=None,
+            deterministic=True,
+            processed_tokens=0,
+            sequence_length=len(session.tokens),
+            compute_ms=clock.ms(),
+        )
+
+    def describe(self) -> ModelDescription:
+        info = self.info
+        return ModelDescription(
+            model_id=f"ngram[{self.min_n}..{self.max_n}]:{info.model_id}",
+            vocab_size=info.vocab_size,
+            tokenizer_fingerprint=info.tokenizer_fingerprint,
+            eos_token_ids=info.eos_token_ids,
+            max_context=info.max_context,
+            dtype="none",
+            device="cpu",
+            open_sessions=len(self.sessions),
+            max_speculative_tokens=self.max_speculative_tokens,
+        )
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
+    def expire_sessions(self) -> int:
+        return self.sessions.expire()

@@ -1,0 +1,77 @@
+"""Every drafter of the draft service, through real gRPC servers: greedy output is the
+target's own, and the cheap drafters actually propose and get tokens accepted."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.v1 import common_pb2
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import draft_pb2_grpc
+from tests.stack import inprocess_stack
+
+DRAFTERS = {
+    "model_float32": {"quantize": "none"},
+    "model_int8": {"quantize": "int8"},
+    "model_reduced_vocab": {"quantize": "none", "draft_vocab": 128},
+    "model_int8_reduced_vocab": {"quantize": "int8", "draft_vocab": 128},
+    "ngram": {"drafter": "ngram", "ngram_min": 1, "ngram_max": 4},
+}
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    # Repetitive, so the prompt-lookup drafter has something to copy.
+    "x = x + 1\nx = x + 1\nx = x + 1\nx = x",
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=sorted(DRAFTERS))
+async def stack(request, tiny_pair):
+    async with inprocess_stack(tiny_pair, draft_overrides=DRAFTERS[request.param]) as running:
+        running.drafter = request.param
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    cache: dict[str, list[int]] = {}
+
+    def generate(prompt: str) -> list[int]:
+        if prompt not in cache:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=40, do_sample=False)
+            cache[prompt] = out[0, ids.shape[1] :].tolist()
+        return cache[prompt]
+
+    return generate
+
+
+async def test_greedy_output_is_the_targets_for_every_drafter(stack, reference):
+    accepted = 0
+    for prompt in PROMPTS:
+        for k in (2, 5):
+            response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=k), timeout=60)
+            assert list(response.token_ids) == reference(prompt), f"{stack.drafter}, K={k}: diverged on {prompt!r}"
+            s = response.stats
+            assert s.proposed_tokens <= k * s.rounds and s.accepted_tokens <= s.proposed_tokens
+            assert s.generated_tokens == s.accepted_tokens + s.recovered_tokens + s.bonus_tokens
+            accepted += s.accepted_tokens
+    assert accepted > 0, f"{stack.drafter} never had a token accepted"
+
+
+async def test_info_names_the_drafter(stack):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+        info = await draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest())
+    if stack.drafter == "ngram":
+        assert info.model_id.startswith("ngram[1..4]") and info.dtype == "none"
+    elif "int8" in stack.drafter:
+        assert info.dtype.startswith("int8")
+    else:
+        assert info.dtype == "float32"

@@ -1,0 +1,126 @@
+"""The draft service's drafters on tiny models: prompt lookup, int8, reduced-vocabulary head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service import server as draft_server
+from draft_service.config import DraftConfig, config_problem
+from draft_service.config import parse_config as draft_config
+from draft_service.ngram import NgramDrafter, lookup
+from draft_service.runner import DraftRunner, frequent_token_ids
+from specdec.errors import InvalidArgument, SessionNotFound
+from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
+from specdec.probs import SamplingParams
+from tests.stack import model_service_config
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+def ids(*tokens: int) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def test_lookup_prefers_the_longest_suffix_then_the_most_recent_occurrence():
+    # Suffix [1, 2] occurs at 0 (followed by 3, 4) and at 5 (followed by 9): the latest wins.
+    assert lookup(ids(1, 2, 3, 4, 0, 1, 2, 9, 7, 1, 2), 1, 4, 3) == [9, 7, 1]
+    # [5, 1, 2] recurs once, earlier than a bare [1, 2]: the longer match wins.
+    assert lookup(ids(5, 1, 2, 8, 6, 1, 2, 7, 5, 1, 2), 1, 4, 2) == [8, 6]
+    # The continuation stops at the end of the sequence.
+    assert lookup(ids(4, 4, 4), 1, 2, 5) == [4]
+
+
+def test_lookup_respects_min_n_and_finds_nothing_without_a_recurrence():
+    assert lookup(ids(1, 2, 3, 4), 1, 4, 3) == []
+    assert lookup(ids(1, 2, 3, 9, 3), 2, 4, 3) == [], "a single recurring token is below min_n=2"
+    assert lookup(ids(1, 2, 3, 9, 3), 1, 4, 3) == [9, 3]
+    assert lookup(ids(7), 1, 4, 3) == []
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_pair) -> NgramDrafter:
+    return NgramDrafter(load_tokenizer_info(str(tiny_pair.target)), max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, min_n=1, max_n=3)
+
+
+def test_ngram_drafter_keeps_its_sequence_and_rolls_back(ngram, tiny_pair):
+    prompt = [10, 11, 12, 13, 10, 11]
+    first = ngram.propose("n", 0, prompt, 4, SAMPLED, 0)
+    assert first.token_ids == [12, 13, 10, 11] and first.deterministic and first.probs is None
+    assert first.processed_tokens == 0 and first.sequence_length == 10
+    # The target accepted two of them and recovered 40: keep prompt + 2, send the recovered token.
+    second = ngram.propose("n", 8, [40], 4, SAMPLED, 0)
+    assert ngram.sessions.open("n", 1).tokens[:9] == prompt + [12, 13, 40]
+    assert second.token_ids == [] and second.sequence_length == 9, "40 never occurred before, so nothing is proposed"
+    with pytest.raises(SessionNotFound):
+        ngram.propose("unknown", 3, [1], 2, GREEDY, 0)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        ngram.propose("n", 9, [tiny_pair.vocab_size], 2, GREEDY, 0)
+    info = ngram.describe()
+    assert info.vocab_size == tiny_pair.vocab_size and info.model_id.startswith("ngram[1..3]")
+    assert info.tokenizer_fingerprint == load_causal_lm(str(tiny_pair.target), "float32", "cpu").tokenizer_fingerprint
+    assert ngram.end_session("n") and not ngram.end_session("n")
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0, -1].float()  # [V]
+
+
+def test_reduced_head_scores_exactly_its_ids_and_proposes_only_them(tiny_pair):
+    reference = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+    loaded = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+    head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, 100, loaded.eos_token_ids)
+    assert set(head_ids.tolist()) == set(range(100)) | {tiny_pair.eos_token_id}
+    assert frequent_token_ids(loaded.tokenizer, loaded.vocab_size, 3, (300,)).tolist() == [0, 1, 2, 300]
+    restrict_output_head(loaded.model, head_ids)
+    runner = DraftRunner(loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, head_ids=head_ids)
+    prompt = [5, 17, 99, 200, 31]
+    # The restricted head's logits are the full head's logits at its ids.
+    torch.testing.assert_close(full_logits(loaded.model, prompt), full_logits(reference.model, prompt)[head_ids])
+    greedy = runner.propose("g", 0, prompt, 3, GREEDY, 0)
+    expected = int(head_ids[full_logits(reference.model, prompt)[head_ids].argmax()])
+    assert greedy.token_ids[0] == expected
+    sampled = runner.propose("s", 0, prompt, 4, SAMPLED, 0)
+    outside = torch.ones(loaded.vocab_size, dtype=torch.bool)
+    outside[head_ids] = False
+    assert sampled.probs.shape == (4, loaded.vocab_size)
+    assert float(sampled.probs[:, outside].abs().sum()) == 0.0
+    torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(4))
+    assert all(t in set(head_ids.tolist()) for t in sampled.token_ids)
+    for token, row in zip(sampled.token_ids, sampled.probs):
+        assert row[token] > 0
+
+
+def test_int8_draft_is_quantised_reports_it_and_stays_close(tiny_pair):
+    config = model_service_config(DraftConfig, tiny_pair.draft)  # quantize="auto" on CPU float32
+    assert config.resolved_quantize() == "int8"
+    runner = draft_server.load_runner(config)
+    assert any("quantized" in type(m).__module__ for m in runner.model.modules())
+    assert runner.describe().dtype.startswith("int8")
+    reference = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+    prompt = [5, 17, 99, 200, 31]
+    proposal = runner.propose("q", 0, prompt, 2, SAMPLED, 0)
+    exact = torch.softmax(full_logits(reference.model, prompt), -1)
+    assert float((proposal.probs[0] - exact).abs().sum()) < 0.2, "int8 should move the distribution only a little"
+    plain = draft_server.load_runner(dataclasses.replace(config, quantize="none"))
+    assert plain.describe().dtype == "float32"
+
+
+def test_auto_quantisation_and_contradictory_flags():
+    base = draft_config(["--model", "m"], {})
+    assert base.quantize == "auto" and base.drafter == "model"
+    assert dataclasses.replace(base, dtype="bfloat16").resolved_quantize() == "none"
+    assert dataclasses.replace(base, device="cuda").resolved_quantize() == "none"
+    assert config_problem(dataclasses.replace(base, quantize="int8", device="cuda")) is not None
+    assert config_problem(dataclasses.replace(base, drafter="ngram", quantize="int8")) is not None
+    assert config_problem(dataclasses.replace(base, drafter="ngram", ngram_min=3, ngram_max=2)) is not None
+    assert config_problem(dataclasses.replace(base, drafter="ngram")) is None
+    with pytest.raises(SystemExit):
+        draft_config(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"], {})
+    ngram = draft_config(["--model", "m", "--drafter", "ngram", "--ngram-min", "1"], {"SPECDEC_DRAFT_NGRAM_MAX": "6"})
+    assert (ngram.ngram_min, ngram.ngram_max) == (1, 6)
