@@ -29,6 +29,8 @@ class CoordinatorConfig:
     connect_timeout_s: float = 120.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     log_level: str = "INFO"
+    pipeline: bool = False  # pre-draft the next round while the target verifies
+    adaptive_k: bool = False  # choose K per round when a request leaves it unset
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -48,6 +50,11 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--connect-timeout", 120.0, "how long start-up waits for draft and target to answer Info", type=float)
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
+    args.add("--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"])
+    args.add(
+        "--adaptive-k", "off", "on: choose K per round from measured acceptance and timing when a request leaves it unset",
+        choices=["on", "off"],
+    )
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
@@ -69,4 +76,6 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         connect_timeout_s=ns.connect_timeout,
         max_message_bytes=ns.max_message_bytes,
         log_level=ns.log_level,
+        pipeline=ns.pipeline == "on",
+        adaptive_k=ns.adaptive_k == "on",
     )

@@ -24,10 +24,20 @@ class GenerationStats:
     time_to_first_token_ms: float = 0.0
     total_ms: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)  # index i: rounds accepting draft i
+    pipelined: bool = False
+    predrafts: int = 0  # continuations started during a verify
+    predraft_hits: int = 0  # whole round accepted and the bonus equalled the pre-draft's first token
+    predraft_misses: int = 0  # whole round accepted, different bonus token
+    predraft_cancelled: int = 0  # a draft token was rejected (or generation ended): cancelled
+    predrafted_tokens: int = 0  # tokens of pre-drafts that completed and were read
+    predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)
+    predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
+    k_per_round: list[int] = field(default_factory=list)  # drafts verified per round
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     def record_round(self, num_draft: int, num_accepted: int) -> None:
         self.rounds += 1
+        self.k_per_round.append(num_draft)
         self.proposed_tokens += num_draft
         self.accepted_tokens += num_accepted
         if num_accepted < num_draft:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from coordinator.adaptive import AdaptiveK, LinearCost
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
@@ -70,6 +71,7 @@ class Job:
     seed: int
     stop: tuple[str, ...]
     num_speculative_tokens: int
+    num_speculative_tokens_unset: bool = False  # the request left K to the coordinator
 
 
 @dataclass
@@ -87,6 +89,16 @@ class _SessionView:
     session_id: str
     synced: int = 0  # leading tokens of the committed sequence the service holds
     opened: bool = False
+    calls: _CallCounter = field(default_factory=lambda: _CallCounter())  # numbers Propose calls (epochs)
+
+
+class _CallCounter:
+    def __init__(self) -> None:
+        self.last = 0
+
+    def next(self) -> int:
+        self.last += 1
+        return self.last
 
 
 @dataclass
@@ -94,6 +106,28 @@ class _Round:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_token_draft_probs: list[float] = field(default_factory=list)
     distributions: list = field(default_factory=list)
+
+    def truncated(self, k: int, start: int = 0) -> _Round:
+        end = start + k
+        return _Round(self.draft_token_ids[start:end], self.draft_token_draft_probs[start:end], self.distributions[start:end])
+
+
+@dataclass
+class _PreDraft:
+    """A continuation being drafted while the target verifies. Tagged with the round that
+    started it: it is taken or cancelled before the next round begins, and a reply offered to
+    any other round is refused. On the draft service, its call number (epoch) stops it from
+    rewinding the session if it arrives after a newer call."""
+
+    round_index: int
+    k: int
+    task: asyncio.Future
+
+    def cancel(self) -> None:
+        """Cancels the RPC; a reply that already arrived is dropped unread."""
+        self.task.cancel()
+        # Retrieve any exception so asyncio does not log it as never retrieved.
+        self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 class Coordinator:
@@ -111,6 +145,10 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.pair = pair
         self._cleanup: set[asyncio.Task] = set()
+        # Deployment-wide timing (shared by all requests) and an acceptance prior, for adaptive K.
+        self._draft_cost = LinearCost(fixed=2.0, per_token=20.0)
+        self._verify_cost = LinearCost(fixed=100.0, per_token=5.0)
+        self._alpha_prior = 0.75
 
     def prepare(self, request: GenerationRequest) -> Job:
         """Validates a request; every failure says what was wrong and what is accepted."""
@@ -169,10 +207,24 @@ class Coordinator:
             seed=seed,
             stop=tuple(request.stop),
             num_speculative_tokens=k,
+            num_speculative_tokens_unset=request.num_speculative_tokens is None,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        """Yields one chunk per round; the last carries the finish reason and the stats."""
+        """Yields one chunk per round; the last carries the finish reason and the stats.
+
+        Sequential mode drafts, then verifies. Pipelined mode (`--pipeline`) also starts a
+        pre-draft during each verify: the draft continues as if every draft token will be
+        accepted. It is used only when the whole round was accepted and its first token e1
+        equals the target's bonus token b; then e2.. become the next round's drafts, each
+        drawn from the draft's distribution given exactly the committed prefix (which ends
+        in b). Why that stays exact: rejection sampling returns the target's distribution
+        for any proposal that was drawn from the distribution sent with it, independently of
+        the target's coins. e2.. were drawn before the next round's uniforms and target
+        samples exist, the rule that selects them looks only at the finished round and e1,
+        and the next round verifies them against the distributions they came from. Any
+        other outcome cancels the pre-draft (gRPC cancellation) and its tokens are never read.
+        """
         job = self.prepare(request)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
         rng = np.random.default_rng(job.seed)
@@ -181,33 +233,54 @@ class Coordinator:
         sampling = wire.params_to_pb(job.params)
         sequence = list(job.prompt_ids)
         text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
+        pipelined = self.config.pipeline and job.num_speculative_tokens != 0
+        adaptive = self._adaptive(job, pipelined)
+        stats.pipelined = pipelined
+        ready: _Round | None = None  # drafts for the next round, from a kept pre-draft
+        predraft: _PreDraft | None = None
         try:
             while True:
-                room = self.pair.max_context - len(sequence)
                 remaining = job.max_new_tokens - len(text.token_ids)
-                k = max(0, min(job.num_speculative_tokens, remaining - 1, room - 1, self.pair.draft_max_context - len(sequence)))
-                draft_seed, target_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=2))
+                limit = self._k_limit(len(sequence), remaining)
+                k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
+                draft_seed, target_seed, predraft_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=3))
                 uniforms = rng.random(k).tolist()  # [K]
-                round_ = _Round()
-                if k:
+                draft_in_round = bool(k)  # the draft session will hold this round's drafts
+                if ready is not None and ready.draft_token_ids and k:
+                    round_ = ready.truncated(k)
+                elif k:
+                    started = stats.elapsed_ms()
                     proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
-                    if len(proposal.token_ids) > k:
-                        raise SpecDecError(
-                            f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
-                        )
-                    _check_reply(self.draft.address, "distributions", len(proposal.distributions), len(proposal.token_ids))
+                    round_ = self._round_from(proposal, k)
                     stats.draft_compute_ms += proposal.compute_ms
-                    round_ = _Round(
-                        list(proposal.token_ids),
-                        [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
-                        list(proposal.distributions),
-                    )
+                    if adaptive:
+                        adaptive.observe_draft(k, stats.elapsed_ms() - started)
+                else:
+                    round_ = _Round()
+                ready = None
                 # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
                 proposed = len(round_.draft_token_ids)
-                verification = await self._verify(target_view, sequence, round_, sampling, target_seed, stats)
+                base = len(sequence)
+                started = stats.elapsed_ms()
+                verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats))
+                # Pre-draft only if a fully accepted round would leave room for another round: the
+                # bonus guess plus up to K drafts for it.
+                next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
+                if pipelined and proposed and next_limit:
+                    speculative = sequence + round_.draft_token_ids
+                    predraft = self._start_predraft(
+                        draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
+                    )
+                try:
+                    verification = await verify
+                finally:
+                    if not verify.done():
+                        verify.cancel()
                 _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
                 _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
                 stats.target_compute_ms += verification.compute_ms
+                if adaptive:
+                    adaptive.observe_verify(proposed, stats.elapsed_ms() - started)
                 outcome = decide_round(
                     verification.draft_token_target_probs,
                     round_.draft_token_draft_probs,
@@ -216,10 +289,12 @@ class Coordinator:
                     verification.bonus_token_id,
                 )
                 stats.record_round(proposed, outcome.num_accepted)
+                if adaptive:
+                    adaptive.observe_round(proposed, outcome.num_accepted)
                 # Both services hold sequence + drafts; only the accepted drafts stay valid.
-                target_view.synced = len(sequence) + outcome.num_accepted
-                if k:
-                    draft_view.synced = len(sequence) + outcome.num_accepted
+                target_view.synced = base + outcome.num_accepted
+                if draft_in_round:
+                    draft_view.synced = base + outcome.num_accepted
                 finished = False
                 for token in outcome.committed(round_.draft_token_ids):
                     sequence.append(token)
@@ -227,28 +302,106 @@ class Coordinator:
                         break
                 if not finished and len(sequence) >= self.pair.max_context:
                     text.finish(FINISH_LENGTH)
+                if predraft is not None:
+                    if text.finish_reason is None and outcome.num_accepted == proposed:
+                        ready = await self._take_predraft(predraft, outcome.next_token_id, stats)
+                        if ready is not None:
+                            # The draft holds the round, the bonus token (= its first pre-draft
+                            # token) and the rest of the pre-draft, which become the next drafts.
+                            draft_view.synced = base + proposed + 1
+                    else:
+                        stats.predraft_cancelled += 1
+                        predraft.cancel()
+                    predraft = None
                 stats.mark_first_token()
                 delta = text.take_delta()
                 if text.finish_reason is not None:
                     stats.close(len(text.token_ids))
+                    self._learn(adaptive)
                     yield Chunk(delta.token_ids, delta.text, text.finish_reason, stats)
                     return
                 yield Chunk(delta.token_ids, delta.text)
         finally:
+            if predraft is not None:
+                predraft.cancel()
             self._end_sessions(draft_view, target_view)
 
+    def _k_limit(self, length: int, remaining: int) -> int:
+        """The most drafts a round may carry, from a sequence of `length` with `remaining` new
+        tokens allowed: room for the drafts plus the recovered/bonus token, in both models."""
+        room = self.pair.max_context - length
+        return max(0, min(self.pair.max_num_speculative_tokens, remaining - 1, room - 1, self.pair.draft_max_context - length))
+
+    def _adaptive(self, job: Job, pipelined: bool) -> AdaptiveK | None:
+        """A per-request K chooser when the request left K to the coordinator and it adapts."""
+        if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
+            return None
+        return AdaptiveK(
+            k_max=self.pair.max_num_speculative_tokens,
+            pipelined=pipelined,
+            draft=self._draft_cost,
+            verify=self._verify_cost,
+            accepted=4.0 * self._alpha_prior,
+            reached=4.0,
+        )
+
+    def _learn(self, adaptive: AdaptiveK | None) -> None:
+        """Carries the finished request's acceptance into the next request's prior."""
+        if adaptive is not None and adaptive.reached > 4.0:
+            self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * adaptive.alpha
+
+    @staticmethod
+    def _round_from(proposal: draft_pb2.ProposeResponse, k: int) -> _Round:
+        if len(proposal.token_ids) > k:
+            raise SpecDecError(f"the draft proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed")
+        if len(proposal.distributions) != len(proposal.token_ids):
+            raise SpecDecError(
+                f"the draft returned {len(proposal.distributions)} distributions for {len(proposal.token_ids)} tokens; the reply is malformed"
+            )
+        return _Round(
+            list(proposal.token_ids),
+            [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
+            list(proposal.distributions),
+        )
+
+    def _start_predraft(
+        self, draft_view: _SessionView, speculative: list[int], k: int, sampling, seed: int, stats: GenerationStats
+    ) -> _PreDraft:
+        """Proposes the continuation of `speculative` (the sequence plus this round's drafts),
+        which the draft session already holds, while the target verifies."""
+        # Shares the call counter, so the next regular call is numbered after this one.
+        view = _SessionView(draft_view.session_id, synced=len(speculative), opened=True, calls=draft_view.calls)
+        task = asyncio.ensure_future(self._propose(view, speculative, min(k, self.pair.max_num_speculative_tokens), sampling, seed, stats, count_wait=False))
+        stats.predrafts += 1
+        return _PreDraft(round_index=stats.rounds, k=k, task=task)
+
+    async def _take_predraft(self, predraft: _PreDraft, bonus_token: int, stats: GenerationStats) -> _Round | None:
+        """The pre-draft's tokens after the first, if its first equals the bonus token; else None."""
+        if predraft.round_index != stats.rounds - 1:
+            raise AssertionError(f"pre-draft of round {predraft.round_index} offered to round {stats.rounds - 1}")
+        proposal = await predraft.task
+        stats.predraft_compute_ms += proposal.compute_ms
+        round_ = self._round_from(proposal, predraft.k)
+        stats.predrafted_tokens += len(round_.draft_token_ids)
+        if round_.draft_token_ids and round_.draft_token_ids[0] == bonus_token:
+            stats.predraft_hits += 1
+            return round_.truncated(len(round_.draft_token_ids), start=1)
+        stats.predraft_misses += 1
+        stats.predraft_wasted_tokens += len(round_.draft_token_ids)
+        return None
+
     async def _propose(
-        self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+        self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats, count_wait: bool = True
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
             return self.draft.propose(
                 draft_pb2.ProposeRequest(
                     session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    num_tokens=k, sampling=sampling, seed=seed,
+                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.calls.next(),
                 )
             )
 
-        return await self._with_reprefill("draft", view, sequence, stats, send)
+        return await self._with_reprefill("draft", view, sequence, stats, send, count_wait)
 
     async def _verify(
         self, view: _SessionView, sequence: list[int], round_: _Round, sampling, seed: int, stats: GenerationStats
@@ -264,7 +417,7 @@ class Coordinator:
 
         return await self._with_reprefill("target", view, sequence, stats, send)
 
-    async def _with_reprefill(self, role: str, view: _SessionView, sequence: list[int], stats: GenerationStats, send):
+    async def _with_reprefill(self, role: str, view: _SessionView, sequence: list[int], stats: GenerationStats, send, count_wait: bool = True):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
         for attempt in range(2):
             view.opened = True  # even a failed call may have opened it; ending is idempotent
@@ -279,7 +432,9 @@ class Coordinator:
                 view.synced = 0
             finally:
                 elapsed = stats.elapsed_ms() - started
-                if role == "draft":
+                if not count_wait:
+                    pass  # a pre-draft overlaps a verify; nobody waits on it
+                elif role == "draft":
                     stats.draft_ms += elapsed
                 else:
                     stats.target_ms += elapsed

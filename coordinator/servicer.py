@@ -49,6 +49,15 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         draft_compute_ms=stats.draft_compute_ms,
         target_compute_ms=stats.target_compute_ms,
         accepted_per_position=stats.accepted_per_position,
+        pipelined=stats.pipelined,
+        predrafts=stats.predrafts,
+        predraft_hits=stats.predraft_hits,
+        predraft_misses=stats.predraft_misses,
+        predraft_cancelled=stats.predraft_cancelled,
+        predrafted_tokens=stats.predrafted_tokens,
+        predraft_wasted_tokens=stats.predraft_wasted_tokens,
+        predraft_compute_ms=stats.predraft_compute_ms,
+        k_per_round=stats.k_per_round,
     )
 
 

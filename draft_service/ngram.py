@@ -9,6 +9,8 @@ each with exactly its own probability of that token (see specdec.probs.verify_ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -65,6 +67,8 @@ class NgramDrafter:
         num_tokens: int,
         params: SamplingParams,
         seed: int,
+        epoch: int = 0,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
         if not 1 <= num_tokens <= self.max_speculative_tokens:
@@ -73,6 +77,7 @@ class NgramDrafter:
         check_context(keep_tokens + len(new_tokens) + num_tokens, self.info.max_context)
         clock = Stopwatch()
         session = self.sessions.open(session_id, keep_tokens)
+        session.advance_epoch(epoch)
         session.rollback(keep_tokens, new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")

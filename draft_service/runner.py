@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class DraftRunner(ModelRunner):
     ):
         super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens)
         self.head_ids = None if head_ids is None else head_ids.to(loaded.device)  # [N]
+        self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
         self.proposal_mode = proposal_mode
@@ -61,13 +63,18 @@ class DraftRunner(ModelRunner):
         num_tokens: int,
         params: SamplingParams,
         seed: int,
+        epoch: int = 0,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> Proposal:
+        """`should_stop` is polled between steps: a cancelled call (a stale pre-draft) frees
+        the model thread after at most one more forward pass instead of K."""
         if not 1 <= num_tokens <= self.max_speculative_tokens:
             raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {num_tokens}")
         self.check_tokens(new_tokens, "new_tokens")
         clock = Stopwatch()
         self.check_length(keep_tokens + len(new_tokens) + num_tokens)
         session = self.sessions.open(session_id, keep_tokens)
+        session.advance_epoch(epoch)
         pending = session.extend(keep_tokens, new_tokens)
         deterministic = params.greedy or self.proposal_mode == "greedy"
         generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
@@ -76,6 +83,9 @@ class DraftRunner(ModelRunner):
         rows: list[torch.Tensor] = []
         feed = pending
         for step in range(num_tokens):
+            if step and should_stop():
+                self.stopped_proposals += 1
+                break
             logits = self.forward(session, feed, logits_to_keep=1)[-1]  # [N] (N = V without a reduced head)
             processed += len(feed)
             if deterministic:

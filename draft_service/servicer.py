@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import grpc
 
 from draft_service.ngram import NgramDrafter
@@ -20,15 +23,22 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
-        proposal = await self._model_thread.run(
-            self._runner.propose,
-            request.session_id,
-            request.keep_tokens,
-            list(request.new_tokens),
-            request.num_tokens,
-            wire.params_from_pb(request.sampling),
-            request.seed,
-        )
+        stop = threading.Event()
+        try:
+            proposal = await self._model_thread.run(
+                self._runner.propose,
+                request.session_id,
+                request.keep_tokens,
+                list(request.new_tokens),
+                request.num_tokens,
+                wire.params_from_pb(request.sampling),
+                request.seed,
+                request.epoch,
+                stop.is_set,
+            )
+        except asyncio.CancelledError:
+            stop.set()  # the client cancelled: stop drafting at the next step
+            raise
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),

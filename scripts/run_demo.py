@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
+from specdec.v1 import common_pb2, draft_pb2_grpc  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -47,9 +48,14 @@ def chat_prompt(question: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models-dir", type=Path, default=ROOT / ".cache/models")
-    parser.add_argument("--draft-dtype", default="bfloat16")
+    parser.add_argument(
+        "--draft-dtype", default="float32",
+        help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it unquantised",
+    )
+    parser.add_argument("--drafter", choices=["model", "ngram"], default="model", help="draft service drafter")
     parser.add_argument("--target-dtype", default="bfloat16")
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")
+    parser.add_argument("--pipeline", choices=["on", "off"], default="off", help="coordinator: pre-draft during verification")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per model service")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -59,12 +65,19 @@ def main() -> int:
 
     draft_dir, target_dir = args.models_dir / DRAFT.name, args.models_dir / TARGET.name
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-logs-"))
-    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
+    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
     with local_stack(
         draft_dir, target_dir, log_dir, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, threads=args.threads,
-        coordinator_args=["--num-speculative-tokens", str(args.k), "--max-num-speculative-tokens", "16"], cwd=ROOT,
+        draft_args=["--drafter", args.drafter],
+        coordinator_args=["--num-speculative-tokens", str(args.k), "--max-num-speculative-tokens", "16", "--pipeline", args.pipeline],
+        cwd=ROOT,
     ) as services:
-        print(f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}, target {services['target'].address})\n")
+        with grpc.insecure_channel(services["draft"].address) as channel:
+            draft_info = draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+        print(
+            f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}: {draft_info.model_id.rsplit('/', 1)[-1]}, "
+            f"{draft_info.dtype}; target {services['target'].address})\n"
+        )
         return run_prompts(services["coordinator"].address, args)
 
 

@@ -35,6 +35,12 @@ class ResourceExhausted(SpecDecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class StaleRequest(SpecDecError):
+    """A call superseded by a newer one for the same session (a cancelled pre-draft)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Unavailable(SpecDecError):
     code = grpc.StatusCode.UNAVAILABLE
 

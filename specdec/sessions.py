@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
-from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
 
 
 @dataclass
@@ -23,6 +23,7 @@ class KVSession:
     tokens: list[int] = field(default_factory=list)  # full sequence; may run ahead of the cache
     cache: DynamicCache | None = field(default_factory=DynamicCache)  # None: a model-free drafter
     last_used: float = field(default_factory=time.monotonic)
+    epoch: int = 0  # newest call number served (ProposeRequest.epoch)
 
     @property
     def cached_tokens(self) -> int:
@@ -46,13 +47,23 @@ class KVSession:
         if surplus > 0:
             # transformers 5 semantics: a negative argument removes that many tokens.
             self.cache.crop(-surplus)
-        pending = self.tokens[self.cached_tokens :]
-        if not pending:
-            raise InvalidArgument(
-                "nothing to run: every kept token is already cached and no new tokens were sent; "
-                "send at least one new token"
+        if not self.tokens:
+            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+        if self.cached_tokens == len(self.tokens):
+            # Every token is cached (a pre-draft continues from a kept prefix that ends on a
+            # cached token): re-run the last one, since its logits are what the caller needs.
+            self.cache.crop(-1)
+        return self.tokens[self.cached_tokens :]
+
+    def advance_epoch(self, epoch: int) -> None:
+        """Refuses a call older than one already served (0 = the caller does not number calls):
+        a cancelled pre-draft that reaches the service late must not rewind the session."""
+        if epoch and epoch <= self.epoch:
+            raise StaleRequest(
+                f"call epoch {epoch} is not newer than epoch {self.epoch} already served for session {self.session_id!r}; "
+                "it was superseded"
             )
-        return pending
+        self.epoch = max(self.epoch, epoch)
 
 
 class SessionStore:

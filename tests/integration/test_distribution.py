@@ -12,6 +12,7 @@ gives most tokens probability 0, and each drafter of the draft service.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -31,25 +32,44 @@ CONCURRENCY = 16
 # A prompt whose tokens recur, so the prompt-lookup drafter proposes in most rounds.
 REPEATING_PROMPT = [3, 7, 5, 3, 7]
 T1 = SamplingParams(temperature=1.0)
+PIPELINED = {"pipeline": True}
+
+
+@dataclass(frozen=True)
+class Case:
+    draft: dict  # draft service overrides
+    params: SamplingParams = T1
+    prompt: tuple[int, ...] = tuple(PROMPT)
+    coordinator: dict = field(default_factory=dict)  # coordinator overrides (modes)
+    length: int = LENGTH
+    k: int | None = NUM_DRAFT  # None: the coordinator chooses (adaptive K)
+
 
 CASES = {
-    # name: (draft service overrides, request sampling settings, prompt)
-    "dense_full_draft_distribution": ({"quantize": "none"}, T1, PROMPT),
-    "dense_int8_draft": ({"quantize": "int8"}, T1, PROMPT),
-    "sparse_draft_top_k": ({"proposal_top_k": 3}, T1, PROMPT),
-    "sparse_reduced_vocab_head": ({"draft_vocab": 6}, T1, PROMPT),
-    "one_hot_greedy_proposals": ({"proposal_mode": "greedy"}, T1, PROMPT),
-    "one_hot_ngram_prompt_lookup": ({"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, T1, REPEATING_PROMPT),
-    "target_top_k_top_p_zeros": ({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), PROMPT),
+    "dense_full_draft_distribution": Case({"quantize": "none"}),
+    "dense_int8_draft": Case({"quantize": "int8"}),
+    "sparse_draft_top_k": Case({"proposal_top_k": 3}),
+    "sparse_reduced_vocab_head": Case({"draft_vocab": 6}),
+    "one_hot_greedy_proposals": Case({"proposal_mode": "greedy"}),
+    "one_hot_ngram_prompt_lookup": Case({"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)),
+    "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+    # Coordinator modes. With K=1 and 4 tokens, round 1 pre-drafts the bonus guess plus one
+    # draft, which round 2 verifies when the guess was right.
+    "pipelined_dense": Case({"quantize": "none"}, coordinator=PIPELINED, length=4, k=1),
+    "pipelined_top_k_top_p": Case({"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1),
+    "pipelined_adaptive_k": Case({"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None),
+    "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None),
 }
 
 
-def exact_target_distribution(model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
-    """Probability of every LENGTH-token continuation of `prompt` under the target, by enumeration."""
+def exact_target_distribution(
+    model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT, length: int = LENGTH
+) -> dict[tuple[int, ...], float]:
+    """Probability of every `length`-token continuation of `prompt` under the target, by enumeration."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
-        for _ in range(LENGTH):
+        for _ in range(length):
             extended = {}
             for prefix, prefix_prob in probs.items():
                 if prefix_prob == 0.0:
@@ -62,36 +82,46 @@ def exact_target_distribution(model_dir, params: SamplingParams, vocab: int, pro
     return probs
 
 
-async def sample_continuations(stub, params: SamplingParams, seeds, prompt: list[int] = PROMPT) -> list[tuple[int, ...]]:
+async def sample_continuations(stub, params: SamplingParams, seeds, prompt=PROMPT, length: int = LENGTH, k: int | None = NUM_DRAFT, stats=None):
+    """Seeded generations of `length` tokens; `stats`, if given, collects each response's stats."""
     semaphore = asyncio.Semaphore(CONCURRENCY)
 
     async def one(seed: int) -> tuple[int, ...]:
         async with semaphore:
             response = await stub.Generate(
                 pb.GenerateRequest(
-                    prompt_token_ids=prompt, max_new_tokens=LENGTH, num_speculative_tokens=NUM_DRAFT,
+                    prompt_token_ids=list(prompt), max_new_tokens=length, num_speculative_tokens=k,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
                 ),
                 timeout=60,
             )
-            proposed.append(response.stats.proposed_tokens)
+            collected.append(response.stats)
             return tuple(response.token_ids)
 
-    proposed: list[int] = []
+    collected = [] if stats is None else stats
     samples = await asyncio.gather(*(one(seed) for seed in seeds))
-    assert sum(proposed) > 0, "the draft never proposed, so nothing was tested"
+    assert sum(s.proposed_tokens for s in collected) > 0, "the draft never proposed, so nothing was tested"
     return samples
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_sampled_output_has_target_distribution(word_pair, case):
-    draft_overrides, params, prompt = CASES[case]
-    expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size, prompt)
-    async with inprocess_stack(word_pair, draft_overrides=draft_overrides) as stack:
-        samples = await sample_continuations(stack.stub, params, range(SAMPLES), prompt)
-        repeat = await sample_continuations(stack.stub, params, range(20), prompt)
-    assert repeat == samples[:20], "the same seed must give the same output"
-    assert all(len(s) == LENGTH for s in samples)
+    c = CASES[case]
+    expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
+    async with inprocess_stack(word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator) as stack:
+        stats: list = []
+        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats)
+        repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
+    if c.k is not None:
+        # Adaptive K picks K from measured timings, so which random draws a round uses, and
+        # hence the output for a seed, can differ between runs; its distribution cannot.
+        assert repeat == samples[:20], "the same seed must give the same output"
+    assert all(len(s) == c.length for s in samples)
+    if c.coordinator.get("pipeline"):
+        hits = sum(s.predraft_hits for s in stats)
+        # With K=1 most requests pre-draft; adaptive K often fills the 4 tokens in one round.
+        assert hits > (SAMPLES // 50 if c.k else 0), f"only {hits} pre-drafts were used; the pipelined path is barely exercised"
+        assert sum(s.predraft_cancelled for s in stats) > 0
     zero = {seq for seq, p in expected.items() if p == 0.0}
     assert not zero.intersection(samples), "emitted a continuation the target gives probability 0"
     p_value = chi_square_p_value(samples, expected)

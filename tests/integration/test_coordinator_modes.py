@@ -1,0 +1,105 @@
+"""Sequential, pipelined and adaptive-K coordinators through real gRPC servers: greedy output
+is the target's own in every mode, and a stale pre-draft is cancelled, cut short on the draft
+service and never reaches the output. (Sampled exactness per mode is in test_distribution.)"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec import wire
+from specdec.probs import SamplingParams
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.v1 import coordinator_pb2 as pb
+from tests.stack import inprocess_stack
+
+MODES = {
+    "sequential": {},
+    "pipelined": {"pipeline": True},
+    "adaptive": {"adaptive_k": True},
+    "pipelined_adaptive": {"pipeline": True, "adaptive_k": True},
+}
+PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=sorted(MODES))
+async def stack(request, tiny_pair):
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=MODES[request.param]) as running:
+        running.mode = request.param
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+
+    def generate(prompt: str, max_new_tokens: int = 40) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    return generate
+
+
+async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
+    totals = {"hits": 0, "cancelled": 0}
+    for prompt in PROMPTS:
+        expected = reference(prompt)
+        for k in (1, 3, 5, None):  # None: the coordinator's default, or adaptive K
+            response = await stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=k), timeout=60
+            )
+            assert list(response.token_ids) == expected, f"{stack.mode}, K={k}: diverged on {prompt!r}"
+            s = response.stats
+            assert s.pipelined == ("pipeline" in MODES[stack.mode])
+            assert sum(s.k_per_round) == s.proposed_tokens and len(s.k_per_round) == s.rounds
+            assert s.predrafts == s.predraft_hits + s.predraft_misses + s.predraft_cancelled
+            totals["hits"] += s.predraft_hits
+            totals["cancelled"] += s.predraft_cancelled
+            if "adaptive" in stack.mode and k is None:
+                assert len(set(s.k_per_round[:-1])) >= 1
+    if stack.mode.startswith("pipelined"):
+        assert totals["hits"] > 0 and totals["cancelled"] > 0, totals
+    else:
+        assert totals == {"hits": 0, "cancelled": 0}
+
+
+async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair, reference):
+    """A slow draft keeps each pre-draft in flight when its round is rejected: the coordinator
+    cancels the RPC, the draft service stops drafting at its next step, and the output is
+    still the target's greedy output."""
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"pipeline": True}) as stack:
+        runner = stack.draft_runner
+        plain_forward = runner.forward
+
+        def slow_forward(*args, **kwargs):
+            time.sleep(0.03)
+            return plain_forward(*args, **kwargs)
+
+        runner.forward = slow_forward
+        prompt = PROMPTS[1]
+        response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=6), timeout=60)
+        assert list(response.token_ids) == reference(prompt)
+        assert response.stats.predraft_cancelled > 0
+        assert runner.stopped_proposals > 0, "cancelled pre-drafts should stop early on the draft service"
+
+
+async def test_a_call_older_than_one_served_is_refused_and_changes_nothing(tiny_pair):
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}) as stack:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+            draft = draft_pb2_grpc.DraftStub(channel)
+            sampling = wire.params_to_pb(SamplingParams())  # greedy
+            first = await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=0, new_tokens=[5, 6, 7], num_tokens=2, sampling=sampling, epoch=5))
+            with pytest.raises(grpc.aio.AioRpcError) as stale:
+                await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=3, new_tokens=[9], num_tokens=2, sampling=sampling, epoch=4))
+            assert stale.value.code() == grpc.StatusCode.ABORTED and "superseded" in stale.value.details()
+            assert stack.draft_runner.sessions.open("e", 1).tokens == [5, 6, 7, *first.token_ids]
+            later = await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=5, new_tokens=[], num_tokens=1, sampling=sampling, epoch=6))
+            assert later.sequence_length == 6
