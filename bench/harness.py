@@ -44,7 +44,17 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
         "int8": ["--dtype", "float32", "--quantize", "int8"],
         "int8+vocab": ["--dtype", "float32", "--quantize", "int8", "--draft-vocab", str(config.draft_vocab)],
         "ngram": ["--drafter", "ngram"],
+        "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
     }[name]
+
+
+# Coordinator variants: extra flags for `python -m coordinator`.
+COORDINATORS = {
+    "sequential": [],
+    "pipelined": ["--pipeline", "on"],
+    "adaptive": ["--adaptive-k", "on"],
+    "pipelined+adaptive": ["--pipeline", "on", "--adaptive-k", "on"],
+}
 
 
 # The in-process HF baseline's draft for each variant that has a model.
@@ -78,6 +88,8 @@ class Mode:
     k: int = 0  # ours: num_speculative_tokens
     assisted: str | None = None  # hf: None (target only), "default", a fixed K, or "lookup" (prompt lookup)
     drafter: str = "model"  # ours: the draft service variant (drafter_args); hf: the assistant (HF_DRAFTS)
+    coordinator: str = "sequential"  # ours: the coordinator variant (COORDINATORS)
+    adaptive: bool = False  # ours: leave K to the coordinator (k is then only a label)
 
 
 @dataclass
@@ -95,11 +107,18 @@ class Sample:
     accepted_per_position: list[int] = field(default_factory=list)
     draft_compute_ms: float = 0.0
     target_compute_ms: float = 0.0
+    predrafts: int = 0
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    predraft_cancelled: int = 0
+    k_per_round: list[int] = field(default_factory=list)
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
     if config.suite == "drafters":
         return drafter_modes()
+    if config.suite == "modes":
+        return coordinator_modes()
     modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
     modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
     modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
@@ -123,11 +142,26 @@ def drafter_modes() -> list[Mode]:
     ]
 
 
+def coordinator_modes() -> list[Mode]:
+    """Sequential against pipelined and adaptive K, all with the int8 draft."""
+    return [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("ours int8 K=3 sequential", "ours", 3, drafter="int8"),
+        Mode("ours int8 K=3 pipelined", "ours", 3, drafter="int8", coordinator="pipelined"),
+        Mode("ours int8 (1 thread) K=3 pipelined", "ours", 3, drafter="int8@1thread", coordinator="pipelined"),
+        Mode("ours int8 adaptive K", "ours", 0, drafter="int8", coordinator="adaptive", adaptive=True),
+        Mode("ours int8 adaptive K pipelined", "ours", 0, drafter="int8", coordinator="pipelined+adaptive", adaptive=True),
+    ]
+
+
 class OursRunner:
     """One target service, and a draft service plus a coordinator per drafter variant, all
     separate processes on loopback. Rounds are sequential, so at most one computes at a time."""
 
-    def __init__(self, config: BenchConfig, drafters: list[str], log_dir: Path) -> None:
+    def __init__(self, config: BenchConfig, variants: list[tuple[str, str]], log_dir: Path) -> None:
+        """`variants`: (drafter, coordinator) pairs; one draft service per drafter."""
+        drafters = list(dict.fromkeys(drafter for drafter, _ in variants))
         self._processes = ExitStack()
         model_args, env = model_service_args(config.device, config.threads)
         try:
@@ -143,16 +177,16 @@ class OursRunner:
             }
             for process in [target, *drafts.values()]:
                 process.wait_healthy(900)
-            self.channels: dict[str, grpc.Channel] = {}
-            self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
-            for name, draft in drafts.items():
+            self.channels: dict[tuple[str, str], grpc.Channel] = {}
+            self.stubs: dict[tuple[str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
+            for drafter, variant in variants:
                 coordinator = spawn_coordinator(
-                    draft, target, config.target_model, log_dir / f"coordinator-{name}.log",
-                    ["--max-num-speculative-tokens", "16", "--max-new-tokens-limit", "4096"], ROOT,
+                    drafts[drafter], target, config.target_model, log_dir / f"coordinator-{drafter}-{variant}.log",
+                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096", *COORDINATORS[variant]], ROOT,
                 )
                 self._processes.callback(coordinator.stop)
-                self.channels[name] = grpc.insecure_channel(coordinator.address)
-                self.stubs[name] = coordinator_pb2_grpc.CoordinatorStub(self.channels[name])
+                self.channels[drafter, variant] = grpc.insecure_channel(coordinator.address)
+                self.stubs[drafter, variant] = coordinator_pb2_grpc.CoordinatorStub(self.channels[drafter, variant])
         except BaseException:
             self._processes.close()
             raise
@@ -163,14 +197,15 @@ class OursRunner:
         return process
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
-        response = self.stubs[mode.drafter].Generate(
-            pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, num_speculative_tokens=mode.k),
-            timeout=3600,
-        )
+        request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        if not mode.adaptive:
+            request.num_speculative_tokens = mode.k
+        response = self.stubs[mode.drafter, mode.coordinator].Generate(request, timeout=3600)
         s = response.stats
         return Sample(
             mode.name, "", temperature, 0, s.generated_tokens, s.total_ms, s.time_to_first_token_ms, s.rounds,
             s.proposed_tokens, s.accepted_tokens, list(s.accepted_per_position), s.draft_compute_ms, s.target_compute_ms,
+            s.predrafts, s.predraft_hits, s.predraft_misses, s.predraft_cancelled, list(s.k_per_round),
         )
 
     def close(self) -> None:
@@ -283,9 +318,9 @@ def run_bench(config: BenchConfig) -> dict:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     logger.info("starting services and loading in-process models")
-    ours_drafters = list(dict.fromkeys(m.drafter for m in modes if m.family == "ours"))
+    ours_variants = list(dict.fromkeys((m.drafter, m.coordinator) for m in modes if m.family == "ours"))
     hf_drafts = list(dict.fromkeys(m.drafter for m in modes if m.family == "hf" and m.assisted not in (None, "lookup")))
-    ours = OursRunner(config, ours_drafters, config.out_dir / "logs")
+    ours = OursRunner(config, ours_variants, config.out_dir / "logs")
     try:
         hf = HFRunner(config, hf_drafts)
         runners = {"ours": ours, "hf": hf}
@@ -334,8 +369,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--suite", choices=["k-sweep", "drafters"], default="k-sweep",
-        help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted and prompt lookup",
+        "--suite", choices=["k-sweep", "drafters", "modes"], default="k-sweep",
+        help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
+        "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft)",
     )
     parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
     parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
@@ -343,7 +379,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
-    folder = args.device + ("-drafters" if args.suite == "drafters" else "")
+    folder = args.device + ("" if args.suite == "k-sweep" else f"-{args.suite}")
     out = args.out or ROOT / "bench/results" / (f"{folder}-quick" if args.quick else folder)
     config = BenchConfig(
         draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,

@@ -87,6 +87,9 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "overhead_per_round_ms": _median(
                     [(s["total_ms"] - s["draft_compute_ms"] - s["target_compute_ms"]) / s["rounds"] for s in samples if s["rounds"]]
                 ) if mode["family"] == "ours" else None,
+                "predraft_hit_rate": _ratio(samples, "predraft_hits", "predrafts"),
+                "predraft_cancel_rate": _ratio(samples, "predraft_cancelled", "predrafts"),
+                "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", [])) if any(s.get("k_per_round") for s in samples) else None,
                 "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
                 "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,
             }
@@ -94,6 +97,11 @@ def summarise(results: dict) -> dict[float, list[dict]]:
         _add_ratios(rows)
         summary[temperature] = rows
     return summary
+
+
+def _ratio(samples: list[dict], numerator: str, denominator: str) -> float | None:
+    total = sum(s.get(denominator, 0) for s in samples)
+    return sum(s.get(numerator, 0) for s in samples) / total if total else None
 
 
 def by_kind(results: dict) -> dict[float, dict[str, dict[str, float]]]:
@@ -170,6 +178,13 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                 f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
                 f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
+        pipelined = [row for row in rows if row["predraft_hit_rate"] is not None or (row["mean_k"] and row["k"] == 0)]
+        if pipelined:
+            lines += ["", "| Mode | mean K | pre-drafts used | pre-drafts cancelled (rejection) |", "|---|---|---|---|"]
+            for row in pipelined:
+                lines.append(
+                    f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | {_fmt(row['predraft_cancel_rate'], '.0%')} |"
+                )
         if kinds and temperature in kinds:
             lines += _kind_table(kinds[temperature], [row["mode"] for row in rows])
         best = max((r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None)

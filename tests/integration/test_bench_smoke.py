@@ -58,3 +58,21 @@ def test_bench_drafters_suite_runs_every_drafter(tiny_pair, tmp_path):
     assert rows["ours ngram K=4"]["acceptance"] is not None, "the lookup drafter must propose on a repeating prompt"
     assert results["machine"]["drafters"]["ours"]["int8+vocab"][-1] == "128"
     assert "by prompt kind" in (out / "table.md").read_text()
+
+
+def test_bench_modes_suite_reports_pipelining_and_adaptive_k(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}]}))
+    out = tmp_path / "out"
+    code = bench_main([
+        "--suite", "modes", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
+        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1",
+        "--max-new-tokens", "12", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["mode"]: row for row in results["summary"]["0.0"]}
+    assert rows["ours int8 K=3 pipelined"]["predraft_hit_rate"] is not None
+    assert rows["ours int8 K=3 sequential"]["predraft_hit_rate"] is None
+    assert rows["ours int8 adaptive K"]["mean_k"] > 0
+    assert "pre-drafts used" in (out / "table.md").read_text()
