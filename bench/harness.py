@@ -77,7 +77,8 @@ class BenchConfig:
     prompts_file: Path
     out_dir: Path
     seed: int
-    suite: str = "k-sweep"  # or "drafters"
+    suite: str = "k-sweep"  # or "drafters", "modes"
+    only: tuple[str, ...] = ()  # keep only modes whose name contains one of these (plus ours K=0)
     draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
 
 
@@ -115,6 +116,13 @@ class Sample:
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
+    modes = _suite_modes(config)
+    if config.only:
+        modes = [m for m in modes if m.name == OURS_TARGET_ONLY or any(part in m.name for part in config.only)]
+    return modes
+
+
+def _suite_modes(config: BenchConfig) -> list[Mode]:
     if config.suite == "drafters":
         return drafter_modes()
     if config.suite == "modes":
@@ -322,7 +330,7 @@ def run_bench(config: BenchConfig) -> dict:
     hf_drafts = list(dict.fromkeys(m.drafter for m in modes if m.family == "hf" and m.assisted not in (None, "lookup")))
     ours = OursRunner(config, ours_variants, config.out_dir / "logs")
     try:
-        hf = HFRunner(config, hf_drafts)
+        hf = HFRunner(config, hf_drafts) if any(m.family == "hf" for m in modes) else None
         runners = {"ours": ours, "hf": hf}
         for mode in modes:  # warm-up: first calls pay one-off costs
             runners[mode.family].run(mode, prompts[0]["text"], 4, 0.0, config.seed)
@@ -373,6 +381,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
         "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft)",
     )
+    parser.add_argument("--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
     parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
     args = parser.parse_args(argv)
@@ -385,7 +394,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,
         target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
-        prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab,
+        prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab, only=tuple(args.only),
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

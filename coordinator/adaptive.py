@@ -60,9 +60,10 @@ class LinearCost:
         self._nms = d * self._nms + n * ms
         mean_n, mean_ms = self._n / self._w, self._ms / self._w
         var = self._nn / self._w - mean_n**2
-        if var > 0.25:  # K has varied enough to separate the two terms
+        if var > 0.25 and self._w > 4.0:  # K has varied enough to separate the two terms
             slope = (self._nms / self._w - mean_n * mean_ms) / var
-            self.per_token = max(0.0, slope)
+            # Both terms stay non-negative: a noisy fit must not make tokens free or negative.
+            self.per_token = min(max(0.0, slope), mean_ms / max(mean_n, 1.0))
             self.fixed = max(0.0, mean_ms - self.per_token * mean_n)
         elif mean_n > 0:
             # One K seen so far: keep the split's proportions, rescaled to the observed total.
@@ -82,6 +83,7 @@ class AdaptiveK:
     verify: LinearCost
     accepted: float = 3.0  # prior: α = 0.75 over 4 pseudo-positions
     reached: float = 4.0
+    explore_every: int = 8  # every n-th round tries one K above the best, so the cost fit sees K vary
     history: list[int] = field(default_factory=list)
 
     @property
@@ -90,6 +92,8 @@ class AdaptiveK:
 
     def choose(self) -> int:
         k = best_k(self.alpha, self.draft, self.verify, self.k_max, self.pipelined)
+        if self.explore_every and len(self.history) % self.explore_every == self.explore_every - 1:
+            k = min(k + 1, self.k_max)
         self.history.append(k)
         return k
 

@@ -145,9 +145,10 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.pair = pair
         self._cleanup: set[asyncio.Task] = set()
-        # Deployment-wide timing (shared by all requests) and an acceptance prior, for adaptive K.
-        self._draft_cost = LinearCost(fixed=2.0, per_token=20.0)
-        self._verify_cost = LinearCost(fixed=100.0, per_token=5.0)
+        # Deployment-wide timing shared by all requests, kept apart for greedy and sampled
+        # requests (sampled rounds ship and process full distributions, so tokens cost more),
+        # and an acceptance prior, for adaptive K.
+        self._costs = {greedy: (LinearCost(fixed=2.0, per_token=20.0), LinearCost(fixed=100.0, per_token=5.0)) for greedy in (True, False)}
         self._alpha_prior = 0.75
 
     def prepare(self, request: GenerationRequest) -> Job:
@@ -336,18 +337,19 @@ class Coordinator:
         """A per-request K chooser when the request left K to the coordinator and it adapts."""
         if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
             return None
+        draft_cost, verify_cost = self._costs[job.params.greedy]
         return AdaptiveK(
             k_max=self.pair.max_num_speculative_tokens,
             pipelined=pipelined,
-            draft=self._draft_cost,
-            verify=self._verify_cost,
-            accepted=4.0 * self._alpha_prior,
-            reached=4.0,
+            draft=draft_cost,
+            verify=verify_cost,
+            accepted=2.0 * self._alpha_prior,  # a weak prior: 2 pseudo-positions
+            reached=2.0,
         )
 
     def _learn(self, adaptive: AdaptiveK | None) -> None:
         """Carries the finished request's acceptance into the next request's prior."""
-        if adaptive is not None and adaptive.reached > 4.0:
+        if adaptive is not None and adaptive.reached > 2.0:
             self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * adaptive.alpha
 
     @staticmethod

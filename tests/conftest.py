@@ -27,3 +27,25 @@ def word_pair(tmp_path_factory) -> TinyPair:
     """A 12-token pair without EOS and with spread-out distributions, for exact
     distribution tests over whole sequences."""
     return build_pair(tmp_path_factory.mktemp("word"), word_tokenizer(12), logit_scale=1.5, noise=0.6, eos=False)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_pair):
+    """Plain transformers greedy decoding with the tiny target in float32: the ground truth
+    for greedy identity. `reference(prompt, max_new_tokens)` → generated ids (cached)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def generate(prompt: str, max_new_tokens: int = 40) -> list[int]:
+        if (prompt, max_new_tokens) not in cache:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+            cache[prompt, max_new_tokens] = out[0, ids.shape[1] :].tolist()
+        return cache[prompt, max_new_tokens]
+
+    return generate

@@ -9,8 +9,6 @@ import time
 import grpc
 import pytest
 import pytest_asyncio
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import wire
 from specdec.probs import SamplingParams
@@ -32,20 +30,6 @@ async def stack(request, tiny_pair):
     async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=MODES[request.param]) as running:
         running.mode = request.param
         yield running
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_pair):
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
-
-    def generate(prompt: str, max_new_tokens: int = 40) -> list[int]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, ids.shape[1] :].tolist()
-
-    return generate
 
 
 async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):

@@ -4,10 +4,7 @@ target's own, and the cheap drafters actually propose and get tokens accepted.""
 from __future__ import annotations
 
 import grpc
-import pytest
 import pytest_asyncio
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.v1 import common_pb2
 from specdec.v1 import coordinator_pb2 as pb
@@ -34,23 +31,6 @@ async def stack(request, tiny_pair):
     async with inprocess_stack(tiny_pair, draft_overrides=DRAFTERS[request.param]) as running:
         running.drafter = request.param
         yield running
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_pair):
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
-    cache: dict[str, list[int]] = {}
-
-    def generate(prompt: str) -> list[int]:
-        if prompt not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=40, do_sample=False)
-            cache[prompt] = out[0, ids.shape[1] :].tolist()
-        return cache[prompt]
-
-    return generate
 
 
 async def test_greedy_output_is_the_targets_for_every_drafter(stack, reference):

@@ -8,8 +8,6 @@ import re
 import grpc
 import pytest
 import pytest_asyncio
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
@@ -27,21 +25,6 @@ PROMPTS = [
 async def stack(tiny_pair):
     async with inprocess_stack(tiny_pair) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_pair):
-    """Plain transformers greedy decoding with the target in float32: the ground truth."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
-
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, ids.shape[1] :].tolist()
-
-    return generate
 
 
 async def generate(stack, **fields) -> pb.GenerateResponse:
