@@ -9,6 +9,7 @@ each with exactly its own probability of that token (see specdec.probs.verify_ou
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -93,18 +94,8 @@ class NgramDrafter:
         )
 
     def describe(self) -> ModelDescription:
-        info = self.info
-        return ModelDescription(
-            model_id=f"ngram[{self.min_n}..{self.max_n}]:{info.model_id}",
-            vocab_size=info.vocab_size,
-            tokenizer_fingerprint=info.tokenizer_fingerprint,
-            eos_token_ids=info.eos_token_ids,
-            max_context=info.max_context,
-            dtype="none",
-            device="cpu",
-            open_sessions=len(self.sessions),
-            max_speculative_tokens=self.max_speculative_tokens,
-        )
+        description = ModelDescription.of(self.info, "none", "cpu", len(self.sessions), self.max_speculative_tokens)
+        return dataclasses.replace(description, model_id=f"ngram[{self.min_n}..{self.max_n}]:{self.info.model_id}")
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)

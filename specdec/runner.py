@@ -31,6 +31,21 @@ class ModelDescription:
     open_sessions: int
     max_speculative_tokens: int
 
+    @classmethod
+    def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
+        """From a LoadedModel or a TokenizerInfo: both carry the model's id space."""
+        return cls(
+            model_id=source.model_id,
+            vocab_size=source.vocab_size,
+            tokenizer_fingerprint=source.tokenizer_fingerprint,
+            eos_token_ids=source.eos_token_ids,
+            max_context=source.max_context,
+            dtype=dtype,
+            device=device,
+            open_sessions=open_sessions,
+            max_speculative_tokens=max_speculative_tokens,
+        )
+
 
 class ModelRunner:
     """A causal LM with per-session KV caches. Not thread-safe: one thread drives it."""
@@ -44,17 +59,8 @@ class ModelRunner:
         self.processed_tokens_total = 0
 
     def describe(self) -> ModelDescription:
-        return ModelDescription(
-            model_id=self.loaded.model_id,
-            vocab_size=self.loaded.vocab_size,
-            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
-            eos_token_ids=self.loaded.eos_token_ids,
-            max_context=self.loaded.max_context,
-            dtype=self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch."),
-            device=self.loaded.device_label,
-            open_sessions=len(self.sessions),
-            max_speculative_tokens=self.max_speculative_tokens,
-        )
+        dtype = self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch.")
+        return ModelDescription.of(self.loaded, dtype, self.loaded.device_label, len(self.sessions), self.max_speculative_tokens)
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
