@@ -9,11 +9,12 @@ whole committed sequence, so no request fails because of it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,16 +90,7 @@ class _SessionView:
     session_id: str
     synced: int = 0  # leading tokens of the committed sequence the service holds
     opened: bool = False
-    calls: _CallCounter = field(default_factory=lambda: _CallCounter())  # numbers Propose calls (epochs)
-
-
-class _CallCounter:
-    def __init__(self) -> None:
-        self.last = 0
-
-    def next(self) -> int:
-        self.last += 1
-        return self.last
+    calls: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # numbers Propose calls (epochs)
 
 
 @dataclass
@@ -352,14 +344,12 @@ class Coordinator:
         if adaptive is not None and adaptive.reached > 2.0:
             self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * adaptive.alpha
 
-    @staticmethod
-    def _round_from(proposal: draft_pb2.ProposeResponse, k: int) -> _Round:
+    def _round_from(self, proposal: draft_pb2.ProposeResponse, k: int) -> _Round:
         if len(proposal.token_ids) > k:
-            raise SpecDecError(f"the draft proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed")
-        if len(proposal.distributions) != len(proposal.token_ids):
             raise SpecDecError(
-                f"the draft returned {len(proposal.distributions)} distributions for {len(proposal.token_ids)} tokens; the reply is malformed"
+                f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
             )
+        _check_reply(self.draft.address, "distributions", len(proposal.distributions), len(proposal.token_ids))
         return _Round(
             list(proposal.token_ids),
             [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
@@ -373,7 +363,8 @@ class Coordinator:
         which the draft session already holds, while the target verifies."""
         # Shares the call counter, so the next regular call is numbered after this one.
         view = _SessionView(draft_view.session_id, synced=len(speculative), opened=True, calls=draft_view.calls)
-        task = asyncio.ensure_future(self._propose(view, speculative, min(k, self.pair.max_num_speculative_tokens), sampling, seed, stats, count_wait=False))
+        k = min(k, self.pair.max_num_speculative_tokens)
+        task = asyncio.ensure_future(self._propose(view, speculative, k, sampling, seed, stats, count_wait=False))
         stats.predrafts += 1
         return _PreDraft(round_index=stats.rounds, k=k, task=task)
 
@@ -399,7 +390,7 @@ class Coordinator:
             return self.draft.propose(
                 draft_pb2.ProposeRequest(
                     session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.calls.next(),
+                    num_tokens=k, sampling=sampling, seed=seed, epoch=next(view.calls),
                 )
             )
 
@@ -434,12 +425,11 @@ class Coordinator:
                 view.synced = 0
             finally:
                 elapsed = stats.elapsed_ms() - started
-                if not count_wait:
-                    pass  # a pre-draft overlaps a verify; nobody waits on it
-                elif role == "draft":
-                    stats.draft_ms += elapsed
-                else:
-                    stats.target_ms += elapsed
+                if count_wait:  # a pre-draft overlaps a verify; nobody waits on it
+                    if role == "draft":
+                        stats.draft_ms += elapsed
+                    else:
+                        stats.target_ms += elapsed
         raise AssertionError("unreachable")
 
     def _end_sessions(self, *views: _SessionView) -> None:
