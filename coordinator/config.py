@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, EnvArgs
 
 DEFAULT_PORT = 50051
+MAX_HEDGES = 8
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class CoordinatorConfig:
     log_level: str = "INFO"
     pipeline: bool = False  # pre-draft the next round while the target verifies
     adaptive_k: bool = False  # choose K per round when a request leaves it unset
+    hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -55,12 +57,18 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         "--adaptive-k", "off", "on: choose K per round from measured acceptance and timing when a request leaves it unset",
         choices=["on", "off"],
     )
+    args.add(
+        "--hedges", 0, "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
+        f"(0 = off; at most {MAX_HEDGES})", type=int,
+    )
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
             parser.error(f"--{flag} is required (or set the environment variable named in --help)")
     if not 0 <= ns.num_speculative_tokens <= ns.max_num_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-num-speculative-tokens]")
+    if not 0 <= ns.hedges <= MAX_HEDGES:
+        parser.error(f"--hedges must be in [0, {MAX_HEDGES}]")
     return CoordinatorConfig(
         draft_address=ns.draft,
         target_address=ns.target,
@@ -78,4 +86,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         log_level=ns.log_level,
         pipeline=ns.pipeline == "on",
         adaptive_k=ns.adaptive_k == "on",
+        hedges=ns.hedges,
     )

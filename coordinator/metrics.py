@@ -33,6 +33,9 @@ class GenerationStats:
     predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)
     predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified per round
+    hedges: int = 0  # branches forked for likely rejection outcomes during verifies
+    hedge_hits: int = 0  # rounds that ended as a branch assumed, whose drafts were used
+    hedged_tokens: int = 0  # drafts taken from hits
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     def record_round(self, num_draft: int, num_accepted: int) -> None:

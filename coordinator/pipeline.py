@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import AdaptiveK, LinearCost
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
+from coordinator.hedging import Hedge, acceptance_estimate, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.sampling import decide_round
 from coordinator.text import FINISH_LENGTH, TextAssembler
@@ -98,10 +99,15 @@ class _Round:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_token_draft_probs: list[float] = field(default_factory=list)
     distributions: list = field(default_factory=list)
+    runner_up_ids: list[int] = field(default_factory=list)  # per draft, for hedging; may be empty
+    runner_up_probs: list[float] = field(default_factory=list)
 
     def truncated(self, k: int, start: int = 0) -> _Round:
         end = start + k
-        return _Round(self.draft_token_ids[start:end], self.draft_token_draft_probs[start:end], self.distributions[start:end])
+        return _Round(
+            self.draft_token_ids[start:end], self.draft_token_draft_probs[start:end], self.distributions[start:end],
+            self.runner_up_ids[start:end], self.runner_up_probs[start:end],
+        )
 
 
 @dataclass
@@ -120,6 +126,15 @@ class _PreDraft:
         self.task.cancel()
         # Retrieve any exception so asyncio does not log it as never retrieved.
         self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+
+@dataclass
+class _Branch(_PreDraft):
+    """A hedge in flight: drafts for the next round on a fork of the draft session
+    (`session_id`), assuming the round ends as `hedge` says."""
+
+    hedge: Hedge | None = None
+    session_id: str = ""
 
 
 class Coordinator:
@@ -217,6 +232,12 @@ class Coordinator:
         samples exist, the rule that selects them looks only at the finished round and e1,
         and the next round verifies them against the distributions they came from. Any
         other outcome cancels the pre-draft (gRPC cancellation) and its tokens are never read.
+
+        Hedged mode (`--hedges N`) also forks the draft session during each verify for the N
+        likeliest rejection outcomes "draft j rejected, token t recovered" (coordinator.hedging)
+        and drafts the round that would follow each. A branch is used only when the round ended
+        exactly as it assumed; then it holds the committed prefix and drafts drawn given exactly
+        that prefix, so the same argument applies. The others are cancelled and their sessions freed.
         """
         job = self.prepare(request)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
@@ -227,10 +248,13 @@ class Coordinator:
         sequence = list(job.prompt_ids)
         text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
+        hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
+        hedge_seeds = np.random.default_rng((job.seed, 1))  # a stream apart from the rounds' draws
         adaptive = self._adaptive(job, pipelined)
         stats.pipelined = pipelined
-        ready: _Round | None = None  # drafts for the next round, from a kept pre-draft
+        ready: _Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
         predraft: _PreDraft | None = None
+        branches: list[_Branch] = []
         try:
             while True:
                 remaining = job.max_new_tokens - len(text.token_ids)
@@ -264,6 +288,8 @@ class Coordinator:
                     predraft = self._start_predraft(
                         draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
                     )
+                if hedging and proposed:
+                    branches = self._start_hedges(draft_view, sequence, round_, k, remaining, sampling, hedge_seeds, stats)
                 try:
                     verification = await verify
                 finally:
@@ -306,6 +332,11 @@ class Coordinator:
                         stats.predraft_cancelled += 1
                         predraft.cancel()
                     predraft = None
+                if branches:
+                    live = text.finish_reason is None
+                    taken, draft_view = await self._settle_hedges(branches, outcome, proposed, live, draft_view, base, stats)
+                    branches = []
+                    ready = taken if taken is not None else ready
                 stats.mark_first_token()
                 delta = text.take_delta()
                 if text.finish_reason is not None:
@@ -317,6 +348,9 @@ class Coordinator:
         finally:
             if predraft is not None:
                 predraft.cancel()
+            for branch in branches:
+                branch.cancel()
+                self._end_later(self.draft, branch.session_id)
             self._end_sessions(draft_view, target_view)
 
     def _k_limit(self, length: int, remaining: int) -> int:
@@ -350,10 +384,15 @@ class Coordinator:
                 f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
             )
         _check_reply(self.draft.address, "distributions", len(proposal.distributions), len(proposal.token_ids))
+        if proposal.runner_up_token_ids or proposal.runner_up_probs:  # optional, but whole if sent
+            _check_reply(self.draft.address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids))
+            _check_reply(self.draft.address, "runner_up_probs", len(proposal.runner_up_probs), len(proposal.token_ids))
         return _Round(
             list(proposal.token_ids),
             [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
             list(proposal.distributions),
+            list(proposal.runner_up_token_ids),
+            list(proposal.runner_up_probs),
         )
 
     def _start_predraft(
@@ -382,6 +421,75 @@ class Coordinator:
         stats.predraft_misses += 1
         stats.predraft_wasted_tokens += len(round_.draft_token_ids)
         return None
+
+    def _start_hedges(
+        self, draft_view: _SessionView, sequence: list[int], round_: _Round, k: int, remaining: int, sampling,
+        seeds: np.random.Generator, stats: GenerationStats,
+    ) -> list[_Branch]:
+        """Forks the draft session for this round's likeliest rejection outcomes (see
+        coordinator.hedging), each branch drafting the round that would follow. The draft
+        session holds `sequence` plus this round's drafts, so a fork keeps a prefix of it."""
+        if not round_.runner_up_ids:
+            return []  # a drafter without distributions (prompt lookup) gives nothing to hedge on
+        alpha = acceptance_estimate(stats.accepted_tokens, stats.proposed_tokens)
+        plan = plan_hedges(round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids)
+        base = len(sequence)
+        branches = []
+        for hedge in plan:
+            limit = self._k_limit(base + hedge.position + 1, remaining - hedge.position - 1)
+            if not limit:
+                continue
+            branch_k = min(k, limit)
+            session_id = uuid.uuid4().hex
+            request = draft_pb2.ProposeRequest(
+                session_id=session_id, fork_from=draft_view.session_id, keep_tokens=base + hedge.position,
+                new_tokens=[hedge.recovered_token_id], num_tokens=branch_k, sampling=sampling,
+                seed=int(seeds.integers(0, _SEED_BOUND)),
+            )
+            task = asyncio.ensure_future(self._fork(request, draft_view.calls))
+            branches.append(_Branch(round_index=stats.rounds, k=branch_k, task=task, hedge=hedge, session_id=session_id))
+        stats.hedges += len(branches)
+        return branches
+
+    async def _fork(self, request: draft_pb2.ProposeRequest, calls: Iterator[int]) -> draft_pb2.ProposeResponse:
+        # Numbered when the task first runs, as the pre-draft is (tasks start in creation order):
+        # a fork numbered before the same round's pre-draft would be refused as stale.
+        request.epoch = next(calls)
+        return await self.draft.propose(request)
+
+    async def _settle_hedges(
+        self, branches: list[_Branch], outcome, proposed: int, live: bool, draft_view: _SessionView, base: int,
+        stats: GenerationStats,
+    ) -> tuple[_Round | None, _SessionView]:
+        """Takes the branch whose assumed outcome is the one that happened, if any; cancels and
+        frees the others. A taken branch becomes the request's draft session, holding the
+        committed sequence and its drafts, and the old session is freed."""
+        hit = None
+        if live and outcome.num_accepted < proposed:
+            hit = next(
+                (b for b in branches if (b.hedge.position, b.hedge.recovered_token_id) == (outcome.num_accepted, outcome.next_token_id)),
+                None,
+            )
+        for branch in branches:
+            if branch is not hit:
+                branch.cancel()
+                self._end_later(self.draft, branch.session_id)
+        if hit is None:
+            return None, draft_view
+        if hit.round_index != stats.rounds - 1:
+            raise AssertionError(f"hedge of round {hit.round_index} offered to round {stats.rounds - 1}")
+        try:
+            proposal = await hit.task
+        except SpecDecError as exc:
+            # The fork was refused (session lost, service full): draft the next round afresh.
+            logger.info("hedge for session %s failed, drafting afresh: %s", draft_view.session_id, exc)
+            self._end_later(self.draft, hit.session_id)
+            return None, draft_view
+        round_ = self._round_from(proposal, hit.k)
+        stats.hedge_hits += 1
+        stats.hedged_tokens += len(round_.draft_token_ids)
+        self._end_later(self.draft, draft_view.session_id)
+        return round_, _SessionView(hit.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls)
 
     async def _propose(
         self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats, count_wait: bool = True
@@ -432,14 +540,16 @@ class Coordinator:
                         stats.target_ms += elapsed
         raise AssertionError("unreachable")
 
-    def _end_sessions(self, *views: _SessionView) -> None:
-        """Frees the services' sessions without delaying (or being cancelled with) the request."""
-        clients = (self.draft, self.target)
-        for client, view in zip(clients, views):
+    def _end_sessions(self, draft_view: _SessionView, target_view: _SessionView) -> None:
+        for client, view in ((self.draft, draft_view), (self.target, target_view)):
             if view.opened:
-                task = asyncio.get_running_loop().create_task(client.end_session(view.session_id))
-                self._cleanup.add(task)
-                task.add_done_callback(self._cleanup.discard)
+                self._end_later(client, view.session_id)
+
+    def _end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
+        """Frees a service's session without delaying (or being cancelled with) the request."""
+        task = asyncio.get_running_loop().create_task(client.end_session(session_id))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
 
 def _check_reply(address: str, field_name: str, got: int, expected: int) -> None:

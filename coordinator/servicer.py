@@ -58,6 +58,9 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         predraft_wasted_tokens=stats.predraft_wasted_tokens,
         predraft_compute_ms=stats.predraft_compute_ms,
         k_per_round=stats.k_per_round,
+        hedges=stats.hedges,
+        hedge_hits=stats.hedge_hits,
+        hedged_tokens=stats.hedged_tokens,
     )
 
 

@@ -70,6 +70,7 @@ class NgramDrafter:
         seed: int,
         epoch: int = 0,
         should_stop: Callable[[], bool] = lambda: False,
+        fork_from: str = "",
     ) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
         if not 1 <= num_tokens <= self.max_speculative_tokens:
@@ -77,8 +78,7 @@ class NgramDrafter:
         check_token_ids(new_tokens, self.info.vocab_size, "new_tokens")
         check_context(keep_tokens + len(new_tokens) + num_tokens, self.info.max_context)
         clock = Stopwatch()
-        session = self.sessions.open(session_id, keep_tokens)
-        session.advance_epoch(epoch)
+        session = self.sessions.for_call(session_id, keep_tokens, epoch, fork_from)
         session.rollback(keep_tokens, new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")

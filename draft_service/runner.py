@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,10 @@ class Proposal:
     processed_tokens: int
     sequence_length: int
     compute_ms: float
+    # Per position, the draft's likeliest other token and its draft probability: where a
+    # hedge would guess the recovered token. Empty when the drafter has no distribution.
+    runner_up_ids: list[int] = field(default_factory=list)  # [K']
+    runner_up_probs: list[float] = field(default_factory=list)  # [K']
 
 
 class DraftRunner(ModelRunner):
@@ -65,6 +69,7 @@ class DraftRunner(ModelRunner):
         seed: int,
         epoch: int = 0,
         should_stop: Callable[[], bool] = lambda: False,
+        fork_from: str = "",
     ) -> Proposal:
         """`should_stop` is polled between steps: a cancelled call (a stale pre-draft) frees
         the model thread after at most one more forward pass instead of K."""
@@ -73,14 +78,15 @@ class DraftRunner(ModelRunner):
         self.check_tokens(new_tokens, "new_tokens")
         clock = Stopwatch()
         self.check_length(keep_tokens + len(new_tokens) + num_tokens)
-        session = self.sessions.open(session_id, keep_tokens)
-        session.advance_epoch(epoch)
+        session = self.sessions.for_call(session_id, keep_tokens, epoch, fork_from)
         pending = session.extend(keep_tokens, new_tokens)
         deterministic = params.greedy or self.proposal_mode == "greedy"
         generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         processed = 0
         token_ids: list[int] = []
         rows: list[torch.Tensor] = []
+        runner_up_ids: list[int] = []
+        runner_up_probs: list[float] = []
         feed = pending
         for step in range(num_tokens):
             if step and should_stop():
@@ -91,12 +97,18 @@ class DraftRunner(ModelRunner):
             if deterministic:
                 head_probs = one_hot_argmax(logits)  # [N]
                 row = int(logits.argmax())
+                belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view, only to rank hedges
             else:
                 head_probs = truncate_top_k(logits_to_probs(logits, params), self.proposal_top_k)  # [N]
                 row = int(sample(head_probs[None], generator)[0])
+                belief = head_probs
             probs = self._over_vocab(head_probs)  # [V]
             token = row if self.head_ids is None else int(self.head_ids[row])
             token_ids.append(token)
+            runner_up = self._runner_up(belief, row)
+            if runner_up is not None:
+                runner_up_ids.append(runner_up[0])
+                runner_up_probs.append(runner_up[1])
             rows.append(probs)
             session.tokens.append(token)
             feed = [token]
@@ -109,7 +121,19 @@ class DraftRunner(ModelRunner):
             processed_tokens=processed,
             sequence_length=len(session.tokens),
             compute_ms=clock.ms(),
+            runner_up_ids=runner_up_ids,  # empty for a one-token head
+            runner_up_probs=runner_up_probs,
         )
+
+    def _runner_up(self, belief: torch.Tensor, row: int) -> tuple[int, float] | None:
+        """The likeliest head row other than `row` as (token id, probability); None for a
+        one-token head. belief: [N]"""
+        if belief.numel() < 2:
+            return None
+        top = belief.topk(2)
+        other = int(top.indices[1]) if int(top.indices[0]) == row else int(top.indices[0])
+        token = other if self.head_ids is None else int(self.head_ids[other])
+        return token, float(belief[other])
 
     def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
         """[N] over the head's ids → [V] over the whole vocabulary (zeros elsewhere)."""

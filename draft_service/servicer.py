@@ -35,6 +35,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
                 request.seed,
                 request.epoch,
                 stop.is_set,
+                request.fork_from,
             )
         except asyncio.CancelledError:
             stop.set()  # the client cancelled: stop drafting at the next step
@@ -45,4 +46,6 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             processed_tokens=proposal.processed_tokens,
             sequence_length=proposal.sequence_length,
             compute_ms=proposal.compute_ms,
+            runner_up_token_ids=proposal.runner_up_ids,
+            runner_up_probs=proposal.runner_up_probs,
         )

@@ -7,6 +7,7 @@ its cache to that prefix and hands back only the tokens the model has not seen y
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -103,6 +104,47 @@ class SessionStore:
             )
         session = KVSession(session_id, cache=self._cache_factory())
         self._sessions[session_id] = session
+        return session
+
+    def for_call(self, session_id: str, keep_tokens: int, epoch: int, fork_from: str = "") -> KVSession:
+        """The session a numbered Propose call works on: resumed, opened, or forked from
+        `fork_from`; a call older than one already served is refused."""
+        if fork_from:
+            session = self.fork(fork_from, session_id, keep_tokens, epoch)
+        else:
+            session = self.open(session_id, keep_tokens)
+        session.advance_epoch(epoch)
+        return session
+
+    def fork(self, parent_id: str, session_id: str, keep_tokens: int, epoch: int) -> KVSession:
+        """Opens `session_id` as a copy of the parent's first `keep_tokens` tokens and their
+        cache, leaving the parent as it was: a branch that explores one possible outcome.
+
+        A fork numbered (`epoch`) no newer than a call the parent already served is stale: the
+        caller has moved on, so nothing is opened (no orphan branch to expire later).
+        """
+        parent = self._sessions.get(parent_id)
+        if parent is None:
+            raise SessionNotFound(f"session {parent_id!r} to fork from is not held here (expired, evicted or the service restarted)")
+        if epoch and epoch <= parent.epoch:
+            raise StaleRequest(
+                f"fork epoch {epoch} is not newer than epoch {parent.epoch} already served for session {parent_id!r}; "
+                "it was superseded"
+            )
+        if session_id in self._sessions:
+            raise InvalidArgument(f"session {session_id!r} already exists; a fork needs a new id")
+        if not 0 < keep_tokens <= len(parent.tokens):
+            raise InvalidArgument(
+                f"keep_tokens={keep_tokens} is outside session {parent_id!r}'s sequence of {len(parent.tokens)} tokens; "
+                f"a fork keeps between 1 and {len(parent.tokens)}"
+            )
+        session = self.open(session_id, 0)
+        session.tokens = parent.tokens[:keep_tokens]
+        if parent.cache is not None:
+            session.cache = copy.deepcopy(parent.cache)
+            surplus = session.cached_tokens - keep_tokens
+            if surplus > 0:
+                session.cache.crop(-surplus)
         return session
 
     def end(self, session_id: str) -> bool:

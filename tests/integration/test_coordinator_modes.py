@@ -1,9 +1,11 @@
-"""Sequential, pipelined and adaptive-K coordinators through real gRPC servers: greedy output
-is the target's own in every mode, and a stale pre-draft is cancelled, cut short on the draft
-service and never reaches the output. (Sampled exactness per mode is in test_distribution.)"""
+"""Sequential, pipelined, hedged and adaptive-K coordinators through real gRPC servers: greedy
+output is the target's own in every mode, a stale pre-draft or hedge is cancelled, cut short on
+the draft service and never reaches the output, and no branch session outlives its request.
+(Sampled exactness per mode is in test_distribution.)"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -21,6 +23,8 @@ MODES = {
     "pipelined": {"pipeline": True},
     "adaptive": {"adaptive_k": True},
     "pipelined_adaptive": {"pipeline": True, "adaptive_k": True},
+    "hedged": {"hedges": 2},
+    "pipelined_hedged_adaptive": {"pipeline": True, "hedges": 3, "adaptive_k": True},
 }
 PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
 
@@ -33,7 +37,7 @@ async def stack(request, tiny_pair):
 
 
 async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
-    totals = {"hits": 0, "cancelled": 0}
+    totals = {"hits": 0, "cancelled": 0, "hedge_hits": 0}
     for prompt in PROMPTS:
         expected = reference(prompt)
         for k in (1, 3, 5, None):  # None: the coordinator's default, or adaptive K
@@ -47,19 +51,30 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
             assert s.predrafts == s.predraft_hits + s.predraft_misses + s.predraft_cancelled
             totals["hits"] += s.predraft_hits
             totals["cancelled"] += s.predraft_cancelled
+            assert s.hedge_hits <= min(s.hedges, s.recovered_tokens) and s.hedged_tokens <= s.hedge_hits * 16
+            totals["hedge_hits"] += s.hedge_hits
             if "adaptive" in stack.mode and k is None:
                 assert len(set(s.k_per_round[:-1])) >= 1
-    if stack.mode.startswith("pipelined"):
-        assert totals["hits"] > 0 and totals["cancelled"] > 0, totals
-    else:
-        assert totals == {"hits": 0, "cancelled": 0}
+    pipelined, hedged = "pipeline" in MODES[stack.mode], "hedges" in MODES[stack.mode]
+    assert (totals["hits"] > 0 and totals["cancelled"] > 0) == pipelined, totals
+    assert (totals["hedge_hits"] > 0) == hedged, totals
+    await _until_no_sessions(stack.draft_runner)
 
 
-async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair, reference):
-    """A slow draft keeps each pre-draft in flight when its round is rejected: the coordinator
-    cancels the RPC, the draft service stops drafting at its next step, and the output is
-    still the target's greedy output."""
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"pipeline": True}) as stack:
+async def _until_no_sessions(runner, timeout_s: float = 5.0) -> None:
+    """Sessions are freed right after each response, without the client waiting: poll."""
+    deadline = time.monotonic() + timeout_s
+    while len(runner.sessions) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(runner.sessions) == 0, f"{len(runner.sessions)} draft sessions outlived their requests"
+
+
+@pytest.mark.parametrize("overrides", [{"pipeline": True}, {"hedges": 3}], ids=["predraft", "hedges"])
+async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair, reference, overrides):
+    """A slow draft keeps each pre-draft (or hedge) in flight when its round ends otherwise:
+    the coordinator cancels the RPC, the draft service stops drafting at its next step, no
+    branch session is left behind, and the output is still the target's greedy output."""
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=overrides) as stack:
         runner = stack.draft_runner
         plain_forward = runner.forward
 
@@ -71,8 +86,13 @@ async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair
         prompt = PROMPTS[1]
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=6), timeout=60)
         assert list(response.token_ids) == reference(prompt)
-        assert response.stats.predraft_cancelled > 0
+        s = response.stats
+        if "pipeline" in overrides:
+            assert s.predraft_cancelled > 0
+        else:
+            assert s.hedges > s.hedge_hits > 0, (s.hedges, s.hedge_hits)
         assert runner.stopped_proposals > 0, "cancelled pre-drafts should stop early on the draft service"
+        await _until_no_sessions(runner)
 
 
 async def test_a_call_older_than_one_served_is_refused_and_changes_nothing(tiny_pair):

@@ -6,7 +6,8 @@ seeded speculative generations against it with a χ² test at a fixed bound. Eac
 exercises one wire form of the draft distribution: dense (the draft samples its full
 distribution), sparse (the draft truncates to its top-k, or its output head covers only part
 of the vocabulary) and one-hot (greedy proposals, prompt lookup), plus a target whose top-k
-gives most tokens probability 0, and each drafter of the draft service.
+gives most tokens probability 0, each drafter of the draft service, and each coordinator
+mode (pipelined, adaptive K, hedged).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ CASES = {
     "pipelined_top_k_top_p": Case({"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1),
     "pipelined_adaptive_k": Case({"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None),
     "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None),
+    # Hedges: a rejected round's next drafts come from a fork that assumed its outcome.
+    "hedged_dense": Case({"quantize": "none"}, coordinator={"hedges": 2}, length=4, k=2),
+    "pipelined_hedged_top_k": Case({"proposal_top_k": 4}, coordinator={"pipeline": True, "hedges": 1}, length=4, k=1),
 }
 
 
@@ -122,6 +126,9 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         # With K=1 most requests pre-draft; adaptive K often fills the 4 tokens in one round.
         assert hits > (SAMPLES // 50 if c.k else 0), f"only {hits} pre-drafts were used; the pipelined path is barely exercised"
         assert sum(s.predraft_cancelled for s in stats) > 0
+    if c.coordinator.get("hedges"):
+        hits = sum(s.hedge_hits for s in stats)
+        assert hits > SAMPLES // 50, f"only {hits} hedges were used; the hedged path is barely exercised"
     zero = {seq for seq, p in expected.items() if p == 0.0}
     assert not zero.intersection(samples), "emitted a continuation the target gives probability 0"
     p_value = chi_square_p_value(samples, expected)

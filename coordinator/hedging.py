@@ -1,0 +1,54 @@
+"""Hedged pre-drafts: which rejection outcomes to pre-draft for while the target verifies.
+
+A round of K drafts ends in one of K + 1 ways: all accepted (the bonus case, which
+`--pipeline` pre-drafts for) or "draft j rejected, token t recovered" for some j < K and t.
+A hedge drafts the next round for one such (j, t) on a fork of the draft's session. The next
+round uses a hedge only when the round ended exactly as it assumed, so the choice depends on
+the verification outcome alone, and the hedge's drafts were drawn from the draft given exactly
+the committed prefix: the next round verifies them against the distributions they came from,
+which keeps the output distribution the target's (the argument in `Coordinator.generate`).
+
+Which (j, t) to hedge is a guess and only changes the hit rate, never the output. With
+per-token acceptance α, the round reaches draft j with probability α^j and rejects it with
+1 − α; given a rejection, the recovered token comes from where the target outweighs the draft,
+and the draft's own runner-up at j is its best guess for that. Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hedge:
+    position: int  # j: drafts accepted before the rejection (the rejected draft's index)
+    recovered_token_id: int  # t: the recovered token it assumes
+    score: float  # estimated probability of exactly this outcome
+
+
+def plan_hedges(
+    runner_up_ids: Sequence[int],  # [K] per draft position, the draft's likeliest other token
+    runner_up_probs: Sequence[float],  # [K] its draft probability
+    alpha: float,
+    limit: int,
+    skip_token_ids: Collection[int] = (),
+) -> list[Hedge]:
+    """The `limit` likeliest rejection outcomes, by α^j·(1 − α)·runner_up_prob_j, best first.
+
+    Outcomes whose recovered token is in `skip_token_ids` (end of sequence: no next round to
+    draft) are left out.
+    """
+    alpha = min(max(alpha, 0.05), 0.95)  # a neutral prior at the extremes keeps every j in play
+    hedges = [
+        Hedge(j, int(token), alpha**j * (1.0 - alpha) * float(prob))
+        for j, (token, prob) in enumerate(zip(runner_up_ids, runner_up_probs, strict=True))
+        if int(token) not in skip_token_ids and prob > 0.0
+    ]
+    hedges.sort(key=lambda hedge: (-hedge.score, hedge.position))
+    return hedges[:limit]
+
+
+def acceptance_estimate(accepted: int, proposed: int, prior: float = 0.75, weight: float = 2.0) -> float:
+    """Per-token acceptance so far, pulled toward `prior` by `weight` pseudo-drafts."""
+    return (accepted + weight * prior) / (proposed + weight)

@@ -1,0 +1,98 @@
+"""Hedged pre-drafts: which outcomes are hedged, and forks of a draft session that explore
+them without disturbing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.config import parse_config
+from coordinator.hedging import acceptance_estimate, plan_hedges
+from draft_service.runner import DraftRunner
+from specdec.errors import InvalidArgument, SessionNotFound, StaleRequest
+from specdec.modeling import load_causal_lm
+from specdec.probs import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def test_hedges_rank_outcomes_by_reach_rejection_and_runner_up_probability():
+    # alpha 0.5: position j is reached with 0.5^j, so a likely runner-up late can lose to a
+    # less likely one early.
+    plan = plan_hedges([10, 11, 12], [0.2, 0.9, 0.3], alpha=0.5, limit=3)
+    assert [(h.position, h.recovered_token_id) for h in plan] == [(1, 11), (0, 10), (2, 12)]
+    assert plan[0].score == pytest.approx(0.5 * 0.5 * 0.9)
+    assert [h.position for h in plan_hedges([10, 11, 12], [0.2, 0.9, 0.3], alpha=0.5, limit=1)] == [1]
+
+
+def test_hedges_skip_end_of_sequence_and_impossible_tokens():
+    plan = plan_hedges([7, 8, 9], [0.5, 0.0, 0.4], alpha=0.8, limit=8, skip_token_ids={7})
+    assert [(h.position, h.recovered_token_id) for h in plan] == [(2, 9)]
+    assert plan_hedges([], [], alpha=0.8, limit=2) == []
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_the_counts():
+    assert acceptance_estimate(0, 0) == pytest.approx(0.75)
+    assert acceptance_estimate(90, 100) == pytest.approx((90 + 1.5) / 102)
+
+
+def test_hedges_flag_is_bounded():
+    base = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]
+    assert parse_config(base, env={}).hedges == 0
+    assert parse_config([*base, "--hedges", "3"], env={}).hedges == 3
+    with pytest.raises(SystemExit):
+        parse_config([*base, "--hedges", "9"], env={})
+
+
+@pytest.fixture(scope="module")
+def draft_runner(tiny_pair) -> DraftRunner:
+    return DraftRunner(load_causal_lm(str(tiny_pair.draft), "float32", "cpu"), max_sessions=8, session_ttl_s=60, max_speculative_tokens=8)
+
+
+def test_a_fork_drafts_as_a_fresh_session_would_and_leaves_its_parent_alone(draft_runner):
+    prompt = list(range(5, 25))
+    parent = draft_runner.propose("parent", 0, prompt, 4, GREEDY, 0, epoch=1)
+    parent_tokens = list(draft_runner.sessions.open("parent", 1).tokens)
+    # "Draft 2 rejected, token 77 recovered": keep the prompt and the first two drafts.
+    keep = len(prompt) + 2
+    branch = draft_runner.propose("branch", keep, [77], 3, GREEDY, 0, epoch=2, fork_from="parent")
+    assert branch.processed_tokens == 3, "only 77 and then one draft per step may run: the prefix is the parent's cache"
+    fresh = draft_runner.propose("fresh", 0, [*prompt, *parent.token_ids[:2], 77], 3, GREEDY, 0)
+    assert branch.token_ids == fresh.token_ids
+    torch.testing.assert_close(branch.probs, fresh.probs)
+    assert draft_runner.sessions.open("parent", 1).tokens == parent_tokens
+    # The parent goes on from where it was.
+    later = draft_runner.propose("parent", len(parent_tokens), [], 1, GREEDY, 0, epoch=3)
+    assert later.sequence_length == len(parent_tokens) + 1
+    for session_id in ("parent", "branch", "fresh"):
+        draft_runner.end_session(session_id)
+
+
+def test_stale_unknown_or_clashing_forks_open_nothing(draft_runner):
+    draft_runner.propose("p", 0, [5, 6, 7, 8], 2, GREEDY, 0, epoch=5)
+    before = len(draft_runner.sessions)
+    with pytest.raises(StaleRequest, match="superseded"):
+        draft_runner.propose("b", 3, [9], 2, GREEDY, 0, epoch=4, fork_from="p")
+    with pytest.raises(SessionNotFound):
+        draft_runner.propose("b", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="gone")
+    with pytest.raises(InvalidArgument, match="already exists"):
+        draft_runner.propose("p", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="p")
+    with pytest.raises(InvalidArgument, match="a fork keeps"):
+        draft_runner.propose("b", 99, [9], 2, GREEDY, 0, epoch=6, fork_from="p")
+    assert len(draft_runner.sessions) == before
+    draft_runner.end_session("p")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+def test_runner_up_is_the_likeliest_other_token(draft_runner, params):
+    proposal = draft_runner.propose("r", 0, [5, 6, 7, 8], 4, params, 1)
+    assert len(proposal.runner_up_ids) == len(proposal.runner_up_probs) == len(proposal.token_ids)
+    for token, runner_up, prob in zip(proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
+        assert runner_up != token and 0.0 < prob <= 1.0
+    if not params.greedy:
+        for row, token, runner_up, prob in zip(proposal.probs, proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
+            assert prob == pytest.approx(float(row[runner_up]))
+            others = row.clone()
+            others[token] = 0.0
+            assert float(row[runner_up]) == pytest.approx(float(others.max()))
+    draft_runner.end_session("r")
