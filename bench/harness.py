@@ -54,6 +54,9 @@ COORDINATORS = {
     "pipelined": ["--pipeline", "on"],
     "adaptive": ["--adaptive-k", "on"],
     "pipelined+adaptive": ["--pipeline", "on", "--adaptive-k", "on"],
+    "hedged1": ["--hedges", "1"],
+    "hedged2": ["--hedges", "2"],
+    "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
 }
 
 
@@ -113,6 +116,9 @@ class Sample:
     predraft_misses: int = 0
     predraft_cancelled: int = 0
     k_per_round: list[int] = field(default_factory=list)
+    recovered: int = 0  # rounds that ended in a rejection
+    hedges: int = 0
+    hedge_hits: int = 0
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
@@ -151,7 +157,7 @@ def drafter_modes() -> list[Mode]:
 
 
 def coordinator_modes() -> list[Mode]:
-    """Sequential against pipelined and adaptive K, all with the int8 draft."""
+    """Sequential against pipelined, hedged and adaptive K, all with the int8 draft."""
     return [
         Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
         Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
@@ -160,6 +166,9 @@ def coordinator_modes() -> list[Mode]:
         Mode("ours int8 (1 thread) K=3 pipelined", "ours", 3, drafter="int8@1thread", coordinator="pipelined"),
         Mode("ours int8 adaptive K", "ours", 0, drafter="int8", coordinator="adaptive", adaptive=True),
         Mode("ours int8 adaptive K pipelined", "ours", 0, drafter="int8", coordinator="pipelined+adaptive", adaptive=True),
+        Mode("ours int8 K=3 hedged (1)", "ours", 3, drafter="int8", coordinator="hedged1"),
+        Mode("ours int8 K=3 hedged (2)", "ours", 3, drafter="int8", coordinator="hedged2"),
+        Mode("ours int8 K=3 pipelined+hedged (1)", "ours", 3, drafter="int8", coordinator="pipelined+hedged1"),
     ]
 
 
@@ -214,6 +223,7 @@ class OursRunner:
             mode.name, "", temperature, 0, s.generated_tokens, s.total_ms, s.time_to_first_token_ms, s.rounds,
             s.proposed_tokens, s.accepted_tokens, list(s.accepted_per_position), s.draft_compute_ms, s.target_compute_ms,
             s.predrafts, s.predraft_hits, s.predraft_misses, s.predraft_cancelled, list(s.k_per_round),
+            recovered=s.recovered_tokens, hedges=s.hedges, hedge_hits=s.hedge_hits,
         )
 
     def close(self) -> None:

@@ -89,6 +89,8 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 ) if mode["family"] == "ours" else None,
                 "predraft_hit_rate": _ratio(samples, "predraft_hits", "predrafts"),
                 "predraft_cancel_rate": _ratio(samples, "predraft_cancelled", "predrafts"),
+                "hedge_hit_rate": _ratio(samples, "hedge_hits", "hedges"),  # per hedge started
+                "rejections_hedged": _ratio(samples, "hedge_hits", "recovered") if any(s.get("hedges") for s in samples) else None,
                 "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", [])) if any(s.get("k_per_round") for s in samples) else None,
                 "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
                 "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,
@@ -178,12 +180,20 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                 f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
                 f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
-        pipelined = [row for row in rows if row["predraft_hit_rate"] is not None or (row["mean_k"] and row["k"] == 0)]
+        pipelined = [
+            row for row in rows
+            if row["predraft_hit_rate"] is not None or row.get("hedge_hit_rate") is not None or (row["mean_k"] and row["k"] == 0)
+        ]
         if pipelined:
-            lines += ["", "| Mode | mean K | pre-drafts used | pre-drafts cancelled (rejection) |", "|---|---|---|---|"]
+            lines += [
+                "",
+                "| Mode | mean K | pre-drafts used | pre-drafts cancelled (rejection) | hedges used | rejected rounds hedged |",
+                "|---|---|---|---|---|---|",
+            ]
             for row in pipelined:
                 lines.append(
-                    f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | {_fmt(row['predraft_cancel_rate'], '.0%')} |"
+                    f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | {_fmt(row['predraft_cancel_rate'], '.0%')} "
+                    f"| {_fmt(row.get('hedge_hit_rate'), '.0%')} | {_fmt(row.get('rejections_hedged'), '.0%')} |"
                 )
         if kinds and temperature in kinds:
             lines += _kind_table(kinds[temperature], [row["mode"] for row in rows])

@@ -60,7 +60,7 @@ def test_bench_drafters_suite_runs_every_drafter(tiny_pair, tmp_path):
     assert "by prompt kind" in (out / "table.md").read_text()
 
 
-def test_bench_modes_suite_reports_pipelining_and_adaptive_k(tiny_pair, tmp_path):
+def test_bench_modes_suite_reports_pipelining_hedging_and_adaptive_k(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}]}))
     out = tmp_path / "out"
@@ -75,4 +75,6 @@ def test_bench_modes_suite_reports_pipelining_and_adaptive_k(tiny_pair, tmp_path
     assert rows["ours int8 K=3 pipelined"]["predraft_hit_rate"] is not None
     assert rows["ours int8 K=3 sequential"]["predraft_hit_rate"] is None
     assert rows["ours int8 adaptive K"]["mean_k"] > 0
-    assert "pre-drafts used" in (out / "table.md").read_text()
+    assert rows["ours int8 K=3 hedged (2)"]["hedge_hit_rate"] is not None
+    assert rows["ours int8 K=3 sequential"]["hedge_hit_rate"] is None
+    assert "pre-drafts used" in (out / "table.md").read_text() and "rejected rounds hedged" in (out / "table.md").read_text()
