@@ -39,6 +39,11 @@ class EnvArgs:
     def add(self, flag: str, default: Any, help: str, type: Callable[[str], Any] = str, **kwargs: Any) -> None:
         name = f"{self.prefix}_{flag.lstrip('-').replace('-', '_').upper()}"
         value = env_default(self.env, name, default, type)
+        choices = kwargs.get("choices")
+        # argparse checks choices on flags only, never on defaults: check the variable here,
+        # or SPECDEC_COORDINATOR_PIPELINE=yes would silently mean "off".
+        if choices is not None and name in self.env and value not in choices:
+            raise SystemExit(f"environment variable {name}={self.env[name]!r} is invalid: choose from {', '.join(map(str, choices))}")
         self.parser.add_argument(flag, type=type, default=value, help=f"{help} [env {name}; default: %(default)s]", **kwargs)
 
 

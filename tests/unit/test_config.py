@@ -30,6 +30,16 @@ def test_malformed_environment_value_is_a_clear_start_up_error():
         target_config(["--model", "m"], {"SPECDEC_TARGET_PORT": "abc"})
 
 
+def test_environment_values_outside_the_choices_are_refused():
+    """argparse checks choices only on flags; a variable must not slip past them."""
+    with pytest.raises(SystemExit, match="SPECDEC_TARGET_DTYPE='bf16' is invalid: choose from float32, bfloat16, float16"):
+        target_config(["--model", "m"], {"SPECDEC_TARGET_DTYPE": "bf16"})
+    base = {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"}
+    with pytest.raises(SystemExit, match="SPECDEC_COORDINATOR_PIPELINE='yes' is invalid"):
+        coordinator_config([], {**base, "SPECDEC_COORDINATOR_PIPELINE": "yes"})
+    assert coordinator_config([], {**base, "SPECDEC_COORDINATOR_PIPELINE": "on"}).pipeline
+
+
 def test_required_settings_are_named(capsys):
     with pytest.raises(SystemExit):
         coordinator_config(["--draft", "a:1", "--target", "b:2"], {})
