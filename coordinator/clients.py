@@ -15,6 +15,7 @@ import grpc
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
+from specdec import telemetry
 from specdec.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -29,7 +30,9 @@ class ServiceClient:
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+        self.channel = grpc.aio.insecure_channel(
+            address, options=message_size_options(max_message_bytes), interceptors=telemetry.client_interceptors()
+        )
 
     async def close(self) -> None:
         await self.channel.close()

@@ -6,9 +6,10 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, EnvArgs
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, EnvArgs
 
 DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9151
 MAX_HEDGES = 8
 
 
@@ -33,6 +34,7 @@ class CoordinatorConfig:
     pipeline: bool = False  # pre-draft the next round while the target verifies
     adaptive_k: bool = False  # choose K per round when a request leaves it unset
     hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
+    metrics_port: int = -1  # Prometheus /metrics over HTTP on host; 0 picks a free port, -1 is off
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -52,6 +54,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--connect-timeout", 120.0, "how long start-up waits for draft and target to answer Info", type=float)
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
+    args.add("--metrics-port", DEFAULT_METRICS_PORT, METRICS_PORT_HELP, type=int)
     args.add("--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"])
     args.add(
         "--adaptive-k", "off", "on: choose K per round from measured acceptance and timing when a request leaves it unset",
@@ -87,4 +90,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         pipeline=ns.pipeline == "on",
         adaptive_k=ns.adaptive_k == "on",
         hedges=ns.hedges,
+        metrics_port=ns.metrics_port,
     )

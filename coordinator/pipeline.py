@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import AdaptiveK, LinearCost
@@ -30,6 +31,7 @@ from coordinator.text import FINISH_LENGTH, TextAssembler
 from specdec import wire
 from specdec.errors import InvalidArgument, SessionNotFound, SpecDecError
 from specdec.probs import SamplingParams
+from specdec.telemetry import tracer
 from specdec.v1 import draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class _SessionView:
     synced: int = 0  # leading tokens of the committed sequence the service holds
     opened: bool = False
     calls: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # numbers Propose calls (epochs)
+    last_epoch: int = 0  # of the newest regular call sent
 
 
 @dataclass
@@ -253,92 +256,108 @@ class Coordinator:
         adaptive = self._adaptive(job, pipelined)
         stats.pipelined = pipelined
         ready: _Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
+        ready_source = ""
         predraft: _PreDraft | None = None
         branches: list[_Branch] = []
         try:
             while True:
-                remaining = job.max_new_tokens - len(text.token_ids)
-                limit = self._k_limit(len(sequence), remaining)
-                k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
-                draft_seed, target_seed, predraft_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=3))
-                uniforms = rng.random(k).tolist()  # [K]
-                draft_in_round = bool(k)  # the draft session will hold this round's drafts
-                if ready is not None and ready.draft_token_ids and k:
-                    round_ = ready.truncated(k)
-                elif k:
-                    started = stats.elapsed_ms()
-                    proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
-                    round_ = self._round_from(proposal, k)
-                    stats.draft_compute_ms += proposal.compute_ms
-                    if adaptive:
-                        adaptive.observe_draft(k, stats.elapsed_ms() - started)
-                else:
-                    round_ = _Round()
-                ready = None
-                # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
-                proposed = len(round_.draft_token_ids)
-                base = len(sequence)
-                started = stats.elapsed_ms()
-                verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats))
-                # Pre-draft only if a fully accepted round would leave room for another round: the
-                # bonus guess plus up to K drafts for it.
-                next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                if pipelined and proposed and next_limit:
-                    speculative = sequence + round_.draft_token_ids
-                    predraft = self._start_predraft(
-                        draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
-                    )
-                if hedging and proposed:
-                    branches = self._start_hedges(draft_view, sequence, round_, k, remaining, sampling, hedge_seeds, stats)
-                try:
-                    verification = await verify
-                finally:
-                    if not verify.done():
-                        verify.cancel()
-                _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
-                _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
-                stats.target_compute_ms += verification.compute_ms
-                if adaptive:
-                    adaptive.observe_verify(proposed, stats.elapsed_ms() - started)
-                outcome = decide_round(
-                    verification.draft_token_target_probs,
-                    round_.draft_token_draft_probs,
-                    uniforms[:proposed],
-                    verification.recovered_token_ids,
-                    verification.bonus_token_id,
-                )
-                stats.record_round(proposed, outcome.num_accepted)
-                if adaptive:
-                    adaptive.observe_round(proposed, outcome.num_accepted)
-                # Both services hold sequence + drafts; only the accepted drafts stay valid.
-                target_view.synced = base + outcome.num_accepted
-                if draft_in_round:
-                    draft_view.synced = base + outcome.num_accepted
-                finished = False
-                for token in outcome.committed(round_.draft_token_ids):
-                    sequence.append(token)
-                    if finished := text.push(token):
-                        break
-                if not finished and len(sequence) >= self.pair.max_context:
-                    text.finish(FINISH_LENGTH)
-                if predraft is not None:
-                    if text.finish_reason is None and outcome.num_accepted == proposed:
-                        ready = await self._take_predraft(predraft, outcome.next_token_id, stats)
-                        if ready is not None:
-                            # The draft holds the round, the bonus token (= its first pre-draft
-                            # token) and the rest of the pre-draft, which become the next drafts.
-                            draft_view.synced = base + proposed + 1
+                with tracer.start_as_current_span("round", attributes={"specdec.round.index": stats.rounds}) as round_span:
+                    round_started = stats.elapsed_ms()
+                    remaining = job.max_new_tokens - len(text.token_ids)
+                    limit = self._k_limit(len(sequence), remaining)
+                    k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
+                    draft_seed, target_seed, predraft_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=3))
+                    uniforms = rng.random(k).tolist()  # [K]
+                    draft_in_round = bool(k)  # the draft session will hold this round's drafts
+                    source = "none"  # where this round's drafts come from
+                    if ready is not None and ready.draft_token_ids and k:
+                        round_, source = ready.truncated(k), ready_source
+                    elif k:
+                        source = "draft"
+                        started = stats.elapsed_ms()
+                        proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
+                        round_ = self._round_from(proposal, k)
+                        stats.draft_compute_ms += proposal.compute_ms
+                        if adaptive:
+                            adaptive.observe_draft(k, stats.elapsed_ms() - started)
                     else:
-                        stats.predraft_cancelled += 1
-                        predraft.cancel()
-                    predraft = None
-                if branches:
-                    live = text.finish_reason is None
-                    taken, draft_view = await self._settle_hedges(branches, outcome, proposed, live, draft_view, base, stats)
-                    branches = []
-                    ready = taken if taken is not None else ready
-                stats.mark_first_token()
-                delta = text.take_delta()
+                        round_ = _Round()
+                    ready = None
+                    # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
+                    proposed = len(round_.draft_token_ids)
+                    base = len(sequence)
+                    started = stats.elapsed_ms()
+                    verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats))
+                    # Pre-draft only if a fully accepted round would leave room for another round: the
+                    # bonus guess plus up to K drafts for it.
+                    next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
+                    if pipelined and proposed and next_limit:
+                        speculative = sequence + round_.draft_token_ids
+                        predraft = self._start_predraft(
+                            draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
+                        )
+                    if hedging and proposed:
+                        branches = self._start_hedges(draft_view, sequence, round_, k, remaining, sampling, hedge_seeds, stats)
+                    try:
+                        verification = await verify
+                    finally:
+                        if not verify.done():
+                            verify.cancel()
+                    _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
+                    _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
+                    stats.target_compute_ms += verification.compute_ms
+                    if adaptive:
+                        adaptive.observe_verify(proposed, stats.elapsed_ms() - started)
+                    outcome = decide_round(
+                        verification.draft_token_target_probs,
+                        round_.draft_token_draft_probs,
+                        uniforms[:proposed],
+                        verification.recovered_token_ids,
+                        verification.bonus_token_id,
+                    )
+                    stats.record_round(proposed, outcome.num_accepted)
+                    if adaptive:
+                        adaptive.observe_round(proposed, outcome.num_accepted)
+                    # Both services hold sequence + drafts; only the accepted drafts stay valid.
+                    target_view.synced = base + outcome.num_accepted
+                    if draft_in_round:
+                        draft_view.synced = base + outcome.num_accepted
+                    finished = False
+                    for token in outcome.committed(round_.draft_token_ids):
+                        sequence.append(token)
+                        if finished := text.push(token):
+                            break
+                    if not finished and len(sequence) >= self.pair.max_context:
+                        text.finish(FINISH_LENGTH)
+                    if predraft is not None:
+                        if text.finish_reason is None and outcome.num_accepted == proposed:
+                            ready, ready_source = await self._take_predraft(predraft, outcome.next_token_id, stats), "predraft"
+                            if ready is not None:
+                                # The draft holds the round, the bonus token (= its first pre-draft
+                                # token) and the rest of the pre-draft, which become the next drafts.
+                                draft_view.synced = base + proposed + 1
+                        else:
+                            stats.predraft_cancelled += 1
+                            predraft.cancel()
+                        predraft = None
+                    if branches:
+                        live = text.finish_reason is None
+                        taken, draft_view = await self._settle_hedges(branches, outcome, proposed, live, draft_view, base, stats)
+                        branches = []
+                        if taken is not None:
+                            ready, ready_source = taken, "hedge"
+                    stats.mark_first_token()
+                    delta = text.take_delta()
+                    stats.round_ms.append(stats.elapsed_ms() - round_started)
+                    round_span.set_attributes({
+                        "specdec.round.k": proposed,
+                        "specdec.round.accepted": outcome.num_accepted,
+                        "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
+                        "specdec.round.drafts_from": source,  # draft call, kept pre-draft, hedge, none (K=0)
+                        "specdec.round.epoch": draft_view.last_epoch,
+                        "specdec.round.pipelined": pipelined,
+                    })
+                # Spans end before yielding: the caller runs between rounds.
                 if text.finish_reason is not None:
                     stats.close(len(text.token_ids))
                     self._learn(adaptive)
@@ -416,6 +435,7 @@ class Coordinator:
         round_ = self._round_from(proposal, predraft.k)
         stats.predrafted_tokens += len(round_.draft_token_ids)
         if round_.draft_token_ids and round_.draft_token_ids[0] == bonus_token:
+            trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(round_.draft_token_ids) - 1})
             stats.predraft_hits += 1
             return round_.truncated(len(round_.draft_token_ids), start=1)
         stats.predraft_misses += 1
@@ -486,6 +506,9 @@ class Coordinator:
             self._end_later(self.draft, hit.session_id)
             return None, draft_view
         round_ = self._round_from(proposal, hit.k)
+        trace.get_current_span().add_event(
+            "hedge.used", {"specdec.position": hit.hedge.position, "specdec.tokens": len(round_.draft_token_ids)}
+        )
         stats.hedge_hits += 1
         stats.hedged_tokens += len(round_.draft_token_ids)
         self._end_later(self.draft, draft_view.session_id)
@@ -495,10 +518,11 @@ class Coordinator:
         self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats, count_wait: bool = True
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
+            view.last_epoch = next(view.calls)
             return self.draft.propose(
                 draft_pb2.ProposeRequest(
                     session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    num_tokens=k, sampling=sampling, seed=seed, epoch=next(view.calls),
+                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.last_epoch,
                 )
             )
 
@@ -529,6 +553,7 @@ class Coordinator:
                 if attempt:
                     raise SpecDecError(f"{role} service lost session {view.session_id} again right after a full re-send") from None
                 logger.info("%s lost session %s; re-sending %d tokens", role, view.session_id, len(sequence))
+                trace.get_current_span().add_event("reprefill", {"specdec.service": role, "specdec.tokens": len(sequence)})
                 stats.reprefills += 1
                 view.synced = 0
             finally:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer
 from specdec.modeling import tokenizer_fingerprint
@@ -48,7 +50,8 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
 
 async def build_server(config: CoordinatorConfig) -> RunningServer:
     coordinator = await connect(config)
-    servicer = CoordinatorServicer(coordinator)
+    registry = CollectorRegistry()
+    servicer = CoordinatorServicer(coordinator, CoordinatorMetrics(registry))
 
     def close_channels() -> None:
         for client in (coordinator.draft, coordinator.target):
@@ -61,9 +64,10 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         config.port,
         config.max_message_bytes,
         on_stop=close_channels,
+        metrics=(registry, config.metrics_port),
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level))
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator"))

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.metrics import GenerationStats
+from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.pipeline import Chunk, Coordinator, GenerationRequest
-from specdec.errors import grpc_errors
+from specdec.errors import grpc_errors, status_of
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationRequest:
@@ -74,14 +77,41 @@ def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, metrics: CoordinatorMetrics | None = None) -> None:
         self._coordinator = coordinator
+        self._metrics = metrics
+
+    async def _generate(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[Chunk]:
+        """The coordinator's chunks, with the request counted and logged (in its trace) once it ends."""
+        if self._metrics is not None:
+            self._metrics.requests_in_flight.inc()
+        try:
+            async for chunk in self._coordinator.generate(request_from_pb(request)):
+                if chunk.stats is not None:
+                    self._finished(chunk)
+                yield chunk
+        except BaseException as exc:
+            if self._metrics is not None:
+                self._metrics.observe_failed(status_of(exc))
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.requests_in_flight.dec()
+
+    def _finished(self, chunk: Chunk) -> None:
+        s = chunk.stats
+        logger.info(
+            "generated %d tokens (%s) in %.0f ms: %d rounds, acceptance %.2f, %.2f tokens/round",
+            s.generated_tokens, chunk.finish_reason, s.total_ms, s.rounds, s.acceptance_rate, s.mean_accepted_length,
+        )
+        if self._metrics is not None:
+            self._metrics.observe_finished(s, chunk.finish_reason)
 
     @grpc_errors
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GenerateResponse:
-        chunks = [chunk async for chunk in self._coordinator.generate(request_from_pb(request))]
+        chunks = [chunk async for chunk in self._generate(request)]
         final = chunks[-1]
         return chunk_to_pb(
             Chunk(
@@ -96,5 +126,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GenerateStream(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        async for chunk in self._coordinator.generate(request_from_pb(request)):
+        async for chunk in self._generate(request):
             yield chunk_to_pb(chunk)

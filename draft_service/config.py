@@ -12,6 +12,7 @@ from draft_service.runner import PROPOSAL_MODES
 from specdec.config import EnvArgs, ModelServiceConfig, add_model_service_args, model_service_kwargs
 
 DEFAULT_PORT = 50061
+DEFAULT_METRICS_PORT = 9161
 DRAFTERS = ("model", "ngram")
 QUANTIZE = ("auto", "none", "int8")
 
@@ -37,7 +38,7 @@ class DraftConfig(ModelServiceConfig):
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DraftConfig:
     parser = argparse.ArgumentParser(prog="python -m draft_service", description=__doc__.split(":")[0])
     args = EnvArgs(parser, "SPECDEC_DRAFT", env)
-    add_model_service_args(args, DEFAULT_PORT)
+    add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     args.add("--drafter", "model", "how to propose: model (a causal LM) or ngram (prompt lookup, no weights)", choices=list(DRAFTERS))
     args.add(
         "--quantize", "auto",

@@ -62,9 +62,13 @@ class ModelServiceConfig:
     max_speculative_tokens: int
     max_message_bytes: int
     log_level: str
+    metrics_port: int = -1  # Prometheus /metrics over HTTP on --host; 0 picks a free port, -1 is off
 
 
-def add_model_service_args(args: EnvArgs, default_port: int) -> None:
+METRICS_PORT_HELP = "Prometheus metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)"
+
+
+def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_port: int) -> None:
     args.add("--model", None, "Hugging Face model id or local folder", required=False)
     args.add("--dtype", "float32", "weights dtype: float32, bfloat16 or float16", choices=["float32", "bfloat16", "float16"])
     args.add("--device", "cpu", "torch device: cpu, cuda or cuda:N")
@@ -76,6 +80,7 @@ def add_model_service_args(args: EnvArgs, default_port: int) -> None:
     args.add("--max-speculative-tokens", 16, "largest K accepted per call", type=int)
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
+    args.add("--metrics-port", default_metrics_port, METRICS_PORT_HELP, type=int)
 
 
 def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -93,4 +98,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         max_speculative_tokens=ns.max_speculative_tokens,
         max_message_bytes=ns.max_message_bytes,
         log_level=ns.log_level,
+        metrics_port=ns.metrics_port,
     )

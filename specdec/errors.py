@@ -6,6 +6,7 @@ so a client always gets a specific code and a message saying what was wrong.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -46,6 +47,17 @@ class Unavailable(SpecDecError):
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_of(exc: BaseException) -> str:
+    """The status code name a request that raised `exc` ends with (as `_abort` maps it)."""
+    if isinstance(exc, SpecDecError):
+        return exc.code.name
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED.name
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return grpc.StatusCode.RESOURCE_EXHAUSTED.name
+    return grpc.StatusCode.INTERNAL.name
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:

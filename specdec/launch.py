@@ -60,12 +60,13 @@ class ServiceProcess:
 
 
 def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> ServiceProcess:
-    """`python -m module args --port port`, output to `log`."""
+    """`python -m module args --port port --metrics-port 0`, output to `log`. Metrics take a free
+    port, so several local stacks never collide (the log names the port)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     full_env.update(env or {})
     process = subprocess.Popen(
-        [sys.executable, "-m", module, *args, "--port", str(port)],
+        [sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
         cwd=cwd, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log)

@@ -1,5 +1,5 @@
-"""gRPC server plumbing shared by the three services: options, health, reflection, shutdown,
-and the single model thread that every runner call goes through."""
+"""gRPC server plumbing shared by the three services: options, health, reflection, tracing,
+metrics, shutdown, and the single model thread that every runner call goes through."""
 
 from __future__ import annotations
 
@@ -13,16 +13,22 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from specdec import telemetry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s trace_id=%(trace_id)s span_id=%(span_id)s: %(message)s"
+
+
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Every line carries the trace and span it was logged in ("-" outside a request)."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(telemetry.TraceContextFilter())
 
 
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -33,7 +39,7 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def create_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=message_size_options(max_message_bytes))
+    return grpc.aio.server(options=message_size_options(max_message_bytes), interceptors=telemetry.server_interceptors())
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
@@ -93,6 +99,7 @@ class RunningServer:
         service_names: list[str],
         background: list[asyncio.Task] | None = None,
         on_stop: Callable[[], Any] | None = None,
+        metrics_http=None,
     ) -> None:
         self.server = server
         self.port = port
@@ -100,6 +107,11 @@ class RunningServer:
         self.service_names = service_names
         self._background = background or []
         self._on_stop = on_stop
+        self.metrics_http = metrics_http  # None when metrics are off
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_http is None else self.metrics_http.server_port
 
     async def stop(self, grace_s: float | None = None) -> None:
         await set_serving(self.health, self.service_names, False)
@@ -108,6 +120,10 @@ class RunningServer:
         await self.server.stop(grace_s)
         if self._on_stop:
             self._on_stop()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+        telemetry.shutdown_tracing()
 
     async def serve_until_signal(self, grace_s: float = 5.0) -> None:
         stop = asyncio.Event()
@@ -128,16 +144,19 @@ async def start_server(
     max_message_bytes: int,
     background: list[Callable[[], Any]] = (),
     on_stop: Callable[[], Any] | None = None,
+    metrics: tuple[CollectorRegistry, int] | None = None,
 ) -> RunningServer:
-    """Creates, binds and starts a server with health (SERVING once started) and reflection."""
+    """Creates, binds and starts a server with health (SERVING once started), reflection,
+    and `metrics` = (registry, port) served over HTTP on the same host."""
     server = create_server(max_message_bytes)
     register(server)
     health_servicer = add_health_and_reflection(server, service_names)
     bound = bind(server, host, port)
+    metrics_http = telemetry.start_metrics_server(metrics[0], host, metrics[1]) if metrics else None
     await server.start()
     await set_serving(health_servicer, service_names, True)
     tasks = [asyncio.create_task(make()) for make in background]
-    return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop)
+    return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http)
 
 
 async def start_model_server(
@@ -149,8 +168,10 @@ async def start_model_server(
 ) -> RunningServer:
     """What the draft and target servers share: one model thread, the servicer, health and
     reflection, and periodic expiry of idle sessions."""
-    model_thread = ModelThread(f"{service_name.rsplit('.', 1)[-1].lower()}-model")
-    servicer = make_servicer(runner, model_thread)
+    role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
+    model_thread = ModelThread(f"{role}-model")
+    registry = CollectorRegistry()
+    servicer = make_servicer(runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner))
     return await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],
@@ -159,16 +180,18 @@ async def start_model_server(
         config.max_message_bytes,
         background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
         on_stop=model_thread.shutdown,
+        metrics=(registry, config.metrics_port),
     )
 
 
-async def serve_forever(build: Callable[[], Any], log_level: str) -> None:
-    """Configures logging, builds the server and serves until SIGTERM/SIGINT. A start-up
-    failure (model not found, services unreachable, mismatched pair) exits with status 2 and
-    a one-line reason instead of a traceback."""
+async def serve_forever(build: Callable[[], Any], log_level: str, service_name: str) -> None:
+    """Configures logging and tracing, builds the server and serves until SIGTERM/SIGINT. A
+    start-up failure (model not found, services unreachable, mismatched pair) exits with
+    status 2 and a one-line reason instead of a traceback."""
     from specdec.errors import SpecDecError
 
     configure_logging(log_level)
+    telemetry.setup_tracing(service_name)
     try:
         running = await build()
     except (SpecDecError, OSError, ValueError) as exc:

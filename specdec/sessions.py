@@ -30,6 +30,18 @@ class KVSession:
     def cached_tokens(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the cache's key and value tensors."""
+        if self.cache is None:
+            return 0
+        return sum(
+            tensor.nbytes
+            for layer in getattr(self.cache, "layers", ())
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if tensor is not None
+        )
+
     def rollback(self, keep_tokens: int, new_tokens: list[int]) -> None:
         """Keeps the first `keep_tokens` of the sequence and appends `new_tokens` (no model work)."""
         if keep_tokens < 0 or keep_tokens > len(self.tokens):
@@ -146,6 +158,11 @@ class SessionStore:
             if surplus > 0:
                 session.cache.crop(-surplus)
         return session
+
+    def kv_bytes(self) -> int:
+        """KV bytes over all sessions. Safe to call from another thread (the metrics server):
+        it reads a snapshot of the sessions and only sizes of tensors."""
+        return sum(session.kv_bytes for session in list(self._sessions.values()))
 
     def end(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

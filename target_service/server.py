@@ -39,4 +39,4 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level))
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target"))

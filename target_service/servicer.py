@@ -8,14 +8,16 @@ from specdec import wire
 from specdec.errors import grpc_errors
 from specdec.servicer_base import SessionServicerMixin
 from specdec.serving import ModelThread
+from specdec.telemetry import ModelServiceMetrics, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: TargetRunner, model_thread: ModelThread) -> None:
+    def __init__(self, runner: TargetRunner, model_thread: ModelThread, metrics: ModelServiceMetrics | None = None) -> None:
         self._runner = runner
         self._model_thread = model_thread
+        self._metrics = metrics
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
@@ -25,17 +27,28 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
-        result = await self._model_thread.run(
-            self._runner.verify,
-            request.session_id,
-            request.keep_tokens,
-            list(request.new_tokens),
-            draft_token_ids,
-            draft_probs,
-            params,
-            request.seed,
-            request.return_distributions,
-        )
+        with tracer.start_as_current_span("target.verify") as span:
+            span.set_attributes({
+                "specdec.session_id": request.session_id, "specdec.keep_tokens": request.keep_tokens,
+                "specdec.new_tokens": len(request.new_tokens), "specdec.draft_tokens": len(draft_token_ids),
+            })
+            result = await self._model_thread.run(
+                self._runner.verify,
+                request.session_id,
+                request.keep_tokens,
+                list(request.new_tokens),
+                draft_token_ids,
+                draft_probs,
+                params,
+                request.seed,
+                request.return_distributions,
+            )
+            span.set_attributes({
+                "specdec.processed_tokens": result.processed_tokens, "specdec.cache_length": result.sequence_length,
+                "specdec.forward_ms": result.compute_ms,
+            })
+        if self._metrics is not None:
+            self._metrics.observe_call("verify", result.compute_ms, result.processed_tokens)
         return target_pb2.VerifyResponse(
             draft_token_target_probs=result.draft_token_target_probs,
             recovered_token_ids=result.recovered_token_ids,

@@ -45,9 +45,11 @@ class Stack:
 
 
 @asynccontextmanager
-async def inprocess_stack(pair: TinyPair, draft_overrides: dict | None = None, coordinator_overrides: dict | None = None) -> AsyncIterator[Stack]:
+async def inprocess_stack(
+    pair: TinyPair, draft_overrides: dict | None = None, coordinator_overrides: dict | None = None, target_overrides: dict | None = None
+) -> AsyncIterator[Stack]:
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
-    target_config = model_service_config(TargetConfig, pair.target)
+    target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
     draft_runner = draft_server.load_runner(draft_config)
     target_runner = target_server.load_runner(target_config)
     draft = await draft_server.build_server(draft_config, draft_runner)

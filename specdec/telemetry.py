@@ -1,0 +1,160 @@
+"""Tracing, metrics and log correlation shared by the three services.
+
+Tracing follows OpenTelemetry's own configuration: it is on when `OTEL_EXPORTER_OTLP_ENDPOINT`
+(or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set and `OTEL_SDK_DISABLED` is not true, and the
+SDK reads the rest (`OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`, `OTEL_EXPORTER_OTLP_INSECURE`,
+...). Spans leave through a batch processor on a background thread, so a slow or absent
+collector costs requests nothing (the exporter drops what it cannot send). Without an
+endpoint nothing is installed: the API's no-op tracer answers, and no gRPC interceptor runs.
+
+Metrics are Prometheus (prometheus-client), one registry per server so servers in one process
+(tests) never share counters, served over HTTP on the service's metrics port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+
+import grpc
+from opentelemetry import propagate, trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("specdec")
+
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_provider = None  # the SDK provider this process installed, if any
+
+
+def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return any(env.get(name) for name in _ENDPOINT_VARIABLES)
+
+
+def setup_tracing(default_service_name: str) -> bool:
+    """Installs the SDK with an OTLP/gRPC exporter when the environment asks for it; once per
+    process. Returns whether tracing is on."""
+    global _provider
+    if _provider is not None:
+        return True
+    if not tracing_requested():
+        return False
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override the default name.
+    resource = Resource.create({SERVICE_NAME: default_service_name}) if not os.environ.get("OTEL_SERVICE_NAME") else Resource.create()
+    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER(_ARG)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    logger.info("tracing: exporting OTLP spans as %s", provider.resource.attributes.get(SERVICE_NAME))
+    return True
+
+
+def shutdown_tracing(timeout_ms: int = 2000) -> None:
+    """Flushes what is buffered, bounded so a dead collector cannot hold up shutdown."""
+    if _provider is not None:
+        _provider.force_flush(timeout_ms)
+
+
+def server_interceptors() -> list:
+    """Continues the caller's trace in each RPC (a server span per call) when tracing is on."""
+    if _provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor()]
+
+
+def client_interceptors() -> list:
+    """Sends the current trace context with each call when tracing is on."""
+    return [] if _provider is None else [TracingClientInterceptor()]
+
+
+class TracingClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """A client span per unary call, its context sent in the metadata.
+
+    Not opentelemetry-instrumentation-grpc's aio client interceptor: when its caller is
+    cancelled it neither ends the span nor cancels the RPC, and the coordinator cancels stale
+    pre-drafts and hedges by design. Their server spans would hang off a parent Jaeger never
+    receives, and the draft would keep drafting tokens nobody reads.
+    """
+
+    async def intercept_unary_unary(self, continuation, details: grpc.aio.ClientCallDetails, request):
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        service, _, name = method.lstrip("/").rpartition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+        with tracer.start_as_current_span(method, kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
+            call = await continuation(
+                grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready),
+                request,
+            )
+            try:
+                code = await call.code()  # the call's end
+            except asyncio.CancelledError:
+                call.cancel()  # the caller gave up (a stale pre-draft): cancel the RPC on the wire too
+                raise  # ends the span with the error
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code != grpc.StatusCode.OK:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, await call.details()))
+            return call
+
+
+class TraceContextFilter(logging.Filter):
+    """Adds the current trace and span ids to every record ("-" outside a span), so a log line
+    can be found from its trace in Jaeger and the other way round."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
+        else:
+            record.trace_id = record.span_id = "-"
+        return True
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int):
+    """Serves `registry` at http://host:port/metrics; port 0 picks a free one, -1 is off.
+    Returns the HTTP server (`.server_port`, `.shutdown()`), or None when off."""
+    if port < 0:
+        return None
+    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    logger.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
+    return httpd
+
+
+# Model work per call: a draft step is tens of ms on CPU and ~1 ms on a GPU; a CPU verify ~0.2 s.
+_FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ModelServiceMetrics:
+    """A draft or target service's metrics: model work per call, tokens run, sessions, KV bytes."""
+
+    def __init__(self, registry: CollectorRegistry, role: str, runner) -> None:
+        self.forward_seconds = Histogram(
+            f"specdec_{role}_forward_seconds", f"Model work of one {role} call (all its forward passes)",
+            ["rpc"], registry=registry, buckets=_FORWARD_BUCKETS,
+        )
+        self.processed_tokens = Counter(
+            f"specdec_{role}_processed_tokens", "Tokens run through the model (prefix reuse keeps this low)", registry=registry
+        )
+        sessions = Gauge("specdec_sessions_open", "Sessions held (KV caches)", registry=registry)
+        sessions.set_function(lambda: len(runner.sessions))
+        kv_bytes = Gauge("specdec_kv_cache_bytes", "Bytes of KV cache held over all sessions", registry=registry)
+        kv_bytes.set_function(runner.sessions.kv_bytes)
+
+    def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int) -> None:
+        self.forward_seconds.labels(rpc).observe(compute_ms / 1e3)
+        self.processed_tokens.inc(processed_tokens)
