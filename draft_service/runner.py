@@ -50,8 +50,9 @@ class DraftRunner(ModelRunner):
         proposal_mode: str = "sample",
         proposal_top_k: int = 0,
         head_ids: torch.Tensor | None = None,
+        max_kv_bytes: int = 0,
     ):
-        super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens)
+        super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens, max_kv_bytes)
         self.head_ids = None if head_ids is None else head_ids.to(loaded.device)  # [N]
         self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:

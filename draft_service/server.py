@@ -52,6 +52,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         proposal_mode=config.proposal_mode,
         proposal_top_k=config.proposal_top_k,
         head_ids=head_ids,
+        max_kv_bytes=config.max_kv_bytes,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,6 +27,17 @@ def env_default(env: Mapping[str, str], name: str, default: T, cast: Callable[[s
         return cast(env[name])
     except ValueError as exc:
         raise SystemExit(f"environment variable {name}={env[name]!r} is invalid: {exc}") from exc
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MB', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"{text!r} is not a size; use bytes or a unit such as 512MiB or 8GiB")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
 class EnvArgs:
@@ -63,6 +75,7 @@ class ModelServiceConfig:
     max_message_bytes: int
     log_level: str
     metrics_port: int = -1  # Prometheus /metrics over HTTP on --host; 0 picks a free port, -1 is off
+    max_kv_bytes: int = 0  # KV cache budget over all sessions; least recently used are evicted; 0 = none
 
 
 METRICS_PORT_HELP = "Prometheus metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)"
@@ -81,6 +94,10 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
     args.add("--metrics-port", default_metrics_port, METRICS_PORT_HELP, type=int)
+    args.add(
+        "--max-kv-bytes", 0, "KV cache budget over all sessions, e.g. 8GiB; least recently used sessions are evicted "
+        "(their generations re-send and go on); 0 = no budget", type=parse_bytes,
+    )
 
 
 def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -99,4 +116,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         max_message_bytes=ns.max_message_bytes,
         log_level=ns.log_level,
         metrics_port=ns.metrics_port,
+        max_kv_bytes=ns.max_kv_bytes,
     )

@@ -80,16 +80,49 @@ class KVSession:
 
 
 class SessionStore:
-    """Sessions by id with an idle TTL and a cap on how many are held.
+    """Sessions by id with an idle TTL, a cap on how many are held, and a KV byte budget
+    enforced by evicting the least recently used sessions.
 
-    Not thread-safe: a service touches it only from its single model thread.
+    An evicted session is not an error for its generation: its next call gets NOT_FOUND and
+    the coordinator re-sends the committed sequence (re-prefill), so eviction trades compute
+    for memory and never changes an output.
+
+    Not thread-safe: a service touches it only from its single model thread (the metrics
+    thread only reads sizes).
     """
 
-    def __init__(self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache | None] = DynamicCache) -> None:
+    def __init__(
+        self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache | None] = DynamicCache, max_kv_bytes: int = 0
+    ) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.max_kv_bytes = max_kv_bytes  # 0: no budget
+        self.evicted = 0  # sessions dropped to make room (not counting TTL expiry)
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
+
+    def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int) -> None:
+        """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
+        sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
+        cannot fit, saying by how much."""
+        if not self.max_kv_bytes:
+            return
+        needed = session.kv_bytes + extra_bytes
+        if needed > self.max_kv_bytes:
+            tokens = needed // bytes_per_token if bytes_per_token else 0
+            raise ResourceExhausted(
+                f"session {session.session_id!r} would hold {needed} bytes of KV cache ({tokens} tokens at "
+                f"{bytes_per_token} bytes each); the service's KV budget (--max-kv-bytes) is {self.max_kv_bytes} bytes, "
+                f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
+            )
+        total = self.kv_bytes() + extra_bytes
+        for session_id in list(self._sessions):  # least recently used first
+            if total <= self.max_kv_bytes:
+                break
+            if session_id == session.session_id:
+                continue
+            total -= self._sessions.pop(session_id).kv_bytes
+            self.evicted += 1
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import grpc
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec")
@@ -154,7 +155,22 @@ class ModelServiceMetrics:
         sessions.set_function(lambda: len(runner.sessions))
         kv_bytes = Gauge("specdec_kv_cache_bytes", "Bytes of KV cache held over all sessions", registry=registry)
         kv_bytes.set_function(runner.sessions.kv_bytes)
+        budget = Gauge("specdec_kv_cache_budget_bytes", "KV cache budget (--max-kv-bytes); 0 = none", registry=registry)
+        budget.set_function(lambda: runner.sessions.max_kv_bytes)
+        registry.register(_EvictionCollector(runner.sessions))
 
     def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int) -> None:
         self.forward_seconds.labels(rpc).observe(compute_ms / 1e3)
         self.processed_tokens.inc(processed_tokens)
+
+
+class _EvictionCollector:
+    """specdec_sessions_evicted_total, read from the session store's own count."""
+
+    def __init__(self, sessions) -> None:
+        self._sessions = sessions
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "specdec_sessions_evicted", "Sessions evicted (least recently used) to fit the KV budget", value=self._sessions.evicted
+        )

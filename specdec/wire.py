@@ -134,4 +134,8 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         device=description.device,
         open_sessions=description.open_sessions,
         max_speculative_tokens=description.max_speculative_tokens,
+        kv_cache_bytes=description.kv_cache_bytes,
+        max_kv_cache_bytes=description.max_kv_cache_bytes,
+        kv_bytes_per_token=description.kv_bytes_per_token,
+        evicted_sessions=description.evicted_sessions,
     )

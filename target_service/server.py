@@ -27,6 +27,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         max_sessions=config.max_sessions,
         session_ttl_s=config.session_ttl_s,
         max_speculative_tokens=config.max_speculative_tokens,
+        max_kv_bytes=config.max_kv_bytes,
     )
 
 
