@@ -12,15 +12,19 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
-from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec import telemetry
 from specdec.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# gRPC's default reconnect backoff grows to 120 s, so a service that restarts after a long
+# outage would stay unused for minutes; retry the connection at least every 2 s instead.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class ServiceClient:
@@ -31,7 +35,7 @@ class ServiceClient:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(
-            address, options=message_size_options(max_message_bytes), interceptors=telemetry.client_interceptors()
+            address, options=[*message_size_options(max_message_bytes), *RECONNECT_OPTIONS], interceptors=telemetry.client_interceptors()
         )
 
     async def close(self) -> None:
@@ -48,7 +52,9 @@ class ServiceClient:
         where = f"{self.role} service at {self.address}"
         if code == grpc.StatusCode.NOT_FOUND:
             return SessionNotFound(f"{where}: {details}")
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"{where} did not answer within its deadline: {details}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return Unavailable(f"{where} is unavailable ({code.name}): {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{where} is out of capacity: {details}")
@@ -84,9 +90,18 @@ class DraftClient(ServiceClient):
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         super().__init__("draft", address, timeout_s, max_message_bytes)
         self._stub = draft_pb2_grpc.DraftStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         return await self.call(self._stub.Propose, request)
+
+    async def serving(self, timeout_s: float = 1.0) -> bool:
+        """The standard health check: is the draft up and SERVING (the breaker's probe)?"""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class TargetClient(ServiceClient):

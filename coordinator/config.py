@@ -35,6 +35,11 @@ class CoordinatorConfig:
     adaptive_k: bool = False  # choose K per round when a request leaves it unset
     hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
     metrics_port: int = -1  # Prometheus /metrics over HTTP on host; 0 picks a free port, -1 is off
+    draft_attempts: int = 2  # tries of a draft call on UNAVAILABLE before the round goes target-only
+    draft_retry_backoff_s: float = 0.05  # first wait between tries (doubles)
+    breaker_failures: int = 3  # consecutive failed draft calls that open the breaker
+    breaker_probe_interval_s: float = 2.0  # health probes of the draft while the breaker is open
+    target_retry_s: float = 30.0  # how long a target call failing UNAVAILABLE is retried (a restart), within the client's deadline
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -55,6 +60,14 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
     args.add("--metrics-port", DEFAULT_METRICS_PORT, METRICS_PORT_HELP, type=int)
+    args.add("--draft-attempts", 2, "tries of a draft call that fails UNAVAILABLE before that round runs target-only", type=int)
+    args.add("--draft-retry-backoff", 0.05, "seconds before the second try of a draft call (doubling after)", type=float)
+    args.add(
+        "--target-retry-timeout", 30.0, "seconds a target call failing UNAVAILABLE is retried (a restarting target), "
+        "never past the client's deadline", type=float,
+    )
+    args.add("--breaker-failures", 3, "consecutive failed draft calls after which rounds skip the draft (target-only)", type=int)
+    args.add("--breaker-probe-interval", 2.0, "seconds between health probes of the draft while it is skipped", type=float)
     args.add("--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"])
     args.add(
         "--adaptive-k", "off", "on: choose K per round from measured acceptance and timing when a request leaves it unset",
@@ -70,6 +83,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
             parser.error(f"--{flag} is required (or set the environment variable named in --help)")
     if not 0 <= ns.num_speculative_tokens <= ns.max_num_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-num-speculative-tokens]")
+    if ns.draft_attempts < 1 or ns.breaker_failures < 1 or ns.breaker_probe_interval <= 0 or ns.draft_retry_backoff < 0:
+        parser.error("--draft-attempts and --breaker-failures must be >= 1, --breaker-probe-interval > 0, --draft-retry-backoff >= 0")
     if not 0 <= ns.hedges <= MAX_HEDGES:
         parser.error(f"--hedges must be in [0, {MAX_HEDGES}]")
     return CoordinatorConfig(
@@ -91,4 +106,9 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         adaptive_k=ns.adaptive_k == "on",
         hedges=ns.hedges,
         metrics_port=ns.metrics_port,
+        draft_attempts=ns.draft_attempts,
+        draft_retry_backoff_s=ns.draft_retry_backoff,
+        breaker_failures=ns.breaker_failures,
+        breaker_probe_interval_s=ns.breaker_probe_interval,
+        target_retry_s=ns.target_retry_timeout,
     )

@@ -36,6 +36,13 @@ class GenerationStats:
     predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified per round
     round_ms: list[float] = field(default_factory=list)  # wall time of each round
+    draft_failures: int = 0  # draft calls that failed after retries
+    fallback_rounds: int = 0  # rounds run target-only because the draft failed or was skipped
+    target_retries: int = 0  # target calls retried after UNAVAILABLE (a restarting target)
+
+    @property
+    def degraded(self) -> bool:
+        return self.fallback_rounds > 0
     hedges: int = 0  # branches forked for likely rejection outcomes during verifies
     hedge_hits: int = 0  # rounds that ended as a branch assumed, whose drafts were used
     hedged_tokens: int = 0  # drafts taken from hits
@@ -119,6 +126,13 @@ class CoordinatorMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.requests_in_flight = Gauge("specdec_requests_in_flight", "Requests being generated", registry=registry)
+        self.fallback_rounds = counter("specdec_fallback_rounds", "Rounds run target-only because the draft failed or was skipped")
+        self.draft_failures = counter("specdec_draft_failures", "Draft calls that failed after their retries")
+        self.degraded_requests = counter("specdec_degraded_requests", "Finished requests with at least one fallback round")
+        self.draft_breaker_open = Gauge("specdec_draft_breaker_open", "1 while rounds skip the draft (circuit breaker open)", registry=registry)
+
+    def watch_breaker(self, breaker) -> None:
+        self.draft_breaker_open.set_function(lambda: float(breaker.is_open))
 
     def observe_finished(self, stats: GenerationStats, finish_reason: str) -> None:
         self.requests.labels(finish_reason, "OK").inc()
@@ -134,6 +148,9 @@ class CoordinatorMetrics:
         self.reprefills.inc(stats.reprefills)
         for outcome, count in (("hit", stats.predraft_hits), ("miss", stats.predraft_misses), ("cancelled", stats.predraft_cancelled)):
             self.predrafts.labels(outcome).inc(count)
+        self.fallback_rounds.inc(stats.fallback_rounds)
+        self.draft_failures.inc(stats.draft_failures)
+        self.degraded_requests.inc(stats.degraded)
         self.hedges.labels("hit").inc(stats.hedge_hits)
         self.hedges.labels("unused").inc(stats.hedges - stats.hedge_hits)
         self.time_to_first_token.observe(stats.time_to_first_token_ms / 1e3)

@@ -21,7 +21,10 @@ import numpy as np
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
 from coordinator.adaptive import AdaptiveK, LinearCost
+from coordinator.breaker import CircuitBreaker
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.hedging import Hedge, acceptance_estimate, plan_hedges
@@ -29,7 +32,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.sampling import decide_round
 from coordinator.text import FINISH_LENGTH, TextAssembler
 from specdec import wire
-from specdec.errors import InvalidArgument, SessionNotFound, SpecDecError
+from specdec.errors import DeadlineExceeded, InvalidArgument, SessionNotFound, SpecDecError, Unavailable
 from specdec.probs import SamplingParams
 from specdec.telemetry import tracer
 from specdec.v1 import draft_pb2, target_pb2
@@ -37,6 +40,9 @@ from specdec.v1 import draft_pb2, target_pb2
 logger = logging.getLogger(__name__)
 
 _SEED_BOUND = 2**63
+# Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
+# such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,13 @@ class Coordinator:
         # and an acceptance prior, for adaptive K.
         self._costs = {greedy: (LinearCost(fixed=2.0, per_token=20.0), LinearCost(fixed=100.0, per_token=5.0)) for greedy in (True, False)}
         self._alpha_prior = 0.75
+        # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
+        self.breaker = CircuitBreaker(config.breaker_failures)
+        self._probe: asyncio.Task | None = None
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
 
     def prepare(self, request: GenerationRequest) -> Job:
         """Validates a request; every failure says what was wrong and what is accepted."""
@@ -187,8 +200,11 @@ class Coordinator:
         max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
         if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}")
-        if not math.isfinite(request.temperature) or request.temperature < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy); got {request.temperature}")
+        if not (math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)):
+            raise InvalidArgument(
+                f"temperature must be a finite number >= 0 (0 = greedy), and if positive at least {MIN_TEMPERATURE:g} "
+                f"(smaller ones overflow the logits); got {request.temperature}"
+            )
         if request.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {request.top_k}")
         top_p = 1.0 if request.top_p is None else request.top_p
@@ -221,7 +237,7 @@ class Coordinator:
             num_speculative_tokens_unset=request.num_speculative_tokens is None,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerationRequest, time_remaining_s: float | None = None) -> AsyncIterator[Chunk]:
         """Yields one chunk per round; the last carries the finish reason and the stats.
 
         Sequential mode drafts, then verifies. Pipelined mode (`--pipeline`) also starts a
@@ -244,6 +260,9 @@ class Coordinator:
         """
         job = self.prepare(request)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
+        # Give up on an unavailable target in time to tell the client so before its own deadline.
+        retry_for = self.config.target_retry_s if time_remaining_s is None else min(self.config.target_retry_s, 0.7 * time_remaining_s)
+        retry_until = asyncio.get_running_loop().time() + retry_for
         rng = np.random.default_rng(job.seed)
         session_id = uuid.uuid4().hex
         draft_view, target_view = _SessionView(session_id), _SessionView(session_id)
@@ -266,6 +285,9 @@ class Coordinator:
                     remaining = job.max_new_tokens - len(text.token_ids)
                     limit = self._k_limit(len(sequence), remaining)
                     k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
+                    if k and not self.breaker.allow():
+                        k = 0  # the draft is down: this round is one target-only step
+                        stats.fallback_rounds += 1
                     draft_seed, target_seed, predraft_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=3))
                     uniforms = rng.random(k).tolist()  # [K]
                     draft_in_round = bool(k)  # the draft session will hold this round's drafts
@@ -275,11 +297,18 @@ class Coordinator:
                     elif k:
                         source = "draft"
                         started = stats.elapsed_ms()
-                        proposal = await self._propose(draft_view, sequence, k, sampling, draft_seed, stats)
-                        round_ = self._round_from(proposal, k)
-                        stats.draft_compute_ms += proposal.compute_ms
-                        if adaptive:
-                            adaptive.observe_draft(k, stats.elapsed_ms() - started)
+                        try:
+                            proposal = await self._propose_with_retries(draft_view, sequence, k, sampling, draft_seed, stats)
+                        except Unavailable as exc:
+                            # Target-only for this round: the same output, only slower.
+                            self._draft_failed(exc, draft_view, stats)
+                            round_, source, draft_in_round = _Round(), "fallback", False
+                        else:
+                            self.breaker.record_success()
+                            round_ = self._round_from(proposal, k)
+                            stats.draft_compute_ms += proposal.compute_ms
+                            if adaptive:
+                                adaptive.observe_draft(k, stats.elapsed_ms() - started)
                     else:
                         round_ = _Round()
                     ready = None
@@ -287,16 +316,16 @@ class Coordinator:
                     proposed = len(round_.draft_token_ids)
                     base = len(sequence)
                     started = stats.elapsed_ms()
-                    verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats))
+                    verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats, retry_until))
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                    if pipelined and proposed and next_limit:
+                    if pipelined and proposed and next_limit and self.breaker.allow():
                         speculative = sequence + round_.draft_token_ids
                         predraft = self._start_predraft(
                             draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
                         )
-                    if hedging and proposed:
+                    if hedging and proposed and self.breaker.allow():
                         branches = self._start_hedges(draft_view, sequence, round_, k, remaining, sampling, hedge_seeds, stats)
                     try:
                         verification = await verify
@@ -353,7 +382,7 @@ class Coordinator:
                         "specdec.round.k": proposed,
                         "specdec.round.accepted": outcome.num_accepted,
                         "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
-                        "specdec.round.drafts_from": source,  # draft call, kept pre-draft, hedge, none (K=0)
+                        "specdec.round.drafts_from": source,  # draft, predraft, hedge, fallback (draft down), none (K=0)
                         "specdec.round.epoch": draft_view.last_epoch,
                         "specdec.round.pipelined": pipelined,
                     })
@@ -430,7 +459,13 @@ class Coordinator:
         """The pre-draft's tokens after the first, if its first equals the bonus token; else None."""
         if predraft.round_index != stats.rounds - 1:
             raise AssertionError(f"pre-draft of round {predraft.round_index} offered to round {stats.rounds - 1}")
-        proposal = await predraft.task
+        try:
+            proposal = await predraft.task
+        except SpecDecError as exc:
+            # A failed pre-draft only means the next round drafts afresh (or falls back).
+            logger.info("pre-draft failed, drafting afresh: %s", exc)
+            stats.predraft_cancelled += 1
+            return None
         stats.predraft_compute_ms += proposal.compute_ms
         round_ = self._round_from(proposal, predraft.k)
         stats.predrafted_tokens += len(round_.draft_token_ids)
@@ -514,6 +549,46 @@ class Coordinator:
         self._end_later(self.draft, draft_view.session_id)
         return round_, _SessionView(hit.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls)
 
+    async def _propose_with_retries(
+        self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+    ) -> draft_pb2.ProposeResponse:
+        """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
+        connection) but never on a missed deadline: a slow draft is skipped, not waited for."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.draft_attempts),
+            wait=wait_exponential(multiplier=self.config.draft_retry_backoff_s, max=1.0),
+            retry=retry_if_exception(lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._propose(view, sequence, k, sampling, seed, stats)
+        raise AssertionError("unreachable")
+
+    def _draft_failed(self, exc: Unavailable, draft_view: _SessionView, stats: GenerationStats) -> None:
+        """Counts a failed draft call, opens the breaker after enough of them, and forgets what
+        the draft held: if it comes back, the next call re-sends the whole sequence."""
+        stats.draft_failures += 1
+        stats.fallback_rounds += 1
+        draft_view.synced = 0
+        trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
+        logger.warning("draft call failed, round runs target-only: %s", exc)
+        if self.breaker.record_failure():
+            logger.warning(
+                "draft at %s failed %d times in a row: rounds run target-only until a health probe finds it serving",
+                self.draft.address, self.breaker.failure_threshold,
+            )
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
+
+    async def _probe_draft(self) -> None:
+        """While the breaker is open, asks the draft's health service until it is SERVING."""
+        while self.breaker.is_open:
+            await asyncio.sleep(self.config.breaker_probe_interval_s)
+            if await self.draft.serving():
+                logger.info("draft at %s is serving again: speculation resumes", self.draft.address)
+                self.breaker.close()
+
     async def _propose(
         self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats, count_wait: bool = True
     ) -> draft_pb2.ProposeResponse:
@@ -529,8 +604,12 @@ class Coordinator:
         return await self._with_reprefill("draft", view, sequence, stats, send, count_wait)
 
     async def _verify(
-        self, view: _SessionView, sequence: list[int], round_: _Round, sampling, seed: int, stats: GenerationStats
+        self, view: _SessionView, sequence: list[int], round_: _Round, sampling, seed: int, stats: GenerationStats, retry_until: float
     ) -> target_pb2.VerifyResponse:
+        """The round's verify. A target that is UNAVAILABLE (restarting) is retried until
+        `retry_until` (loop time); back up, it has lost the session, answers NOT_FOUND and is
+        re-sent the committed sequence, so the output does not change."""
+
         def send(keep: int, new_tokens: list[int]):
             return self.target.verify(
                 target_pb2.VerifyRequest(
@@ -540,7 +619,19 @@ class Coordinator:
                 )
             )
 
-        return await self._with_reprefill("target", view, sequence, stats, send)
+        loop = asyncio.get_running_loop()
+        retrying = AsyncRetrying(
+            stop=lambda state: loop.time() >= retry_until,
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception(lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    stats.target_retries += 1
+                return await self._with_reprefill("target", view, sequence, stats, send)
+        raise AssertionError("unreachable")
 
     async def _with_reprefill(self, role: str, view: _SessionView, sequence: list[int], stats: GenerationStats, send, count_wait: bool = True):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""

@@ -12,10 +12,10 @@ from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import Coordinator, PairInfo
-from coordinator.servicer import CoordinatorServicer
+from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.modeling import tokenizer_fingerprint
 from specdec.serving import RunningServer, serve_forever, start_server
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -51,14 +51,17 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
 async def build_server(config: CoordinatorConfig) -> RunningServer:
     coordinator = await connect(config)
     registry = CollectorRegistry()
-    servicer = CoordinatorServicer(coordinator, CoordinatorMetrics(registry))
+    metrics = CoordinatorMetrics(registry)
+    metrics.watch_breaker(coordinator.breaker)
+    servicer = CoordinatorServicer(coordinator, metrics)
 
     def close_channels() -> None:
+        coordinator.close()
         for client in (coordinator.draft, coordinator.target):
             asyncio.get_running_loop().create_task(client.close())
 
     return await start_server(
-        lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server),
+        lambda server: add_to_server(servicer, server),
         [SERVICE_NAME],
         config.host,
         config.port,

@@ -6,13 +6,46 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.pipeline import Chunk, Coordinator, GenerationRequest
-from specdec.errors import grpc_errors, status_of
+from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+class MalformedRequest:
+    """A request body that does not parse as a GenerateRequest (corrupt wire format, a string
+    that is not UTF-8). grpc.aio answers a deserializer that raises with UNKNOWN; handing the
+    handler this instead lets it answer INVALID_ARGUMENT, as for any other bad request."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def parse_request(data: bytes) -> coordinator_pb2.GenerateRequest | MalformedRequest:
+    try:
+        return coordinator_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return MalformedRequest(str(exc))
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """`coordinator_pb2_grpc.add_CoordinatorServicer_to_server`, with requests parsed by `parse_request`."""
+    respond = coordinator_pb2.GenerateResponse.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_request, response_serializer=respond
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=parse_request, response_serializer=respond
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationRequest:
@@ -64,6 +97,10 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         hedges=stats.hedges,
         hedge_hits=stats.hedge_hits,
         hedged_tokens=stats.hedged_tokens,
+        degraded=stats.degraded,
+        draft_failures=stats.draft_failures,
+        fallback_rounds=stats.fallback_rounds,
+        target_retries=stats.target_retries,
     )
 
 
@@ -81,12 +118,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._coordinator = coordinator
         self._metrics = metrics
 
-    async def _generate(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[Chunk]:
+    async def _generate(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         """The coordinator's chunks, with the request counted and logged (in its trace) once it ends."""
         if self._metrics is not None:
             self._metrics.requests_in_flight.inc()
         try:
-            async for chunk in self._coordinator.generate(request_from_pb(request)):
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(
+                    f"the request is not a valid {coordinator_pb2.GenerateRequest.DESCRIPTOR.full_name} ({request.reason}); "
+                    "send a serialized GenerateRequest whose strings are UTF-8"
+                )
+            remaining = context.time_remaining()  # seconds, or None without a client deadline
+            async for chunk in self._coordinator.generate(request_from_pb(request), remaining):
                 if chunk.stats is not None:
                     self._finished(chunk)
                 yield chunk
@@ -111,7 +154,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GenerateResponse:
-        chunks = [chunk async for chunk in self._generate(request)]
+        chunks = [chunk async for chunk in self._generate(request, context)]
         final = chunks[-1]
         return chunk_to_pb(
             Chunk(
@@ -126,5 +169,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GenerateStream(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        async for chunk in self._generate(request):
+        async for chunk in self._generate(request, context):
             yield chunk_to_pb(chunk)

@@ -46,6 +46,11 @@ class Unavailable(SpecDecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(Unavailable):
+    """A service answered too slowly: for the client still UNAVAILABLE, but for the draft it
+    means "skip it this round", never "retry and wait again"."""
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
