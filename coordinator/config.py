@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, EnvArgs
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, SHUTDOWN_GRACE_HELP, EnvArgs
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -39,6 +39,7 @@ class CoordinatorConfig:
     draft_retry_backoff_s: float = 0.05  # first wait between tries (doubles)
     breaker_failures: int = 3  # consecutive failed draft calls that open the breaker
     breaker_probe_interval_s: float = 2.0  # health probes of the draft while the breaker is open
+    shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight requests may finish
     target_retry_s: float = 30.0  # how long a target call failing UNAVAILABLE is retried (a restart), within the client's deadline
 
 
@@ -60,6 +61,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
     args.add("--metrics-port", DEFAULT_METRICS_PORT, METRICS_PORT_HELP, type=int)
+    args.add("--shutdown-grace", 25.0, SHUTDOWN_GRACE_HELP, type=float)
     args.add("--draft-attempts", 2, "tries of a draft call that fails UNAVAILABLE before that round runs target-only", type=int)
     args.add("--draft-retry-backoff", 0.05, "seconds before the second try of a draft call (doubling after)", type=float)
     args.add(
@@ -111,4 +113,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         breaker_failures=ns.breaker_failures,
         breaker_probe_interval_s=ns.breaker_probe_interval,
         target_retry_s=ns.target_retry_timeout,
+        shutdown_grace_s=ns.shutdown_grace,
     )

@@ -73,4 +73,4 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator"))
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator", config.shutdown_grace_s))

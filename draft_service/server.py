@@ -65,4 +65,4 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-draft"))
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-draft", config.shutdown_grace_s))

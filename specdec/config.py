@@ -76,8 +76,10 @@ class ModelServiceConfig:
     log_level: str
     metrics_port: int = -1  # Prometheus /metrics over HTTP on --host; 0 picks a free port, -1 is off
     max_kv_bytes: int = 0  # KV cache budget over all sessions; least recently used are evicted; 0 = none
+    shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight calls may finish
 
 
+SHUTDOWN_GRACE_HELP = "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
 METRICS_PORT_HELP = "Prometheus metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)"
 
 
@@ -94,6 +96,7 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
     args.add("--metrics-port", default_metrics_port, METRICS_PORT_HELP, type=int)
+    args.add("--shutdown-grace", 25.0, SHUTDOWN_GRACE_HELP, type=float)
     args.add(
         "--max-kv-bytes", 0, "KV cache budget over all sessions, e.g. 8GiB; least recently used sessions are evicted "
         "(their generations re-send and go on); 0 = no budget", type=parse_bytes,
@@ -117,4 +120,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         log_level=ns.log_level,
         metrics_port=ns.metrics_port,
         max_kv_bytes=ns.max_kv_bytes,
+        shutdown_grace_s=ns.shutdown_grace,
     )

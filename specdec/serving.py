@@ -125,15 +125,21 @@ class RunningServer:
             self.metrics_http.server_close()
         telemetry.shutdown_tracing()
 
-    async def serve_until_signal(self, grace_s: float = 5.0) -> None:
+    async def serve_until_signal(self, grace_s: float = 25.0, notice_s: float = 1.0) -> None:
+        """On SIGTERM/SIGINT: health turns NOT_SERVING first and stays answerable for
+        `notice_s`, so probes and load balancers stop sending new work; then the server
+        stops accepting and in-flight requests get up to `grace_s` to finish."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
         await stop.wait()
-        logger.info("shutting down: draining for up to %.1fs", grace_s)
+        logger.info("shutting down: NOT_SERVING now, then draining in-flight requests for up to %.1fs", grace_s)
+        await set_serving(self.health, self.service_names, False)
+        await asyncio.sleep(min(notice_s, grace_s))
         await self.stop(grace_s)
+        logger.info("stopped")
 
 
 async def start_server(
@@ -184,7 +190,7 @@ async def start_model_server(
     )
 
 
-async def serve_forever(build: Callable[[], Any], log_level: str, service_name: str) -> None:
+async def serve_forever(build: Callable[[], Any], log_level: str, service_name: str, shutdown_grace_s: float = 25.0) -> None:
     """Configures logging and tracing, builds the server and serves until SIGTERM/SIGINT. A
     start-up failure (model not found, services unreachable, mismatched pair) exits with
     status 2 and a one-line reason instead of a traceback."""
@@ -197,4 +203,4 @@ async def serve_forever(build: Callable[[], Any], log_level: str, service_name: 
     except (SpecDecError, OSError, ValueError) as exc:
         logger.error("cannot start: %s", exc)
         raise SystemExit(2) from None
-    await running.serve_until_signal()
+    await running.serve_until_signal(shutdown_grace_s)

@@ -40,4 +40,4 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target"))
+    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s))

@@ -1,16 +1,20 @@
-"""Node faults with real processes: the draft dies mid-generation and comes back."""
+"""Node faults with real processes (and a slow draft in process): the draft dies and comes
+back, the target restarts or stays down, SIGTERM drains, a slow draft is skipped."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.launch import free_port, spawn
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
+from tests.stack import inprocess_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
@@ -122,3 +126,58 @@ def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_t
     finally:
         for process in reversed(processes):
             process.stop()
+
+
+def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight(tiny_pair, reference, tmp_path):
+    draft = start("draft", "draft_service", ["--model", str(tiny_pair.draft), "--quantize", "none"], free_port(), tmp_path)
+    target = start("target", "target_service", ["--model", str(tiny_pair.target)], free_port(), tmp_path)
+    processes = [draft, target]
+    try:
+        draft.wait_healthy(START_TIMEOUT_S)
+        target.wait_healthy(START_TIMEOUT_S)
+        coordinator = start(
+            "coordinator", "coordinator",
+            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target), "--shutdown-grace", "30"],
+            free_port(), tmp_path,
+        )
+        processes.append(coordinator)
+        coordinator.wait_healthy(START_TIMEOUT_S)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            # K=1 and 230 tokens: a couple of hundred rounds, still running when SIGTERM arrives.
+            stream = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=120)
+            chunks = [next(stream)]
+            coordinator.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 1.0
+            while health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health did not turn NOT_SERVING promptly after SIGTERM"
+                time.sleep(0.02)
+            chunks += list(stream)
+            assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 230)
+            assert chunks[-1].finish_reason == "length"
+        assert coordinator.process.wait(timeout=30) == 0
+        log = (tmp_path / "coordinator.log").read_text()
+        assert log.index("shutting down") < log.index("generated 230 tokens"), "the request should have been in flight at SIGTERM"
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_pair, reference):
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"draft_timeout_s": 0.2}) as stack:
+        runner = stack.draft_runner
+        plain_forward = runner.forward
+
+        def slow_forward(*args, **kwargs):
+            time.sleep(0.5)
+            return plain_forward(*args, **kwargs)
+
+        runner.forward = slow_forward
+        response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4), timeout=60)
+        assert list(response.token_ids) == reference(PROMPT, 40)
+        s = response.stats
+        assert s.degraded and s.draft_failures >= 1 and s.proposed_tokens == 0
+        # Waiting for the draft would take at least 0.5 s per draft step; skipping costs at most
+        # one deadline per failed call (and nothing once the breaker is open).
+        assert s.total_ms < 1000 * (0.2 * s.draft_failures + 3.0)
