@@ -12,13 +12,14 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test bench bench-quick deploy-check clean
+.PHONY: help install protos models run test bench bench-quick loadtest deploy-check clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
 	@echo "make test   - install test dependencies and run the test suite"
 	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
 	@echo "make bench-quick - the same in a few minutes"
+	@echo "make loadtest - 32 clients for 3 minutes against the three services on tiny models (LOADTEST_ARGS=... for more)"
 	@echo "make protos - regenerate the gRPC stubs from protos/"
 	@echo "make deploy-check - validate deploy/ offline: Kubernetes schemas, compose spec, hadolint, cross-check test"
 
@@ -55,6 +56,10 @@ bench: install models
 
 bench-quick: install models
 	$(PY) -m bench --quick $(BENCH_ARGS)
+
+# Bounded: stops by itself; fails on any error, a session left open or memory growth (see --help).
+loadtest: install
+	$(PY) scripts/loadtest.py $(LOADTEST_ARGS)
 
 test: install
 	$(PY) -m pytest -q

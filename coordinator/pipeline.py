@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 _SEED_BOUND = 2**63
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
-# such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy).
-MIN_TEMPERATURE = 1e-5
+# such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
+# to float32 as the request carries it, so a client that sends 1e-5 is accepted.
+MIN_TEMPERATURE = float(np.float32(1e-5))
 
 
 @dataclass(frozen=True)
