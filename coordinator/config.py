@@ -33,6 +33,7 @@ class CoordinatorConfig:
     pipeline: bool = False  # pre-draft the next round while the target verifies
     adaptive_k: bool = False  # choose K per round when a request leaves it unset
     hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
+    trust_remote_code: bool = False  # run Python code shipped with the tokenizer
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -61,6 +62,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         "--hedges", 0, "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
         f"(0 = off; at most {MAX_HEDGES})", type=int,
     )
+    args.add("--trust-remote-code", "off", "on: run Python code that comes with the tokenizer (only for ones you trust)", choices=["on", "off"])
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
@@ -87,4 +89,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         pipeline=ns.pipeline == "on",
         adaptive_k=ns.adaptive_k == "on",
         hedges=ns.hedges,
+        trust_remote_code=ns.trust_remote_code == "on",
     )

@@ -11,7 +11,7 @@ from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer
-from specdec.modeling import tokenizer_fingerprint
+from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.serving import RunningServer, serve_forever, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -21,7 +21,8 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 async def connect(config: CoordinatorConfig) -> Coordinator:
     """Waits for both services, checks they form a pair, and builds the coordinator."""
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=False)
+    warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
     draft = DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes)
     target = TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes)
     draft_info, target_info = await asyncio.gather(

@@ -27,14 +27,14 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         torch.set_num_threads(config.threads)
     if config.drafter == "ngram":
         return NgramDrafter(
-            load_tokenizer_info(config.model),
+            load_tokenizer_info(config.model, config.trust_remote_code),
             max_sessions=config.max_sessions,
             session_ttl_s=config.session_ttl_s,
             max_speculative_tokens=config.max_speculative_tokens,
             min_n=config.ngram_min,
             max_n=config.ngram_max,
         )
-    loaded = load_causal_lm(config.model, config.dtype, config.device)
+    loaded = load_causal_lm(config.model, config.dtype, config.device, trust_remote_code=config.trust_remote_code)
     head_ids = None
     if config.draft_vocab:
         head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, config.draft_vocab, loaded.eos_token_ids)

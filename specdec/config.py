@@ -62,6 +62,7 @@ class ModelServiceConfig:
     max_speculative_tokens: int
     max_message_bytes: int
     log_level: str
+    trust_remote_code: bool = False  # run Python code shipped in the model folder (transformers' trust_remote_code)
 
 
 def add_model_service_args(args: EnvArgs, default_port: int) -> None:
@@ -76,6 +77,10 @@ def add_model_service_args(args: EnvArgs, default_port: int) -> None:
     args.add("--max-speculative-tokens", 16, "largest K accepted per call", type=int)
     args.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", type=int)
     args.add("--log-level", "INFO", "logging level")
+    args.add(
+        "--trust-remote-code", "off", "on: run Python code that comes with the model folder (only for models you trust)",
+        choices=["on", "off"],
+    )
 
 
 def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -93,4 +98,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         max_speculative_tokens=ns.max_speculative_tokens,
         max_message_bytes=ns.max_message_bytes,
         log_level=ns.log_level,
+        trust_remote_code=ns.trust_remote_code == "on",
     )

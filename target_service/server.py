@@ -21,7 +21,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 def load_runner(config: TargetConfig) -> TargetRunner:
     if config.threads:
         torch.set_num_threads(config.threads)
-    loaded = load_causal_lm(config.model, config.dtype, config.device, config.device_map)
+    loaded = load_causal_lm(config.model, config.dtype, config.device, config.device_map, config.trust_remote_code)
     return TargetRunner(
         loaded,
         max_sessions=config.max_sessions,
