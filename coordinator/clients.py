@@ -14,7 +14,8 @@ from typing import TypeVar
 import grpc
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
-from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
+from specdec.errors import InvalidArgument, ResourceExhausted, ServiceRefused, SessionNotFound, SpecDecError, Unavailable
+from specdec.security import ChannelSecurity, aio_channel
 from specdec.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -25,11 +26,14 @@ T = TypeVar("T")
 class ServiceClient:
     """One channel to a model service; `role` ("draft"/"target") names it in errors."""
 
-    def __init__(self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(
+        self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
+    ):
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+        self.channel = aio_channel(address, message_size_options(max_message_bytes), security)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -47,6 +51,11 @@ class ServiceClient:
             return SessionNotFound(f"{where}: {details}")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             return Unavailable(f"{where} is unavailable ({code.name}): {details}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return ServiceRefused(
+                f"{where} refused the coordinator ({code.name}): {details}; its --auth-token-file must hold the token "
+                f"in the coordinator's --upstream-auth-token-file"
+            )
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{where} is out of capacity: {details}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -78,8 +87,10 @@ class ServiceClient:
 
 
 class DraftClient(ServiceClient):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__("draft", address, timeout_s, max_message_bytes)
+    def __init__(
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+    ):
+        super().__init__("draft", address, timeout_s, max_message_bytes, security)
         self._stub = draft_pb2_grpc.DraftStub(self.channel)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
@@ -87,8 +98,10 @@ class DraftClient(ServiceClient):
 
 
 class TargetClient(ServiceClient):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__("target", address, timeout_s, max_message_bytes)
+    def __init__(
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+    ):
+        super().__init__("target", address, timeout_s, max_message_bytes, security)
         self._stub = target_pb2_grpc.TargetStub(self.channel)
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

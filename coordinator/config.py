@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, EnvArgs
+from specdec.security import ClientSecurity, ServerSecurity, add_server_security_args, client_security, server_security
 
 DEFAULT_PORT = 50051
 MAX_HEDGES = 8
@@ -34,6 +35,8 @@ class CoordinatorConfig:
     adaptive_k: bool = False  # choose K per round when a request leaves it unset
     hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
     trust_remote_code: bool = False  # run Python code shipped with the tokenizer
+    security: ServerSecurity = ServerSecurity()  # the public API: TLS, client certificates, tokens
+    upstream: ClientSecurity = ClientSecurity()  # calls to draft and target
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -63,6 +66,12 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         f"(0 = off; at most {MAX_HEDGES})", type=int,
     )
     args.add("--trust-remote-code", "off", "on: run Python code that comes with the tokenizer (only for ones you trust)", choices=["on", "off"])
+    add_server_security_args(args)
+    args.add("--upstream-tls-ca", None, "PEM CA bundle to verify the draft's and target's certificates with: TLS to them on")
+    args.add("--upstream-tls-cert", None, "PEM client certificate presented to draft and target (mutual TLS; needs --upstream-tls-key)")
+    args.add("--upstream-tls-key", None, "PEM private key of --upstream-tls-cert")
+    args.add("--upstream-tls-server-name", None, "name to check the draft's and target's certificates for, instead of their address's host")
+    args.add("--upstream-auth-token-file", None, "file whose first line is the bearer token sent to draft and target (their --auth-token-file)")
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
@@ -71,6 +80,13 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error("--num-speculative-tokens must be in [0, --max-num-speculative-tokens]")
     if not 0 <= ns.hedges <= MAX_HEDGES:
         parser.error(f"--hedges must be in [0, {MAX_HEDGES}]")
+    security, problem = server_security(ns)
+    upstream, upstream_problem = client_security(
+        ns.upstream_tls_ca, ns.upstream_tls_cert, ns.upstream_tls_key, ns.upstream_tls_server_name, ns.upstream_auth_token_file,
+        flag_prefix="--upstream-",
+    )
+    if problem or upstream_problem:
+        parser.error(problem or upstream_problem)
     return CoordinatorConfig(
         draft_address=ns.draft,
         target_address=ns.target,
@@ -90,4 +106,6 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         adaptive_k=ns.adaptive_k == "on",
         hedges=ns.hedges,
         trust_remote_code=ns.trust_remote_code == "on",
+        security=security,
+        upstream=upstream,
     )

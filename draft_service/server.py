@@ -13,6 +13,7 @@ from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
 from specdec.modeling import load_causal_lm, load_tokenizer_info, quantize_int8_dynamic, restrict_output_head
+from specdec.security import load_server_security
 from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -57,8 +58,11 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
 
 async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
+    # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
+    credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
-        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME
+        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME,
+        credentials, interceptors,
     )
 
 

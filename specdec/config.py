@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from specdec.security import ServerSecurity, add_server_security_args, server_security
+
 T = TypeVar("T")
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
@@ -63,6 +65,7 @@ class ModelServiceConfig:
     max_message_bytes: int
     log_level: str
     trust_remote_code: bool = False  # run Python code shipped in the model folder (transformers' trust_remote_code)
+    security: ServerSecurity = ServerSecurity()  # TLS, client certificates, tokens (specdec.security)
 
 
 def add_model_service_args(args: EnvArgs, default_port: int) -> None:
@@ -81,11 +84,15 @@ def add_model_service_args(args: EnvArgs, default_port: int) -> None:
         "--trust-remote-code", "off", "on: run Python code that comes with the model folder (only for models you trust)",
         choices=["on", "off"],
     )
+    add_server_security_args(args)
 
 
 def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if not ns.model:
         parser.error("--model is required (or set the environment variable named in --help)")
+    security, problem = server_security(ns)
+    if problem:
+        parser.error(problem)
     return dict(
         model=ns.model,
         dtype=ns.dtype,
@@ -99,4 +106,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         max_message_bytes=ns.max_message_bytes,
         log_level=ns.log_level,
         trust_remote_code=ns.trust_remote_code == "on",
+        security=security,
     )

@@ -45,6 +45,11 @@ class Unavailable(SpecDecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ServiceRefused(SpecDecError):
+    """A model service refused the coordinator's credentials: a deployment mistake, never the
+    public caller's, so it stays INTERNAL rather than UNAUTHENTICATED."""
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
