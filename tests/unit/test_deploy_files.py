@@ -467,8 +467,11 @@ def service_for(deployment: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
 def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
     container, manifest, deployment = K8S_CONTAINERS[name]
-    port = container.config().port
-    assert [p["containerPort"] for p in manifest["ports"]] == [port]
+    config = container.config()
+    port = config.port
+    assert {p["name"]: p["containerPort"] for p in manifest["ports"]} == {"grpc": port, "metrics": config.metrics_port}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert manifest[probe]["grpc"]["port"] == port, f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
     [service_port] = service_for(deployment)["spec"]["ports"]
@@ -562,9 +565,19 @@ def test_k8s_pdb_and_network_policies_select_real_pods():
     coordinator_labels = deployments[by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")[0]]["spec"]["template"]["metadata"]["labels"]
     for policy in k8s("NetworkPolicy").values():
         [protected] = [n for n, d in deployments.items() if selects(policy["spec"]["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
-        [rule] = policy["spec"]["ingress"]
-        assert [p["port"] for p in rule["ports"]] == [K8S_CONTAINERS[protected][0].config().port]
+        config = K8S_CONTAINERS[protected][0].config()
+        [rule, metrics_rule] = policy["spec"]["ingress"]
+        assert [p["port"] for p in rule["ports"]] == [config.port]
         assert selects(rule["from"][0]["podSelector"]["matchLabels"], coordinator_labels), f"{policy['metadata']['name']} shuts out the coordinator"
+        assert [p["port"] for p in metrics_rule["ports"]] == [config.metrics_port], "Prometheus must reach the metrics port"
+
+
+def test_compose_prometheus_scrapes_each_service_on_its_metrics_port():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]}
+    expected = {f"{name}:{container.config().metrics_port}" for name, container in COMPOSE_CONTAINERS.items()}
+    assert targets == expected
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in COMPOSE["prometheus"]["volumes"]
 
 
 def test_k8s_volumes_and_config_maps_exist():
