@@ -70,21 +70,25 @@ DEPLOY_TOOLS := kubernetes-validate==1.37.0 check-jsonschema==0.39.0 hadolint-bi
 # The oldest and newest Kubernetes minor versions the manifests are checked against (schemas
 # bundled with kubernetes-validate); gRPC probes need 1.27 or later.
 K8S_VERSIONS := 1.30.0 1.37.0
-K8S_RENDERED := .cache/deploy/k8s.yaml
+K8S_RENDERED := .cache/deploy/k8s.yaml .cache/deploy/k8s-tls.yaml
 
 $(VENV)/.deploy-installed: $(VENV)/.installed Makefile
 	$(PIP) install -q $(DEPLOY_TOOLS)
 	touch $@
 
 # kubernetes-validate only warns on a kind it has no schema for; such a warning fails here.
+# The base and the TLS overlay (deploy/k8s/tls) are rendered and validated separately.
 deploy-check: install $(VENV)/.deploy-installed
-	@mkdir -p $(dir $(K8S_RENDERED))
-	$(PY) deploy/render.py deploy/k8s > $(K8S_RENDERED)
-	@out=$$($(VENV)/bin/kubernetes-validate --strict --quiet $(addprefix -k ,$(K8S_VERSIONS)) $(K8S_RENDERED)); rc=$$?; \
+	@mkdir -p .cache/deploy
+	$(PY) deploy/render.py deploy/k8s > .cache/deploy/k8s.yaml
+	$(PY) deploy/render.py deploy/k8s/tls > .cache/deploy/k8s-tls.yaml
+	@for rendered in $(K8S_RENDERED); do \
+	  out=$$($(VENV)/bin/kubernetes-validate --strict --quiet $(addprefix -k ,$(K8S_VERSIONS)) $$rendered); rc=$$?; \
 	  [ -z "$$out" ] || echo "$$out"; \
 	  if [ $$rc -ne 0 ] || grep -q WARN <<<"$$out"; then exit 1; fi; \
-	  echo "kubernetes-validate --strict: $$(grep -c '^kind:' $(K8S_RENDERED)) resources valid for Kubernetes $(K8S_VERSIONS)"
-	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml
+	  echo "kubernetes-validate --strict: $$rendered: $$(grep -c '^kind:' $$rendered) resources valid for Kubernetes $(K8S_VERSIONS)"; \
+	done
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml deploy/compose.tls.yaml
 	$(VENV)/bin/hadolint --failure-threshold style deploy/docker/Dockerfile
 	@echo "hadolint: deploy/docker/Dockerfile clean"
 	$(PY) -m pytest -q tests/unit/test_deploy_files.py

@@ -15,8 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
-from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec import telemetry
+from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceRefused, SessionNotFound, SpecDecError, Unavailable
+from specdec.security import ChannelSecurity, aio_channel
 from specdec.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -30,12 +31,15 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reco
 class ServiceClient:
     """One channel to a model service; `role` ("draft"/"target") names it in errors."""
 
-    def __init__(self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(
+        self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
+    ):
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[*message_size_options(max_message_bytes), *RECONNECT_OPTIONS], interceptors=telemetry.client_interceptors()
+        self.channel = aio_channel(
+            address, [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS], security, telemetry.client_interceptors()
         )
 
     async def close(self) -> None:
@@ -56,6 +60,11 @@ class ServiceClient:
             return DeadlineExceeded(f"{where} did not answer within its deadline: {details}")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return Unavailable(f"{where} is unavailable ({code.name}): {details}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return ServiceRefused(
+                f"{where} refused the coordinator ({code.name}): {details}; its --auth-token-file must hold the token "
+                f"in the coordinator's --upstream-auth-token-file"
+            )
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(f"{where} is out of capacity: {details}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -87,8 +96,10 @@ class ServiceClient:
 
 
 class DraftClient(ServiceClient):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__("draft", address, timeout_s, max_message_bytes)
+    def __init__(
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+    ):
+        super().__init__("draft", address, timeout_s, max_message_bytes, security)
         self._stub = draft_pb2_grpc.DraftStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -105,8 +116,10 @@ class DraftClient(ServiceClient):
 
 
 class TargetClient(ServiceClient):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        super().__init__("target", address, timeout_s, max_message_bytes)
+    def __init__(
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+    ):
+        super().__init__("target", address, timeout_s, max_message_bytes, security)
         self._stub = target_pb2_grpc.TargetStub(self.channel)
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

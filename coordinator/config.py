@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, SHUTDOWN_GRACE_HELP, EnvArgs
+from specdec.security import ClientSecurity, ServerSecurity, add_server_security_args, client_security, server_security
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -41,6 +42,9 @@ class CoordinatorConfig:
     breaker_probe_interval_s: float = 2.0  # health probes of the draft while the breaker is open
     shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight requests may finish
     target_retry_s: float = 30.0  # how long a target call failing UNAVAILABLE is retried (a restart), within the client's deadline
+    trust_remote_code: bool = False  # run Python code shipped with the tokenizer
+    security: ServerSecurity = ServerSecurity()  # the public API: TLS, client certificates, tokens
+    upstream: ClientSecurity = ClientSecurity()  # calls to draft and target
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -79,6 +83,13 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         "--hedges", 0, "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
         f"(0 = off; at most {MAX_HEDGES})", type=int,
     )
+    args.add("--trust-remote-code", "off", "on: run Python code that comes with the tokenizer (only for ones you trust)", choices=["on", "off"])
+    add_server_security_args(args)
+    args.add("--upstream-tls-ca", None, "PEM CA bundle to verify the draft's and target's certificates with: TLS to them on")
+    args.add("--upstream-tls-cert", None, "PEM client certificate presented to draft and target (mutual TLS; needs --upstream-tls-key)")
+    args.add("--upstream-tls-key", None, "PEM private key of --upstream-tls-cert")
+    args.add("--upstream-tls-server-name", None, "name to check the draft's and target's certificates for, instead of their address's host")
+    args.add("--upstream-auth-token-file", None, "file whose first line is the bearer token sent to draft and target (their --auth-token-file)")
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
@@ -89,6 +100,13 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error("--draft-attempts and --breaker-failures must be >= 1, --breaker-probe-interval > 0, --draft-retry-backoff >= 0")
     if not 0 <= ns.hedges <= MAX_HEDGES:
         parser.error(f"--hedges must be in [0, {MAX_HEDGES}]")
+    security, problem = server_security(ns)
+    upstream, upstream_problem = client_security(
+        ns.upstream_tls_ca, ns.upstream_tls_cert, ns.upstream_tls_key, ns.upstream_tls_server_name, ns.upstream_auth_token_file,
+        flag_prefix="--upstream-",
+    )
+    if problem or upstream_problem:
+        parser.error(problem or upstream_problem)
     return CoordinatorConfig(
         draft_address=ns.draft,
         target_address=ns.target,
@@ -114,4 +132,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         breaker_probe_interval_s=ns.breaker_probe_interval,
         target_retry_s=ns.target_retry_timeout,
         shutdown_grace_s=ns.shutdown_grace,
+        trust_remote_code=ns.trust_remote_code == "on",
+        security=security,
+        upstream=upstream,
     )

@@ -13,7 +13,8 @@ from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer, add_to_server
-from specdec.modeling import tokenizer_fingerprint
+from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
+from specdec.security import load_client_security, load_server_security
 from specdec.serving import RunningServer, serve_forever, start_server
 from specdec.v1 import coordinator_pb2
 
@@ -23,9 +24,11 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 async def connect(config: CoordinatorConfig) -> Coordinator:
     """Waits for both services, checks they form a pair, and builds the coordinator."""
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=False)
-    draft = DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes)
-    target = TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes)
+    upstream = load_client_security(config.upstream, "--upstream-")
+    warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    draft = DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes, upstream)
+    target = TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes, upstream)
     draft_info, target_info = await asyncio.gather(
         draft.wait_info(config.connect_timeout_s), target.wait_info(config.connect_timeout_s)
     )
@@ -49,6 +52,8 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
 
 
 async def build_server(config: CoordinatorConfig) -> RunningServer:
+    # Before waiting for draft and target: a bad certificate or token file fails at once.
+    credentials, interceptors = load_server_security(config.security)
     coordinator = await connect(config)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry)
@@ -67,6 +72,8 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         config.port,
         config.max_message_bytes,
         on_stop=close_channels,
+        credentials=credentials,
+        interceptors=interceptors,
         metrics=(registry, config.metrics_port),
     )
 

@@ -1,10 +1,12 @@
 """Renders a kustomization without kubectl or kustomize, for offline validation.
 
     python deploy/render.py deploy/k8s > rendered.yaml
+    python deploy/render.py deploy/k8s/tls > rendered-tls.yaml
 
-Handles the subset deploy/k8s uses: `resources` (files), `namespace` and `images`, applied as
-kustomize applies them. Any other key is refused rather than ignored, so a rendering here can
-never silently differ from `kubectl apply -k`.
+Handles the subset deploy/k8s uses: `resources` (files, or folders holding a kustomization: a
+base), `patches` (JSON 6902 patch files aimed at one kind and name), `namespace` and `images`,
+applied in kustomize's order. Anything else is refused rather than ignored, so a rendering here
+can never silently differ from `kubectl apply -k`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import yaml
 
-SUPPORTED_KEYS = {"apiVersion", "kind", "namespace", "resources", "images"}
+SUPPORTED_KEYS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
+PATCH_OPS = {"add", "remove", "replace", "test"}
 # Kinds in deploy/k8s that are not namespaced; kustomize leaves their metadata.namespace unset.
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 
@@ -34,9 +37,14 @@ def render(folder: Path) -> list[dict[str, Any]]:
     documents: list[dict[str, Any]] = []
     for entry in kustomization.get("resources", []):
         path = folder / entry
-        if not path.is_file():
-            raise SystemExit(f"render.py handles resource files only; {path} is not one")
-        documents.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+        if path.is_dir() and (path / "kustomization.yaml").is_file():
+            documents.extend(render(path))
+        elif path.is_file():
+            documents.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+        else:
+            raise SystemExit(f"render.py handles resource files and kustomization folders; {path} is neither")
+    for patch in kustomization.get("patches", []):
+        apply_patch(documents, folder, patch)
     namespace = kustomization.get("namespace")
     for doc in documents:
         if namespace and doc["kind"] not in CLUSTER_SCOPED:
@@ -44,6 +52,52 @@ def render(folder: Path) -> list[dict[str, Any]]:
         for container in pod_containers(doc):
             container["image"] = retag(container["image"], kustomization.get("images", []))
     return documents
+
+
+def apply_patch(documents: list[dict[str, Any]], folder: Path, patch: dict[str, Any]) -> None:
+    """A JSON 6902 patch file applied to the one resource its target names."""
+    if set(patch) != {"path", "target"} or set(patch["target"]) != {"kind", "name"}:
+        raise SystemExit(f"render.py handles patches with `path` and a `target` of kind and name only; got {patch}")
+    operations = yaml.safe_load((folder / patch["path"]).read_text())
+    if not isinstance(operations, list):
+        raise SystemExit(f"render.py handles JSON 6902 patches (a list of operations) only; {folder / patch['path']} is not one")
+    target = patch["target"]
+    matches = [doc for doc in documents if doc["kind"] == target["kind"] and doc["metadata"]["name"] == target["name"]]
+    if len(matches) != 1:
+        raise SystemExit(f"{folder / patch['path']}: target {target} matches {len(matches)} resources, not one")
+    for operation in operations:
+        apply_operation(matches[0], operation, folder / patch["path"])
+
+
+def apply_operation(doc: dict[str, Any], operation: dict[str, Any], source: Path) -> None:
+    """One RFC 6902 operation (add, remove, replace, test) on `doc`, in place."""
+    op = operation.get("op")
+    if op not in PATCH_OPS:
+        raise SystemExit(f"{source}: render.py handles operations {sorted(PATCH_OPS)}; got {operation}")
+    *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+    node: Any = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    fail = f"{source}: {operation['path']} does not exist"
+    if isinstance(node, list):
+        index = len(node) if last == "-" and op == "add" else int(last)
+        if not 0 <= index <= len(node) - (op != "add"):
+            raise SystemExit(fail)
+    elif op != "add" and last not in node:
+        raise SystemExit(fail)
+    else:
+        index = last
+    if op == "test":
+        if node[index] != operation["value"]:
+            raise SystemExit(f"{source}: test failed: {operation['path']} is {node[index]!r}, not {operation['value']!r}")
+    elif op == "remove":
+        del node[index]
+    elif op == "replace":
+        node[index] = operation["value"]
+    elif isinstance(node, list):
+        node.insert(index, operation["value"])
+    else:
+        node[index] = operation["value"]
 
 
 def pod_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:

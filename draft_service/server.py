@@ -13,6 +13,7 @@ from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
 from specdec.modeling import load_causal_lm, load_tokenizer_info, quantize_int8_dynamic, restrict_output_head
+from specdec.security import load_server_security
 from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -27,14 +28,14 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         torch.set_num_threads(config.threads)
     if config.drafter == "ngram":
         return NgramDrafter(
-            load_tokenizer_info(config.model),
+            load_tokenizer_info(config.model, config.trust_remote_code),
             max_sessions=config.max_sessions,
             session_ttl_s=config.session_ttl_s,
             max_speculative_tokens=config.max_speculative_tokens,
             min_n=config.ngram_min,
             max_n=config.ngram_max,
         )
-    loaded = load_causal_lm(config.model, config.dtype, config.device)
+    loaded = load_causal_lm(config.model, config.dtype, config.device, trust_remote_code=config.trust_remote_code)
     head_ids = None
     if config.draft_vocab:
         head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, config.draft_vocab, loaded.eos_token_ids)
@@ -58,8 +59,11 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
 
 async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
+    # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
+    credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
-        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME
+        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME,
+        credentials, interceptors,
     )
 
 

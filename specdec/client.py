@@ -1,6 +1,7 @@
 """A small Python client for the coordinator, and a CLI:
 
     python -m specdec.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
+    python -m specdec.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
 """
 
 from __future__ import annotations
@@ -11,14 +12,24 @@ from collections.abc import Iterator
 
 import grpc
 
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.security import ClientSecurity, channel, client_security, load_client_security
+from specdec.serving import message_size_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 class CoordinatorClient:
-    """Blocking client; `grpc.aio` users can use `coordinator_pb2_grpc.CoordinatorStub` directly."""
+    """Blocking client; `grpc.aio` users can use `coordinator_pb2_grpc.CoordinatorStub` on
+    `specdec.security.aio_channel` directly. `security`: TLS files and a token file, when the
+    coordinator runs with them."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(
+        self, address: str, timeout_s: float = 600.0, security: ClientSecurity | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        loaded = load_client_security(security or ClientSecurity())
+        self._channel = channel(address, message_size_options(max_message_bytes), loaded)
+        self._metadata = loaded.metadata
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout_s = timeout_s
 
@@ -33,11 +44,11 @@ class CoordinatorClient:
 
     def generate(self, prompt: str | list[int], **fields) -> coordinator_pb2.GenerateResponse:
         """Whole completion. `fields` are GenerateRequest fields (max_new_tokens, temperature, ...)."""
-        return self._stub.Generate(_request(prompt, fields), timeout=self._timeout_s)
+        return self._stub.Generate(_request(prompt, fields), timeout=self._timeout_s, metadata=self._metadata)
 
     def generate_stream(self, prompt: str | list[int], **fields) -> Iterator[coordinator_pb2.GenerateResponse]:
         """Chunks as rounds complete; the last has finish_reason and stats."""
-        yield from self._stub.GenerateStream(_request(prompt, fields), timeout=self._timeout_s)
+        yield from self._stub.GenerateStream(_request(prompt, fields), timeout=self._timeout_s, metadata=self._metadata)
 
 
 def _request(prompt: str | list[int], fields: dict) -> coordinator_pb2.GenerateRequest:
@@ -66,13 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (0 = target only)")
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--tls-ca", help="PEM CA bundle to verify the coordinator's certificate with (turns TLS on)")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a coordinator that requires one (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="name to check the coordinator's certificate for, instead of the address's host")
+    parser.add_argument("--auth-token-file", help="file whose first line is the bearer token to send")
     args = parser.parse_args(argv)
+    security, problem = client_security(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, args.auth_token_file)
+    if problem:
+        parser.error(problem)
     fields = dict(temperature=args.temperature, top_k=args.top_k, stop=args.stop)
     for name, value in (("max_new_tokens", args.max_new_tokens), ("top_p", args.top_p), ("seed", args.seed), ("num_speculative_tokens", args.k)):
         if value is not None:
             fields[name] = value
     try:
-        with CoordinatorClient(args.address) as client:
+        with CoordinatorClient(args.address, security=security) as client:
             if args.stream:
                 for chunk in client.generate_stream(args.prompt, **fields):
                     print(chunk.text, end="", flush=True)
@@ -84,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # an unreadable or invalid TLS or token file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"[finish: {final.finish_reason}; {format_stats(final.stats)}]", file=sys.stderr)
     return 0
 

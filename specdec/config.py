@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from specdec.security import ServerSecurity, add_server_security_args, server_security
+
 T = TypeVar("T")
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
@@ -77,6 +79,8 @@ class ModelServiceConfig:
     metrics_port: int = -1  # Prometheus /metrics over HTTP on --host; 0 picks a free port, -1 is off
     max_kv_bytes: int = 0  # KV cache budget over all sessions; least recently used are evicted; 0 = none
     shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight calls may finish
+    trust_remote_code: bool = False  # run Python code shipped in the model folder (transformers' trust_remote_code)
+    security: ServerSecurity = ServerSecurity()  # TLS, client certificates, tokens (specdec.security)
 
 
 SHUTDOWN_GRACE_HELP = "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
@@ -101,11 +105,19 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
         "--max-kv-bytes", 0, "KV cache budget over all sessions, e.g. 8GiB; least recently used sessions are evicted "
         "(their generations re-send and go on); 0 = no budget", type=parse_bytes,
     )
+    args.add(
+        "--trust-remote-code", "off", "on: run Python code that comes with the model folder (only for models you trust)",
+        choices=["on", "off"],
+    )
+    add_server_security_args(args)
 
 
 def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if not ns.model:
         parser.error("--model is required (or set the environment variable named in --help)")
+    security, problem = server_security(ns)
+    if problem:
+        parser.error(problem)
     return dict(
         model=ns.model,
         dtype=ns.dtype,
@@ -121,4 +133,6 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         metrics_port=ns.metrics_port,
         max_kv_bytes=ns.max_kv_bytes,
         shutdown_grace_s=ns.shutdown_grace,
+        trust_remote_code=ns.trust_remote_code == "on",
+        security=security,
     )

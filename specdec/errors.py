@@ -51,6 +51,11 @@ class DeadlineExceeded(Unavailable):
     means "skip it this round", never "retry and wait again"."""
 
 
+class ServiceRefused(SpecDecError):
+    """A model service refused the coordinator's credentials: a deployment mistake, never the
+    public caller's, so it stays INTERNAL rather than UNAUTHENTICATED."""
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

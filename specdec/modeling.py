@@ -38,8 +38,11 @@ class LoadedModel:
     dtype_label: str = ""  # what Info reports when it is not the weights' dtype (e.g. int8)
 
 
-def load_causal_lm(model_id: str, dtype: str, device: str, device_map: str | None = None) -> LoadedModel:
-    """Loads a model folder (or hub id, where a hub is reachable) through transformers' own code.
+def load_causal_lm(
+    model_id: str, dtype: str, device: str, device_map: str | None = None, trust_remote_code: bool = False
+) -> LoadedModel:
+    """Loads a model folder (or hub id, where a hub is reachable) through transformers' own code;
+    code shipped with the model runs only with `trust_remote_code` (a flag, off by default).
 
     `device_map="auto"` lets accelerate spread the layers over the visible GPUs; inputs then go
     to the device of the first layer and the KV cache follows each layer.
@@ -47,8 +50,9 @@ def load_causal_lm(model_id: str, dtype: str, device: str, device_map: str | Non
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     _check_folder(model_id)
-    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
-    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": False}
+    warn_if_trusting_remote_code(model_id, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if device_map:
         kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
@@ -77,6 +81,11 @@ def load_causal_lm(model_id: str, dtype: str, device: str, device_map: str | Non
     return loaded
 
 
+def warn_if_trusting_remote_code(model_id: str, trust_remote_code: bool) -> None:
+    if trust_remote_code:
+        logger.warning("--trust-remote-code on: Python code shipped with %s may run in this process", model_id)
+
+
 def _check_folder(model_id: str) -> None:
     # Hub ids are "name" or "org/name"; anything else path-like must be an existing folder.
     looks_like_path = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
@@ -97,12 +106,13 @@ class TokenizerInfo:
     tokenizer_fingerprint: str
 
 
-def load_tokenizer_info(model_id: str) -> TokenizerInfo:
+def load_tokenizer_info(model_id: str, trust_remote_code: bool = False) -> TokenizerInfo:
     """A model folder's tokenizer and id space, without loading any weights."""
     _check_folder(model_id)
-    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
+    warn_if_trusting_remote_code(model_id, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         config = None  # a tokenizer-only folder
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -38,8 +38,10 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def create_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=message_size_options(max_message_bytes), interceptors=telemetry.server_interceptors())
+def create_server(max_message_bytes: int, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """Tracing first (so the span covers a refused token too), then the security interceptors."""
+    chain = [*telemetry.server_interceptors(), *interceptors]
+    return grpc.aio.server(interceptors=chain or None, options=message_size_options(max_message_bytes))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
@@ -57,9 +59,10 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_names:
         await health_servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listens on host:port, with TLS when `credentials` are given (health and reflection too)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     return bound
@@ -150,14 +153,17 @@ async def start_server(
     max_message_bytes: int,
     background: list[Callable[[], Any]] = (),
     on_stop: Callable[[], Any] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: tuple[CollectorRegistry, int] | None = None,
 ) -> RunningServer:
     """Creates, binds and starts a server with health (SERVING once started), reflection,
-    and `metrics` = (registry, port) served over HTTP on the same host."""
-    server = create_server(max_message_bytes)
+    and `metrics` = (registry, port) served over HTTP on the same host; `credentials` and
+    `interceptors` come from `specdec.security.load_server_security`."""
+    server = create_server(max_message_bytes, interceptors)
     register(server)
     health_servicer = add_health_and_reflection(server, service_names)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, credentials)
     metrics_http = telemetry.start_metrics_server(metrics[0], host, metrics[1]) if metrics else None
     await server.start()
     await set_serving(health_servicer, service_names, True)
@@ -171,6 +177,8 @@ async def start_model_server(
     make_servicer: Callable[[Any, ModelThread], Any],
     add_servicer: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """What the draft and target servers share: one model thread, the servicer, health and
     reflection, and periodic expiry of idle sessions."""
@@ -186,6 +194,8 @@ async def start_model_server(
         config.max_message_bytes,
         background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
         on_stop=model_thread.shutdown,
+        credentials=credentials,
+        interceptors=interceptors,
         metrics=(registry, config.metrics_port),
     )
 

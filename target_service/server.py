@@ -11,6 +11,7 @@ from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
 from specdec.modeling import load_causal_lm
+from specdec.security import load_server_security
 from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -21,7 +22,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 def load_runner(config: TargetConfig) -> TargetRunner:
     if config.threads:
         torch.set_num_threads(config.threads)
-    loaded = load_causal_lm(config.model, config.dtype, config.device, config.device_map)
+    loaded = load_causal_lm(config.model, config.dtype, config.device, config.device_map, config.trust_remote_code)
     return TargetRunner(
         loaded,
         max_sessions=config.max_sessions,
@@ -33,8 +34,11 @@ def load_runner(config: TargetConfig) -> TargetRunner:
 
 async def build_server(config: TargetConfig, runner: TargetRunner | None = None) -> RunningServer:
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
+    # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
+    credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
-        config, runner or load_runner(config), TargetServicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME
+        config, runner or load_runner(config), TargetServicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME,
+        credentials, interceptors,
     )
 
 

@@ -49,3 +49,11 @@ def reference(tiny_pair):
         return cache[prompt, max_new_tokens]
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory):
+    """A CA, server and client certificates, a rogue CA and token files (tests/certs.py)."""
+    from tests.certs import issue
+
+    return issue(tmp_path_factory.mktemp("tls"))

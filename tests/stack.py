@@ -14,6 +14,7 @@ from coordinator.config import CoordinatorConfig
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
+from specdec.security import ClientSecurity, aio_channel, load_client_security
 from specdec.serving import RunningServer
 from specdec.v1 import coordinator_pb2_grpc
 from target_service import server as target_server
@@ -46,30 +47,41 @@ class Stack:
 
 @asynccontextmanager
 async def inprocess_stack(
-    pair: TinyPair, draft_overrides: dict | None = None, coordinator_overrides: dict | None = None, target_overrides: dict | None = None
+    pair: TinyPair,
+    draft_overrides: dict | None = None,
+    coordinator_overrides: dict | None = None,
+    target_overrides: dict | None = None,
+    client_security: ClientSecurity | None = None,
 ) -> AsyncIterator[Stack]:
+    """`client_security`: how the stack's own stub reaches the coordinator (TLS, token)."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
     draft_runner = draft_server.load_runner(draft_config)
     target_runner = target_server.load_runner(target_config)
-    draft = await draft_server.build_server(draft_config, draft_runner)
-    target = await target_server.build_server(target_config, target_runner)
-    coordinator_config = CoordinatorConfig(
-        draft_address=f"127.0.0.1:{draft.port}",
-        target_address=f"127.0.0.1:{target.port}",
-        tokenizer=str(pair.target),
-        port=0,
-        connect_timeout_s=10.0,
-    )
-    coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))
-    coordinator = await coordinator_server.build_server(coordinator_config)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.port}")
+    started: list[RunningServer] = []
+    channel = None
     try:
+        draft = await draft_server.build_server(draft_config, draft_runner)
+        started.append(draft)
+        target = await target_server.build_server(target_config, target_runner)
+        started.append(target)
+        coordinator_config = CoordinatorConfig(
+            draft_address=f"127.0.0.1:{draft.port}",
+            target_address=f"127.0.0.1:{target.port}",
+            tokenizer=str(pair.target),
+            port=0,
+            connect_timeout_s=10.0,
+        )
+        coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))
+        coordinator = await coordinator_server.build_server(coordinator_config)
+        started.insert(0, coordinator)
+        channel = aio_channel(f"127.0.0.1:{coordinator.port}", [], load_client_security(client_security or ClientSecurity()))
         yield Stack(
             coordinator_pb2_grpc.CoordinatorStub(channel), channel, draft, target, coordinator,
             draft_runner, target_runner, coordinator_config,
         )
     finally:
-        await channel.close()
-        for running in (coordinator, draft, target):
+        if channel is not None:
+            await channel.close()
+        for running in started:
             await running.stop(0)

@@ -11,9 +11,10 @@ import importlib.util
 import json
 import re
 import shlex
+import sys
 from collections.abc import Iterator, Mapping
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -46,6 +47,7 @@ SERVICE_PREFIX = re.compile(r"^SPECDEC_(DRAFT|TARGET|COORDINATOR)_")
 def load_module(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"deploy_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -159,6 +161,7 @@ class Container:
     argv: list[str]  # after `python -m module`
     env: dict[str, str]
     mounts: list[str]
+    files: dict[str, str] = field(default_factory=dict)  # secret files: container path -> source (host file or Secret key)
 
     def config(self):
         """The service's config, parsed as the service parses it (choices included)."""
@@ -207,44 +210,62 @@ def with_defaults(node: Any) -> Any:
     return node
 
 
+def merge_compose(base: Any, override: Any, where: str = "") -> Any:
+    """`docker compose -f base -f override` for what these files use: mappings merge, and the
+    only list an override may replace is a command or a health-check test."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {key: merge_compose(base[key], override[key], f"{where}.{key}") if key in base and key in override else override.get(key, base.get(key))
+                for key in {**base, **override}}
+    assert not isinstance(base, list) or where.endswith((".command", ".test")), f"compose override replaces the list {where}"
+    return override
+
+
 COMPOSE_RAW = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+COMPOSE_TLS_RAW = yaml.safe_load((DEPLOY / "compose.tls.yaml").read_text())
 COMPOSE = with_defaults(COMPOSE_RAW)["services"]
+COMPOSE_TLS_FILE = with_defaults(merge_compose(COMPOSE_RAW, COMPOSE_TLS_RAW))
+COMPOSE_TLS = COMPOSE_TLS_FILE["services"]
 
 
-def compose_containers() -> dict[str, Container]:
+def compose_containers(services: dict = COMPOSE, secrets: dict | None = None, label: str = "compose") -> dict[str, Container]:
     containers = {}
-    for name, service in COMPOSE.items():
+    for name, service in services.items():
         command = service.get("command")
         if not command or command[:2] != ["python", "-m"]:
             continue
-        module, argv = service_command(command, f"compose {name}")
+        module, argv = service_command(command, f"{label} {name}")
         env = {**IMAGE.env, **{key: str(value) for key, value in service.get("environment", {}).items()}}
         mounts = [volume.split(":")[1] for volume in service.get("volumes", [])]
-        containers[name] = Container(f"compose {name}", module, argv, env, mounts)
+        files = {}
+        for secret in service.get("secrets", []):
+            assert secret["source"] in (secrets or {}), f"{label} {name}: no top-level secret {secret['source']}"
+            files[f"/run/secrets/{secret['target']}"] = secrets[secret["source"]]["file"]
+        containers[name] = Container(f"{label} {name}", module, argv, env, mounts, files)
     return containers
 
 
 K8S = render.render(DEPLOY / "k8s")
+K8S_TLS = render.render(DEPLOY / "k8s" / "tls")
 NAMESPACE = render.load_kustomization(DEPLOY / "k8s")["namespace"]
 
 
-def k8s(kind: str) -> dict[str, dict]:
-    return {doc["metadata"]["name"]: doc for doc in K8S if doc["kind"] == kind}
+def k8s(kind: str, documents: list[dict] = K8S) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == kind}
 
 
 def pod_spec(deployment: dict) -> dict:
     return deployment["spec"]["template"]["spec"]
 
 
-def k8s_containers() -> dict[str, tuple[Container, dict, dict]]:
+def k8s_containers(documents: list[dict] = K8S, label: str = "k8s") -> dict[str, tuple[Container, dict, dict]]:
     """Deployment name -> (the service container, its manifest, the Deployment)."""
-    config_maps = k8s("ConfigMap")
+    config_maps = k8s("ConfigMap", documents)
     found = {}
-    for name, deployment in k8s("Deployment").items():
+    for name, deployment in k8s("Deployment", documents).items():
         for manifest in pod_spec(deployment)["containers"]:
             if manifest.get("command", [])[:2] != ["python", "-m"]:
                 continue
-            module, argv = service_command(manifest["command"] + manifest.get("args", []), f"k8s {name}")
+            module, argv = service_command(manifest["command"] + manifest.get("args", []), f"{label} {name}")
             env = dict(IMAGE.env)
             for source in manifest.get("envFrom", []):
                 ref = source["configMapRef"]["name"]
@@ -254,13 +275,35 @@ def k8s_containers() -> dict[str, tuple[Container, dict, dict]]:
                 env.update(data)
             env.update({item["name"]: item["value"] for item in manifest.get("env", []) if "value" in item})
             mounts = [mount["mountPath"] for mount in manifest.get("volumeMounts", [])]
-            found[name] = (Container(f"k8s {name}", module, argv, env, mounts), manifest, deployment)
+            files = secret_files(pod_spec(deployment), manifest)
+            found[name] = (Container(f"{label} {name}", module, argv, env, mounts, files), manifest, deployment)
     return found
+
+
+def secret_files(spec: dict, manifest: dict) -> dict[str, str]:
+    """Files that Secret volumes put in the container: path -> "SECRET/KEY"."""
+    volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
+    files = {}
+    for mount in manifest.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        sources = [source["secret"] for source in volume.get("projected", {}).get("sources", []) if "secret" in source]
+        if "secret" in volume:
+            sources.append({"name": volume["secret"]["secretName"], **volume["secret"]})
+        for secret in sources:
+            assert "items" in secret, f"{manifest['name']}: Secret {secret['name']} is mounted whole; list the files it needs"
+            for item in secret["items"]:
+                files[f"{mount['mountPath'].rstrip('/')}/{item['path']}"] = f"{secret['name']}/{item['key']}"
+    return files
 
 
 COMPOSE_CONTAINERS = compose_containers()
 K8S_CONTAINERS = k8s_containers()
-ALL_CONTAINERS = [*COMPOSE_CONTAINERS.values(), *(container for container, _, _ in K8S_CONTAINERS.values())]
+COMPOSE_TLS_CONTAINERS = compose_containers(COMPOSE_TLS, COMPOSE_TLS_FILE["secrets"], "compose+tls")
+K8S_TLS_CONTAINERS = k8s_containers(K8S_TLS, "k8s/tls")
+ALL_CONTAINERS = [
+    *COMPOSE_CONTAINERS.values(), *(container for container, _, _ in K8S_CONTAINERS.values()),
+    *COMPOSE_TLS_CONTAINERS.values(), *(container for container, _, _ in K8S_TLS_CONTAINERS.values()),
+]
 
 
 def by_module(containers: Mapping[str, Container], module: str) -> tuple[str, Container]:
@@ -296,8 +339,8 @@ def test_service_variables_are_ones_the_service_reads(container):
 
 
 def test_every_specdec_variable_in_deploy_files_is_read_by_a_service():
-    named = set(IMAGE.env) | set(k8s("ConfigMap")["specdec-config"]["data"])
-    for service in COMPOSE.values():
+    named = set(IMAGE.env) | set(k8s("ConfigMap", K8S_TLS)["specdec-config"]["data"])
+    for service in COMPOSE_TLS.values():
         named |= set(service.get("environment", {}))
     read_by_any = set().union(*READS.values())
     stray = {name for name in named if SERVICE_PREFIX.match(name)} - read_by_any
@@ -424,8 +467,11 @@ def service_for(deployment: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
 def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
     container, manifest, deployment = K8S_CONTAINERS[name]
-    port = container.config().port
-    assert [p["containerPort"] for p in manifest["ports"]] == [port]
+    config = container.config()
+    port = config.port
+    assert {p["name"]: p["containerPort"] for p in manifest["ports"]} == {"grpc": port, "metrics": config.metrics_port}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert manifest[probe]["grpc"]["port"] == port, f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
     [service_port] = service_for(deployment)["spec"]["ports"]
@@ -519,9 +565,19 @@ def test_k8s_pdb_and_network_policies_select_real_pods():
     coordinator_labels = deployments[by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")[0]]["spec"]["template"]["metadata"]["labels"]
     for policy in k8s("NetworkPolicy").values():
         [protected] = [n for n, d in deployments.items() if selects(policy["spec"]["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
-        [rule] = policy["spec"]["ingress"]
-        assert [p["port"] for p in rule["ports"]] == [K8S_CONTAINERS[protected][0].config().port]
+        config = K8S_CONTAINERS[protected][0].config()
+        [rule, metrics_rule] = policy["spec"]["ingress"]
+        assert [p["port"] for p in rule["ports"]] == [config.port]
         assert selects(rule["from"][0]["podSelector"]["matchLabels"], coordinator_labels), f"{policy['metadata']['name']} shuts out the coordinator"
+        assert [p["port"] for p in metrics_rule["ports"]] == [config.metrics_port], "Prometheus must reach the metrics port"
+
+
+def test_compose_prometheus_scrapes_each_service_on_its_metrics_port():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]}
+    expected = {f"{name}:{container.config().metrics_port}" for name, container in COMPOSE_CONTAINERS.items()}
+    assert targets == expected
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in COMPOSE["prometheus"]["volumes"]
 
 
 def test_k8s_volumes_and_config_maps_exist():
@@ -595,3 +651,155 @@ def test_health_probe_passes_only_when_serving(health_server):
 
 def test_health_probe_fails_when_nothing_listens():
     assert healthcheck.check("127.0.0.1:1", timeout_s=1.0) is False
+
+
+def test_health_probe_fails_when_nothing_listens_with_tls(tls_files):
+    assert healthcheck.check("127.0.0.1:1", timeout_s=1.0, tls=healthcheck.ProbeTLS(tls_files.ca)) is False
+
+
+# --- TLS: compose.tls.yaml and the k8s/tls overlay ------------------------------------------
+
+make_certs = load_module(DEPLOY / "make_certs.py")
+TLS_SETS = {
+    "compose+tls": COMPOSE_TLS_CONTAINERS,
+    "k8s/tls": {name: container for name, (container, _, _) in K8S_TLS_CONTAINERS.items()},
+}
+COMPONENT = {"draft_service": "draft", "target_service": "target", "coordinator": "coordinator"}
+
+
+def source_name(source: str) -> str:
+    """The file a secret comes from, whichever way it is mounted: "draft.crt", "internal-token"."""
+    return source.rsplit("/", 1)[-1]
+
+
+def mounted(container: Container, path: str | None, what: str) -> str:
+    assert path, f"{container.where}: {what} is not set"
+    assert path in container.files, f"{container.where}: {what} {path} is not a mounted secret file ({sorted(container.files)})"
+    return source_name(container.files[path])
+
+
+@pytest.mark.parametrize("containers", TLS_SETS.values(), ids=TLS_SETS.keys())
+def test_tls_files_are_each_services_own_and_mounted(containers):
+    """Every TLS and token setting names a mounted file; each service gets its own certificate
+    and key (whose names the coordinator's addresses use), never the CA's key."""
+    for container in containers.values():
+        config, component = container.config(), COMPONENT[container.module]
+        security = config.security
+        assert mounted(container, security.tls_cert, "--tls-cert") == f"{component}.crt"
+        assert mounted(container, security.tls_key, "--tls-key") == f"{component}.key"
+        assert not any(source_name(source) == "ca.key" for source in container.files.values()), f"{container.where} mounts the CA's key"
+        if container.module == "coordinator":
+            assert mounted(container, config.upstream.tls_ca, "--upstream-tls-ca") == "ca.crt"
+            assert mounted(container, config.upstream.tls_cert, "--upstream-tls-cert") == "coordinator.crt"
+            assert mounted(container, config.upstream.tls_key, "--upstream-tls-key") == "coordinator.key"
+            assert mounted(container, security.auth_token_file, "--auth-token-file") == "public-tokens"
+            assert mounted(container, config.upstream.auth_token_file, "--upstream-auth-token-file") == "internal-token"
+        else:
+            assert mounted(container, security.tls_client_ca, "--tls-client-ca") == "ca.crt", f"{container.where}: mutual TLS is off"
+            assert mounted(container, security.auth_token_file, "--auth-token-file") == "internal-token"
+
+
+@pytest.mark.parametrize("containers", TLS_SETS.values(), ids=TLS_SETS.keys())
+def test_tls_coordinator_reaches_draft_and_target_by_a_name_in_their_certificates(containers):
+    _, coordinator_container = by_module(containers, "coordinator")
+    config = coordinator_container.config()
+    assert config.upstream.tls_server_name is None
+    for address, component in ((config.draft_address, "draft"), (config.target_address, "target")):
+        host, _ = split_address(address)
+        assert host in make_certs.service_hosts(component, NAMESPACE), f"{address} is not a name make_certs.py puts in {component}.crt"
+
+
+@pytest.mark.parametrize("containers", TLS_SETS.values(), ids=TLS_SETS.keys())
+def test_tls_probe_verifies_with_the_ca_and_gets_past_mutual_tls(containers):
+    """The probe runs with the container's environment and finds its service's settings: it must
+    trust the CA that signed the service's certificate and, where the service requires client
+    certificates, present one that CA signed."""
+    k8s_manifests = {name: manifest for name, (_, manifest, _) in K8S_TLS_CONTAINERS.items()}
+    for name, container in containers.items():
+        if container.where.startswith("compose"):
+            commands = [COMPOSE_TLS[name]["healthcheck"]["test"][1:]]
+        else:
+            probes = [k8s_manifests[name][probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe")]
+            assert all("grpc" not in probe for probe in probes), f"{container.where}: kubelet's gRPC probes cannot speak TLS"
+            commands = [probe["exec"]["command"] for probe in probes]
+        for command in commands:
+            assert command[:2] == IMAGE.healthcheck_cmd, f"{container.where}: {command} is not the image's probe"
+            assert command[2:4] == ["--tls-ca", command[3]] and len(command) == 4, f"{container.where}: {command}"
+            tls = healthcheck.service_tls(["python", "-m", container.module, *container.argv], container.env, command[3])
+            assert tls is not None and mounted(container, tls.ca, "the probe's --tls-ca") == "ca.crt"
+            if container.config().security.tls_client_ca:
+                assert mounted(container, tls.cert, "the probe's certificate") == f"{COMPONENT[container.module]}.crt"
+                assert mounted(container, tls.key, "the probe's key") == f"{COMPONENT[container.module]}.key"
+
+
+def without(mapping: dict, keys) -> dict:
+    return {key: value for key, value in mapping.items() if key not in keys}
+
+
+def test_k8s_tls_overlay_changes_only_settings_mounts_and_probes():
+    """Everything else (ports, thresholds, placement) is the base's: the overlay cannot drift."""
+    base, tls = k8s("Deployment"), k8s("Deployment", K8S_TLS)
+    assert base.keys() == tls.keys()
+    for name, (_, manifest, _) in K8S_TLS_CONTAINERS.items():
+        [base_manifest] = [c for c in pod_spec(base[name])["containers"] if c["name"] == manifest["name"]]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert without(manifest[probe], ["exec"]) == without(base_manifest[probe], ["grpc"])
+        changed = ("startupProbe", "readinessProbe", "livenessProbe", "volumeMounts")
+        assert without(manifest, changed) == without(base_manifest, changed)
+    assert {d["kind"] for d in K8S_TLS} == {d["kind"] for d in K8S}
+
+
+def test_render_applies_json_patches_and_refuses_bad_ones(tmp_path):
+    doc = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"list": [1, 2], "map": {"a": 1}}}
+    render.apply_operation(doc, {"op": "add", "path": "/spec/list/-", "value": 3}, tmp_path)
+    render.apply_operation(doc, {"op": "add", "path": "/spec/list/0", "value": 0}, tmp_path)
+    render.apply_operation(doc, {"op": "remove", "path": "/spec/map/a"}, tmp_path)
+    render.apply_operation(doc, {"op": "replace", "path": "/spec/list/1", "value": 9}, tmp_path)
+    render.apply_operation(doc, {"op": "add", "path": "/spec/map/b~1c", "value": 2}, tmp_path)
+    assert doc["spec"] == {"list": [0, 9, 2, 3], "map": {"b/c": 2}}
+    for bad in ({"op": "test", "path": "/spec/list/0", "value": 5}, {"op": "remove", "path": "/spec/map/zz"},
+                {"op": "replace", "path": "/spec/list/4", "value": 1}, {"op": "move", "path": "/spec", "from": "/x"}):
+        with pytest.raises(SystemExit):
+            render.apply_operation(doc, bad, tmp_path)
+
+
+# --- the health probe over TLS -------------------------------------------------------------
+
+
+@pytest.fixture(params=["tls", "mutual tls"])
+def tls_health_server(request, tls_files):
+    mutual = request.param == "mutual tls"
+    credentials = grpc.ssl_server_credentials(
+        [(Path(tls_files.server_key).read_bytes(), Path(tls_files.server_cert).read_bytes())],
+        Path(tls_files.ca).read_bytes() if mutual else None,
+        require_client_auth=mutual,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    yield mutual, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_health_probe_speaks_tls_and_mutual_tls(tls_health_server, tls_files):
+    mutual, address = tls_health_server
+    assert healthcheck.main([address]) == 1, "plaintext must not pass against a TLS server"
+    assert healthcheck.main([address, "--tls-ca", tls_files.rogue_ca]) == 1, "a server another CA signed must not pass"
+    assert healthcheck.main([address, "--tls-ca", tls_files.ca]) == (1 if mutual else 0)
+    assert healthcheck.main([address, "--tls-ca", tls_files.ca, "--tls-cert", tls_files.server_cert, "--tls-key", tls_files.server_key]) == 0
+
+
+def test_health_probe_follows_the_services_tls_settings(tls_files):
+    argv = ["python", "-m", "draft_service"]
+    assert healthcheck.service_tls(argv, {}) is None
+    env = {"SPECDEC_DRAFT_TLS_CERT": "/s/tls.crt", "SPECDEC_DRAFT_TLS_KEY": "/s/tls.key"}
+    with pytest.raises(SystemExit, match="pass --tls-ca"):
+        healthcheck.service_tls(argv, env)
+    assert healthcheck.service_tls(argv, env, "/s/ca.crt") == healthcheck.ProbeTLS("/s/ca.crt")
+    mutual = {**env, "SPECDEC_DRAFT_TLS_CLIENT_CA": "/s/ca.crt"}
+    assert healthcheck.service_tls(argv, mutual) == healthcheck.ProbeTLS("/s/ca.crt", "/s/tls.crt", "/s/tls.key")
+    assert healthcheck.service_tls([*argv, "--tls-cert", "/f/c.crt"], mutual).cert == "/f/c.crt", "flags win over variables"
+    assert healthcheck.service_tls(argv, {"SPECDEC_DRAFT_TLS_CERT": ""}) is None, "an empty variable means unset"

@@ -1,0 +1,294 @@
+"""TLS, mutual TLS and bearer tokens for the three services and their clients: the flags, reading
+the files (a missing or bad file is a start-up error naming its flag), the server-side token check
+and client channels.
+
+Files are read once at start-up; rotating a certificate or a token means restarting the process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import ssl
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+if TYPE_CHECKING:
+    from specdec.config import EnvArgs
+
+logger = logging.getLogger(__name__)
+
+# Probes and grpcurl must work without a token: health says nothing but SERVING, reflection
+# only describes the public protos.
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """A server's TLS and token settings (paths); all unset = plaintext, no token."""
+
+    tls_cert: str | None = None  # PEM certificate chain served (with tls_key): TLS on
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA bundle clients' certificates must chain to: mutual TLS
+    auth_token_file: str | None = None  # accepted bearer tokens, one per line
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client reaches a server (paths); all unset = plaintext, no token."""
+
+    tls_ca: str | None = None  # PEM CA bundle the server's certificate must chain to: TLS on
+    tls_cert: str | None = None  # client certificate and key, for servers that require one (mutual TLS)
+    tls_key: str | None = None
+    tls_server_name: str | None = None  # the name to check the server's certificate for, when not the address's host
+    auth_token_file: str | None = None  # the first token in the file is sent as `authorization: Bearer <token>`
+
+
+def add_server_security_args(args: EnvArgs) -> None:
+    args.add("--tls-cert", None, "PEM certificate chain to serve TLS with (needs --tls-key)")
+    args.add("--tls-key", None, "PEM private key of --tls-cert")
+    args.add("--tls-client-ca", None, "PEM CA bundle: clients must present a certificate signed by it (mutual TLS; needs --tls-cert)")
+    args.add(
+        "--auth-token-file", None,
+        "file of accepted bearer tokens, one per line: every call except health and reflection must send "
+        "`authorization: Bearer <token>` metadata",
+    )
+
+
+def server_security(ns: Any) -> tuple[ServerSecurity, str | None]:
+    """The settings from parsed flags (an empty value counts as unset), and the contradiction
+    between them in words, or None."""
+    settings = ServerSecurity(ns.tls_cert or None, ns.tls_key or None, ns.tls_client_ca or None, ns.auth_token_file or None)
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        return settings, "--tls-cert and --tls-key go together: give both to serve TLS, or neither"
+    if settings.tls_client_ca and not settings.tls_cert:
+        return settings, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"
+    return settings, None
+
+
+def client_security(
+    tls_ca: str | None, tls_cert: str | None, tls_key: str | None, tls_server_name: str | None, auth_token_file: str | None,
+    flag_prefix: str = "--",
+) -> tuple[ClientSecurity, str | None]:
+    """Client settings (an empty value counts as unset), and the contradiction between them in
+    words, or None; `flag_prefix` ("--upstream-") names the flags in the message."""
+    settings = ClientSecurity(tls_ca or None, tls_cert or None, tls_key or None, tls_server_name or None, auth_token_file or None)
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        return settings, f"{flag_prefix}tls-cert and {flag_prefix}tls-key go together: give both to present a client certificate, or neither"
+    needs_ca = [f"{flag_prefix}{name}" for name, value in (("tls-cert", settings.tls_cert), ("tls-server-name", settings.tls_server_name)) if value]
+    if needs_ca and not settings.tls_ca:
+        return settings, f"{' and '.join(needs_ca)} need{'s' if len(needs_ca) == 1 else ''} {flag_prefix}tls-ca (which turns TLS on)"
+    return settings, None
+
+
+# --- reading the files ---------------------------------------------------------------------
+
+
+def read_file(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it: {exc.strerror or exc}") from None
+
+
+def check_certificate_and_key(cert: str, key: str, cert_flag: str, key_flag: str) -> None:
+    """Refuses what TLS would only refuse at the first handshake: not PEM, or a key that is not
+    the certificate's."""
+    read_file(cert, cert_flag)
+    read_file(key, key_flag)
+    try:
+        # An empty password: an encrypted key (which gRPC cannot use) fails here instead of prompting.
+        ssl.create_default_context().load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"{key_flag} {key} is not the private key of {cert_flag} {cert}") from None
+        raise ValueError(
+            f"{cert_flag} {cert} and {key_flag} {key} are not a PEM certificate chain and its unencrypted private key "
+            f"({exc.reason or exc})"
+        ) from None
+
+
+def check_ca(path: str, flag: str) -> None:
+    read_file(path, flag)
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{flag} {path} holds no PEM CA certificate ({exc.reason or exc})") from None
+
+
+def read_tokens(path: str, flag: str) -> list[str]:
+    """Non-empty lines, stripped; a token must be printable ASCII without spaces (it travels in
+    gRPC metadata)."""
+    tokens = [line.strip() for line in read_file(path, flag).decode("utf-8", "replace").splitlines() if line.strip()]
+    if not tokens:
+        raise ValueError(f"{flag} {path} holds no token (one per line)")
+    for number, token in enumerate(tokens, 1):
+        if not all(33 <= ord(char) < 127 for char in token):
+            raise ValueError(f"{flag} {path}: token {number} has a space or a non-ASCII character; use printable ASCII (e.g. hex)")
+    return tokens
+
+
+def load_server_security(settings: ServerSecurity) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
+    """Server credentials (None = plaintext) and interceptors (the token check) for
+    `specdec.serving.start_server`. Raises ValueError naming the flag of a bad file."""
+    credentials = None
+    if settings.tls_cert:
+        cert_flag, key_flag, ca_flag = "--tls-cert", "--tls-key", "--tls-client-ca"
+        check_certificate_and_key(settings.tls_cert, settings.tls_key, cert_flag, key_flag)
+        client_ca = None
+        if settings.tls_client_ca:
+            check_ca(settings.tls_client_ca, ca_flag)
+            client_ca = read_file(settings.tls_client_ca, ca_flag)
+        credentials = grpc.ssl_server_credentials(
+            [(read_file(settings.tls_key, key_flag), read_file(settings.tls_cert, cert_flag))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if settings.auth_token_file:
+        interceptors.append(BearerTokenAuth(read_tokens(settings.auth_token_file, "--auth-token-file")))
+        if credentials is None:
+            logger.warning("bearer tokens are checked but TLS is off: tokens cross the network in plaintext")
+    return credentials, interceptors
+
+
+# --- the server-side token check -------------------------------------------------------------
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Refuses every call without `authorization: Bearer <token>` metadata for one of `tokens`
+    (UNAUTHENTICATED), except the health and reflection services."""
+
+    def __init__(self, tokens: Iterable[str], open_services: Sequence[str] = OPEN_SERVICES) -> None:
+        self._tokens = [token.encode() for token in tokens]
+        self._open_services = tuple(open_services)
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._open_services):
+            return handler
+        problem = self.problem(dict(handler_call_details.invocation_metadata or ()).get("authorization"))
+        if problem is None:
+            return handler
+        return _refusal(handler, handler_call_details.method, problem)
+
+    def problem(self, authorization: str | bytes | None) -> str | None:
+        """Why the call is refused, in words; None if its token is accepted."""
+        if authorization is None:
+            return "missing credentials: this server requires `authorization: Bearer <token>` metadata"
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode("latin-1")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return "malformed `authorization` metadata: expected `Bearer <token>`"
+        given = token.strip().encode("utf-8", "replace")
+        # Compare with every token, so the time taken says nothing about which one was close.
+        if not any([hmac.compare_digest(given, accepted) for accepted in self._tokens]):
+            return "invalid bearer token: it is not one of this server's --auth-token-file tokens"
+        return None
+
+
+def _refusal(handler: grpc.RpcMethodHandler, method: str, problem: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+
+    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+        logger.info("refused %s from %s: %s", method, context.peer(), problem)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+    async def refuse_stream(request_or_iterator, context: grpc.aio.ServicerContext):
+        await refuse(request_or_iterator, context)
+        yield  # pragma: no cover - never reached; makes this an async generator
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+# --- clients -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """`ClientSecurity` with its files read: what opening a channel needs."""
+
+    credentials: grpc.ChannelCredentials | None = None  # None: plaintext
+    options: tuple[tuple[str, str], ...] = ()
+    token: str | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def load_client_security(settings: ClientSecurity, flag_prefix: str = "--") -> ChannelSecurity:
+    """Reads the files of `settings`; raises ValueError naming the flag of a bad one."""
+    ca_flag, cert_flag, key_flag = (f"{flag_prefix}tls-{name}" for name in ("ca", "cert", "key"))
+    credentials = None
+    options: tuple[tuple[str, str], ...] = ()
+    if settings.tls_ca:
+        check_ca(settings.tls_ca, ca_flag)
+        client_key = client_cert = None
+        if settings.tls_cert:
+            check_certificate_and_key(settings.tls_cert, settings.tls_key, cert_flag, key_flag)
+            client_key, client_cert = read_file(settings.tls_key, key_flag), read_file(settings.tls_cert, cert_flag)
+        credentials = grpc.ssl_channel_credentials(read_file(settings.tls_ca, ca_flag), client_key, client_cert)
+        if settings.tls_server_name:
+            options = (("grpc.ssl_target_name_override", settings.tls_server_name),)
+    token = None
+    if settings.auth_token_file:
+        token = read_tokens(settings.auth_token_file, f"{flag_prefix}auth-token-file")[0]
+        if credentials is None:
+            logger.warning("sending a bearer token without TLS: it crosses the network in plaintext")
+    return ChannelSecurity(credentials, options, token)
+
+
+class _AddMetadata:
+    """Adds fixed metadata (the bearer token) to every call on a channel."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._metadata = tuple(metadata)
+
+    async def _add(self, continuation, details: grpc.aio.ClientCallDetails, request):
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+# grpc.aio files an interceptor under its first matching kind only: one class per kind.
+class _AddMetadataUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _AddMetadata._add
+
+
+class _AddMetadataStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _AddMetadata._add
+
+
+def aio_channel(
+    address: str, options: Sequence[tuple[str, Any]], security: ChannelSecurity | None = None, interceptors: Sequence[Any] = ()
+) -> grpc.aio.Channel:
+    """A grpc.aio channel with TLS and the bearer token of `security` (plaintext without);
+    `interceptors` (tracing) run before the token is added."""
+    security = security or ChannelSecurity()
+    options = [*options, *security.options]
+    token = [_AddMetadataUnary(security.metadata), _AddMetadataStream(security.metadata)] if security.token else []
+    interceptors = [*interceptors, *token] or None
+    if security.credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, security.credentials, options=options, interceptors=interceptors)
+
+
+def channel(address: str, options: Sequence[tuple[str, Any]], security: ChannelSecurity | None = None) -> grpc.Channel:
+    """The blocking counterpart of `aio_channel`; the token goes on each call (`security.metadata`)."""
+    security = security or ChannelSecurity()
+    options = [*options, *security.options]
+    if security.credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, security.credentials, options=options)
