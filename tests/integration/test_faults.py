@@ -1,5 +1,6 @@
 """Node faults with real processes (and a slow draft in process): the draft dies and comes
-back, the target restarts or stays down, SIGTERM drains, a slow draft is skipped."""
+back, the target restarts or stays down, SIGTERM drains, a cancelling client frees both
+sessions, a slow draft is skipped."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.launch import free_port, spawn
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from tests.stack import inprocess_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,3 +182,37 @@ async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_p
         # Waiting for the draft would take at least 0.5 s per draft step; skipping costs at most
         # one deadline per failed call (and nothing once the breaker is open).
         assert s.total_ms < 1000 * (0.2 * s.draft_failures + 3.0)
+
+
+def test_a_client_that_cancels_frees_both_sessions_within_a_second(tiny_pair, tmp_path):
+    draft = start("draft", "draft_service", ["--model", str(tiny_pair.draft), "--quantize", "none"], free_port(), tmp_path)
+    target = start("target", "target_service", ["--model", str(tiny_pair.target)], free_port(), tmp_path)
+    processes = [draft, target]
+    try:
+        draft.wait_healthy(START_TIMEOUT_S)
+        target.wait_healthy(START_TIMEOUT_S)
+        coordinator = start(
+            "coordinator", "coordinator", ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target)],
+            free_port(), tmp_path,
+        )
+        processes.append(coordinator)
+        coordinator.wait_healthy(START_TIMEOUT_S)
+        with grpc.insecure_channel(coordinator.address) as channel, grpc.insecure_channel(draft.address) as d, grpc.insecure_channel(target.address) as t:
+            infos = {"draft": draft_pb2_grpc.DraftStub(d).Info, "target": target_pb2_grpc.TargetStub(t).Info}
+
+            def open_sessions() -> dict[str, int]:
+                return {name: info(common_pb2.InfoRequest(), timeout=5).open_sessions for name, info in infos.items()}
+
+            stream = coordinator_pb2_grpc.CoordinatorStub(channel).GenerateStream(
+                pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=60
+            )
+            next(stream)
+            assert open_sessions() == {"draft": 1, "target": 1}
+            stream.cancel()
+            cancelled = time.monotonic()
+            while (sessions := open_sessions()) != {"draft": 0, "target": 0}:
+                assert time.monotonic() - cancelled < 1.0, f"sessions still open a second after the client cancelled: {sessions}"
+                time.sleep(0.02)
+    finally:
+        for process in reversed(processes):
+            process.stop()
