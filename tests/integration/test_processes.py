@@ -77,23 +77,22 @@ def test_reflection_lists_services(processes):
         assert {service, "grpc.health.v1.Health"} <= names
 
 
-def test_unreachable_services_give_unavailable_naming_them(processes):
-    """Runs last among the tests on `processes`: it stops the draft, then the target."""
+def test_an_unreachable_draft_degrades_and_an_unreachable_target_is_unavailable(processes):
+    """Runs last among the tests on `processes`: it stops the draft, then the target. The draft
+    is an accelerator: without it requests still succeed, target-only and marked degraded. The
+    target is needed: without it the client gets UNAVAILABLE naming it, within its deadline."""
     processes["draft"].stop()
     with grpc.insecure_channel(processes["coordinator"].address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as error:
-            stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=8, num_speculative_tokens=2), timeout=30)
-        assert time.monotonic() - started < 10, "an unreachable draft must fail fast, not hang"
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert processes["draft"].address in error.value.details()
-        # Target-only requests do not need the draft and keep working.
-        response = stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=4, num_speculative_tokens=0), timeout=30)
-        assert len(response.token_ids) >= 1
+        response = stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=8, num_speculative_tokens=2), timeout=30)
+        assert time.monotonic() - started < 10, "an unreachable draft must be given up on fast, not waited for"
+        assert response.stats.degraded and response.stats.draft_failures >= 1 and len(response.token_ids) == 8
         processes["target"].stop()
+        started = time.monotonic()
         with pytest.raises(grpc.RpcError) as error:
-            stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=4, num_speculative_tokens=0), timeout=30)
+            stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=4, num_speculative_tokens=0), timeout=5)
+        assert time.monotonic() - started < 5
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         assert processes["target"].address in error.value.details()
 
