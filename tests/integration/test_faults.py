@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.launch import free_port, spawn
+from specdec.launch import ServiceProcess, free_port, spawn
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from tests.stack import inprocess_stack
@@ -22,128 +22,122 @@ START_TIMEOUT_S = 120
 PROMPT = "The quick brown fox"
 
 
-def start(name: str, module: str, args: list[str], port: int, logs: Path):
-    return spawn(name, module, args, port, logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+class ProcessStack:
+    """Draft, target and coordinator as processes. Draft and target keep their ports, so a
+    killed one can be restarted on the address the coordinator knows; everything started is
+    stopped, newest first, on exit."""
+
+    def __init__(self, pair, logs: Path, coordinator_args: list[str]) -> None:
+        self.logs = logs
+        self.args = {
+            "draft": ["--model", str(pair.draft), "--quantize", "none"],
+            "target": ["--model", str(pair.target)],
+            "coordinator": ["--tokenizer", str(pair.target), *coordinator_args],
+        }
+        self.ports = {role: free_port() for role in self.args}
+        self.processes: list[ServiceProcess] = []
+        self.current: dict[str, ServiceProcess] = {}
+
+    def start(self, role: str) -> ServiceProcess:
+        module = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}[role]
+        name = f"{role}-{sum(p.name.startswith(role) for p in self.processes)}"
+        args = self.args[role]
+        if role == "coordinator":
+            args = ["--draft", self.current["draft"].address, "--target", self.current["target"].address, *args]
+        process = spawn(name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+        self.processes.append(process)
+        self.current[role] = process
+        return process
+
+    def kill(self, role: str) -> None:
+        self.current[role].process.kill()
+        self.current[role].process.wait()
+
+    def __enter__(self) -> ProcessStack:
+        try:
+            for role in ("draft", "target"):
+                self.start(role)
+            for role in ("draft", "target"):
+                self.current[role].wait_healthy(START_TIMEOUT_S)
+            self.start("coordinator").wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+    def channel(self, role: str = "coordinator") -> grpc.Channel:
+        return grpc.insecure_channel(self.current[role].address)
 
 
 def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_returns(tiny_pair, reference, tmp_path):
-    draft_port = free_port()
-    draft_args = ["--model", str(tiny_pair.draft), "--quantize", "none"]
-    draft = start("draft", "draft_service", draft_args, draft_port, tmp_path)
-    target = start("target", "target_service", ["--model", str(tiny_pair.target)], free_port(), tmp_path)
-    processes = [draft, target]
-    try:
-        draft.wait_healthy(START_TIMEOUT_S)
-        target.wait_healthy(START_TIMEOUT_S)
-        coordinator = start(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target),
-             "--breaker-failures", "2", "--breaker-probe-interval", "0.3", "--draft-timeout", "5"],
-            free_port(), tmp_path,
-        )
-        processes.append(coordinator)
-        coordinator.wait_healthy(START_TIMEOUT_S)
-        with grpc.insecure_channel(coordinator.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4)
+    args = ["--breaker-failures", "2", "--breaker-probe-interval", "0.3", "--draft-timeout", "5"]
+    with ProcessStack(tiny_pair, tmp_path, args) as stack, stack.channel() as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4)
 
-            # The draft is killed after the first round; the generation goes on target-only.
-            stream = stub.GenerateStream(request, timeout=60)
-            chunks = [next(stream)]
-            draft.process.kill()
-            draft.process.wait()
-            chunks += list(stream)
-            assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
-            stats = chunks[-1].stats
-            assert stats.degraded and stats.draft_failures >= 1 and stats.fallback_rounds > 0
-            assert stats.accepted_tokens > 0, "the first round(s) should have speculated"
+        # The draft is killed after the first round; the generation goes on target-only.
+        stream = stub.GenerateStream(request, timeout=60)
+        chunks = [next(stream)]
+        stack.kill("draft")
+        chunks += list(stream)
+        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
+        stats = chunks[-1].stats
+        assert stats.degraded and stats.draft_failures >= 1 and stats.fallback_rounds > 0
+        assert stats.accepted_tokens > 0, "the first round(s) should have speculated"
 
-            # With the breaker open, the next request does not wait on the dead draft at all.
-            short = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4)
-            degraded = stub.Generate(short, timeout=60)
-            assert list(degraded.token_ids) == reference(PROMPT, 40)
-            assert degraded.stats.degraded and degraded.stats.proposed_tokens == 0 and degraded.stats.draft_failures == 0
+        # With the breaker open, the next request does not wait on the dead draft at all.
+        short = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4)
+        degraded = stub.Generate(short, timeout=60)
+        assert list(degraded.token_ids) == reference(PROMPT, 40)
+        assert degraded.stats.degraded and degraded.stats.proposed_tokens == 0 and degraded.stats.draft_failures == 0
 
-            # The draft comes back on its address: a health probe closes the breaker.
-            draft = start("draft-again", "draft_service", draft_args, draft_port, tmp_path)
-            processes.append(draft)
-            draft.wait_healthy(START_TIMEOUT_S)
-            deadline = time.monotonic() + 30
-            while True:
-                response = stub.Generate(short, timeout=60)
-                assert list(response.token_ids) == reference(PROMPT, 40)
-                if not response.stats.degraded:
-                    break
-                assert time.monotonic() < deadline, "speculation never resumed after the draft came back"
-                time.sleep(0.2)
-            assert response.stats.accepted_tokens > 0 and response.stats.draft_failures == 0
-    finally:
-        for process in reversed(processes):
-            process.stop()
+        # The draft comes back on its address: a health probe closes the breaker.
+        stack.start("draft").wait_healthy(START_TIMEOUT_S)
+        deadline = time.monotonic() + 30
+        while True:
+            response = stub.Generate(short, timeout=60)
+            assert list(response.token_ids) == reference(PROMPT, 40)
+            if not response.stats.degraded:
+                break
+            assert time.monotonic() < deadline, "speculation never resumed after the draft came back"
+            time.sleep(0.2)
+        assert response.stats.accepted_tokens > 0 and response.stats.draft_failures == 0
 
 
 def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_the_deadline(tiny_pair, reference, tmp_path):
-    target_port = free_port()
-    target_args = ["--model", str(tiny_pair.target)]
-    draft = start("draft", "draft_service", ["--model", str(tiny_pair.draft), "--quantize", "none"], free_port(), tmp_path)
-    target = start("target", "target_service", target_args, target_port, tmp_path)
-    processes = [draft, target]
-    try:
-        draft.wait_healthy(START_TIMEOUT_S)
-        target.wait_healthy(START_TIMEOUT_S)
-        coordinator = start(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target), "--target-retry-timeout", "90"],
-            free_port(), tmp_path,
-        )
-        processes.append(coordinator)
-        coordinator.wait_healthy(START_TIMEOUT_S)
-        with grpc.insecure_channel(coordinator.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    with ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "90"]) as stack, stack.channel() as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
-            # The target is killed after the first round and restarted on its address: the
-            # coordinator retries, re-sends the committed tokens and finishes unchanged.
-            stream = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4), timeout=120)
-            chunks = [next(stream)]
-            target.process.kill()
-            target.process.wait()
-            target = start("target-again", "target_service", target_args, target_port, tmp_path)
-            processes.append(target)
-            chunks += list(stream)
-            assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
-            stats = chunks[-1].stats
-            assert stats.target_retries >= 1 and stats.reprefills >= 1 and chunks[-1].finish_reason == "length"
+        # The target is killed after the first round and restarted on its address: the
+        # coordinator retries, re-sends the committed tokens and finishes unchanged.
+        stream = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4), timeout=120)
+        chunks = [next(stream)]
+        stack.kill("target")
+        stack.start("target")
+        chunks += list(stream)
+        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
+        stats = chunks[-1].stats
+        assert stats.target_retries >= 1 and stats.reprefills >= 1 and chunks[-1].finish_reason == "length"
 
-            # A target that stays down: UNAVAILABLE before the client's deadline, never a hang
-            # or a truncated success.
-            target.process.kill()
-            target.process.wait()
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as failed:
-                stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40), timeout=5)
-            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-            assert time.monotonic() - started < 5
-            assert "target service" in failed.value.details()
-    finally:
-        for process in reversed(processes):
-            process.stop()
+        # A target that stays down: UNAVAILABLE before the client's deadline, never a hang
+        # or a truncated success.
+        stack.kill("target")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40), timeout=5)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert time.monotonic() - started < 5
+        assert "target service" in failed.value.details()
 
 
 def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight(tiny_pair, reference, tmp_path):
-    draft = start("draft", "draft_service", ["--model", str(tiny_pair.draft), "--quantize", "none"], free_port(), tmp_path)
-    target = start("target", "target_service", ["--model", str(tiny_pair.target)], free_port(), tmp_path)
-    processes = [draft, target]
-    try:
-        draft.wait_healthy(START_TIMEOUT_S)
-        target.wait_healthy(START_TIMEOUT_S)
-        coordinator = start(
-            "coordinator", "coordinator",
-            ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target), "--shutdown-grace", "30"],
-            free_port(), tmp_path,
-        )
-        processes.append(coordinator)
-        coordinator.wait_healthy(START_TIMEOUT_S)
-        with grpc.insecure_channel(coordinator.address) as channel:
+    with ProcessStack(tiny_pair, tmp_path, ["--shutdown-grace", "30"]) as stack:
+        coordinator = stack.current["coordinator"]
+        with stack.channel() as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             # K=1 and 230 tokens: a couple of hundred rounds, still running when SIGTERM arrives.
@@ -158,11 +152,8 @@ def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight
             assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 230)
             assert chunks[-1].finish_reason == "length"
         assert coordinator.process.wait(timeout=30) == 0
-        log = (tmp_path / "coordinator.log").read_text()
+        log = coordinator.log.read_text()
         assert log.index("shutting down") < log.index("generated 230 tokens"), "the request should have been in flight at SIGTERM"
-    finally:
-        for process in reversed(processes):
-            process.stop()
 
 
 async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_pair, reference):
@@ -185,34 +176,19 @@ async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_p
 
 
 def test_a_client_that_cancels_frees_both_sessions_within_a_second(tiny_pair, tmp_path):
-    draft = start("draft", "draft_service", ["--model", str(tiny_pair.draft), "--quantize", "none"], free_port(), tmp_path)
-    target = start("target", "target_service", ["--model", str(tiny_pair.target)], free_port(), tmp_path)
-    processes = [draft, target]
-    try:
-        draft.wait_healthy(START_TIMEOUT_S)
-        target.wait_healthy(START_TIMEOUT_S)
-        coordinator = start(
-            "coordinator", "coordinator", ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target)],
-            free_port(), tmp_path,
+    with ProcessStack(tiny_pair, tmp_path, []) as stack, stack.channel() as channel, stack.channel("draft") as d, stack.channel("target") as t:
+        infos = {"draft": draft_pb2_grpc.DraftStub(d).Info, "target": target_pb2_grpc.TargetStub(t).Info}
+
+        def open_sessions() -> dict[str, int]:
+            return {name: info(common_pb2.InfoRequest(), timeout=5).open_sessions for name, info in infos.items()}
+
+        stream = coordinator_pb2_grpc.CoordinatorStub(channel).GenerateStream(
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=60
         )
-        processes.append(coordinator)
-        coordinator.wait_healthy(START_TIMEOUT_S)
-        with grpc.insecure_channel(coordinator.address) as channel, grpc.insecure_channel(draft.address) as d, grpc.insecure_channel(target.address) as t:
-            infos = {"draft": draft_pb2_grpc.DraftStub(d).Info, "target": target_pb2_grpc.TargetStub(t).Info}
-
-            def open_sessions() -> dict[str, int]:
-                return {name: info(common_pb2.InfoRequest(), timeout=5).open_sessions for name, info in infos.items()}
-
-            stream = coordinator_pb2_grpc.CoordinatorStub(channel).GenerateStream(
-                pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=60
-            )
-            next(stream)
-            assert open_sessions() == {"draft": 1, "target": 1}
-            stream.cancel()
-            cancelled = time.monotonic()
-            while (sessions := open_sessions()) != {"draft": 0, "target": 0}:
-                assert time.monotonic() - cancelled < 1.0, f"sessions still open a second after the client cancelled: {sessions}"
-                time.sleep(0.02)
-    finally:
-        for process in reversed(processes):
-            process.stop()
+        next(stream)
+        assert open_sessions() == {"draft": 1, "target": 1}
+        stream.cancel()
+        cancelled = time.monotonic()
+        while (sessions := open_sessions()) != {"draft": 0, "target": 0}:
+            assert time.monotonic() - cancelled < 1.0, f"sessions still open a second after the client cancelled: {sessions}"
+            time.sleep(0.02)
