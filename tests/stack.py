@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,6 +32,17 @@ def model_service_config(cls, model, **overrides):
     )
     base.update(overrides)
     return cls(**base)
+
+
+def slow_down(runner, seconds: float) -> None:
+    """Makes every forward pass of `runner` take `seconds` longer (a slow node)."""
+    plain_forward = runner.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(seconds)
+        return plain_forward(*args, **kwargs)
+
+    runner.forward = slow_forward
 
 
 @dataclass

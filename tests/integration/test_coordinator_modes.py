@@ -16,7 +16,7 @@ from specdec import wire
 from specdec.probs import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from tests.stack import inprocess_stack
+from tests.stack import inprocess_stack, slow_down
 
 MODES = {
     "sequential": {},
@@ -76,13 +76,7 @@ async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair
     branch session is left behind, and the output is still the target's greedy output."""
     async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=overrides) as stack:
         runner = stack.draft_runner
-        plain_forward = runner.forward
-
-        def slow_forward(*args, **kwargs):
-            time.sleep(0.03)
-            return plain_forward(*args, **kwargs)
-
-        runner.forward = slow_forward
+        slow_down(runner, 0.03)
         prompt = PROMPTS[1]
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=6), timeout=60)
         assert list(response.token_ids) == reference(prompt)

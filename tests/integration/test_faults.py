@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.launch import ServiceProcess, free_port, spawn
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
-from tests.stack import inprocess_stack
+from tests.stack import inprocess_stack, slow_down
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
@@ -158,14 +158,7 @@ def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight
 
 async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_pair, reference):
     async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"draft_timeout_s": 0.2}) as stack:
-        runner = stack.draft_runner
-        plain_forward = runner.forward
-
-        def slow_forward(*args, **kwargs):
-            time.sleep(0.5)
-            return plain_forward(*args, **kwargs)
-
-        runner.forward = slow_forward
+        slow_down(stack.draft_runner, 0.5)
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4), timeout=60)
         assert list(response.token_ids) == reference(PROMPT, 40)
         s = response.stats
