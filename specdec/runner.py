@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
@@ -63,6 +64,10 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(self.model)
         # Tokens run through the model since start; tests use it to prove prefixes are reused.
         self.processed_tokens_total = 0
+        # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
+        self.batched_forwards = 0
+        self.batched_sessions_total = 0
+        self.max_batch_size_seen = 0
 
     def describe(self) -> ModelDescription:
         dtype = self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch.")
@@ -90,25 +95,185 @@ class ModelRunner:
 
         token_ids: [N] → logits [min(logits_to_keep, N), V] (float32, on the model's device)
         """
-        start = session.cached_tokens
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
-        cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
         try:
             self.sessions.make_room(session, len(token_ids) * self.kv_bytes_per_token, self.kv_bytes_per_token)
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=session.cache,
-                cache_position=cache_position,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            return self._forward_admitted(session, token_ids, logits_to_keep)
         except BaseException:
             # A half-updated cache cannot be trusted (nor a session that does not fit the KV
             # budget be kept); the caller re-prefills on NOT_FOUND.
             self.sessions.end(session.session_id)
             raise
+
+    def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+        start = session.cached_tokens
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
+        cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=session.cache,
+            cache_position=cache_position,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         self.processed_tokens_total += len(token_ids)
         return out.logits[0].float()  # [min(logits_to_keep, N), V]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]
+    ) -> list[torch.Tensor | Exception]:
+        """`forward` for several sessions (distinct ids) in ONE pass of the model; item b gets
+        logits [min(logits_to_keep[b], N_b), V] or the exception that failed it alone.
+
+        Each session is admitted to the KV budget as `forward` would admit it; one that does
+        not fit fails alone. The pass left-pads every past to the longest and right-pads every
+        run of new tokens to the longest, masks the pads, gives each row its own positions,
+        and afterwards hands each session a cache of exactly its past and its new tokens.
+        A failed pass fails (and ends) every session in it, as `forward` does for one.
+        """
+        if len(sessions) == 1 or not all(batchable_cache(session.cache) for session in sessions):
+            return [_result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
+        results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
+        admitted: list[int] = []
+        pending_bytes = 0
+        for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
+            extra_bytes = len(tokens) * self.kv_bytes_per_token
+            try:
+                self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                self.sessions.end(session.session_id)
+                results[index] = exc
+                continue
+            pending_bytes += extra_bytes
+            admitted.append(index)
+        if not admitted:
+            return results  # type: ignore[return-value]
+        chosen = [sessions[i] for i in admitted]
+        try:
+            if len(admitted) == 1:
+                outputs = [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
+            else:
+                outputs = self._forward_padded(chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted])
+        except Exception as exc:  # noqa: BLE001 - every caller in the pass gets it
+            for session in chosen:
+                self.sessions.end(session.session_id)
+            for index in admitted:
+                results[index] = exc
+            return results  # type: ignore[return-value]
+        except BaseException:
+            for session in chosen:
+                self.sessions.end(session.session_id)
+            raise
+        for index, logits in zip(admitted, outputs):
+            results[index] = logits
+        return results  # type: ignore[return-value]
+
+    def _forward_padded(self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
+        """One pass over B sessions. Row b of the padded sequence is
+
+            [pad × (P - P_b)] [past_b: P_b cached] [new_b: N_b tokens] [pad × (N - N_b)]
+
+        with P = max P_b and N = max N_b. Pads are masked out as keys; pad queries (at the end)
+        still see their row's real tokens, so no attention row is empty (no NaN to leak).
+        """
+        device = self.loaded.device
+        past = [session.cached_tokens for session in sessions]  # [B]
+        new = [len(tokens) for tokens in token_ids]  # [B]
+        batch, max_past, max_new = len(sessions), max(past), max(new)
+        input_ids = torch.zeros(batch, max_new, dtype=torch.long, device=device)  # [B, N]; pad id 0 is never attended
+        attention_mask = torch.zeros(batch, max_past + max_new, dtype=torch.long, device=device)  # [B, P + N]
+        for row, tokens in enumerate(token_ids):
+            input_ids[row, : new[row]] = torch.tensor(tokens, dtype=torch.long)
+            attention_mask[row, max_past - past[row] : max_past + new[row]] = 1
+        position_ids = (torch.tensor(past)[:, None] + torch.arange(max_new)).to(device)  # [B, N]
+        kept = [min(keep, n) for keep, n in zip(logits_to_keep, new)]  # [B]
+        width = max(kept)
+        # Row b keeps its last `width` real positions (clamped at 0 for short rows: only its
+        # last kept[b] are read), so the vocab-wide head runs on B · width positions, not B · N.
+        logit_positions = (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)  # [B, width]
+        cache = padded_cache(sessions, past, max_past, self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            cache_position=torch.arange(max_past, max_past + max_new, device=device),
+            use_cache=True,
+            logits_to_keep=logit_positions,
+        )
+        for row, session in enumerate(sessions):
+            session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row], self.model.config)
+        self.processed_tokens_total += sum(new)
+        self.batched_forwards += 1
+        self.batched_sessions_total += batch
+        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
+        logits = out.logits  # [B, width, V]
+        return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
+
+
+def batchable_cache(cache: DynamicCache | None) -> bool:
+    """Only plain full-attention layers can be padded and split again (not sliding windows,
+    quantised or offloaded caches)."""
+    return (
+        isinstance(cache, DynamicCache)
+        and not getattr(cache, "offloading", False)
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    )
+
+
+def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, config) -> DynamicCache:
+    """The sessions' caches stacked as a batch, each past left-padded with zeros to `max_past`.
+
+    per layer: B × [1, H, P_b, D] → [B, H, max_past, D]
+    """
+    if max_past == 0:
+        return DynamicCache(config=config)
+    layers = []
+    for layer_index in range(len(sessions[0].cache.layers)):
+        source = [session.cache.layers[layer_index] for session in sessions]
+        reference = next(layer for layer, length in zip(source, past) if length)
+        heads, head_dim = reference.keys.shape[1], reference.keys.shape[3]
+        keys = reference.keys.new_zeros(len(sessions), heads, max_past, head_dim)
+        values = reference.values.new_zeros(len(sessions), heads, max_past, reference.values.shape[3])
+        for row, (layer, length) in enumerate(zip(source, past)):
+            if length:
+                keys[row, :, max_past - length :] = layer.keys[0]
+                values[row, :, max_past - length :] = layer.values[0]
+        layers.append((keys, values))
+    return DynamicCache(layers, config=config)
+
+
+def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> DynamicCache:
+    """Row `row`, columns [start, end) of a batched cache as a session's own cache; the layers
+    copy the slice (DynamicLayer.update concatenates), so the batch's tensors are freed."""
+    return DynamicCache(
+        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in cache.layers),
+        config=config,
+    )
+
+
+def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:
+    """Splits items (by how many tokens each runs) into passes: similar lengths share a pass,
+    but one whose padding would cost more than `max_padding_ratio` × the real tokens (a prompt
+    prefill among one-token decodes) starts a new pass. Returns indices into `lengths`."""
+    groups: list[list[int]] = []
+    real = 0
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        length = lengths[index]  # the longest so far, as the order is ascending
+        if groups and (len(groups[-1]) + 1) * length <= max_padding_ratio * (real + length):
+            groups[-1].append(index)
+            real += length
+        else:
+            groups.append([index])
+            real = length
+    return groups
+
+
+def _result_or_error(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+        return exc
 
 
 def kv_bytes_per_token(model) -> int:

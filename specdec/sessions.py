@@ -101,10 +101,11 @@ class SessionStore:
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
 
-    def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int) -> None:
+    def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int = 0) -> None:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
         sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
-        cannot fit, saying by how much."""
+        cannot fit, saying by how much. `pending_bytes`: what other sessions sharing the same
+        batched forward pass will add; they count toward the total but not toward `session`."""
         if not self.max_kv_bytes:
             return
         needed = session.kv_bytes + extra_bytes
@@ -115,7 +116,7 @@ class SessionStore:
                 f"{bytes_per_token} bytes each); the service's KV budget (--max-kv-bytes) is {self.max_kv_bytes} bytes, "
                 f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
-        total = self.kv_bytes() + extra_bytes
+        total = self.kv_bytes() + extra_bytes + pending_bytes
         for session_id in list(self._sessions):  # least recently used first
             if total <= self.max_kv_bytes:
                 break
