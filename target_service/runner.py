@@ -1,15 +1,36 @@
 """The target model side: score the draft tokens in one forward pass and sample what the
-coordinator needs for exact rejection sampling."""
+coordinator needs for exact rejection sampling; concurrent sessions can share that pass."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import ModelRunner, Stopwatch
+from specdec.runner import ModelRunner, Stopwatch, batch_groups
+from specdec.sessions import KVSession
+
+# A batched pass right-pads every session's tokens to the longest run; a session whose run
+# would make the padding cost more than this many times the real tokens (a prompt prefill
+# among decode rounds) gets a pass of its own instead.
+MAX_PADDING_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One Verify request, runner-side."""
+
+    session_id: str
+    keep_tokens: int
+    new_tokens: list[int]
+    draft_token_ids: list[int]  # [K]
+    draft_probs: torch.Tensor  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
+    params: SamplingParams
+    seed: int
+    return_distributions: bool = False
 
 
 @dataclass(frozen=True)
@@ -20,10 +41,23 @@ class Verification:
     target_probs: torch.Tensor | None  # [K + 1, V] when asked for
     processed_tokens: int
     sequence_length: int
-    compute_ms: float
+    compute_ms: float  # in a batch, the shared pass counts in full for every call in it
+    batch_size: int = 1  # sessions that shared the forward pass
+
+
+@dataclass
+class _Admitted:
+    """A call whose checks passed and whose session holds its tokens; the pass is next."""
+
+    call: VerifyCall
+    session: KVSession
+    pending: list[int]  # tokens the cache has not seen: [N]
+    clock: Stopwatch
 
 
 class TargetRunner(ModelRunner):
+    max_padding_ratio = MAX_PADDING_RATIO
+
     @staticmethod
     def needs_draft_probs(params: SamplingParams, return_distributions: bool) -> bool:
         """False on the greedy fast path, which only compares draft tokens with the argmax;
@@ -36,48 +70,114 @@ class TargetRunner(ModelRunner):
         keep_tokens: int,
         new_tokens: list[int],
         draft_token_ids: list[int],
-        draft_probs: torch.Tensor,  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
+        draft_probs: torch.Tensor,  # [K, V] float32 (CPU); unused (any shape) on the greedy fast path
         params: SamplingParams,
         seed: int,
         return_distributions: bool = False,
     ) -> Verification:
-        num_draft = len(draft_token_ids)
+        call = VerifyCall(session_id, keep_tokens, new_tokens, draft_token_ids, draft_probs, params, seed, return_distributions)
+        return self.verify_one(call)
+
+    def verify_one(self, call: VerifyCall) -> Verification:
+        """One session's round, in a forward pass of its own."""
+        admitted = self._admit(call)
+        logits = self.forward(admitted.session, admitted.pending, logits_to_keep=len(call.draft_token_ids) + 1)  # [K + 1, V]
+        return self._conclude(admitted, logits, batch_size=1)
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | Exception]:
+        """Several sessions' rounds in as few forward passes as padding allows (usually one).
+
+        Item i is what `verify_one(calls[i])` would return, or the exception it would raise:
+        a bad call or unknown session fails alone. Two calls for the same session run one
+        after the other, in order.
+        """
+        results: list[Verification | Exception | None] = [None] * len(calls)
+        for wave in session_waves([call.session_id for call in calls]):
+            admitted: list[tuple[int, _Admitted]] = []
+            for index in wave:
+                try:
+                    admitted.append((index, self._admit(calls[index])))
+                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                    results[index] = exc
+            for group in batch_groups([len(item.pending) for _, item in admitted], self.max_padding_ratio):
+                members = [admitted[position] for position in group]
+                outputs = self.forward_batch(
+                    [item.session for _, item in members],
+                    [item.pending for _, item in members],
+                    [len(item.call.draft_token_ids) + 1 for _, item in members],
+                )
+                for (index, item), logits in zip(members, outputs):
+                    if isinstance(logits, Exception):
+                        results[index] = logits
+                        continue
+                    try:
+                        results[index] = self._conclude(item, logits, batch_size=len(members))
+                    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                        results[index] = exc
+        return results  # type: ignore[return-value]
+
+    def _admit(self, call: VerifyCall) -> _Admitted:
+        """Checks the call, then rolls its session back to `keep_tokens` and appends its tokens."""
+        num_draft = len(call.draft_token_ids)
         if num_draft > self.max_speculative_tokens:
             raise InvalidArgument(
                 f"{num_draft} draft tokens exceed the maximum of {self.max_speculative_tokens} per call"
             )
-        if not new_tokens:
+        if not call.new_tokens:
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
-        greedy_fast_path = not self.needs_draft_probs(params, return_distributions)
-        if not greedy_fast_path and draft_probs.shape != (num_draft, self.loaded.vocab_size):
+        if not self._greedy_fast_path(call) and call.draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
-                f"draft distributions have shape {tuple(draft_probs.shape)}; expected ({num_draft}, {self.loaded.vocab_size})"
+                f"draft distributions have shape {tuple(call.draft_probs.shape)}; expected ({num_draft}, {self.loaded.vocab_size})"
             )
-        self.check_tokens(new_tokens, "new_tokens")
-        self.check_tokens(draft_token_ids, "draft tokens")
-        self.check_length(keep_tokens + len(new_tokens) + num_draft)
+        self.check_tokens(call.new_tokens, "new_tokens")
+        self.check_tokens(call.draft_token_ids, "draft tokens")
+        self.check_length(call.keep_tokens + len(call.new_tokens) + num_draft)
         clock = Stopwatch()
-        session = self.sessions.open(session_id, keep_tokens)
-        pending = session.extend(keep_tokens, new_tokens + draft_token_ids)
-        # One pass over every unseen token; only the K + 1 positions that predict a draft
-        # token or the bonus token need the (vocab-wide) output head.
-        logits = self.forward(session, pending, logits_to_keep=num_draft + 1)  # [K + 1, V]
-        draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64)  # [K]
-        if greedy_fast_path:
+        session = self.sessions.open(call.session_id, call.keep_tokens)
+        pending = session.extend(call.keep_tokens, call.new_tokens + call.draft_token_ids)
+        return _Admitted(call, session, pending, clock)
+
+    def _greedy_fast_path(self, call: VerifyCall) -> bool:
+        return not self.needs_draft_probs(call.params, call.return_distributions)
+
+    def _conclude(self, admitted: _Admitted, logits: torch.Tensor, batch_size: int) -> Verification:
+        """The round's outputs from the K + 1 positions that predict a draft token or the bonus.
+
+        logits: [K + 1, V]
+        """
+        call = admitted.call
+        num_draft = len(call.draft_token_ids)
+        draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
+        if self._greedy_fast_path(call):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
             argmax = logits.argmax(dim=-1).cpu()  # [K + 1]
             outputs = VerifyOutputs((draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft]))
             target_probs = None
         else:
-            target_probs = logits_to_probs(logits, params).cpu()  # [K + 1, V]
-            outputs = verify_outputs(target_probs, draft_probs, draft_ids, torch.Generator().manual_seed(seed))
+            target_probs = logits_to_probs(logits, call.params).cpu()  # [K + 1, V]
+            outputs = verify_outputs(target_probs, call.draft_probs, draft_ids, torch.Generator().manual_seed(call.seed))
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
             recovered_token_ids=outputs.recovered_token_ids.tolist(),
             bonus_token_id=outputs.bonus_token_id,
-            target_probs=target_probs if return_distributions else None,
-            processed_tokens=len(pending),
-            sequence_length=len(session.tokens),
-            compute_ms=clock.ms(),
+            target_probs=target_probs if call.return_distributions else None,
+            processed_tokens=len(admitted.pending),
+            sequence_length=len(admitted.session.tokens),
+            compute_ms=admitted.clock.ms(),
+            batch_size=batch_size,
         )
+
+
+def session_waves(session_ids: list[str]) -> list[list[int]]:
+    """Indices split so that no session appears twice in a wave: wave k holds each session's
+    k-th call, so a session's calls keep their order."""
+    seen: Counter[str] = Counter()
+    waves: list[list[int]] = []
+    for index, session_id in enumerate(session_ids):
+        wave = seen[session_id]
+        seen[session_id] += 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves

@@ -1,0 +1,290 @@
+"""Batched verification: several sessions in one forward pass give what each gives alone.
+
+Every test runs the same calls through two runners on the same weights, one session at a
+time (`verify_one`, today's path) and batched (`verify_batch`), and compares: greedy results
+exactly, target probabilities within float32 rounding, and the KV caches left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from specdec.modeling import load_causal_lm
+from specdec.probs import SamplingParams
+from specdec.runner import batch_groups
+from target_service.runner import TargetRunner, VerifyCall, session_waves
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+# Batched and lone passes sum in different orders; in float32 they differ by a few ulps.
+PROB_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
+KV_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_pair):
+    return load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+
+
+def make_runner(loaded, **kwargs) -> TargetRunner:
+    return TargetRunner(loaded, max_sessions=kwargs.pop("max_sessions", 16), session_ttl_s=60, max_speculative_tokens=8, **kwargs)
+
+
+def tokens(seed: int, count: int, vocab: int) -> list[int]:
+    return torch.randint(1, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def draft_probs(seed: int, num_draft: int, vocab: int) -> torch.Tensor:
+    """A full draft distribution per draft token. [K, V]"""
+    return torch.softmax(2.0 * torch.randn(num_draft, vocab, generator=torch.Generator().manual_seed(seed)), dim=-1)
+
+
+def prefill(runners, session_id: str, prompt: list[int]) -> None:
+    for runner in runners:
+        runner.verify(session_id, 0, prompt, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
+
+
+def holds(runner: TargetRunner, session_id: str) -> bool:
+    try:
+        runner.sessions.open(session_id, 1)
+    except SessionNotFound:
+        return False
+    return True
+
+
+def alone(runner: TargetRunner, calls: list[VerifyCall]) -> list:
+    results = []
+    for call in calls:
+        try:
+            results.append(runner.verify_one(call))
+        except Exception as exc:  # noqa: BLE001 - compared with the batched item
+            results.append(exc)
+    return results
+
+
+def mixed_calls(runners, params: SamplingParams, return_distributions: bool) -> list[VerifyCall]:
+    """Sessions with different pasts and different numbers of new and draft tokens: decode
+    rounds, a rollback that drops two draft tokens, and two brand-new sessions' prompt
+    prefills (one with drafts, one without)."""
+    vocab = runners[0].loaded.vocab_size
+    pasts = {"short": tokens(1, 3, vocab), "medium": tokens(2, 17, vocab), "long": tokens(3, 41, vocab), "rollback": tokens(4, 12, vocab)}
+    for session_id, prompt in pasts.items():
+        prefill(runners, session_id, prompt)
+    # "rollback" holds 12 prompt tokens + 3 drafts; the round keeps the prompt and one draft.
+    for runner in runners:
+        runner.verify("rollback", 12, [7], [8, 9, 10], draft_probs(0, 3, vocab), params, 0)
+    specs = [  # session, keep_tokens, new tokens, draft tokens
+        ("short", 3, tokens(11, 1, vocab), tokens(12, 4, vocab)),
+        ("medium", 17, tokens(13, 2, vocab), tokens(14, 1, vocab)),
+        ("long", 41, tokens(15, 1, vocab), tokens(16, 6, vocab)),
+        ("rollback", 14, tokens(17, 1, vocab), tokens(18, 3, vocab)),
+        ("fresh", 0, tokens(19, 9, vocab), tokens(20, 2, vocab)),
+        ("prompt-only", 0, pasts["long"], []),
+    ]
+    return [
+        VerifyCall(session_id, keep, new, drafts, draft_probs(30 + i, len(drafts), vocab), params, seed=100 + i,
+                   return_distributions=return_distributions)
+        for i, (session_id, keep, new, drafts) in enumerate(specs)
+    ]
+
+
+def assert_same_caches(solo: TargetRunner, batched: TargetRunner, session_ids) -> None:
+    for session_id in session_ids:
+        expected, actual = solo.sessions.open(session_id, 1), batched.sessions.open(session_id, 1)
+        assert actual.tokens == expected.tokens
+        assert actual.cached_tokens == expected.cached_tokens
+        assert len(actual.cache.layers) == len(expected.cache.layers)
+        for want, got in zip(expected.cache.layers, actual.cache.layers):
+            assert got.keys.shape == want.keys.shape and got.values.shape == want.values.shape
+            torch.testing.assert_close(got.keys, want.keys, **KV_TOLERANCE)
+            torch.testing.assert_close(got.values, want.values, **KV_TOLERANCE)
+
+
+def test_greedy_batch_equals_each_session_alone(loaded):
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    batched.max_padding_ratio = float("inf")  # one pass for all, prompt prefill included
+    calls = mixed_calls([solo, batched], GREEDY, return_distributions=False)
+    expected = alone(solo, calls)
+    passes_before = batched.batched_forwards
+    results = batched.verify_batch(calls)
+    assert batched.batched_forwards == passes_before + 1 and batched.max_batch_size_seen == len(calls)
+    for call, want, got in zip(calls, expected, results):
+        assert got.batch_size == len(calls)
+        assert got.recovered_token_ids == want.recovered_token_ids, call.session_id
+        assert got.bonus_token_id == want.bonus_token_id, call.session_id
+        assert got.draft_token_target_probs == want.draft_token_target_probs, call.session_id
+        assert (got.processed_tokens, got.sequence_length) == (want.processed_tokens, want.sequence_length), call.session_id
+    assert_same_caches(solo, batched, [call.session_id for call in calls])
+
+
+def test_sampled_target_probs_equal_unbatched_within_float32_rounding(loaded):
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    batched.max_padding_ratio = float("inf")
+    calls = mixed_calls([solo, batched], SAMPLED, return_distributions=True)
+    expected = alone(solo, calls)
+    results = batched.verify_batch(calls)
+    assert all(result.batch_size == len(calls) for result in results)
+    for call, want, got in zip(calls, expected, results):
+        assert got.target_probs.shape == want.target_probs.shape == (len(call.draft_token_ids) + 1, loaded.vocab_size)
+        torch.testing.assert_close(got.target_probs, want.target_probs, **PROB_TOLERANCE)
+        torch.testing.assert_close(
+            torch.tensor(got.draft_token_target_probs), torch.tensor(want.draft_token_target_probs), **PROB_TOLERANCE
+        )
+        # Same seed, probabilities equal to a few ulps: the inverse-CDF draws land on the same tokens.
+        assert got.recovered_token_ids == want.recovered_token_ids and got.bonus_token_id == want.bonus_token_id
+    assert_same_caches(solo, batched, [call.session_id for call in calls])
+
+
+def greedy_continuation(loaded, prompt: list[int], count: int) -> list[int]:
+    """The target's own one-token-at-a-time argmax chain (EOS is just another token here)."""
+    chain = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            chain.append(int(loaded.model(torch.tensor([chain])).logits[0, -1].argmax()))
+    return chain[len(prompt) :]
+
+
+def test_batched_rounds_decode_exactly_the_greedy_continuation(loaded):
+    """Speculative rounds as the coordinator runs them, all sessions verified together every
+    round: drafts that are right for a while and then wrong (so most rounds roll back), with
+    different prompt lengths and K. Each round matches the same round run alone, and every
+    session's committed tokens are the target's own greedy continuation."""
+    vocab, rounds = loaded.vocab_size, 12
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    prompts = {f"s{i}": tokens(50 + i, length, vocab) for i, length in enumerate((4, 11, 19, 30))}
+    truth = {session_id: greedy_continuation(loaded, prompt, 5 * rounds + 8) for session_id, prompt in prompts.items()}
+    generated: dict[str, list[int]] = {session_id: [] for session_id in prompts}
+    held = dict.fromkeys(prompts, 0)  # tokens the service still holds as valid
+    unsent = dict(prompts)  # committed tokens the service has not seen
+    for round_index in range(rounds):
+        calls = []
+        for i, session_id in enumerate(prompts):
+            k = 1 + (i + round_index) % 4
+            right = (round_index + i) % (k + 1)  # how many drafts agree with the target
+            upcoming = truth[session_id][len(generated[session_id]) :][:k]
+            drafts = upcoming[:right] + [(t + 1) % vocab for t in upcoming[right:]]
+            calls.append(VerifyCall(session_id, held[session_id], unsent[session_id], drafts, torch.zeros(0), GREEDY, 0))
+        expected = alone(solo, calls)
+        results = batched.verify_batch(calls)
+        for call, want, got in zip(calls, expected, results):
+            assert got.batch_size == len(calls)
+            assert (got.recovered_token_ids, got.bonus_token_id) == (want.recovered_token_ids, want.bonus_token_id)
+            assert got.draft_token_target_probs == want.draft_token_target_probs
+            accepted = 0
+            while accepted < len(call.draft_token_ids) and got.draft_token_target_probs[accepted] == 1.0:
+                accepted += 1
+            last = got.recovered_token_ids[accepted] if accepted < len(call.draft_token_ids) else got.bonus_token_id
+            generated[call.session_id] += call.draft_token_ids[:accepted] + [last]
+            held[call.session_id] = call.keep_tokens + len(call.new_tokens) + accepted
+            unsent[call.session_id] = [last]
+    for session_id in prompts:
+        assert generated[session_id] == truth[session_id][: len(generated[session_id])], session_id
+        assert len(generated[session_id]) > 2 * rounds
+    assert batched.batched_forwards == rounds and batched.max_batch_size_seen == len(prompts)
+    assert_same_caches(solo, batched, list(prompts))
+
+
+def test_an_error_in_one_item_fails_only_that_call(loaded):
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    for session_id, seed in (("a", 60), ("b", 61), ("e", 62)):
+        prefill([solo, batched], session_id, tokens(seed, 5, vocab))
+    calls = [
+        VerifyCall("a", 5, [3], [4, 5], torch.zeros(0), GREEDY, 0),
+        VerifyCall("nobody", 4, [3], [4], torch.zeros(0), GREEDY, 0),  # NOT_FOUND
+        VerifyCall("v", 0, [vocab + 1], [4], torch.zeros(0), GREEDY, 0),  # id outside the vocabulary
+        VerifyCall("e", 99, [3], [4], torch.zeros(0), GREEDY, 0),  # keeps more than the session holds
+        VerifyCall("c", 0, [1, 2, 3], [4], torch.zeros(3, 5), SAMPLED, 0),  # draft distributions of the wrong width
+        VerifyCall("b", 5, [6, 7], [8], torch.zeros(0), GREEDY, 0),
+    ]
+    results = batched.verify_batch(calls)
+    assert isinstance(results[1], SessionNotFound)
+    assert isinstance(results[2], InvalidArgument) and "outside the vocabulary" in str(results[2])
+    assert isinstance(results[3], InvalidArgument) and "keep_tokens=99" in str(results[3])
+    assert isinstance(results[4], InvalidArgument) and "draft distributions have shape" in str(results[4])
+    good = [calls[0], calls[5]]
+    for want, got in zip(alone(solo, good), [results[0], results[5]]):
+        assert got.batch_size == 2
+        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (want.recovered_token_ids, want.bonus_token_id, want.sequence_length)
+    assert_same_caches(solo, batched, ["a", "b", "e"])  # "e" is as it was: a refused call changes nothing
+    assert not any(holds(batched, session_id) for session_id in ("c", "v", "nobody"))
+
+
+def test_a_session_over_the_kv_budget_fails_alone(loaded):
+    per_token = make_runner(loaded).kv_bytes_per_token
+    solo = make_runner(loaded, max_kv_bytes=40 * per_token)
+    batched = make_runner(loaded, max_kv_bytes=40 * per_token)
+    batched.max_padding_ratio = float("inf")
+    vocab = loaded.vocab_size
+    prefill([solo, batched], "small", tokens(70, 6, vocab))
+    calls = [
+        VerifyCall("small", 6, [5], [6, 7], torch.zeros(0), GREEDY, 0),
+        VerifyCall("huge", 0, tokens(71, 45, vocab), [1], torch.zeros(0), GREEDY, 0),  # 46 tokens > 40
+        VerifyCall("other", 0, tokens(72, 10, vocab), [2], torch.zeros(0), GREEDY, 0),
+    ]
+    expected = alone(solo, calls)
+    results = batched.verify_batch(calls)
+    assert isinstance(expected[1], ResourceExhausted) and isinstance(results[1], ResourceExhausted)
+    assert str(results[1]) == str(expected[1])
+    assert not holds(batched, "huge")
+    for index in (0, 2):
+        assert results[index].bonus_token_id == expected[index].bonus_token_id
+        assert results[index].recovered_token_ids == expected[index].recovered_token_ids
+    assert batched.max_batch_size_seen == 2
+    assert_same_caches(solo, batched, ["small", "other"])
+
+
+def test_the_kv_budget_counts_what_the_whole_pass_adds(loaded):
+    """Two new sessions that fit alone but not together with an older one: admitting the
+    second counts the first's pending tokens, so the least recently used session is evicted."""
+    per_token = make_runner(loaded).kv_bytes_per_token
+    runner = make_runner(loaded, max_kv_bytes=35 * per_token)
+    runner.verify("old", 0, tokens(80, 15, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0)
+    calls = [VerifyCall(f"new{i}", 0, tokens(81 + i, 12, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0) for i in range(2)]
+    results = runner.verify_batch(calls)
+    assert all(result.batch_size == 2 for result in results)
+    assert runner.sessions.evicted == 1 and not holds(runner, "old")
+    assert runner.sessions.kv_bytes() == 24 * per_token
+
+
+def test_calls_for_one_session_run_in_order(loaded):
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prefill([solo, batched], "x", tokens(90, 6, vocab))
+    calls = [
+        VerifyCall("y", 0, tokens(91, 5, vocab), [1, 2], torch.zeros(0), GREEDY, 0),
+        VerifyCall("x", 6, [3], [4, 5], torch.zeros(0), GREEDY, 0),
+        VerifyCall("y", 6, [9], [3], torch.zeros(0), GREEDY, 0),  # needs the first "y" call's tokens
+    ]
+    expected = alone(solo, calls)
+    results = batched.verify_batch(calls)
+    assert [r.batch_size for r in results] == [2, 2, 1]
+    for want, got in zip(expected, results):
+        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (want.recovered_token_ids, want.bonus_token_id, want.sequence_length)
+    assert_same_caches(solo, batched, ["x", "y"])
+
+
+def test_a_prompt_prefill_among_decode_rounds_gets_its_own_pass(loaded):
+    runner = make_runner(loaded)  # the default padding limit
+    vocab = loaded.vocab_size
+    for i in range(3):
+        runner.verify(f"d{i}", 0, tokens(100 + i, 10, vocab), [], torch.zeros(0), GREEDY, 0)
+    calls = [VerifyCall(f"d{i}", 10, [1], [2, 3, 4], torch.zeros(0), GREEDY, 0) for i in range(3)]
+    calls.append(VerifyCall("prompt", 0, tokens(110, 60, vocab), [5], torch.zeros(0), GREEDY, 0))
+    results = runner.verify_batch(calls)
+    assert [r.batch_size for r in results] == [3, 3, 3, 1]
+    assert runner.batched_forwards == 1
+
+
+def test_session_waves_keep_each_sessions_calls_in_order():
+    assert session_waves(["a", "b", "a", "c", "a", "b"]) == [[0, 1, 3], [2, 5], [4]]
+
+
+def test_batch_groups_bound_the_padding():
+    assert batch_groups([5, 5, 5, 100], 2.0) == [[0, 1, 2], [3]]
+    assert batch_groups([11, 4, 5, 5], 2.0) == [[1, 2, 3, 0]]  # 4 rows × 11 = 44 ≤ 2 × 25 real tokens
+    assert batch_groups([3, 60, 70, 2], 2.0) == [[3, 0], [1, 2]]
+    assert batch_groups([1] * 8, 1.0) == [list(range(8))]
+    assert batch_groups([], 2.0) == []
