@@ -8,7 +8,7 @@ import logging
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +19,8 @@ from specdec import telemetry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+C = TypeVar("C")  # a call a batcher gathers
+R = TypeVar("R")  # what one call returns
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s trace_id=%(trace_id)s span_id=%(span_id)s: %(message)s"
@@ -81,6 +83,89 @@ class ModelThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class CallBatcher(Generic[C, R]):
+    """Gathers calls for one batched runner method and runs them on the model thread together.
+
+    A call waits at most `window_s` after the oldest waiting call arrived, until `max_size`
+    are waiting, or until `more_expected(waiting)` says no other caller could join (e.g. every
+    open session already has a call waiting, so a lone session never waits); while a batch
+    runs, new calls queue and go together as soon as it ends. `run_batch(calls)` returns, per
+    call, a result or the exception to raise in that caller alone. A caller cancelled before
+    its batch starts is left out of it.
+    """
+
+    def __init__(
+        self,
+        model_thread: ModelThread,
+        run_batch: Callable[[list[C]], list[R | Exception]],
+        window_s: float,
+        max_size: int,
+        more_expected: Callable[[int], bool] = lambda waiting: True,
+    ) -> None:
+        if window_s < 0 or max_size < 1:
+            raise ValueError(f"a batch window must be >= 0 s and a batch size >= 1; got {window_s} s and {max_size}")
+        self._model_thread = model_thread
+        self._run_batch = run_batch
+        self._window_s = window_s
+        self._max_size = max_size
+        self._more_expected = more_expected
+        self._waiting: list[tuple[C, asyncio.Future, float]] = []  # (call, its future, when it arrived)
+        self._timer: asyncio.TimerHandle | None = None
+        self._running: asyncio.Task | None = None
+
+    async def submit(self, call: C) -> R:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((call, future, loop.time()))
+        self._schedule()
+        result = await future
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _schedule(self) -> None:
+        if self._running is not None:
+            return  # the batch that is running starts the next one when it ends
+        self._waiting = [entry for entry in self._waiting if not entry[1].done()]
+        if not self._waiting:
+            return
+        loop = asyncio.get_running_loop()
+        wait_s = self._waiting[0][2] + self._window_s - loop.time()
+        if len(self._waiting) >= self._max_size or wait_s <= 0 or not self._more_expected(len(self._waiting)):
+            self._start()
+        elif self._timer is None:
+            self._timer = loop.call_later(wait_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._schedule()
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._waiting = self._waiting[: self._max_size], self._waiting[self._max_size :]
+        self._running = asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch: list[tuple[C, asyncio.Future, float]]) -> None:
+        try:
+            results: list = await self._model_thread.run(self._run_batch, [call for call, _, _ in batch])
+        except BaseException as exc:  # noqa: BLE001 - the callers get it; this task only relays
+            results = [exc] * len(batch)
+        finally:
+            self._running = None
+        for (_, future, _), result in zip(batch, results):
+            if future.done():
+                continue
+            if isinstance(result, asyncio.CancelledError):
+                future.cancel()
+            elif isinstance(result, BaseException) and not isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._schedule()
 
 
 async def expire_sessions_periodically(model_thread: ModelThread, expire: Callable[[], int], every_s: float) -> None:

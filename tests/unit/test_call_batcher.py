@@ -1,0 +1,102 @@
+"""CallBatcher: which calls share a batch, and that each caller gets its own result or error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from specdec.errors import InvalidArgument
+from specdec.serving import CallBatcher, ModelThread
+
+
+class Recorder:
+    """A batched method that doubles numbers, refuses negative ones, and can be held busy."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __call__(self, calls: list[int]) -> list[int | Exception]:
+        self.release.wait(5)
+        self.batches.append(list(calls))
+        return [InvalidArgument(f"{call} is negative") if call < 0 else 2 * call for call in calls]
+
+
+@pytest.fixture
+def model_thread():
+    thread = ModelThread("test-model")
+    yield thread
+    thread.shutdown()
+
+
+async def test_calls_within_the_window_share_one_batch_and_get_their_own_results(model_thread):
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.05, max_size=8)
+    results = await asyncio.gather(*(batcher.submit(n) for n in (1, -2, 3)), return_exceptions=True)
+    assert recorder.batches == [[1, -2, 3]]
+    assert results[0] == 2 and results[2] == 6
+    assert isinstance(results[1], InvalidArgument) and "-2 is negative" in str(results[1])
+
+
+async def test_a_full_batch_starts_without_waiting_for_the_window(model_thread):
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=30.0, max_size=3)
+    results = await asyncio.wait_for(asyncio.gather(*(batcher.submit(n) for n in range(3))), timeout=5)
+    assert results == [0, 2, 4] and recorder.batches == [[0, 1, 2]]
+
+
+async def test_batches_hold_at_most_max_size_and_keep_arrival_order(model_thread):
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.01, max_size=4)
+    results = await asyncio.gather(*(batcher.submit(n) for n in range(10)))
+    assert results == [2 * n for n in range(10)]
+    assert [n for batch in recorder.batches for n in batch] == list(range(10))
+    assert max(len(batch) for batch in recorder.batches) == 4
+
+
+async def test_calls_that_arrive_while_a_batch_runs_go_together_next(model_thread):
+    recorder = Recorder()
+    recorder.release.clear()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.001, max_size=8)
+    first = asyncio.ensure_future(batcher.submit(100))
+    await asyncio.sleep(0.05)  # the first batch is running (held on the model thread)
+    later = [asyncio.ensure_future(batcher.submit(n)) for n in range(5)]
+    await asyncio.sleep(0.05)  # far longer than the window: they still wait for the model
+    recorder.release.set()
+    assert await first == 200 and await asyncio.gather(*later) == [0, 2, 4, 6, 8]
+    assert recorder.batches == [[100], [0, 1, 2, 3, 4]]
+
+
+async def test_a_caller_cancelled_before_its_batch_starts_is_left_out(model_thread):
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.05, max_size=8)
+    kept = asyncio.ensure_future(batcher.submit(1))
+    dropped = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)
+    dropped.cancel()
+    assert await kept == 2
+    assert recorder.batches == [[1]]
+
+
+async def test_a_failed_batch_fails_every_call_in_it(model_thread):
+    def broken(calls):
+        raise RuntimeError("the model fell over")
+
+    batcher = CallBatcher(model_thread, broken, window_s=0.01, max_size=8)
+    results = await asyncio.gather(batcher.submit(1), batcher.submit(2), return_exceptions=True)
+    assert all(isinstance(result, RuntimeError) for result in results)
+
+
+def test_window_and_size_are_checked(model_thread):
+    with pytest.raises(ValueError, match="batch size >= 1"):
+        CallBatcher(model_thread, Recorder(), window_s=0.001, max_size=0)
+
+
+async def test_no_wait_when_no_other_caller_can_join(model_thread):
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=30.0, max_size=8, more_expected=lambda waiting: waiting < 2)
+    assert await asyncio.wait_for(asyncio.gather(batcher.submit(1), batcher.submit(2)), timeout=5) == [2, 4]
+    assert recorder.batches == [[1, 2]]
