@@ -138,6 +138,7 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int):
 
 # Model work per call: a draft step is tens of ms on CPU and ~1 ms on a GPU; a CPU verify ~0.2 s.
 _FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 class ModelServiceMetrics:
@@ -151,6 +152,10 @@ class ModelServiceMetrics:
         self.processed_tokens = Counter(
             f"specdec_{role}_processed_tokens", "Tokens run through the model (prefix reuse keeps this low)", registry=registry
         )
+        self.batch_size = Histogram(
+            f"specdec_{role}_batch_size", f"Sessions in the forward pass a {role} call ran in (1 = alone)",
+            ["rpc"], registry=registry, buckets=_BATCH_SIZE_BUCKETS,
+        )
         sessions = Gauge("specdec_sessions_open", "Sessions held (KV caches)", registry=registry)
         sessions.set_function(lambda: len(runner.sessions))
         kv_bytes = Gauge("specdec_kv_cache_bytes", "Bytes of KV cache held over all sessions", registry=registry)
@@ -159,9 +164,10 @@ class ModelServiceMetrics:
         budget.set_function(lambda: runner.sessions.max_kv_bytes)
         registry.register(_EvictionCollector(runner.sessions))
 
-    def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int) -> None:
+    def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int, batch_size: int = 1) -> None:
         self.forward_seconds.labels(rpc).observe(compute_ms / 1e3)
         self.processed_tokens.inc(processed_tokens)
+        self.batch_size.labels(rpc).observe(batch_size)
 
 
 class _EvictionCollector:

@@ -12,9 +12,15 @@ DEFAULT_PORT = 50062
 DEFAULT_METRICS_PORT = 9162
 
 
+DEFAULT_BATCH_WINDOW_MS = 2.0
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceConfig):
     device_map: str | None = None  # "auto": shard layers over all visible GPUs (accelerate)
+    batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS  # how long a Verify waits for others to share its pass; 0 = never
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # sessions in one verify pass at most
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> TargetConfig:
@@ -22,5 +28,17 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args = EnvArgs(parser, "SPECDEC_TARGET", env)
     add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     args.add("--device-map", None, "'auto' shards the model over all visible GPUs (overrides --device)")
+    args.add(
+        "--batch-window-ms", DEFAULT_BATCH_WINDOW_MS, "milliseconds a Verify call waits for calls from other sessions "
+        "to share one forward pass (0 = every call runs alone)", type=float,
+    )
+    args.add("--max-batch-size", DEFAULT_MAX_BATCH_SIZE, "most sessions verified in one forward pass", type=int)
     ns = parser.parse_args(argv)
-    return TargetConfig(**model_service_kwargs(ns, parser), device_map=ns.device_map or None)
+    if ns.batch_window_ms < 0:
+        parser.error(f"--batch-window-ms must be >= 0 (0 turns batching off); got {ns.batch_window_ms}")
+    if ns.max_batch_size < 1:
+        parser.error(f"--max-batch-size must be >= 1 (1 turns batching off); got {ns.max_batch_size}")
+    return TargetConfig(
+        **model_service_kwargs(ns, parser), device_map=ns.device_map or None,
+        batch_window_ms=ns.batch_window_ms, max_batch_size=ns.max_batch_size,
+    )

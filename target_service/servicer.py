@@ -7,17 +7,36 @@ import grpc
 from specdec import wire
 from specdec.errors import grpc_errors
 from specdec.servicer_base import SessionServicerMixin
-from specdec.serving import ModelThread
+from specdec.serving import CallBatcher, ModelThread
 from specdec.telemetry import ModelServiceMetrics, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
-from target_service.runner import TargetRunner
+from target_service.runner import TargetRunner, VerifyCall
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: TargetRunner, model_thread: ModelThread, metrics: ModelServiceMetrics | None = None) -> None:
+    def __init__(
+        self,
+        runner: TargetRunner,
+        model_thread: ModelThread,
+        metrics: ModelServiceMetrics | None = None,
+        batch_window_s: float = 0.0,
+        max_batch_size: int = 1,
+    ) -> None:
+        """`batch_window_s` > 0 and `max_batch_size` > 1: concurrent Verify calls from different
+        sessions share forward passes (TargetRunner.verify_batch); otherwise each runs alone."""
         self._runner = runner
         self._model_thread = model_thread
         self._metrics = metrics
+        # No call waits for a session that is not open: once every open session has a call
+        # waiting (one generation alone, or all of them in lockstep), the batch starts.
+        self._batcher = (
+            CallBatcher(
+                model_thread, runner.verify_batch, batch_window_s, max_batch_size,
+                more_expected=lambda waiting: len(runner.sessions) > waiting,
+            )
+            if batch_window_s > 0 and max_batch_size > 1
+            else None
+        )
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
@@ -32,8 +51,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 "specdec.session_id": request.session_id, "specdec.keep_tokens": request.keep_tokens,
                 "specdec.new_tokens": len(request.new_tokens), "specdec.draft_tokens": len(draft_token_ids),
             })
-            result = await self._model_thread.run(
-                self._runner.verify,
+            call = VerifyCall(
                 request.session_id,
                 request.keep_tokens,
                 list(request.new_tokens),
@@ -43,12 +61,16 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 request.seed,
                 request.return_distributions,
             )
+            if self._batcher is not None:
+                result = await self._batcher.submit(call)
+            else:
+                result = await self._model_thread.run(self._runner.verify_one, call)
             span.set_attributes({
                 "specdec.processed_tokens": result.processed_tokens, "specdec.cache_length": result.sequence_length,
-                "specdec.forward_ms": result.compute_ms,
+                "specdec.forward_ms": result.compute_ms, "specdec.batch_size": result.batch_size,
             })
         if self._metrics is not None:
-            self._metrics.observe_call("verify", result.compute_ms, result.processed_tokens)
+            self._metrics.observe_call("verify", result.compute_ms, result.processed_tokens, result.batch_size)
         return target_pb2.VerifyResponse(
             draft_token_target_probs=result.draft_token_target_probs,
             recovered_token_ids=result.recovered_token_ids,

@@ -46,3 +46,14 @@ def test_required_settings_are_named(capsys):
     assert "--tokenizer is required" in capsys.readouterr().err
     config = coordinator_config([], {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"})
     assert (config.draft_address, config.target_address, config.default_num_speculative_tokens) == ("a:1", "b:2", 4)
+
+
+def test_target_batching_flags_environment_and_limits():
+    config = target_config(["--model", "m"], {})
+    assert (config.batch_window_ms, config.max_batch_size) == (2.0, 8)
+    config = target_config(["--model", "m", "--max-batch-size", "4"], {"SPECDEC_TARGET_BATCH_WINDOW_MS": "0"})
+    assert (config.batch_window_ms, config.max_batch_size) == (0.0, 4)
+    with pytest.raises(SystemExit):
+        target_config(["--model", "m", "--batch-window-ms", "-1"], {})
+    with pytest.raises(SystemExit):
+        target_config(["--model", "m", "--max-batch-size", "0"], {})
