@@ -25,12 +25,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(results: dict, out_dir: Path) -> int:
+    if results.get("suite") == "concurrency":
+        return _write_concurrency(results, out_dir)
     summary = summarise(results)
     results["summary"] = {str(t): rows for t, rows in summary.items()}
     table = markdown_table(summary, results["machine"], by_kind(results))
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "table.md").write_text(table + "\n")
     plots = plot(summary, out_dir)
+    print("\n" + table)
+    print(f"results: {out_dir}/results.json, table.md, {', '.join(plots)}")
+    return 0
+
+
+def _write_concurrency(results: dict, out_dir: Path) -> int:
+    from bench import concurrency
+
+    rows = concurrency.summarise(results)
+    results["summary"] = rows
+    table = concurrency.markdown_table(rows, results["machine"], results["config"])
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "table.md").write_text(table)
+    plots = concurrency.plot(rows, out_dir)
     print("\n" + table)
     print(f"results: {out_dir}/results.json, table.md, {', '.join(plots)}")
     return 0

@@ -80,9 +80,11 @@ class BenchConfig:
     prompts_file: Path
     out_dir: Path
     seed: int
-    suite: str = "k-sweep"  # or "drafters", "modes"
+    suite: str = "k-sweep"  # or "drafters", "modes", "concurrency"
     only: tuple[str, ...] = ()  # keep only modes whose name contains one of these (plus ours K=0)
     draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
+    sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
+    batch_window_ms: float = 2.0  # concurrency suite: the batching target's --batch-window-ms
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ def _suite_modes(config: BenchConfig) -> list[Mode]:
         return drafter_modes()
     if config.suite == "modes":
         return coordinator_modes()
+    if config.suite == "concurrency":
+        return [Mode(f"ours int8 K={k}", "ours", k, drafter="int8") for k in config.ks]
     modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
     modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
     modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
@@ -332,6 +336,11 @@ def machine_info(config: BenchConfig) -> dict:
 
 def run_bench(config: BenchConfig) -> dict:
     prompts = json.loads(config.prompts_file.read_text())["prompts"]
+    if config.suite == "concurrency":
+        from bench.concurrency import run_concurrency
+
+        torch.set_num_threads(config.threads)
+        return run_concurrency(config, prompts, machine_info(config))
     modes = build_modes(config)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
@@ -380,21 +389,26 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every mode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8], help="our K sweep")
+    parser.add_argument("--ks", type=int, nargs="+", default=None, help="our K sweep (default 1 2 3 4 6 8; concurrency suite: 4)")
     parser.add_argument("--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--prompts-file", type=Path, default=ROOT / "bench/prompts.json")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--suite", choices=["k-sweep", "drafters", "modes"], default="k-sweep",
+        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency"], default="k-sweep",
         help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
-        "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft)",
+        "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); concurrency: aggregate tokens/s "
+        "with --sessions generations at once, the target batching Verify calls or not (int8 draft, greedy)",
     )
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once")
+    parser.add_argument("--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window")
     parser.add_argument("--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
     parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
     args = parser.parse_args(argv)
+    if args.ks is None:
+        args.ks = [4] if args.suite == "concurrency" else [1, 2, 3, 4, 6, 8]
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
@@ -405,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
         prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab, only=tuple(args.only),
+        sessions=tuple(args.sessions), batch_window_ms=args.batch_window_ms,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

@@ -78,3 +78,24 @@ def test_bench_modes_suite_reports_pipelining_hedging_and_adaptive_k(tiny_pair, 
     assert rows["ours int8 K=3 hedged (2)"]["hedge_hit_rate"] is not None
     assert rows["ours int8 K=3 sequential"]["hedge_hit_rate"] is None
     assert "pre-drafts used" in (out / "table.md").read_text() and "rejected rounds hedged" in (out / "table.md").read_text()
+
+
+def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}))
+    out = tmp_path / "out"
+    code = bench_main([
+        "--suite", "concurrency", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
+        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1", "--sessions", "1", "3",
+        "--batch-window-ms", "50", "--max-new-tokens", "12", "--repeats", "1", "--prompts-file", str(prompts), "--out", str(out),
+    ])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["samples"]) == 2 * 2  # sizes × on/off
+    rows = {row["sessions"]: row for row in results["summary"]}
+    assert rows[1]["on"]["scaling"] == rows[1]["off"]["scaling"] == 1.0
+    assert rows[3]["off"]["sessions_per_verify"] == 1.0, "with batching off every Verify runs alone"
+    assert rows[3]["on"]["sessions_per_verify"] > 1.0, "three generations at once never shared a verify pass"
+    assert all(row[b]["tokens_per_s"] > 0 for row in rows.values() for b in ("on", "off"))
+    assert "sessions per verify pass" in (out / "table.md").read_text()
+    assert (out / "tokens_per_s_vs_sessions.png").stat().st_size > 0

@@ -1,0 +1,241 @@
+"""The concurrency suite: aggregate tokens/s with 1, 2, 4, 8 generations at once, against a
+target that batches concurrent Verify calls and one that runs each alone, interleaved in one run.
+
+One draft service (the int8 CPU default) is shared by two coordinators, each with its own
+target: `--batch-window-ms 0` (off) and `--batch-window-ms W` (on). Each sample sends N greedy
+requests at once (different prompts) and times until the last one ends: aggregate tokens/s
+is Σ generated tokens / that wall time. Sizes and on/off alternate within every repeat, so
+machine noise lands on all of them alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from specdec.launch import ServiceProcess, free_port, model_service_args, spawn, spawn_coordinator  # noqa: E402
+from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
+from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
+
+logger = logging.getLogger("bench")
+
+BATCHING = ("off", "on")
+
+
+@dataclass
+class ConcurrencySample:
+    batching: str  # "on" or "off"
+    sessions: int  # requests in flight at once
+    k: int
+    repeat: int
+    wall_ms: float  # first request sent → last response
+    tokens: int  # generated over all requests
+    rounds: int
+    proposed: int
+    accepted: int
+    verify_calls: int  # target Verify calls in this sample (from its metrics)
+    verify_batch_sum: float  # Σ over those calls of the sessions in their pass
+    request_tokens: list[int] = field(default_factory=list)
+
+
+class ConcurrencyRunner:
+    """One draft service; per batching setting a target service and a coordinator."""
+
+    def __init__(self, config, log_dir: Path) -> None:
+        from bench.harness import ROOT, drafter_args
+
+        self._processes = ExitStack()
+        model_args, env = model_service_args(config.device, config.threads)
+        try:
+            draft = self._start(
+                "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *model_args, *drafter_args("int8", config)],
+                log_dir / "draft.log", env, ROOT,
+            )
+            self.metrics_ports: dict[str, int] = {}
+            targets: dict[str, ServiceProcess] = {}
+            for batching in BATCHING:
+                window = config.batch_window_ms if batching == "on" else 0.0
+                self.metrics_ports[batching] = free_port()
+                targets[batching] = self._start(
+                    "target_service",
+                    ["--model", str(config.target_model), "--dtype", config.target_dtype, *model_args,
+                     "--batch-window-ms", str(window), "--max-batch-size", str(max(config.sessions)),
+                     "--metrics-port", str(self.metrics_ports[batching])],
+                    log_dir / f"target-batching-{batching}.log", env, ROOT,
+                )
+            for process in [draft, *targets.values()]:
+                process.wait_healthy(900)
+            self.channels: dict[str, grpc.Channel] = {}
+            self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
+            for batching, target in targets.items():
+                coordinator = spawn_coordinator(
+                    draft, target, config.target_model, log_dir / f"coordinator-batching-{batching}.log",
+                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"], ROOT,
+                )
+                self._processes.callback(coordinator.stop)
+                self.channels[batching] = grpc.insecure_channel(coordinator.address)
+                self.stubs[batching] = coordinator_pb2_grpc.CoordinatorStub(self.channels[batching])
+        except BaseException:
+            self._processes.close()
+            raise
+
+    def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], root: Path) -> ServiceProcess:
+        process = spawn(module, module, args, free_port(), log, env, root)
+        self._processes.callback(process.stop)
+        return process
+
+    def verify_batch_totals(self, batching: str) -> tuple[float, float]:
+        """(Verify calls, Σ their batch sizes) so far, from the target's Prometheus metrics."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[batching]}/metrics", timeout=10).read().decode()
+        values = {}
+        for name in ("count", "sum"):
+            match = re.search(rf'^specdec_target_batch_size_{name}\{{rpc="verify"\}} (\S+)$', text, re.MULTILINE)
+            values[name] = float(match.group(1)) if match else 0.0
+        return values["count"], values["sum"]
+
+    def run(self, batching: str, prompts: list[str], max_new_tokens: int, k: int, repeat: int) -> ConcurrencySample:
+        import time
+
+        calls_before, sum_before = self.verify_batch_totals(batching)
+        stub = self.stubs[batching]
+        requests = [pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k) for prompt in prompts]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            start = time.perf_counter()
+            responses = list(pool.map(lambda request: stub.Generate(request, timeout=3600), requests))
+            wall_ms = (time.perf_counter() - start) * 1e3
+        calls_after, sum_after = self.verify_batch_totals(batching)
+        stats = [response.stats for response in responses]
+        return ConcurrencySample(
+            batching, len(prompts), k, repeat, wall_ms, sum(s.generated_tokens for s in stats), sum(s.rounds for s in stats),
+            sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats),
+            int(calls_after - calls_before), sum_after - sum_before, [s.generated_tokens for s in stats],
+        )
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self._processes.close()
+
+
+def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("starting a draft service, two target services (batching off/on) and two coordinators")
+    runner = ConcurrencyRunner(config, config.out_dir / "logs")
+    samples: list[ConcurrencySample] = []
+    try:
+        for batching in BATCHING:  # warm-up: first calls pay one-off costs
+            runner.run(batching, [prompts[0]["text"]] * 2, 4, max(config.ks), -1)
+        for repeat in range(config.repeats):
+            for k in config.ks:
+                for sessions in config.sessions:
+                    texts = [prompts[(repeat + i) % len(prompts)]["text"] for i in range(sessions)]
+                    order = BATCHING if (repeat + sessions) % 2 == 0 else BATCHING[::-1]
+                    for batching in order:
+                        sample = runner.run(batching, texts, config.max_new_tokens, k, repeat)
+                        logger.info(
+                            "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions per verify",
+                            k, sessions, batching, sample.tokens / (sample.wall_ms / 1e3), sample.tokens, sample.wall_ms / 1e3,
+                            sample.verify_batch_sum / max(sample.verify_calls, 1),
+                        )
+                        samples.append(sample)
+    finally:
+        runner.close()
+    machine["threads"]["note"] = (
+        "N generations at once: the draft and target services compute at the same time on the same cores; "
+        "the draft serves one Propose at a time"
+    )
+    return {
+        "suite": "concurrency",
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()},
+        "machine": machine,
+        "prompts": [p["kind"] for p in prompts],
+        "samples": [asdict(s) for s in samples],
+    }
+
+
+def summarise(results: dict) -> list[dict]:
+    """One row per (K, sessions): aggregate tokens/s per batching setting (median over
+    repeats), on/off, and scaling against one session with the same setting."""
+    samples = results["samples"]
+    rows = []
+    for k in sorted({s["k"] for s in samples}):
+        for sessions in sorted({s["sessions"] for s in samples}):
+            row: dict = {"k": k, "sessions": sessions}
+            for batching in BATCHING:
+                group = [s for s in samples if (s["k"], s["sessions"], s["batching"]) == (k, sessions, batching)]
+                rates = [s["tokens"] / (s["wall_ms"] / 1e3) for s in group]
+                calls = sum(s["verify_calls"] for s in group)
+                row[batching] = {
+                    "tokens_per_s": statistics.median(rates) if rates else None,
+                    "tokens_per_s_min": min(rates, default=None),
+                    "tokens_per_s_max": max(rates, default=None),
+                    "sessions_per_verify": sum(s["verify_batch_sum"] for s in group) / calls if calls else None,
+                    "acceptance": sum(s["accepted"] for s in group) / sum(s["proposed"] for s in group) if sum(s["proposed"] for s in group) else None,
+                    "tokens_per_round": sum(s["tokens"] for s in group) / sum(s["rounds"] for s in group) if sum(s["rounds"] for s in group) else None,
+                }
+            rows.append(row)
+    for row in rows:
+        single = next(r for r in rows if r["k"] == row["k"] and r["sessions"] == min(x["sessions"] for x in rows))
+        for batching in BATCHING:
+            base, tps = single[batching]["tokens_per_s"], row[batching]["tokens_per_s"]
+            row[batching]["scaling"] = tps / base if tps and base else None
+        on, off = row["on"]["tokens_per_s"], row["off"]["tokens_per_s"]
+        row["on_over_off"] = on / off if on and off else None
+    return rows
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
+        + (f" ({machine['gpu']})" if machine.get("gpu") else "")
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
+        f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft {Path(config['draft_model']).name} int8, "
+        f"{config['threads']} threads per service, greedy, {config['max_new_tokens']} new tokens per request, "
+        f"{config['repeats']} repeats (median, range); batching on = --batch-window-ms {config['batch_window_ms']}.",
+        "",
+        "| K | sessions | off: tok/s | on: tok/s | on / off | off: × 1 session | on: × 1 session | on: sessions per verify pass | acceptance | tokens/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        off, on = row["off"], row["on"]
+        lines.append(
+            f"| {row['k']} | {row['sessions']} "
+            f"| {_fmt(off['tokens_per_s'])} ({_fmt(off['tokens_per_s_min'])}–{_fmt(off['tokens_per_s_max'])}) "
+            f"| {_fmt(on['tokens_per_s'])} ({_fmt(on['tokens_per_s_min'])}–{_fmt(on['tokens_per_s_max'])}) "
+            f"| {_fmt(row['on_over_off'], suffix='×')} | {_fmt(off['scaling'], suffix='×')} | {_fmt(on['scaling'], suffix='×')} "
+            f"| {_fmt(on['sessions_per_verify'])} | {_fmt(on['acceptance'])} | {_fmt(on['tokens_per_round'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[str]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({row["k"] for row in rows}):
+        points = [row for row in rows if row["k"] == k]
+        for batching, style in zip(BATCHING, ("o--", "o-")):
+            ax.plot([r["sessions"] for r in points], [r[batching]["tokens_per_s"] for r in points], style, label=f"K={k}, batching {batching}")
+    ax.set_xlabel("concurrent generations")
+    ax.set_ylabel("aggregate tokens/s (median over repeats)")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "tokens_per_s_vs_sessions.png", dpi=110)
+    plt.close(fig)
+    return ["tokens_per_s_vs_sessions.png"]
