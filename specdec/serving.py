@@ -88,12 +88,15 @@ class ModelThread:
 class CallBatcher(Generic[C, R]):
     """Gathers calls for one batched runner method and runs them on the model thread together.
 
-    A call waits at most `window_s` after the oldest waiting call arrived, until `max_size`
-    are waiting, or until `more_expected(waiting)` says no other caller could join (e.g. every
-    open session already has a call waiting, so a lone session never waits); while a batch
-    runs, new calls queue and go together as soon as it ends. `run_batch(calls)` returns, per
-    call, a result or the exception to raise in that caller alone. A caller cancelled before
-    its batch starts is left out of it.
+    A batch starts `window_s` after the oldest waiting call arrived or the previous batch
+    ended, whichever is later; earlier when `max_size` are waiting or when
+    `more_expected(waiting)` says no other caller could join (e.g. every open session already
+    has a call waiting, so a lone session never waits). Calls that queue while a batch runs
+    go in the next one. Counting the window from the end of the previous batch lets the
+    callers that batch just answered come back in time to join: without it, two sessions
+    alternate forever, each one's call running alone while the other's is in flight.
+    `run_batch(calls)` returns, per call, a result or the exception to raise in that caller
+    alone. A caller cancelled before its batch starts is left out of it.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class CallBatcher(Generic[C, R]):
         self._waiting: list[tuple[C, asyncio.Future, float]] = []  # (call, its future, when it arrived)
         self._timer: asyncio.TimerHandle | None = None
         self._running: asyncio.Task | None = None
+        self._idle_since = float("-inf")  # loop time the previous batch ended
 
     async def submit(self, call: C) -> R:
         loop = asyncio.get_running_loop()
@@ -132,7 +136,7 @@ class CallBatcher(Generic[C, R]):
         if not self._waiting:
             return
         loop = asyncio.get_running_loop()
-        wait_s = self._waiting[0][2] + self._window_s - loop.time()
+        wait_s = max(self._waiting[0][2], self._idle_since) + self._window_s - loop.time()
         if len(self._waiting) >= self._max_size or wait_s <= 0 or not self._more_expected(len(self._waiting)):
             self._start()
         elif self._timer is None:
@@ -156,6 +160,7 @@ class CallBatcher(Generic[C, R]):
             results = [exc] * len(batch)
         finally:
             self._running = None
+            self._idle_since = asyncio.get_running_loop().time()
         for (_, future, _), result in zip(batch, results):
             if future.done():
                 continue

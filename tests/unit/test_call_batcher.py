@@ -70,6 +70,23 @@ async def test_calls_that_arrive_while_a_batch_runs_go_together_next(model_threa
     assert recorder.batches == [[100], [0, 1, 2, 3, 4]]
 
 
+async def test_a_caller_answered_by_one_batch_can_join_the_next(model_thread):
+    """Two sessions in lockstep: the call that queued during a batch waits the window again
+    after it, so the caller that batch answered comes back in time to share the next pass."""
+    recorder = Recorder()
+    recorder.release.clear()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.2, max_size=8)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.3)  # the first batch started after its window and is held running
+    queued = asyncio.ensure_future(batcher.submit(2))  # waits longer than the window during the run
+    await asyncio.sleep(0.3)
+    recorder.release.set()
+    assert await first == 2
+    returning = asyncio.ensure_future(batcher.submit(3))  # the answered caller's next call
+    assert await queued == 4 and await returning == 6
+    assert recorder.batches == [[1], [2, 3]]
+
+
 async def test_a_caller_cancelled_before_its_batch_starts_is_left_out(model_thread):
     recorder = Recorder()
     batcher = CallBatcher(model_thread, recorder, window_s=0.05, max_size=8)
