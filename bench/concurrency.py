@@ -2,10 +2,12 @@
 target that batches concurrent Verify calls and one that runs each alone, interleaved in one run.
 
 One draft service (the int8 CPU default) is shared by two coordinators, each with its own
-target: `--batch-window-ms 0` (off) and `--batch-window-ms W` (on). Each sample sends N greedy
-requests at once (different prompts) and times until the last one ends: aggregate tokens/s
-is Σ generated tokens / that wall time. Sizes and on/off alternate within every repeat, so
-machine noise lands on all of them alike.
+target: `--batch-window-ms 0` (off) and `--batch-window-ms W` (on). Every sample runs the same
+workload, one greedy request per slot of `--requests` (the prompts in turn), with at most N in
+flight (N clients that each send their next request when the last one returns), and times
+it: aggregate tokens/s is Σ generated tokens / wall time. So N = 1 and N = 8 generate the same
+tokens from the same prompts, and only the concurrency differs. Sizes and on/off alternate
+within every repeat, so machine noise lands on all of them alike.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ BATCHING = ("off", "on")
 @dataclass
 class ConcurrencySample:
     batching: str  # "on" or "off"
-    sessions: int  # requests in flight at once
+    sessions: int  # requests in flight at once (N)
     k: int
     repeat: int
     wall_ms: float  # first request sent → last response
@@ -48,6 +50,7 @@ class ConcurrencySample:
     verify_calls: int  # target Verify calls in this sample (from its metrics)
     verify_batch_sum: float  # Σ over those calls of the sessions in their pass
     request_tokens: list[int] = field(default_factory=list)
+    request_ms: list[float] = field(default_factory=list)  # each request's own total time
 
 
 class ConcurrencyRunner:
@@ -105,22 +108,23 @@ class ConcurrencyRunner:
             values[name] = float(match.group(1)) if match else 0.0
         return values["count"], values["sum"]
 
-    def run(self, batching: str, prompts: list[str], max_new_tokens: int, k: int, repeat: int) -> ConcurrencySample:
+    def run(self, batching: str, prompts: list[str], sessions: int, max_new_tokens: int, k: int, repeat: int) -> ConcurrencySample:
+        """One request per prompt, at most `sessions` in flight."""
         import time
 
         calls_before, sum_before = self.verify_batch_totals(batching)
         stub = self.stubs[batching]
         requests = [pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k) for prompt in prompts]
-        with ThreadPoolExecutor(len(requests)) as pool:
+        with ThreadPoolExecutor(sessions) as pool:
             start = time.perf_counter()
             responses = list(pool.map(lambda request: stub.Generate(request, timeout=3600), requests))
             wall_ms = (time.perf_counter() - start) * 1e3
         calls_after, sum_after = self.verify_batch_totals(batching)
         stats = [response.stats for response in responses]
         return ConcurrencySample(
-            batching, len(prompts), k, repeat, wall_ms, sum(s.generated_tokens for s in stats), sum(s.rounds for s in stats),
+            batching, sessions, k, repeat, wall_ms, sum(s.generated_tokens for s in stats), sum(s.rounds for s in stats),
             sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats),
-            int(calls_after - calls_before), sum_after - sum_before, [s.generated_tokens for s in stats],
+            int(calls_after - calls_before), sum_after - sum_before, [s.generated_tokens for s in stats], [s.total_ms for s in stats],
         )
 
     def close(self) -> None:
@@ -136,14 +140,15 @@ def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
     samples: list[ConcurrencySample] = []
     try:
         for batching in BATCHING:  # warm-up: first calls pay one-off costs
-            runner.run(batching, [prompts[0]["text"]] * 2, 4, max(config.ks), -1)
+            runner.run(batching, [prompts[0]["text"]] * 2, 2, 4, max(config.ks), -1)
+        requests = config.requests or max(config.sessions)
+        texts = [prompts[i % len(prompts)]["text"] for i in range(requests)]
         for repeat in range(config.repeats):
             for k in config.ks:
                 for sessions in config.sessions:
-                    texts = [prompts[(repeat + i) % len(prompts)]["text"] for i in range(sessions)]
                     order = BATCHING if (repeat + sessions) % 2 == 0 else BATCHING[::-1]
                     for batching in order:
-                        sample = runner.run(batching, texts, config.max_new_tokens, k, repeat)
+                        sample = runner.run(batching, texts, sessions, config.max_new_tokens, k, repeat)
                         logger.info(
                             "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions per verify",
                             k, sessions, batching, sample.tokens / (sample.wall_ms / 1e3), sample.tokens, sample.wall_ms / 1e3,
@@ -184,6 +189,7 @@ def summarise(results: dict) -> list[dict]:
                     "sessions_per_verify": sum(s["verify_batch_sum"] for s in group) / calls if calls else None,
                     "acceptance": sum(s["accepted"] for s in group) / sum(s["proposed"] for s in group) if sum(s["proposed"] for s in group) else None,
                     "tokens_per_round": sum(s["tokens"] for s in group) / sum(s["rounds"] for s in group) if sum(s["rounds"] for s in group) else None,
+                    "request_ms": statistics.median([ms for s in group for ms in s.get("request_ms", [])]) if group and group[0].get("request_ms") else None,
                 }
             rows.append(row)
     for row in rows:
@@ -206,11 +212,12 @@ def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
         + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
         f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft {Path(config['draft_model']).name} int8, "
-        f"{config['threads']} threads per service, greedy, {config['max_new_tokens']} new tokens per request, "
-        f"{config['repeats']} repeats (median, range); batching on = --batch-window-ms {config['batch_window_ms']}.",
+        f"{config['threads']} threads per service, greedy; every row runs the same {config['requests'] or max(config['sessions'])} requests "
+        f"({config['max_new_tokens']} new tokens each) with at most N in flight; {config['repeats']} repeats (median, range); "
+        f"batching on = --batch-window-ms {config['batch_window_ms']}.",
         "",
-        "| K | sessions | off: tok/s | on: tok/s | on / off | off: × 1 session | on: × 1 session | on: sessions per verify pass | acceptance | tokens/round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| K | N in flight | off: tok/s | on: tok/s | on / off | off: × N=1 | on: × N=1 | on: sessions per verify pass | request ms (off / on, median) | acceptance | tokens/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         off, on = row["off"], row["on"]
@@ -219,7 +226,8 @@ def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
             f"| {_fmt(off['tokens_per_s'])} ({_fmt(off['tokens_per_s_min'])}–{_fmt(off['tokens_per_s_max'])}) "
             f"| {_fmt(on['tokens_per_s'])} ({_fmt(on['tokens_per_s_min'])}–{_fmt(on['tokens_per_s_max'])}) "
             f"| {_fmt(row['on_over_off'], suffix='×')} | {_fmt(off['scaling'], suffix='×')} | {_fmt(on['scaling'], suffix='×')} "
-            f"| {_fmt(on['sessions_per_verify'])} | {_fmt(on['acceptance'])} | {_fmt(on['tokens_per_round'])} |"
+            f"| {_fmt(on['sessions_per_verify'])} | {_fmt(off['request_ms'], '.0f')} / {_fmt(on['request_ms'], '.0f')} "
+            f"| {_fmt(on['acceptance'])} | {_fmt(on['tokens_per_round'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -230,7 +238,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
         points = [row for row in rows if row["k"] == k]
         for batching, style in zip(BATCHING, ("o--", "o-")):
             ax.plot([r["sessions"] for r in points], [r[batching]["tokens_per_s"] for r in points], style, label=f"K={k}, batching {batching}")
-    ax.set_xlabel("concurrent generations")
+    ax.set_xlabel("generations in flight (N)")
     ax.set_ylabel("aggregate tokens/s (median over repeats)")
     ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)

@@ -85,6 +85,7 @@ class BenchConfig:
     draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
     sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
     batch_window_ms: float = 2.0  # concurrency suite: the batching target's --batch-window-ms
+    requests: int = 0  # concurrency suite: requests per sample (0 = the largest --sessions)
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once")
     parser.add_argument("--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window")
+    parser.add_argument("--requests", type=int, default=0, help="concurrency suite: requests per sample, the same at every N (0 = the largest --sessions)")
     parser.add_argument("--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
     parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
@@ -419,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
         prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab, only=tuple(args.only),
-        sessions=tuple(args.sessions), batch_window_ms=args.batch_window_ms,
+        sessions=tuple(args.sessions), batch_window_ms=args.batch_window_ms, requests=args.requests,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]
