@@ -36,16 +36,26 @@ class LoadedModel:
     max_context: int
     tokenizer_fingerprint: str
     dtype_label: str = ""  # what Info reports when it is not the weights' dtype (e.g. int8)
+    tensor_parallel_size: int = 1  # ranks the weights and KV cache are split over (this process holds 1/N)
 
 
 def load_causal_lm(
-    model_id: str, dtype: str, device: str, device_map: str | None = None, trust_remote_code: bool = False
+    model_id: str,
+    dtype: str,
+    device: str,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+    tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Loads a model folder (or hub id, where a hub is reachable) through transformers' own code;
     code shipped with the model runs only with `trust_remote_code` (a flag, off by default).
 
     `device_map="auto"` lets accelerate spread the layers over the visible GPUs; inputs then go
     to the device of the first layer and the KV cache follows each layer.
+
+    `tensor_parallel` N > 1: this process is one of N ranks of an initialised torch.distributed
+    group and loads its 1/N of every layer (transformers' tensor-parallel plan for the model);
+    the KV cache it builds holds its 1/N of the heads.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
@@ -53,10 +63,17 @@ def load_causal_lm(
     warn_if_trusting_remote_code(model_id, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if device_map and tensor_parallel > 1:
+        raise ValueError("--device-map and --tensor-parallel are exclusive: choose one way to split the model")
     if device_map:
         kwargs["device_map"] = device_map
+    if tensor_parallel > 1:
+        from transformers.distributed import DistributedConfig
+
+        check_tensor_parallel(AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), tensor_parallel)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel)
     model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-    if not device_map:
+    if not device_map and tensor_parallel == 1:
         model = model.to(device)
     model.eval()
     input_device = str(model.get_input_embeddings().weight.device)
@@ -72,13 +89,26 @@ def load_causal_lm(
         eos_token_ids=eos_token_ids(getattr(model, "generation_config", None), tokenizer),
         max_context=max_context,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tensor_parallel_size=tensor_parallel,
     )
     logger.info(
-        "loaded %s: dtype=%s device=%s vocab=%d context=%d eos=%s tokenizer=%s",
+        "loaded %s: dtype=%s device=%s vocab=%d context=%d eos=%s tokenizer=%s tensor_parallel=%d",
         model_id, dtype, loaded.device_label, vocab_size, max_context, loaded.eos_token_ids,
-        loaded.tokenizer_fingerprint[:12],
+        loaded.tokenizer_fingerprint[:12], tensor_parallel,
     )
     return loaded
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Attention heads and KV heads are split evenly over the ranks, or not at all."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(f"{type(config).__name__} has no tensor-parallel plan in transformers; use --device-map instead")
+    if heads is None or heads % size or kv_heads % size:
+        raise ValueError(
+            f"--tensor-parallel {size} must divide the attention heads ({heads}) and the KV heads ({kv_heads}) of the model"
+        )
 
 
 def warn_if_trusting_remote_code(model_id: str, trust_remote_code: bool) -> None:

@@ -36,6 +36,7 @@ class ModelDescription:
     max_kv_cache_bytes: int = 0  # the budget; 0 = none
     kv_bytes_per_token: int = 0  # what one cached token costs
     evicted_sessions: int = 0  # dropped to fit the budget since start
+    tensor_parallel_size: int = 1  # ranks sharing every layer (--tensor-parallel)
 
     @classmethod
     def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
@@ -61,7 +62,8 @@ class ModelRunner:
         self.model = loaded.model
         self.max_speculative_tokens = max_speculative_tokens
         self.sessions = SessionStore(max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model)
+        # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
         # Tokens run through the model since start; tests use it to prove prefixes are reused.
         self.processed_tokens_total = 0
         # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
@@ -75,6 +77,7 @@ class ModelRunner:
         return dataclasses.replace(
             description, kv_cache_bytes=self.sessions.kv_bytes(), max_kv_cache_bytes=self.sessions.max_kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token, evicted_sessions=self.sessions.evicted,
+            tensor_parallel_size=self.loaded.tensor_parallel_size,
         )
 
     def end_session(self, session_id: str) -> bool:

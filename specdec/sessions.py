@@ -198,6 +198,10 @@ class SessionStore:
         it reads a snapshot of the sessions and only sizes of tensors."""
         return sum(session.kv_bytes for session in list(self._sessions.values()))
 
+    def ids(self) -> list[str]:
+        """Open session ids, least recently used first."""
+        return list(self._sessions)
+
     def end(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 

@@ -138,4 +138,5 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         max_kv_cache_bytes=description.max_kv_cache_bytes,
         kv_bytes_per_token=description.kv_bytes_per_token,
         evicted_sessions=description.evicted_sessions,
+        tensor_parallel_size=description.tensor_parallel_size,
     )

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import torch
+from transformers import AutoConfig
 
+from target_service import tensor_parallel
 from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
-from specdec.modeling import load_causal_lm
+from specdec.modeling import check_tensor_parallel, load_causal_lm
 from specdec.security import load_server_security
-from specdec.serving import ModelThread, RunningServer, serve_forever, start_model_server
+from specdec.serving import ModelThread, RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -20,9 +23,15 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 def load_runner(config: TargetConfig) -> TargetRunner:
+    """Under --tensor-parallel, this rank's shard (the process group must be up)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    loaded = load_causal_lm(config.model, config.dtype, config.device, config.device_map, config.trust_remote_code)
+    device = config.device
+    if config.tensor_parallel > 1:
+        device = tensor_parallel.rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0)))
+    loaded = load_causal_lm(
+        config.model, config.dtype, device, config.device_map, config.trust_remote_code, config.tensor_parallel
+    )
     return TargetRunner(
         loaded,
         max_sessions=config.max_sessions,
@@ -47,4 +56,49 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    if config.tensor_parallel > 1:
+        return main_tensor_parallel(config)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s))
+
+
+def main_tensor_parallel(config: TargetConfig) -> None:
+    """Rank 0 serves; ranks 1..N-1 replay its calls. Started alone, this process is rank 0 and
+    spawns the others on this host; under torchrun (RANK/WORLD_SIZE set) every rank runs this."""
+    configure_logging(config.log_level)
+    try:  # before any rank starts: a split that cannot work fails in a second
+        check_tensor_parallel(AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code), config.tensor_parallel)
+    except (OSError, ValueError) as exc:
+        logger.error("cannot start: %s", exc)
+        raise SystemExit(2) from None
+    launched = tensor_parallel.rank_from_environment()
+    if launched is None:
+        init_method = f"tcp://127.0.0.1:{tensor_parallel.free_port()}"
+        workers = tensor_parallel.spawn_workers(config, init_method)
+        stopping = tensor_parallel.exit_when_a_worker_dies(workers)
+        rank, local_rank = 0, 0
+    else:
+        if launched.world_size != config.tensor_parallel:
+            raise SystemExit(f"--tensor-parallel {config.tensor_parallel} but the launcher started {launched.world_size} ranks")
+        init_method, rank, local_rank = "env://", launched.rank, launched.local_rank
+        workers, stopping = [], None
+    control = tensor_parallel.init_rank(rank, config.tensor_parallel, local_rank, config.device, init_method)
+    if rank > 0:
+        tensor_parallel.serve_worker(load_runner(config), control, rank)
+        return
+
+    runners: list[tensor_parallel.TensorParallelRunner] = []
+
+    async def build() -> RunningServer:
+        runners.append(tensor_parallel.TensorParallelRunner(load_runner(config), control, config.tensor_parallel))
+        return await build_server(config, runners[0])
+
+    try:
+        asyncio.run(serve_forever(build, config.log_level, "specdec-target", config.shutdown_grace_s))
+    finally:
+        # The server has drained, so no call is using the control group any more.
+        if stopping is not None:
+            stopping.set()
+        if runners:
+            runners[0].stop_workers()
+        for process in workers:
+            process.join(timeout=10)
