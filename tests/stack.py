@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -15,6 +16,7 @@ from coordinator.config import CoordinatorConfig
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
+from specdec.launch import ServiceProcess, free_port, spawn
 from specdec.security import ClientSecurity, aio_channel, load_client_security
 from specdec.serving import RunningServer
 from specdec.v1 import coordinator_pb2_grpc
@@ -97,3 +99,58 @@ async def inprocess_stack(
             await channel.close()
         for running in started:
             await running.stop(0)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 120
+
+
+class ProcessStack:
+    """Draft, target and coordinator as processes. Draft and target keep their ports, so a
+    killed one can be restarted on the address the coordinator knows; everything started is
+    stopped, newest first, on exit."""
+
+    def __init__(self, pair, logs: Path, coordinator_args: list[str], target_args: list[str] = ()) -> None:
+        self.logs = logs
+        self.args = {
+            "draft": ["--model", str(pair.draft), "--quantize", "none"],
+            "target": ["--model", str(pair.target), *target_args],
+            "coordinator": ["--tokenizer", str(pair.target), *coordinator_args],
+        }
+        self.ports = {role: free_port() for role in self.args}
+        self.processes: list[ServiceProcess] = []
+        self.current: dict[str, ServiceProcess] = {}
+
+    def start(self, role: str) -> ServiceProcess:
+        module = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}[role]
+        name = f"{role}-{sum(p.name.startswith(role) for p in self.processes)}"
+        args = self.args[role]
+        if role == "coordinator":
+            args = ["--draft", self.current["draft"].address, "--target", self.current["target"].address, *args]
+        process = spawn(name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+        self.processes.append(process)
+        self.current[role] = process
+        return process
+
+    def kill(self, role: str) -> None:
+        self.current[role].process.kill()
+        self.current[role].process.wait()
+
+    def __enter__(self) -> ProcessStack:
+        try:
+            for role in ("draft", "target"):
+                self.start(role)
+            for role in ("draft", "target"):
+                self.current[role].wait_healthy(START_TIMEOUT_S)
+            self.start("coordinator").wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+    def channel(self, role: str = "coordinator") -> grpc.Channel:
+        return grpc.insecure_channel(self.current[role].address)

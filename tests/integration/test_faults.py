@@ -6,71 +6,16 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.launch import ServiceProcess, free_port, spawn
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
-from tests.stack import inprocess_stack, slow_down
+from tests.stack import START_TIMEOUT_S, ProcessStack, inprocess_stack, slow_down
 
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120
 PROMPT = "The quick brown fox"
-
-
-class ProcessStack:
-    """Draft, target and coordinator as processes. Draft and target keep their ports, so a
-    killed one can be restarted on the address the coordinator knows; everything started is
-    stopped, newest first, on exit."""
-
-    def __init__(self, pair, logs: Path, coordinator_args: list[str]) -> None:
-        self.logs = logs
-        self.args = {
-            "draft": ["--model", str(pair.draft), "--quantize", "none"],
-            "target": ["--model", str(pair.target)],
-            "coordinator": ["--tokenizer", str(pair.target), *coordinator_args],
-        }
-        self.ports = {role: free_port() for role in self.args}
-        self.processes: list[ServiceProcess] = []
-        self.current: dict[str, ServiceProcess] = {}
-
-    def start(self, role: str) -> ServiceProcess:
-        module = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}[role]
-        name = f"{role}-{sum(p.name.startswith(role) for p in self.processes)}"
-        args = self.args[role]
-        if role == "coordinator":
-            args = ["--draft", self.current["draft"].address, "--target", self.current["target"].address, *args]
-        process = spawn(name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
-        self.processes.append(process)
-        self.current[role] = process
-        return process
-
-    def kill(self, role: str) -> None:
-        self.current[role].process.kill()
-        self.current[role].process.wait()
-
-    def __enter__(self) -> ProcessStack:
-        try:
-            for role in ("draft", "target"):
-                self.start(role)
-            for role in ("draft", "target"):
-                self.current[role].wait_healthy(START_TIMEOUT_S)
-            self.start("coordinator").wait_healthy(START_TIMEOUT_S)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for process in reversed(self.processes):
-            process.stop()
-
-    def channel(self, role: str = "coordinator") -> grpc.Channel:
-        return grpc.insecure_channel(self.current[role].address)
 
 
 def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_returns(tiny_pair, reference, tmp_path):

@@ -1,0 +1,110 @@
+"""Rank 0's TensorParallelRunner and rank 1's replay loop, as two gloo processes on CPU: after
+a script of lone and batched verifies, rollbacks, a bad call, a KV-budget eviction, TTL expiry
+and EndSession, both ranks hold the same sessions with caches of the same length, and rank 0's
+answers equal a single-process TargetRunner's."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specdec.launch import free_port
+from specdec.probs import SamplingParams
+from target_service.config import TargetConfig
+from target_service.runner import VerifyCall
+from target_service.server import load_runner
+from tests.stack import model_service_config
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def _script(runner, pause) -> list:
+    """Returns what each call answered (a Verification's ids, or the error's type)."""
+    empty = torch.empty(0)
+    answers = []
+
+    def record(result) -> None:
+        if isinstance(result, Exception):
+            answers.append(type(result).__name__)
+        else:
+            answers.append((result.recovered_token_ids, result.bonus_token_id, result.sequence_length))
+
+    def call(session_id, keep, new, drafts):
+        return VerifyCall(session_id, keep, new, drafts, empty, GREEDY, 0)
+
+    for result in [runner.verify_one(call("a", 0, [5, 6, 7, 8, 9], [10, 11]))]:
+        record(result)
+    for result in runner.verify_batch([
+        call("a", 6, [12], [13, 14]),  # rolls back one draft token
+        call("b", 0, [20, 21, 22], [23]),
+        call("c", 0, [30, 31], [32, 33, 34]),
+        call("b", 4, [25], []),  # the same session twice: runs after its first call
+        call("d", 3, [1], []),  # unknown session keeping tokens: NOT_FOUND alone
+    ]):
+        record(result)
+    runner.end_session("c")
+    # Grows "b" past the budget: "a", least recently used, is evicted on both ranks.
+    record(runner.verify_one(call("b", 5, list(range(40, 80)), [])))
+    record(runner.verify_one(call("e", 0, [3, 4], [5])))
+    pause()
+    runner.expire_sessions()  # "b" and "e" are idle past the TTL by now
+    record(runner.verify_one(call("f", 0, [7, 8, 9], [1, 2])))
+    return answers
+
+
+def _state(runner) -> dict:
+    return {sid: (list(s.tokens), s.cached_tokens) for sid, s in runner.sessions._sessions.items()}
+
+
+def _rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
+    from target_service import tensor_parallel
+
+    torch.set_num_threads(1)
+    control = tensor_parallel.init_rank(rank, 2, rank, "cpu", init_method)
+    runner = load_runner(config)
+    if rank == 0:
+        tp = tensor_parallel.TensorParallelRunner(runner, control, 2)
+        answers = _script(tp, lambda: time.sleep(config.session_ttl_s + 0.3))
+        tp.stop_workers()
+    else:
+        tensor_parallel.serve_worker(runner, control, rank)
+        answers = None
+    states = [None, None]
+    dist.all_gather_object(states, _state(runner), group=control)
+    if rank == 0:
+        results.put((answers, states, runner.kv_bytes_per_token, runner.sessions.evicted))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny_pair):
+    config = model_service_config(TargetConfig, tiny_pair.target, tensor_parallel=2, session_ttl_s=1.0)
+    # A budget of 48 tokens (each rank counts its half of the heads; one process all of them):
+    # "b" growing to 45 tokens evicts "a" (9 tokens).
+    full_token = load_runner(dataclasses.replace(config, tensor_parallel=1)).kv_bytes_per_token
+    config = dataclasses.replace(config, max_kv_bytes=48 * full_token // 2)
+    alone = load_runner(dataclasses.replace(config, tensor_parallel=1, max_kv_bytes=48 * full_token))
+    expected = _script(alone, lambda: time.sleep(config.session_ttl_s + 0.3))
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    processes = [context.Process(target=_rank, args=(rank, init_method, config, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        answers, states, kv_bytes_per_token, evicted = results.get(timeout=240)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [p.exitcode for p in processes] == [0, 0]
+    assert answers == expected
+    assert "SessionNotFound" in answers and evicted >= 1, "the script never hit NOT_FOUND or an eviction"
+    assert states[0] == states[1], "the ranks' sessions diverged"
+    assert set(states[0]) == {"f"}, "TTL expiry or EndSession did not reach every rank"
+    assert kv_bytes_per_token == full_token // 2
