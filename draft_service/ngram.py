@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.runner import Proposal
+from draft_service.runner import ProposeCall, Proposal
 from specdec.errors import InvalidArgument
 from specdec.modeling import TokenizerInfo
 from specdec.probs import SamplingParams
@@ -59,6 +59,12 @@ class NgramDrafter:
         self.max_n = max_n
         self.max_speculative_tokens = max_speculative_tokens
         self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
+
+    def propose_one(self, call: ProposeCall) -> Proposal:
+        return self.propose(
+            call.session_id, call.keep_tokens, call.new_tokens, call.num_tokens, call.params, call.seed, call.epoch,
+            call.should_stop, call.fork_from,
+        )
 
     def propose(
         self,

@@ -10,7 +10,8 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import SamplingParams, logits_to_probs, one_hot_argmax, sample, truncate_top_k
-from specdec.runner import ModelRunner, Stopwatch
+from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves
+from specdec.sessions import KVSession
 
 PROPOSAL_MODES = ("sample", "greedy")
 
@@ -28,9 +29,45 @@ class Proposal:
     # hedge would guess the recovered token. Empty when the drafter has no distribution.
     runner_up_ids: list[int] = field(default_factory=list)  # [K']
     runner_up_probs: list[float] = field(default_factory=list)  # [K']
+    batch_size: int = 1  # most sessions that shared one of its forward passes
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """One Propose request, runner-side."""
+
+    session_id: str
+    keep_tokens: int
+    new_tokens: list[int]
+    num_tokens: int  # K
+    params: SamplingParams
+    seed: int
+    epoch: int = 0
+    should_stop: Callable[[], bool] = lambda: False  # polled between steps (the caller cancelled)
+    fork_from: str = ""
+
+
+@dataclass
+class _Drafting:
+    """A proposal under way: its session holds the committed tokens and the drafts so far."""
+
+    call: ProposeCall
+    session: KVSession
+    feed: list[int]  # tokens the cache has not seen yet: [N]
+    deterministic: bool
+    generator: torch.Generator
+    clock: Stopwatch
+    token_ids: list[int] = field(default_factory=list)  # [k]
+    rows: list[torch.Tensor] = field(default_factory=list)  # k × [V]
+    runner_up_ids: list[int] = field(default_factory=list)
+    runner_up_probs: list[float] = field(default_factory=list)
+    processed: int = 0
+    batch_size: int = 1
+    failed: bool = False
 
 
 class DraftRunner(ModelRunner):
+    max_padding_ratio = MAX_PADDING_RATIO
     """Proposals follow the request's sampling settings, then the draft's own policy:
     `proposal_mode="greedy"` proposes the draft's argmax (one-hot), `proposal_top_k` truncates.
     Either only changes how often the target accepts, never what the output distribution is,
@@ -74,56 +111,114 @@ class DraftRunner(ModelRunner):
     ) -> Proposal:
         """`should_stop` is polled between steps: a cancelled call (a stale pre-draft) frees
         the model thread after at most one more forward pass instead of K."""
-        if not 1 <= num_tokens <= self.max_speculative_tokens:
-            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {num_tokens}")
-        self.check_tokens(new_tokens, "new_tokens")
+        return self.propose_one(ProposeCall(session_id, keep_tokens, new_tokens, num_tokens, params, seed, epoch, should_stop, fork_from))
+
+    def propose_one(self, call: ProposeCall) -> Proposal:
+        """One session's proposal, in forward passes of its own."""
+        drafting = self._begin(call)
+        while not self._done(drafting):
+            self._step(drafting, self.forward(drafting.session, drafting.feed, logits_to_keep=1)[-1], batch_size=1)
+        return self._finish(drafting)
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
+        """Several sessions' proposals stepped together: each draft step runs every unfinished
+        call in one pass (as few as padding allows: a prompt prefill gets its own).
+
+        Item i is what `propose_one(calls[i])` would return (up to float rounding of the
+        batched pass, and the tokens drawn from it: each call reports the distribution its
+        tokens were drawn from, which is all exactness needs), or the exception it would raise.
+        Calls touching the same session (or forking it) run one after the other, in order.
+        """
+        results: list[Proposal | Exception | None] = [None] * len(calls)
+        for wave in call_waves([(call.session_id, call.fork_from) if call.fork_from else (call.session_id,) for call in calls]):
+            active: list[tuple[int, _Drafting]] = []
+            for index in wave:
+                try:
+                    active.append((index, self._begin(calls[index])))
+                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                    results[index] = exc
+            while active:
+                running: list[tuple[int, _Drafting]] = []
+                for index, drafting in active:
+                    if self._done(drafting):
+                        results[index] = self._finish(drafting)
+                    else:
+                        running.append((index, drafting))
+                for group in batch_groups([len(drafting.feed) for _, drafting in running], self.max_padding_ratio):
+                    members = [running[position] for position in group]
+                    outputs = self.forward_batch(
+                        [drafting.session for _, drafting in members], [drafting.feed for _, drafting in members], [1] * len(members)
+                    )
+                    for (index, drafting), logits in zip(members, outputs):
+                        if isinstance(logits, Exception):
+                            results[index] = logits
+                            drafting.failed = True
+                        else:
+                            self._step(drafting, logits[-1], batch_size=len(members))
+                active = [(index, drafting) for index, drafting in running if not drafting.failed]
+        return results  # type: ignore[return-value]
+
+    def _begin(self, call: ProposeCall) -> _Drafting:
+        """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
+        if not 1 <= call.num_tokens <= self.max_speculative_tokens:
+            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {call.num_tokens}")
+        self.check_tokens(call.new_tokens, "new_tokens")
         clock = Stopwatch()
-        self.check_length(keep_tokens + len(new_tokens) + num_tokens)
-        session = self.sessions.for_call(session_id, keep_tokens, epoch, fork_from)
-        pending = session.extend(keep_tokens, new_tokens)
-        deterministic = params.greedy or self.proposal_mode == "greedy"
-        generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
-        processed = 0
-        token_ids: list[int] = []
-        rows: list[torch.Tensor] = []
-        runner_up_ids: list[int] = []
-        runner_up_probs: list[float] = []
-        feed = pending
-        for step in range(num_tokens):
-            if step and should_stop():
-                self.stopped_proposals += 1
-                break
-            logits = self.forward(session, feed, logits_to_keep=1)[-1]  # [N] (N = V without a reduced head)
-            processed += len(feed)
-            if deterministic:
-                head_probs = one_hot_argmax(logits)  # [N]
-                row = int(logits.argmax())
-                belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view, only to rank hedges
-            else:
-                head_probs = truncate_top_k(logits_to_probs(logits, params), self.proposal_top_k)  # [N]
-                row = int(sample(head_probs[None], generator)[0])
-                belief = head_probs
-            probs = self._over_vocab(head_probs)  # [V]
-            token = row if self.head_ids is None else int(self.head_ids[row])
-            token_ids.append(token)
-            runner_up = self._runner_up(belief, row)
-            if runner_up is not None:
-                runner_up_ids.append(runner_up[0])
-                runner_up_probs.append(runner_up[1])
-            rows.append(probs)
-            session.tokens.append(token)
-            feed = [token]
+        self.check_length(call.keep_tokens + len(call.new_tokens) + call.num_tokens)
+        session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
+        pending = session.extend(call.keep_tokens, call.new_tokens)
+        deterministic = call.params.greedy or self.proposal_mode == "greedy"
+        generator = torch.Generator(device=self.loaded.device).manual_seed(call.seed)
+        return _Drafting(call, session, pending, deterministic, generator, clock)
+
+    def _done(self, drafting: _Drafting) -> bool:
+        """All K drawn, or the caller cancelled after the first (polled between steps)."""
+        step = len(drafting.token_ids)
+        if step >= drafting.call.num_tokens:
+            return True
+        if step and drafting.call.should_stop():
+            self.stopped_proposals += 1
+            return True
+        return False
+
+    def _step(self, drafting: _Drafting, logits: torch.Tensor, batch_size: int) -> None:
+        """Draws the next token from the draft's distribution at the last fed position.
+
+        logits: [N] (N = V without a reduced head)
+        """
+        drafting.processed += len(drafting.feed)
+        drafting.batch_size = max(drafting.batch_size, batch_size)
+        if drafting.deterministic:
+            head_probs = one_hot_argmax(logits)  # [N]
+            row = int(logits.argmax())
+            belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view, only to rank hedges
+        else:
+            head_probs = truncate_top_k(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)  # [N]
+            row = int(sample(head_probs[None], drafting.generator)[0])
+            belief = head_probs
+        token = row if self.head_ids is None else int(self.head_ids[row])
+        drafting.token_ids.append(token)
+        runner_up = self._runner_up(belief, row)
+        if runner_up is not None:
+            drafting.runner_up_ids.append(runner_up[0])
+            drafting.runner_up_probs.append(runner_up[1])
+        drafting.rows.append(self._over_vocab(head_probs))  # [V]
+        drafting.session.tokens.append(token)
+        drafting.feed = [token]
+
+    def _finish(self, drafting: _Drafting) -> Proposal:
         # The last proposal is in the sequence but not yet in the cache; the next call runs it
         # if it is kept, or crops it away for free if it is not.
         return Proposal(
-            token_ids=token_ids,
-            probs=torch.stack(rows),
-            deterministic=deterministic,
-            processed_tokens=processed,
-            sequence_length=len(session.tokens),
-            compute_ms=clock.ms(),
-            runner_up_ids=runner_up_ids,  # empty for a one-token head
-            runner_up_probs=runner_up_probs,
+            token_ids=drafting.token_ids,
+            probs=torch.stack(drafting.rows),
+            deterministic=drafting.deterministic,
+            processed_tokens=drafting.processed,
+            sequence_length=len(drafting.session.tokens),
+            compute_ms=drafting.clock.ms(),
+            runner_up_ids=drafting.runner_up_ids,  # empty for a one-token head
+            runner_up_probs=drafting.runner_up_probs,
+            batch_size=drafting.batch_size,
         )
 
     def _runner_up(self, belief: torch.Tensor, row: int) -> tuple[int, float] | None:

@@ -8,20 +8,39 @@ import threading
 import grpc
 
 from draft_service.ngram import NgramDrafter
-from draft_service.runner import DraftRunner
+from draft_service.runner import DraftRunner, ProposeCall
 from specdec import wire
 from specdec.errors import grpc_errors
 from specdec.servicer_base import SessionServicerMixin
-from specdec.serving import ModelThread
+from specdec.serving import CallBatcher, ModelThread
 from specdec.telemetry import ModelServiceMetrics, tracer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: DraftRunner | NgramDrafter, model_thread: ModelThread, metrics: ModelServiceMetrics | None = None) -> None:
+    def __init__(
+        self,
+        runner: DraftRunner | NgramDrafter,
+        model_thread: ModelThread,
+        metrics: ModelServiceMetrics | None = None,
+        batch_window_s: float = 0.0,
+        max_batch_size: int = 1,
+    ) -> None:
+        """`batch_window_s` > 0 and `max_batch_size` > 1: concurrent Propose calls from
+        different sessions step together (DraftRunner.propose_batch); otherwise each runs alone.
+        The prompt-lookup drafter has no model pass to share and always runs calls alone."""
         self._runner = runner
         self._model_thread = model_thread
         self._metrics = metrics
+        # As on the target: no call waits for a session that has no call coming.
+        self._batcher = (
+            CallBatcher(
+                model_thread, runner.propose_batch, batch_window_s, max_batch_size,
+                more_expected=lambda waiting: len(runner.sessions) > waiting,
+            )
+            if batch_window_s > 0 and max_batch_size > 1 and isinstance(runner, DraftRunner)
+            else None
+        )
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
@@ -35,9 +54,10 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             span.set_attributes({
                 "specdec.proposed": len(proposal.token_ids), "specdec.processed_tokens": proposal.processed_tokens,
                 "specdec.cache_length": proposal.sequence_length, "specdec.forward_ms": proposal.compute_ms,
+                "specdec.batch_size": proposal.batch_size,
             })
         if self._metrics is not None:
-            self._metrics.observe_call("propose", proposal.compute_ms, proposal.processed_tokens)
+            self._metrics.observe_call("propose", proposal.compute_ms, proposal.processed_tokens, proposal.batch_size)
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),
@@ -50,19 +70,21 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
         stop = threading.Event()
+        call = ProposeCall(
+            request.session_id,
+            request.keep_tokens,
+            list(request.new_tokens),
+            request.num_tokens,
+            wire.params_from_pb(request.sampling),
+            request.seed,
+            request.epoch,
+            stop.is_set,
+            request.fork_from,
+        )
         try:
-            return await self._model_thread.run(
-                self._runner.propose,
-                request.session_id,
-                request.keep_tokens,
-                list(request.new_tokens),
-                request.num_tokens,
-                wire.params_from_pb(request.sampling),
-                request.seed,
-                request.epoch,
-                stop.is_set,
-                request.fork_from,
-            )
+            if self._batcher is not None:
+                return await self._batcher.submit(call)
+            return await self._model_thread.run(self._runner.propose_one, call)
         except asyncio.CancelledError:
             stop.set()  # the client cancelled: stop drafting at the next step
             raise

@@ -81,6 +81,8 @@ class ModelServiceConfig:
     shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight calls may finish
     trust_remote_code: bool = False  # run Python code shipped in the model folder (transformers' trust_remote_code)
     security: ServerSecurity = ServerSecurity()  # TLS, client certificates, tokens (specdec.security)
+    batch_window_ms: float = 2.0  # how long a call waits for other sessions' calls to share its passes; 0 = never
+    max_batch_size: int = 8  # sessions in one batched call at most
 
 
 SHUTDOWN_GRACE_HELP = "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
@@ -109,6 +111,11 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
         "--trust-remote-code", "off", "on: run Python code that comes with the model folder (only for models you trust)",
         choices=["on", "off"],
     )
+    args.add(
+        "--batch-window-ms", 2.0, "milliseconds a Verify/Propose call waits for calls from other sessions to share its "
+        "forward passes (0 = every call runs alone)", type=float,
+    )
+    args.add("--max-batch-size", 8, "most sessions served by one batched call", type=int)
     add_server_security_args(args)
 
 
@@ -118,6 +125,10 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
     security, problem = server_security(ns)
     if problem:
         parser.error(problem)
+    if ns.batch_window_ms < 0:
+        parser.error(f"--batch-window-ms must be >= 0 (0 turns batching off); got {ns.batch_window_ms}")
+    if ns.max_batch_size < 1:
+        parser.error(f"--max-batch-size must be >= 1 (1 turns batching off); got {ns.max_batch_size}")
     return dict(
         model=ns.model,
         dtype=ns.dtype,
@@ -135,4 +146,6 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         shutdown_grace_s=ns.shutdown_grace,
         trust_remote_code=ns.trust_remote_code == "on",
         security=security,
+        batch_window_ms=ns.batch_window_ms,
+        max_batch_size=ns.max_batch_size,
     )

@@ -255,6 +255,12 @@ def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> Dy
     )
 
 
+# A batched pass right-pads every session's tokens to the longest run; a session whose run
+# would make the padding cost more than this many times the real tokens (a prompt prefill
+# among decode rounds) gets a pass of its own instead.
+MAX_PADDING_RATIO = 2.0
+
+
 def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:
     """Splits items (by how many tokens each runs) into passes: similar lengths share a pass,
     but one whose padding would cost more than `max_padding_ratio` × the real tokens (a prompt
@@ -270,6 +276,22 @@ def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]
             groups.append([index])
             real = length
     return groups
+
+
+def call_waves(keys: list[tuple[str, ...]]) -> list[list[int]]:
+    """Indices of calls split into waves that may share passes: a call goes in the wave after
+    the last one holding any of its keys (the session ids it reads or writes), so calls on one
+    session keep their order and never share a pass. keys[i]: call i's session ids."""
+    last: dict[str, int] = {}
+    waves: list[list[int]] = []
+    for index, call_keys in enumerate(keys):
+        wave = max((last[key] + 1 for key in call_keys if key in last), default=0)
+        for key in call_keys:
+            last[key] = wave
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
 
 
 def _result_or_error(fn, *args):

@@ -264,7 +264,7 @@ async def start_server(
 async def start_model_server(
     config,  # a specdec.config.ModelServiceConfig
     runner,  # a specdec.runner.ModelRunner
-    make_servicer: Callable[[Any, ModelThread], Any],
+    make_servicer: Callable[..., Any],  # (runner, model thread, metrics, batch window s, max batch size)
     add_servicer: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
     credentials: grpc.ServerCredentials | None = None,
@@ -275,7 +275,9 @@ async def start_model_server(
     role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
     model_thread = ModelThread(f"{role}-model")
     registry = CollectorRegistry()
-    servicer = make_servicer(runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner))
+    servicer = make_servicer(
+        runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner), config.batch_window_ms / 1e3, config.max_batch_size
+    )
     return await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],

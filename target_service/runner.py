@@ -3,20 +3,15 @@ coordinator needs for exact rejection sampling; concurrent sessions can share th
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import ModelRunner, Stopwatch, batch_groups
+from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves
 from specdec.sessions import KVSession
 
-# A batched pass right-pads every session's tokens to the longest run; a session whose run
-# would make the padding cost more than this many times the real tokens (a prompt prefill
-# among decode rounds) gets a pass of its own instead.
-MAX_PADDING_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,7 @@ class TargetRunner(ModelRunner):
         after the other, in order.
         """
         results: list[Verification | Exception | None] = [None] * len(calls)
-        for wave in session_waves([call.session_id for call in calls]):
+        for wave in call_waves([(call.session_id,) for call in calls]):
             admitted: list[tuple[int, _Admitted]] = []
             for index in wave:
                 try:
@@ -167,17 +162,3 @@ class TargetRunner(ModelRunner):
             compute_ms=admitted.clock.ms(),
             batch_size=batch_size,
         )
-
-
-def session_waves(session_ids: list[str]) -> list[list[int]]:
-    """Indices split so that no session appears twice in a wave: wave k holds each session's
-    k-th call, so a session's calls keep their order."""
-    seen: Counter[str] = Counter()
-    waves: list[list[int]] = []
-    for index, session_id in enumerate(session_ids):
-        wave = seen[session_id]
-        seen[session_id] += 1
-        if wave == len(waves):
-            waves.append([])
-        waves[wave].append(index)
-    return waves

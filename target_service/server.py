@@ -15,7 +15,7 @@ from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
 from specdec.modeling import check_tensor_parallel, load_causal_lm
 from specdec.security import load_server_security
-from specdec.serving import ModelThread, RunningServer, configure_logging, serve_forever, start_model_server
+from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,8 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
     """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
     # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
     credentials, interceptors = load_server_security(config.security)
-    def make_servicer(runner: TargetRunner, model_thread: ModelThread, metrics) -> TargetServicer:
-        return TargetServicer(runner, model_thread, metrics, config.batch_window_ms / 1e3, config.max_batch_size)
-
     return await start_model_server(
-        config, runner or load_runner(config), make_servicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME,
+        config, runner or load_runner(config), TargetServicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME,
         credentials, interceptors,
     )
 

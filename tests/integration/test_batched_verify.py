@@ -1,4 +1,5 @@
-"""Concurrent generations through real gRPC servers whose target batches Verify calls."""
+"""Concurrent generations through real gRPC servers whose target batches Verify calls and whose
+draft batches Propose calls."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ REQUESTS = [
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(tiny_pair):
     # A window far longer than a tiny verify, so concurrent calls reliably meet.
-    async with inprocess_stack(tiny_pair, target_overrides={"batch_window_ms": 20.0, "max_batch_size": 8}) as running:
+    batching = {"batch_window_ms": 20.0, "max_batch_size": 8}
+    # A float32 draft: an int8 one quantises activations with one scale per pass, so its
+    # batched distributions differ from lone ones by more than rounding (still exact: each
+    # token is sent with the distribution it was drawn from), and seeded outputs would differ.
+    draft = {**batching, "quantize": "none"}
+    async with inprocess_stack(tiny_pair, draft_overrides=draft, target_overrides=batching) as running:
         yield running
 
 
@@ -35,11 +41,13 @@ def generate_request(prompt: str, tokens: int, k: int, **fields) -> pb.GenerateR
 async def test_concurrent_greedy_requests_are_batched_and_token_identical(stack, reference):
     runner = stack.target_runner
     passes_before, processed_before = runner.batched_forwards, runner.processed_tokens_total
+    draft_passes_before = stack.draft_runner.batched_forwards
     responses = await asyncio.gather(*(stack.stub.Generate(generate_request(*request), timeout=120) for request in REQUESTS))
     for (prompt, tokens, k), response in zip(REQUESTS, responses):
         assert list(response.token_ids) == reference(prompt, tokens), f"{prompt!r} (K={k}) diverged from the target's greedy output"
     assert runner.batched_forwards > passes_before, "no Verify call shared a forward pass"
     assert runner.max_batch_size_seen > 1
+    assert stack.draft_runner.batched_forwards > draft_passes_before, "no Propose step shared a forward pass"
     # Batching pads passes but never recomputes a prefix: the prompt once, then each round's new token and drafts.
     expected = sum(r.stats.prompt_tokens + r.stats.proposed_tokens + r.stats.rounds - 1 for r in responses)
     assert runner.processed_tokens_total - processed_before == expected
@@ -50,9 +58,10 @@ async def test_concurrent_seeded_sampling_matches_each_request_alone(stack):
     rounding, so with fixed seeds each output equals the same request run alone."""
     requests = [generate_request(prompt, tokens, k, temperature=0.8, seed=7 + i) for i, (prompt, tokens, k) in enumerate(REQUESTS)]
     alone = [await stack.stub.Generate(request, timeout=60) for request in requests]
-    passes_before = stack.target_runner.batched_forwards
+    passes_before, draft_passes_before = stack.target_runner.batched_forwards, stack.draft_runner.batched_forwards
     together = await asyncio.gather(*(stack.stub.Generate(request, timeout=120) for request in requests))
     assert stack.target_runner.batched_forwards > passes_before
+    assert stack.draft_runner.batched_forwards > draft_passes_before
     for request, lone, batched in zip(requests, alone, together):
         assert list(batched.token_ids) == list(lone.token_ids), request.prompt
 
@@ -61,5 +70,6 @@ async def test_a_lone_request_does_not_wait_for_the_window(stack, reference):
     prompt, tokens, k = REQUESTS[0]
     response = await stack.stub.Generate(generate_request(prompt, tokens, k), timeout=60)
     assert list(response.token_ids) == reference(prompt, tokens)
-    # With no other session open, a Verify starts at once instead of waiting 20 ms for company.
+    # With no other session open, a Verify or Propose starts at once instead of waiting 20 ms for company.
     assert response.stats.target_ms < response.stats.rounds * 20.0
+    assert response.stats.draft_ms < response.stats.rounds * 20.0

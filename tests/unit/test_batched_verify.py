@@ -13,8 +13,8 @@ import torch
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec.modeling import load_causal_lm
 from specdec.probs import SamplingParams
-from specdec.runner import batch_groups
-from target_service.runner import TargetRunner, VerifyCall, session_waves
+from specdec.runner import batch_groups, call_waves
+from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
@@ -278,8 +278,11 @@ def test_a_prompt_prefill_among_decode_rounds_gets_its_own_pass(loaded):
     assert runner.batched_forwards == 1
 
 
-def test_session_waves_keep_each_sessions_calls_in_order():
-    assert session_waves(["a", "b", "a", "c", "a", "b"]) == [[0, 1, 3], [2, 5], [4]]
+def test_call_waves_keep_each_sessions_calls_in_order():
+    assert call_waves([(s,) for s in ["a", "b", "a", "c", "a", "b"]]) == [[0, 1, 3], [2, 5], [4]]
+    # A fork reads its parent: it waits for the parent's earlier call, and the parent's later
+    # call waits for the fork.
+    assert call_waves([("a",), ("f", "a"), ("b",), ("a",)]) == [[0, 2], [1], [3]]
 
 
 def test_batch_groups_bound_the_padding():

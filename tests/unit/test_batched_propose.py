@@ -1,0 +1,134 @@
+"""Batched proposals: several sessions' draft steps in one forward pass give what each gives
+alone. Every test runs the same calls through two runners on the same weights, one call at a
+time (`propose_one`) and batched (`propose_batch`), and compares tokens, distributions and
+the sessions left behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.runner import DraftRunner, ProposeCall
+from specdec.errors import InvalidArgument, SessionNotFound
+from specdec.modeling import load_causal_lm
+from specdec.probs import SamplingParams
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)
+PROB_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_pair):
+    return load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+
+
+def make_runner(loaded) -> DraftRunner:
+    return DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8)
+
+
+def tokens(seed: int, count: int, vocab: int) -> list[int]:
+    return torch.randint(1, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(runner: DraftRunner, calls: list[ProposeCall]) -> list:
+    results = []
+    for call in calls:
+        try:
+            results.append(runner.propose_one(call))
+        except Exception as exc:  # noqa: BLE001
+            results.append(exc)
+    return results
+
+
+def assert_same(batched: list, lone: list) -> None:
+    for got, want in zip(batched, lone, strict=True):
+        if isinstance(want, Exception):
+            assert type(got) is type(want), (got, want)
+            continue
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(got.probs, want.probs, **PROB_TOLERANCE)
+        assert got.sequence_length == want.sequence_length and got.processed_tokens == want.processed_tokens
+
+
+def assert_same_sessions(left: DraftRunner, right: DraftRunner) -> None:
+    assert sorted(left.sessions.ids()) == sorted(right.sessions.ids())  # recency order may differ by wave
+    for session_id in left.sessions.ids():
+        a, b = left.sessions._sessions[session_id], right.sessions._sessions[session_id]
+        assert a.tokens == b.tokens and a.cached_tokens == b.cached_tokens
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_batched_proposals_equal_lone_ones_over_mixed_pasts_runs_and_k(loaded, params):
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompts = {f"s{i}": tokens(i, 4 + 5 * i, vocab) for i in range(4)}
+    first = [ProposeCall(sid, 0, prompt, 2 + i % 3, params, seed=i) for i, (sid, prompt) in enumerate(prompts.items())]
+    assert_same(batched.propose_batch(first), alone(lone, first))
+    assert_same_sessions(batched, lone)
+    # Next rounds: each keeps part of its drafts, appends 1-3 committed tokens, asks a different K.
+    second = [
+        ProposeCall("s0", len(prompts["s0"]) + 1, [7], 4, params, seed=10),
+        ProposeCall("s1", len(prompts["s1"]), [8, 9], 1, params, seed=11),
+        ProposeCall("s2", len(prompts["s2"]) + 2, [3, 4, 5], 3, params, seed=12),
+        ProposeCall("s3", len(prompts["s3"]), [6], 5, params, seed=13),
+        ProposeCall("p", 0, tokens(99, 60, vocab), 3, params, seed=14),  # a prompt prefill gets a pass of its own
+    ]
+    results = batched.propose_batch(second)
+    assert_same(results, alone(lone, second))
+    assert_same_sessions(batched, lone)
+    assert max(r.batch_size for r in results) >= 3
+    assert batched.batched_forwards > 0
+
+
+def test_a_bad_call_fails_alone_and_a_session_called_twice_keeps_its_order(loaded):
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("a", 0, tokens(1, 6, vocab), 2, GREEDY, 0))
+    calls = [
+        ProposeCall("a", 7, [11], 3, GREEDY, 0),
+        ProposeCall("ghost", 4, [1], 2, GREEDY, 0),  # unknown session keeping tokens
+        ProposeCall("b", 0, [1, 2, 3], 99, GREEDY, 0),  # K over the limit
+        ProposeCall("c", 0, tokens(2, 5, vocab), 2, GREEDY, 0),
+        ProposeCall("a", 8, [12, 13], 2, GREEDY, 0),  # the same session again: after its first call
+    ]
+    results = batched.propose_batch(calls)
+    assert isinstance(results[1], SessionNotFound) and isinstance(results[2], InvalidArgument)
+    assert_same(results, alone(lone, calls))
+    assert_same_sessions(batched, lone)
+
+
+def test_a_cancelled_call_stops_after_its_current_step_while_the_others_go_on(loaded):
+    runner = make_runner(loaded)
+    vocab = loaded.vocab_size
+    steps = {"n": 0}
+
+    def stop_after_first() -> bool:
+        steps["n"] += 1
+        return True
+
+    calls = [
+        ProposeCall("stops", 0, tokens(3, 5, vocab), 6, GREEDY, 0, should_stop=stop_after_first),
+        ProposeCall("goes", 0, tokens(4, 5, vocab), 6, GREEDY, 0),
+    ]
+    stopped, went = runner.propose_batch(calls)
+    assert len(stopped.token_ids) == 1 and len(went.token_ids) == 6
+    assert runner.stopped_proposals == 1
+
+
+def test_a_fork_waits_for_its_parents_call_in_the_same_batch(loaded):
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompt = tokens(5, 8, vocab)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("parent", 0, prompt, 2, GREEDY, 0, epoch=1))
+    calls = [
+        ProposeCall("parent", len(prompt) + 1, [9], 3, GREEDY, 0, epoch=2),  # the pre-draft
+        ProposeCall("branch", len(prompt), [10], 3, GREEDY, 0, epoch=3, fork_from="parent"),  # a hedge
+        ProposeCall("other", 0, tokens(6, 4, vocab), 3, GREEDY, 0),
+    ]
+    assert_same(batched.propose_batch(calls), alone(lone, calls))
+    assert_same_sessions(batched, lone)
