@@ -1,13 +1,15 @@
-"""The concurrency suite: aggregate tokens/s with 1, 2, 4, 8 generations at once, against a
-target that batches concurrent Verify calls and one that runs each alone, interleaved in one run.
+"""The concurrency suite: aggregate tokens/s with 1, 2, 4, 8 generations at once, with
+nothing batched, with the target batching Verify calls, and with the draft batching Propose
+calls as well, interleaved in one run.
 
-One draft service (the int8 CPU default) is shared by two coordinators, each with its own
-target: `--batch-window-ms 0` (off) and `--batch-window-ms W` (on). Every sample runs the same
-workload, one greedy request per slot of `--requests` (the prompts in turn), with at most N in
-flight (N clients that each send their next request when the last one returns), and times
-it: aggregate tokens/s is Σ generated tokens / wall time. So N = 1 and N = 8 generate the same
-tokens from the same prompts, and only the concurrency differs. Sizes and on/off alternate
-within every repeat, so machine noise lands on all of them alike.
+Each setting has its own draft service (the int8 CPU default), target and coordinator:
+`off` runs both services with `--batch-window-ms 0`, `verify` gives the target a window, and
+`both` gives both a window. Every sample runs the same workload, one greedy request per slot
+of `--requests` (the prompts in turn), with at most N in flight (N clients that each send
+their next request when the last one returns), and times it: aggregate tokens/s is
+Σ generated tokens / wall time. So N = 1 and N = 8 generate the same tokens from the same
+prompts, and only the concurrency differs. Sizes and settings alternate within every repeat,
+so machine noise lands on all of them alike.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
 logger = logging.getLogger("bench")
 
-BATCHING = ("off", "on")
+# off: every call alone; verify: the target batches Verify; both: the draft batches Propose too.
+BATCHING = ("off", "verify", "both")
 
 
 @dataclass
 class ConcurrencySample:
-    batching: str  # "on" or "off"
+    batching: str  # one of BATCHING
     sessions: int  # requests in flight at once (N)
     k: int
     repeat: int
@@ -51,10 +54,12 @@ class ConcurrencySample:
     verify_batch_sum: float  # Σ over those calls of the sessions in their pass
     request_tokens: list[int] = field(default_factory=list)
     request_ms: list[float] = field(default_factory=list)  # each request's own total time
+    propose_calls: int = 0  # draft Propose calls in this sample
+    propose_batch_sum: float = 0.0  # Σ over those calls of the most sessions in one of their passes
 
 
 class ConcurrencyRunner:
-    """One draft service; per batching setting a target service and a coordinator."""
+    """Per batching setting its own draft service, target service and coordinator."""
 
     def __init__(self, config, log_dir: Path) -> None:
         from bench.harness import ROOT, drafter_args
@@ -62,27 +67,33 @@ class ConcurrencyRunner:
         self._processes = ExitStack()
         model_args, env = model_service_args(config.device, config.threads)
         try:
-            draft = self._start(
-                "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *model_args, *drafter_args("int8", config)],
-                log_dir / "draft.log", env, ROOT,
-            )
-            self.metrics_ports: dict[str, int] = {}
-            targets: dict[str, ServiceProcess] = {}
+            self.metrics_ports: dict[tuple[str, str], int] = {}
+            services: dict[str, dict[str, ServiceProcess]] = {}
             for batching in BATCHING:
-                window = config.batch_window_ms if batching == "on" else 0.0
-                self.metrics_ports[batching] = free_port()
-                targets[batching] = self._start(
-                    "target_service",
-                    ["--model", str(config.target_model), "--dtype", config.target_dtype, *model_args,
-                     "--batch-window-ms", str(window), "--max-batch-size", str(max(config.sessions)),
-                     "--metrics-port", str(self.metrics_ports[batching])],
-                    log_dir / f"target-batching-{batching}.log", env, ROOT,
-                )
-            for process in [draft, *targets.values()]:
-                process.wait_healthy(900)
+                windows = {
+                    "draft": config.batch_window_ms if batching == "both" else 0.0,
+                    "target": config.batch_window_ms if batching in ("verify", "both") else 0.0,
+                }
+                model_flags = {
+                    "draft": ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *drafter_args("int8", config)],
+                    "target": ["--model", str(config.target_model), "--dtype", config.target_dtype],
+                }
+                services[batching] = {}
+                for role in ("draft", "target"):
+                    self.metrics_ports[batching, role] = free_port()
+                    services[batching][role] = self._start(
+                        f"{role}_service",
+                        [*model_flags[role], *model_args, "--batch-window-ms", str(windows[role]),
+                         "--max-batch-size", str(max(config.sessions)), "--metrics-port", str(self.metrics_ports[batching, role])],
+                        log_dir / f"{role}-batching-{batching}.log", env, ROOT,
+                    )
+            for pair in services.values():
+                for process in pair.values():
+                    process.wait_healthy(900)
             self.channels: dict[str, grpc.Channel] = {}
             self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
-            for batching, target in targets.items():
+            for batching, pair in services.items():
+                draft, target = pair["draft"], pair["target"]
                 coordinator = spawn_coordinator(
                     draft, target, config.target_model, log_dir / f"coordinator-batching-{batching}.log",
                     ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"], ROOT,
@@ -99,12 +110,13 @@ class ConcurrencyRunner:
         self._processes.callback(process.stop)
         return process
 
-    def verify_batch_totals(self, batching: str) -> tuple[float, float]:
-        """(Verify calls, Σ their batch sizes) so far, from the target's Prometheus metrics."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[batching]}/metrics", timeout=10).read().decode()
+    def batch_totals(self, batching: str, role: str) -> tuple[float, float]:
+        """(calls, Σ their batch sizes) so far, from the service's Prometheus metrics."""
+        rpc = {"draft": "propose", "target": "verify"}[role]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[batching, role]}/metrics", timeout=10).read().decode()
         values = {}
         for name in ("count", "sum"):
-            match = re.search(rf'^specdec_target_batch_size_{name}\{{rpc="verify"\}} (\S+)$', text, re.MULTILINE)
+            match = re.search(rf'^specdec_{role}_batch_size_{name}\{{rpc="{rpc}"\}} (\S+)$', text, re.MULTILINE)
             values[name] = float(match.group(1)) if match else 0.0
         return values["count"], values["sum"]
 
@@ -112,19 +124,21 @@ class ConcurrencyRunner:
         """One request per prompt, at most `sessions` in flight."""
         import time
 
-        calls_before, sum_before = self.verify_batch_totals(batching)
+        before = {role: self.batch_totals(batching, role) for role in ("draft", "target")}
         stub = self.stubs[batching]
         requests = [pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k) for prompt in prompts]
         with ThreadPoolExecutor(sessions) as pool:
             start = time.perf_counter()
             responses = list(pool.map(lambda request: stub.Generate(request, timeout=3600), requests))
             wall_ms = (time.perf_counter() - start) * 1e3
-        calls_after, sum_after = self.verify_batch_totals(batching)
+        after = {role: self.batch_totals(batching, role) for role in ("draft", "target")}
+        moved = {role: (after[role][0] - before[role][0], after[role][1] - before[role][1]) for role in after}
         stats = [response.stats for response in responses]
         return ConcurrencySample(
             batching, sessions, k, repeat, wall_ms, sum(s.generated_tokens for s in stats), sum(s.rounds for s in stats),
             sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats),
-            int(calls_after - calls_before), sum_after - sum_before, [s.generated_tokens for s in stats], [s.total_ms for s in stats],
+            int(moved["target"][0]), moved["target"][1], [s.generated_tokens for s in stats], [s.total_ms for s in stats],
+            int(moved["draft"][0]), moved["draft"][1],
         )
 
     def close(self) -> None:
@@ -135,7 +149,7 @@ class ConcurrencyRunner:
 
 def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("starting a draft service, two target services (batching off/on) and two coordinators")
+    logger.info("starting a draft service, a target service and a coordinator per batching setting (%s)", ", ".join(BATCHING))
     runner = ConcurrencyRunner(config, config.out_dir / "logs")
     samples: list[ConcurrencySample] = []
     try:
@@ -150,17 +164,15 @@ def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
                     for batching in order:
                         sample = runner.run(batching, texts, sessions, config.max_new_tokens, k, repeat)
                         logger.info(
-                            "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions per verify",
+                            "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions per verify, "
+                            "%.2f per propose",
                             k, sessions, batching, sample.tokens / (sample.wall_ms / 1e3), sample.tokens, sample.wall_ms / 1e3,
-                            sample.verify_batch_sum / max(sample.verify_calls, 1),
+                            sample.verify_batch_sum / max(sample.verify_calls, 1), sample.propose_batch_sum / max(sample.propose_calls, 1),
                         )
                         samples.append(sample)
     finally:
         runner.close()
-    machine["threads"]["note"] = (
-        "N generations at once: the draft and target services compute at the same time on the same cores; "
-        "the draft serves one Propose at a time"
-    )
+    machine["threads"]["note"] = "N generations at once: the draft and target services compute at the same time on the same cores"
     return {
         "suite": "concurrency",
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()},
@@ -182,11 +194,13 @@ def summarise(results: dict) -> list[dict]:
                 group = [s for s in samples if (s["k"], s["sessions"], s["batching"]) == (k, sessions, batching)]
                 rates = [s["tokens"] / (s["wall_ms"] / 1e3) for s in group]
                 calls = sum(s["verify_calls"] for s in group)
+                proposes = sum(s.get("propose_calls", 0) for s in group)
                 row[batching] = {
                     "tokens_per_s": statistics.median(rates) if rates else None,
                     "tokens_per_s_min": min(rates, default=None),
                     "tokens_per_s_max": max(rates, default=None),
                     "sessions_per_verify": sum(s["verify_batch_sum"] for s in group) / calls if calls else None,
+                    "sessions_per_propose": sum(s.get("propose_batch_sum", 0) for s in group) / proposes if proposes else None,
                     "acceptance": sum(s["accepted"] for s in group) / sum(s["proposed"] for s in group) if sum(s["proposed"] for s in group) else None,
                     "tokens_per_round": sum(s["tokens"] for s in group) / sum(s["rounds"] for s in group) if sum(s["rounds"] for s in group) else None,
                     "request_ms": statistics.median([ms for s in group for ms in s.get("request_ms", [])]) if group and group[0].get("request_ms") else None,
@@ -197,8 +211,10 @@ def summarise(results: dict) -> list[dict]:
         for batching in BATCHING:
             base, tps = single[batching]["tokens_per_s"], row[batching]["tokens_per_s"]
             row[batching]["scaling"] = tps / base if tps and base else None
-        on, off = row["on"]["tokens_per_s"], row["off"]["tokens_per_s"]
-        row["on_over_off"] = on / off if on and off else None
+        off = row["off"]["tokens_per_s"]
+        for batching in BATCHING[1:]:
+            tps = row[batching]["tokens_per_s"]
+            row[batching]["over_off"] = tps / off if tps and off else None
     return rows
 
 
@@ -214,20 +230,24 @@ def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
         f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft {Path(config['draft_model']).name} int8, "
         f"{config['threads']} threads per service, greedy; every row runs the same {config['requests'] or max(config['sessions'])} requests "
         f"({config['max_new_tokens']} new tokens each) with at most N in flight; {config['repeats']} repeats (median, range); "
-        f"batching on = --batch-window-ms {config['batch_window_ms']}.",
+        f"off = every call alone; verify = the target batches Verify; both = the draft batches Propose too "
+        f"(--batch-window-ms {config['batch_window_ms']}).",
         "",
-        "| K | N in flight | off: tok/s | on: tok/s | on / off | off: × N=1 | on: × N=1 | on: sessions per verify pass | request ms (off / on, median) | acceptance | tokens/round |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| K | N in flight | off: tok/s | verify: tok/s | both: tok/s | off: × N=1 | verify: × N=1 | both: × N=1 "
+        "| both / off | sessions per verify pass (verify / both) | sessions per propose pass (both) | request ms (off / verify / both, median) | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        off, on = row["off"], row["on"]
+        off, verify, both = row["off"], row["verify"], row["both"]
+        rates = " ".join(
+            f"| {_fmt(row[b]['tokens_per_s'])} ({_fmt(row[b]['tokens_per_s_min'])}–{_fmt(row[b]['tokens_per_s_max'])})" for b in BATCHING
+        )
         lines.append(
-            f"| {row['k']} | {row['sessions']} "
-            f"| {_fmt(off['tokens_per_s'])} ({_fmt(off['tokens_per_s_min'])}–{_fmt(off['tokens_per_s_max'])}) "
-            f"| {_fmt(on['tokens_per_s'])} ({_fmt(on['tokens_per_s_min'])}–{_fmt(on['tokens_per_s_max'])}) "
-            f"| {_fmt(row['on_over_off'], suffix='×')} | {_fmt(off['scaling'], suffix='×')} | {_fmt(on['scaling'], suffix='×')} "
-            f"| {_fmt(on['sessions_per_verify'])} | {_fmt(off['request_ms'], '.0f')} / {_fmt(on['request_ms'], '.0f')} "
-            f"| {_fmt(on['acceptance'])} | {_fmt(on['tokens_per_round'])} |"
+            f"| {row['k']} | {row['sessions']} {rates} "
+            f"| {_fmt(off['scaling'], suffix='×')} | {_fmt(verify['scaling'], suffix='×')} | {_fmt(both['scaling'], suffix='×')} "
+            f"| {_fmt(both['over_off'], suffix='×')} | {_fmt(verify['sessions_per_verify'])} / {_fmt(both['sessions_per_verify'])} "
+            f"| {_fmt(both['sessions_per_propose'])} "
+            f"| {' / '.join(_fmt(row[b]['request_ms'], '.0f') for b in BATCHING)} | {_fmt(both['acceptance'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -236,7 +256,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for k in sorted({row["k"] for row in rows}):
         points = [row for row in rows if row["k"] == k]
-        for batching, style in zip(BATCHING, ("o--", "o-")):
+        for batching, style in zip(BATCHING, ("o:", "o--", "o-")):
             ax.plot([r["sessions"] for r in points], [r[batching]["tokens_per_s"] for r in points], style, label=f"K={k}, batching {batching}")
     ax.set_xlabel("generations in flight (N)")
     ax.set_ylabel("aggregate tokens/s (median over repeats)")

@@ -91,12 +91,15 @@ def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_
     ])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
-    assert len(results["samples"]) == 2 * 2  # sizes × on/off
+    assert len(results["samples"]) == 2 * 3  # sizes × settings
     assert all(s["tokens"] == sum(s["request_tokens"]) and len(s["request_tokens"]) == 3 for s in results["samples"])
     rows = {row["sessions"]: row for row in results["summary"]}
-    assert rows[1]["on"]["scaling"] == rows[1]["off"]["scaling"] == 1.0
-    assert rows[3]["off"]["sessions_per_verify"] == 1.0, "with batching off every Verify runs alone"
-    assert rows[3]["on"]["sessions_per_verify"] > 1.0, "three generations at once never shared a verify pass"
-    assert all(row[b]["tokens_per_s"] > 0 for row in rows.values() for b in ("on", "off"))
-    assert "sessions per verify pass" in (out / "table.md").read_text() and "the same 3 requests" in (out / "table.md").read_text()
+    assert rows[1]["off"]["scaling"] == rows[1]["verify"]["scaling"] == rows[1]["both"]["scaling"] == 1.0
+    assert rows[3]["off"]["sessions_per_verify"] == 1.0 and rows[3]["off"]["sessions_per_propose"] == 1.0, "off batched"
+    assert rows[3]["verify"]["sessions_per_propose"] == 1.0, "the verify setting batched Propose"
+    assert rows[3]["verify"]["sessions_per_verify"] > 1.0, "three generations at once never shared a verify pass"
+    assert rows[3]["both"]["sessions_per_propose"] > 1.0, "three generations at once never shared a propose pass"
+    assert all(row[b]["tokens_per_s"] > 0 for row in rows.values() for b in ("off", "verify", "both"))
+    table = (out / "table.md").read_text()
+    assert "sessions per verify pass" in table and "sessions per propose pass" in table and "the same 3 requests" in table
     assert (out / "tokens_per_s_vs_sessions.png").stat().st_size > 0
