@@ -10,7 +10,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import SamplingParams, logits_to_probs, one_hot_argmax, sample, truncate_top_k
-from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves
+from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves, start_each
 from specdec.sessions import KVSession
 
 PROPOSAL_MODES = ("sample", "greedy")
@@ -131,12 +131,7 @@ class DraftRunner(ModelRunner):
         """
         results: list[Proposal | Exception | None] = [None] * len(calls)
         for wave in call_waves([(call.session_id, call.fork_from) if call.fork_from else (call.session_id,) for call in calls]):
-            active: list[tuple[int, _Drafting]] = []
-            for index in wave:
-                try:
-                    active.append((index, self._begin(calls[index])))
-                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                    results[index] = exc
+            active = start_each(wave, lambda index: self._begin(calls[index]), results)
             while active:
                 running: list[tuple[int, _Drafting]] = []
                 for index, drafting in active:

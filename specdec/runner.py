@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -15,6 +17,8 @@ from transformers.cache_utils import DynamicLayer
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.sessions import KVSession, SessionStore
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +296,18 @@ def call_waves(keys: list[tuple[str, ...]]) -> list[list[int]]:
             waves.append([])
         waves[wave].append(index)
     return waves
+
+
+def start_each(indices: list[int], start: Callable[[int], T], results: list) -> list[tuple[int, T]]:
+    """(index, start(index)) for each call that starts; one that raises gets its exception in
+    `results` and stays out of the batch."""
+    started = []
+    for index in indices:
+        try:
+            started.append((index, start(index)))
+        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+            results[index] = exc
+    return started
 
 
 def _result_or_error(fn, *args):

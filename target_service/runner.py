@@ -9,7 +9,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves
+from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves, start_each
 from specdec.sessions import KVSession
 
 
@@ -88,12 +88,7 @@ class TargetRunner(ModelRunner):
         """
         results: list[Verification | Exception | None] = [None] * len(calls)
         for wave in call_waves([(call.session_id,) for call in calls]):
-            admitted: list[tuple[int, _Admitted]] = []
-            for index in wave:
-                try:
-                    admitted.append((index, self._admit(calls[index])))
-                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                    results[index] = exc
+            admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
             for group in batch_groups([len(item.pending) for _, item in admitted], self.max_padding_ratio):
                 members = [admitted[position] for position in group]
                 outputs = self.forward_batch(
