@@ -45,7 +45,6 @@ class RankInfo:
     rank: int
     world_size: int
     local_rank: int
-    spawned_workers: bool  # rank 0 started the other ranks itself (not torchrun)
 
 
 def backend_for(device: str) -> str:
@@ -201,5 +200,5 @@ def exit_when_a_worker_dies(workers: list[multiprocessing.Process]) -> threading
 def rank_from_environment() -> RankInfo | None:
     """Under torchrun (or any launcher that sets RANK/WORLD_SIZE), the ranks already exist."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), False)
+        return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
     return None

@@ -29,7 +29,8 @@ TP_ARGS = ["--tensor-parallel", "2", "--threads", "1", "--session-ttl", "2"]
 
 
 def _workers_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    """The ranks a target process spawned (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
     return [int(line) for line in out.split()]
 
 
@@ -46,7 +47,7 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         info = target.Info(common_pb2.InfoRequest(), timeout=10)
         assert info.tensor_parallel_size == 2
         assert info.kv_bytes_per_token == kv_per_rank_token, "the budget counts one rank's share of the heads"
-        assert len(_workers_of(stack.current["target"].process.pid)) >= 1, "rank 0 did not start rank 1"
+        assert len(_workers_of(stack.current["target"].process.pid)) == 1, "rank 0 did not start rank 1"
 
         generate = coordinator_pb2_grpc.CoordinatorStub(channel).Generate
         requests = [pb.GenerateRequest(prompt=p, max_new_tokens=40, num_speculative_tokens=k) for p, k in zip(PROMPTS, (1, 2, 3, 4))]
@@ -85,7 +86,7 @@ def test_a_dead_tensor_parallel_rank_stops_the_target_which_comes_back_whole(tin
         assert list(generate(request, timeout=120).token_ids) == reference(PROMPTS[0], 30)
 
         target = stack.current["target"].process
-        (worker,) = _workers_of(target.pid)[-1:]
+        (worker,) = _workers_of(target.pid)
         subprocess.run(["kill", "-9", str(worker)], check=True)
         assert target.wait(timeout=15) == 3, "rank 0 went on without rank 1"
 
