@@ -66,6 +66,12 @@ CASES = {
 }
 
 
+def batch_invariant(draft: dict) -> bool:
+    """Whether the draft proposes the same for a request whichever requests share its passes
+    (up to float32 rounding): a float32 model or prompt lookup, not an int8 model."""
+    return draft.get("quantize") == "none" or draft.get("drafter") == "ngram"
+
+
 def exact_target_distribution(
     model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT, length: int = LENGTH
 ) -> dict[tuple[int, ...], float]:
@@ -116,9 +122,11 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         stats: list = []
         samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats)
         repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
-    if c.k is not None:
-        # Adaptive K picks K from measured timings, so which random draws a round uses, and
-        # hence the output for a seed, can differ between runs; its distribution cannot.
+    # Adaptive K picks K from measured timings, so which random draws a round uses, and hence
+    # the output for a seed, can differ between runs; its distribution cannot. Likewise an int8
+    # draft batched with other requests (the default) quantises each pass's activations with
+    # one scale, so what it drafts for a seed depends on which requests shared the pass.
+    if c.k is not None and batch_invariant(c.draft):
         assert repeat == samples[:20], "the same seed must give the same output"
     assert all(len(s) == c.length for s in samples)
     if c.coordinator.get("pipeline"):
