@@ -10,7 +10,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import SamplingParams, logits_to_probs, one_hot_argmax, sample, truncate_top_k
-from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves, start_each
+from specdec.runner import ModelRunner, Stopwatch, batch_groups, call_waves, start_each
 from specdec.sessions import KVSession
 
 PROPOSAL_MODES = ("sample", "greedy")
@@ -67,7 +67,6 @@ class _Drafting:
 
 
 class DraftRunner(ModelRunner):
-    max_padding_ratio = MAX_PADDING_RATIO
     """Proposals follow the request's sampling settings, then the draft's own policy:
     `proposal_mode="greedy"` proposes the draft's argmax (one-hot), `proposal_top_k` truncates.
     Either only changes how often the target accepts, never what the output distribution is,

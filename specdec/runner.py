@@ -20,6 +20,12 @@ from specdec.sessions import KVSession, SessionStore
 
 T = TypeVar("T")
 
+# A batched pass right-pads every session's tokens to the longest run; a session whose run
+# would make the padding cost more than this many times the real tokens (a prompt prefill
+# among decode rounds) gets a pass of its own instead.
+MAX_PADDING_RATIO = 2.0
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,6 +66,8 @@ class ModelDescription:
 
 class ModelRunner:
     """A causal LM with per-session KV caches. Not thread-safe: one thread drives it."""
+
+    max_padding_ratio = MAX_PADDING_RATIO  # batched calls: see batch_groups
 
     def __init__(self, loaded: LoadedModel, max_sessions: int, session_ttl_s: float, max_speculative_tokens: int, max_kv_bytes: int = 0):
         self.loaded = loaded
@@ -257,12 +265,6 @@ def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> Dy
         ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in cache.layers),
         config=config,
     )
-
-
-# A batched pass right-pads every session's tokens to the longest run; a session whose run
-# would make the padding cost more than this many times the real tokens (a prompt prefill
-# among decode rounds) gets a pass of its own instead.
-MAX_PADDING_RATIO = 2.0
 
 
 def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:

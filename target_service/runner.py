@@ -9,9 +9,8 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import MAX_PADDING_RATIO, ModelRunner, Stopwatch, batch_groups, call_waves, start_each
+from specdec.runner import ModelRunner, Stopwatch, batch_groups, call_waves, start_each
 from specdec.sessions import KVSession
-
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,6 @@ class _Admitted:
 
 
 class TargetRunner(ModelRunner):
-    max_padding_ratio = MAX_PADDING_RATIO
-
     @staticmethod
     def needs_draft_probs(params: SamplingParams, return_distributions: bool) -> bool:
         """False on the greedy fast path, which only compares draft tokens with the argmax;
