@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from specdec.launch import free_port, model_service_args, spawn, spawn_coordinator
-from specdec.modeling import DTYPES, quantize_int8_dynamic
+from specdec.modeling import DTYPES
+from specdec.quantize import quantize_int8
 from specdec.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -264,7 +265,7 @@ class HFRunner:
         for name in drafts:
             dtype = DTYPES["float32" if name == "int8" else config.draft_dtype]
             draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype).to(config.device).eval()
-            self.drafts[name] = quantize_int8_dynamic(draft) if name == "int8" else draft
+            self.drafts[name] = quantize_int8(draft) if name == "int8" else draft
         self._default_assistant = {
             name: getattr(next(iter(self.drafts.values())).generation_config, name, None)
             for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")

@@ -1,19 +1,32 @@
-"""Choosing K each round from running estimates of acceptance and of draft and verify time.
+"""Choosing K each round, K = 0 included, from what passes cost on the services' own hardware.
 
 Leviathan et al.: with per-token acceptance α, a round of K drafts commits on average
-E(K) = (1 − α^(K+1)) / (1 − α) tokens. A sequential round costs T(K) = D(K) + V(K), the draft
-call and the verify call, each modelled as a fixed per-call cost plus a per-token cost, from
-the wall times this coordinator measures (so RPC overhead counts, not only model compute).
-Pipelined, the next round's draft runs during this round's verify and is only kept when every
-draft is accepted and its first token equals the bonus token (probability ≈ α^(K+1)), so
-T(K) = V(K) + (1 − α^(K+1))·D(K). K maximises E(K) / T(K).
+E(K) = (1 − α^(K+1)) / (1 − α) tokens (E(0) = 1: a target-only step). A sequential round
+costs T(K) = D(K) + V(K): the draft call, K one-token draft passes plus an RPC, and the
+verify call, one target pass over K + 1 new tokens plus an RPC. Pipelined, the next round's
+draft runs during this round's verify and is only kept when every draft is accepted and its
+first token equals the bonus token (probability ≈ α^(K+1)), so T(K) = V(K) + (1 − α^(K+1))·D(K).
+K maximises E(K) / T(K). Where verifying K + 1 tokens costs several times one token (bf16 on
+an AVX2-only CPU), or the draft is nearly as slow as the target, that maximum is K = 0.
 
-Pure functions and a small estimator: no gRPC, no clocks; the pipeline feeds it observations.
+The pass costs come from the services' start-up calibration (Info.calibrated_pass_ms) and the
+RPC cost from the coordinator's own start-up round trips; neither moves until a restart, and
+the acceptance estimate is built from the request's own rounds, from a prior that is fixed for
+seeded requests. So K never depends on wall times measured during a request, and the same
+seed on the same running deployment gives the same output.
+
+Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specdec.costs import cost_at
+
+DEFAULT_ALPHA_PRIOR = 0.6  # before any round: a draft of the same family agrees about this often
+PRIOR_WEIGHT = 2.0  # pseudo-positions the prior counts for
+PROBE_EVERY = 8  # after this many K = 0 rounds in a row, one round speculates to re-measure α
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -23,77 +36,66 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def round_time_ms(k: int, alpha: float, draft: LinearCost, verify: LinearCost, pipelined: bool) -> float:
-    draft_ms = draft.at(k) if k else 0.0
-    if pipelined:
-        return verify.at(k) + (1.0 - alpha ** (k + 1)) * draft_ms
-    return verify.at(k) + draft_ms
+@dataclass(frozen=True)
+class RoundCosts:
+    """Milliseconds of the calls a round makes, from measured figures."""
+
+    draft_pass_ms: tuple[float, ...]  # [n - 1]: a draft pass over n new tokens
+    target_pass_ms: tuple[float, ...]  # [n - 1]: a target pass over n new tokens
+    draft_rpc_ms: float = 0.0  # one call's cost outside the model (network, serialisation)
+    target_rpc_ms: float = 0.0
+
+    def draft_ms(self, k: int) -> float:
+        """K one-token steps (the first also feeds the committed token, counted as one)."""
+        return self.draft_rpc_ms + k * cost_at(self.draft_pass_ms, 1) if k else 0.0
+
+    def verify_ms(self, k: int) -> float:
+        return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
+
+    def round_ms(self, k: int, alpha: float, pipelined: bool) -> float:
+        if pipelined and k:
+            return self.verify_ms(k) + (1.0 - alpha ** (k + 1)) * self.draft_ms(k)
+        return self.verify_ms(k) + self.draft_ms(k)
+
+    def tokens_per_ms(self, k: int, alpha: float, pipelined: bool) -> float:
+        return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined), 1e-9)
 
 
-def best_k(alpha: float, draft: LinearCost, verify: LinearCost, k_max: int, pipelined: bool) -> int:
-    """argmax over K in [1, k_max] of expected tokens per millisecond (ties: smaller K)."""
-    return max(range(1, k_max + 1), key=lambda k: (expected_tokens(alpha, k) / round_time_ms(k, alpha, draft, verify, pipelined), -k))
-
-
-@dataclass
-class LinearCost:
-    """ms = fixed + per_token · n, fitted by exponentially weighted least squares."""
-
-    fixed: float
-    per_token: float
-    decay: float = 0.9  # weight of the past per observation
-    _w: float = 0.0
-    _n: float = 0.0
-    _ms: float = 0.0
-    _nn: float = 0.0
-    _nms: float = 0.0
-
-    def at(self, n: int) -> float:
-        return self.fixed + self.per_token * n
-
-    def observe(self, n: int, ms: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + n
-        self._ms = d * self._ms + ms
-        self._nn = d * self._nn + n * n
-        self._nms = d * self._nms + n * ms
-        mean_n, mean_ms = self._n / self._w, self._ms / self._w
-        var = self._nn / self._w - mean_n**2
-        if var > 0.25 and self._w > 4.0:  # K has varied enough to separate the two terms
-            slope = (self._nms / self._w - mean_n * mean_ms) / var
-            # Both terms stay non-negative: a noisy fit must not make tokens free or negative.
-            self.per_token = min(max(0.0, slope), mean_ms / max(mean_n, 1.0))
-            self.fixed = max(0.0, mean_ms - self.per_token * mean_n)
-        elif mean_n > 0:
-            # One K seen so far: keep the split's proportions, rescaled to the observed total.
-            scale = mean_ms / max(self.at(round(mean_n)), 1e-6)
-            self.fixed *= scale
-            self.per_token *= scale
+def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0) -> int:
+    """argmax over K in [k_min, k_max] of expected tokens per millisecond (ties: smaller K)."""
+    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined), -k))
 
 
 @dataclass
 class AdaptiveK:
-    """Per-session K chooser. Starts from priors (the coordinator's running figures from
-    earlier requests) and learns this session's acceptance as rounds complete."""
+    """Per-request K chooser. Learns this request's acceptance as rounds complete, starting
+    from a prior; when speculating does not pay it picks K = 0, and every `probe_every`
+    target-only rounds it speculates once at the best K > 0 so that a rise in acceptance
+    (code after prose, say) is noticed."""
 
     k_max: int
     pipelined: bool
-    draft: LinearCost
-    verify: LinearCost
-    accepted: float = 3.0  # prior: α = 0.75 over 4 pseudo-positions
-    reached: float = 4.0
-    explore_every: int = 8  # every n-th round tries one K above the best, so the cost fit sees K vary
+    costs: RoundCosts
+    alpha_prior: float = DEFAULT_ALPHA_PRIOR
+    probe_every: int = PROBE_EVERY
+    accepted: float = 0.0
+    reached: float = 0.0
+    zero_streak: int = 0  # K = 0 rounds since the last speculative one
     history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted += PRIOR_WEIGHT * self.alpha_prior
+        self.reached += PRIOR_WEIGHT
 
     @property
     def alpha(self) -> float:
         return min(self.accepted / self.reached, 0.999)
 
     def choose(self) -> int:
-        k = best_k(self.alpha, self.draft, self.verify, self.k_max, self.pipelined)
-        if self.explore_every and len(self.history) % self.explore_every == self.explore_every - 1:
-            k = min(k + 1, self.k_max)
+        k = best_k(self.alpha, self.costs, self.k_max, self.pipelined)
+        if k == 0 and self.k_max and self.probe_every and self.zero_streak >= self.probe_every:
+            k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1)
+        self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)
         return k
 
@@ -102,9 +104,3 @@ class AdaptiveK:
         if proposed:
             self.accepted += accepted
             self.reached += min(accepted + 1, proposed)
-
-    def observe_draft(self, k: int, ms: float) -> None:
-        self.draft.observe(k, ms)
-
-    def observe_verify(self, k: int, ms: float) -> None:
-        self.verify.observe(k, ms)

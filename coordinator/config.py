@@ -33,7 +33,7 @@ class CoordinatorConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     log_level: str = "INFO"
     pipeline: bool = False  # pre-draft the next round while the target verifies
-    adaptive_k: bool = False  # choose K per round when a request leaves it unset
+    adaptive_k: bool = True  # choose K (0 included) per round from measured costs when a request leaves it unset
     hedges: int = 0  # branches pre-drafted per verify for likely rejection outcomes
     metrics_port: int = -1  # Prometheus /metrics over HTTP on host; 0 picks a free port, -1 is off
     draft_attempts: int = 2  # tries of a draft call on UNAVAILABLE before the round goes target-only
@@ -76,7 +76,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--breaker-probe-interval", 2.0, "seconds between health probes of the draft while it is skipped", type=float)
     args.add("--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"])
     args.add(
-        "--adaptive-k", "off", "on: choose K per round from measured acceptance and timing when a request leaves it unset",
+        "--adaptive-k", "on", "on: when a request leaves K unset, choose it each round (K = 0 included) from the services' "
+        "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use --num-speculative-tokens",
         choices=["on", "off"],
     )
     args.add(

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from coordinator.adaptive import AdaptiveK, LinearCost
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
@@ -59,6 +59,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None
+    draft_min_confidence: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class PairInfo:
     max_context: int  # the target's
     draft_max_context: int
     max_num_speculative_tokens: int  # the config's maximum, capped by both services'
+    costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Job:
     stop: tuple[str, ...]
     num_speculative_tokens: int
     num_speculative_tokens_unset: bool = False  # the request left K to the coordinator
+    seeded: bool = False  # the request set its seed: K may not depend on other requests
+    draft_min_confidence: float | None = None  # None: the draft service's default
 
 
 @dataclass
@@ -102,6 +106,11 @@ class _SessionView:
     opened: bool = False
     calls: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # numbers Propose calls (epochs)
     last_epoch: int = 0  # of the newest regular call sent
+    min_confidence: float | None = None  # the request's draft confidence stop (None: the service's)
+
+    def confidence_field(self) -> dict:
+        """ProposeRequest keywords: the field is optional, and unset means the service's default."""
+        return {} if self.min_confidence is None else {"min_confidence": self.min_confidence}
 
 
 @dataclass
@@ -162,11 +171,9 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.pair = pair
         self._cleanup: set[asyncio.Task] = set()
-        # Deployment-wide timing shared by all requests, kept apart for greedy and sampled
-        # requests (sampled rounds ship and process full distributions, so tokens cost more),
-        # and an acceptance prior, for adaptive K.
-        self._costs = {greedy: (LinearCost(fixed=2.0, per_token=20.0), LinearCost(fixed=100.0, per_token=5.0)) for greedy in (True, False)}
-        self._alpha_prior = 0.75
+        # The K chooser's acceptance prior for unseeded requests, learned from finished ones
+        # (seeded requests start from the fixed default, so their K depends only on themselves).
+        self._alpha_prior = DEFAULT_ALPHA_PRIOR
         # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
         self.breaker = CircuitBreaker(config.breaker_failures)
         self._probe: asyncio.Task | None = None
@@ -227,6 +234,9 @@ class Coordinator:
                 raise InvalidArgument(
                     f"stop strings must have 1 to {config.max_stop_string_chars} characters; got one of {len(stop)}"
                 )
+        confidence = request.draft_min_confidence
+        if confidence is not None and not (math.isfinite(confidence) and 0.0 <= confidence <= 1.0):
+            raise InvalidArgument(f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}")
         seed = secrets.randbits(63) if request.seed is None else request.seed
         return Job(
             prompt_ids=prompt_ids,
@@ -236,6 +246,8 @@ class Coordinator:
             stop=tuple(request.stop),
             num_speculative_tokens=k,
             num_speculative_tokens_unset=request.num_speculative_tokens is None,
+            seeded=request.seed is not None,
+            draft_min_confidence=confidence,
         )
 
     async def generate(self, request: GenerationRequest, time_remaining_s: float | None = None) -> AsyncIterator[Chunk]:
@@ -266,7 +278,7 @@ class Coordinator:
         retry_until = asyncio.get_running_loop().time() + retry_for
         rng = np.random.default_rng(job.seed)
         session_id = uuid.uuid4().hex
-        draft_view, target_view = _SessionView(session_id), _SessionView(session_id)
+        draft_view, target_view = _SessionView(session_id, min_confidence=job.draft_min_confidence), _SessionView(session_id)
         sampling = wire.params_to_pb(job.params)
         sequence = list(job.prompt_ids)
         text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
@@ -308,8 +320,6 @@ class Coordinator:
                             self.breaker.record_success()
                             round_ = self._round_from(proposal, k)
                             stats.draft_compute_ms += proposal.compute_ms
-                            if adaptive:
-                                adaptive.observe_draft(k, stats.elapsed_ms() - started)
                     else:
                         round_ = _Round()
                     ready = None
@@ -336,8 +346,6 @@ class Coordinator:
                     _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
                     _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
                     stats.target_compute_ms += verification.compute_ms
-                    if adaptive:
-                        adaptive.observe_verify(proposed, stats.elapsed_ms() - started)
                     outcome = decide_round(
                         verification.draft_token_target_probs,
                         round_.draft_token_draft_probs,
@@ -412,19 +420,18 @@ class Coordinator:
         """A per-request K chooser when the request left K to the coordinator and it adapts."""
         if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
             return None
-        draft_cost, verify_cost = self._costs[job.params.greedy]
+        if self.pair.costs is None:
+            return None  # no measured costs to choose from: the default K
         return AdaptiveK(
             k_max=self.pair.max_num_speculative_tokens,
             pipelined=pipelined,
-            draft=draft_cost,
-            verify=verify_cost,
-            accepted=2.0 * self._alpha_prior,  # a weak prior: 2 pseudo-positions
-            reached=2.0,
+            costs=self.pair.costs,
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded else self._alpha_prior,
         )
 
     def _learn(self, adaptive: AdaptiveK | None) -> None:
         """Carries the finished request's acceptance into the next request's prior."""
-        if adaptive is not None and adaptive.reached > 2.0:
+        if adaptive is not None and adaptive.reached > PRIOR_WEIGHT:
             self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * adaptive.alpha
 
     def _round_from(self, proposal: draft_pb2.ProposeResponse, k: int) -> _Round:
@@ -450,7 +457,9 @@ class Coordinator:
         """Proposes the continuation of `speculative` (the sequence plus this round's drafts),
         which the draft session already holds, while the target verifies."""
         # Shares the call counter, so the next regular call is numbered after this one.
-        view = _SessionView(draft_view.session_id, synced=len(speculative), opened=True, calls=draft_view.calls)
+        view = _SessionView(
+            draft_view.session_id, synced=len(speculative), opened=True, calls=draft_view.calls, min_confidence=draft_view.min_confidence
+        )
         k = min(k, self.pair.max_num_speculative_tokens)
         task = asyncio.ensure_future(self._propose(view, speculative, k, sampling, seed, stats, count_wait=False))
         stats.predrafts += 1
@@ -500,7 +509,7 @@ class Coordinator:
             request = draft_pb2.ProposeRequest(
                 session_id=session_id, fork_from=draft_view.session_id, keep_tokens=base + hedge.position,
                 new_tokens=[hedge.recovered_token_id], num_tokens=branch_k, sampling=sampling,
-                seed=int(seeds.integers(0, _SEED_BOUND)),
+                seed=int(seeds.integers(0, _SEED_BOUND)), **draft_view.confidence_field(),
             )
             task = asyncio.ensure_future(self._fork(request, draft_view.calls))
             branches.append(_Branch(round_index=stats.rounds, k=branch_k, task=task, hedge=hedge, session_id=session_id))
@@ -548,7 +557,10 @@ class Coordinator:
         stats.hedge_hits += 1
         stats.hedged_tokens += len(round_.draft_token_ids)
         self._end_later(self.draft, draft_view.session_id)
-        return round_, _SessionView(hit.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls)
+        return round_, _SessionView(
+            hit.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls,
+            min_confidence=draft_view.min_confidence,
+        )
 
     async def _propose_with_retries(
         self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
@@ -598,7 +610,7 @@ class Coordinator:
             return self.draft.propose(
                 draft_pb2.ProposeRequest(
                     session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.last_epoch,
+                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.last_epoch, **view.confidence_field(),
                 )
             )
 

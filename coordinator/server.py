@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
+import time
 
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
@@ -19,6 +22,7 @@ from specdec.serving import RunningServer, serve_forever, start_server
 from specdec.v1 import coordinator_pb2
 
 logger = logging.getLogger(__name__)
+RPC_ROUND_TRIPS = 5
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
@@ -33,6 +37,7 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
         draft.wait_info(config.connect_timeout_s), target.wait_info(config.connect_timeout_s)
     )
     check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), config.draft_address, config.target_address)
+    costs = await measure_round_costs(draft, target, draft_info, target_info)
     pair = PairInfo(
         vocab_size=min(draft_info.vocab_size, target_info.vocab_size),
         eos_token_ids=frozenset(target_info.eos_token_ids),
@@ -41,6 +46,7 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
         max_num_speculative_tokens=min(
             config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
         ),
+        costs=costs,
     )
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
@@ -49,6 +55,36 @@ async def connect(config: CoordinatorConfig) -> Coordinator:
         pair.max_num_speculative_tokens,
     )
     return Coordinator(config, draft, target, tokenizer, pair)
+
+
+async def measure_round_costs(
+    draft: DraftClient, target: TargetClient, draft_info, target_info, round_trips: int = RPC_ROUND_TRIPS
+) -> RoundCosts | None:
+    """The K chooser's inputs: both services' calibrated pass costs, and what one call costs
+    outside the model, timed here as the median of a few Info round trips. Measured once, so
+    the choice of K (and a seed's output) stays put until a restart. None when either service
+    did not calibrate (--calibrate off, or a drafter without a model)."""
+    if not (draft_info.calibrated_pass_ms and target_info.calibrated_pass_ms):
+        logger.info("K chooser off: the %s reports no calibrated pass costs", "draft" if not draft_info.calibrated_pass_ms else "target")
+        return None
+    rpc_ms = {}
+    for name, client in (("draft", draft), ("target", target)):
+        times = []
+        for _ in range(round_trips):
+            started = time.perf_counter()
+            await client.info()
+            times.append((time.perf_counter() - started) * 1e3)
+        rpc_ms[name] = statistics.median(times)
+    costs = RoundCosts(
+        draft_pass_ms=tuple(draft_info.calibrated_pass_ms), target_pass_ms=tuple(target_info.calibrated_pass_ms),
+        draft_rpc_ms=rpc_ms["draft"], target_rpc_ms=rpc_ms["target"],
+    )
+    logger.info(
+        "K chooser costs: draft step %.1f ms, target pass %s ms (1..%d tokens), RPC %.2f / %.2f ms",
+        costs.draft_ms(1) - costs.draft_rpc_ms, "/".join(f"{ms:.0f}" for ms in costs.target_pass_ms),
+        len(costs.target_pass_ms), costs.draft_rpc_ms, costs.target_rpc_ms,
+    )
+    return costs
 
 
 async def build_server(config: CoordinatorConfig) -> RunningServer:

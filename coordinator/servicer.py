@@ -62,6 +62,7 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationReque
         seed=optional("seed"),
         stop=tuple(request.stop),
         num_speculative_tokens=optional("num_speculative_tokens"),
+        draft_min_confidence=optional("draft_min_confidence"),
     )
 
 

@@ -6,33 +6,25 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from draft_service.runner import PROPOSAL_MODES
 from specdec.config import EnvArgs, ModelServiceConfig, add_model_service_args, model_service_kwargs
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
 DRAFTERS = ("model", "ngram")
-QUANTIZE = ("auto", "none", "int8")
+# HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
+DEFAULT_MIN_CONFIDENCE = 0.4
 
 
 @dataclass(frozen=True)
 class DraftConfig(ModelServiceConfig):
     drafter: str = "model"  # "ngram": prompt lookup, no model weights (the tokenizer comes from --model)
-    quantize: str = "auto"  # "int8": dynamic int8 Linear layers (CPU, float32); "auto": int8 on CPU float32
     draft_vocab: int = 0  # restrict the draft's output head to this many frequent ids; 0 = full vocabulary
     ngram_min: int = 2  # shortest suffix the prompt-lookup drafter matches
     ngram_max: int = 4  # longest suffix it tries first
     proposal_mode: str = "sample"  # "greedy": propose the draft's argmax even when sampling
     proposal_top_k: int = 0  # draft-side truncation of its own distribution; 0 = off
-
-    def resolved_quantize(self) -> str:
-        """"int8" or "none": what `auto` means for this device and dtype."""
-        if self.quantize != "auto":
-            return self.quantize
-        engines = set(torch.backends.quantized.supported_engines) - {"none"}
-        return "int8" if self.device == "cpu" and self.dtype == "float32" and engines else "none"
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE  # stop a proposal after a token drawn with less probability; 0 = never
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DraftConfig:
@@ -40,26 +32,25 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args = EnvArgs(parser, "SPECDEC_DRAFT", env)
     add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     args.add("--drafter", "model", "how to propose: model (a causal LM) or ngram (prompt lookup, no weights)", choices=list(DRAFTERS))
-    args.add(
-        "--quantize", "auto",
-        "int8: dynamic int8 Linear layers (CPU, --dtype float32); auto: int8 on CPU with float32, else none",
-        choices=list(QUANTIZE),
-    )
     args.add("--draft-vocab", 0, "restrict the draft's output head to the N most frequent token ids (0 = full)", type=int)
     args.add("--ngram-min", 2, "prompt lookup: shortest suffix n-gram to match", type=int)
     args.add("--ngram-max", 4, "prompt lookup: longest suffix n-gram, tried first", type=int)
     args.add("--proposal-mode", "sample", "how the draft proposes when the request samples", choices=list(PROPOSAL_MODES))
     args.add("--proposal-top-k", 0, "truncate the draft's distribution to its top k (0 = off); exact either way", type=int)
+    args.add(
+        "--min-confidence", DEFAULT_MIN_CONFIDENCE, "stop a proposal early after a token the draft drew with less than this "
+        "probability (0 = always propose K; a request may set its own); exact either way", type=float,
+    )
     ns = parser.parse_args(argv)
     config = DraftConfig(
         **model_service_kwargs(ns, parser),
         drafter=ns.drafter,
-        quantize=ns.quantize,
         draft_vocab=ns.draft_vocab,
         ngram_min=ns.ngram_min,
         ngram_max=ns.ngram_max,
         proposal_mode=ns.proposal_mode,
         proposal_top_k=ns.proposal_top_k,
+        min_confidence=ns.min_confidence,
     )
     if problem := config_problem(config):
         parser.error(problem)
@@ -74,10 +65,12 @@ def config_problem(config: DraftConfig) -> str | None:
         if config.quantize == "int8" or config.draft_vocab:
             return "--quantize int8 and --draft-vocab apply to --drafter model; the ngram drafter has no weights"
         return None
-    if config.quantize == "int8" and (config.device != "cpu" or config.dtype != "float32"):
-        return f"--quantize int8 needs --device cpu and --dtype float32; got {config.device} and {config.dtype}"
+    if problem := config.quantize_problem():
+        return problem
     if config.draft_vocab < 0:
         return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {config.draft_vocab}"
+    if not 0.0 <= config.min_confidence <= 1.0:
+        return f"--min-confidence must be in [0, 1] (0 = never stop early); got {config.min_confidence}"
     if config.proposal_top_k < 0:
         return f"--proposal-top-k must be >= 0 (0 = off); got {config.proposal_top_k}"
     return None

@@ -45,6 +45,7 @@ class ProposeCall:
     epoch: int = 0
     should_stop: Callable[[], bool] = lambda: False  # polled between steps (the caller cancelled)
     fork_from: str = ""
+    min_confidence: float | None = None  # None: the runner's default; 0: never stop early
 
 
 @dataclass
@@ -64,6 +65,8 @@ class _Drafting:
     processed: int = 0
     batch_size: int = 1
     failed: bool = False
+    min_confidence: float = 0.0
+    unsure: bool = False  # the last token was drawn with less than min_confidence
 
 
 class DraftRunner(ModelRunner):
@@ -87,8 +90,12 @@ class DraftRunner(ModelRunner):
         proposal_top_k: int = 0,
         head_ids: torch.Tensor | None = None,
         max_kv_bytes: int = 0,
+        min_confidence: float = 0.0,
     ):
         super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens, max_kv_bytes)
+        check_confidence(min_confidence)
+        self.min_confidence = min_confidence
+        self.confidence_stops = 0  # proposals cut short by a low-confidence token
         self.head_ids = None if head_ids is None else head_ids.to(loaded.device)  # [N]
         self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:
@@ -157,18 +164,32 @@ class DraftRunner(ModelRunner):
         if not 1 <= call.num_tokens <= self.max_speculative_tokens:
             raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {call.num_tokens}")
         self.check_tokens(call.new_tokens, "new_tokens")
+        min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         clock = Stopwatch()
         self.check_length(call.keep_tokens + len(call.new_tokens) + call.num_tokens)
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         generator = torch.Generator(device=self.loaded.device).manual_seed(call.seed)
-        return _Drafting(call, session, pending, deterministic, generator, clock)
+        return _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
 
     def _done(self, drafting: _Drafting) -> bool:
-        """All K drawn, or the caller cancelled after the first (polled between steps)."""
+        """All K drawn, the last one drawn with too little confidence, or the caller cancelled
+        after the first (polled between steps).
+
+        Stopping on confidence keeps the output exact: the decision is a function of the
+        draft's own distributions and draws so far, which the target's coins do not depend
+        on, so the proposal length is a stopping time of the draft's process. Each proposed
+        token is verified against the distribution it was drawn from, given exactly the
+        prefix before it, whatever the length; after the last one the target's bonus sample
+        is drawn from its own distribution as in any round (as HF's
+        `assistant_confidence_threshold` and llama.cpp's `--draft-p-min` do).
+        """
         step = len(drafting.token_ids)
         if step >= drafting.call.num_tokens:
+            return True
+        if drafting.unsure:
+            self.confidence_stops += 1
             return True
         if step and drafting.call.should_stop():
             self.stopped_proposals += 1
@@ -185,12 +206,15 @@ class DraftRunner(ModelRunner):
         if drafting.deterministic:
             head_probs = one_hot_argmax(logits)  # [N]
             row = int(logits.argmax())
-            belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view, only to rank hedges
+            belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
         else:
             head_probs = truncate_top_k(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)  # [N]
             row = int(sample(head_probs[None], drafting.generator)[0])
             belief = head_probs
         token = row if self.head_ids is None else int(self.head_ids[row])
+        # The draft's probability of what it proposes: its belief in its own argmax when
+        # greedy, the drawn token's probability when sampling.
+        drafting.unsure = float(belief[row]) < drafting.min_confidence
         drafting.token_ids.append(token)
         runner_up = self._runner_up(belief, row)
         if runner_up is not None:
@@ -231,6 +255,12 @@ class DraftRunner(ModelRunner):
             return head_probs
         probs = torch.zeros(self.loaded.vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
         return probs.index_copy_(0, self.head_ids, head_probs)
+
+
+def check_confidence(min_confidence: float) -> float:
+    if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
+        raise InvalidArgument(f"min_confidence must be in [0, 1] (0 = never stop early); got {min_confidence}")
+    return min_confidence
 
 
 def frequent_token_ids(tokenizer, vocab_size: int, keep: int, eos_token_ids: tuple[int, ...]) -> torch.Tensor:

@@ -12,7 +12,8 @@ from draft_service.config import DraftConfig, config_problem, parse_config
 from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
-from specdec.modeling import load_causal_lm, load_tokenizer_info, quantize_int8_dynamic, restrict_output_head
+from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
+from specdec.quantize import INT8_LABEL, quantize_int8
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -42,10 +43,10 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         restrict_output_head(loaded.model, head_ids)
         logger.info("draft output head restricted to %d of %d ids", len(head_ids), loaded.vocab_size)
     if config.resolved_quantize() == "int8":
-        quantize_int8_dynamic(loaded.model)
-        loaded = dataclasses.replace(loaded, dtype_label="int8 (dynamic, float32 activations)")
-        logger.info("draft Linear layers quantised to int8 (dynamic)")
-    return DraftRunner(
+        quantize_int8(loaded.model)
+        loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
+        logger.info("draft Linear layers quantised to int8 (per-token activation scales)")
+    runner = DraftRunner(
         loaded,
         max_sessions=config.max_sessions,
         session_ttl_s=config.session_ttl_s,
@@ -54,7 +55,11 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         proposal_top_k=config.proposal_top_k,
         head_ids=head_ids,
         max_kv_bytes=config.max_kv_bytes,
+        min_confidence=config.min_confidence,
     )
+    if config.calibrate:
+        runner.calibrate_costs(keep_all_logits=False)
+    return runner
 
 
 async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:

@@ -80,6 +80,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             request.epoch,
             stop.is_set,
             request.fork_from,
+            request.min_confidence if request.HasField("min_confidence") else None,
         )
         try:
             if self._batcher is not None:

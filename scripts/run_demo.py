@@ -53,8 +53,10 @@ def main() -> int:
         help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it unquantised",
     )
     parser.add_argument("--drafter", choices=["model", "ngram"], default="model", help="draft service drafter")
-    parser.add_argument("--target-dtype", default="bfloat16")
-    parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")
+    parser.add_argument("--target-dtype", default="float32", help="float32 lets the target service quantise to int8 (--target-quantize auto)")
+    parser.add_argument("--target-quantize", choices=["auto", "int8", "none"], default="auto", help="target service --quantize")
+    parser.add_argument("--k", type=int, default=None, help="speculative tokens per round (default: the coordinator chooses each round)")
+    parser.add_argument("--min-confidence", type=float, default=None, help="draft confidence stop (default: the draft service's)")
     parser.add_argument("--pipeline", choices=["on", "off"], default="off", help="coordinator: pre-draft during verification")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per model service")
@@ -68,8 +70,9 @@ def main() -> int:
     print(f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
     with local_stack(
         draft_dir, target_dir, log_dir, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, threads=args.threads,
-        draft_args=["--drafter", args.drafter],
-        coordinator_args=["--num-speculative-tokens", str(args.k), "--max-num-speculative-tokens", "16", "--pipeline", args.pipeline],
+        draft_args=["--drafter", args.drafter] + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
+        target_args=["--quantize", args.target_quantize],
+        coordinator_args=["--pipeline", args.pipeline],
         cwd=ROOT,
     ) as services:
         with grpc.insecure_channel(services["draft"].address) as channel:
@@ -88,10 +91,11 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         # One short request first, so neither mode pays the first-call warm-up.
         stub.Generate(pb.GenerateRequest(prompt=chat_prompt("hi"), max_new_tokens=4, num_speculative_tokens=args.k))
+        speculation = {} if args.k is None else {"num_speculative_tokens": args.k}
         for question in QUESTIONS:
             request = dict(prompt=chat_prompt(question), max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
             target_only = stub.Generate(pb.GenerateRequest(**request, num_speculative_tokens=0), timeout=600)
-            speculative = stub.Generate(pb.GenerateRequest(**request, num_speculative_tokens=args.k), timeout=600)
+            speculative = stub.Generate(pb.GenerateRequest(**request, **speculation), timeout=600)
             same = list(target_only.token_ids) == list(speculative.token_ids)
             s = speculative.stats
             print("=" * 100)
@@ -101,7 +105,8 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
             print("-" * 100)
             print(
                 f"  target only : {target_only.stats.generated_tokens} tokens, {target_only.stats.tokens_per_second:5.2f} tok/s\n"
-                f"  speculative : {s.generated_tokens} tokens, {s.tokens_per_second:5.2f} tok/s, K={args.k}, "
+                f"  speculative : {s.generated_tokens} tokens, {s.tokens_per_second:5.2f} tok/s, "
+                f"K={args.k if args.k is not None else 'chosen'} ({s.proposed_tokens / max(1, s.rounds):.1f} drafts/round), "
                 f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/round, "
                 f"TTFT {s.time_to_first_token_ms:.0f} ms, draft {s.draft_ms:.0f} ms, target {s.target_ms:.0f} ms\n"
                 f"  speedup {s.tokens_per_second / target_only.stats.tokens_per_second:.2f}x"

@@ -13,12 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from specdec.quantize import int8_supported
 from specdec.security import ServerSecurity, add_server_security_args, server_security
 
 T = TypeVar("T")
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+QUANTIZE = ("auto", "none", "int8")
 
 
 def env_default(env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T] = str) -> T:
@@ -83,6 +85,19 @@ class ModelServiceConfig:
     security: ServerSecurity = ServerSecurity()  # TLS, client certificates, tokens (specdec.security)
     batch_window_ms: float = 2.0  # how long a call waits for other sessions' calls to share its passes; 0 = never
     max_batch_size: int = 8  # sessions in one batched call at most
+    quantize: str = "auto"  # "int8": int8 Linear layers, per-token activations (CPU, float32); "auto": int8 on CPU float32
+    calibrate: bool = True  # measure forward-pass costs at start-up (Info.pass_costs); off for fast tests
+
+    def resolved_quantize(self) -> str:
+        """"int8" or "none": what `auto` means for this device and dtype."""
+        if self.quantize != "auto":
+            return self.quantize
+        return "int8" if self.device == "cpu" and self.dtype == "float32" and int8_supported() else "none"
+
+    def quantize_problem(self) -> str | None:
+        if self.quantize == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            return f"--quantize int8 needs --device cpu and --dtype float32; got {self.device} and {self.dtype}"
+        return None
 
 
 SHUTDOWN_GRACE_HELP = "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
@@ -116,6 +131,14 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
         "forward passes (0 = every call runs alone)", type=float,
     )
     args.add("--max-batch-size", 8, "most sessions served by one batched call", type=int)
+    args.add(
+        "--quantize", "auto", "int8: int8 Linear layers with per-token activation scales (CPU, --dtype float32); "
+        "auto: int8 on CPU with float32, else none", choices=list(QUANTIZE),
+    )
+    args.add(
+        "--calibrate", "on", "on: measure what a forward pass costs for 1..max-speculative-tokens+1 new tokens at start-up "
+        "(a few seconds; reported in Info, used by the coordinator's K chooser)", choices=["on", "off"],
+    )
     add_server_security_args(args)
 
 
@@ -148,4 +171,6 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         security=security,
         batch_window_ms=ns.batch_window_ms,
         max_batch_size=ns.max_batch_size,
+        quantize=ns.quantize,
+        calibrate=ns.calibrate == "on",
     )

@@ -106,13 +106,14 @@ def local_stack(
     device: str = "cpu",
     threads: int = 0,
     draft_args: Sequence[str] = (),
+    target_args: Sequence[str] = (),
     coordinator_args: Sequence[str] = (),
     cwd: Path | None = None,
     start_timeout_s: float = 900.0,
 ) -> Iterator[dict[str, ServiceProcess]]:
     """Draft, target and coordinator as three local processes on free loopback ports, healthy
     on entry and stopped (coordinator first) on exit. The coordinator uses the target's tokenizer.
-    `draft_args` go last on the draft's command line, so they override `draft_dtype`."""
+    `draft_args` and `target_args` go last on their command lines, so they override the dtypes."""
     model_args, env = model_service_args(device, threads)
     services: dict[str, ServiceProcess] = {}
     try:
@@ -120,8 +121,10 @@ def local_stack(
             "draft", "draft_service", ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
             free_port(), log_dir / "draft.log", env, cwd,
         )
-        services["target"] = spawn("target", "target_service", ["--model", str(target_model), "--dtype", target_dtype, *model_args], free_port(), log_dir / "target.log", env, cwd)
+        # One after the other: each service times its own passes at start-up (--calibrate), and
+        # on one machine a neighbour still loading its weights would skew those figures.
         services["draft"].wait_healthy(start_timeout_s)
+        services["target"] = spawn("target", "target_service", ["--model", str(target_model), "--dtype", target_dtype, *model_args, *target_args], free_port(), log_dir / "target.log", env, cwd)
         services["target"].wait_healthy(start_timeout_s)
         services["coordinator"] = spawn_coordinator(
             services["draft"], services["target"], target_model, log_dir / "coordinator.log", coordinator_args, cwd

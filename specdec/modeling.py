@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,22 +158,6 @@ def load_tokenizer_info(model_id: str, trust_remote_code: bool = False) -> Token
         max_context=max_context,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
-
-
-def quantize_int8_dynamic(model: PreTrainedModel) -> PreTrainedModel:
-    """int8 weights for every Linear layer, activations quantised on the fly (CPU only).
-
-    A draft is memory-bound like the target, so quartering the bytes its Linear layers read
-    cuts its step time 2.5-3x on CPU; any change in its distribution only moves acceptance,
-    because the target checks the exact distribution each proposal came from.
-    """
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 dynamic quantisation runs on CPU only; use --quantize none on a GPU")
-    if model.dtype != torch.float32:
-        raise ValueError(f"int8 dynamic quantisation starts from float32 weights; the model is {model.dtype}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch 2.13 deprecates the eager API but it works
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def restrict_output_head(model: PreTrainedModel, keep_ids: torch.Tensor) -> None:

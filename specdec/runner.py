@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.sessions import KVSession, SessionStore
@@ -47,6 +48,9 @@ class ModelDescription:
     kv_bytes_per_token: int = 0  # what one cached token costs
     evicted_sessions: int = 0  # dropped to fit the budget since start
     tensor_parallel_size: int = 1  # ranks sharing every layer (--tensor-parallel)
+    calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
+    live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
+    cost_context_tokens: int = 0  # cached tokens under the calibrated passes
 
     @classmethod
     def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
@@ -82,6 +86,37 @@ class ModelRunner:
         self.batched_forwards = 0
         self.batched_sessions_total = 0
         self.max_batch_size_seen = 0
+        self.pass_costs: PassCosts | None = None  # set by calibrate_costs
+
+    def calibrate_costs(self, keep_all_logits: bool, context_tokens: int = CALIBRATION_CONTEXT) -> PassCosts:
+        """Times passes over 1..max_speculative_tokens + 1 new tokens (at most
+        CALIBRATION_MAX_TOKENS) on top of a cached context, on this process's own hardware, dtype and threads (see specdec.costs).
+
+        `keep_all_logits`: the target scores every new token (K + 1 logits); the draft only
+        needs the last one. The scratch session lives outside the store and no counter moves.
+        """
+        context_tokens = max(1, min(context_tokens, self.loaded.max_context - self.max_speculative_tokens - 2))
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.loaded.vocab_size, (context_tokens + self.max_speculative_tokens + 1,), generator=generator).tolist()
+        session = KVSession("calibration", cache=DynamicCache(config=self.model.config))
+        processed = self.processed_tokens_total
+        with torch.inference_mode():
+            self._forward_admitted(session, ids[:context_tokens], logits_to_keep=1)
+
+            def run_pass(n: int) -> None:
+                self._forward_admitted(session, ids[context_tokens : context_tokens + n], logits_to_keep=n if keep_all_logits else 1)
+                self._synchronize()
+                session.cache.crop(-n)
+
+            self.pass_costs = None  # the timed passes are not live traffic
+            costs = calibrate(run_pass, min(self.max_speculative_tokens + 1, CALIBRATION_MAX_TOKENS))
+        self.processed_tokens_total = processed
+        self.pass_costs = PassCosts(costs, context_tokens)
+        logger.info(
+            "forward pass cost over a %d-token context, by new tokens: %s",
+            context_tokens, ", ".join(f"{n + 1}: {ms:.1f} ms" for n, ms in enumerate(costs)),
+        )
+        return self.pass_costs
 
     def describe(self) -> ModelDescription:
         dtype = self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch.")
@@ -90,6 +125,20 @@ class ModelRunner:
             description, kv_cache_bytes=self.sessions.kv_bytes(), max_kv_cache_bytes=self.sessions.max_kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token, evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
+            **self._cost_fields(),
+        )
+
+    def _synchronize(self) -> None:
+        """Waits for queued GPU work, so a timing covers the pass and not only its launch."""
+        if self.loaded.device.startswith("cuda"):
+            torch.cuda.synchronize(self.loaded.device)
+
+    def _cost_fields(self) -> dict:
+        if self.pass_costs is None:
+            return {}
+        return dict(
+            calibrated_pass_ms=self.pass_costs.calibrated_ms, live_pass_ms=tuple(self.pass_costs.live_ms),
+            cost_context_tokens=self.pass_costs.context_tokens,
         )
 
     def end_session(self, session_id: str) -> bool:
@@ -120,6 +169,7 @@ class ModelRunner:
             raise
 
     def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+        started = time.perf_counter()
         start = session.cached_tokens
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
         cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
@@ -131,7 +181,11 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
         )
         self.processed_tokens_total += len(token_ids)
-        return out.logits[0].float()  # [min(logits_to_keep, N), V]
+        logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
+        if self.pass_costs is not None:
+            self._synchronize()  # the caller reads the logits next anyway
+            self.pass_costs.observe(len(token_ids), (time.perf_counter() - started) * 1e3)
+        return logits
 
     @torch.inference_mode()
     def forward_batch(

@@ -139,4 +139,7 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         kv_bytes_per_token=description.kv_bytes_per_token,
         evicted_sessions=description.evicted_sessions,
         tensor_parallel_size=description.tensor_parallel_size,
+        calibrated_pass_ms=list(description.calibrated_pass_ms),
+        live_pass_ms=list(description.live_pass_ms),
+        cost_context_tokens=description.cost_context_tokens,
     )

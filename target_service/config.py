@@ -17,6 +17,12 @@ class TargetConfig(ModelServiceConfig):
     device_map: str | None = None  # "auto": shard layers over all visible GPUs (accelerate)
     tensor_parallel: int = 1  # processes (GPUs) every layer is split over; rank 0 serves
 
+    def resolved_quantize(self) -> str:
+        """A split model (device map, tensor parallel) is never quantised by `auto`."""
+        if self.quantize == "auto" and (self.tensor_parallel > 1 or self.device_map):
+            return "none"
+        return super().resolved_quantize()
+
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> TargetConfig:
     parser = argparse.ArgumentParser(prog="python -m target_service", description=__doc__.split(":")[0])
@@ -34,7 +40,12 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error("--tensor-parallel and --device-map are exclusive: choose one way to split the model")
     if ns.tensor_parallel > 1 and ns.device not in ("cpu", "cuda"):
         parser.error(f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {ns.device!r}")
-    return TargetConfig(
+    config = TargetConfig(
         **model_service_kwargs(ns, parser), device_map=ns.device_map or None,
         tensor_parallel=ns.tensor_parallel,
     )
+    if problem := config.quantize_problem():
+        parser.error(problem)
+    if config.quantize == "int8" and (config.tensor_parallel > 1 or config.device_map):
+        parser.error("--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or --device-map")
+    return config

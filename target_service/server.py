@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -14,6 +15,7 @@ from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
 from specdec.modeling import check_tensor_parallel, load_causal_lm
+from specdec.quantize import INT8_LABEL, quantize_int8
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -32,13 +34,22 @@ def load_runner(config: TargetConfig) -> TargetRunner:
     loaded = load_causal_lm(
         config.model, config.dtype, device, config.device_map, config.trust_remote_code, config.tensor_parallel
     )
-    return TargetRunner(
+    if config.resolved_quantize() == "int8":
+        # The output is then the int8 model's distribution, not the float32 model's (README: Exactness).
+        quantize_int8(loaded.model)
+        loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
+        logger.info("target Linear layers quantised to int8 (per-token activation scales)")
+    runner = TargetRunner(
         loaded,
         max_sessions=config.max_sessions,
         session_ttl_s=config.session_ttl_s,
         max_speculative_tokens=config.max_speculative_tokens,
         max_kv_bytes=config.max_kv_bytes,
     )
+    if config.calibrate:
+        # Under --tensor-parallel every rank runs this, so the passes' collectives line up.
+        runner.calibrate_costs(keep_all_logits=True)
+    return runner
 
 
 async def build_server(config: TargetConfig, runner: TargetRunner | None = None) -> RunningServer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,10 @@ def model_service_config(cls, model, **overrides):
         model=str(model), dtype="float32", device="cpu", host="127.0.0.1", port=0, threads=0,
         max_sessions=64, session_ttl_s=60.0, max_speculative_tokens=16,
         max_message_bytes=64 * 1024 * 1024, log_level="INFO",
+        # Start-up calibration is tested where it is the subject; the float32 target is the
+        # reference the greedy tests compare with (the int8 target has tests of its own).
+        # Confidence stops are off unless a test turns them on, so K means K.
+        calibrate=False, **({"quantize": "none"} if cls is TargetConfig else {"min_confidence": 0.0}),
     )
     base.update(overrides)
     return cls(**base)
@@ -66,12 +70,17 @@ async def inprocess_stack(
     coordinator_overrides: dict | None = None,
     target_overrides: dict | None = None,
     client_security: ClientSecurity | None = None,
+    prepare_runners: Callable[[DraftRunner, TargetRunner], None] | None = None,
 ) -> AsyncIterator[Stack]:
-    """`client_security`: how the stack's own stub reaches the coordinator (TLS, token)."""
+    """`client_security`: how the stack's own stub reaches the coordinator (TLS, token).
+    `prepare_runners` runs on the loaded runners before any server starts (to slow one down
+    and then calibrate, say)."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
     draft_runner = draft_server.load_runner(draft_config)
     target_runner = target_server.load_runner(target_config)
+    if prepare_runners is not None:
+        prepare_runners(draft_runner, target_runner)
     started: list[RunningServer] = []
     channel = None
     try:

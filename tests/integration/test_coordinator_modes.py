@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from specdec import wire
+from specdec.costs import PassCosts
 from specdec.probs import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
@@ -31,7 +32,15 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=sorted(MODES))
 async def stack(request, tiny_pair):
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=MODES[request.param]) as running:
+    def chooser_costs(draft_runner, target_runner) -> None:
+        # Figures under which the K chooser speculates (a cheap draft, a flat verify).
+        if MODES[request.param].get("adaptive_k"):
+            draft_runner.pass_costs = PassCosts((1.0,) * 9, context_tokens=128)
+            target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
+
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=MODES[request.param], prepare_runners=chooser_costs
+    ) as running:
         running.mode = request.param
         yield running
 

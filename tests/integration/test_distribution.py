@@ -19,7 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
+from specdec.quantize import quantize_int8
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
@@ -44,7 +46,13 @@ class Case:
     coordinator: dict = field(default_factory=dict)  # coordinator overrides (modes)
     length: int = LENGTH
     k: int | None = NUM_DRAFT  # None: the coordinator chooses (adaptive K)
+    target: dict = field(default_factory=dict)  # target service overrides
+    # (draft ms per step, target ms per pass) set as the services' calibrated costs, so the
+    # K chooser has figures to choose from: a cheap draft and a flat verify make it speculate.
+    costs: tuple[float, float] | None = None
 
+
+CHOOSER_COSTS = (1.0, 40.0)
 
 CASES = {
     "dense_full_draft_distribution": Case({"quantize": "none"}),
@@ -58,8 +66,16 @@ CASES = {
     # draft, which round 2 verifies when the guess was right.
     "pipelined_dense": Case({"quantize": "none"}, coordinator=PIPELINED, length=4, k=1),
     "pipelined_top_k_top_p": Case({"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1),
-    "pipelined_adaptive_k": Case({"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None),
-    "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None),
+    "pipelined_adaptive_k": Case({"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS),
+    "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS),
+    # Confidence stops: proposals end early after a token drawn with low draft probability.
+    "confidence_stop_sampled": Case({"quantize": "none", "min_confidence": 0.3}, length=4, k=3),
+    "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
+    "confidence_stop_adaptive_pipelined": Case(
+        {"quantize": "none", "min_confidence": 0.3}, coordinator={"pipeline": True}, length=4, k=None, costs=CHOOSER_COSTS
+    ),
+    # An int8 target: the output is the int8 model's own distribution.
+    "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
     # Hedges: a rejected round's next drafts come from a fork that assumed its outcome.
     "hedged_dense": Case({"quantize": "none"}, coordinator={"hedges": 2}, length=4, k=2),
     "pipelined_hedged_top_k": Case({"proposal_top_k": 4}, coordinator={"pipeline": True, "hedges": 1}, length=4, k=1),
@@ -73,10 +89,13 @@ def batch_invariant(draft: dict) -> bool:
 
 
 def exact_target_distribution(
-    model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT, length: int = LENGTH
+    model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT, length: int = LENGTH, int8: bool = False
 ) -> dict[tuple[int, ...], float]:
-    """Probability of every `length`-token continuation of `prompt` under the target, by enumeration."""
+    """Probability of every `length`-token continuation of `prompt` under the target (its int8
+    form if `int8`), by enumeration."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if int8:
+        quantize_int8(model)
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
         for _ in range(length):
@@ -117,17 +136,28 @@ async def sample_continuations(stub, params: SamplingParams, seeds, prompt=PROMP
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_sampled_output_has_target_distribution(word_pair, case):
     c = CASES[case]
-    expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
-    async with inprocess_stack(word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator) as stack:
+    expected = exact_target_distribution(
+        word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length, int8=c.target.get("quantize") == "int8"
+    )
+
+    def set_costs(draft_runner, target_runner) -> None:
+        if c.costs is not None:
+            draft_runner.pass_costs = PassCosts((c.costs[0],) * 9, context_tokens=128)
+            target_runner.pass_costs = PassCosts((c.costs[1],) * 9, context_tokens=128)
+
+    async with inprocess_stack(
+        word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator, target_overrides=c.target, prepare_runners=set_costs
+    ) as stack:
         stats: list = []
         samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats)
         repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
-    # Adaptive K picks K from measured timings, so which random draws a round uses, and hence
-    # the output for a seed, can differ between runs; its distribution cannot. Likewise an int8
-    # draft batched with other requests (the default) quantises each pass's activations with
-    # one scale, so what it drafts for a seed depends on which requests shared the pass.
-    if c.k is not None and batch_invariant(c.draft):
+    # The K chooser works from figures fixed at start-up, so a seed reproduces with it too.
+    if batch_invariant(c.draft):
         assert repeat == samples[:20], "the same seed must give the same output"
+    if c.costs is not None:
+        assert any(len(set(s.k_per_round)) > 1 or 0 < s.proposed_tokens for s in stats), "the chooser never speculated"
+    if c.draft.get("min_confidence"):
+        assert stack.draft_runner.confidence_stops > 0, "no proposal stopped on confidence; the case tests nothing new"
     assert all(len(s) == c.length for s in samples)
     if c.coordinator.get("pipeline"):
         hits = sum(s.predraft_hits for s in stats)

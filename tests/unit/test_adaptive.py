@@ -1,45 +1,86 @@
-"""Adaptive K: Leviathan's expected tokens over a fitted round time, pure functions."""
+"""The K chooser: Leviathan's expected tokens over the round time built from measured pass
+costs, K = 0 included; pure functions."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, LinearCost, best_k, expected_tokens
+from coordinator.adaptive import AdaptiveK, RoundCosts, best_k, expected_tokens
+
+# Shapes of the cost curves measured on real machines (ms per pass over 1..9 new tokens).
+FLAT_TARGET = tuple(150.0 + 5.0 * n for n in range(9))  # int8 1.5B on 2 AVX2 cores: ~flat to 5
+STEEP_TARGET = tuple(300.0 * (n + 1) for n in range(9))  # bf16 on AVX2: a 5-token pass ≈ 3-5× one
+CHEAP_DRAFT = (20.0,) * 9
+DEAR_DRAFT = (100.0,) * 9  # a draft two thirds as slow as the target
 
 
 def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.7, 0) == 1.0
 
 
-def test_best_k_grows_with_acceptance_and_with_cheaper_drafts():
-    verify = LinearCost(fixed=200.0, per_token=0.0)
-    cheap, dear = LinearCost(fixed=2.0, per_token=10.0), LinearCost(fixed=2.0, per_token=80.0)
-    assert best_k(0.95, cheap, verify, 8, pipelined=False) == 8
-    assert best_k(0.3, dear, verify, 8, pipelined=False) == 1
-    assert best_k(0.8, cheap, verify, 8, False) > best_k(0.8, dear, verify, 8, False)
-    # Pipelining hides part of the draft, so it never wants fewer drafts.
-    assert best_k(0.8, dear, verify, 8, pipelined=True) >= best_k(0.8, dear, verify, 8, pipelined=False)
+def test_round_costs_add_draft_steps_verify_pass_and_rpcs():
+    costs = RoundCosts(CHEAP_DRAFT, FLAT_TARGET, draft_rpc_ms=2.0, target_rpc_ms=3.0)
+    assert costs.round_ms(0, 0.5, pipelined=False) == pytest.approx(3.0 + 150.0)  # no draft call at all
+    assert costs.round_ms(4, 0.5, pipelined=False) == pytest.approx(2.0 + 4 * 20.0 + 3.0 + FLAT_TARGET[4])
+    # Pipelined, the draft is paid only when its pre-draft is not used (prob ≈ 1 − α^(K+1)).
+    assert costs.round_ms(4, 1.0, pipelined=True) == pytest.approx(3.0 + FLAT_TARGET[4])
+    # Past the calibrated sizes, costs are extrapolated from the curve's slope.
+    assert costs.verify_ms(12) == pytest.approx(3.0 + FLAT_TARGET[-1] + 5.0 * 4)
 
 
-def test_linear_cost_separates_fixed_and_per_token_once_k_varies():
-    cost = LinearCost(fixed=1.0, per_token=1.0)
-    for _ in range(3):
-        for n in (1, 2, 3, 4):
-            cost.observe(n, 30.0 + 40.0 * n)
-    assert cost.fixed == pytest.approx(30.0, rel=1e-6) and cost.per_token == pytest.approx(40.0, rel=1e-6)
-    single = LinearCost(fixed=10.0, per_token=10.0)
-    single.observe(3, 80.0)  # one K only: keeps the prior's split, matches the total
-    assert single.at(3) == pytest.approx(80.0) and single.fixed == pytest.approx(20.0)
+def test_best_k_is_zero_when_verifying_more_tokens_costs_several_times_one():
+    costs = RoundCosts(CHEAP_DRAFT, STEEP_TARGET)
+    for alpha in (0.3, 0.6, 0.8):
+        assert best_k(alpha, costs, 8, pipelined=False) == 0
 
 
-def test_adaptive_k_learns_acceptance_and_explores():
-    chooser = AdaptiveK(k_max=8, pipelined=False, draft=LinearCost(2.0, 20.0), verify=LinearCost(200.0, 0.0), accepted=1.5, reached=2.0)
-    for _ in range(30):
-        chooser.observe_round(proposed=4, accepted=0)  # every first draft rejected
-    assert chooser.alpha < 0.1
-    ks = [chooser.choose() for _ in range(16)]
-    assert ks.count(1) == 14 and ks[7] == ks[15] == 2, "every 8th round tries one K more"
-    chooser.observe_round(proposed=4, accepted=4)
-    assert chooser.reached == 2.0 + 30 + 4
+def test_best_k_is_zero_when_the_draft_is_dear_and_acceptance_is_low():
+    assert best_k(0.3, RoundCosts(DEAR_DRAFT, FLAT_TARGET), 8, pipelined=False) == 0
+    # ... but not when acceptance is high.
+    assert best_k(0.95, RoundCosts(DEAR_DRAFT, FLAT_TARGET), 8, pipelined=False) >= 1
+
+
+def test_best_k_grows_with_acceptance_and_cheaper_drafts():
+    cheap = RoundCosts(CHEAP_DRAFT, FLAT_TARGET)
+    dear = RoundCosts(tuple(60.0 for _ in range(9)), FLAT_TARGET)
+    assert best_k(0.9, cheap, 8, pipelined=False) >= 5
+    assert best_k(0.5, cheap, 8, pipelined=False) < best_k(0.9, cheap, 8, pipelined=False)
+    assert best_k(0.8, dear, 8, pipelined=False) < best_k(0.8, cheap, 8, pipelined=False)
+    # Hiding the draft behind the verify makes longer drafts pay.
+    assert best_k(0.8, dear, 8, pipelined=True) >= best_k(0.8, dear, 8, pipelined=False)
+
+
+def test_chooser_settles_at_zero_and_probes_now_and_then():
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(CHEAP_DRAFT, STEEP_TARGET), probe_every=4)
+    ks = [chooser.choose() for _ in range(15)]
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_chooser_learns_acceptance_and_leaves_zero_when_speculation_pays_again():
+    # A dear draft: speculation pays only at high acceptance. Low acceptance → K = 0 ...
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(DEAR_DRAFT, FLAT_TARGET), alpha_prior=0.2, probe_every=2)
+    assert chooser.choose() == 0
+    # ... then every probe is accepted in full (a code block the draft knows by heart).
+    for _ in range(12):
+        k = chooser.choose()
+        if k:
+            chooser.observe_round(k, k)
+    assert chooser.alpha > 0.75
+    assert chooser.history[-2:] == [1, 1]  # no longer waiting for probes
+    assert chooser.choose() >= 1
+
+
+def test_chooser_history_depends_only_on_outcomes():
+    """No clocks: the same outcomes give the same Ks (a seed's output is reproducible)."""
+
+    def run() -> list[int]:
+        chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(CHEAP_DRAFT, FLAT_TARGET))
+        for round_index in range(20):
+            k = chooser.choose()
+            chooser.observe_round(k, min(k, round_index % 3))
+        return chooser.history
+
+    assert run() == run()

@@ -1,0 +1,68 @@
+"""What a forward pass costs on the hardware a service runs on, measured rather than assumed.
+
+Whether verifying K + 1 tokens costs about as much as one depends on the machine: flat on a
+GPU or with AVX512-BF16, three times as much for bf16 on an AVX2-only CPU. Each model service
+therefore times its own passes at start-up (the calibrated figures, fixed until a restart so
+that the coordinator's choice of K, and hence a seed's output, does not move) and keeps a
+moving average of its live passes beside them (for monitoring).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+LIVE_DECAY = 0.9  # weight of the past in the live average, per observed pass
+CALIBRATION_CONTEXT = 128  # cached tokens under the timed passes: a typical chat prompt
+CALIBRATION_MAX_TOKENS = 9  # sizes timed: 1..9 new tokens (K <= 8); larger ones are extrapolated
+REPEAT_BELOW_MS = 250.0  # a pass slower than this is timed once: calibration stays within seconds
+
+
+@dataclass
+class PassCosts:
+    """ms per forward pass by number of new tokens: index i is i + 1 tokens."""
+
+    calibrated_ms: tuple[float, ...]
+    context_tokens: int
+    live_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.live_ms:
+            self.live_ms = list(self.calibrated_ms)
+
+    def observe(self, new_tokens: int, ms: float) -> None:
+        """A live one-session pass; sizes outside the calibrated range are ignored."""
+        if 1 <= new_tokens <= len(self.live_ms):
+            i = new_tokens - 1
+            self.live_ms[i] = LIVE_DECAY * self.live_ms[i] + (1.0 - LIVE_DECAY) * ms
+
+
+def calibrate(run_pass: Callable[[int], None], max_new_tokens: int, repeats: int = 3, warmup: int = 2) -> tuple[float, ...]:
+    """Times `run_pass(n)` for n = 1..max_new_tokens; the fastest of up to `repeats` runs per
+    size (the least disturbed by whatever else the machine is doing)."""
+    for _ in range(warmup):
+        run_pass(1)
+    costs = []
+    for n in range(1, max_new_tokens + 1):
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run_pass(n)
+            best = min(best, (time.perf_counter() - started) * 1e3)
+            if best > REPEAT_BELOW_MS:
+                break
+        costs.append(best)
+    # A pass over fewer tokens never costs more than one over more: a size that came out
+    # dearer than a larger one was disturbed, and takes the larger one's figure.
+    for i in range(len(costs) - 2, -1, -1):
+        costs[i] = min(costs[i], costs[i + 1])
+    return tuple(costs)
+
+
+def cost_at(costs: tuple[float, ...] | list[float], new_tokens: int) -> float:
+    """The cost of a pass over `new_tokens`, extrapolating linearly past the measured range."""
+    if new_tokens <= len(costs):
+        return float(costs[max(new_tokens, 1) - 1])
+    slope = (costs[-1] - costs[0]) / (len(costs) - 1) if len(costs) > 1 else 0.0
+    return float(costs[-1] + max(slope, 0.0) * (new_tokens - len(costs)))

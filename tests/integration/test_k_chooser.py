@@ -1,0 +1,93 @@
+"""The K chooser through real servers, from costs the services measure on themselves: it
+settles at K = 0 where verifying more tokens costs much more (output unchanged), at K >= 3
+where verification is cheap, and a seed gives the same output either way."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from specdec.v1 import coordinator_pb2 as pb
+from tests.stack import inprocess_stack
+
+PROMPTS = ["def add(a, b):", "The quick brown fox"]
+
+
+def slow_passes(runner, fixed_s: float, per_token_s: float) -> None:
+    """Every pass of `runner` (calibration's too) takes fixed_s + per_token_s × new tokens longer."""
+    plain = runner._forward_admitted
+
+    def slow(session, token_ids, logits_to_keep):
+        time.sleep(fixed_s + per_token_s * len(token_ids))
+        return plain(session, token_ids, logits_to_keep)
+
+    runner._forward_admitted = slow
+
+
+def calibrated(target_fixed_s: float, target_per_token_s: float):
+    def prepare(draft_runner, target_runner) -> None:
+        slow_passes(target_runner, target_fixed_s, target_per_token_s)
+        draft_runner.calibrate_costs(keep_all_logits=False)
+        target_runner.calibrate_costs(keep_all_logits=True)
+
+    return prepare
+
+
+async def generate(stack, prompt: str, **fields) -> pb.GenerateResponse:
+    return await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, **fields), timeout=120)
+
+
+async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair, reference):
+    # A target pass over n tokens costs 2 + 30n ms: a pass over two tokens costs nearly two
+    # target-only steps, so speculation cannot pay.
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)) as stack:
+        for prompt in PROMPTS:
+            chosen = await generate(stack, prompt)
+            assert list(chosen.token_ids) == reference(prompt)
+            ks = list(chosen.stats.k_per_round)
+            assert ks.count(0) >= 0.8 * len(ks), ks
+            # Speculative rounds are lone probes between runs of K = 0 rounds.
+            assert all(ks[i - 1] == 0 for i, k in enumerate(ks) if k and i), f"{ks}"
+            sampled = [await generate(stack, prompt, temperature=0.8, seed=11) for _ in range(2)]
+            assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
+
+
+async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, reference):
+    # A flat 40 ms target pass and a ~1 ms draft step: long drafts cost almost nothing.
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.040, 0.0)) as stack:
+        ks: list[int] = []
+        for prompt in PROMPTS:
+            chosen = await generate(stack, prompt)
+            assert list(chosen.token_ids) == reference(prompt)
+            ks += list(chosen.stats.k_per_round)[:-1]  # the last round is cut to the tokens left
+            sampled = [await generate(stack, prompt, temperature=0.8, seed=5) for _ in range(2)]
+            assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
+        ks.sort()
+        assert ks[len(ks) // 2] >= 3, ks
+
+
+async def test_a_request_that_fixes_k_gets_it(tiny_pair):
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)) as stack:
+        fixed = await generate(stack, PROMPTS[0], num_speculative_tokens=3)
+        assert set(list(fixed.stats.k_per_round)[:-1]) == {3}
+
+
+async def test_confidence_stop_shortens_proposals_and_keeps_greedy_output(tiny_pair, reference):
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}) as stack:
+        drafts_per_round = {}
+        for threshold in (0.0, 0.9):
+            stops_before = stack.draft_runner.confidence_stops
+            rounds = proposed = 0
+            for prompt in PROMPTS:
+                response = await generate(stack, prompt, num_speculative_tokens=6, draft_min_confidence=threshold)
+                assert list(response.token_ids) == reference(prompt), f"threshold {threshold}"
+                rounds += response.stats.rounds
+                proposed += response.stats.proposed_tokens
+            drafts_per_round[threshold] = proposed / rounds
+            assert (stack.draft_runner.confidence_stops > stops_before) == bool(threshold)
+        assert drafts_per_round[0.9] < drafts_per_round[0.0], drafts_per_round
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await generate(stack, PROMPTS[0], draft_min_confidence=1.5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_min_confidence" in error.value.details()
