@@ -52,7 +52,10 @@ class Case:
     costs: tuple[float, float] | None = None
 
 
-CHOOSER_COSTS = (1.0, 40.0)
+CHOOSER_COSTS = (1.0, 40.0)  # long drafts pay: sequential cases fill the tokens in one round
+# Drafts half as dear as a verify: the pipelined cases settle at K = 1, so rounds continue
+# from pre-drafts.
+PIPELINED_CHOOSER_COSTS = (20.0, 40.0)
 
 CASES = {
     "dense_full_draft_distribution": Case({"quantize": "none"}),
@@ -66,13 +69,15 @@ CASES = {
     # draft, which round 2 verifies when the guess was right.
     "pipelined_dense": Case({"quantize": "none"}, coordinator=PIPELINED, length=4, k=1),
     "pipelined_top_k_top_p": Case({"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1),
-    "pipelined_adaptive_k": Case({"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS),
+    "pipelined_adaptive_k": Case(
+        {"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None, costs=PIPELINED_CHOOSER_COSTS
+    ),
     "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS),
     # Confidence stops: proposals end early after a token drawn with low draft probability.
     "confidence_stop_sampled": Case({"quantize": "none", "min_confidence": 0.3}, length=4, k=3),
     "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
     "confidence_stop_adaptive_pipelined": Case(
-        {"quantize": "none", "min_confidence": 0.3}, coordinator={"pipeline": True}, length=4, k=None, costs=CHOOSER_COSTS
+        {"quantize": "none", "min_confidence": 0.3}, coordinator={"pipeline": True}, length=4, k=None, costs=PIPELINED_CHOOSER_COSTS
     ),
     # An int8 target: the output is the int8 model's own distribution.
     "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
