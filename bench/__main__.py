@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(results: dict, out_dir: Path) -> int:
+    if results.get("suite") == "overhead":
+        from bench import overhead
+
+        return overhead.write(results, out_dir)
     if results.get("suite") == "concurrency":
         return _write_concurrency(results, out_dir)
     summary = summarise(results)

@@ -76,7 +76,7 @@ class ConcurrencyRunner:
                 }
                 model_flags = {
                     "draft": ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *drafter_args("int8", config)],
-                    "target": ["--model", str(config.target_model), "--dtype", config.target_dtype],
+                    "target": ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize],
                 }
                 services[batching] = {}
                 for role in ("draft", "target"):

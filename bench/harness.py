@@ -28,6 +28,7 @@ from specdec.launch import free_port, model_service_args, spawn, spawn_coordinat
 from specdec.modeling import DTYPES
 from specdec.quantize import quantize_int8
 from specdec.real_models import DRAFT, TARGET
+from target_service.pick import FLAGS, pick_in_subprocess
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -87,6 +88,8 @@ class BenchConfig:
     sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
     batch_window_ms: float = 2.0  # concurrency suite: the batching target's --batch-window-ms
     requests: int = 0  # concurrency suite: requests per sample (0 = the largest --sessions)
+    target_quantize: str = "none"  # the target service's --quantize; "int8" also for the HF baselines' target
+    target_pick: str = ""  # why this target setting: target_service.pick's table and reason (--target-setting auto)
 
 
 @dataclass(frozen=True)
@@ -189,17 +192,20 @@ class OursRunner:
         model_args, env = model_service_args(config.device, config.threads)
         try:
             target = self._start(
-                "target_service", ["--model", str(config.target_model), "--dtype", config.target_dtype, *model_args], log_dir / "target.log", env
+                "target_service",
+                ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize, *model_args],
+                log_dir / "target.log", env,
             )
-            drafts = {
-                name: self._start(
+            # One at a time: each service times its own passes at start-up (--calibrate), which a
+            # neighbour loading its weights on the same cores would skew.
+            target.wait_healthy(900)
+            drafts = {}
+            for name in drafters:
+                drafts[name] = self._start(
                     "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *model_args, *drafter_args(name, config)],
                     log_dir / f"draft-{name}.log", env,
                 )
-                for name in drafters
-            }
-            for process in [target, *drafts.values()]:
-                process.wait_healthy(900)
+                drafts[name].wait_healthy(900)
             self.channels: dict[tuple[str, str], grpc.Channel] = {}
             self.stubs: dict[tuple[str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
             for drafter, variant in variants:
@@ -261,6 +267,8 @@ class HFRunner:
         self.device = config.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_model)
         self.target = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype]).to(config.device).eval()
+        if config.target_quantize == "int8":  # the same int8 layers as the target service
+            quantize_int8(self.target)
         self.drafts = {}
         for name in drafts:
             dtype = DTYPES["float32" if name == "int8" else config.draft_dtype]
@@ -300,6 +308,17 @@ class HFRunner:
         return Sample(mode.name, "", temperature, 0, int(out.shape[1] - ids.shape[1]), total_ms, ttft_ms)
 
 
+def cpu_flags() -> str:
+    """The vector extensions every CPU figure depends on (lscpu's flags, filtered)."""
+    import re
+
+    try:
+        flags = set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni|fma)\b", Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(flags)) or "no AVX2/AVX-512"
+
+
 def machine_info(config: BenchConfig) -> dict:
     cpu = platform.processor()
     try:
@@ -312,7 +331,9 @@ def machine_info(config: BenchConfig) -> dict:
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": cpu,
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
+        "target_setting": config.target_pick,
         "device": config.device,
         "gpu": torch.cuda.get_device_name(0) if config.device.startswith("cuda") else None,
         "torch": torch.__version__,
@@ -338,6 +359,10 @@ def machine_info(config: BenchConfig) -> dict:
 
 def run_bench(config: BenchConfig) -> dict:
     prompts = json.loads(config.prompts_file.read_text())["prompts"]
+    if config.suite == "overhead":
+        from bench.overhead import run_overhead
+
+        return run_overhead(config, prompts, machine_info(config))
     if config.suite == "concurrency":
         from bench.concurrency import run_concurrency
 
@@ -380,13 +405,27 @@ def run_bench(config: BenchConfig) -> dict:
     }
 
 
+def resolve_target_setting(setting: str, target_model: Path, threads: int, device: str) -> tuple[str, str, str]:
+    """(--dtype, --quantize, why) for the target; `auto` measures on CPU, bfloat16 on a GPU."""
+    if setting == "auto" and device != "cpu":
+        setting = "bfloat16"
+    if setting != "auto":
+        return (*FLAGS[setting], f"{setting} (--target-setting)")
+    choice = pick_in_subprocess(target_model, threads, cwd=ROOT)
+    logger.info("target setting: %s\n%s\n%s", choice["setting"], choice["table"], choice["reason"])
+    return choice["dtype"], choice["quantize"], f"{choice['table']}\npicked {choice['setting']}: {choice['reason']}"
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     models = ROOT / ".cache/models"
     parser.add_argument("--draft-model", type=Path, default=models / DRAFT.name)
     parser.add_argument("--target-model", type=Path, default=models / TARGET.name)
     parser.add_argument("--draft-dtype", default="bfloat16")
-    parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument(
+        "--target-setting", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
+        help="the target for every mode (ours and HF); auto times the three on this machine (python -m target_service.pick) and uses the fastest",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda; results are written per device, never mixed")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every mode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -398,7 +437,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency"], default="k-sweep",
+        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency", "overhead"], default="k-sweep",
         help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
         "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); concurrency: aggregate tokens/s "
         "with --sessions generations at once, the target batching Verify calls or not (int8 draft, greedy)",
@@ -415,11 +454,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
+    # The overhead suite runs a tiny model of its own: no target to pick.
+    setting = "float32" if args.suite == "overhead" else args.target_setting
+    target_dtype, target_quantize, target_pick = resolve_target_setting(setting, args.target_model, args.threads, args.device)
     folder = args.device + ("" if args.suite == "k-sweep" else f"-{args.suite}")
     out = args.out or ROOT / "bench/results" / (f"{folder}-quick" if args.quick else folder)
     config = BenchConfig(
         draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,
-        target_dtype=args.target_dtype, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
+        target_dtype=target_dtype, target_quantize=target_quantize, target_pick=target_pick, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
         prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab, only=tuple(args.only),
         sessions=tuple(args.sessions), batch_window_ms=args.batch_window_ms, requests=args.requests,

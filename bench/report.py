@@ -164,6 +164,10 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
         + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['threads']['in_process_hf']} threads per mode; {machine['date']}",
         "",
     ]
+    if machine.get("cpu_flags"):
+        lines += [f"CPU flags: {machine['cpu_flags']}", ""]
+    if machine.get("target_setting"):
+        lines += ["Target setting:", "", machine["target_setting"], ""]
     for temperature, rows in summary.items():
         lines += [
             f"**{'greedy' if temperature == 0 else f'temperature {temperature}'}**",

@@ -36,6 +36,7 @@ class GenerationStats:
     predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified per round
     round_ms: list[float] = field(default_factory=list)  # wall time of each round
+    round_overhead_ms: list[float] = field(default_factory=list)  # of it, not inside the services' model work
     draft_failures: int = 0  # draft calls that failed after retries
     fallback_rounds: int = 0  # rounds run target-only because the draft failed or was skipped
     target_retries: int = 0  # target calls retried after UNAVAILABLE (a restarting target)

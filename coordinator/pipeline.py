@@ -171,8 +171,8 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.pair = pair
         self._cleanup: set[asyncio.Task] = set()
-        # The K chooser's acceptance prior for unseeded requests, learned from finished ones
-        # (seeded requests start from the fixed default, so their K depends only on themselves).
+        # The K chooser's acceptance prior, learned from finished requests (seeded sampled
+        # requests start from the fixed default, so their K depends only on themselves).
         self._alpha_prior = DEFAULT_ALPHA_PRIOR
         # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
         self.breaker = CircuitBreaker(config.breaker_failures)
@@ -295,6 +295,7 @@ class Coordinator:
             while True:
                 with tracer.start_as_current_span("round", attributes={"specdec.round.index": stats.rounds}) as round_span:
                     round_started = stats.elapsed_ms()
+                    compute_before = stats.draft_compute_ms + stats.target_compute_ms
                     remaining = job.max_new_tokens - len(text.token_ids)
                     limit = self._k_limit(len(sequence), remaining)
                     k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
@@ -387,6 +388,7 @@ class Coordinator:
                     stats.mark_first_token()
                     delta = text.take_delta()
                     stats.round_ms.append(stats.elapsed_ms() - round_started)
+                    stats.round_overhead_ms.append(stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before))
                     round_span.set_attributes({
                         "specdec.round.k": proposed,
                         "specdec.round.accepted": outcome.num_accepted,
@@ -426,7 +428,9 @@ class Coordinator:
             k_max=self.pair.max_num_speculative_tokens,
             pipelined=pipelined,
             costs=self.pair.costs,
-            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded else self._alpha_prior,
+            # A seeded sampled request's output depends on K, so its K may depend on nothing but
+            # itself; greedy output is the target's whatever K is.
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
         )
 
     def _learn(self, adaptive: AdaptiveK | None) -> None:

@@ -102,6 +102,8 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         draft_failures=stats.draft_failures,
         fallback_rounds=stats.fallback_rounds,
         target_retries=stats.target_retries,
+        round_ms=stats.round_ms,
+        round_overhead_ms=stats.round_overhead_ms,
     )
 
 

@@ -12,6 +12,11 @@ from specdec.config import EnvArgs, ModelServiceConfig, add_model_service_args, 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
 DRAFTERS = ("model", "ngram")
+# A sampled proposal is drawn from the draft's own top-k and shipped as (id, prob) pairs:
+# 2 KiB per token instead of 0.6 MB of dense float32 over a 152k vocabulary. Exact, since
+# it is the distribution the token was drawn from; what it costs in acceptance is measured
+# by `python -m bench.draft_truncation` (README: Speculation that adapts to the machine).
+DEFAULT_PROPOSAL_TOP_K = 256
 # HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
 DEFAULT_MIN_CONFIDENCE = 0.4
 
@@ -23,7 +28,7 @@ class DraftConfig(ModelServiceConfig):
     ngram_min: int = 2  # shortest suffix the prompt-lookup drafter matches
     ngram_max: int = 4  # longest suffix it tries first
     proposal_mode: str = "sample"  # "greedy": propose the draft's argmax even when sampling
-    proposal_top_k: int = 0  # draft-side truncation of its own distribution; 0 = off
+    proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K  # draft-side truncation of its own distribution; 0 = off
     min_confidence: float = DEFAULT_MIN_CONFIDENCE  # stop a proposal after a token drawn with less probability; 0 = never
 
 
@@ -36,7 +41,10 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--ngram-min", 2, "prompt lookup: shortest suffix n-gram to match", type=int)
     args.add("--ngram-max", 4, "prompt lookup: longest suffix n-gram, tried first", type=int)
     args.add("--proposal-mode", "sample", "how the draft proposes when the request samples", choices=list(PROPOSAL_MODES))
-    args.add("--proposal-top-k", 0, "truncate the draft's distribution to its top k (0 = off); exact either way", type=int)
+    args.add(
+        "--proposal-top-k", DEFAULT_PROPOSAL_TOP_K, "sample from the draft's distribution truncated to its top k and ship "
+        "that sparsely (0 = full distribution, shipped dense); exact either way", type=int,
+    )
     args.add(
         "--min-confidence", DEFAULT_MIN_CONFIDENCE, "stop a proposal early after a token the draft drew with less than this "
         "probability (0 = always propose K; a request may set its own); exact either way", type=float,

@@ -18,11 +18,13 @@ sys.path.insert(0, str(ROOT))
 
 from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
+from target_service.pick import FLAGS, pick_in_subprocess  # noqa: E402
 from specdec.v1 import common_pb2, draft_pb2_grpc  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
 SYSTEM = "You are a helpful coding assistant."
+TARGET_SETTINGS = FLAGS  # --target-setting: the target service's --dtype and --quantize
 SUMMARY_SOURCE = (
     "The draft model proposes several tokens, and the target model checks all of them in one forward "
     "pass. Accepted tokens are kept; the first rejected token is replaced with a sample from the "
@@ -53,8 +55,10 @@ def main() -> int:
         help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it unquantised",
     )
     parser.add_argument("--drafter", choices=["model", "ngram"], default="model", help="draft service drafter")
-    parser.add_argument("--target-dtype", default="float32", help="float32 lets the target service quantise to int8 (--target-quantize auto)")
-    parser.add_argument("--target-quantize", choices=["auto", "int8", "none"], default="auto", help="target service --quantize")
+    parser.add_argument(
+        "--target-setting", choices=["auto", *TARGET_SETTINGS], default="auto",
+        help="auto: time float32, bfloat16 and int8 target passes on this machine and use the fastest",
+    )
     parser.add_argument("--k", type=int, default=None, help="speculative tokens per round (default: the coordinator chooses each round)")
     parser.add_argument("--min-confidence", type=float, default=None, help="draft confidence stop (default: the draft service's)")
     parser.add_argument("--pipeline", choices=["on", "off"], default="off", help="coordinator: pre-draft during verification")
@@ -67,11 +71,14 @@ def main() -> int:
 
     draft_dir, target_dir = args.models_dir / DRAFT.name, args.models_dir / TARGET.name
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-logs-"))
-    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, {args.target_dtype}); logs in {log_dir}")
+    print(cpu_line())
+    setting = args.target_setting if args.target_setting != "auto" else pick_target(target_dir, args.threads)
+    args.target_dtype, target_quantize = TARGET_SETTINGS[setting]
+    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, {setting}); logs in {log_dir}")
     with local_stack(
         draft_dir, target_dir, log_dir, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, threads=args.threads,
         draft_args=["--drafter", args.drafter] + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
-        target_args=["--quantize", args.target_quantize],
+        target_args=["--quantize", target_quantize],
         coordinator_args=["--pipeline", args.pipeline],
         cwd=ROOT,
     ) as services:
@@ -82,6 +89,37 @@ def main() -> int:
             f"{draft_info.dtype}; target {services['target'].address})\n"
         )
         return run_prompts(services["coordinator"].address, args)
+
+
+def cpu_line() -> str:
+    """The CPU and its vector extensions: every figure printed below depends on them."""
+    import platform
+    import re
+
+    import torch
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+        model = re.search(r"model name\s*:\s*(.*)", text)
+        found = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni)\b", text)))
+        flags = f"{model.group(1) if model else platform.processor()}; {' '.join(found) or 'no AVX2/AVX-512'}"
+    except OSError:
+        flags = platform.processor()
+    return f"CPU: {flags}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def pick_target(target_dir: Path, threads: int) -> str:
+    print("measuring the target's settings on this machine (python -m target_service.pick, about a minute) ...")
+    try:
+        choice = pick_in_subprocess(target_dir, threads, cwd=ROOT)
+    except RuntimeError as exc:
+        print(f"{exc}\nusing int8")
+        return "int8"
+    print(choice["table"])
+    print(f"picked target setting {choice['setting']}: {choice['reason']}\n")
+    return choice["setting"]
 
 
 def run_prompts(address: str, args: argparse.Namespace) -> int:
@@ -127,7 +165,7 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
     if greedy and any(not same for *_, same in rows) and args.target_dtype != "float32":
         print(
             "note: in bfloat16 a K+1-token verify pass and a 1-token pass round differently, so greedy output can\n"
-            "      drift from target-only decoding; with --target-dtype float32 it is token-identical."
+            "      drift from target-only decoding; with --target-setting float32 or int8 it is token-identical."
         )
     return 0
 

@@ -71,10 +71,28 @@ class TargetRunner(ModelRunner):
         return self.verify_one(call)
 
     def verify_one(self, call: VerifyCall) -> Verification:
-        """One session's round, in a forward pass of its own."""
+        """One session's round, in a forward pass of its own (two when it carries a prefill)."""
         admitted = self._admit(call)
-        logits = self.forward(admitted.session, admitted.pending, logits_to_keep=len(call.draft_token_ids) + 1)  # [K + 1, V]
-        return self._conclude(admitted, logits, batch_size=1)
+        return self._conclude(admitted, self._forward_round(admitted), batch_size=1)
+
+    def _forward_round(self, admitted: _Admitted) -> torch.Tensor:
+        """Logits [K + 1, V] of the last committed token and the K drafts.
+
+        Committed tokens before those (a prompt, a re-prefill) run first in a pass of their
+        own, which is then the same pass whatever K is; the scored pass holds only the last
+        committed token and the drafts, which the per-row attention computes exactly as
+        one-token passes would (specdec.attention). So a K = 4 run and a K = 0 run of the same
+        request see bitwise the same logits on CPU.
+        """
+        scored = len(admitted.call.draft_token_ids) + 1
+        if len(admitted.pending) > scored:
+            try:  # the budget check sees the whole round, as in a batched pass
+                self.sessions.make_room(admitted.session, len(admitted.pending) * self.kv_bytes_per_token, self.kv_bytes_per_token)
+            except BaseException:
+                self.sessions.end(admitted.session.session_id)
+                raise
+            self.forward(admitted.session, admitted.pending[:-scored], logits_to_keep=1)
+        return self.forward(admitted.session, admitted.pending[-scored:], logits_to_keep=scored)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | Exception]:
         """Several sessions' rounds in as few forward passes as padding allows (usually one).
@@ -88,6 +106,13 @@ class TargetRunner(ModelRunner):
             admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
             for group in batch_groups([len(item.pending) for _, item in admitted], self.max_padding_ratio):
                 members = [admitted[position] for position in group]
+                if len(members) == 1:  # alone in its pass: exactly as verify_one
+                    index, item = members[0]
+                    try:
+                        results[index] = self._conclude(item, self._forward_round(item), batch_size=1)
+                    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                        results[index] = exc
+                    continue
                 outputs = self.forward_batch(
                     [item.session for _, item in members],
                     [item.pending for _, item in members],

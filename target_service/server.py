@@ -14,6 +14,7 @@ from target_service import tensor_parallel
 from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
+from specdec import attention
 from specdec.modeling import check_tensor_parallel, load_causal_lm
 from specdec.quantize import INT8_LABEL, quantize_int8
 from specdec.security import load_server_security
@@ -39,6 +40,10 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         quantize_int8(loaded.model)
         loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
         logger.info("target Linear layers quantised to int8 (per-token activation scales)")
+    if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
+        # Per-row attention: a token's logits are the same in a verify pass as in a one-token
+        # pass (specdec.attention); on a GPU, a Python loop over rows would cost more than it saves.
+        loaded.model.set_attn_implementation(attention.NAME)
     runner = TargetRunner(
         loaded,
         max_sessions=config.max_sessions,

@@ -26,9 +26,9 @@ REQUESTS = [
 async def stack(tiny_pair):
     # A window far longer than a tiny verify, so concurrent calls reliably meet.
     batching = {"batch_window_ms": 20.0, "max_batch_size": 8}
-    # A float32 draft: an int8 one quantises activations with one scale per pass, so its
-    # batched distributions differ from lone ones by more than rounding (still exact: each
-    # token is sent with the distribution it was drawn from), and seeded outputs would differ.
+    # A float32 draft: batched passes equal lone ones to float32 rounding, which an int8 draft
+    # could now and then turn into a quantisation step (still exact: each token is sent with
+    # the distribution it was drawn from), and the seeded comparison below needs equality.
     draft = {**batching, "quantize": "none"}
     async with inprocess_stack(tiny_pair, draft_overrides=draft, target_overrides=batching) as running:
         yield running

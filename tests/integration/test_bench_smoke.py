@@ -14,7 +14,7 @@ def test_bench_harness_runs_all_modes_and_writes_results(tiny_pair, tmp_path):
     out = tmp_path / "out"
     code = bench_main([
         "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1",
+        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1",
         "--max-new-tokens", "8", "--repeats", "2", "--ks", "1", "3", "--hf-assisted", "default", "2",
         "--temperatures", "0", "0.7", "--prompts-file", str(prompts), "--out", str(out),
     ])
@@ -47,7 +47,7 @@ def test_bench_drafters_suite_runs_every_drafter(tiny_pair, tmp_path):
     out = tmp_path / "out"
     code = bench_main([
         "--suite", "drafters", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1", "--draft-vocab", "128",
+        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1", "--draft-vocab", "128",
         "--max-new-tokens", "8", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
     ])
     assert code == 0
@@ -66,7 +66,7 @@ def test_bench_modes_suite_reports_pipelining_hedging_and_adaptive_k(tiny_pair, 
     out = tmp_path / "out"
     code = bench_main([
         "--suite", "modes", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1",
+        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1",
         "--max-new-tokens", "12", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
     ])
     assert code == 0
@@ -86,7 +86,7 @@ def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_
     out = tmp_path / "out"
     code = bench_main([
         "--suite", "concurrency", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-dtype", "float32", "--threads", "1", "--sessions", "1", "3",
+        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1", "--sessions", "1", "3",
         "--batch-window-ms", "50", "--max-new-tokens", "12", "--repeats", "1", "--prompts-file", str(prompts), "--out", str(out),
     ])
     assert code == 0

@@ -58,8 +58,8 @@ CHOOSER_COSTS = (1.0, 40.0)  # long drafts pay: sequential cases fill the tokens
 PIPELINED_CHOOSER_COSTS = (20.0, 40.0)
 
 CASES = {
-    "dense_full_draft_distribution": Case({"quantize": "none"}),
-    "dense_int8_draft": Case({"quantize": "int8"}),
+    "dense_full_draft_distribution": Case({"quantize": "none", "proposal_top_k": 0}),
+    "dense_int8_draft": Case({"quantize": "int8", "proposal_top_k": 0}),
     "sparse_draft_top_k": Case({"proposal_top_k": 3}),
     "sparse_reduced_vocab_head": Case({"draft_vocab": 6}),
     "one_hot_greedy_proposals": Case({"proposal_mode": "greedy"}),

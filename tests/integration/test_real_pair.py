@@ -34,7 +34,9 @@ NEW_TOKENS = 24
 
 def test_real_pair_greedy_is_exact(tmp_path):
     target_dir, draft_dir = MODELS_DIR / TARGET.name, MODELS_DIR / DRAFT.name
-    with local_stack(draft_dir, target_dir, tmp_path, draft_dtype="bfloat16", target_dtype="float32", threads=2, cwd=ROOT) as services:
+    with local_stack(
+        draft_dir, target_dir, tmp_path, draft_dtype="bfloat16", target_dtype="float32", target_args=["--quantize", "none"], threads=2, cwd=ROOT
+    ) as services:
         with grpc.insecure_channel(services["coordinator"].address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             outputs = {

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from specdec import attention
 from specdec.modeling import load_causal_lm
 from specdec.probs import SamplingParams
 from specdec.runner import batch_groups, call_waves
@@ -25,7 +26,9 @@ KV_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 @pytest.fixture(scope="module")
 def loaded(tiny_pair):
-    return load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    loaded.model.set_attn_implementation(attention.NAME)  # as the target service runs on CPU
+    return loaded
 
 
 def make_runner(loaded, **kwargs) -> TargetRunner:

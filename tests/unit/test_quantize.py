@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from specdec import attention
 from specdec.quantize import RowwiseInt8Linear, int8_supported, quantize_int8
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch build has no CPU int8 engine")
@@ -58,7 +59,21 @@ def test_a_k_plus_one_token_pass_scores_like_one_token_passes(tiny_pair):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     together, one_by_one = pass_vs_steps(model)
     torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-4)
-    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
+    # With per-row attention as well (as the target service runs on CPU), bitwise equal.
+    model.set_attn_implementation(attention.NAME)
+    ids_tail = ids[:, 3:]
+
+    def prefix_then(model, tail_together: bool) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
+            if tail_together:
+                return model(input_ids=ids_tail, past_key_values=cache, use_cache=True).logits[0]
+            return torch.cat([
+                model(input_ids=ids_tail[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(ids_tail.shape[1])
+            ])
+
+    assert torch.equal(prefix_then(model, True), prefix_then(model, False))
     # Power: torch's per-pass activation scale gives a different answer for the same token.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,3 +88,16 @@ def test_refuses_what_it_cannot_quantise(tiny_pair):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         quantize_int8(model)
+
+
+def test_extreme_activations_and_weights_do_not_saturate_the_int8_kernel():
+    """Every activation at its row's maximum against every weight at its channel's maximum:
+    the largest products the kernel can see. fbgemm's AVX2 path adds product pairs in int16;
+    with 8-bit weights and 8-bit activations these would saturate and the sum come out wrong."""
+    linear = torch.nn.Linear(512, 4, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.5)
+        linear.weight[1].fill_(-0.5)
+    rows = torch.full((3, 512), 2.0)
+    rows[1] = -2.0
+    torch.testing.assert_close(RowwiseInt8Linear(linear)(rows), linear(rows), rtol=1e-2, atol=1e-2)

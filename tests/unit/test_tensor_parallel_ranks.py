@@ -87,6 +87,7 @@ def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny
     full_token = load_runner(dataclasses.replace(config, tensor_parallel=1)).kv_bytes_per_token
     config = dataclasses.replace(config, max_kv_bytes=48 * full_token // 2)
     alone = load_runner(dataclasses.replace(config, tensor_parallel=1, max_kv_bytes=48 * full_token))
+    alone.model.set_attn_implementation("sdpa")  # as the ranks run (per-row attention is for one CPU process)
     expected = _script(alone, lambda: time.sleep(config.session_ttl_s + 0.3))
 
     context = mp.get_context("spawn")

@@ -1,0 +1,59 @@
+"""Attention that computes each query row on its own, so a token's attention output is bitwise
+the same in a K + 1-token verify pass as in a one-token decode pass.
+
+A fused attention kernel tiles its work by the number of query rows, so row i of a 5-row pass
+and the single row of a 1-row pass at the same position sum in different orders: float32
+rounding. With an int8 target such differences can cross a quantisation step, and a greedy
+speculative run then drifts from the target's own one-token decoding (seen on real prompts).
+Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced and copied to
+the layout a one-token pass at that position has, with the same operations; per-token Linear
+layers (specdec.quantize) and per-token norms, rotary embeddings and activations then make
+the whole pass per-token exact. Passes with more than MAX_ROWS rows (a prompt prefill) and
+padded batches use transformers' SDPA: the target runs a prompt's prefill as a pass of its own
+(TargetRunner), the same pass whatever K is.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "specdec_rowwise"
+MAX_ROWS = 32  # verify passes have K + 1 <= 17 rows; a longer pass is a prefill
+
+
+def rowwise_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, Hkv, L, D], the cache included
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    batch, heads, rows, dim = query.shape
+    # One unpadded sequence (the runner never pads a lone session): causal by construction.
+    if batch != 1 or rows > MAX_ROWS or dropout or kwargs.get("sliding_window") and key.shape[2] > kwargs["sliding_window"]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    past = length - rows
+    outputs = []
+    for row in range(rows):
+        visible = past + row + 1
+        q = query[:, :, row, :].reshape(batch, kv_heads, groups, dim).contiguous()  # [1, Hkv, G, D]
+        k = key[:, :, :visible, :].contiguous()  # [1, Hkv, P + j + 1, D]
+        v = value[:, :, :visible, :].contiguous()
+        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(q.dtype)  # [1, Hkv, G, P + j + 1]
+        outputs.append(torch.matmul(weights, v).reshape(batch, 1, heads, dim))  # [1, 1, H, D]
+    return torch.cat(outputs, dim=1), None  # [1, Q, H, D]
+
+
+AttentionInterface.register(NAME, rowwise_attention_forward)
+# The same masks SDPA gets: padded batches fall back to SDPA and need them (without a mask
+# function of its own, transformers would build no mask at all for this implementation).
+AttentionMaskInterface.register(NAME, sdpa_mask)
