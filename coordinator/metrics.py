@@ -29,7 +29,7 @@ class GenerationStats:
     pipelined: bool = False
     predrafts: int = 0  # continuations started during a verify
     predraft_hits: int = 0  # whole round accepted and the bonus equalled the pre-draft's first token
-    predraft_misses: int = 0  # whole round accepted, different bonus token
+    predraft_misses: int = 0  # whole round accepted, but a different bonus token (or no draft past the guess)
     predraft_cancelled: int = 0  # a draft token was rejected (or generation ended): cancelled
     predrafted_tokens: int = 0  # tokens of pre-drafts that completed and were read
     predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)

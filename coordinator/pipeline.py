@@ -483,7 +483,9 @@ class Coordinator:
         stats.predraft_compute_ms += proposal.compute_ms
         round_ = self._round_from(proposal, predraft.k)
         stats.predrafted_tokens += len(round_.draft_token_ids)
-        if round_.draft_token_ids and round_.draft_token_ids[0] == bonus_token:
+        # A pre-draft that stopped at its first token (a confidence stop) has nothing to offer
+        # past the guess: it counts as a miss.
+        if len(round_.draft_token_ids) > 1 and round_.draft_token_ids[0] == bonus_token:
             trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(round_.draft_token_ids) - 1})
             stats.predraft_hits += 1
             return round_.truncated(len(round_.draft_token_ids), start=1)

@@ -7,10 +7,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Services the tests start as processes: a float32 target (the greedy reference's own
-# numbers) and no start-up calibration, unless a test's flags say otherwise.
+# numbers) and no start-up calibration, unless a test's flags say otherwise ...
 os.environ.setdefault("SPECDEC_TARGET_QUANTIZE", "none")
 os.environ.setdefault("SPECDEC_TARGET_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
+# ... and drafts of exactly K (confidence stops have tests of their own).
+os.environ.setdefault("SPECDEC_DRAFT_MIN_CONFIDENCE", "0")
 
 import pytest
 from transformers.utils import logging as hf_logging
