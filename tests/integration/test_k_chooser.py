@@ -55,8 +55,9 @@ async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair,
 
 
 async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, reference):
-    # A flat 40 ms target pass and a ~1 ms draft step: long drafts cost almost nothing.
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.040, 0.0)) as stack:
+    # A flat 100 ms target pass and a ~1 ms draft step: long drafts cost almost nothing, so
+    # K >= 3 pays even at the tiny pair's lowest acceptance (about 0.3 on some prompts).
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.100, 0.0)) as stack:
         ks: list[int] = []
         for prompt in PROMPTS:
             chosen = await generate(stack, prompt)
@@ -65,7 +66,7 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
             sampled = [await generate(stack, prompt, temperature=0.8, seed=5) for _ in range(2)]
             assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
         ks.sort()
-        assert ks[len(ks) // 2] >= 3, ks
+        assert ks[len(ks) // 2] >= 3, f"{ks}"
 
 
 async def test_a_request_that_fixes_k_gets_it(tiny_pair):
