@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import subprocess
 import time
 from contextlib import ExitStack
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
+from specdec.costs import cpu_flags, cpu_model
 from specdec.launch import free_port, model_service_args, spawn, spawn_coordinator
 from specdec.modeling import DTYPES
 from specdec.quantize import quantize_int8
@@ -63,7 +63,7 @@ COORDINATORS = {
 
 
 # The in-process HF baseline's draft for each variant that has a model.
-HF_DRAFTS = {"model": "as --draft-dtype", "int8": "float32 weights, int8 dynamic Linear layers"}
+HF_DRAFTS = {"model": "as --draft-dtype", "int8": "float32 weights, int8 Linear layers (specdec.quantize, as the draft service)"}
 
 
 @dataclass(frozen=True)
@@ -308,29 +308,10 @@ class HFRunner:
         return Sample(mode.name, "", temperature, 0, int(out.shape[1] - ids.shape[1]), total_ms, ttft_ms)
 
 
-def cpu_flags() -> str:
-    """The vector extensions every CPU figure depends on (lscpu's flags, filtered)."""
-    import re
-
-    try:
-        flags = set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni|fma)\b", Path("/proc/cpuinfo").read_text()))
-    except OSError:
-        return "unknown"
-    return " ".join(sorted(flags)) or "no AVX2/AVX-512"
-
-
 def machine_info(config: BenchConfig) -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "target_setting": config.target_pick,

@@ -16,6 +16,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from specdec.costs import cpu_flags, cpu_model  # noqa: E402
 from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
 from target_service.pick import FLAGS, pick_in_subprocess  # noqa: E402
@@ -93,21 +94,9 @@ def main() -> int:
 
 def cpu_line() -> str:
     """The CPU and its vector extensions: every figure printed below depends on them."""
-    import platform
-    import re
-
     import torch
 
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            text = cpuinfo.read()
-        model = re.search(r"model name\s*:\s*(.*)", text)
-        found = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni)\b", text)))
-        flags = f"{model.group(1) if model else platform.processor()}; {' '.join(found) or 'no AVX2/AVX-512'}"
-    except OSError:
-        flags = platform.processor()
-    return f"CPU: {flags}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    return f"CPU: {cpu_model()}; {cpu_flags()}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def pick_target(target_dir: Path, threads: int) -> str:

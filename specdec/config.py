@@ -86,7 +86,7 @@ class ModelServiceConfig:
     batch_window_ms: float = 2.0  # how long a call waits for other sessions' calls to share its passes; 0 = never
     max_batch_size: int = 8  # sessions in one batched call at most
     quantize: str = "auto"  # "int8": int8 Linear layers, per-token activations (CPU, float32); "auto": int8 on CPU float32
-    calibrate: bool = True  # measure forward-pass costs at start-up (Info.pass_costs); off for fast tests
+    calibrate: bool = True  # measure forward-pass costs at start-up (Info.calibrated_pass_ms); off for fast tests
 
     def resolved_quantize(self) -> str:
         """"int8" or "none": what `auto` means for this device and dtype."""

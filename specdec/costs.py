@@ -9,8 +9,10 @@ moving average of its live passes beside them (for monitoring).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 
 LIVE_DECAY = 0.9  # weight of the past in the live average, per observed pass
@@ -66,3 +68,24 @@ def cost_at(costs: tuple[float, ...] | list[float], new_tokens: int) -> float:
         return float(costs[max(new_tokens, 1) - 1])
     slope = (costs[-1] - costs[0]) / (len(costs) - 1) if len(costs) > 1 else 0.0
     return float(costs[-1] + max(slope, 0.0) * (new_tokens - len(costs)))
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name (platform.processor() is often empty on Linux)."""
+    import platform
+
+    try:
+        match = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
+    except OSError:
+        match = None
+    return match.group(1).strip() if match else platform.processor()
+
+
+def cpu_flags() -> str:
+    """The vector extensions every CPU cost depends on (lscpu's flags, filtered): printed beside
+    every figure, since the same defaults pay on one CPU and lose on another."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni|fma)\b", text)))) or "no AVX2/AVX-512"
