@@ -47,7 +47,19 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
         "int8+vocab": ["--dtype", "float32", "--quantize", "int8", "--draft-vocab", str(config.draft_vocab)],
         "ngram": ["--drafter", "ngram"],
         "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
+        # The nodes suite: the draft's own "node" is core 0 (the target's is core 1).
+        "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"]],
     }[name]
+
+
+# Where the services run. "shared": every service may use every core (torch --threads each).
+# "pinned": one machine standing in for separate nodes, the draft on core 0 and the target on
+# core 1, one thread each. The coordinator shares the target's core: it works between a
+# verify's reply and the next verify, exactly when the target's core is idle.
+PLACEMENTS = {
+    "shared": {"draft": [], "target": [], "coordinator": []},
+    "pinned": {"draft": ["--cpus", "0", "--threads", "1"], "target": ["--cpus", "1", "--threads", "1"], "coordinator": ["--cpus", "1"]},
+}
 
 
 # Coordinator variants: extra flags for `python -m coordinator`.
@@ -59,6 +71,7 @@ COORDINATORS = {
     "hedged1": ["--hedges", "1"],
     "hedged2": ["--hedges", "2"],
     "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
+    "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
 }
 
 
@@ -101,6 +114,7 @@ class Mode:
     drafter: str = "model"  # ours: the draft service variant (drafter_args); hf: the assistant (HF_DRAFTS)
     coordinator: str = "sequential"  # ours: the coordinator variant (COORDINATORS)
     adaptive: bool = False  # ours: leave K to the coordinator (k is then only a label)
+    placement: str = "shared"  # ours: PLACEMENTS
 
 
 @dataclass
@@ -126,6 +140,12 @@ class Sample:
     recovered: int = 0  # rounds that ended in a rejection
     hedges: int = 0
     hedge_hits: int = 0
+    draft_ms: float = 0.0  # waiting on draft calls (the draft on the critical path)
+    target_ms: float = 0.0  # waiting on verify calls
+    branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies
+    ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
+    predraft_wasted_tokens: int = 0
+    hedge_wasted_tokens: int = 0
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
@@ -142,6 +162,8 @@ def _suite_modes(config: BenchConfig) -> list[Mode]:
         return coordinator_modes()
     if config.suite == "concurrency":
         return [Mode(f"ours int8 K={k}", "ours", k, drafter="int8") for k in config.ks]
+    if config.suite == "nodes":
+        return node_modes()
     modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
     modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
     modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
@@ -181,24 +203,48 @@ def coordinator_modes() -> list[Mode]:
     ]
 
 
+def node_modes() -> list[Mode]:
+    """Each service on its own node, emulated by pinning, against the same pair in one process:
+    target-only and HF assisted generation (int8 draft and int8 target, all cores), ours with
+    shared cores, and ours pinned sequential, pipelined and pipelined with hedges, each with K
+    fixed and with the K chooser."""
+    pinned = dict(drafter="int8@core0", placement="pinned")
+    modes = [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
+        Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
+        Mode("HF assisted int8 (K=2)", "hf", assisted="2", drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("ours shared sequential, K chooser", "ours", 0, drafter="int8", adaptive=True),
+        Mode("ours shared pipelined+2 hedges K=2", "ours", 2, drafter="int8", coordinator="pipelined+hedged2"),
+    ]
+    for name, coordinator in (("sequential", "sequential"), ("pipelined", "pipelined"), ("pipelined+2 hedges", "pipelined+hedged2")):
+        modes.append(Mode(f"ours pinned {name} K=2", "ours", 2, coordinator=coordinator, **pinned))
+        modes.append(Mode(f"ours pinned {name}, K chooser", "ours", 0, coordinator=coordinator, adaptive=True, **pinned))
+    return modes
+
+
 class OursRunner:
     """One target service, and a draft service plus a coordinator per drafter variant, all
     separate processes on loopback. Rounds are sequential, so at most one computes at a time."""
 
-    def __init__(self, config: BenchConfig, variants: list[tuple[str, str]], log_dir: Path) -> None:
-        """`variants`: (drafter, coordinator) pairs; one draft service per drafter."""
-        drafters = list(dict.fromkeys(drafter for drafter, _ in variants))
+    def __init__(self, config: BenchConfig, variants: list[tuple[str, str, str]], log_dir: Path) -> None:
+        """`variants`: (drafter, coordinator, placement); one target per placement and one
+        draft service per drafter."""
+        drafters = list(dict.fromkeys(drafter for drafter, _, _ in variants))
         self._processes = ExitStack()
         model_args, env = model_service_args(config.device, config.threads)
         try:
-            target = self._start(
-                "target_service",
-                ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize, *model_args],
-                log_dir / "target.log", env,
-            )
-            # One at a time: each service times its own passes at start-up (--calibrate), which a
-            # neighbour loading its weights on the same cores would skew.
-            target.wait_healthy(900)
+            targets = {}
+            for placement in dict.fromkeys(placement for _, _, placement in variants):
+                targets[placement] = self._start(
+                    "target_service",
+                    ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize,
+                     *model_args, *PLACEMENTS[placement]["target"]],
+                    log_dir / f"target-{placement}.log", env,
+                )
+                # One at a time: each service times its own passes at start-up (--calibrate), which a
+                # neighbour loading its weights on the same cores would skew.
+                targets[placement].wait_healthy(900)
             drafts = {}
             for name in drafters:
                 drafts[name] = self._start(
@@ -206,16 +252,18 @@ class OursRunner:
                     log_dir / f"draft-{name}.log", env,
                 )
                 drafts[name].wait_healthy(900)
-            self.channels: dict[tuple[str, str], grpc.Channel] = {}
-            self.stubs: dict[tuple[str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
-            for drafter, variant in variants:
+            self.channels: dict[tuple[str, str, str], grpc.Channel] = {}
+            self.stubs: dict[tuple[str, str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
+            for drafter, variant, placement in variants:
                 coordinator = spawn_coordinator(
-                    drafts[drafter], target, config.target_model, log_dir / f"coordinator-{drafter}-{variant}.log",
-                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096", *COORDINATORS[variant]], ROOT,
+                    drafts[drafter], targets[placement], config.target_model, log_dir / f"coordinator-{drafter}-{variant}-{placement}.log",
+                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096", *COORDINATORS[variant],
+                     *PLACEMENTS[placement]["coordinator"]], ROOT,
                 )
                 self._processes.callback(coordinator.stop)
-                self.channels[drafter, variant] = grpc.insecure_channel(coordinator.address)
-                self.stubs[drafter, variant] = coordinator_pb2_grpc.CoordinatorStub(self.channels[drafter, variant])
+                key = (drafter, variant, placement)
+                self.channels[key] = grpc.insecure_channel(coordinator.address)
+                self.stubs[key] = coordinator_pb2_grpc.CoordinatorStub(self.channels[key])
         except BaseException:
             self._processes.close()
             raise
@@ -229,13 +277,15 @@ class OursRunner:
         request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         if not mode.adaptive:
             request.num_speculative_tokens = mode.k
-        response = self.stubs[mode.drafter, mode.coordinator].Generate(request, timeout=3600)
+        response = self.stubs[mode.drafter, mode.coordinator, mode.placement].Generate(request, timeout=3600)
         s = response.stats
         return Sample(
             mode.name, "", temperature, 0, s.generated_tokens, s.total_ms, s.time_to_first_token_ms, s.rounds,
             s.proposed_tokens, s.accepted_tokens, list(s.accepted_per_position), s.draft_compute_ms, s.target_compute_ms,
             s.predrafts, s.predraft_hits, s.predraft_misses, s.predraft_cancelled, list(s.k_per_round),
-            recovered=s.recovered_tokens, hedges=s.hedges, hedge_hits=s.hedge_hits,
+            recovered=s.recovered_tokens, hedges=s.hedges, hedge_hits=s.hedge_hits, draft_ms=s.draft_ms, target_ms=s.target_ms,
+            branch_wait_ms=s.branch_wait_ms, ready_rounds=s.ready_rounds, predraft_wasted_tokens=s.predraft_wasted_tokens,
+            hedge_wasted_tokens=s.hedge_wasted_tokens,
         )
 
     def close(self) -> None:
@@ -323,8 +373,11 @@ def machine_info(config: BenchConfig) -> dict:
             "draft_service": config.threads,
             "target_service": config.threads,
             "in_process_hf": config.threads,
-            "note": "rounds are sequential, so the draft and target services never compute at the same time; "
-            "every mode uses the same cores",
+            "note": (
+                "pinned modes: draft on core 0 (1 thread), target and coordinator on core 1 (1 thread); shared modes and HF: "
+                f"every core, {config.threads} threads" if config.suite == "nodes" else
+                "rounds are sequential, so the draft and target services never compute at the same time; every mode uses the same cores"
+            ),
         },
         "drafters": {
             "ours": {m.drafter: drafter_args(m.drafter, config) for m in build_modes(config) if m.family == "ours"},
@@ -353,7 +406,7 @@ def run_bench(config: BenchConfig) -> dict:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     logger.info("starting services and loading in-process models")
-    ours_variants = list(dict.fromkeys((m.drafter, m.coordinator) for m in modes if m.family == "ours"))
+    ours_variants = list(dict.fromkeys((m.drafter, m.coordinator, m.placement) for m in modes if m.family == "ours"))
     hf_drafts = list(dict.fromkeys(m.drafter for m in modes if m.family == "hf" and m.assisted not in (None, "lookup")))
     ours = OursRunner(config, ours_variants, config.out_dir / "logs")
     try:
@@ -418,10 +471,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency", "overhead"], default="k-sweep",
+        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency", "overhead", "nodes"], default="k-sweep",
         help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
         "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); concurrency: aggregate tokens/s "
-        "with --sessions generations at once, the target batching Verify calls or not (int8 draft, greedy)",
+        "with --sessions generations at once, the target batching Verify calls or not (int8 draft, greedy); nodes: each service on "
+        "its own core (pinned) sequential, pipelined and hedged, against HF assisted with the same int8 pair on all cores",
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once")
     parser.add_argument("--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window")

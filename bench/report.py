@@ -94,11 +94,33 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", [])) if any(s.get("k_per_round") for s in samples) else None,
                 "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
                 "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,
+                **_round_split(samples, rounds),
             }
             rows.append(row)
         _add_ratios(rows)
         summary[temperature] = rows
     return summary
+
+
+def _round_split(samples: list[dict], rounds: int) -> dict:
+    """Where a round's time goes (ours): waiting on the verify, the draft on the critical path
+    (draft calls plus waits on pre-draft/hedge replies), and the rest; the ready rate (rounds
+    after the first whose drafts came from a branch) and wasted branch drafts per round."""
+    speculating = [s for s in samples if s.get("predrafts") or s.get("hedges")]
+    if not rounds:
+        return {"verify_ms": None, "draft_critical_ms": None, "other_ms": None, "ready_rate": None, "wasted_per_round": None}
+    verify = sum(s.get("target_ms", 0.0) for s in samples) / rounds
+    draft = sum(s.get("draft_ms", 0.0) + s.get("branch_wait_ms", 0.0) for s in samples) / rounds
+    total = sum(s["total_ms"] for s in samples) / rounds
+    follow = sum(max(s["rounds"] - 1, 0) for s in speculating)
+    return {
+        "verify_ms": verify,
+        "draft_critical_ms": draft,
+        "other_ms": total - verify - draft,
+        "ready_rate": sum(s.get("ready_rounds", 0) for s in speculating) / follow if follow else None,
+        "wasted_per_round": sum(s.get("predraft_wasted_tokens", 0) + s.get("hedge_wasted_tokens", 0) for s in speculating)
+        / sum(s["rounds"] for s in speculating) if speculating else None,
+    }
 
 
 def _ratio(samples: list[dict], numerator: str, denominator: str) -> float | None:
@@ -199,8 +221,30 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                     f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | {_fmt(row['predraft_cancel_rate'], '.0%')} "
                     f"| {_fmt(row.get('hedge_hit_rate'), '.0%')} | {_fmt(row.get('rejections_hedged'), '.0%')} |"
                 )
+        split = [row for row in rows if row["family"] == "ours" and row.get("verify_ms") is not None]
+        if split and any(row.get("ready_rate") is not None for row in split):
+            lines += [
+                "",
+                "Round time split (ms per round, medians are not used: Σ over all rounds / rounds) and branch use:",
+                "",
+                "| Mode | verify | draft on critical path | other (overhead) | ready rate | wasted branch drafts/round |",
+                "|---|---|---|---|---|---|",
+            ]
+            for row in split:
+                lines.append(
+                    f"| {row['mode']} | {_fmt(row['verify_ms'], '.0f')} | {_fmt(row['draft_critical_ms'], '.0f')} | {_fmt(row['other_ms'], '.0f')} "
+                    f"| {_fmt(row.get('ready_rate'), '.0%')} | {_fmt(row.get('wasted_per_round'))} |"
+                )
         if kinds and temperature in kinds:
             lines += _kind_table(kinds[temperature], [row["mode"] for row in rows])
+        fastest = max((r for r in rows if r["family"] == "ours"), key=lambda r: r["tokens_per_s"] or 0, default=None)
+        if fastest and fastest["speedup_vs_hf_assisted"] is not None:
+            lines += [
+                "",
+                f"Fastest of ours: {fastest['mode']}, {_fmt(fastest['tokens_per_s'])} tok/s: "
+                f"{_fmt(fastest['speedup_vs_hf_assisted'], suffix='×')} {fastest['best_hf_assisted']}, "
+                f"{_fmt(fastest['speedup_vs_target_only'], suffix='×')} ours target-only.",
+            ]
         best = max((r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None)
         if best:
             lines += [

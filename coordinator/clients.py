@@ -106,6 +106,9 @@ class DraftClient(ServiceClient):
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         return await self.call(self._stub.Propose, request)
 
+    async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
+        return await self.call(self._stub.ProposeBranches, request)
+
     async def serving(self, timeout_s: float = 1.0) -> bool:
         """The standard health check: is the draft up and SERVING (the breaker's probe)?"""
         try:

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, SHUTDOWN_GRACE_HELP, EnvArgs
+from specdec.config import CPUS_FLAG, CPUS_HELP, DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, SHUTDOWN_GRACE_HELP, EnvArgs, parse_cpu_list
 from specdec.security import ClientSecurity, ServerSecurity, add_server_security_args, client_security, server_security
 
 DEFAULT_PORT = 50051
@@ -45,6 +45,7 @@ class CoordinatorConfig:
     trust_remote_code: bool = False  # run Python code shipped with the tokenizer
     security: ServerSecurity = ServerSecurity()  # the public API: TLS, client certificates, tokens
     upstream: ClientSecurity = ClientSecurity()  # calls to draft and target
+    cpus: tuple[int, ...] = ()  # cores the process is pinned to (--cpus); () = not pinned
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -84,6 +85,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         "--hedges", 0, "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
         f"(0 = off; at most {MAX_HEDGES})", type=int,
     )
+    args.add(CPUS_FLAG, "", CPUS_HELP, type=parse_cpu_list)
     args.add("--trust-remote-code", "off", "on: run Python code that comes with the tokenizer (only for ones you trust)", choices=["on", "off"])
     add_server_security_args(args)
     args.add("--upstream-tls-ca", None, "PEM CA bundle to verify the draft's and target's certificates with: TLS to them on")
@@ -136,4 +138,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         trust_remote_code=ns.trust_remote_code == "on",
         security=security,
         upstream=upstream,
+        cpus=ns.cpus,
     )

@@ -47,6 +47,9 @@ class GenerationStats:
     hedges: int = 0  # branches forked for likely rejection outcomes during verifies
     hedge_hits: int = 0  # rounds that ended as a branch assumed, whose drafts were used
     hedged_tokens: int = 0  # drafts taken from hits
+    hedge_wasted_tokens: int = 0  # drafts of hedges that were read but not used
+    branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies returned
+    ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     def record_round(self, num_draft: int, num_accepted: int) -> None:

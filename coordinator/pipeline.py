@@ -129,31 +129,40 @@ class _Round:
         )
 
 
+@dataclass(frozen=True)
+class _BranchPlan:
+    """One branch of a speculation: the pre-draft (`hedge` None: the request's own draft
+    session continues as if every draft is accepted) or a hedge (a fork assuming `hedge`)."""
+
+    k: int
+    session_id: str
+    hedge: Hedge | None = None
+
+
 @dataclass
-class _PreDraft:
-    """A continuation being drafted while the target verifies. Tagged with the round that
-    started it: it is taken or cancelled before the next round begins, and a reply offered to
-    any other round is refused. On the draft service, its call number (epoch) stops it from
-    rewinding the session if it arrives after a newer call."""
+class _Speculation:
+    """The branches drafted during one verify, in one ProposeBranches call, so the draft
+    steps them all in the same forward passes. Tagged with the round that started it: it is
+    settled before the next round begins, and offering it to any other round is a bug."""
 
     round_index: int
-    k: int
-    task: asyncio.Future
+    branches: list[_BranchPlan]
+    task: asyncio.Future  # the ProposeBranches call
+
+    @property
+    def predraft(self) -> _BranchPlan | None:
+        return next((b for b in self.branches if b.hedge is None), None)
+
+    @property
+    def forks(self) -> list[_BranchPlan]:
+        return [b for b in self.branches if b.hedge is not None]
 
     def cancel(self) -> None:
-        """Cancels the RPC; a reply that already arrived is dropped unread."""
+        """Cancels the RPC (the draft stops every branch at its next step); a reply that
+        already arrived is dropped unread."""
         self.task.cancel()
         # Retrieve any exception so asyncio does not log it as never retrieved.
         self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
-
-
-@dataclass
-class _Branch(_PreDraft):
-    """A hedge in flight: drafts for the next round on a fork of the draft session
-    (`session_id`), assuming the round ends as `hedge` says."""
-
-    hedge: Hedge | None = None
-    session_id: str = ""
 
 
 class Coordinator:
@@ -289,8 +298,7 @@ class Coordinator:
         stats.pipelined = pipelined
         ready: _Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
         ready_source = ""
-        predraft: _PreDraft | None = None
-        branches: list[_Branch] = []
+        speculation: _Speculation | None = None  # branches in flight during a verify
         try:
             while True:
                 with tracer.start_as_current_span("round", attributes={"specdec.round.index": stats.rounds}) as round_span:
@@ -308,6 +316,7 @@ class Coordinator:
                     source = "none"  # where this round's drafts come from
                     if ready is not None and ready.draft_token_ids and k:
                         round_, source = ready.truncated(k), ready_source
+                        stats.ready_rounds += 1
                     elif k:
                         source = "draft"
                         started = stats.elapsed_ms()
@@ -332,13 +341,11 @@ class Coordinator:
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                    if pipelined and proposed and next_limit and self.breaker.allow():
-                        speculative = sequence + round_.draft_token_ids
-                        predraft = self._start_predraft(
-                            draft_view, speculative, min(k, next_limit) + 1, sampling, predraft_seed, stats
+                    if (pipelined or hedging) and proposed and self.breaker.allow():
+                        speculation = self._start_speculation(
+                            draft_view, sequence, round_, min(k, next_limit) + 1 if pipelined and next_limit else 0,
+                            k if hedging else 0, remaining, sampling, predraft_seed, hedge_seeds, stats,
                         )
-                    if hedging and proposed and self.breaker.allow():
-                        branches = self._start_hedges(draft_view, sequence, round_, k, remaining, sampling, hedge_seeds, stats)
                     try:
                         verification = await verify
                     finally:
@@ -368,23 +375,12 @@ class Coordinator:
                             break
                     if not finished and len(sequence) >= self.pair.max_context:
                         text.finish(FINISH_LENGTH)
-                    if predraft is not None:
-                        if text.finish_reason is None and outcome.num_accepted == proposed:
-                            ready, ready_source = await self._take_predraft(predraft, outcome.next_token_id, stats), "predraft"
-                            if ready is not None:
-                                # The draft holds the round, the bonus token (= its first pre-draft
-                                # token) and the rest of the pre-draft, which become the next drafts.
-                                draft_view.synced = base + proposed + 1
-                        else:
-                            stats.predraft_cancelled += 1
-                            predraft.cancel()
-                        predraft = None
-                    if branches:
+                    if speculation is not None:
                         live = text.finish_reason is None
-                        taken, draft_view = await self._settle_hedges(branches, outcome, proposed, live, draft_view, base, stats)
-                        branches = []
+                        taken, ready_source, draft_view = await self._settle(speculation, outcome, proposed, live, draft_view, base, stats)
+                        speculation = None
                         if taken is not None:
-                            ready, ready_source = taken, "hedge"
+                            ready = taken
                     stats.mark_first_token()
                     delta = text.take_delta()
                     stats.round_ms.append(stats.elapsed_ms() - round_started)
@@ -405,11 +401,8 @@ class Coordinator:
                     return
                 yield Chunk(delta.token_ids, delta.text)
         finally:
-            if predraft is not None:
-                predraft.cancel()
-            for branch in branches:
-                branch.cancel()
-                self._end_later(self.draft, branch.session_id)
+            if speculation is not None:
+                self._drop(speculation)
             self._end_sessions(draft_view, target_view)
 
     def _k_limit(self, length: int, remaining: int) -> int:
@@ -455,118 +448,143 @@ class Coordinator:
             list(proposal.runner_up_probs),
         )
 
-    def _start_predraft(
-        self, draft_view: _SessionView, speculative: list[int], k: int, sampling, seed: int, stats: GenerationStats
-    ) -> _PreDraft:
-        """Proposes the continuation of `speculative` (the sequence plus this round's drafts),
-        which the draft session already holds, while the target verifies."""
-        # Shares the call counter, so the next regular call is numbered after this one.
-        view = _SessionView(
-            draft_view.session_id, synced=len(speculative), opened=True, calls=draft_view.calls, min_confidence=draft_view.min_confidence
-        )
-        k = min(k, self.pair.max_num_speculative_tokens)
-        task = asyncio.ensure_future(self._propose(view, speculative, k, sampling, seed, stats, count_wait=False))
-        stats.predrafts += 1
-        return _PreDraft(round_index=stats.rounds, k=k, task=task)
+    def _start_speculation(
+        self, draft_view: _SessionView, sequence: list[int], round_: _Round, predraft_k: int, hedge_k: int, remaining: int,
+        sampling, predraft_seed: int, hedge_seeds: np.random.Generator, stats: GenerationStats,
+    ) -> _Speculation | None:
+        """Starts, while the target verifies, one ProposeBranches call drafting the next round
+        for the likeliest outcomes of this one, all branches stepped in the same passes:
 
-    async def _take_predraft(self, predraft: _PreDraft, bonus_token: int, stats: GenerationStats) -> _Round | None:
-        """The pre-draft's tokens after the first, if its first equals the bonus token; else None."""
-        if predraft.round_index != stats.rounds - 1:
-            raise AssertionError(f"pre-draft of round {predraft.round_index} offered to round {stats.rounds - 1}")
-        try:
-            proposal = await predraft.task
-        except SpecDecError as exc:
-            # A failed pre-draft only means the next round drafts afresh (or falls back).
-            logger.info("pre-draft failed, drafting afresh: %s", exc)
-            stats.predraft_cancelled += 1
-            return None
-        stats.predraft_compute_ms += proposal.compute_ms
-        round_ = self._round_from(proposal, predraft.k)
-        stats.predrafted_tokens += len(round_.draft_token_ids)
-        # A pre-draft that stopped at its first token (a confidence stop) has nothing to offer
-        # past the guess: it counts as a miss.
-        if len(round_.draft_token_ids) > 1 and round_.draft_token_ids[0] == bonus_token:
-            trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(round_.draft_token_ids) - 1})
-            stats.predraft_hits += 1
-            return round_.truncated(len(round_.draft_token_ids), start=1)
-        stats.predraft_misses += 1
-        stats.predraft_wasted_tokens += len(round_.draft_token_ids)
-        return None
-
-    def _start_hedges(
-        self, draft_view: _SessionView, sequence: list[int], round_: _Round, k: int, remaining: int, sampling,
-        seeds: np.random.Generator, stats: GenerationStats,
-    ) -> list[_Branch]:
-        """Forks the draft session for this round's likeliest rejection outcomes (see
-        coordinator.hedging), each branch drafting the round that would follow. The draft
-        session holds `sequence` plus this round's drafts, so a fork keeps a prefix of it."""
-        if not round_.runner_up_ids:
-            return []  # a drafter without distributions (prompt lookup) gives nothing to hedge on
-        alpha = acceptance_estimate(stats.accepted_tokens, stats.proposed_tokens)
-        plan = plan_hedges(round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids)
+        - the pre-draft (`predraft_k` > 0): the draft session, which holds `sequence` plus this
+          round's drafts, continues for the bonus guess plus up to predraft_k - 1 drafts;
+        - hedges (`hedge_k` > 0): forks of the session for the likeliest rejection outcomes
+          "draft j rejected, token t recovered" (coordinator.hedging), each drafting the round
+          that would follow. They are listed first, so they copy the session before the
+          pre-draft extends it and share its passes.
+        """
+        plans: list[_BranchPlan] = []
+        requests: list[draft_pb2.ProposeRequest] = []
         base = len(sequence)
-        branches = []
-        for hedge in plan:
-            limit = self._k_limit(base + hedge.position + 1, remaining - hedge.position - 1)
-            if not limit:
-                continue
-            branch_k = min(k, limit)
-            session_id = uuid.uuid4().hex
-            request = draft_pb2.ProposeRequest(
-                session_id=session_id, fork_from=draft_view.session_id, keep_tokens=base + hedge.position,
-                new_tokens=[hedge.recovered_token_id], num_tokens=branch_k, sampling=sampling,
-                seed=int(seeds.integers(0, _SEED_BOUND)), **draft_view.confidence_field(),
-            )
-            task = asyncio.ensure_future(self._fork(request, draft_view.calls))
-            branches.append(_Branch(round_index=stats.rounds, k=branch_k, task=task, hedge=hedge, session_id=session_id))
-        stats.hedges += len(branches)
-        return branches
+        if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
+            alpha = acceptance_estimate(stats.accepted_tokens, stats.proposed_tokens)
+            for hedge in plan_hedges(round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids):
+                limit = self._k_limit(base + hedge.position + 1, remaining - hedge.position - 1)
+                if not limit:
+                    continue
+                plans.append(_BranchPlan(min(hedge_k, limit), uuid.uuid4().hex, hedge))
+                requests.append(draft_pb2.ProposeRequest(
+                    session_id=plans[-1].session_id, fork_from=draft_view.session_id, keep_tokens=base + hedge.position,
+                    new_tokens=[hedge.recovered_token_id], num_tokens=plans[-1].k, sampling=sampling,
+                    seed=int(hedge_seeds.integers(0, _SEED_BOUND)), **draft_view.confidence_field(),
+                ))
+        if predraft_k:
+            plans.append(_BranchPlan(min(predraft_k, self.pair.max_num_speculative_tokens), draft_view.session_id))
+            # The session holds the sequence and this round's drafts: nothing to send.
+            requests.append(draft_pb2.ProposeRequest(
+                session_id=draft_view.session_id, keep_tokens=base + len(round_.draft_token_ids), new_tokens=[],
+                num_tokens=plans[-1].k, sampling=sampling, seed=predraft_seed, **draft_view.confidence_field(),
+            ))
+        if not plans:
+            return None
+        # Numbered after every call the session has served, so none is refused as stale; the
+        # session's next regular call is numbered after these.
+        for request in requests:
+            request.epoch = next(draft_view.calls)
+        stats.predrafts += predraft_k > 0
+        stats.hedges += len(plans) - (predraft_k > 0)
+        task = asyncio.ensure_future(self.draft.propose_branches(draft_pb2.ProposeBranchesRequest(branches=requests)))
+        return _Speculation(round_index=stats.rounds, branches=plans, task=task)
 
-    async def _fork(self, request: draft_pb2.ProposeRequest, calls: Iterator[int]) -> draft_pb2.ProposeResponse:
-        # Numbered when the task first runs, as the pre-draft is (tasks start in creation order):
-        # a fork numbered before the same round's pre-draft would be refused as stale.
-        request.epoch = next(calls)
-        return await self.draft.propose(request)
-
-    async def _settle_hedges(
-        self, branches: list[_Branch], outcome, proposed: int, live: bool, draft_view: _SessionView, base: int,
+    async def _settle(
+        self, speculation: _Speculation, outcome, proposed: int, live: bool, draft_view: _SessionView, base: int,
         stats: GenerationStats,
-    ) -> tuple[_Round | None, _SessionView]:
-        """Takes the branch whose assumed outcome is the one that happened, if any; cancels and
-        frees the others. A taken branch becomes the request's draft session, holding the
-        committed sequence and its drafts, and the old session is freed."""
-        hit = None
-        if live and outcome.num_accepted < proposed:
+    ) -> tuple[_Round | None, str, _SessionView]:
+        """The next round's drafts, if a branch assumed the outcome that happened: (drafts,
+        "predraft" or "hedge", the draft session to use from now on).
+
+        Which branch is used depends on the verification outcome alone (and, for the
+        pre-draft, on its own first draw equalling the bonus token): a hedge when draft j was
+        rejected and t recovered exactly as it assumed, the pre-draft when every draft was
+        accepted. A branch so chosen holds the committed prefix and drafts drawn from the draft
+        given exactly that prefix, before the next round's coins exist; the next round
+        verifies them against the distributions they came from, so the output distribution is
+        the target's (the argument in `Coordinator.generate`). Unused forks are freed; when a
+        hedge is used, its fork becomes the request's draft session and the old one is freed.
+        """
+        if speculation.round_index != stats.rounds - 1:
+            raise AssertionError(f"branches of round {speculation.round_index} offered to round {stats.rounds - 1}")
+        hit: _BranchPlan | None = None
+        if live and outcome.num_accepted == proposed:
+            hit = speculation.predraft
+        elif live:
             hit = next(
-                (b for b in branches if (b.hedge.position, b.hedge.recovered_token_id) == (outcome.num_accepted, outcome.next_token_id)),
+                (b for b in speculation.forks if (b.hedge.position, b.hedge.recovered_token_id) == (outcome.num_accepted, outcome.next_token_id)),
                 None,
             )
-        for branch in branches:
-            if branch is not hit:
-                branch.cancel()
-                self._end_later(self.draft, branch.session_id)
         if hit is None:
-            return None, draft_view
-        if hit.round_index != stats.rounds - 1:
-            raise AssertionError(f"hedge of round {hit.round_index} offered to round {stats.rounds - 1}")
+            self._drop(speculation)
+            stats.predraft_cancelled += speculation.predraft is not None
+            return None, "", draft_view
+        waited_from = stats.elapsed_ms()
         try:
-            proposal = await hit.task
+            reply = await speculation.task
         except SpecDecError as exc:
-            # The fork was refused (session lost, service full): draft the next round afresh.
-            logger.info("hedge for session %s failed, drafting afresh: %s", draft_view.session_id, exc)
-            self._end_later(self.draft, hit.session_id)
-            return None, draft_view
-        round_ = self._round_from(proposal, hit.k)
-        trace.get_current_span().add_event(
-            "hedge.used", {"specdec.position": hit.hedge.position, "specdec.tokens": len(round_.draft_token_ids)}
-        )
-        stats.hedge_hits += 1
-        stats.hedged_tokens += len(round_.draft_token_ids)
-        self._end_later(self.draft, draft_view.session_id)
-        return round_, _SessionView(
-            hit.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls,
-            min_confidence=draft_view.min_confidence,
-        )
+            # A failed call only means the next round drafts afresh (or falls back).
+            logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
+            self._drop(speculation)
+            stats.predraft_cancelled += speculation.predraft is not None
+            return None, "", draft_view
+        finally:
+            stats.branch_wait_ms += stats.elapsed_ms() - waited_from
+        _check_reply(self.draft.address, "branch results", len(reply.results), len(speculation.branches))
+        taken: _Round | None = None
+        for plan, result in zip(speculation.branches, reply.results):
+            failed = result.error_code != 0
+            if failed:
+                logger.info("branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message)
+                branch = _Round()
+            else:
+                branch = self._round_from(result.proposal, plan.k)
+            if plan.hedge is None:
+                stats.predraft_compute_ms += result.proposal.compute_ms
+                stats.predrafted_tokens += len(branch.draft_token_ids)
+                # A pre-draft that stopped at its first token (a confidence stop) has nothing to
+                # offer past the guess: it counts as a miss, as does a failed one.
+                if plan is hit and len(branch.draft_token_ids) > 1 and branch.draft_token_ids[0] == outcome.next_token_id:
+                    trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(branch.draft_token_ids) - 1})
+                    stats.predraft_hits += 1
+                    # The draft holds the round, the bonus token (= its first pre-draft token)
+                    # and the rest of the pre-draft, which become the next drafts.
+                    draft_view.synced = base + proposed + 1
+                    taken = branch.truncated(len(branch.draft_token_ids), start=1)
+                elif plan is hit:
+                    stats.predraft_misses += 1
+                    stats.predraft_wasted_tokens += len(branch.draft_token_ids)
+                else:  # a draft was rejected and a hedge was used
+                    stats.predraft_cancelled += 1
+                    stats.predraft_wasted_tokens += len(branch.draft_token_ids)
+            elif plan is hit and not failed:
+                trace.get_current_span().add_event(
+                    "hedge.used", {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)}
+                )
+                stats.hedge_hits += 1
+                stats.hedged_tokens += len(branch.draft_token_ids)
+                taken = branch
+                self._end_later(self.draft, draft_view.session_id)
+                draft_view = _SessionView(
+                    plan.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls,
+                    min_confidence=draft_view.min_confidence,
+                )
+            else:
+                stats.hedge_wasted_tokens += len(branch.draft_token_ids)
+                self._end_later(self.draft, plan.session_id)
+        return taken, ("predraft" if hit.hedge is None else "hedge"), draft_view
+
+    def _drop(self, speculation: _Speculation) -> None:
+        """Cancels the branches' call and frees their forks (the pre-draft's session is the request's)."""
+        speculation.cancel()
+        for plan in speculation.forks:
+            self._end_later(self.draft, plan.session_id)
 
     async def _propose_with_retries(
         self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
@@ -609,7 +627,7 @@ class Coordinator:
                 self.breaker.close()
 
     async def _propose(
-        self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats, count_wait: bool = True
+        self, view: _SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
             view.last_epoch = next(view.calls)
@@ -620,7 +638,7 @@ class Coordinator:
                 )
             )
 
-        return await self._with_reprefill("draft", view, sequence, stats, send, count_wait)
+        return await self._with_reprefill("draft", view, sequence, stats, send)
 
     async def _verify(
         self, view: _SessionView, sequence: list[int], round_: _Round, sampling, seed: int, stats: GenerationStats, retry_until: float
@@ -652,7 +670,7 @@ class Coordinator:
                 return await self._with_reprefill("target", view, sequence, stats, send)
         raise AssertionError("unreachable")
 
-    async def _with_reprefill(self, role: str, view: _SessionView, sequence: list[int], stats: GenerationStats, send, count_wait: bool = True):
+    async def _with_reprefill(self, role: str, view: _SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
         for attempt in range(2):
             view.opened = True  # even a failed call may have opened it; ending is idempotent
@@ -668,11 +686,10 @@ class Coordinator:
                 view.synced = 0
             finally:
                 elapsed = stats.elapsed_ms() - started
-                if count_wait:  # a pre-draft overlaps a verify; nobody waits on it
-                    if role == "draft":
-                        stats.draft_ms += elapsed
-                    else:
-                        stats.target_ms += elapsed
+                if role == "draft":
+                    stats.draft_ms += elapsed
+                else:
+                    stats.target_ms += elapsed
         raise AssertionError("unreachable")
 
     def _end_sessions(self, draft_view: _SessionView, target_view: _SessionView) -> None:

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
+from specdec.config import pin_cpus
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer, add_to_server
@@ -116,4 +117,5 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    pin_cpus(config.cpus)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator", config.shutdown_grace_s))

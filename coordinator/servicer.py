@@ -104,6 +104,9 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         target_retries=stats.target_retries,
         round_ms=stats.round_ms,
         round_overhead_ms=stats.round_overhead_ms,
+        branch_wait_ms=stats.branch_wait_ms,
+        ready_rounds=stats.ready_rounds,
+        hedge_wasted_tokens=stats.hedge_wasted_tokens,
     )
 
 

@@ -66,6 +66,16 @@ class NgramDrafter:
             call.should_stop, call.fork_from,
         )
 
+    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
+        """One after the other, in order: a lookup has no model pass to share."""
+        results: list[Proposal | Exception] = []
+        for call in calls:
+            try:
+                results.append(self.propose_one(call))
+            except Exception as exc:  # noqa: BLE001 - handed back to that branch alone
+                results.append(exc)
+        return results
+
     def propose(
         self,
         session_id: str,

@@ -133,10 +133,13 @@ class DraftRunner(ModelRunner):
         Item i is what `propose_one(calls[i])` would return (up to float rounding of the
         batched pass, and the tokens drawn from it: each call reports the distribution its
         tokens were drawn from, which is all exactness needs), or the exception it would raise.
-        Calls touching the same session (or forking it) run one after the other, in order.
+        Calls on the same session run one after the other, in order; a fork listed before a
+        call on its parent shares that call's passes (it copies the parent first), one listed
+        after it waits for it.
         """
         results: list[Proposal | Exception | None] = [None] * len(calls)
-        for wave in call_waves([(call.session_id, call.fork_from) if call.fork_from else (call.session_id,) for call in calls]):
+        reads = [(call.fork_from,) if call.fork_from else () for call in calls]
+        for wave in call_waves([(call.session_id,) for call in calls], reads):
             active = start_each(wave, lambda index: self._begin(calls[index]), results)
             while active:
                 running: list[tuple[int, _Drafting]] = []

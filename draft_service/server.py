@@ -12,6 +12,7 @@ from draft_service.config import DraftConfig, config_problem, parse_config
 from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
+from specdec.config import pin_cpus
 from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
 from specdec.quantize import INT8_LABEL, quantize_int8
 from specdec.security import load_server_security
@@ -25,8 +26,8 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
     if problem := config_problem(config):
         raise ValueError(problem)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     if config.drafter == "ngram":
         return NgramDrafter(
             load_tokenizer_info(config.model, config.trust_remote_code),
@@ -74,4 +75,5 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    pin_cpus(config.cpus)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-draft", config.shutdown_grace_s))

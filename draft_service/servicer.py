@@ -10,7 +10,7 @@ import grpc
 from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, ProposeCall
 from specdec import wire
-from specdec.errors import grpc_errors
+from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.servicer_base import SessionServicerMixin
 from specdec.serving import CallBatcher, ModelThread
 from specdec.telemetry import ModelServiceMetrics, tracer
@@ -58,30 +58,43 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             })
         if self._metrics is not None:
             self._metrics.observe_call("propose", proposal.compute_ms, proposal.processed_tokens, proposal.batch_size)
-        return draft_pb2.ProposeResponse(
-            token_ids=proposal.token_ids,
-            distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),
-            processed_tokens=proposal.processed_tokens,
-            sequence_length=proposal.sequence_length,
-            compute_ms=proposal.compute_ms,
-            runner_up_token_ids=proposal.runner_up_ids,
-            runner_up_probs=proposal.runner_up_probs,
-        )
+        return _response(proposal)
+
+    @grpc_errors
+    async def ProposeBranches(
+        self, request: draft_pb2.ProposeBranchesRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.ProposeBranchesResponse:
+        """All branches in one runner call, so their draft steps share forward passes. Not
+        through the batcher: the branches already are the batch, and other sessions' calls
+        never wait behind them for a window."""
+        if not 1 <= len(request.branches) <= MAX_BRANCHES:
+            raise InvalidArgument(f"ProposeBranches takes 1 to {MAX_BRANCHES} branches; got {len(request.branches)}")
+        with tracer.start_as_current_span("draft.propose_branches") as span:
+            span.set_attributes({
+                "specdec.branches": len(request.branches), "specdec.forks": sum(bool(b.fork_from) for b in request.branches),
+                "specdec.num_tokens": max(b.num_tokens for b in request.branches),
+            })
+            stop = threading.Event()
+            calls = [_call(branch, stop.is_set) for branch in request.branches]
+            try:
+                results = await self._model_thread.run(self._runner.propose_batch, calls)
+            except asyncio.CancelledError:
+                stop.set()  # the verify went another way: stop every branch at its next step
+                raise
+        reply = draft_pb2.ProposeBranchesResponse()
+        for result in results:
+            if isinstance(result, Exception):
+                code = grpc.StatusCode[status_of(result)]
+                reply.results.add(error_code=code.value[0], error_message=str(result) or type(result).__name__)
+            else:
+                if self._metrics is not None:
+                    self._metrics.observe_call("propose", result.compute_ms, result.processed_tokens, result.batch_size)
+                reply.results.add(proposal=_response(result))
+        return reply
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
         stop = threading.Event()
-        call = ProposeCall(
-            request.session_id,
-            request.keep_tokens,
-            list(request.new_tokens),
-            request.num_tokens,
-            wire.params_from_pb(request.sampling),
-            request.seed,
-            request.epoch,
-            stop.is_set,
-            request.fork_from,
-            request.min_confidence if request.HasField("min_confidence") else None,
-        )
+        call = _call(request, stop.is_set)
         try:
             if self._batcher is not None:
                 return await self._batcher.submit(call)
@@ -89,3 +102,33 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         except asyncio.CancelledError:
             stop.set()  # the client cancelled: stop drafting at the next step
             raise
+
+
+MAX_BRANCHES = 16
+
+
+def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
+    return ProposeCall(
+        request.session_id,
+        request.keep_tokens,
+        list(request.new_tokens),
+        request.num_tokens,
+        wire.params_from_pb(request.sampling),
+        request.seed,
+        request.epoch,
+        should_stop,
+        request.fork_from,
+        request.min_confidence if request.HasField("min_confidence") else None,
+    )
+
+
+def _response(proposal) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(
+        token_ids=proposal.token_ids,
+        distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),
+        processed_tokens=proposal.processed_tokens,
+        sequence_length=proposal.sequence_length,
+        compute_ms=proposal.compute_ms,
+        runner_up_token_ids=proposal.runner_up_ids,
+        runner_up_probs=proposal.runner_up_probs,
+    )

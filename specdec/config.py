@@ -36,6 +36,35 @@ def env_default(env: Mapping[str, str], name: str, default: T, cast: Callable[[s
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0', '0,2', '0-3' (lscpu's and taskset's list syntax) -> sorted core ids; '' -> () (no pinning)."""
+    cpus: set[int] = set()
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match:
+            raise ValueError(f"{text!r} is not a CPU list; use ids and ranges such as 0, 0,2 or 0-3")
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if high < low:
+            raise ValueError(f"range {part!r} runs backwards")
+        cpus.update(range(low, high + 1))
+    return tuple(sorted(cpus))
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Pins this process (and the threads it starts later) to `cpus`; () leaves it as it is.
+
+    Called first thing in a service's main, before torch starts its thread pool, so one
+    machine can stand in for separate nodes: the draft on one core, the target on another,
+    neither taking cycles from the other. A core this process may not use is a start-up error.
+    """
+    if not cpus:
+        return
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cpus) - allowed):
+        raise SystemExit(f"--cpus names cores {missing} that this process may not run on (it may use {sorted(allowed)})")
+    os.sched_setaffinity(0, cpus)
+
+
 def parse_bytes(text: str) -> int:
     """'8GiB', '512MB', '1048576' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -72,7 +101,7 @@ class ModelServiceConfig:
     device: str
     host: str
     port: int
-    threads: int  # torch intra-op threads; 0 keeps torch's default
+    threads: int  # torch intra-op threads; 0: one per --cpus core, else torch's default
     max_sessions: int
     session_ttl_s: float
     max_speculative_tokens: int
@@ -87,6 +116,12 @@ class ModelServiceConfig:
     max_batch_size: int = 8  # sessions in one batched call at most
     quantize: str = "auto"  # "int8": int8 Linear layers, per-token activations (CPU, float32); "auto": int8 on CPU float32
     calibrate: bool = True  # measure forward-pass costs at start-up (Info.calibrated_pass_ms); off for fast tests
+    cpus: tuple[int, ...] = ()  # cores the process is pinned to (--cpus); () = not pinned
+
+    @property
+    def torch_threads(self) -> int:
+        """Intra-op threads to set: --threads, else one per pinned core, else 0 (torch's default)."""
+        return self.threads or len(self.cpus)
 
     def resolved_quantize(self) -> str:
         """"int8" or "none": what `auto` means for this device and dtype."""
@@ -100,6 +135,8 @@ class ModelServiceConfig:
         return None
 
 
+CPUS_FLAG = "--cpus"
+CPUS_HELP = "pin the process to these cores, e.g. 0 or 0-3 (empty = not pinned): one machine standing in for separate nodes"
 SHUTDOWN_GRACE_HELP = "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
 METRICS_PORT_HELP = "Prometheus metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)"
 
@@ -110,7 +147,8 @@ def add_model_service_args(args: EnvArgs, default_port: int, default_metrics_por
     args.add("--device", "cpu", "torch device: cpu, cuda or cuda:N")
     args.add("--host", "127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
     args.add("--port", default_port, "port to listen on (0 picks a free one)", type=int)
-    args.add("--threads", 0, "torch intra-op threads (0 = torch's default)", type=int)
+    args.add("--threads", 0, "torch intra-op threads (0 = one per --cpus core, or torch's default when not pinned)", type=int)
+    args.add(CPUS_FLAG, "", CPUS_HELP, type=parse_cpu_list)
     args.add("--max-sessions", 256, "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED", type=int)
     args.add("--session-ttl", 300.0, "seconds an idle session is kept", type=float)
     args.add("--max-speculative-tokens", 16, "largest K accepted per call", type=int)
@@ -173,4 +211,5 @@ def model_service_kwargs(ns: argparse.Namespace, parser: argparse.ArgumentParser
         max_batch_size=ns.max_batch_size,
         quantize=ns.quantize,
         calibrate=ns.calibrate == "on",
+        cpus=ns.cpus,
     )

@@ -338,16 +338,29 @@ def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]
     return groups
 
 
-def call_waves(keys: list[tuple[str, ...]]) -> list[list[int]]:
-    """Indices of calls split into waves that may share passes: a call goes in the wave after
-    the last one holding any of its keys (the session ids it reads or writes), so calls on one
-    session keep their order and never share a pass. keys[i]: call i's session ids."""
-    last: dict[str, int] = {}
+def call_waves(keys: list[tuple[str, ...]], reads: list[tuple[str, ...]] | None = None) -> list[list[int]]:
+    """Indices of calls split into waves that may share passes. keys[i]: the session ids call
+    i writes; reads[i]: ids it only reads at its start (a fork copies its parent then).
+
+    A call goes in the wave after the last one that wrote any of its keys, so calls on one
+    session keep their order and never share a pass. A writer may share the wave of calls
+    that only read its session before it: every call of a wave starts, in index order,
+    before any of them steps, so those readers copy the session as it was before the writer.
+    A reader goes after the last writer of what it reads."""
+    reads = reads or [()] * len(keys)
+    last_write: dict[str, int] = {}
+    last_read: dict[str, int] = {}
     waves: list[list[int]] = []
-    for index, call_keys in enumerate(keys):
-        wave = max((last[key] + 1 for key in call_keys if key in last), default=0)
+    for index, (call_keys, call_reads) in enumerate(zip(keys, reads, strict=True)):
+        wave = max(
+            [last_write[key] + 1 for key in (*call_keys, *call_reads) if key in last_write]
+            + [last_read[key] for key in call_keys if key in last_read],
+            default=0,
+        )
         for key in call_keys:
-            last[key] = wave
+            last_write[key] = wave
+        for key in call_reads:
+            last_read[key] = max(last_read.get(key, 0), wave)
         if wave == len(waves):
             waves.append([])
         waves[wave].append(index)

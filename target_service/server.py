@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from target_service import tensor_parallel
+from specdec.config import pin_cpus
 from target_service.config import TargetConfig, parse_config
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
@@ -27,8 +28,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 def load_runner(config: TargetConfig) -> TargetRunner:
     """Under --tensor-parallel, this rank's shard (the process group must be up)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     device = config.device
     if config.tensor_parallel > 1:
         device = tensor_parallel.rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -69,6 +70,7 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
+    pin_cpus(config.cpus)  # tensor-parallel ranks it spawns inherit it
     if config.tensor_parallel > 1:
         return main_tensor_parallel(config)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s))

@@ -110,3 +110,31 @@ async def test_a_call_older_than_one_served_is_refused_and_changes_nothing(tiny_
             assert stack.draft_runner.sessions.open("e", 1).tokens == [5, 6, 7, *first.token_ids]
             later = await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=5, new_tokens=[], num_tokens=1, sampling=sampling, epoch=6))
             assert later.sequence_length == 6
+
+
+async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_branch_alone(tiny_pair):
+    """The draft's ProposeBranches over gRPC: the pre-draft and its hedges share passes, a
+    branch that cannot run carries its own status while the others answer, and a call with
+    no branches (or too many) is INVALID_ARGUMENT."""
+    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}) as stack:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+            draft = draft_pb2_grpc.DraftStub(channel)
+            sampling = wire.params_to_pb(SamplingParams())
+            first = await draft.Propose(draft_pb2.ProposeRequest(session_id="s", new_tokens=[5, 6, 7, 8], num_tokens=3, sampling=sampling, epoch=1))
+            held = 4 + len(first.token_ids)
+            reply = await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[
+                draft_pb2.ProposeRequest(session_id="h0", fork_from="s", keep_tokens=4, new_tokens=[9], num_tokens=3, sampling=sampling, epoch=2),
+                draft_pb2.ProposeRequest(session_id="h1", fork_from="gone", keep_tokens=4, new_tokens=[9], num_tokens=3, sampling=sampling, epoch=3),
+                draft_pb2.ProposeRequest(session_id="s", keep_tokens=held, num_tokens=4, sampling=sampling, epoch=4),
+            ]))
+            codes = [r.error_code for r in reply.results]
+            assert codes == [0, grpc.StatusCode.NOT_FOUND.value[0], 0], [(r.error_code, r.error_message) for r in reply.results]
+            assert "gone" in reply.results[1].error_message
+            assert len(reply.results[0].proposal.token_ids) == 3 and len(reply.results[2].proposal.token_ids) == 4
+            assert reply.results[2].proposal.sequence_length == held + 4
+            runner = stack.draft_runner
+            assert runner.sessions.open("h0", 5).tokens[:5] == [5, 6, 7, 8, 9], "the fork copied the session as it was before the pre-draft"
+            for branches in ([], [draft_pb2.ProposeRequest(session_id=f"x{i}", new_tokens=[1], num_tokens=1, sampling=sampling) for i in range(17)]):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=branches))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()

@@ -13,12 +13,14 @@ mode (pipelined, adaptive K, hedged).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from coordinator.pipeline import Coordinator
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
 from specdec.quantize import quantize_int8
@@ -186,4 +188,43 @@ async def test_distribution_test_detects_the_draft_distribution(word_pair):
     swapped = type(word_pair)(target=word_pair.draft, draft=word_pair.draft, vocab_size=word_pair.vocab_size, eos_token_id=None)
     async with inprocess_stack(swapped) as stack:
         samples = await sample_continuations(stack.stub, params, range(SAMPLES))
+    assert chi_square_p_value(samples, expected) < 1e-6
+
+
+async def test_distribution_test_detects_a_branch_picked_by_its_own_drafts(word_pair, monkeypatch):
+    """Power check for hedging: the next round may use a branch chosen by the verification
+    outcome alone. A coordinator that, after any rejection, takes a hedge whose first draft
+    happens to be the draft's likeliest token (a choice that looks at the branches' draws)
+    ships tokens that are no longer distributed as the distributions sent with them, and must
+    fail the test the hedged cases pass. A choice that ignores the draws, even a wrong one such
+    as "always the first hedge", stays exact: every token is still checked against the
+    distribution it was drawn from, so it only costs acceptance. (A milder rule, the hedge whose
+    first draft has the highest probability, gave p = 0.1 at this sample size.)"""
+    c = CASES["hedged_dense"]
+    original = Coordinator._settle
+
+    async def pick_by_drafts(self, speculation, outcome, proposed, live, draft_view, base, stats):
+        if not live or outcome.num_accepted == proposed or not speculation.forks:
+            return await original(self, speculation, outcome, proposed, live, draft_view, base, stats)
+        reply = await speculation.task
+        chosen = None
+        for plan, result in zip(speculation.branches, reply.results):
+            proposal = result.proposal
+            if chosen is None and plan.hedge is not None and not result.error_code and proposal.token_ids:
+                branch = self._round_from(proposal, plan.k)
+                if branch.draft_token_draft_probs[0] >= proposal.runner_up_probs[0]:  # its first draft is the argmax
+                    chosen = (branch, plan)
+        for fork in speculation.forks:  # free the others, as the real rule does
+            if chosen is None or fork is not chosen[1]:
+                self._end_later(self.draft, fork.session_id)
+        if chosen is None:
+            return None, "", draft_view
+        self._end_later(self.draft, draft_view.session_id)
+        taken, plan = chosen
+        return taken, "hedge", dataclasses.replace(draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1)
+
+    monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
+    expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
+    async with inprocess_stack(word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator) as stack:
+        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k)
     assert chi_square_p_value(samples, expected) < 1e-6

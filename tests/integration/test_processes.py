@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,15 +25,21 @@ def start(name: str, module: str, *args: str, logs: Path) -> ServiceProcess:
     return spawn(name, module, list(args), free_port(), logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
 
 
+# As deployed on separate nodes, emulated on this machine: draft and target each pinned to a
+# core of their own (the same one on a 1-core machine), the coordinator pre-drafting and hedging.
+CORES = sorted(os.sched_getaffinity(0))
+PINS = {"draft": (CORES[0],), "target": (CORES[-1],), "coordinator": (CORES[-1],)}
+
+
 @pytest.fixture(scope="module")
 def processes(tiny_pair, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    draft = start("draft", "draft_service", "--model", str(tiny_pair.draft), logs=logs)
-    target = start("target", "target_service", "--model", str(tiny_pair.target), logs=logs)
+    draft = start("draft", "draft_service", "--model", str(tiny_pair.draft), "--cpus", str(CORES[0]), logs=logs)
+    target = start("target", "target_service", "--model", str(tiny_pair.target), "--cpus", str(CORES[-1]), logs=logs)
     coordinator = start(
         "coordinator", "coordinator",
         "--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target),
-        "--draft-timeout", "5",
+        "--draft-timeout", "5", "--pipeline", "on", "--hedges", "2", "--cpus", str(CORES[-1]),
         logs=logs,
     )
     services = {"draft": draft, "target": target, "coordinator": coordinator}
@@ -61,6 +68,17 @@ def test_generate_and_stream_across_processes(processes, tiny_pair):
         assert [t for c in chunks for t in c.token_ids] == expected
         assert "".join(c.text for c in chunks) == response.text
         assert chunks[-1].finish_reason == response.finish_reason and chunks[-1].stats.generated_tokens == len(expected)
+
+
+def test_each_service_runs_on_the_cores_it_was_pinned_to(processes):
+    for name, service in processes.items():
+        assert os.sched_getaffinity(service.process.pid) == set(PINS[name]), name
+        threads = Path(f"/proc/{service.process.pid}/task")
+        for task in threads.iterdir():  # torch's and gRPC's threads inherit it
+            try:
+                assert os.sched_getaffinity(int(task.name)) == set(PINS[name]), (name, task.name)
+            except ProcessLookupError:
+                pass  # a thread that ended meanwhile
 
 
 def test_reflection_lists_services(processes):

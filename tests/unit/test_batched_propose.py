@@ -132,3 +132,25 @@ def test_a_fork_waits_for_its_parents_call_in_the_same_batch(loaded):
     ]
     assert_same(batched.propose_batch(calls), alone(lone, calls))
     assert_same_sessions(batched, lone)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_forks_listed_before_their_parents_call_share_its_passes_and_copy_it_as_it_was(loaded, params):
+    """The coordinator's ProposeBranches: hedges fork the session, then the pre-draft extends it,
+    all in one wave. Each fork must see the parent before the pre-draft, as if run alone first."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompt = tokens(7, 9, vocab)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("parent", 0, prompt, 3, params, 0, epoch=1))
+    held = len(prompt) + 3  # the prompt and the round's drafts
+    calls = [
+        ProposeCall("hedge0", len(prompt), [11], 3, params, seed=1, epoch=2, fork_from="parent"),
+        ProposeCall("hedge1", len(prompt) + 1, [12], 3, params, seed=2, epoch=3, fork_from="parent"),
+        ProposeCall("parent", held, [], 4, params, seed=3, epoch=4),  # the pre-draft: bonus guess + 3
+    ]
+    results = batched.propose_batch(calls)
+    assert_same(results, alone(lone, calls))
+    assert_same_sessions(batched, lone)
+    assert [r.batch_size for r in results] == [3, 3, 3], "the branches did not share their passes"
+    assert batched.sessions._sessions["hedge0"].tokens[: len(prompt) + 1] == prompt + [11]

@@ -294,3 +294,12 @@ def test_batch_groups_bound_the_padding():
     assert batch_groups([3, 60, 70, 2], 2.0) == [[3, 0], [1, 2]]
     assert batch_groups([1] * 8, 1.0) == [list(range(8))]
     assert batch_groups([], 2.0) == []
+
+
+def test_call_waves_let_a_writer_share_the_wave_of_readers_before_it():
+    # Forks (readers of "a") listed before a call on "a" start first and copy it as it was.
+    assert call_waves([("f",), ("g",), ("a",)], [("a",), ("a",), ()]) == [[0, 1, 2]]
+    # A fork after a call on its parent waits for that call: it copies the result.
+    assert call_waves([("a",), ("f",), ("a",)], [(), ("a",), ()]) == [[0], [1, 2]]
+    # Two writers of one session never share a wave, readers or not.
+    assert call_waves([("a",), ("f",), ("a",), ("a",)], [(), ("a",), (), ()]) == [[0], [1, 2], [3]]

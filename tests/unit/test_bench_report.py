@@ -35,3 +35,35 @@ def test_alpha_counts_only_positions_that_were_evaluated():
     c = (100.0 / 20) / (2000.0 / 20)
     assert row["cost_ratio_c"] == pytest.approx(c)
     assert row["theoretical_speedup"] == pytest.approx(theoretical_speedup(12 / 18, 2, c))
+
+
+def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_split():
+    from bench.harness import PLACEMENTS, node_modes
+    from bench.report import markdown_table
+
+    modes = node_modes()
+    pinned = [m for m in modes if m.placement == "pinned"]
+    assert {m.coordinator for m in pinned} == {"sequential", "pipelined", "pipelined+hedged2"}
+    assert {m.adaptive for m in pinned} == {True, False}
+    assert all(m.drafter == "int8@core0" for m in pinned)
+    assert PLACEMENTS["pinned"]["draft"] == ["--cpus", "0", "--threads", "1"]
+    assert PLACEMENTS["pinned"]["target"] == ["--cpus", "1", "--threads", "1"]
+    assert any(m.family == "hf" and m.assisted == "default" for m in modes)
+    base = _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0)
+    base.update(target_ms=1900.0)
+    piped = _sample("ours pinned pipelined K=2", rounds=10, proposed=20, accepted=14, per_position=[8, 6], total_ms=3000.0)
+    # 9 rounds followed the first; 6 of them took their drafts from a branch.
+    piped.update(predrafts=10, hedges=20, ready_rounds=6, target_ms=2000.0, draft_ms=300.0, branch_wait_ms=200.0,
+                 predraft_wasted_tokens=5, hedge_wasted_tokens=15)
+    results = {
+        "modes": [dict(name=base["mode"], family="ours", k=0), dict(name=piped["mode"], family="ours", k=2)],
+        "samples": [base, piped],
+    }
+    summary = summarise(results)
+    row = {r["mode"]: r for r in summary[0.0]}["ours pinned pipelined K=2"]
+    assert row["ready_rate"] == pytest.approx(6 / 9)
+    assert row["wasted_per_round"] == pytest.approx(2.0)
+    assert (row["verify_ms"], row["draft_critical_ms"], row["other_ms"]) == pytest.approx((200.0, 50.0, 50.0))
+    machine = dict(cpu="x", cores=2, device="cpu", torch="t", transformers="t", threads={"in_process_hf": 2}, date="d")
+    table = markdown_table(summary, machine)
+    assert "ready rate" in table and "67%" in table

@@ -57,3 +57,34 @@ def test_target_batching_flags_environment_and_limits():
         target_config(["--model", "m", "--batch-window-ms", "-1"], {})
     with pytest.raises(SystemExit):
         target_config(["--model", "m", "--max-batch-size", "0"], {})
+
+
+def test_cpus_pin_each_service_and_set_its_threads():
+    from specdec.config import parse_cpu_list
+
+    assert parse_cpu_list("0") == (0,) and parse_cpu_list("3,0-1") == (0, 1, 3) and parse_cpu_list("") == ()
+    for bad in ("a", "1-0", "0;1"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+    draft = draft_config(["--model", "m"], {"SPECDEC_DRAFT_CPUS": "0"})
+    assert draft.cpus == (0,) and draft.torch_threads == 1  # one thread per pinned core
+    target = target_config(["--model", "m", "--cpus", "0-1", "--threads", "3"])
+    assert target.cpus == (0, 1) and target.torch_threads == 3  # --threads wins
+    assert draft_config(["--model", "m"], {}).torch_threads == 0  # not pinned: torch's default
+    coordinator = coordinator_config(["--draft", "d", "--target", "t", "--tokenizer", "k", "--cpus", "1"])
+    assert coordinator.cpus == (1,)
+    with pytest.raises(SystemExit):
+        draft_config(["--model", "m", "--cpus", "zero"])
+
+
+def test_pinning_to_a_core_the_process_may_not_use_fails_at_start_up():
+    import os
+
+    from specdec.config import pin_cpus
+
+    allowed = os.sched_getaffinity(0)
+    pin_cpus(())  # nothing to pin: untouched
+    assert os.sched_getaffinity(0) == allowed
+    with pytest.raises(SystemExit, match="may not run on"):
+        pin_cpus((max(allowed) + 1000,))
+    assert os.sched_getaffinity(0) == allowed
