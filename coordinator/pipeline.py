@@ -557,11 +557,9 @@ class Coordinator:
                     # and the rest of the pre-draft, which become the next drafts.
                     draft_view.synced = base + proposed + 1
                     taken = branch.truncated(len(branch.draft_token_ids), start=1)
-                elif plan is hit:
-                    stats.predraft_misses += 1
-                    stats.predraft_wasted_tokens += len(branch.draft_token_ids)
-                else:  # a draft was rejected and a hedge was used
-                    stats.predraft_cancelled += 1
+                else:  # a miss, or a draft was rejected and a hedge was used
+                    stats.predraft_misses += plan is hit
+                    stats.predraft_cancelled += plan is not hit
                     stats.predraft_wasted_tokens += len(branch.draft_token_ids)
             elif plan is hit and not failed:
                 trace.get_current_span().add_event(

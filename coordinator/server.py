@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
-from specdec.config import pin_cpus
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import Coordinator, PairInfo
 from coordinator.servicer import CoordinatorServicer, add_to_server
+from specdec.config import pin_cpus
 from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.security import load_client_security, load_server_security
 from specdec.serving import RunningServer, serve_forever, start_server

@@ -19,7 +19,7 @@ from draft_service.runner import ProposeCall, Proposal
 from specdec.errors import InvalidArgument
 from specdec.modeling import TokenizerInfo
 from specdec.probs import SamplingParams
-from specdec.runner import ModelDescription, Stopwatch, check_context, check_token_ids
+from specdec.runner import ModelDescription, Stopwatch, check_context, check_token_ids, result_or_error
 from specdec.sessions import SessionStore
 
 
@@ -68,13 +68,7 @@ class NgramDrafter:
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
         """One after the other, in order: a lookup has no model pass to share."""
-        results: list[Proposal | Exception] = []
-        for call in calls:
-            try:
-                results.append(self.propose_one(call))
-            except Exception as exc:  # noqa: BLE001 - handed back to that branch alone
-                results.append(exc)
-        return results
+        return [result_or_error(self.propose_one, call) for call in calls]
 
     def propose(
         self,

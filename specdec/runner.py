@@ -201,7 +201,7 @@ class ModelRunner:
         A failed pass fails (and ends) every session in it, as `forward` does for one.
         """
         if len(sessions) == 1 or not all(batchable_cache(session.cache) for session in sessions):
-            return [_result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
+            return [result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
         results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
         admitted: list[int] = []
         pending_bytes = 0
@@ -379,7 +379,8 @@ def start_each(indices: list[int], start: Callable[[int], T], results: list) -> 
     return started
 
 
-def _result_or_error(fn, *args):
+def result_or_error(fn, *args):
+    """fn(*args), or the exception it raised: one call's failure handed back to it alone."""
     try:
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
