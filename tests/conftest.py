@@ -21,6 +21,33 @@ from tests.tiny_models import TinyPair, build_pair, byte_level_tokenizer, word_t
 
 hf_logging.disable_progress_bar()
 
+# The full suite (`make test`, what CI runs) runs everything. `make test-fast` skips the
+# modules below, which start processes, run benchmarks or sample thousands of generations
+# over gRPC; what it keeps (the sampling math and its χ² tests, the runners, and the three
+# services in process: greedy identity in every mode and drafter, errors, batching) runs in
+# about 3 minutes on 2 cores.
+HEAVY_MODULES = {
+    "integration/test_distribution.py": "3,000 seeded generations per case over gRPC",
+    "integration/test_bench_smoke.py": "every benchmark suite end to end, with processes",
+    "integration/test_faults.py": "killed and restarted processes",
+    "integration/test_tensor_parallel.py": "gloo ranks as processes",
+    "integration/test_observability.py": "traces across processes",
+    "integration/test_loadtest.py": "15 s of load",
+    "integration/test_k_chooser.py": "calibrated services settling over many rounds",
+    "integration/test_processes.py": "services as processes",
+    "integration/test_fuzz_public_api.py": "hundreds of hypothesis examples over gRPC",
+    "integration/test_real_pair.py": "the real Qwen pair",
+    "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    tests_dir = os.path.dirname(__file__)
+    for item in items:
+        relative = os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")
+        if relative in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
+
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> TinyPair:

@@ -1,0 +1,21 @@
+"""The fast tier's skip list names real modules, so a renamed heavy module cannot slip into
+`make test-fast` unnoticed (and a stale name cannot hide that the list no longer applies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import HEAVY_MODULES
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_every_heavy_module_exists_and_says_why():
+    for relative, reason in HEAVY_MODULES.items():
+        assert (TESTS / relative).is_file(), f"tests/conftest.py lists {relative}, which does not exist"
+        assert reason.strip(), f"{relative} needs a reason"
+
+
+def test_the_fast_tier_keeps_the_sampling_math_and_in_process_services():
+    kept = {"unit/test_sampling.py", "integration/test_generate.py", "integration/test_coordinator_modes.py"}
+    assert not kept & set(HEAVY_MODULES)
