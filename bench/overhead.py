@@ -8,18 +8,27 @@ is RPCs, serialisation, queueing and the coordinator's own work. For greedy and 
 decoding at K = 0 and K = 4 it prints p50 and p90 of that overhead per round and per RPC
 (K = 0 makes one call per round, K = 4 two), from every round but each request's first
 (which carries the prompt).
+
+It also times the floor under those figures: a bare gRPC round trip (the standard health
+Check, no model and no handler work) from a grpc.aio client, the kind the coordinator uses, to
+the target service on the same loopback. A round with K > 0 makes two model-service calls, so
+it cannot cost less than twice that.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.launch import free_port, spawn, spawn_coordinator
 from specdec.v1 import coordinator_pb2 as pb
@@ -46,6 +55,19 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
+async def bare_rpc_ms(address: str, calls: int = 300) -> list[float]:
+    """Wall time of `calls` health checks in a row (after 20 to warm up), in ms."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        times = []
+        for i in range(calls + 20):
+            started = time.perf_counter()
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            if i >= 20:
+                times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
 def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +87,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         stub.Generate(pb.GenerateRequest(prompt="warm up", max_new_tokens=8, num_speculative_tokens=4), timeout=60)
+        floor = asyncio.run(bare_rpc_ms(services["target"].address))
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):
                 for decoding, temperature, k in CELLS:
@@ -81,7 +104,10 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                         "round_ms": list(s.round_ms)[1:], "round_overhead_ms": list(s.round_overhead_ms)[1:],
                         "k_per_round": list(s.k_per_round)[1:],
                     })
-    return {"suite": "overhead", "config": {"max_new_tokens": config.max_new_tokens, "repeats": config.repeats}, "machine": machine, "samples": samples}
+    return {
+        "suite": "overhead", "config": {"max_new_tokens": config.max_new_tokens, "repeats": config.repeats}, "machine": machine,
+        "samples": samples, "bare_rpc_ms": floor,
+    }
 
 
 def summarise(results: dict) -> list[dict]:
@@ -99,7 +125,7 @@ def summarise(results: dict) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], machine: dict) -> str:
+def markdown_table(rows: list[dict], machine: dict, bare_rpc_ms: list[float] | None = None) -> str:
     lines = [
         f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cores']} cores; torch {machine['torch']}; {machine['date']}",
         "",
@@ -114,13 +140,19 @@ def markdown_table(rows: list[dict], machine: dict) -> str:
             f"| {r['decoding']} | {r['k']} | {r['rounds']} | {r['round_ms_p50']:.2f} | {r['overhead_ms_p50']:.2f} | "
             f"{r['overhead_ms_p90']:.2f} | {r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
         )
+    if bare_rpc_ms:
+        lines += [
+            "",
+            f"Floor: a bare gRPC round trip (health Check, grpc.aio client to the target service, loopback) takes "
+            f"{percentile(bare_rpc_ms, 50):.2f} ms p50, {percentile(bare_rpc_ms, 90):.2f} ms p90 ({len(bare_rpc_ms)} calls).",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def write(results: dict, out_dir: Path) -> int:
     rows = summarise(results)
     results["summary"] = rows
-    table = markdown_table(rows, results["machine"])
+    table = markdown_table(rows, results["machine"], results.get("bare_rpc_ms"))
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "table.md").write_text(table)
     print("\n" + table)
