@@ -38,7 +38,23 @@ def encode_distributions(probs: torch.Tensor | None, count: int, deterministic: 
     """probs: [count, V], or None when deterministic (one-hot rows need no values)."""
     if deterministic:
         return [common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot()) for _ in range(count)]
-    return [encode_distribution(row, False) for row in probs]
+    probs = probs.detach().to("cpu", torch.float32)
+    # One scan of the whole [count, V] tensor finds every row's support (a scan per row cost
+    # about 0.25 ms each at Qwen's vocabulary).
+    rows, ids = torch.nonzero(probs, as_tuple=True)  # [nnz], [nnz], row-major
+    values = probs[rows, ids].tolist()
+    ids_list = ids.tolist()
+    ends = torch.bincount(rows, minlength=probs.shape[0]).cumsum(0).tolist()  # [count]
+    out, start = [], 0
+    for row, end in enumerate(ends):
+        if end - start <= _SPARSE_MAX_FRACTION * probs.shape[1]:
+            out.append(common_pb2.ProposalDistribution(
+                sparse=common_pb2.SparseProbs(token_ids=ids_list[start:end], probs=values[start:end])
+            ))
+        else:
+            out.append(common_pb2.ProposalDistribution(dense=encode_dense(probs[row])))
+        start = end
+    return out
 
 
 def encode_dense(probs: torch.Tensor) -> common_pb2.DenseProbs:
@@ -80,16 +96,23 @@ def decode_distributions(
                 raise InvalidArgument(
                     f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
                 )
+            _check_probabilities(values)
             inside = (ids >= 0) & (ids < vocab_size)
             draft_probs[row, torch.from_numpy(ids[inside])] = torch.from_numpy(values[inside])
         elif kind == "dense":
             values = decode_dense(dist.dense)[:vocab_size]
+            _check_probabilities(values)
             draft_probs[row, : values.size] = torch.from_numpy(values.copy())
         else:
             raise InvalidArgument(f"distribution {row} is empty; set one_hot, sparse or dense")
-    if not torch.isfinite(draft_probs).all() or (draft_probs < 0).any():
-        raise InvalidArgument("draft distributions must hold finite, non-negative probabilities")
     return draft_probs
+
+
+def _check_probabilities(values: np.ndarray) -> None:
+    """Checks only the values a message carries: the rest of a row stays 0. (Scanning the
+    whole [K, V] tensor instead cost milliseconds per call at Qwen's vocabulary.)"""
+    if values.size and not (np.isfinite(values).all() and values.min() >= 0):
+        raise InvalidArgument("draft distributions must hold finite, non-negative probabilities")
 
 
 def token_probability(distribution: common_pb2.ProposalDistribution, token_id: int) -> float:

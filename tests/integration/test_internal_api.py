@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import struct
 
 import grpc
 import numpy as np
@@ -62,6 +63,13 @@ async def test_unknown_session_is_not_found(stack):
         (dict(new_tokens=[]), "new_tokens is empty"),
         (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0)), r"top_p must be in \(0, 1\]"),
         (dict(draft_token_ids=[5], draft_distributions=[common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=b"abc"))]), "multiple of 4"),
+        # Sampled rounds read the distributions: every value carried must be a probability.
+        (dict(draft_token_ids=[5], sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
+              draft_distributions=[common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[5, 6], probs=[0.5, float("nan")]))]),
+         "finite, non-negative"),
+        (dict(draft_token_ids=[5], sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
+              draft_distributions=[common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=struct.pack("<3f", 0.5, -0.25, 0.75)))]),
+         "finite, non-negative"),
     ],
 )
 async def test_malformed_verify_is_invalid_argument(stack, request_fields, message):

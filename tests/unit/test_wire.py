@@ -1,0 +1,47 @@
+"""The proposal-distribution codec: what the draft encodes decodes to the same float32 values
+the draft sampled from, whichever wire form a row takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import wire
+from specdec.errors import InvalidArgument
+from specdec.v1 import common_pb2
+
+
+def _rows(seed: int, vocab: int) -> torch.Tensor:
+    """[K, V] rows from empty to full support, so both sparse and dense forms appear."""
+    generator = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 6, (), generator=generator))
+    probs = torch.zeros(count, vocab)
+    for row in range(count):
+        support = torch.randperm(vocab, generator=generator)[: int(torch.randint(0, vocab + 1, (), generator=generator))]
+        probs[row, support] = torch.rand(len(support), generator=generator)
+    return probs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_encoding_rows_together_equals_each_row_alone_and_decodes_exactly(seed):
+    probs = _rows(seed, vocab=300)
+    together = wire.encode_distributions(probs, len(probs), deterministic=False)
+    assert together == [wire.encode_distribution(row, False) for row in probs]
+    token_ids = [0] * len(probs)
+    assert torch.equal(wire.decode_distributions(together, token_ids, 300), probs)
+
+
+def test_both_forms_appear():
+    all_rows = [_rows(seed, 300) for seed in range(20)]
+    forms = {d.WhichOneof("kind") for rows in all_rows for d in wire.encode_distributions(rows, len(rows), False)}
+    assert forms == {"sparse", "dense"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
+    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1, 2], probs=[0.5, bad]))
+    dense = common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=np.array([0.5, bad, 0.0], "<f4").tobytes()))
+    for distribution in (sparse, dense):
+        with pytest.raises(InvalidArgument, match="finite, non-negative"):
+            wire.decode_distributions([distribution], [1], 3)
