@@ -26,9 +26,8 @@ from pathlib import Path
 
 import grpc
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.launch import free_port, spawn, spawn_coordinator
 from specdec.v1 import coordinator_pb2 as pb

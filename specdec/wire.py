@@ -21,21 +21,9 @@ from specdec.v1 import common_pb2
 _SPARSE_MAX_FRACTION = 0.5
 
 
-def encode_distribution(probs: torch.Tensor, deterministic: bool) -> common_pb2.ProposalDistribution:
-    """probs: [V] float32 on any device."""
-    if deterministic:
-        return common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())
-    probs = probs.detach().to("cpu", torch.float32)
-    nonzero = torch.nonzero(probs, as_tuple=True)[0]  # [nnz]
-    if nonzero.numel() <= _SPARSE_MAX_FRACTION * probs.numel():
-        return common_pb2.ProposalDistribution(
-            sparse=common_pb2.SparseProbs(token_ids=nonzero.tolist(), probs=probs[nonzero].tolist())
-        )
-    return common_pb2.ProposalDistribution(dense=encode_dense(probs))
-
-
 def encode_distributions(probs: torch.Tensor | None, count: int, deterministic: bool) -> list[common_pb2.ProposalDistribution]:
-    """probs: [count, V], or None when deterministic (one-hot rows need no values)."""
+    """probs: [count, V], or None when deterministic (one-hot rows need no values). Each row
+    travels sparse when at most half its entries are non-zero, dense otherwise."""
     if deterministic:
         return [common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot()) for _ in range(count)]
     probs = probs.detach().to("cpu", torch.float32)
