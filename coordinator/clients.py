@@ -33,12 +33,13 @@ class ServiceClient:
 
     def __init__(
         self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        security: ChannelSecurity | None = None,
+        security: ChannelSecurity | None = None, channel=None,
     ):
+        """`channel`: an already open channel to use instead (a specdec.local.LocalChannel)."""
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = aio_channel(
+        self.channel = channel or aio_channel(
             address, [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS], security, telemetry.client_interceptors()
         )
 
@@ -97,9 +98,10 @@ class ServiceClient:
 
 class DraftClient(ServiceClient):
     def __init__(
-        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None,
+        channel=None,
     ):
-        super().__init__("draft", address, timeout_s, max_message_bytes, security)
+        super().__init__("draft", address, timeout_s, max_message_bytes, security, channel)
         self._stub = draft_pb2_grpc.DraftStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -120,9 +122,10 @@ class DraftClient(ServiceClient):
 
 class TargetClient(ServiceClient):
     def __init__(
-        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None
+        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None,
+        channel=None,
     ):
-        super().__init__("target", address, timeout_s, max_message_bytes, security)
+        super().__init__("target", address, timeout_s, max_message_bytes, security, channel)
         self._stub = target_pb2_grpc.TargetStub(self.channel)
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

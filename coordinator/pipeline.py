@@ -695,6 +695,11 @@ class Coordinator:
             if view.opened:
                 self._end_later(client, view.session_id)
 
+    async def wait_cleanup(self) -> None:
+        """Until every session end already started has finished (before the services stop)."""
+        while self._cleanup:
+            await asyncio.gather(*self._cleanup, return_exceptions=True)
+
     def _end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request."""
         task = asyncio.get_running_loop().create_task(client.end_session(session_id))

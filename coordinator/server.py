@@ -27,13 +27,14 @@ RPC_ROUND_TRIPS = 5
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
-async def connect(config: CoordinatorConfig) -> Coordinator:
-    """Waits for both services, checks they form a pair, and builds the coordinator."""
+async def connect(config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None) -> Coordinator:
+    """Waits for both services, checks they form a pair, and builds the coordinator. `draft`
+    and `target` replace the clients the config describes (in-process services)."""
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
-    draft = DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes, upstream)
-    target = TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes, upstream)
+    draft = draft or DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes, upstream)
+    target = target or TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes, upstream)
     draft_info, target_info = await asyncio.gather(
         draft.wait_info(config.connect_timeout_s), target.wait_info(config.connect_timeout_s)
     )

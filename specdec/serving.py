@@ -261,6 +261,17 @@ async def start_server(
     return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http)
 
 
+def build_model_servicer(config, runner, make_servicer: Callable[..., Any], service_name: str) -> tuple[Any, ModelThread, CollectorRegistry]:
+    """A model service's servicer with its own model thread and metrics registry."""
+    role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
+    model_thread = ModelThread(f"{role}-model")
+    registry = CollectorRegistry()
+    servicer = make_servicer(
+        runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner), config.batch_window_ms / 1e3, config.max_batch_size
+    )
+    return servicer, model_thread, registry
+
+
 async def start_model_server(
     config,  # a specdec.config.ModelServiceConfig
     runner,  # a specdec.runner.ModelRunner
@@ -272,12 +283,7 @@ async def start_model_server(
 ) -> RunningServer:
     """What the draft and target servers share: one model thread, the servicer, health and
     reflection, and periodic expiry of idle sessions."""
-    role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
-    model_thread = ModelThread(f"{role}-model")
-    registry = CollectorRegistry()
-    servicer = make_servicer(
-        runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner), config.batch_window_ms / 1e3, config.max_batch_size
-    )
+    servicer, model_thread, registry = build_model_servicer(config, runner, make_servicer, service_name)
     return await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],

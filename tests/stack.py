@@ -11,18 +11,26 @@ from pathlib import Path
 
 import grpc
 
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from coordinator import server as coordinator_server
+from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
+from coordinator.servicer import CoordinatorServicer
+from coordinator.servicer import add_to_server as add_coordinator_servicer
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
+from draft_service.servicer import DraftServicer
 from specdec.launch import ServiceProcess, free_port, spawn
+from specdec.local import LocalChannel
 from specdec.security import ClientSecurity, aio_channel, load_client_security
-from specdec.serving import RunningServer
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.serving import RunningServer, build_model_servicer
+from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from target_service import server as target_server
 from target_service.config import TargetConfig
 from target_service.runner import TargetRunner
+from target_service.servicer import TargetServicer
 from tests.tiny_models import TinyPair
 
 
@@ -54,13 +62,64 @@ def slow_down(runner, seconds: float) -> None:
 @dataclass
 class Stack:
     stub: coordinator_pb2_grpc.CoordinatorStub
-    channel: grpc.aio.Channel
-    draft: RunningServer
-    target: RunningServer
-    coordinator: RunningServer
+    channel: grpc.aio.Channel | LocalChannel
+    draft: RunningServer | None  # None in a local stack: no servers
+    target: RunningServer | None
+    coordinator: RunningServer | None
     draft_runner: DraftRunner
     target_runner: TargetRunner
     coordinator_config: CoordinatorConfig
+
+
+@asynccontextmanager
+async def local_stack(
+    pair: TinyPair,
+    draft_overrides: dict | None = None,
+    coordinator_overrides: dict | None = None,
+    target_overrides: dict | None = None,
+    prepare_runners: Callable[[DraftRunner, TargetRunner], None] | None = None,
+) -> AsyncIterator[Stack]:
+    """The same coordinator, servicers and runners as `inprocess_stack`, joined by in-process
+    channels (specdec.local) instead of loopback gRPC: every message is still serialised and
+    parsed, and errors still travel as status codes, but no socket, HTTP/2 or interceptor is
+    involved. For tests that need thousands of generations and test the math, not the wire."""
+    draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
+    target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
+    draft_runner = draft_server.load_runner(draft_config)
+    target_runner = target_server.load_runner(target_config)
+    if prepare_runners is not None:
+        prepare_runners(draft_runner, target_runner)
+    threads = []
+    channels = {}
+    for role, config, runner, make, add in (
+        ("draft", draft_config, draft_runner, DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server),
+        ("target", target_config, target_runner, TargetServicer, target_pb2_grpc.add_TargetServicer_to_server),
+    ):
+        servicer, model_thread, _ = build_model_servicer(config, runner, make, f"specdec.v1.{role.title()}")
+        threads.append(model_thread)
+        channels[role] = LocalChannel()
+        add(servicer, channels[role])
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, channels[role])
+    coordinator_config = dataclasses.replace(
+        CoordinatorConfig(draft_address="in-process draft", target_address="in-process target", tokenizer=str(pair.target), port=0),
+        **(coordinator_overrides or {}),
+    )
+    draft = DraftClient(coordinator_config.draft_address, coordinator_config.draft_timeout_s, channel=channels["draft"])
+    target = TargetClient(coordinator_config.target_address, coordinator_config.target_timeout_s, channel=channels["target"])
+    coordinator = await coordinator_server.connect(coordinator_config, draft, target)
+    channel = LocalChannel()
+    add_coordinator_servicer(CoordinatorServicer(coordinator), channel)
+    try:
+        yield Stack(
+            coordinator_pb2_grpc.CoordinatorStub(channel), channel, None, None, None, draft_runner, target_runner, coordinator_config,
+        )
+    finally:
+        coordinator.close()
+        await coordinator.wait_cleanup()
+        for model_thread in threads:
+            model_thread.shutdown()
 
 
 @asynccontextmanager

@@ -25,7 +25,7 @@ from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
 from specdec.quantize import quantize_int8
 from specdec.v1 import coordinator_pb2 as pb
-from tests.stack import inprocess_stack
+from tests.stack import inprocess_stack, local_stack
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
 PROMPT = [3, 7]
@@ -33,6 +33,10 @@ LENGTH = 3
 NUM_DRAFT = 2
 SAMPLES = 3000
 CONCURRENCY = 16
+# In process, more concurrent requests in bigger batches: fewer tiny forward passes, which are
+# most of these tests' time (hedges open forks beside each session, hence the session limit).
+LOCAL_CONCURRENCY = 64
+LOCAL_BATCH = {"max_batch_size": 32, "max_sessions": 256}
 
 # A prompt whose tokens recur, so the prompt-lookup drafter proposes in most rounds.
 REPEATING_PROMPT = [3, 7, 5, 3, 7]
@@ -89,6 +93,13 @@ CASES = {
 }
 
 
+# The end-to-end proof over loopback gRPC, one case per wire form of the draft distribution and
+# one for the busiest coordinator mode; the rest run over in-process channels (tests/stack.py's
+# local_stack: the same servicers, messages serialised and parsed, no sockets), which is
+# several times faster and tests the same math.
+OVER_THE_WIRE = frozenset({"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup", "pipelined_hedged_top_k"})
+
+
 def batch_invariant(draft: dict) -> bool:
     """Whether the draft proposes the same for a request whichever requests share its passes
     (up to float32 rounding): a float32 model or prompt lookup, not an int8 model."""
@@ -118,9 +129,12 @@ def exact_target_distribution(
     return probs
 
 
-async def sample_continuations(stub, params: SamplingParams, seeds, prompt=PROMPT, length: int = LENGTH, k: int | None = NUM_DRAFT, stats=None):
+async def sample_continuations(
+    stub, params: SamplingParams, seeds, prompt=PROMPT, length: int = LENGTH, k: int | None = NUM_DRAFT, stats=None,
+    concurrency: int = CONCURRENCY,
+):
     """Seeded generations of `length` tokens; `stats`, if given, collects each response's stats."""
-    semaphore = asyncio.Semaphore(CONCURRENCY)
+    semaphore = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> tuple[int, ...]:
         async with semaphore:
@@ -152,11 +166,15 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
             draft_runner.pass_costs = PassCosts((c.costs[0],) * 9, context_tokens=128)
             target_runner.pass_costs = PassCosts((c.costs[1],) * 9, context_tokens=128)
 
-    async with inprocess_stack(
-        word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator, target_overrides=c.target, prepare_runners=set_costs
+    if case in OVER_THE_WIRE:
+        make_stack, concurrency, draft, target = inprocess_stack, CONCURRENCY, c.draft, c.target
+    else:
+        make_stack, concurrency, draft, target = local_stack, LOCAL_CONCURRENCY, {**LOCAL_BATCH, **c.draft}, {**LOCAL_BATCH, **c.target}
+    async with make_stack(
+        word_pair, draft_overrides=draft, coordinator_overrides=c.coordinator, target_overrides=target, prepare_runners=set_costs
     ) as stack:
         stats: list = []
-        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats)
+        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, concurrency)
         repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
     # The K chooser works from figures fixed at start-up, so a seed reproduces with it too.
     if batch_invariant(c.draft):
@@ -186,8 +204,8 @@ async def test_distribution_test_detects_the_draft_distribution(word_pair):
     params = SamplingParams(temperature=1.0)
     expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size)
     swapped = type(word_pair)(target=word_pair.draft, draft=word_pair.draft, vocab_size=word_pair.vocab_size, eos_token_id=None)
-    async with inprocess_stack(swapped) as stack:
-        samples = await sample_continuations(stack.stub, params, range(SAMPLES))
+    async with local_stack(swapped, draft_overrides=LOCAL_BATCH, target_overrides=LOCAL_BATCH) as stack:
+        samples = await sample_continuations(stack.stub, params, range(SAMPLES), concurrency=LOCAL_CONCURRENCY)
     assert chi_square_p_value(samples, expected) < 1e-6
 
 
@@ -225,6 +243,9 @@ async def test_distribution_test_detects_a_branch_picked_by_its_own_drafts(word_
 
     monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
     expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
-    async with inprocess_stack(word_pair, draft_overrides=c.draft, coordinator_overrides=c.coordinator) as stack:
-        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k)
+    # Over the same in-process channels as the hedged case it must fail where that one passes.
+    async with local_stack(
+        word_pair, draft_overrides={**LOCAL_BATCH, **c.draft}, coordinator_overrides=c.coordinator, target_overrides=LOCAL_BATCH
+    ) as stack:
+        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, concurrency=LOCAL_CONCURRENCY)
     assert chi_square_p_value(samples, expected) < 1e-6

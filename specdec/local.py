@@ -1,0 +1,189 @@
+"""In-process transport: a channel whose calls run a servicer's handlers directly.
+
+Why: the statistical tests drive thousands of generations through the real coordinator,
+servicers and runners, and over loopback gRPC most of their time is transport. A
+`LocalChannel` keeps everything above the sockets: every message is serialised and parsed
+both ways with the real codecs, handlers get a context whose `abort` ends the call with its
+status code (so clients see the same `grpc.aio.AioRpcError` and translate it the same way),
+deadlines and caller cancellation reach the handler as they would over the wire. What it
+leaves out: HTTP/2, message size limits, and server interceptors (auth, tracing). Generated
+stubs take it in place of a `grpc.aio.Channel`, and the generated `add_*_to_server` functions
+take it in place of a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class LocalContext:
+    """The part of `grpc.aio.ServicerContext` the servicers use."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = None if timeout_s is None else loop.time() + timeout_s
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    async def write(self, message) -> None:
+        raise RuntimeError("write is for server-streaming handlers")
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        raise _Abort(code, details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def peer(self) -> str:
+        return "in-process"
+
+    def error(self, exc: BaseException) -> grpc.aio.AioRpcError:
+        """What a client sees when the handler ended with `exc`, as grpc.aio reports it."""
+        if isinstance(exc, _Abort):
+            return rpc_error(exc.code, exc.details)
+        if isinstance(exc, TimeoutError):
+            return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if self._code is not None:  # the generated base class's "Method not implemented!"
+            return rpc_error(self._code, self._details)
+        return rpc_error(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}")
+
+
+def _same(message):
+    """grpc's meaning of a missing (de)serialiser: the message is already bytes."""
+    return message
+
+
+class _Method:
+    """One method of a stub; its handler is looked up per call, so a stub may be made first."""
+
+    def __init__(self, channel: LocalChannel, method: str, serialize: Callable | None, deserialize: Callable | None) -> None:
+        self._channel = channel
+        self._method = method
+        self._serialize = serialize or _same
+        self._deserialize = deserialize or _same
+
+    def _parsed(self, request) -> tuple[grpc.RpcMethodHandler, Any]:
+        handler = self._channel.handler(self._method)
+        return handler, (handler.request_deserializer or _same)(self._serialize(request))
+
+    def _reply(self, handler: grpc.RpcMethodHandler, response):
+        return self._deserialize((handler.response_serializer or _same)(response))
+
+
+class _UnaryUnary(_Method):
+    async def __call__(self, request, timeout: float | None = None, **_: Any):
+        handler, server_request = self._parsed(request)
+        context = LocalContext(timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                response = await handler.unary_unary(server_request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status, as on the wire
+            raise context.error(exc) from None
+        return self._reply(handler, response)
+
+
+class _UnaryStream(_Method):
+    def __call__(self, request, timeout: float | None = None, **_: Any) -> AsyncIterator:
+        return self._responses(request, timeout)
+
+    async def _responses(self, request, timeout: float | None) -> AsyncIterator:
+        handler, server_request = self._parsed(request)
+        context = LocalContext(timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                async for response in _handler_messages(handler.unary_stream(server_request, context), context):
+                    yield self._reply(handler, response)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status, as on the wire
+            raise context.error(exc) from None
+
+
+async def _handler_messages(result, context: LocalContext) -> AsyncIterator:
+    """A server-streaming handler's messages, whether it yields them (an async generator) or
+    writes them with `context.write` (a coroutine), as grpc.aio allows both."""
+    if inspect.isasyncgen(result):
+        try:
+            async for message in result:
+                yield message
+        finally:
+            await result.aclose()
+        return
+    finished = object()
+    queue: asyncio.Queue = asyncio.Queue()
+    context.write = queue.put  # type: ignore[method-assign]
+
+    async def run() -> None:
+        try:
+            await result
+        finally:
+            queue.put_nowait(finished)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while (message := await queue.get()) is not finished:
+            yield message
+        await task  # the handler's own error, if it ended with one
+    finally:
+        task.cancel()
+
+
+class LocalChannel:
+    """Register servicers on it as on a server, then hand it to stubs as a channel."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self.closed = False
+
+    # Server side: what the generated add_*Servicer_to_server functions call.
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """Unused: the generated code registers every method by name as well."""
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        for name, handler in handlers.items():
+            self._handlers[f"/{service_name}/{name}"] = handler
+
+    # Client side: what the generated stubs call.
+    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return _UnaryUnary(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return _UnaryStream(self, method, request_serializer, response_deserializer)
+
+    def handler(self, method: str) -> grpc.RpcMethodHandler:
+        if self.closed:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the local channel is closed")
+        try:
+            return self._handlers[method]
+        except KeyError:
+            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, f"no servicer on this local channel serves {method}") from None
+
+    async def close(self, grace: float | None = None) -> None:
+        self.closed = True
