@@ -49,12 +49,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., V]
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # The most likely token always survives because its mass_before is 0 < top_p.
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        # Exactly transformers' TopPLogitsWarper (min_tokens_to_keep=1), the same sort and the
+        # same sum: ascending, cumulative from the least likely token, dropping while that mass
+        # is <= 1 - top_p. Any other order flips boundary tokens (float32 sums differ, and ties,
+        # common in bf16 logits, break the other way), which changes the distribution.
+        sorted_logits, order = torch.sort(logits, descending=False)  # [..., V]
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [..., V]
+        drop_sorted = cumulative <= (1 - params.top_p)
+        drop_sorted[..., -1:] = False  # the likeliest token always stays
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
