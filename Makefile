@@ -12,12 +12,13 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test test-fast bench bench-quick loadtest deploy-check clean
+.PHONY: help install protos models run test test-fast lint bench bench-quick loadtest deploy-check clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
 	@echo "make test   - install test dependencies and run the test suite"
 	@echo "make test-fast - the quick tier of the tests (about 3 minutes; CI runs make test)"
+	@echo "make lint   - ruff (rules, import order, formatting) and mypy on specdec/ and coordinator/"
 	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
 	@echo "make bench-quick - the same in a few minutes"
 	@echo "make loadtest - 32 clients for 3 minutes against the three services on tiny models (LOADTEST_ARGS=... for more)"
@@ -69,6 +70,18 @@ test: install
 # no over-the-wire χ² runs (tests/conftest.py lists what it skips). CI runs `make test`.
 test-fast: install
 	$(PY) -m pytest -q -m "not heavy"
+
+# Lint and types (pyproject.toml configures both). The tools go into the same .venv under their
+# own marker, so `make test` never installs them.
+LINT_TOOLS := ruff==0.14.0 mypy==1.18.2
+$(VENV)/.lint-installed: $(VENV)/.installed
+	$(PIP) install -q $(LINT_TOOLS)
+	touch $@
+
+lint: install $(VENV)/.lint-installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Offline validation of deploy/ (no Docker engine or cluster needed). The validators go into
 # the same .venv under their own marker, so `make test` never installs them.

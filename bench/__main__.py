@@ -8,7 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from bench.harness import parse_args, run_bench
+import torch
+
+from bench import concurrency, overhead
+from bench.harness import load_prompts, machine_info, parse_args, run_bench
 from bench.report import by_kind, markdown_table, plot, summarise
 
 
@@ -21,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads((out_dir / "results.json").read_text())
         return _write(results, out_dir)
     config = parse_args(argv)
-    return _write(run_bench(config), config.out_dir)
+    if config.suite == "overhead":
+        results = overhead.run_overhead(config, load_prompts(config), machine_info(config))
+    elif config.suite == "concurrency":
+        torch.set_num_threads(config.threads)
+        results = concurrency.run_concurrency(config, load_prompts(config), machine_info(config))
+    else:
+        results = run_bench(config)
+    return _write(results, config.out_dir)
 
 
 def _write(results: dict, out_dir: Path) -> int:
     if results.get("suite") == "overhead":
-        from bench import overhead
-
         return overhead.write(results, out_dir)
     if results.get("suite") == "concurrency":
         return _write_concurrency(results, out_dir)
@@ -43,8 +51,6 @@ def _write(results: dict, out_dir: Path) -> int:
 
 
 def _write_concurrency(results: dict, out_dir: Path) -> int:
-    from bench import concurrency
-
     rows = concurrency.summarise(results)
     results["summary"] = rows
     table = concurrency.markdown_table(rows, results["machine"], results["config"])

@@ -29,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.harness import ROOT, drafter_args  # noqa: E402
 from specdec.launch import ServiceProcess, free_port, model_service_args, spawn, spawn_coordinator  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -62,8 +63,6 @@ class ConcurrencyRunner:
     """Per batching setting its own draft service, target service and coordinator."""
 
     def __init__(self, config, log_dir: Path) -> None:
-        from bench.harness import ROOT, drafter_args
-
         self._processes = ExitStack()
         model_args, env = model_service_args(config.device, config.threads)
         try:
@@ -75,17 +74,40 @@ class ConcurrencyRunner:
                     "target": config.batch_window_ms if batching in ("verify", "both") else 0.0,
                 }
                 model_flags = {
-                    "draft": ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *drafter_args("int8", config)],
-                    "target": ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize],
+                    "draft": [
+                        "--model",
+                        str(config.draft_model),
+                        "--dtype",
+                        config.draft_dtype,
+                        *drafter_args("int8", config),
+                    ],
+                    "target": [
+                        "--model",
+                        str(config.target_model),
+                        "--dtype",
+                        config.target_dtype,
+                        "--quantize",
+                        config.target_quantize,
+                    ],
                 }
                 services[batching] = {}
                 for role in ("draft", "target"):
                     self.metrics_ports[batching, role] = free_port()
                     services[batching][role] = self._start(
                         f"{role}_service",
-                        [*model_flags[role], *model_args, "--batch-window-ms", str(windows[role]),
-                         "--max-batch-size", str(max(config.sessions)), "--metrics-port", str(self.metrics_ports[batching, role])],
-                        log_dir / f"{role}-batching-{batching}.log", env, ROOT,
+                        [
+                            *model_flags[role],
+                            *model_args,
+                            "--batch-window-ms",
+                            str(windows[role]),
+                            "--max-batch-size",
+                            str(max(config.sessions)),
+                            "--metrics-port",
+                            str(self.metrics_ports[batching, role]),
+                        ],
+                        log_dir / f"{role}-batching-{batching}.log",
+                        env,
+                        ROOT,
                     )
             for pair in services.values():
                 for process in pair.values():
@@ -95,8 +117,12 @@ class ConcurrencyRunner:
             for batching, pair in services.items():
                 draft, target = pair["draft"], pair["target"]
                 coordinator = spawn_coordinator(
-                    draft, target, config.target_model, log_dir / f"coordinator-batching-{batching}.log",
-                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"], ROOT,
+                    draft,
+                    target,
+                    config.target_model,
+                    log_dir / f"coordinator-batching-{batching}.log",
+                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"],
+                    ROOT,
                 )
                 self._processes.callback(coordinator.stop)
                 self.channels[batching] = grpc.insecure_channel(coordinator.address)
@@ -113,20 +139,29 @@ class ConcurrencyRunner:
     def batch_totals(self, batching: str, role: str) -> tuple[float, float]:
         """(calls, Σ their batch sizes) so far, from the service's Prometheus metrics."""
         rpc = {"draft": "propose", "target": "verify"}[role]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[batching, role]}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[batching, role]}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
         values = {}
         for name in ("count", "sum"):
             match = re.search(rf'^specdec_{role}_batch_size_{name}\{{rpc="{rpc}"\}} (\S+)$', text, re.MULTILINE)
             values[name] = float(match.group(1)) if match else 0.0
         return values["count"], values["sum"]
 
-    def run(self, batching: str, prompts: list[str], sessions: int, max_new_tokens: int, k: int, repeat: int) -> ConcurrencySample:
+    def run(
+        self, batching: str, prompts: list[str], sessions: int, max_new_tokens: int, k: int, repeat: int
+    ) -> ConcurrencySample:
         """One request per prompt, at most `sessions` in flight."""
         import time
 
         before = {role: self.batch_totals(batching, role) for role in ("draft", "target")}
         stub = self.stubs[batching]
-        requests = [pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k) for prompt in prompts]
+        requests = [
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, num_speculative_tokens=k)
+            for prompt in prompts
+        ]
         with ThreadPoolExecutor(sessions) as pool:
             start = time.perf_counter()
             responses = list(pool.map(lambda request: stub.Generate(request, timeout=3600), requests))
@@ -135,10 +170,21 @@ class ConcurrencyRunner:
         moved = {role: (after[role][0] - before[role][0], after[role][1] - before[role][1]) for role in after}
         stats = [response.stats for response in responses]
         return ConcurrencySample(
-            batching, sessions, k, repeat, wall_ms, sum(s.generated_tokens for s in stats), sum(s.rounds for s in stats),
-            sum(s.proposed_tokens for s in stats), sum(s.accepted_tokens for s in stats),
-            int(moved["target"][0]), moved["target"][1], [s.generated_tokens for s in stats], [s.total_ms for s in stats],
-            int(moved["draft"][0]), moved["draft"][1],
+            batching,
+            sessions,
+            k,
+            repeat,
+            wall_ms,
+            sum(s.generated_tokens for s in stats),
+            sum(s.rounds for s in stats),
+            sum(s.proposed_tokens for s in stats),
+            sum(s.accepted_tokens for s in stats),
+            int(moved["target"][0]),
+            moved["target"][1],
+            [s.generated_tokens for s in stats],
+            [s.total_ms for s in stats],
+            int(moved["draft"][0]),
+            moved["draft"][1],
         )
 
     def close(self) -> None:
@@ -149,7 +195,9 @@ class ConcurrencyRunner:
 
 def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("starting a draft service, a target service and a coordinator per batching setting (%s)", ", ".join(BATCHING))
+    logger.info(
+        "starting a draft service, a target service and a coordinator per batching setting (%s)", ", ".join(BATCHING)
+    )
     runner = ConcurrencyRunner(config, config.out_dir / "logs")
     samples: list[ConcurrencySample] = []
     try:
@@ -164,15 +212,24 @@ def run_concurrency(config, prompts: list[dict], machine: dict) -> dict:
                     for batching in order:
                         sample = runner.run(batching, texts, sessions, config.max_new_tokens, k, repeat)
                         logger.info(
-                            "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions per verify, "
+                            "K=%d sessions=%d batching %s: %.2f tok/s aggregate (%d tokens in %.1f s), %.2f sessions "
+                            "per verify, "
                             "%.2f per propose",
-                            k, sessions, batching, sample.tokens / (sample.wall_ms / 1e3), sample.tokens, sample.wall_ms / 1e3,
-                            sample.verify_batch_sum / max(sample.verify_calls, 1), sample.propose_batch_sum / max(sample.propose_calls, 1),
+                            k,
+                            sessions,
+                            batching,
+                            sample.tokens / (sample.wall_ms / 1e3),
+                            sample.tokens,
+                            sample.wall_ms / 1e3,
+                            sample.verify_batch_sum / max(sample.verify_calls, 1),
+                            sample.propose_batch_sum / max(sample.propose_calls, 1),
                         )
                         samples.append(sample)
     finally:
         runner.close()
-    machine["threads"]["note"] = "N generations at once: the draft and target services compute at the same time on the same cores"
+    machine["threads"]["note"] = (
+        "N generations at once: the draft and target services compute at the same time on the same cores"
+    )
     return {
         "suite": "concurrency",
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()},
@@ -200,10 +257,18 @@ def summarise(results: dict) -> list[dict]:
                     "tokens_per_s_min": min(rates, default=None),
                     "tokens_per_s_max": max(rates, default=None),
                     "sessions_per_verify": sum(s["verify_batch_sum"] for s in group) / calls if calls else None,
-                    "sessions_per_propose": sum(s.get("propose_batch_sum", 0) for s in group) / proposes if proposes else None,
-                    "acceptance": sum(s["accepted"] for s in group) / sum(s["proposed"] for s in group) if sum(s["proposed"] for s in group) else None,
-                    "tokens_per_round": sum(s["tokens"] for s in group) / sum(s["rounds"] for s in group) if sum(s["rounds"] for s in group) else None,
-                    "request_ms": statistics.median([ms for s in group for ms in s.get("request_ms", [])]) if group and group[0].get("request_ms") else None,
+                    "sessions_per_propose": sum(s.get("propose_batch_sum", 0) for s in group) / proposes
+                    if proposes
+                    else None,
+                    "acceptance": sum(s["accepted"] for s in group) / sum(s["proposed"] for s in group)
+                    if sum(s["proposed"] for s in group)
+                    else None,
+                    "tokens_per_round": sum(s["tokens"] for s in group) / sum(s["rounds"] for s in group)
+                    if sum(s["rounds"] for s in group)
+                    else None,
+                    "request_ms": statistics.median([ms for s in group for ms in s.get("request_ms", [])])
+                    if group and group[0].get("request_ms")
+                    else None,
                 }
             rows.append(row)
     for row in rows:
@@ -227,25 +292,32 @@ def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
         f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
         + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
-        f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft {Path(config['draft_model']).name} int8, "
-        f"{config['threads']} threads per service, greedy; every row runs the same {config['requests'] or max(config['sessions'])} requests "
-        f"({config['max_new_tokens']} new tokens each) with at most N in flight; {config['repeats']} repeats (median, range); "
+        f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft "
+        f"{Path(config['draft_model']).name} int8, "
+        f"{config['threads']} threads per service, greedy; every row runs the same "
+        f"{config['requests'] or max(config['sessions'])} requests "
+        f"({config['max_new_tokens']} new tokens each) with at most N in flight; {config['repeats']} repeats (median, "
+        "range); "
         f"off = every call alone; verify = the target batches Verify; both = the draft batches Propose too "
         f"(--batch-window-ms {config['batch_window_ms']}).",
         "",
         "| K | N in flight | off: tok/s | verify: tok/s | both: tok/s | off: × N=1 | verify: × N=1 | both: × N=1 "
-        "| both / off | sessions per verify pass (verify / both) | sessions per propose pass (both) | request ms (off / verify / both, median) | acceptance |",
+        "| both / off | sessions per verify pass (verify / both) | sessions per propose pass (both) | request ms (off "
+        "/ verify / both, median) | acceptance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         off, verify, both = row["off"], row["verify"], row["both"]
         rates = " ".join(
-            f"| {_fmt(row[b]['tokens_per_s'])} ({_fmt(row[b]['tokens_per_s_min'])}–{_fmt(row[b]['tokens_per_s_max'])})" for b in BATCHING
+            f"| {_fmt(row[b]['tokens_per_s'])} ({_fmt(row[b]['tokens_per_s_min'])}–{_fmt(row[b]['tokens_per_s_max'])})"
+            for b in BATCHING
         )
         lines.append(
             f"| {row['k']} | {row['sessions']} {rates} "
-            f"| {_fmt(off['scaling'], suffix='×')} | {_fmt(verify['scaling'], suffix='×')} | {_fmt(both['scaling'], suffix='×')} "
-            f"| {_fmt(both['over_off'], suffix='×')} | {_fmt(verify['sessions_per_verify'])} / {_fmt(both['sessions_per_verify'])} "
+            f"| {_fmt(off['scaling'], suffix='×')} | {_fmt(verify['scaling'], suffix='×')} | "
+            f"{_fmt(both['scaling'], suffix='×')} "
+            f"| {_fmt(both['over_off'], suffix='×')} | {_fmt(verify['sessions_per_verify'])} / "
+            f"{_fmt(both['sessions_per_verify'])} "
             f"| {_fmt(both['sessions_per_propose'])} "
             f"| {' / '.join(_fmt(row[b]['request_ms'], '.0f') for b in BATCHING)} | {_fmt(both['acceptance'])} |"
         )
@@ -257,7 +329,12 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
     for k in sorted({row["k"] for row in rows}):
         points = [row for row in rows if row["k"] == k]
         for batching, style in zip(BATCHING, ("o:", "o--", "o-")):
-            ax.plot([r["sessions"] for r in points], [r[batching]["tokens_per_s"] for r in points], style, label=f"K={k}, batching {batching}")
+            ax.plot(
+                [r["sessions"] for r in points],
+                [r[batching]["tokens_per_s"] for r in points],
+                style,
+                label=f"K={k}, batching {batching}",
+            )
     ax.set_xlabel("generations in flight (N)")
     ax.set_ylabel("aggregate tokens/s (median over repeats)")
     ax.set_xscale("log", base=2)

@@ -47,7 +47,9 @@ def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, r
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 started = time.perf_counter()
-                model_(torch.randint(100, 1000, (1, new_tokens), generator=generator), past_key_values=past, use_cache=True)
+                model_(
+                    torch.randint(100, 1000, (1, new_tokens), generator=generator), past_key_values=past, use_cache=True
+                )
                 past.crop(-new_tokens)
                 times.append((time.perf_counter() - started) * 1e3)
             results.put((role, phase, statistics.median(times)))
@@ -64,8 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     go = {phase: context.Event() for phase in PHASES}
     results = context.Queue()
     workers = [
-        context.Process(target=_worker, args=("target", str(MODELS / TARGET.name), args.target_core, 4, args.seconds, ready, go, results)),
-        context.Process(target=_worker, args=("draft", str(MODELS / DRAFT.name), args.draft_core, 1, args.seconds, ready, go, results)),
+        context.Process(
+            target=_worker,
+            args=("target", str(MODELS / TARGET.name), args.target_core, 4, args.seconds, ready, go, results),
+        ),
+        context.Process(
+            target=_worker,
+            args=("draft", str(MODELS / DRAFT.name), args.draft_core, 1, args.seconds, ready, go, results),
+        ),
     ]
     for worker in workers:
         worker.start()
@@ -78,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
             figures[role, "alone" if timed != "together" else "together"] = median
     for worker in workers:
         worker.join()
-    print(f"target on core {args.target_core} (4-token passes), draft on core {args.draft_core} (1-token steps), 1 thread each; ms, median")
+    print(
+        f"target on core {args.target_core} (4-token passes), draft on core {args.draft_core} (1-token steps), 1 "
+        "thread each; ms, median"
+    )
     for role in ("target", "draft"):
         alone, together = figures[role, "alone"], figures[role, "together"]
         print(f"  {role:6s} alone {alone:6.1f}   beside the other {together:6.1f}   ({together / alone:.2f}×)")

@@ -28,15 +28,16 @@ from specdec.launch import free_port, model_service_args, spawn, spawn_coordinat
 from specdec.modeling import DTYPES
 from specdec.quantize import quantize_int8
 from specdec.real_models import DRAFT, TARGET
-from target_service.pick import FLAGS, pick_in_subprocess
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
+from target_service.pick import FLAGS, pick_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench")
 
 OURS_TARGET_ONLY = "ours target-only (K=0)"
 HF_TARGET_ONLY = "HF generate target-only"
+
 
 # Draft service variants, by name: extra flags for `python -m draft_service` (the draft's
 # --dtype comes first, from --draft-dtype, so a variant's own --dtype wins).
@@ -58,7 +59,11 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
 # verify's reply and the next verify, exactly when the target's core is idle.
 PLACEMENTS = {
     "shared": {"draft": [], "target": [], "coordinator": []},
-    "pinned": {"draft": ["--cpus", "0", "--threads", "1"], "target": ["--cpus", "1", "--threads", "1"], "coordinator": ["--cpus", "1"]},
+    "pinned": {
+        "draft": ["--cpus", "0", "--threads", "1"],
+        "target": ["--cpus", "1", "--threads", "1"],
+        "coordinator": ["--cpus", "1"],
+    },
 }
 
 
@@ -76,7 +81,10 @@ COORDINATORS = {
 
 
 # The in-process HF baseline's draft for each variant that has a model.
-HF_DRAFTS = {"model": "as --draft-dtype", "int8": "float32 weights, int8 Linear layers (specdec.quantize, as the draft service)"}
+HF_DRAFTS = {
+    "model": "as --draft-dtype",
+    "int8": "float32 weights, int8 Linear layers (specdec.quantize, as the draft service)",
+}
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,9 @@ def coordinator_modes() -> list[Mode]:
         Mode("ours int8 K=3 pipelined", "ours", 3, drafter="int8", coordinator="pipelined"),
         Mode("ours int8 (1 thread) K=3 pipelined", "ours", 3, drafter="int8@1thread", coordinator="pipelined"),
         Mode("ours int8 adaptive K", "ours", 0, drafter="int8", coordinator="adaptive", adaptive=True),
-        Mode("ours int8 adaptive K pipelined", "ours", 0, drafter="int8", coordinator="pipelined+adaptive", adaptive=True),
+        Mode(
+            "ours int8 adaptive K pipelined", "ours", 0, drafter="int8", coordinator="pipelined+adaptive", adaptive=True
+        ),
         Mode("ours int8 K=3 hedged (1)", "ours", 3, drafter="int8", coordinator="hedged1"),
         Mode("ours int8 K=3 hedged (2)", "ours", 3, drafter="int8", coordinator="hedged2"),
         Mode("ours int8 K=3 pipelined+hedged (1)", "ours", 3, drafter="int8", coordinator="pipelined+hedged1"),
@@ -217,9 +227,15 @@ def node_modes() -> list[Mode]:
         Mode("ours shared sequential, K chooser", "ours", 0, drafter="int8", adaptive=True),
         Mode("ours shared pipelined+2 hedges K=2", "ours", 2, drafter="int8", coordinator="pipelined+hedged2"),
     ]
-    for name, coordinator in (("sequential", "sequential"), ("pipelined", "pipelined"), ("pipelined+2 hedges", "pipelined+hedged2")):
+    for name, coordinator in (
+        ("sequential", "sequential"),
+        ("pipelined", "pipelined"),
+        ("pipelined+2 hedges", "pipelined+hedged2"),
+    ):
         modes.append(Mode(f"ours pinned {name} K=2", "ours", 2, coordinator=coordinator, **pinned))
-        modes.append(Mode(f"ours pinned {name}, K chooser", "ours", 0, coordinator=coordinator, adaptive=True, **pinned))
+        modes.append(
+            Mode(f"ours pinned {name}, K chooser", "ours", 0, coordinator=coordinator, adaptive=True, **pinned)
+        )
     return modes
 
 
@@ -238,9 +254,18 @@ class OursRunner:
             for placement in dict.fromkeys(placement for _, _, placement in variants):
                 targets[placement] = self._start(
                     "target_service",
-                    ["--model", str(config.target_model), "--dtype", config.target_dtype, "--quantize", config.target_quantize,
-                     *model_args, *PLACEMENTS[placement]["target"]],
-                    log_dir / f"target-{placement}.log", env,
+                    [
+                        "--model",
+                        str(config.target_model),
+                        "--dtype",
+                        config.target_dtype,
+                        "--quantize",
+                        config.target_quantize,
+                        *model_args,
+                        *PLACEMENTS[placement]["target"],
+                    ],
+                    log_dir / f"target-{placement}.log",
+                    env,
                 )
                 # One at a time: each service times its own passes at start-up (--calibrate), which a
                 # neighbour loading its weights on the same cores would skew.
@@ -248,17 +273,36 @@ class OursRunner:
             drafts = {}
             for name in drafters:
                 drafts[name] = self._start(
-                    "draft_service", ["--model", str(config.draft_model), "--dtype", config.draft_dtype, *model_args, *drafter_args(name, config)],
-                    log_dir / f"draft-{name}.log", env,
+                    "draft_service",
+                    [
+                        "--model",
+                        str(config.draft_model),
+                        "--dtype",
+                        config.draft_dtype,
+                        *model_args,
+                        *drafter_args(name, config),
+                    ],
+                    log_dir / f"draft-{name}.log",
+                    env,
                 )
                 drafts[name].wait_healthy(900)
             self.channels: dict[tuple[str, str, str], grpc.Channel] = {}
             self.stubs: dict[tuple[str, str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
             for drafter, variant, placement in variants:
                 coordinator = spawn_coordinator(
-                    drafts[drafter], targets[placement], config.target_model, log_dir / f"coordinator-{drafter}-{variant}-{placement}.log",
-                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096", *COORDINATORS[variant],
-                     *PLACEMENTS[placement]["coordinator"]], ROOT,
+                    drafts[drafter],
+                    targets[placement],
+                    config.target_model,
+                    log_dir / f"coordinator-{drafter}-{variant}-{placement}.log",
+                    [
+                        "--max-num-speculative-tokens",
+                        "8",
+                        "--max-new-tokens-limit",
+                        "4096",
+                        *COORDINATORS[variant],
+                        *PLACEMENTS[placement]["coordinator"],
+                    ],
+                    ROOT,
                 )
                 self._processes.callback(coordinator.stop)
                 key = (drafter, variant, placement)
@@ -280,11 +324,32 @@ class OursRunner:
         response = self.stubs[mode.drafter, mode.coordinator, mode.placement].Generate(request, timeout=3600)
         s = response.stats
         return Sample(
-            mode.name, "", temperature, 0, s.generated_tokens, s.total_ms, s.time_to_first_token_ms, s.rounds,
-            s.proposed_tokens, s.accepted_tokens, list(s.accepted_per_position), s.draft_compute_ms, s.target_compute_ms,
-            s.predrafts, s.predraft_hits, s.predraft_misses, s.predraft_cancelled, list(s.k_per_round),
-            recovered=s.recovered_tokens, hedges=s.hedges, hedge_hits=s.hedge_hits, draft_ms=s.draft_ms, target_ms=s.target_ms,
-            branch_wait_ms=s.branch_wait_ms, ready_rounds=s.ready_rounds, predraft_wasted_tokens=s.predraft_wasted_tokens,
+            mode.name,
+            "",
+            temperature,
+            0,
+            s.generated_tokens,
+            s.total_ms,
+            s.time_to_first_token_ms,
+            s.rounds,
+            s.proposed_tokens,
+            s.accepted_tokens,
+            list(s.accepted_per_position),
+            s.draft_compute_ms,
+            s.target_compute_ms,
+            s.predrafts,
+            s.predraft_hits,
+            s.predraft_misses,
+            s.predraft_cancelled,
+            list(s.k_per_round),
+            recovered=s.recovered_tokens,
+            hedges=s.hedges,
+            hedge_hits=s.hedge_hits,
+            draft_ms=s.draft_ms,
+            target_ms=s.target_ms,
+            branch_wait_ms=s.branch_wait_ms,
+            ready_rounds=s.ready_rounds,
+            predraft_wasted_tokens=s.predraft_wasted_tokens,
             hedge_wasted_tokens=s.hedge_wasted_tokens,
         )
 
@@ -316,7 +381,11 @@ class HFRunner:
     def __init__(self, config: BenchConfig, drafts: list[str]) -> None:
         self.device = config.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_model)
-        self.target = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype]).to(config.device).eval()
+        self.target = (
+            AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype])
+            .to(config.device)
+            .eval()
+        )
         if config.target_quantize == "int8":  # the same int8 layers as the target service
             quantize_int8(self.target)
         self.drafts = {}
@@ -324,10 +393,14 @@ class HFRunner:
             dtype = DTYPES["float32" if name == "int8" else config.draft_dtype]
             draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype).to(config.device).eval()
             self.drafts[name] = quantize_int8(draft) if name == "int8" else draft
-        self._default_assistant = {
-            name: getattr(next(iter(self.drafts.values())).generation_config, name, None)
-            for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-        } if self.drafts else {}
+        self._default_assistant = (
+            {
+                name: getattr(next(iter(self.drafts.values())).generation_config, name, None)
+                for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+            }
+            if self.drafts
+            else {}
+        )
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
@@ -374,34 +447,41 @@ def machine_info(config: BenchConfig) -> dict:
             "target_service": config.threads,
             "in_process_hf": config.threads,
             "note": (
-                "pinned modes: draft on core 0 (1 thread), target and coordinator on core 1 (1 thread); shared modes and HF: "
-                f"every core, {config.threads} threads" if config.suite == "nodes" else
-                "rounds are sequential, so the draft and target services never compute at the same time; every mode uses the same cores"
+                "pinned modes: draft on core 0 (1 thread), target and coordinator on core 1 (1 thread); shared modes "
+                "and HF: "
+                f"every core, {config.threads} threads"
+                if config.suite == "nodes"
+                else (
+                    "rounds are sequential, so the draft and target services never compute at the same time; "
+                    "every mode uses the same cores"
+                )
             ),
         },
         "drafters": {
             "ours": {m.drafter: drafter_args(m.drafter, config) for m in build_modes(config) if m.family == "ours"},
-            "hf": {m.drafter: HF_DRAFTS[m.drafter] for m in build_modes(config) if m.family == "hf" and m.assisted not in (None, "lookup")},
+            "hf": {
+                m.drafter: HF_DRAFTS[m.drafter]
+                for m in build_modes(config)
+                if m.family == "hf" and m.assisted not in (None, "lookup")
+            },
         },
     }
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = None
     return info
 
 
+def load_prompts(config: BenchConfig) -> list[dict]:
+    return json.loads(config.prompts_file.read_text())["prompts"]
+
+
 def run_bench(config: BenchConfig) -> dict:
-    prompts = json.loads(config.prompts_file.read_text())["prompts"]
-    if config.suite == "overhead":
-        from bench.overhead import run_overhead
-
-        return run_overhead(config, prompts, machine_info(config))
-    if config.suite == "concurrency":
-        from bench.concurrency import run_concurrency
-
-        torch.set_num_threads(config.threads)
-        return run_concurrency(config, prompts, machine_info(config))
+    """The k-sweep, drafters, modes and nodes suites (the others have modules of their own)."""
+    prompts = load_prompts(config)
     modes = build_modes(config)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
@@ -415,14 +495,19 @@ def run_bench(config: BenchConfig) -> dict:
         for mode in modes:  # warm-up: first calls pay one-off costs
             runners[mode.family].run(mode, prompts[0]["text"], 4, 0.0, config.seed)
         per_mode = len(prompts) * config.repeats * len(config.temperatures)
-        bars = {mode.name: tqdm(total=per_mode, desc=f"{mode.name:32s}", position=i, leave=True) for i, mode in enumerate(modes)}
+        bars = {
+            mode.name: tqdm(total=per_mode, desc=f"{mode.name:32s}", position=i, leave=True)
+            for i, mode in enumerate(modes)
+        }
         samples: list[Sample] = []
         for temperature in config.temperatures:
             for repeat in range(config.repeats):
                 for p_index, prompt in enumerate(prompts):
                     seed = config.seed + 1000 * repeat + p_index
                     for mode in modes:
-                        sample = runners[mode.family].run(mode, prompt["text"], config.max_new_tokens, temperature, seed)
+                        sample = runners[mode.family].run(
+                            mode, prompt["text"], config.max_new_tokens, temperature, seed
+                        )
                         sample.kind, sample.repeat = prompt["kind"], repeat
                         samples.append(sample)
                         bars[mode.name].update()
@@ -457,32 +542,61 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--target-model", type=Path, default=models / TARGET.name)
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument(
-        "--target-setting", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
-        help="the target for every mode (ours and HF); auto times the three on this machine (python -m target_service.pick) and uses the fastest",
+        "--target-setting",
+        choices=["auto", "float32", "bfloat16", "int8"],
+        default="auto",
+        help=(
+            "the target for every mode (ours and HF); auto times the three on this machine "
+            "(python -m target_service.pick) and uses the fastest"
+        ),
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda; results are written per device, never mixed")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every mode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ks", type=int, nargs="+", default=None, help="our K sweep (default 1 2 3 4 6 8; concurrency suite: 4)")
-    parser.add_argument("--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K")
+    parser.add_argument(
+        "--ks", type=int, nargs="+", default=None, help="our K sweep (default 1 2 3 4 6 8; concurrency suite: 4)"
+    )
+    parser.add_argument(
+        "--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K"
+    )
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--prompts-file", type=Path, default=ROOT / "bench/prompts.json")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--suite", choices=["k-sweep", "drafters", "modes", "concurrency", "overhead", "nodes"], default="k-sweep",
-        help="k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's int8 assisted "
-        "and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); concurrency: aggregate tokens/s "
-        "with --sessions generations at once, the target batching Verify calls or not (int8 draft, greedy); nodes: each service on "
-        "its own core (pinned) sequential, pipelined and hedged, against HF assisted with the same int8 pair on all cores",
+        "--suite",
+        choices=["k-sweep", "drafters", "modes", "concurrency", "overhead", "nodes"],
+        default="k-sweep",
+        help=(
+            "k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's "
+            "int8 assisted and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); "
+            "concurrency: aggregate tokens/s with --sessions generations at once, the target batching Verify calls "
+            "or not (int8 draft, greedy); nodes: each service on its own core (pinned) sequential, pipelined and "
+            "hedged, against HF assisted with the same int8 pair on all cores"
+        ),
     )
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once")
-    parser.add_argument("--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window")
-    parser.add_argument("--requests", type=int, default=0, help="concurrency suite: requests per sample, the same at every N (0 = the largest --sessions)")
-    parser.add_argument("--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)")
-    parser.add_argument("--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft")
-    parser.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy")
+    parser.add_argument(
+        "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once"
+    )
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window"
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="concurrency suite: requests per sample, the same at every N (0 = the largest --sessions)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)"
+    )
+    parser.add_argument(
+        "--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy"
+    )
     args = parser.parse_args(argv)
     if args.ks is None:
         args.ks = [4] if args.suite == "concurrency" else [1, 2, 3, 4, 6, 8]
@@ -491,15 +605,34 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         args.hf_assisted = ["default"]
     # The overhead suite runs a tiny model of its own: no target to pick.
     setting = "float32" if args.suite == "overhead" else args.target_setting
-    target_dtype, target_quantize, target_pick = resolve_target_setting(setting, args.target_model, args.threads, args.device)
+    target_dtype, target_quantize, target_pick = resolve_target_setting(
+        setting, args.target_model, args.threads, args.device
+    )
     folder = args.device + ("" if args.suite == "k-sweep" else f"-{args.suite}")
     out = args.out or ROOT / "bench/results" / (f"{folder}-quick" if args.quick else folder)
     config = BenchConfig(
-        draft_model=args.draft_model, target_model=args.target_model, draft_dtype=args.draft_dtype,
-        target_dtype=target_dtype, target_quantize=target_quantize, target_pick=target_pick, device=args.device, threads=args.threads, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, ks=tuple(args.ks), hf_assisted=tuple(args.hf_assisted), temperatures=tuple(args.temperatures),
-        prompts_file=args.prompts_file, out_dir=out, seed=args.seed, suite=args.suite, draft_vocab=args.draft_vocab, only=tuple(args.only),
-        sessions=tuple(args.sessions), batch_window_ms=args.batch_window_ms, requests=args.requests,
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        draft_dtype=args.draft_dtype,
+        target_dtype=target_dtype,
+        target_quantize=target_quantize,
+        target_pick=target_pick,
+        device=args.device,
+        threads=args.threads,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        ks=tuple(args.ks),
+        hf_assisted=tuple(args.hf_assisted),
+        temperatures=tuple(args.temperatures),
+        prompts_file=args.prompts_file,
+        out_dir=out,
+        seed=args.seed,
+        suite=args.suite,
+        draft_vocab=args.draft_vocab,
+        only=tuple(args.only),
+        sessions=tuple(args.sessions),
+        batch_window_ms=args.batch_window_ms,
+        requests=args.requests,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

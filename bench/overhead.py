@@ -42,8 +42,14 @@ def build_tiny_model(folder: Path, tokenizer_source: Path) -> Path:
     """A 1-layer Qwen2 with the full vocabulary: the output head is as wide as the real one."""
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=QWEN_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
     Qwen2ForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
@@ -72,7 +78,18 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(ROOT / ".cache/bench-overhead/tiny-qwen-vocab", config.target_model)  # not committed
     logs = out / "logs"
-    service_args = ["--model", str(model), "--calibrate", "off", "--quantize", "none", "--threads", "1", "--max-speculative-tokens", "8"]
+    service_args = [
+        "--model",
+        str(model),
+        "--calibrate",
+        "off",
+        "--quantize",
+        "none",
+        "--threads",
+        "1",
+        "--max-speculative-tokens",
+        "8",
+    ]
     env = {"OMP_NUM_THREADS": "1"}
     samples = []
     with ExitStack() as stack:
@@ -81,7 +98,9 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
             services[role] = spawn(role, f"{role}_service", service_args, free_port(), logs / f"{role}.log", env, ROOT)
             stack.callback(services[role].stop)
             services[role].wait_healthy(300)
-        coordinator = spawn_coordinator(services["draft"], services["target"], model, logs / "coordinator.log", ["--metrics-port", "-1"], ROOT)
+        coordinator = spawn_coordinator(
+            services["draft"], services["target"], model, logs / "coordinator.log", ["--metrics-port", "-1"], ROOT
+        )
         stack.callback(coordinator.stop)
         channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -92,46 +111,68 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                 for decoding, temperature, k in CELLS:
                     response = stub.Generate(
                         pb.GenerateRequest(
-                            prompt=prompt["text"], max_new_tokens=config.max_new_tokens, temperature=temperature,
-                            seed=config.seed + 1000 * repeat + index, num_speculative_tokens=k,
+                            prompt=prompt["text"],
+                            max_new_tokens=config.max_new_tokens,
+                            temperature=temperature,
+                            seed=config.seed + 1000 * repeat + index,
+                            num_speculative_tokens=k,
                         ),
                         timeout=600,
                     )
                     s = response.stats
-                    samples.append({
-                        "decoding": decoding, "k": k, "repeat": repeat, "kind": prompt["kind"],
-                        "round_ms": list(s.round_ms)[1:], "round_overhead_ms": list(s.round_overhead_ms)[1:],
-                        "k_per_round": list(s.k_per_round)[1:],
-                    })
+                    samples.append(
+                        {
+                            "decoding": decoding,
+                            "k": k,
+                            "repeat": repeat,
+                            "kind": prompt["kind"],
+                            "round_ms": list(s.round_ms)[1:],
+                            "round_overhead_ms": list(s.round_overhead_ms)[1:],
+                            "k_per_round": list(s.k_per_round)[1:],
+                        }
+                    )
     return {
-        "suite": "overhead", "config": {"max_new_tokens": config.max_new_tokens, "repeats": config.repeats}, "machine": machine,
-        "samples": samples, "bare_rpc_ms": floor,
+        "suite": "overhead",
+        "config": {"max_new_tokens": config.max_new_tokens, "repeats": config.repeats},
+        "machine": machine,
+        "samples": samples,
+        "bare_rpc_ms": floor,
     }
 
 
 def summarise(results: dict) -> list[dict]:
     rows = []
     for decoding, _, k in CELLS:
-        overheads = [ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_overhead_ms"]]
+        overheads = [
+            ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_overhead_ms"]
+        ]
         rounds = [ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_ms"]]
         rpcs = 1 if k == 0 else 2
-        rows.append({
-            "decoding": decoding, "k": k, "rounds": len(overheads),
-            "round_ms_p50": percentile(rounds, 50),
-            "overhead_ms_p50": percentile(overheads, 50), "overhead_ms_p90": percentile(overheads, 90),
-            "per_rpc_ms_p50": percentile(overheads, 50) / rpcs, "per_rpc_ms_p90": percentile(overheads, 90) / rpcs,
-        })
+        rows.append(
+            {
+                "decoding": decoding,
+                "k": k,
+                "rounds": len(overheads),
+                "round_ms_p50": percentile(rounds, 50),
+                "overhead_ms_p50": percentile(overheads, 50),
+                "overhead_ms_p90": percentile(overheads, 90),
+                "per_rpc_ms_p50": percentile(overheads, 50) / rpcs,
+                "per_rpc_ms_p90": percentile(overheads, 90) / rpcs,
+            }
+        )
     return rows
 
 
 def markdown_table(rows: list[dict], machine: dict, bare_rpc_ms: list[float] | None = None) -> str:
     lines = [
-        f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cores']} cores; torch {machine['torch']}; {machine['date']}",
+        f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cores']} cores; torch "
+        f"{machine['torch']}; {machine['date']}",
         "",
         "Framework overhead per round: round wall time minus the model compute the services report "
         f"(tiny {QWEN_VOCAB}-id model as draft and target, 1 thread each, loopback):",
         "",
-        "| decoding | K | rounds | round p50 ms | overhead p50 ms | overhead p90 ms | per RPC p50 ms | per RPC p90 ms |",
+        "| decoding | K | rounds | round p50 ms | overhead p50 ms | overhead p90 ms | per RPC p50 ms | per RPC p90 ms "
+        "|",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -143,7 +184,8 @@ def markdown_table(rows: list[dict], machine: dict, bare_rpc_ms: list[float] | N
         lines += [
             "",
             f"Floor: a bare gRPC round trip (health Check, grpc.aio client to the target service, loopback) takes "
-            f"{percentile(bare_rpc_ms, 50):.2f} ms p50, {percentile(bare_rpc_ms, 90):.2f} ms p90 ({len(bare_rpc_ms)} calls).",
+            f"{percentile(bare_rpc_ms, 50):.2f} ms p50, {percentile(bare_rpc_ms, 90):.2f} ms p90 ({len(bare_rpc_ms)} "
+            "calls).",
         ]
     return "\n".join(lines) + "\n"
 

@@ -51,8 +51,14 @@ def main() -> None:
     args = parser.parse_args()
     threads = ["--threads", str(args.threads)] if args.threads else []
     runners = {
-        "target (bf16, 4 tokens per session)": (load_target(target_config(["--model", str(MODELS / TARGET.name), "--dtype", "bfloat16", *threads])), 4),
-        "draft (int8, 1 token per session)": (load_draft(draft_config(["--model", str(MODELS / DRAFT.name), *threads])), 1),
+        "target (bf16, 4 tokens per session)": (
+            load_target(target_config(["--model", str(MODELS / TARGET.name), "--dtype", "bfloat16", *threads])),
+            4,
+        ),
+        "draft (int8, 1 token per session)": (
+            load_draft(draft_config(["--model", str(MODELS / DRAFT.name), *threads])),
+            1,
+        ),
     }
     print("| model | B=1 ms | B=2 | B=4 | B=8 | B=8 pass / B=1 pass |")
     print("|---|---|---|---|---|---|")

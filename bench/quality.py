@@ -70,7 +70,10 @@ def main() -> None:
     print("| target | perplexity |\n|---|---|")
     for name, value in ppl.items():
         print(f"| {name} | {value:.3f} |")
-    print(f"\nint8 / float32 perplexity: {ppl['int8'] / ppl['float32']:.4f} ({100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)")
+    print(
+        f"\nint8 / float32 perplexity: {ppl['int8'] / ppl['float32']:.4f} "
+        f"({100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)"
+    )
     print(f"greedy agreement (same argmax at a position, teacher-forced): {100 * agree:.2f}%")
 
 

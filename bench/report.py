@@ -12,8 +12,9 @@ position i (the geometric model's maximum-likelihood estimate). Plain accepted/p
 The last round of a request may propose fewer than K tokens; that biases α by at most one round
 per request. The prompt-lookup drafter proposes fewer than K (often none) whenever the text has
 no recurring n-gram; such rounds still count as reaching position 1, so its α is a lower bound
-and its "theoretical" column is not meaningful. c = draft step time / target step time, both measured inside the services in
-this run (draft: compute per proposed token; target: compute per K=0 round).
+and its "theoretical" column is not meaningful. c = draft step time / target step time, both
+measured inside the services in this run (draft: compute per proposed token; target: compute
+per K=0 round).
 """
 
 from __future__ import annotations
@@ -55,16 +56,21 @@ def summarise(results: dict) -> dict[float, list[dict]]:
             for s in samples:
                 per_repeat[s["repeat"]].append(s)
             throughput = [
-                sum(s["tokens"] for s in group) / (sum(s["total_ms"] for s in group) / 1e3) for group in per_repeat.values()
+                sum(s["tokens"] for s in group) / (sum(s["total_ms"] for s in group) / 1e3)
+                for group in per_repeat.values()
             ]
             proposed = sum(s["proposed"] for s in samples)
             accepted = sum(s["accepted"] for s in samples)
             rounds = sum(s["rounds"] for s in samples)
             positions = max((len(s["accepted_per_position"]) for s in samples), default=0)
-            per_position = [
-                sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / rounds
-                for i in range(positions)
-            ] if rounds else []
+            per_position = (
+                [
+                    sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / rounds
+                    for i in range(positions)
+                ]
+                if rounds
+                else []
+            )
             # Rounds reaching position i: all of them for i = 0, then those that accepted i tokens.
             reached = [rounds] + [
                 sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
@@ -83,15 +89,27 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "mean_accepted_length": (accepted + rounds) / rounds if rounds and mode["family"] == "ours" else None,
                 "per_position_acceptance": per_position,
                 "ttft_ms": _median([s["ttft_ms"] for s in samples]),
-                "tpot_ms": _median([(s["total_ms"] - s["ttft_ms"]) / (s["tokens"] - 1) for s in samples if s["tokens"] > 1]),
+                "tpot_ms": _median(
+                    [(s["total_ms"] - s["ttft_ms"]) / (s["tokens"] - 1) for s in samples if s["tokens"] > 1]
+                ),
                 "overhead_per_round_ms": _median(
-                    [(s["total_ms"] - s["draft_compute_ms"] - s["target_compute_ms"]) / s["rounds"] for s in samples if s["rounds"]]
-                ) if mode["family"] == "ours" else None,
+                    [
+                        (s["total_ms"] - s["draft_compute_ms"] - s["target_compute_ms"]) / s["rounds"]
+                        for s in samples
+                        if s["rounds"]
+                    ]
+                )
+                if mode["family"] == "ours"
+                else None,
                 "predraft_hit_rate": _ratio(samples, "predraft_hits", "predrafts"),
                 "predraft_cancel_rate": _ratio(samples, "predraft_cancelled", "predrafts"),
                 "hedge_hit_rate": _ratio(samples, "hedge_hits", "hedges"),  # per hedge started
-                "rejections_hedged": _ratio(samples, "hedge_hits", "recovered") if any(s.get("hedges") for s in samples) else None,
-                "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", [])) if any(s.get("k_per_round") for s in samples) else None,
+                "rejections_hedged": _ratio(samples, "hedge_hits", "recovered")
+                if any(s.get("hedges") for s in samples)
+                else None,
+                "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", []))
+                if any(s.get("k_per_round") for s in samples)
+                else None,
                 "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
                 "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,
                 **_round_split(samples, rounds),
@@ -108,7 +126,13 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
     after the first whose drafts came from a branch) and wasted branch drafts per round."""
     speculating = [s for s in samples if s.get("predrafts") or s.get("hedges")]
     if not rounds:
-        return {"verify_ms": None, "draft_critical_ms": None, "other_ms": None, "ready_rate": None, "wasted_per_round": None}
+        return {
+            "verify_ms": None,
+            "draft_critical_ms": None,
+            "other_ms": None,
+            "ready_rate": None,
+            "wasted_per_round": None,
+        }
     verify = sum(s.get("target_ms", 0.0) for s in samples) / rounds
     draft = sum(s.get("draft_ms", 0.0) + s.get("branch_wait_ms", 0.0) for s in samples) / rounds
     total = sum(s["total_ms"] for s in samples) / rounds
@@ -118,8 +142,12 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
         "draft_critical_ms": draft,
         "other_ms": total - verify - draft,
         "ready_rate": sum(s.get("ready_rounds", 0) for s in speculating) / follow if follow else None,
-        "wasted_per_round": sum(s.get("predraft_wasted_tokens", 0) + s.get("hedge_wasted_tokens", 0) for s in speculating)
-        / sum(s["rounds"] for s in speculating) if speculating else None,
+        "wasted_per_round": sum(
+            s.get("predraft_wasted_tokens", 0) + s.get("hedge_wasted_tokens", 0) for s in speculating
+        )
+        / sum(s["rounds"] for s in speculating)
+        if speculating
+        else None,
     }
 
 
@@ -168,8 +196,13 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 def _kind_table(per_mode: dict[str, dict[str, float]], modes: list[str]) -> list[str]:
     kinds = list(per_mode.get(OURS_TARGET_ONLY, {}))
     base = per_mode.get(OURS_TARGET_ONLY, {})
-    lines = ["", "tokens/s by prompt kind (× ours target-only on the same prompts):", "",
-             "| Mode | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    lines = [
+        "",
+        "tokens/s by prompt kind (× ours target-only on the same prompts):",
+        "",
+        "| Mode | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
     for mode in modes:
         cells = []
         for kind in kinds:
@@ -183,7 +216,8 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
     lines = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
-        + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['threads']['in_process_hf']} threads per mode; {machine['date']}",
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}; "
+        + f"{machine['threads']['in_process_hf']} threads per mode; {machine['date']}",
         "",
     ]
     if machine.get("cpu_flags"):
@@ -194,31 +228,43 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
         lines += [
             f"**{'greedy' if temperature == 0 else f'temperature {temperature}'}**",
             "",
-            "| Mode | tok/s (median, range) | vs ours K=0 | vs best HF assisted | acceptance | α | tokens/round | per-position acceptance | TTFT ms | TPOT ms | overhead/round ms | c | theoretical | achieved/theoretical |",
+            "| Mode | tok/s (median, range) | vs ours K=0 | vs best HF assisted | acceptance | α | tokens/round | "
+            "per-position acceptance | TTFT ms | TPOT ms | overhead/round ms | c | theoretical | achieved/theoretical "
+            "|",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             positions = " ".join(f"{p:.2f}" for p in row["per_position_acceptance"]) or "—"
             lines.append(
-                f"| {row['mode']} | {_fmt(row['tokens_per_s'])} ({_fmt(row['tokens_per_s_min'])}–{_fmt(row['tokens_per_s_max'])}) "
-                f"| {_fmt(row['speedup_vs_target_only'], suffix='×')} | {_fmt(row['speedup_vs_hf_assisted'], suffix='×')} "
-                f"| {_fmt(row['acceptance'])} | {_fmt(row['alpha'])} | {_fmt(row['mean_accepted_length'])} | {positions} "
-                f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | {_fmt(row['overhead_per_round_ms'], '.1f')} "
-                f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | {_fmt(row['achieved_over_theoretical'], '.0%')} |"
+                f"| {row['mode']} | {_fmt(row['tokens_per_s'])} "
+                f"({_fmt(row['tokens_per_s_min'])}–{_fmt(row['tokens_per_s_max'])}) "
+                f"| {_fmt(row['speedup_vs_target_only'], suffix='×')} | "
+                f"{_fmt(row['speedup_vs_hf_assisted'], suffix='×')} "
+                f"| {_fmt(row['acceptance'])} | {_fmt(row['alpha'])} | {_fmt(row['mean_accepted_length'])} | "
+                f"{positions} "
+                f"| {_fmt(row['ttft_ms'], '.0f')} | {_fmt(row['tpot_ms'], '.0f')} | "
+                f"{_fmt(row['overhead_per_round_ms'], '.1f')} "
+                f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | "
+                f"{_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
         pipelined = [
-            row for row in rows
-            if row["predraft_hit_rate"] is not None or row.get("hedge_hit_rate") is not None or (row["mean_k"] and row["k"] == 0)
+            row
+            for row in rows
+            if row["predraft_hit_rate"] is not None
+            or row.get("hedge_hit_rate") is not None
+            or (row["mean_k"] and row["k"] == 0)
         ]
         if pipelined:
             lines += [
                 "",
-                "| Mode | mean K | pre-drafts used | pre-drafts cancelled (rejection) | hedges used | rejected rounds hedged |",
+                "| Mode | mean K | pre-drafts used | pre-drafts cancelled (rejection) | hedges used | rejected rounds "
+                "hedged |",
                 "|---|---|---|---|---|---|",
             ]
             for row in pipelined:
                 lines.append(
-                    f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | {_fmt(row['predraft_cancel_rate'], '.0%')} "
+                    f"| {row['mode']} | {_fmt(row['mean_k'])} | {_fmt(row['predraft_hit_rate'], '.0%')} | "
+                    f"{_fmt(row['predraft_cancel_rate'], '.0%')} "
                     f"| {_fmt(row.get('hedge_hit_rate'), '.0%')} | {_fmt(row.get('rejections_hedged'), '.0%')} |"
                 )
         split = [row for row in rows if row["family"] == "ours" and row.get("verify_ms") is not None]
@@ -227,12 +273,14 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                 "",
                 "Round time split (ms per round, medians are not used: Σ over all rounds / rounds) and branch use:",
                 "",
-                "| Mode | verify | draft on critical path | other (overhead) | ready rate | wasted branch drafts/round |",
+                "| Mode | verify | draft on critical path | other (overhead) | ready rate | wasted branch "
+                "drafts/round |",
                 "|---|---|---|---|---|---|",
             ]
             for row in split:
                 lines.append(
-                    f"| {row['mode']} | {_fmt(row['verify_ms'], '.0f')} | {_fmt(row['draft_critical_ms'], '.0f')} | {_fmt(row['other_ms'], '.0f')} "
+                    f"| {row['mode']} | {_fmt(row['verify_ms'], '.0f')} | {_fmt(row['draft_critical_ms'], '.0f')} | "
+                    f"{_fmt(row['other_ms'], '.0f')} "
                     f"| {_fmt(row.get('ready_rate'), '.0%')} | {_fmt(row.get('wasted_per_round'))} |"
                 )
         if kinds and temperature in kinds:
@@ -245,7 +293,9 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                 f"{_fmt(fastest['speedup_vs_hf_assisted'], suffix='×')} {fastest['best_hf_assisted']}, "
                 f"{_fmt(fastest['speedup_vs_target_only'], suffix='×')} ours target-only.",
             ]
-        best = max((r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None)
+        best = max(
+            (r for r in rows if r["family"] == "ours" and r["k"]), key=lambda r: r["tokens_per_s"] or 0, default=None
+        )
         if best:
             lines += [
                 "",
@@ -275,7 +325,10 @@ def plot(summary: dict[float, list[dict]], out_dir) -> list[str]:
                 ax.plot([r["k"] for r in points], [r[metric] for r in points], "o-", label=label)
             if metric == "tokens_per_s":
                 baselines = [r for r in rows if not (r["family"] == "ours" and r["k"])]
-                styles = zip(("--", ":", "-.", (0, (3, 1, 1, 1)), (0, (1, 1))), ("black", "tab:orange", "tab:green", "tab:red", "tab:purple"))
+                styles = zip(
+                    ("--", ":", "-.", (0, (3, 1, 1, 1)), (0, (1, 1))),
+                    ("black", "tab:orange", "tab:green", "tab:red", "tab:purple"),
+                )
                 for r, (style, color) in zip(baselines, styles):
                     if r["tokens_per_s"]:
                         ax.axhline(r["tokens_per_s"], linestyle=style, color=color, label=r["mode"])

@@ -9,14 +9,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
 from specdec import telemetry
-from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceRefused, SessionNotFound, SpecDecError, Unavailable
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceRefused,
+    SessionNotFound,
+    SpecDecError,
+    Unavailable,
+)
 from specdec.security import ChannelSecurity, aio_channel
 from specdec.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -31,16 +39,26 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reco
 class ServiceClient:
     """One channel to a model service; `role` ("draft"/"target") names it in errors."""
 
+    _stub: Any  # the service's generated stub, set by the subclass
+
     def __init__(
-        self, role: str, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        security: ChannelSecurity | None = None, channel=None,
+        self,
+        role: str,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
+        channel=None,
     ):
         """`channel`: an already open channel to use instead (a specdec.local.LocalChannel)."""
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
         self.channel = channel or aio_channel(
-            address, [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS], security, telemetry.client_interceptors()
+            address,
+            [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS],
+            security,
+            telemetry.client_interceptors(),
         )
 
     async def close(self) -> None:
@@ -98,7 +116,11 @@ class ServiceClient:
 
 class DraftClient(ServiceClient):
     def __init__(
-        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None,
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
         channel=None,
     ):
         super().__init__("draft", address, timeout_s, max_message_bytes, security, channel)
@@ -122,7 +144,11 @@ class DraftClient(ServiceClient):
 
 class TargetClient(ServiceClient):
     def __init__(
-        self, address: str, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None,
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
         channel=None,
     ):
         super().__init__("target", address, timeout_s, max_message_bytes, security, channel)
@@ -132,7 +158,13 @@ class TargetClient(ServiceClient):
         return await self.call(self._stub.Verify, request)
 
 
-def check_pair(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo, tokenizer_fingerprint: str, draft_address: str, target_address: str) -> None:
+def check_pair(
+    draft: common_pb2.ModelInfo,
+    target: common_pb2.ModelInfo,
+    tokenizer_fingerprint: str,
+    draft_address: str,
+    target_address: str,
+) -> None:
     """Refuses a pair that would not speak the same token ids."""
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(

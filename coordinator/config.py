@@ -6,8 +6,20 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import CPUS_FLAG, CPUS_HELP, DEFAULT_MAX_MESSAGE_BYTES, METRICS_PORT_HELP, SHUTDOWN_GRACE_HELP, EnvArgs, parse_cpu_list
-from specdec.security import ClientSecurity, ServerSecurity, add_server_security_args, client_security, server_security
+from specdec.config import (
+    CPUS_FLAG,
+    CPUS_HELP,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    METRICS_PORT_HELP,
+    SHUTDOWN_GRACE_HELP,
+    ClientSecurity,
+    EnvArgs,
+    ServerSecurity,
+    add_server_security_args,
+    client_security,
+    parse_cpu_list,
+    server_security,
+)
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -41,7 +53,9 @@ class CoordinatorConfig:
     breaker_failures: int = 3  # consecutive failed draft calls that open the breaker
     breaker_probe_interval_s: float = 2.0  # health probes of the draft while the breaker is open
     shutdown_grace_s: float = 25.0  # on SIGTERM: how long in-flight requests may finish
-    target_retry_s: float = 30.0  # how long a target call failing UNAVAILABLE is retried (a restart), within the client's deadline
+    target_retry_s: float = (
+        30.0  # how long a target call failing UNAVAILABLE is retried (a restart), within the client's deadline
+    )
     trust_remote_code: bool = False  # run Python code shipped with the tokenizer
     security: ServerSecurity = ServerSecurity()  # the public API: TLS, client certificates, tokens
     upstream: ClientSecurity = ClientSecurity()  # calls to draft and target
@@ -67,32 +81,75 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     args.add("--log-level", "INFO", "logging level")
     args.add("--metrics-port", DEFAULT_METRICS_PORT, METRICS_PORT_HELP, type=int)
     args.add("--shutdown-grace", 25.0, SHUTDOWN_GRACE_HELP, type=float)
-    args.add("--draft-attempts", 2, "tries of a draft call that fails UNAVAILABLE before that round runs target-only", type=int)
-    args.add("--draft-retry-backoff", 0.05, "seconds before the second try of a draft call (doubling after)", type=float)
     args.add(
-        "--target-retry-timeout", 30.0, "seconds a target call failing UNAVAILABLE is retried (a restarting target), "
-        "never past the client's deadline", type=float,
+        "--draft-attempts",
+        2,
+        "tries of a draft call that fails UNAVAILABLE before that round runs target-only",
+        type=int,
     )
-    args.add("--breaker-failures", 3, "consecutive failed draft calls after which rounds skip the draft (target-only)", type=int)
-    args.add("--breaker-probe-interval", 2.0, "seconds between health probes of the draft while it is skipped", type=float)
-    args.add("--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"])
     args.add(
-        "--adaptive-k", "on", "on: when a request leaves K unset, choose it each round (K = 0 included) from the services' "
-        "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use --num-speculative-tokens",
+        "--draft-retry-backoff", 0.05, "seconds before the second try of a draft call (doubling after)", type=float
+    )
+    args.add(
+        "--target-retry-timeout",
+        30.0,
+        "seconds a target call failing UNAVAILABLE is retried (a restarting target), never past the client's deadline",
+        type=float,
+    )
+    args.add(
+        "--breaker-failures",
+        3,
+        "consecutive failed draft calls after which rounds skip the draft (target-only)",
+        type=int,
+    )
+    args.add(
+        "--breaker-probe-interval", 2.0, "seconds between health probes of the draft while it is skipped", type=float
+    )
+    args.add(
+        "--pipeline", "off", "on: the draft pre-drafts the next round while the target verifies", choices=["on", "off"]
+    )
+    args.add(
+        "--adaptive-k",
+        "on",
+        "on: when a request leaves K unset, choose it each round (K = 0 included) from the services' "
+        "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use "
+        "--num-speculative-tokens",
         choices=["on", "off"],
     )
     args.add(
-        "--hedges", 0, "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
-        f"(0 = off; at most {MAX_HEDGES})", type=int,
+        "--hedges",
+        0,
+        "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
+        f"(0 = off; at most {MAX_HEDGES})",
+        type=int,
     )
     args.add(CPUS_FLAG, "", CPUS_HELP, type=parse_cpu_list)
-    args.add("--trust-remote-code", "off", "on: run Python code that comes with the tokenizer (only for ones you trust)", choices=["on", "off"])
+    args.add(
+        "--trust-remote-code",
+        "off",
+        "on: run Python code that comes with the tokenizer (only for ones you trust)",
+        choices=["on", "off"],
+    )
     add_server_security_args(args)
-    args.add("--upstream-tls-ca", None, "PEM CA bundle to verify the draft's and target's certificates with: TLS to them on")
-    args.add("--upstream-tls-cert", None, "PEM client certificate presented to draft and target (mutual TLS; needs --upstream-tls-key)")
+    args.add(
+        "--upstream-tls-ca", None, "PEM CA bundle to verify the draft's and target's certificates with: TLS to them on"
+    )
+    args.add(
+        "--upstream-tls-cert",
+        None,
+        "PEM client certificate presented to draft and target (mutual TLS; needs --upstream-tls-key)",
+    )
     args.add("--upstream-tls-key", None, "PEM private key of --upstream-tls-cert")
-    args.add("--upstream-tls-server-name", None, "name to check the draft's and target's certificates for, instead of their address's host")
-    args.add("--upstream-auth-token-file", None, "file whose first line is the bearer token sent to draft and target (their --auth-token-file)")
+    args.add(
+        "--upstream-tls-server-name",
+        None,
+        "name to check the draft's and target's certificates for, instead of their address's host",
+    )
+    args.add(
+        "--upstream-auth-token-file",
+        None,
+        "file whose first line is the bearer token sent to draft and target (their --auth-token-file)",
+    )
     ns = parser.parse_args(argv)
     for flag in ("draft", "target", "tokenizer"):
         if not getattr(ns, flag):
@@ -100,16 +157,23 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if not 0 <= ns.num_speculative_tokens <= ns.max_num_speculative_tokens:
         parser.error("--num-speculative-tokens must be in [0, --max-num-speculative-tokens]")
     if ns.draft_attempts < 1 or ns.breaker_failures < 1 or ns.breaker_probe_interval <= 0 or ns.draft_retry_backoff < 0:
-        parser.error("--draft-attempts and --breaker-failures must be >= 1, --breaker-probe-interval > 0, --draft-retry-backoff >= 0")
+        parser.error(
+            "--draft-attempts and --breaker-failures must be >= 1, --breaker-probe-interval > 0, "
+            "--draft-retry-backoff >= 0"
+        )
     if not 0 <= ns.hedges <= MAX_HEDGES:
         parser.error(f"--hedges must be in [0, {MAX_HEDGES}]")
     security, problem = server_security(ns)
     upstream, upstream_problem = client_security(
-        ns.upstream_tls_ca, ns.upstream_tls_cert, ns.upstream_tls_key, ns.upstream_tls_server_name, ns.upstream_auth_token_file,
+        ns.upstream_tls_ca,
+        ns.upstream_tls_cert,
+        ns.upstream_tls_key,
+        ns.upstream_tls_server_name,
+        ns.upstream_auth_token_file,
         flag_prefix="--upstream-",
     )
-    if problem or upstream_problem:
-        parser.error(problem or upstream_problem)
+    if message := problem or upstream_problem:
+        parser.error(message)
     return CoordinatorConfig(
         draft_address=ns.draft,
         target_address=ns.target,

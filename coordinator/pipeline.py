@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from opentelemetry import trace
-from transformers import PreTrainedTokenizerBase
-
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
 from coordinator.breaker import CircuitBreaker
@@ -124,8 +123,11 @@ class _Round:
     def truncated(self, k: int, start: int = 0) -> _Round:
         end = start + k
         return _Round(
-            self.draft_token_ids[start:end], self.draft_token_draft_probs[start:end], self.distributions[start:end],
-            self.runner_up_ids[start:end], self.runner_up_probs[start:end],
+            self.draft_token_ids[start:end],
+            self.draft_token_draft_probs[start:end],
+            self.distributions[start:end],
+            self.runner_up_ids[start:end],
+            self.runner_up_probs[start:end],
         )
 
 
@@ -205,7 +207,8 @@ class Coordinator:
             for i, token in enumerate(prompt_ids):
                 if not 0 <= token < pair.vocab_size:
                     raise InvalidArgument(
-                        f"prompt_token_ids[{i}] = {token} is outside the vocabulary; ids must be in [0, {pair.vocab_size})"
+                        f"prompt_token_ids[{i}] = {token} is outside the vocabulary; ids must be in [0, "
+                        f"{pair.vocab_size})"
                     )
         else:
             raise InvalidArgument("prompt is empty: set prompt (text) or prompt_token_ids")
@@ -217,7 +220,9 @@ class Coordinator:
         max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
         if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}")
-        if not (math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)):
+        if not (
+            math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)
+        ):
             raise InvalidArgument(
                 f"temperature must be a finite number >= 0 (0 = greedy), and if positive at least {MIN_TEMPERATURE:g} "
                 f"(smaller ones overflow the logits); got {request.temperature}"
@@ -237,7 +242,9 @@ class Coordinator:
                 f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}"
             )
         if len(request.stop) > config.max_stop_strings:
-            raise InvalidArgument(f"stop has {len(request.stop)} strings; at most {config.max_stop_strings} are accepted")
+            raise InvalidArgument(
+                f"stop has {len(request.stop)} strings; at most {config.max_stop_strings} are accepted"
+            )
         for stop in request.stop:
             if not 0 < len(stop) <= config.max_stop_string_chars:
                 raise InvalidArgument(
@@ -283,11 +290,18 @@ class Coordinator:
         job = self.prepare(request)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
         # Give up on an unavailable target in time to tell the client so before its own deadline.
-        retry_for = self.config.target_retry_s if time_remaining_s is None else min(self.config.target_retry_s, 0.7 * time_remaining_s)
+        retry_for = (
+            self.config.target_retry_s
+            if time_remaining_s is None
+            else min(self.config.target_retry_s, 0.7 * time_remaining_s)
+        )
         retry_until = asyncio.get_running_loop().time() + retry_for
         rng = np.random.default_rng(job.seed)
         session_id = uuid.uuid4().hex
-        draft_view, target_view = _SessionView(session_id, min_confidence=job.draft_min_confidence), _SessionView(session_id)
+        draft_view, target_view = (
+            _SessionView(session_id, min_confidence=job.draft_min_confidence),
+            _SessionView(session_id),
+        )
         sampling = wire.params_to_pb(job.params)
         sequence = list(job.prompt_ids)
         text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
@@ -301,7 +315,9 @@ class Coordinator:
         speculation: _Speculation | None = None  # branches in flight during a verify
         try:
             while True:
-                with tracer.start_as_current_span("round", attributes={"specdec.round.index": stats.rounds}) as round_span:
+                with tracer.start_as_current_span(
+                    "round", attributes={"specdec.round.index": stats.rounds}
+                ) as round_span:
                     round_started = stats.elapsed_ms()
                     compute_before = stats.draft_compute_ms + stats.target_compute_ms
                     remaining = job.max_new_tokens - len(text.token_ids)
@@ -319,9 +335,10 @@ class Coordinator:
                         stats.ready_rounds += 1
                     elif k:
                         source = "draft"
-                        started = stats.elapsed_ms()
                         try:
-                            proposal = await self._propose_with_retries(draft_view, sequence, k, sampling, draft_seed, stats)
+                            proposal = await self._propose_with_retries(
+                                draft_view, sequence, k, sampling, draft_seed, stats
+                            )
                         except Unavailable as exc:
                             # Target-only for this round: the same output, only slower.
                             self._draft_failed(exc, draft_view, stats)
@@ -336,23 +353,39 @@ class Coordinator:
                     # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
                     proposed = len(round_.draft_token_ids)
                     base = len(sequence)
-                    started = stats.elapsed_ms()
-                    verify = asyncio.ensure_future(self._verify(target_view, sequence, round_, sampling, target_seed, stats, retry_until))
+                    verify = asyncio.ensure_future(
+                        self._verify(target_view, sequence, round_, sampling, target_seed, stats, retry_until)
+                    )
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
                     if (pipelined or hedging) and proposed and self.breaker.allow():
                         speculation = self._start_speculation(
-                            draft_view, sequence, round_, min(k, next_limit) + 1 if pipelined and next_limit else 0,
-                            k if hedging else 0, remaining, sampling, predraft_seed, hedge_seeds, stats,
+                            draft_view,
+                            sequence,
+                            round_,
+                            min(k, next_limit) + 1 if pipelined and next_limit else 0,
+                            k if hedging else 0,
+                            remaining,
+                            sampling,
+                            predraft_seed,
+                            hedge_seeds,
+                            stats,
                         )
                     try:
                         verification = await verify
                     finally:
                         if not verify.done():
                             verify.cancel()
-                    _check_reply(self.target.address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
-                    _check_reply(self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed)
+                    _check_reply(
+                        self.target.address,
+                        "draft_token_target_probs",
+                        len(verification.draft_token_target_probs),
+                        proposed,
+                    )
+                    _check_reply(
+                        self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed
+                    )
                     stats.target_compute_ms += verification.compute_ms
                     outcome = decide_round(
                         verification.draft_token_target_probs,
@@ -377,22 +410,29 @@ class Coordinator:
                         text.finish(FINISH_LENGTH)
                     if speculation is not None:
                         live = text.finish_reason is None
-                        taken, ready_source, draft_view = await self._settle(speculation, outcome, proposed, live, draft_view, base, stats)
+                        taken, ready_source, draft_view = await self._settle(
+                            speculation, outcome, proposed, live, draft_view, base, stats
+                        )
                         speculation = None
                         if taken is not None:
                             ready = taken
                     stats.mark_first_token()
                     delta = text.take_delta()
                     stats.round_ms.append(stats.elapsed_ms() - round_started)
-                    stats.round_overhead_ms.append(stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before))
-                    round_span.set_attributes({
-                        "specdec.round.k": proposed,
-                        "specdec.round.accepted": outcome.num_accepted,
-                        "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
-                        "specdec.round.drafts_from": source,  # draft, predraft, hedge, fallback (draft down), none (K=0)
-                        "specdec.round.epoch": draft_view.last_epoch,
-                        "specdec.round.pipelined": pipelined,
-                    })
+                    stats.round_overhead_ms.append(
+                        stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
+                    )
+                    round_span.set_attributes(
+                        {
+                            "specdec.round.k": proposed,
+                            "specdec.round.accepted": outcome.num_accepted,
+                            "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
+                            # draft, predraft, hedge, fallback (draft down), none (K=0)
+                            "specdec.round.drafts_from": source,
+                            "specdec.round.epoch": draft_view.last_epoch,
+                            "specdec.round.pipelined": pipelined,
+                        }
+                    )
                 # Spans end before yielding: the caller runs between rounds.
                 if text.finish_reason is not None:
                     stats.close(len(text.token_ids))
@@ -409,7 +449,9 @@ class Coordinator:
         """The most drafts a round may carry, from a sequence of `length` with `remaining` new
         tokens allowed: room for the drafts plus the recovered/bonus token, in both models."""
         room = self.pair.max_context - length
-        return max(0, min(self.pair.max_num_speculative_tokens, remaining - 1, room - 1, self.pair.draft_max_context - length))
+        return max(
+            0, min(self.pair.max_num_speculative_tokens, remaining - 1, room - 1, self.pair.draft_max_context - length)
+        )
 
     def _adaptive(self, job: Job, pipelined: bool) -> AdaptiveK | None:
         """A per-request K chooser when the request left K to the coordinator and it adapts."""
@@ -434,11 +476,14 @@ class Coordinator:
     def _round_from(self, proposal: draft_pb2.ProposeResponse, k: int) -> _Round:
         if len(proposal.token_ids) > k:
             raise SpecDecError(
-                f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
+                f"service at {self.draft.address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is "
+                "malformed"
             )
         _check_reply(self.draft.address, "distributions", len(proposal.distributions), len(proposal.token_ids))
         if proposal.runner_up_token_ids or proposal.runner_up_probs:  # optional, but whole if sent
-            _check_reply(self.draft.address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids))
+            _check_reply(
+                self.draft.address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids)
+            )
             _check_reply(self.draft.address, "runner_up_probs", len(proposal.runner_up_probs), len(proposal.token_ids))
         return _Round(
             list(proposal.token_ids),
@@ -449,8 +494,17 @@ class Coordinator:
         )
 
     def _start_speculation(
-        self, draft_view: _SessionView, sequence: list[int], round_: _Round, predraft_k: int, hedge_k: int, remaining: int,
-        sampling, predraft_seed: int, hedge_seeds: np.random.Generator, stats: GenerationStats,
+        self,
+        draft_view: _SessionView,
+        sequence: list[int],
+        round_: _Round,
+        predraft_k: int,
+        hedge_k: int,
+        remaining: int,
+        sampling,
+        predraft_seed: int,
+        hedge_seeds: np.random.Generator,
+        stats: GenerationStats,
     ) -> _Speculation | None:
         """Starts, while the target verifies, one ProposeBranches call drafting the next round
         for the likeliest outcomes of this one, all branches stepped in the same passes:
@@ -467,23 +521,39 @@ class Coordinator:
         base = len(sequence)
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
             alpha = acceptance_estimate(stats.accepted_tokens, stats.proposed_tokens)
-            for hedge in plan_hedges(round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids):
+            for hedge in plan_hedges(
+                round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids
+            ):
                 limit = self._k_limit(base + hedge.position + 1, remaining - hedge.position - 1)
                 if not limit:
                     continue
                 plans.append(_BranchPlan(min(hedge_k, limit), uuid.uuid4().hex, hedge))
-                requests.append(draft_pb2.ProposeRequest(
-                    session_id=plans[-1].session_id, fork_from=draft_view.session_id, keep_tokens=base + hedge.position,
-                    new_tokens=[hedge.recovered_token_id], num_tokens=plans[-1].k, sampling=sampling,
-                    seed=int(hedge_seeds.integers(0, _SEED_BOUND)), **draft_view.confidence_field(),
-                ))
+                requests.append(
+                    draft_pb2.ProposeRequest(
+                        session_id=plans[-1].session_id,
+                        fork_from=draft_view.session_id,
+                        keep_tokens=base + hedge.position,
+                        new_tokens=[hedge.recovered_token_id],
+                        num_tokens=plans[-1].k,
+                        sampling=sampling,
+                        seed=int(hedge_seeds.integers(0, _SEED_BOUND)),
+                        **draft_view.confidence_field(),
+                    )
+                )
         if predraft_k:
             plans.append(_BranchPlan(min(predraft_k, self.pair.max_num_speculative_tokens), draft_view.session_id))
             # The session holds the sequence and this round's drafts: nothing to send.
-            requests.append(draft_pb2.ProposeRequest(
-                session_id=draft_view.session_id, keep_tokens=base + len(round_.draft_token_ids), new_tokens=[],
-                num_tokens=plans[-1].k, sampling=sampling, seed=predraft_seed, **draft_view.confidence_field(),
-            ))
+            requests.append(
+                draft_pb2.ProposeRequest(
+                    session_id=draft_view.session_id,
+                    keep_tokens=base + len(round_.draft_token_ids),
+                    new_tokens=[],
+                    num_tokens=plans[-1].k,
+                    sampling=sampling,
+                    seed=predraft_seed,
+                    **draft_view.confidence_field(),
+                )
+            )
         if not plans:
             return None
         # Numbered after every call the session has served, so none is refused as stale; the
@@ -496,7 +566,13 @@ class Coordinator:
         return _Speculation(round_index=stats.rounds, branches=plans, task=task)
 
     async def _settle(
-        self, speculation: _Speculation, outcome, proposed: int, live: bool, draft_view: _SessionView, base: int,
+        self,
+        speculation: _Speculation,
+        outcome,
+        proposed: int,
+        live: bool,
+        draft_view: _SessionView,
+        base: int,
         stats: GenerationStats,
     ) -> tuple[_Round | None, str, _SessionView]:
         """The next round's drafts, if a branch assumed the outcome that happened: (drafts,
@@ -518,7 +594,12 @@ class Coordinator:
             hit = speculation.predraft
         elif live:
             hit = next(
-                (b for b in speculation.forks if (b.hedge.position, b.hedge.recovered_token_id) == (outcome.num_accepted, outcome.next_token_id)),
+                (
+                    b
+                    for b in speculation.forks
+                    if b.hedge is not None
+                    and (b.hedge.position, b.hedge.recovered_token_id) == (outcome.num_accepted, outcome.next_token_id)
+                ),
                 None,
             )
         if hit is None:
@@ -541,7 +622,9 @@ class Coordinator:
         for plan, result in zip(speculation.branches, reply.results):
             failed = result.error_code != 0
             if failed:
-                logger.info("branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message)
+                logger.info(
+                    "branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message
+                )
                 branch = _Round()
             else:
                 branch = self._round_from(result.proposal, plan.k)
@@ -550,8 +633,14 @@ class Coordinator:
                 stats.predrafted_tokens += len(branch.draft_token_ids)
                 # A pre-draft that stopped at its first token (a confidence stop) has nothing to
                 # offer past the guess: it counts as a miss, as does a failed one.
-                if plan is hit and len(branch.draft_token_ids) > 1 and branch.draft_token_ids[0] == outcome.next_token_id:
-                    trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(branch.draft_token_ids) - 1})
+                if (
+                    plan is hit
+                    and len(branch.draft_token_ids) > 1
+                    and branch.draft_token_ids[0] == outcome.next_token_id
+                ):
+                    trace.get_current_span().add_event(
+                        "predraft.used", {"specdec.tokens": len(branch.draft_token_ids) - 1}
+                    )
                     stats.predraft_hits += 1
                     # The draft holds the round, the bonus token (= its first pre-draft token)
                     # and the rest of the pre-draft, which become the next drafts.
@@ -563,14 +652,18 @@ class Coordinator:
                     stats.predraft_wasted_tokens += len(branch.draft_token_ids)
             elif plan is hit and not failed:
                 trace.get_current_span().add_event(
-                    "hedge.used", {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)}
+                    "hedge.used",
+                    {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)},
                 )
                 stats.hedge_hits += 1
                 stats.hedged_tokens += len(branch.draft_token_ids)
                 taken = branch
                 self._end_later(self.draft, draft_view.session_id)
                 draft_view = _SessionView(
-                    plan.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls,
+                    plan.session_id,
+                    synced=base + outcome.num_accepted + 1,
+                    opened=True,
+                    calls=draft_view.calls,
                     min_confidence=draft_view.min_confidence,
                 )
             else:
@@ -592,7 +685,9 @@ class Coordinator:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.config.draft_attempts),
             wait=wait_exponential(multiplier=self.config.draft_retry_backoff_s, max=1.0),
-            retry=retry_if_exception(lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+            ),
             reraise=True,
         )
         async for attempt in retrying:
@@ -611,7 +706,8 @@ class Coordinator:
         if self.breaker.record_failure():
             logger.warning(
                 "draft at %s failed %d times in a row: rounds run target-only until a health probe finds it serving",
-                self.draft.address, self.breaker.failure_threshold,
+                self.draft.address,
+                self.breaker.failure_threshold,
             )
             if self._probe is None or self._probe.done():
                 self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
@@ -631,15 +727,28 @@ class Coordinator:
             view.last_epoch = next(view.calls)
             return self.draft.propose(
                 draft_pb2.ProposeRequest(
-                    session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    num_tokens=k, sampling=sampling, seed=seed, epoch=view.last_epoch, **view.confidence_field(),
+                    session_id=view.session_id,
+                    keep_tokens=keep,
+                    new_tokens=new_tokens,
+                    num_tokens=k,
+                    sampling=sampling,
+                    seed=seed,
+                    epoch=view.last_epoch,
+                    **view.confidence_field(),
                 )
             )
 
         return await self._with_reprefill("draft", view, sequence, stats, send)
 
     async def _verify(
-        self, view: _SessionView, sequence: list[int], round_: _Round, sampling, seed: int, stats: GenerationStats, retry_until: float
+        self,
+        view: _SessionView,
+        sequence: list[int],
+        round_: _Round,
+        sampling,
+        seed: int,
+        stats: GenerationStats,
+        retry_until: float,
     ) -> target_pb2.VerifyResponse:
         """The round's verify. A target that is UNAVAILABLE (restarting) is retried until
         `retry_until` (loop time); back up, it has lost the session, answers NOT_FOUND and is
@@ -648,9 +757,13 @@ class Coordinator:
         def send(keep: int, new_tokens: list[int]):
             return self.target.verify(
                 target_pb2.VerifyRequest(
-                    session_id=view.session_id, keep_tokens=keep, new_tokens=new_tokens,
-                    draft_token_ids=round_.draft_token_ids, draft_distributions=round_.distributions,
-                    sampling=sampling, seed=seed,
+                    session_id=view.session_id,
+                    keep_tokens=keep,
+                    new_tokens=new_tokens,
+                    draft_token_ids=round_.draft_token_ids,
+                    draft_distributions=round_.distributions,
+                    sampling=sampling,
+                    seed=seed,
                 )
             )
 
@@ -658,7 +771,9 @@ class Coordinator:
         retrying = AsyncRetrying(
             stop=lambda state: loop.time() >= retry_until,
             wait=wait_exponential(multiplier=0.1, max=1.0),
-            retry=retry_if_exception(lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+            ),
             reraise=True,
         )
         async for attempt in retrying:
@@ -677,9 +792,13 @@ class Coordinator:
                 return await send(view.synced, sequence[view.synced :])
             except SessionNotFound:
                 if attempt:
-                    raise SpecDecError(f"{role} service lost session {view.session_id} again right after a full re-send") from None
+                    raise SpecDecError(
+                        f"{role} service lost session {view.session_id} again right after a full re-send"
+                    ) from None
                 logger.info("%s lost session %s; re-sending %d tokens", role, view.session_id, len(sequence))
-                trace.get_current_span().add_event("reprefill", {"specdec.service": role, "specdec.tokens": len(sequence)})
+                trace.get_current_span().add_event(
+                    "reprefill", {"specdec.service": role, "specdec.tokens": len(sequence)}
+                )
                 stats.reprefills += 1
                 view.synced = 0
             finally:

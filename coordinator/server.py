@@ -27,7 +27,9 @@ RPC_ROUND_TRIPS = 5
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
-async def connect(config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None) -> Coordinator:
+async def connect(
+    config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None
+) -> Coordinator:
     """Waits for both services, checks they form a pair, and builds the coordinator. `draft`
     and `target` replace the clients the config describes (in-process services)."""
     upstream = load_client_security(config.upstream, "--upstream-")
@@ -52,8 +54,14 @@ async def connect(config: CoordinatorConfig, draft: DraftClient | None = None, t
     )
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
-        draft_info.model_id, draft_info.dtype, draft_info.device, config.draft_address,
-        target_info.model_id, target_info.dtype, target_info.device, config.target_address,
+        draft_info.model_id,
+        draft_info.dtype,
+        draft_info.device,
+        config.draft_address,
+        target_info.model_id,
+        target_info.dtype,
+        target_info.device,
+        config.target_address,
         pair.max_num_speculative_tokens,
     )
     return Coordinator(config, draft, target, tokenizer, pair)
@@ -67,7 +75,10 @@ async def measure_round_costs(
     the choice of K (and a seed's output) stays put until a restart. None when either service
     did not calibrate (--calibrate off, or a drafter without a model)."""
     if not (draft_info.calibrated_pass_ms and target_info.calibrated_pass_ms):
-        logger.info("K chooser off: the %s reports no calibrated pass costs", "draft" if not draft_info.calibrated_pass_ms else "target")
+        logger.info(
+            "K chooser off: the %s reports no calibrated pass costs",
+            "draft" if not draft_info.calibrated_pass_ms else "target",
+        )
         return None
     rpc_ms = {}
     for name, client in (("draft", draft), ("target", target)):
@@ -78,13 +89,18 @@ async def measure_round_costs(
             times.append((time.perf_counter() - started) * 1e3)
         rpc_ms[name] = statistics.median(times)
     costs = RoundCosts(
-        draft_pass_ms=tuple(draft_info.calibrated_pass_ms), target_pass_ms=tuple(target_info.calibrated_pass_ms),
-        draft_rpc_ms=rpc_ms["draft"], target_rpc_ms=rpc_ms["target"],
+        draft_pass_ms=tuple(draft_info.calibrated_pass_ms),
+        target_pass_ms=tuple(target_info.calibrated_pass_ms),
+        draft_rpc_ms=rpc_ms["draft"],
+        target_rpc_ms=rpc_ms["target"],
     )
     logger.info(
         "K chooser costs: draft step %.1f ms, target pass %s ms (1..%d tokens), RPC %.2f / %.2f ms",
-        costs.draft_ms(1) - costs.draft_rpc_ms, "/".join(f"{ms:.0f}" for ms in costs.target_pass_ms),
-        len(costs.target_pass_ms), costs.draft_rpc_ms, costs.target_rpc_ms,
+        costs.draft_ms(1) - costs.draft_rpc_ms,
+        "/".join(f"{ms:.0f}" for ms in costs.target_pass_ms),
+        len(costs.target_pass_ms),
+        costs.draft_rpc_ms,
+        costs.target_rpc_ms,
     )
     return costs
 
@@ -119,4 +135,6 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     pin_cpus(config.cpus)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator", config.shutdown_grace_s))
+    asyncio.run(
+        serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator", config.shutdown_grace_s)
+    )

@@ -66,48 +66,13 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationReque
     )
 
 
+# Every field of the message is read by name from GenerationStats (a field or a property); a
+# unit test checks that the two list the same figures, so a new one cannot be left out.
+STATS_FIELDS = tuple(field.name for field in coordinator_pb2.GenerationStats.DESCRIPTOR.fields)
+
+
 def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
-    return coordinator_pb2.GenerationStats(
-        rounds=stats.rounds,
-        proposed_tokens=stats.proposed_tokens,
-        accepted_tokens=stats.accepted_tokens,
-        recovered_tokens=stats.recovered_tokens,
-        bonus_tokens=stats.bonus_tokens,
-        generated_tokens=stats.generated_tokens,
-        acceptance_rate=stats.acceptance_rate,
-        mean_accepted_length=stats.mean_accepted_length,
-        time_to_first_token_ms=stats.time_to_first_token_ms,
-        total_ms=stats.total_ms,
-        tokens_per_second=stats.tokens_per_second,
-        draft_ms=stats.draft_ms,
-        target_ms=stats.target_ms,
-        reprefills=stats.reprefills,
-        prompt_tokens=stats.prompt_tokens,
-        draft_compute_ms=stats.draft_compute_ms,
-        target_compute_ms=stats.target_compute_ms,
-        accepted_per_position=stats.accepted_per_position,
-        pipelined=stats.pipelined,
-        predrafts=stats.predrafts,
-        predraft_hits=stats.predraft_hits,
-        predraft_misses=stats.predraft_misses,
-        predraft_cancelled=stats.predraft_cancelled,
-        predrafted_tokens=stats.predrafted_tokens,
-        predraft_wasted_tokens=stats.predraft_wasted_tokens,
-        predraft_compute_ms=stats.predraft_compute_ms,
-        k_per_round=stats.k_per_round,
-        hedges=stats.hedges,
-        hedge_hits=stats.hedge_hits,
-        hedged_tokens=stats.hedged_tokens,
-        degraded=stats.degraded,
-        draft_failures=stats.draft_failures,
-        fallback_rounds=stats.fallback_rounds,
-        target_retries=stats.target_retries,
-        round_ms=stats.round_ms,
-        round_overhead_ms=stats.round_overhead_ms,
-        branch_wait_ms=stats.branch_wait_ms,
-        ready_rounds=stats.ready_rounds,
-        hedge_wasted_tokens=stats.hedge_wasted_tokens,
-    )
+    return coordinator_pb2.GenerationStats(**{name: getattr(stats, name) for name in STATS_FIELDS})
 
 
 def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
@@ -124,20 +89,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._coordinator = coordinator
         self._metrics = metrics
 
-    async def _generate(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+    async def _generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Chunk]:
         """The coordinator's chunks, with the request counted and logged (in its trace) once it ends."""
         if self._metrics is not None:
             self._metrics.requests_in_flight.inc()
         try:
             if isinstance(request, MalformedRequest):
                 raise InvalidArgument(
-                    f"the request is not a valid {coordinator_pb2.GenerateRequest.DESCRIPTOR.full_name} ({request.reason}); "
+                    f"the request is not a valid {coordinator_pb2.GenerateRequest.DESCRIPTOR.full_name} "
+                    f"({request.reason}); "
                     "send a serialized GenerateRequest whose strings are UTF-8"
                 )
             remaining = context.time_remaining()  # seconds, or None without a client deadline
             async for chunk in self._coordinator.generate(request_from_pb(request), remaining):
                 if chunk.stats is not None:
-                    self._finished(chunk)
+                    self._finished(chunk.stats, chunk.finish_reason or "")
                 yield chunk
         except BaseException as exc:
             if self._metrics is not None:
@@ -147,14 +115,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if self._metrics is not None:
                 self._metrics.requests_in_flight.dec()
 
-    def _finished(self, chunk: Chunk) -> None:
-        s = chunk.stats
+    def _finished(self, s: GenerationStats, finish_reason: str) -> None:
         logger.info(
             "generated %d tokens (%s) in %.0f ms: %d rounds, acceptance %.2f, %.2f tokens/round",
-            s.generated_tokens, chunk.finish_reason, s.total_ms, s.rounds, s.acceptance_rate, s.mean_accepted_length,
+            s.generated_tokens,
+            finish_reason,
+            s.total_ms,
+            s.rounds,
+            s.acceptance_rate,
+            s.mean_accepted_length,
         )
         if self._metrics is not None:
-            self._metrics.observe_finished(s, chunk.finish_reason)
+            self._metrics.observe_finished(s, finish_reason)
 
     @grpc_errors
     async def Generate(

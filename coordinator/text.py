@@ -56,7 +56,7 @@ class TextAssembler:
         self.finish_reason: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def _decode_new(self, flush: bool = False) -> str:
         """Text the tokens since `read_offset` add; "" while they end inside a UTF-8 character."""

@@ -42,7 +42,9 @@ def service_module(argv: Sequence[str]) -> str | None:
     return None
 
 
-def service_setting(argv: Sequence[str], env: Mapping[str, str], flag: str, default: str | int | None = None) -> str | int | None:
+def service_setting(
+    argv: Sequence[str], env: Mapping[str, str], flag: str, default: str | int | None = None
+) -> str | int | None:
     """A setting of the service started by `argv` (`flag` is "port", "tls-cert", ...): flags win
     over the environment, as in specdec.config.EnvArgs."""
     module = service_module(argv)
@@ -78,11 +80,16 @@ def service_tls(argv: Sequence[str], env: Mapping[str, str], ca: str | None = No
     """How to reach the service started by `argv`: None when it serves plaintext. `ca` (the
     --tls-ca flag) wins over the service's --tls-client-ca; it presents the service's own
     certificate when the service requires one (make_certs.py issues them for both uses)."""
-    cert, key, client_ca = (service_setting(argv, env, flag) or None for flag in ("tls-cert", "tls-key", "tls-client-ca"))
+    cert, key, client_ca = (
+        service_setting(argv, env, flag) or None for flag in ("tls-cert", "tls-key", "tls-client-ca")
+    )
     if not cert:
         return None
     if not (ca or client_ca):
-        raise SystemExit("healthcheck: the service serves TLS and has no --tls-client-ca: pass --tls-ca with the CA that signed its certificate")
+        raise SystemExit(
+            "healthcheck: the service serves TLS and has no --tls-client-ca: pass --tls-ca with the CA that signed "
+            "its certificate"
+        )
     return ProbeTLS(ca or client_ca, cert if client_ca else None, key if client_ca else None)
 
 
@@ -129,7 +136,10 @@ def check(address: str, timeout_s: float = TIMEOUT_S, tls: ProbeTLS | None = Non
             print(f"healthcheck: {address}: {exc.code().name}", file=sys.stderr)
             return False
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        print(f"healthcheck: {address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}", file=sys.stderr)
+        print(
+            f"healthcheck: {address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -140,7 +150,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--tls-ca", help="PEM CA bundle to verify the service's certificate with (turns TLS on)")
     parser.add_argument("--tls-cert", help="PEM client certificate, for services that require one")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", help="name to check the service's certificate for, instead of the address's host")
+    parser.add_argument(
+        "--tls-server-name", help="name to check the service's certificate for, instead of the address's host"
+    )
     args = parser.parse_args(argv)
     if args.address:
         if (args.tls_cert or args.tls_key or args.tls_server_name) and not args.tls_ca:

@@ -35,7 +35,9 @@ class Issued:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
 
 
 def _validity(days: int) -> tuple[datetime.datetime, datetime.datetime]:
@@ -67,7 +69,11 @@ def make_leaf(ca: Issued, common_name: str, hosts: list[str], server: bool = Tru
     gives a client-only certificate."""
     key = ec.generate_private_key(ec.SECP256R1())
     not_before, not_after = _validity(days)
-    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    usages = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name))
@@ -97,7 +103,15 @@ def service_hosts(name: str, namespace: str = "specdec") -> list[str]:
     """The names a service is reached by: compose service, Kubernetes Service (short and full),
     and loopback for its own health probe."""
     service = f"specdec-{name}"
-    return [name, service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local", "localhost", "127.0.0.1"]
+    return [
+        name,
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+        "localhost",
+        "127.0.0.1",
+    ]
 
 
 def write(issued: Issued, folder: Path, stem: str) -> tuple[Path, Path]:
@@ -108,7 +122,9 @@ def write(issued: Issued, folder: Path, stem: str) -> tuple[Path, Path]:
     key_path.touch(mode=0o600)
     key_path.chmod(0o600)
     key_path.write_bytes(
-        issued.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        issued.key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     return cert_path, key_path
 

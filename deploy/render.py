@@ -27,7 +27,9 @@ CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole"
 def load_kustomization(folder: Path) -> dict[str, Any]:
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     if unsupported := set(kustomization) - SUPPORTED_KEYS:
-        raise SystemExit(f"render.py handles {sorted(SUPPORTED_KEYS)}; {folder}/kustomization.yaml also has {sorted(unsupported)}")
+        raise SystemExit(
+            f"render.py handles {sorted(SUPPORTED_KEYS)}; {folder}/kustomization.yaml also has {sorted(unsupported)}"
+        )
     return kustomization
 
 
@@ -60,7 +62,9 @@ def apply_patch(documents: list[dict[str, Any]], folder: Path, patch: dict[str, 
         raise SystemExit(f"render.py handles patches with `path` and a `target` of kind and name only; got {patch}")
     operations = yaml.safe_load((folder / patch["path"]).read_text())
     if not isinstance(operations, list):
-        raise SystemExit(f"render.py handles JSON 6902 patches (a list of operations) only; {folder / patch['path']} is not one")
+        raise SystemExit(
+            f"render.py handles JSON 6902 patches (a list of operations) only; {folder / patch['path']} is not one"
+        )
     target = patch["target"]
     matches = [doc for doc in documents if doc["kind"] == target["kind"] and doc["metadata"]["name"] == target["name"]]
     if len(matches) != 1:
@@ -89,7 +93,9 @@ def apply_operation(doc: dict[str, Any], operation: dict[str, Any], source: Path
         index = last
     if op == "test":
         if node[index] != operation["value"]:
-            raise SystemExit(f"{source}: test failed: {operation['path']} is {node[index]!r}, not {operation['value']!r}")
+            raise SystemExit(
+                f"{source}: test failed: {operation['path']} is {node[index]!r}, not {operation['value']!r}"
+            )
     elif op == "remove":
         del node[index]
     elif op == "replace":

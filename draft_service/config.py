@@ -29,25 +29,42 @@ class DraftConfig(ModelServiceConfig):
     ngram_max: int = 4  # longest suffix it tries first
     proposal_mode: str = "sample"  # "greedy": propose the draft's argmax even when sampling
     proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K  # draft-side truncation of its own distribution; 0 = off
-    min_confidence: float = DEFAULT_MIN_CONFIDENCE  # stop a proposal after a token drawn with less probability; 0 = never
+    min_confidence: float = (
+        DEFAULT_MIN_CONFIDENCE  # stop a proposal after a token drawn with less probability; 0 = never
+    )
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DraftConfig:
     parser = argparse.ArgumentParser(prog="python -m draft_service", description=__doc__.split(":")[0])
     args = EnvArgs(parser, "SPECDEC_DRAFT", env)
     add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
-    args.add("--drafter", "model", "how to propose: model (a causal LM) or ngram (prompt lookup, no weights)", choices=list(DRAFTERS))
-    args.add("--draft-vocab", 0, "restrict the draft's output head to the N most frequent token ids (0 = full)", type=int)
-    args.add("--ngram-min", 2, "prompt lookup: shortest suffix n-gram to match", type=int)
-    args.add("--ngram-max", 4, "prompt lookup: longest suffix n-gram, tried first", type=int)
-    args.add("--proposal-mode", "sample", "how the draft proposes when the request samples", choices=list(PROPOSAL_MODES))
     args.add(
-        "--proposal-top-k", DEFAULT_PROPOSAL_TOP_K, "sample from the draft's distribution truncated to its top k and ship "
-        "that sparsely (0 = full distribution, shipped dense); exact either way", type=int,
+        "--drafter",
+        "model",
+        "how to propose: model (a causal LM) or ngram (prompt lookup, no weights)",
+        choices=list(DRAFTERS),
     )
     args.add(
-        "--min-confidence", DEFAULT_MIN_CONFIDENCE, "stop a proposal early after a token the draft drew with less than this "
-        "probability (0 = always propose K; a request may set its own); exact either way", type=float,
+        "--draft-vocab", 0, "restrict the draft's output head to the N most frequent token ids (0 = full)", type=int
+    )
+    args.add("--ngram-min", 2, "prompt lookup: shortest suffix n-gram to match", type=int)
+    args.add("--ngram-max", 4, "prompt lookup: longest suffix n-gram, tried first", type=int)
+    args.add(
+        "--proposal-mode", "sample", "how the draft proposes when the request samples", choices=list(PROPOSAL_MODES)
+    )
+    args.add(
+        "--proposal-top-k",
+        DEFAULT_PROPOSAL_TOP_K,
+        "sample from the draft's distribution truncated to its top k and ship "
+        "that sparsely (0 = full distribution, shipped dense); exact either way",
+        type=int,
+    )
+    args.add(
+        "--min-confidence",
+        DEFAULT_MIN_CONFIDENCE,
+        "stop a proposal early after a token the draft drew with less than this "
+        "probability (0 = always propose K; a request may set its own); exact either way",
+        type=float,
     )
     ns = parser.parse_args(argv)
     config = DraftConfig(

@@ -15,11 +15,12 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.runner import ProposeCall, Proposal
+from draft_service.drafter import Proposal, ProposeCall
+from specdec.batching import result_or_error
+from specdec.calls import ModelDescription, Stopwatch, check_context, check_token_ids
 from specdec.errors import InvalidArgument
 from specdec.modeling import TokenizerInfo
 from specdec.probs import SamplingParams
-from specdec.runner import ModelDescription, Stopwatch, check_context, check_token_ids, result_or_error
 from specdec.sessions import SessionStore
 
 
@@ -41,7 +42,9 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[
 
 
 class NgramDrafter:
-    """Same interface as DraftRunner (propose, describe, end_session, expire_sessions), no model."""
+    """A `Drafter` without a model."""
+
+    shares_passes = False  # no forward pass to share: calls run one after the other
 
     def __init__(
         self,
@@ -62,8 +65,15 @@ class NgramDrafter:
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         return self.propose(
-            call.session_id, call.keep_tokens, call.new_tokens, call.num_tokens, call.params, call.seed, call.epoch,
-            call.should_stop, call.fork_from,
+            call.session_id,
+            call.keep_tokens,
+            call.new_tokens,
+            call.num_tokens,
+            call.params,
+            call.seed,
+            call.epoch,
+            call.should_stop,
+            call.fork_from,
         )
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:

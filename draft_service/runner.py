@@ -7,45 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.drafter import Proposal, ProposeCall
+from specdec.batching import batch_groups, call_waves, start_each
+from specdec.calls import Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import SamplingParams, logits_to_probs, one_hot_argmax, sample, truncate_top_k
-from specdec.runner import ModelRunner, Stopwatch, batch_groups, call_waves, start_each
+from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
 
 PROPOSAL_MODES = ("sample", "greedy")
-
-
-@dataclass(frozen=True)
-class Proposal:
-    token_ids: list[int]  # [K'], K' <= K: a drafter may propose fewer, even none
-    probs: torch.Tensor | None  # [K', V] float32: the distribution each token was drawn from;
-    # None when deterministic (every row one-hot at its token)
-    deterministic: bool
-    processed_tokens: int
-    sequence_length: int
-    compute_ms: float
-    # Per position, the draft's likeliest other token and its draft probability: where a
-    # hedge would guess the recovered token. Empty when the drafter has no distribution.
-    runner_up_ids: list[int] = field(default_factory=list)  # [K']
-    runner_up_probs: list[float] = field(default_factory=list)  # [K']
-    batch_size: int = 1  # most sessions that shared one of its forward passes
-
-
-@dataclass(frozen=True)
-class ProposeCall:
-    """One Propose request, runner-side."""
-
-    session_id: str
-    keep_tokens: int
-    new_tokens: list[int]
-    num_tokens: int  # K
-    params: SamplingParams
-    seed: int
-    epoch: int = 0
-    should_stop: Callable[[], bool] = lambda: False  # polled between steps (the caller cancelled)
-    fork_from: str = ""
-    min_confidence: float | None = None  # None: the runner's default; 0: never stop early
 
 
 @dataclass
@@ -79,6 +50,8 @@ class DraftRunner(ModelRunner):
     token ids (see `modeling.restrict_output_head`): its logits are [N], and every proposal
     distribution is zero outside `head_ids`, which the sparse wire form carries exactly.
     """
+
+    shares_passes = True  # a `Drafter` whose calls from several sessions can step in one pass
 
     def __init__(
         self,
@@ -117,7 +90,9 @@ class DraftRunner(ModelRunner):
     ) -> Proposal:
         """`should_stop` is polled between steps: a cancelled call (a stale pre-draft) frees
         the model thread after at most one more forward pass instead of K."""
-        return self.propose_one(ProposeCall(session_id, keep_tokens, new_tokens, num_tokens, params, seed, epoch, should_stop, fork_from))
+        return self.propose_one(
+            ProposeCall(session_id, keep_tokens, new_tokens, num_tokens, params, seed, epoch, should_stop, fork_from)
+        )
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""
@@ -151,7 +126,9 @@ class DraftRunner(ModelRunner):
                 for group in batch_groups([len(drafting.feed) for _, drafting in running], self.max_padding_ratio):
                     members = [running[position] for position in group]
                     outputs = self.forward_batch(
-                        [drafting.session for _, drafting in members], [drafting.feed for _, drafting in members], [1] * len(members)
+                        [drafting.session for _, drafting in members],
+                        [drafting.feed for _, drafting in members],
+                        [1] * len(members),
                     )
                     for (index, drafting), logits in zip(members, outputs):
                         if isinstance(logits, Exception):

@@ -68,8 +68,13 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
     # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
-        config, runner or load_runner(config), DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server, SERVICE_NAME,
-        credentials, interceptors,
+        config,
+        runner or load_runner(config),
+        DraftServicer,
+        draft_pb2_grpc.add_DraftServicer_to_server,
+        SERVICE_NAME,
+        credentials,
+        interceptors,
     )
 
 

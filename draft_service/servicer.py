@@ -7,8 +7,7 @@ import threading
 
 import grpc
 
-from draft_service.ngram import NgramDrafter
-from draft_service.runner import DraftRunner, ProposeCall
+from draft_service.drafter import Drafter, ProposeCall
 from specdec import wire
 from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.servicer_base import SessionServicerMixin
@@ -20,7 +19,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
     def __init__(
         self,
-        runner: DraftRunner | NgramDrafter,
+        runner: Drafter,
         model_thread: ModelThread,
         metrics: ModelServiceMetrics | None = None,
         batch_window_s: float = 0.0,
@@ -35,27 +34,41 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         # As on the target: no call waits for a session that has no call coming.
         self._batcher = (
             CallBatcher(
-                model_thread, runner.propose_batch, batch_window_s, max_batch_size,
+                model_thread,
+                runner.propose_batch,
+                batch_window_s,
+                max_batch_size,
                 more_expected=lambda waiting: len(runner.sessions) > waiting,
             )
-            if batch_window_s > 0 and max_batch_size > 1 and isinstance(runner, DraftRunner)
+            if batch_window_s > 0 and max_batch_size > 1 and runner.shares_passes
             else None
         )
 
     @grpc_errors
-    async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+    async def Propose(
+        self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.ProposeResponse:
         with tracer.start_as_current_span("draft.propose") as span:
-            span.set_attributes({
-                "specdec.session_id": request.session_id, "specdec.keep_tokens": request.keep_tokens,
-                "specdec.new_tokens": len(request.new_tokens), "specdec.num_tokens": request.num_tokens,
-                "specdec.epoch": request.epoch, "specdec.fork": bool(request.fork_from),
-            })
+            span.set_attributes(
+                {
+                    "specdec.session_id": request.session_id,
+                    "specdec.keep_tokens": request.keep_tokens,
+                    "specdec.new_tokens": len(request.new_tokens),
+                    "specdec.num_tokens": request.num_tokens,
+                    "specdec.epoch": request.epoch,
+                    "specdec.fork": bool(request.fork_from),
+                }
+            )
             proposal = await self._propose(request)
-            span.set_attributes({
-                "specdec.proposed": len(proposal.token_ids), "specdec.processed_tokens": proposal.processed_tokens,
-                "specdec.cache_length": proposal.sequence_length, "specdec.forward_ms": proposal.compute_ms,
-                "specdec.batch_size": proposal.batch_size,
-            })
+            span.set_attributes(
+                {
+                    "specdec.proposed": len(proposal.token_ids),
+                    "specdec.processed_tokens": proposal.processed_tokens,
+                    "specdec.cache_length": proposal.sequence_length,
+                    "specdec.forward_ms": proposal.compute_ms,
+                    "specdec.batch_size": proposal.batch_size,
+                }
+            )
         if self._metrics is not None:
             self._metrics.observe_call("propose", proposal.compute_ms, proposal.processed_tokens, proposal.batch_size)
         return _response(proposal)
@@ -70,10 +83,13 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         if not 1 <= len(request.branches) <= MAX_BRANCHES:
             raise InvalidArgument(f"ProposeBranches takes 1 to {MAX_BRANCHES} branches; got {len(request.branches)}")
         with tracer.start_as_current_span("draft.propose_branches") as span:
-            span.set_attributes({
-                "specdec.branches": len(request.branches), "specdec.forks": sum(bool(b.fork_from) for b in request.branches),
-                "specdec.num_tokens": max(b.num_tokens for b in request.branches),
-            })
+            span.set_attributes(
+                {
+                    "specdec.branches": len(request.branches),
+                    "specdec.forks": sum(bool(b.fork_from) for b in request.branches),
+                    "specdec.num_tokens": max(b.num_tokens for b in request.branches),
+                }
+            )
             stop = threading.Event()
             calls = [_call(branch, stop.is_set) for branch in request.branches]
             try:

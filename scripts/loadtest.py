@@ -35,9 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.launch import ServiceProcess, local_stack  # noqa: E402
-from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc  # noqa: E402
+from specdec.v1 import (  # noqa: E402
+    common_pb2,
+    coordinator_pb2_grpc,  # noqa: E402
+    draft_pb2_grpc,
+    target_pb2_grpc,
+)
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
-from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "def add(a, b):",
@@ -142,13 +146,19 @@ async def sample_memory_during(services: dict[str, ServiceProcess], phase: Phase
     """RSS after warm-up ("start"), halfway through the measured time ("mid") and at its end ("end")."""
     samples = {}
     measured_s = phase.stop_at - phase.measured_from
-    for name, at in (("start", phase.measured_from), ("mid", phase.measured_from + measured_s / 2), ("end", phase.stop_at)):
+    for name, at in (
+        ("start", phase.measured_from),
+        ("mid", phase.measured_from + measured_s / 2),
+        ("end", phase.stop_at),
+    ):
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         samples[name] = sample_rss(services)
     return samples
 
 
-async def run_load(services: dict[str, ServiceProcess], prompts: list[str], args: argparse.Namespace) -> tuple[Phase, dict, float]:
+async def run_load(
+    services: dict[str, ServiceProcess], prompts: list[str], args: argparse.Namespace
+) -> tuple[Phase, dict, float]:
     now = time.monotonic()
     phase = Phase(measured_from=now + args.warmup, stop_at=now + args.warmup + args.duration)
     address = services["coordinator"].address
@@ -191,10 +201,17 @@ def summarise(phase: Phase, memory: dict, measured_s: float, sessions: dict, ses
     growth = {name: memory["end"][name] / memory["start"][name] - 1 for name in memory["start"]}
     return {
         "config": {
-            "clients": args.clients, "duration_s": args.duration, "warmup_s": args.warmup, "max_new_tokens": args.max_new_tokens,
-            "sampled_fraction": args.sampled_fraction, "stream_fraction": args.stream_fraction, "threads": args.threads,
-            "coordinator_args": args.coordinator_args, "draft_model": str(args.draft_model or "tiny"),
-            "target_model": str(args.target_model or "tiny"), "rss_tolerance": args.rss_tolerance,
+            "clients": args.clients,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "max_new_tokens": args.max_new_tokens,
+            "sampled_fraction": args.sampled_fraction,
+            "stream_fraction": args.stream_fraction,
+            "threads": args.threads,
+            "coordinator_args": args.coordinator_args,
+            "draft_model": str(args.draft_model or "tiny"),
+            "target_model": str(args.target_model or "tiny"),
+            "rss_tolerance": args.rss_tolerance,
         },
         "requests": len(measured),
         "warmup_requests": len(phase.outcomes) - len(measured),
@@ -235,17 +252,25 @@ def verdict(report: dict, tolerance: float) -> list[str]:
 
 def print_report(report: dict) -> None:
     mib = 1024 * 1024
-    print(f"requests {report['requests']} in {report['measured_s']:.0f}s ({report['requests_per_s']}/s; "
-          f"{report['streamed']} streamed) + {report['warmup_requests']} warm-up; errors {report['errors'] or 0}")
+    print(
+        f"requests {report['requests']} in {report['measured_s']:.0f}s ({report['requests_per_s']}/s; "
+        f"{report['streamed']} streamed) + {report['warmup_requests']} warm-up; errors {report['errors'] or 0}"
+    )
     for name in ("latency_ms", "server_total_ms", "ttft_ms"):
         figures = report[name]
         print(f"{name:>16}: " + "  ".join(f"{q} {v}" for q, v in figures.items()))
     print(f"tokens {report['tokens']}, {report['tokens_per_s']} tokens/s aggregate")
     for service in report["rss_bytes"]["start"]:
         start, mid, end = (report["rss_bytes"][when][service] / mib for when in ("start", "mid", "end"))
-        print(f"RSS {service:>11}: start {start:.1f} MiB, mid {mid:.1f} MiB, end {end:.1f} MiB ({report['rss_growth'][service]:+.1%})")
+        print(
+            f"RSS {service:>11}: start {start:.1f} MiB, mid {mid:.1f} MiB, end {end:.1f} MiB "
+            f"({report['rss_growth'][service]:+.1%})"
+        )
     print(f"open sessions after: {report['open_sessions_after']} (waited {report['sessions_closed_after_s']}s)")
-    print(f"machine: {report['machine']['cores']} cores, load average at the end {report['machine']['load_average_at_end']}")
+    print(
+        f"machine: {report['machine']['cores']} cores, load average at the end "
+        f"{report['machine']['load_average_at_end']}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -254,20 +279,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=180.0, help="measured seconds, after the warm-up")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the first memory sample")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--prompts", type=Path, default=None, help="JSON list of prompt strings (or bench/prompts.json)")
-    parser.add_argument("--sampled-fraction", type=float, default=0.5, help=f"share of requests at temperature {SAMPLED_TEMPERATURE} (others greedy)")
+    parser.add_argument(
+        "--prompts", type=Path, default=None, help="JSON list of prompt strings (or bench/prompts.json)"
+    )
+    parser.add_argument(
+        "--sampled-fraction",
+        type=float,
+        default=0.5,
+        help=f"share of requests at temperature {SAMPLED_TEMPERATURE} (others greedy)",
+    )
     parser.add_argument("--stream-fraction", type=float, default=0.5, help="share of requests sent as GenerateStream")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="deadline of one request, seconds")
-    parser.add_argument("--rss-tolerance", type=float, default=0.25, help="largest RSS growth from start to end, as a fraction")
-    parser.add_argument("--sessions-timeout", type=float, default=5.0, help="how long sessions may take to close after the load")
-    parser.add_argument("--draft-model", type=Path, default=None, help="draft model folder (default: the tests' tiny pair)")
-    parser.add_argument("--target-model", type=Path, default=None, help="target model folder (default: the tests' tiny pair)")
+    parser.add_argument(
+        "--rss-tolerance", type=float, default=0.25, help="largest RSS growth from start to end, as a fraction"
+    )
+    parser.add_argument(
+        "--sessions-timeout", type=float, default=5.0, help="how long sessions may take to close after the load"
+    )
+    parser.add_argument(
+        "--draft-model", type=Path, default=None, help="draft model folder (default: the tests' tiny pair)"
+    )
+    parser.add_argument(
+        "--target-model", type=Path, default=None, help="target model folder (default: the tests' tiny pair)"
+    )
     parser.add_argument("--dtype", default="float32", help="both services' --dtype")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     parser.add_argument("--coordinator-args", default="", help="extra coordinator flags, e.g. '--pipeline on'")
-    parser.add_argument("--report", type=Path, default=ROOT / ".cache/loadtest/report.json", help="where the JSON report goes")
+    parser.add_argument(
+        "--report", type=Path, default=ROOT / ".cache/loadtest/report.json", help="where the JSON report goes"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: beside the report)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the clients' choices of prompt, mode and sampling seed")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the clients' choices of prompt, mode and sampling seed"
+    )
     args = parser.parse_args(argv)
     if (args.draft_model is None) != (args.target_model is None):
         parser.error("give both --draft-model and --target-model, or neither")
@@ -286,15 +330,21 @@ def main(argv: list[str] | None = None) -> int:
         if draft_model is None:
             from transformers.utils import logging as hf_logging
 
-            from tests.tiny_models import build_pair, byte_level_tokenizer
+            from specdec.testing import build_pair, byte_level_tokenizer
 
             hf_logging.disable_progress_bar()
             pair = build_pair(Path(scratch), byte_level_tokenizer(), logit_scale=3.0, noise=0.3, eos=True)
             draft_model, target_model = pair.draft, pair.target
         print(f"starting draft, target and coordinator ({draft_model}, {target_model}); logs in {log_dir}", flush=True)
         with local_stack(
-            draft_model, target_model, log_dir, draft_dtype=args.dtype, target_dtype=args.dtype, threads=args.threads,
-            coordinator_args=shlex.split(args.coordinator_args), cwd=ROOT,
+            draft_model,
+            target_model,
+            log_dir,
+            draft_dtype=args.dtype,
+            target_dtype=args.dtype,
+            threads=args.threads,
+            coordinator_args=shlex.split(args.coordinator_args),
+            cwd=ROOT,
         ) as services:
             print(f"{args.clients} clients: {args.warmup:.0f}s warm-up, then {args.duration:.0f}s measured", flush=True)
             phase, memory, measured_s = asyncio.run(run_load(services, prompts, args))

@@ -19,10 +19,13 @@ sys.path.insert(0, str(ROOT))
 from specdec.costs import cpu_flags, cpu_model  # noqa: E402
 from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
-from target_service.pick import FLAGS, pick_in_subprocess  # noqa: E402
-from specdec.v1 import common_pb2, draft_pb2_grpc  # noqa: E402
+from specdec.v1 import (  # noqa: E402
+    common_pb2,
+    coordinator_pb2_grpc,  # noqa: E402
+    draft_pb2_grpc,
+)
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
-from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
+from target_service.pick import FLAGS, pick_in_subprocess  # noqa: E402
 
 SYSTEM = "You are a helpful coding assistant."
 TARGET_SETTINGS = FLAGS  # --target-setting: the target service's --dtype and --quantize
@@ -41,28 +44,33 @@ QUESTIONS = [
 
 def chat_prompt(question: str) -> str:
     """Qwen's ChatML template, written out: the API takes raw text."""
-    return (
-        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-        f"<|im_start|>user\n{question}<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models-dir", type=Path, default=ROOT / ".cache/models")
     parser.add_argument(
-        "--draft-dtype", default="float32",
-        help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it unquantised",
+        "--draft-dtype",
+        default="float32",
+        help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it as is",
     )
     parser.add_argument("--drafter", choices=["model", "ngram"], default="model", help="draft service drafter")
     parser.add_argument(
-        "--target-setting", choices=["auto", *TARGET_SETTINGS], default="auto",
+        "--target-setting",
+        choices=["auto", *TARGET_SETTINGS],
+        default="auto",
         help="auto: time float32, bfloat16 and int8 target passes on this machine and use the fastest",
     )
-    parser.add_argument("--k", type=int, default=None, help="speculative tokens per round (default: the coordinator chooses each round)")
-    parser.add_argument("--min-confidence", type=float, default=None, help="draft confidence stop (default: the draft service's)")
-    parser.add_argument("--pipeline", choices=["on", "off"], default="off", help="coordinator: pre-draft during verification")
+    parser.add_argument(
+        "--k", type=int, default=None, help="speculative tokens per round (default: the coordinator chooses each round)"
+    )
+    parser.add_argument(
+        "--min-confidence", type=float, default=None, help="draft confidence stop (default: the draft service's)"
+    )
+    parser.add_argument(
+        "--pipeline", choices=["on", "off"], default="off", help="coordinator: pre-draft during verification"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per model service")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -75,10 +83,19 @@ def main() -> int:
     print(cpu_line())
     setting = args.target_setting if args.target_setting != "auto" else pick_target(target_dir, args.threads)
     args.target_dtype, target_quantize = TARGET_SETTINGS[setting]
-    print(f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, {setting}); logs in {log_dir}")
+    print(
+        f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, "
+        f"{setting}); logs in {log_dir}"
+    )
     with local_stack(
-        draft_dir, target_dir, log_dir, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, threads=args.threads,
-        draft_args=["--drafter", args.drafter] + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
+        draft_dir,
+        target_dir,
+        log_dir,
+        draft_dtype=args.draft_dtype,
+        target_dtype=args.target_dtype,
+        threads=args.threads,
+        draft_args=["--drafter", args.drafter]
+        + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
         target_args=["--quantize", target_quantize],
         coordinator_args=["--pipeline", args.pipeline],
         cwd=ROOT,
@@ -86,7 +103,8 @@ def main() -> int:
         with grpc.insecure_channel(services["draft"].address) as channel:
             draft_info = draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
         print(
-            f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}: {draft_info.model_id.rsplit('/', 1)[-1]}, "
+            f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}: "
+            f"{draft_info.model_id.rsplit('/', 1)[-1]}, "
             f"{draft_info.dtype}; target {services['target'].address})\n"
         )
         return run_prompts(services["coordinator"].address, args)
@@ -120,7 +138,12 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
         stub.Generate(pb.GenerateRequest(prompt=chat_prompt("hi"), max_new_tokens=4, num_speculative_tokens=args.k))
         speculation = {} if args.k is None else {"num_speculative_tokens": args.k}
         for question in QUESTIONS:
-            request = dict(prompt=chat_prompt(question), max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+            request = dict(
+                prompt=chat_prompt(question),
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+            )
             target_only = stub.Generate(pb.GenerateRequest(**request, num_speculative_tokens=0), timeout=600)
             speculative = stub.Generate(pb.GenerateRequest(**request, **speculation), timeout=600)
             same = list(target_only.token_ids) == list(speculative.token_ids)
@@ -131,9 +154,11 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
             print(textwrap.indent(speculative.text.strip(), "  "))
             print("-" * 100)
             print(
-                f"  target only : {target_only.stats.generated_tokens} tokens, {target_only.stats.tokens_per_second:5.2f} tok/s\n"
+                f"  target only : {target_only.stats.generated_tokens} tokens, "
+                f"{target_only.stats.tokens_per_second:5.2f} tok/s\n"
                 f"  speculative : {s.generated_tokens} tokens, {s.tokens_per_second:5.2f} tok/s, "
-                f"K={args.k if args.k is not None else 'chosen'} ({s.proposed_tokens / max(1, s.rounds):.1f} drafts/round), "
+                f"K={args.k if args.k is not None else 'chosen'} ({s.proposed_tokens / max(1, s.rounds):.1f} "
+                "drafts/round), "
                 f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/round, "
                 f"TTFT {s.time_to_first_token_ms:.0f} ms, draft {s.draft_ms:.0f} ms, target {s.target_ms:.0f} ms\n"
                 f"  speedup {s.tokens_per_second / target_only.stats.tokens_per_second:.2f}x"
@@ -149,7 +174,11 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
         f"overall: target only {base_tps:.2f} tok/s, speculative {spec_tps:.2f} tok/s "
         f"({spec_tps / base_tps:.2f}x), acceptance {acceptance:.2f}, "
         f"mean tokens/round {statistics.mean(s.mean_accepted_length for _, s, _ in rows):.2f}"
-        + (f", identical outputs {sum(same for *_, same in rows)}/{len(rows)}" if greedy else f", temperature {args.temperature}")
+        + (
+            f", identical outputs {sum(same for *_, same in rows)}/{len(rows)}"
+            if greedy
+            else f", temperature {args.temperature}"
+        )
     )
     if greedy and any(not same for *_, same in rows) and args.target_dtype != "float32":
         print(

@@ -36,8 +36,16 @@ def rowwise_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     batch, heads, rows, dim = query.shape
     # One unpadded sequence (the runner never pads a lone session): causal by construction.
-    if batch != 1 or rows > MAX_ROWS or dropout or kwargs.get("sliding_window") and key.shape[2] > kwargs["sliding_window"]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if (
+        batch != 1
+        or rows > MAX_ROWS
+        or dropout
+        or kwargs.get("sliding_window")
+        and key.shape[2] > kwargs["sliding_window"]
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
@@ -48,7 +56,9 @@ def rowwise_attention_forward(
         q = query[:, :, row, :].reshape(batch, kv_heads, groups, dim).contiguous()  # [1, Hkv, G, D]
         k = key[:, :, :visible, :].contiguous()  # [1, Hkv, P + j + 1, D]
         v = value[:, :, :visible, :].contiguous()
-        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(q.dtype)  # [1, Hkv, G, P + j + 1]
+        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(
+            q.dtype
+        )  # [1, Hkv, G, P + j + 1]
         outputs.append(torch.matmul(weights, v).reshape(batch, 1, heads, dim))  # [1, 1, H, D]
     return torch.cat(outputs, dim=1), None  # [1, Q, H, D]
 

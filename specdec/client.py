@@ -1,7 +1,7 @@
 """A small Python client for the coordinator, and a CLI:
 
-    python -m specdec.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
-    python -m specdec.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
+python -m specdec.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
+python -m specdec.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
-from specdec.security import ClientSecurity, channel, client_security, load_client_security
+from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, ClientSecurity, client_security
+from specdec.security import channel, load_client_security
 from specdec.serving import message_size_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -24,7 +24,10 @@ class CoordinatorClient:
     coordinator runs with them."""
 
     def __init__(
-        self, address: str, timeout_s: float = 600.0, security: ClientSecurity | None = None,
+        self,
+        address: str,
+        timeout_s: float = 600.0,
+        security: ClientSecurity | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         loaded = load_client_security(security or ClientSecurity())
@@ -66,7 +69,9 @@ def format_stats(stats: coordinator_pb2.GenerationStats) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.client", description="Generate text through the coordinator")
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.client", description="Generate text through the coordinator"
+    )
     parser.add_argument("prompt", help="raw prompt text (no chat template is applied)")
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--max-new-tokens", type=int, default=None)
@@ -78,16 +83,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (0 = target only)")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--tls-ca", help="PEM CA bundle to verify the coordinator's certificate with (turns TLS on)")
-    parser.add_argument("--tls-cert", help="PEM client certificate, for a coordinator that requires one (with --tls-key)")
+    parser.add_argument(
+        "--tls-cert", help="PEM client certificate, for a coordinator that requires one (with --tls-key)"
+    )
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", help="name to check the coordinator's certificate for, instead of the address's host")
+    parser.add_argument(
+        "--tls-server-name", help="name to check the coordinator's certificate for, instead of the address's host"
+    )
     parser.add_argument("--auth-token-file", help="file whose first line is the bearer token to send")
     args = parser.parse_args(argv)
-    security, problem = client_security(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, args.auth_token_file)
+    security, problem = client_security(
+        args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, args.auth_token_file
+    )
     if problem:
         parser.error(problem)
     fields = dict(temperature=args.temperature, top_k=args.top_k, stop=args.stop)
-    for name, value in (("max_new_tokens", args.max_new_tokens), ("top_p", args.top_p), ("seed", args.seed), ("num_speculative_tokens", args.k)):
+    for name, value in (
+        ("max_new_tokens", args.max_new_tokens),
+        ("top_p", args.top_p),
+        ("seed", args.seed),
+        ("num_speculative_tokens", args.k),
+    ):
         if value is not None:
             fields[name] = value
     try:

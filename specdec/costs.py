@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 LIVE_DECAY = 0.9  # weight of the past in the live average, per observed pass
 CALIBRATION_CONTEXT = 128  # cached tokens under the timed passes: a typical chat prompt
@@ -40,7 +40,9 @@ class PassCosts:
             self.live_ms[i] = LIVE_DECAY * self.live_ms[i] + (1.0 - LIVE_DECAY) * ms
 
 
-def calibrate(run_pass: Callable[[int], None], max_new_tokens: int, repeats: int = 3, warmup: int = 2) -> tuple[float, ...]:
+def calibrate(
+    run_pass: Callable[[int], None], max_new_tokens: int, repeats: int = 3, warmup: int = 2
+) -> tuple[float, ...]:
     """Times `run_pass(n)` for n = 1..max_new_tokens; the fastest of up to `repeats` runs per
     size (the least disturbed by whatever else the machine is doing)."""
     for _ in range(warmup):
@@ -88,4 +90,7 @@ def cpu_flags() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
-    return " ".join(sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni|fma)\b", text)))) or "no AVX2/AVX-512"
+    return (
+        " ".join(sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2|avx_vnni|fma)\b", text))))
+        or "no AVX2/AVX-512"
+    )

@@ -11,7 +11,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -70,13 +70,15 @@ def status_of(exc: BaseException) -> str:
     return grpc.StatusCode.INTERNAL.name
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """Ends the call with `exc`'s status code (context.abort raises)."""
     if isinstance(exc, SpecDecError):
         await context.abort(exc.code, str(exc))
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
     logger.exception("unexpected error in handler")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    raise AssertionError("context.abort returned")
 
 
 def grpc_errors(handler: F) -> F:
@@ -105,4 +107,3 @@ def grpc_errors(handler: F) -> F:
             await _abort(context, exc)
 
     return unary_wrapper  # type: ignore[return-value]
-

@@ -38,7 +38,9 @@ class ServiceProcess:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log.read_text()[-4000:]}")
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.process.returncode}:\n{self.log.read_text()[-4000:]}"
+                    )
                 try:
                     response = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
@@ -59,7 +61,15 @@ class ServiceProcess:
                 self.process.wait()
 
 
-def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> ServiceProcess:
+def spawn(
+    name: str,
+    module: str,
+    args: list[str],
+    port: int,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> ServiceProcess:
     """`python -m module args --port port --metrics-port 0`, output to `log`. Metrics take a free
     port, so several local stacks never collide (the log names the port)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +77,10 @@ def spawn(name: str, module: str, args: list[str], port: int, log: Path, env: Ma
     full_env.update(env or {})
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
-        cwd=cwd, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=full_env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log)
 
@@ -79,13 +92,22 @@ def model_service_args(device: str, threads: int) -> tuple[list[str], dict[str, 
 
 
 def spawn_coordinator(
-    draft: ServiceProcess, target: ServiceProcess, tokenizer: Path, log: Path, args: Sequence[str] = (), cwd: Path | None = None
+    draft: ServiceProcess,
+    target: ServiceProcess,
+    tokenizer: Path,
+    log: Path,
+    args: Sequence[str] = (),
+    cwd: Path | None = None,
 ) -> ServiceProcess:
     """A coordinator for a running draft and target, healthy on return."""
     coordinator = spawn(
-        "coordinator", "coordinator",
+        "coordinator",
+        "coordinator",
         ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tokenizer), *args],
-        free_port(), log, {}, cwd,
+        free_port(),
+        log,
+        {},
+        cwd,
     )
     try:
         coordinator.wait_healthy(120)
@@ -118,13 +140,26 @@ def local_stack(
     services: dict[str, ServiceProcess] = {}
     try:
         services["draft"] = spawn(
-            "draft", "draft_service", ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
-            free_port(), log_dir / "draft.log", env, cwd,
+            "draft",
+            "draft_service",
+            ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
+            free_port(),
+            log_dir / "draft.log",
+            env,
+            cwd,
         )
         # One after the other: each service times its own passes at start-up (--calibrate), and
         # on one machine a neighbour still loading its weights would skew those figures.
         services["draft"].wait_healthy(start_timeout_s)
-        services["target"] = spawn("target", "target_service", ["--model", str(target_model), "--dtype", target_dtype, *model_args, *target_args], free_port(), log_dir / "target.log", env, cwd)
+        services["target"] = spawn(
+            "target",
+            "target_service",
+            ["--model", str(target_model), "--dtype", target_dtype, *model_args, *target_args],
+            free_port(),
+            log_dir / "target.log",
+            env,
+            cwd,
+        )
         services["target"].wait_healthy(start_timeout_s)
         services["coordinator"] = spawn_coordinator(
             services["draft"], services["target"], target_model, log_dir / "coordinator.log", coordinator_args, cwd

@@ -40,9 +40,12 @@ class LocalContext:
         self._deadline = None if timeout_s is None else loop.time() + timeout_s
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self.writes: asyncio.Queue | None = None  # where a streaming handler's `write`s go
 
     async def write(self, message) -> None:
-        raise RuntimeError("write is for server-streaming handlers")
+        if self.writes is None:
+            raise RuntimeError("write is for server-streaming handlers")
+        await self.writes.put(message)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         raise _Abort(code, details)
@@ -81,7 +84,9 @@ def _same(message):
 class _Method:
     """One method of a stub; its handler is looked up per call, so a stub may be made first."""
 
-    def __init__(self, channel: LocalChannel, method: str, serialize: Callable | None, deserialize: Callable | None) -> None:
+    def __init__(
+        self, channel: LocalChannel, method: str, serialize: Callable | None, deserialize: Callable | None
+    ) -> None:
         self._channel = channel
         self._method = method
         self._serialize = serialize or _same
@@ -138,7 +143,7 @@ async def _handler_messages(result, context: LocalContext) -> AsyncIterator:
         return
     finished = object()
     queue: asyncio.Queue = asyncio.Queue()
-    context.write = queue.put  # type: ignore[method-assign]
+    context.writes = queue
 
     async def run() -> None:
         try:
@@ -183,7 +188,9 @@ class LocalChannel:
         try:
             return self._handlers[method]
         except KeyError:
-            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, f"no servicer on this local channel serves {method}") from None
+            raise rpc_error(
+                grpc.StatusCode.UNIMPLEMENTED, f"no servicer on this local channel serves {method}"
+            ) from None
 
     async def close(self, grace: float | None = None) -> None:
         self.closed = True

@@ -69,11 +69,13 @@ def load_causal_lm(
     if tensor_parallel > 1:
         from transformers.distributed import DistributedConfig
 
-        check_tensor_parallel(AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), tensor_parallel)
+        check_tensor_parallel(
+            AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), tensor_parallel
+        )
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel)
     model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     if not device_map and tensor_parallel == 1:
-        model = model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # in place; transformers types to() by its decorator
     model.eval()
     input_device = str(model.get_input_embeddings().weight.device)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -92,8 +94,14 @@ def load_causal_lm(
     )
     logger.info(
         "loaded %s: dtype=%s device=%s vocab=%d context=%d eos=%s tokenizer=%s tensor_parallel=%d",
-        model_id, dtype, loaded.device_label, vocab_size, max_context, loaded.eos_token_ids,
-        loaded.tokenizer_fingerprint[:12], tensor_parallel,
+        model_id,
+        dtype,
+        loaded.device_label,
+        vocab_size,
+        max_context,
+        loaded.eos_token_ids,
+        loaded.tokenizer_fingerprint[:12],
+        tensor_parallel,
     )
     return loaded
 
@@ -103,10 +111,13 @@ def check_tensor_parallel(config, size: int) -> None:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not getattr(config, "base_model_tp_plan", None):
-        raise ValueError(f"{type(config).__name__} has no tensor-parallel plan in transformers; use --device-map instead")
-    if heads is None or heads % size or kv_heads % size:
         raise ValueError(
-            f"--tensor-parallel {size} must divide the attention heads ({heads}) and the KV heads ({kv_heads}) of the model"
+            f"{type(config).__name__} has no tensor-parallel plan in transformers; use --device-map instead"
+        )
+    if heads is None or kv_heads is None or heads % size or kv_heads % size:
+        raise ValueError(
+            f"--tensor-parallel {size} must divide the attention heads ({heads}) and the KV heads ({kv_heads}) of the "
+            "model"
         )
 
 
@@ -165,7 +176,9 @@ def restrict_output_head(model: PreTrainedModel, keep_ids: torch.Tensor) -> None
     step computes N logits instead of V. The head's row i then scores token keep_ids[i]."""
     head = model.get_output_embeddings()
     weight = head.weight.detach()[keep_ids].clone()  # [N, hidden]
-    reduced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=head.bias is not None, device=weight.device, dtype=weight.dtype)
+    reduced = torch.nn.Linear(
+        weight.shape[1], weight.shape[0], bias=head.bias is not None, device=weight.device, dtype=weight.dtype
+    )
     reduced.weight = torch.nn.Parameter(weight, requires_grad=False)
     if head.bias is not None:
         reduced.bias = torch.nn.Parameter(head.bias.detach()[keep_ids].clone(), requires_grad=False)

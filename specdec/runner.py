@@ -6,66 +6,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from specdec.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
+from specdec.calls import ModelDescription, check_context, check_token_ids
 from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
-from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.sessions import KVSession, SessionStore
 
 T = TypeVar("T")
 
-# A batched pass right-pads every session's tokens to the longest run; a session whose run
-# would make the padding cost more than this many times the real tokens (a prompt prefill
-# among decode rounds) gets a pass of its own instead.
-MAX_PADDING_RATIO = 2.0
-
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """Runner-side view of the Info RPC."""
-
-    model_id: str
-    vocab_size: int
-    tokenizer_fingerprint: str
-    eos_token_ids: tuple[int, ...]
-    max_context: int
-    dtype: str
-    device: str
-    open_sessions: int
-    max_speculative_tokens: int
-    kv_cache_bytes: int = 0  # held over all sessions
-    max_kv_cache_bytes: int = 0  # the budget; 0 = none
-    kv_bytes_per_token: int = 0  # what one cached token costs
-    evicted_sessions: int = 0  # dropped to fit the budget since start
-    tensor_parallel_size: int = 1  # ranks sharing every layer (--tensor-parallel)
-    calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
-    live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
-    cost_context_tokens: int = 0  # cached tokens under the calibrated passes
-
-    @classmethod
-    def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
-        """From a LoadedModel or a TokenizerInfo: both carry the model's id space."""
-        return cls(
-            model_id=source.model_id,
-            vocab_size=source.vocab_size,
-            tokenizer_fingerprint=source.tokenizer_fingerprint,
-            eos_token_ids=source.eos_token_ids,
-            max_context=source.max_context,
-            dtype=dtype,
-            device=device,
-            open_sessions=open_sessions,
-            max_speculative_tokens=max_speculative_tokens,
-        )
 
 
 class ModelRunner:
@@ -73,11 +28,20 @@ class ModelRunner:
 
     max_padding_ratio = MAX_PADDING_RATIO  # batched calls: see batch_groups
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, session_ttl_s: float, max_speculative_tokens: int, max_kv_bytes: int = 0):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_sessions: int,
+        session_ttl_s: float,
+        max_speculative_tokens: int,
+        max_kv_bytes: int = 0,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.max_speculative_tokens = max_speculative_tokens
-        self.sessions = SessionStore(max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes)
+        self.sessions = SessionStore(
+            max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes
+        )
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
         # Tokens run through the model since start; tests use it to prove prefixes are reused.
@@ -90,23 +54,28 @@ class ModelRunner:
 
     def calibrate_costs(self, keep_all_logits: bool, context_tokens: int = CALIBRATION_CONTEXT) -> PassCosts:
         """Times passes over 1..max_speculative_tokens + 1 new tokens (at most
-        CALIBRATION_MAX_TOKENS) on top of a cached context, on this process's own hardware, dtype and threads (see specdec.costs).
+        CALIBRATION_MAX_TOKENS) on top of a cached context, on this process's own hardware, dtype
+        and threads (see specdec.costs).
 
         `keep_all_logits`: the target scores every new token (K + 1 logits); the draft only
         needs the last one. The scratch session lives outside the store and no counter moves.
         """
         context_tokens = max(1, min(context_tokens, self.loaded.max_context - self.max_speculative_tokens - 2))
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.loaded.vocab_size, (context_tokens + self.max_speculative_tokens + 1,), generator=generator).tolist()
+        ids = torch.randint(
+            0, self.loaded.vocab_size, (context_tokens + self.max_speculative_tokens + 1,), generator=generator
+        ).tolist()
         session = KVSession("calibration", cache=DynamicCache(config=self.model.config))
         processed = self.processed_tokens_total
         with torch.inference_mode():
             self._forward_admitted(session, ids[:context_tokens], logits_to_keep=1)
 
             def run_pass(n: int) -> None:
-                self._forward_admitted(session, ids[context_tokens : context_tokens + n], logits_to_keep=n if keep_all_logits else 1)
+                self._forward_admitted(
+                    session, ids[context_tokens : context_tokens + n], logits_to_keep=n if keep_all_logits else 1
+                )
                 self._synchronize()
-                session.cache.crop(-n)
+                session.model_cache().crop(-n)
 
             self.pass_costs = None  # the timed passes are not live traffic
             costs = calibrate(run_pass, min(self.max_speculative_tokens + 1, CALIBRATION_MAX_TOKENS))
@@ -114,16 +83,22 @@ class ModelRunner:
         self.pass_costs = PassCosts(costs, context_tokens)
         logger.info(
             "forward pass cost over a %d-token context, by new tokens: %s",
-            context_tokens, ", ".join(f"{n + 1}: {ms:.1f} ms" for n, ms in enumerate(costs)),
+            context_tokens,
+            ", ".join(f"{n + 1}: {ms:.1f} ms" for n, ms in enumerate(costs)),
         )
         return self.pass_costs
 
     def describe(self) -> ModelDescription:
         dtype = self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch.")
-        description = ModelDescription.of(self.loaded, dtype, self.loaded.device_label, len(self.sessions), self.max_speculative_tokens)
+        description = ModelDescription.of(
+            self.loaded, dtype, self.loaded.device_label, len(self.sessions), self.max_speculative_tokens
+        )
         return dataclasses.replace(
-            description, kv_cache_bytes=self.sessions.kv_bytes(), max_kv_cache_bytes=self.sessions.max_kv_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token, evicted_sessions=self.sessions.evicted,
+            description,
+            kv_cache_bytes=self.sessions.kv_bytes(),
+            max_kv_cache_bytes=self.sessions.max_kv_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
             **self._cost_fields(),
         )
@@ -137,7 +112,8 @@ class ModelRunner:
         if self.pass_costs is None:
             return {}
         return dict(
-            calibrated_pass_ms=self.pass_costs.calibrated_ms, live_pass_ms=tuple(self.pass_costs.live_ms),
+            calibrated_pass_ms=self.pass_costs.calibrated_ms,
+            live_pass_ms=tuple(self.pass_costs.live_ms),
             cost_context_tokens=self.pass_costs.context_tokens,
         )
 
@@ -222,7 +198,9 @@ class ModelRunner:
             if len(admitted) == 1:
                 outputs = [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
             else:
-                outputs = self._forward_padded(chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted])
+                outputs = self._forward_padded(
+                    chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted]
+                )
         except Exception as exc:  # noqa: BLE001 - every caller in the pass gets it
             for session in chosen:
                 self.sessions.end(session.session_id)
@@ -237,7 +215,9 @@ class ModelRunner:
             results[index] = logits
         return results  # type: ignore[return-value]
 
-    def _forward_padded(self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
+    def _forward_padded(
+        self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]
+    ) -> list[torch.Tensor]:
         """One pass over B sessions. Row b of the padded sequence is
 
             [pad × (P - P_b)] [past_b: P_b cached] [new_b: N_b tokens] [pad × (N - N_b)]
@@ -259,7 +239,9 @@ class ModelRunner:
         width = max(kept)
         # Row b keeps its last `width` real positions (clamped at 0 for short rows: only its
         # last kept[b] are read), so the vocab-wide head runs on B · width positions, not B · N.
-        logit_positions = (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)  # [B, width]
+        logit_positions = (
+            (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)
+        )  # [B, width]
         cache = padded_cache(sessions, past, max_past, self.model.config)
         out = self.model(
             input_ids=input_ids,
@@ -280,113 +262,6 @@ class ModelRunner:
         return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
 
 
-def batchable_cache(cache: DynamicCache | None) -> bool:
-    """Only plain full-attention layers can be padded and split again (not sliding windows,
-    quantised or offloaded caches)."""
-    return (
-        isinstance(cache, DynamicCache)
-        and not getattr(cache, "offloading", False)
-        and all(type(layer) is DynamicLayer for layer in cache.layers)
-    )
-
-
-def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, config) -> DynamicCache:
-    """The sessions' caches stacked as a batch, each past left-padded with zeros to `max_past`.
-
-    per layer: B × [1, H, P_b, D] → [B, H, max_past, D]
-    """
-    if max_past == 0:
-        return DynamicCache(config=config)
-    layers = []
-    for layer_index in range(len(sessions[0].cache.layers)):
-        source = [session.cache.layers[layer_index] for session in sessions]
-        reference = next(layer for layer, length in zip(source, past) if length)
-        heads, head_dim = reference.keys.shape[1], reference.keys.shape[3]
-        keys = reference.keys.new_zeros(len(sessions), heads, max_past, head_dim)
-        values = reference.values.new_zeros(len(sessions), heads, max_past, reference.values.shape[3])
-        for row, (layer, length) in enumerate(zip(source, past)):
-            if length:
-                keys[row, :, max_past - length :] = layer.keys[0]
-                values[row, :, max_past - length :] = layer.values[0]
-        layers.append((keys, values))
-    return DynamicCache(layers, config=config)
-
-
-def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> DynamicCache:
-    """Row `row`, columns [start, end) of a batched cache as a session's own cache; the layers
-    copy the slice (DynamicLayer.update concatenates), so the batch's tensors are freed."""
-    return DynamicCache(
-        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in cache.layers),
-        config=config,
-    )
-
-
-def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:
-    """Splits items (by how many tokens each runs) into passes: similar lengths share a pass,
-    but one whose padding would cost more than `max_padding_ratio` × the real tokens (a prompt
-    prefill among one-token decodes) starts a new pass. Returns indices into `lengths`."""
-    groups: list[list[int]] = []
-    real = 0
-    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
-        length = lengths[index]  # the longest so far, as the order is ascending
-        if groups and (len(groups[-1]) + 1) * length <= max_padding_ratio * (real + length):
-            groups[-1].append(index)
-            real += length
-        else:
-            groups.append([index])
-            real = length
-    return groups
-
-
-def call_waves(keys: list[tuple[str, ...]], reads: list[tuple[str, ...]] | None = None) -> list[list[int]]:
-    """Indices of calls split into waves that may share passes. keys[i]: the session ids call
-    i writes; reads[i]: ids it only reads at its start (a fork copies its parent then).
-
-    A call goes in the wave after the last one that wrote any of its keys, so calls on one
-    session keep their order and never share a pass. A writer may share the wave of calls
-    that only read its session before it: every call of a wave starts, in index order,
-    before any of them steps, so those readers copy the session as it was before the writer.
-    A reader goes after the last writer of what it reads."""
-    reads = reads or [()] * len(keys)
-    last_write: dict[str, int] = {}
-    last_read: dict[str, int] = {}
-    waves: list[list[int]] = []
-    for index, (call_keys, call_reads) in enumerate(zip(keys, reads, strict=True)):
-        wave = max(
-            [last_write[key] + 1 for key in (*call_keys, *call_reads) if key in last_write]
-            + [last_read[key] for key in call_keys if key in last_read],
-            default=0,
-        )
-        for key in call_keys:
-            last_write[key] = wave
-        for key in call_reads:
-            last_read[key] = max(last_read.get(key, 0), wave)
-        if wave == len(waves):
-            waves.append([])
-        waves[wave].append(index)
-    return waves
-
-
-def start_each(indices: list[int], start: Callable[[int], T], results: list) -> list[tuple[int, T]]:
-    """(index, start(index)) for each call that starts; one that raises gets its exception in
-    `results` and stays out of the batch."""
-    started = []
-    for index in indices:
-        try:
-            started.append((index, start(index)))
-        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-            results[index] = exc
-    return started
-
-
-def result_or_error(fn, *args):
-    """fn(*args), or the exception it raised: one call's failure handed back to it alone."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-        return exc
-
-
 def kv_bytes_per_token(model) -> int:
     """Key + value bytes one token adds to a DynamicCache: 2 · layers · KV heads · head dim ·
     element size (the cache holds activations, float32 for an int8-quantised model)."""
@@ -395,24 +270,3 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=model.dtype).element_size()
     return 2 * config.num_hidden_layers * heads * head_dim * element
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-
-
-def check_context(total: int, max_context: int) -> None:
-    if total > max_context:
-        raise InvalidArgument(f"sequence would reach {total} tokens; the model's context is {max_context}")
-
-
-class Stopwatch:
-    """Milliseconds since construction."""
-
-    def __init__(self) -> None:
-        self._start = time.perf_counter()
-
-    def ms(self) -> float:
-        return (time.perf_counter() - self._start) * 1e3

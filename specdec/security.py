@@ -13,76 +13,17 @@ import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-if TYPE_CHECKING:
-    from specdec.config import EnvArgs
+from specdec.config import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
 # Probes and grpcurl must work without a token: health says nothing but SERVING, reflection
 # only describes the public protos.
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-@dataclass(frozen=True)
-class ServerSecurity:
-    """A server's TLS and token settings (paths); all unset = plaintext, no token."""
-
-    tls_cert: str | None = None  # PEM certificate chain served (with tls_key): TLS on
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # PEM CA bundle clients' certificates must chain to: mutual TLS
-    auth_token_file: str | None = None  # accepted bearer tokens, one per line
-
-
-@dataclass(frozen=True)
-class ClientSecurity:
-    """How a client reaches a server (paths); all unset = plaintext, no token."""
-
-    tls_ca: str | None = None  # PEM CA bundle the server's certificate must chain to: TLS on
-    tls_cert: str | None = None  # client certificate and key, for servers that require one (mutual TLS)
-    tls_key: str | None = None
-    tls_server_name: str | None = None  # the name to check the server's certificate for, when not the address's host
-    auth_token_file: str | None = None  # the first token in the file is sent as `authorization: Bearer <token>`
-
-
-def add_server_security_args(args: EnvArgs) -> None:
-    args.add("--tls-cert", None, "PEM certificate chain to serve TLS with (needs --tls-key)")
-    args.add("--tls-key", None, "PEM private key of --tls-cert")
-    args.add("--tls-client-ca", None, "PEM CA bundle: clients must present a certificate signed by it (mutual TLS; needs --tls-cert)")
-    args.add(
-        "--auth-token-file", None,
-        "file of accepted bearer tokens, one per line: every call except health and reflection must send "
-        "`authorization: Bearer <token>` metadata",
-    )
-
-
-def server_security(ns: Any) -> tuple[ServerSecurity, str | None]:
-    """The settings from parsed flags (an empty value counts as unset), and the contradiction
-    between them in words, or None."""
-    settings = ServerSecurity(ns.tls_cert or None, ns.tls_key or None, ns.tls_client_ca or None, ns.auth_token_file or None)
-    if bool(settings.tls_cert) != bool(settings.tls_key):
-        return settings, "--tls-cert and --tls-key go together: give both to serve TLS, or neither"
-    if settings.tls_client_ca and not settings.tls_cert:
-        return settings, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"
-    return settings, None
-
-
-def client_security(
-    tls_ca: str | None, tls_cert: str | None, tls_key: str | None, tls_server_name: str | None, auth_token_file: str | None,
-    flag_prefix: str = "--",
-) -> tuple[ClientSecurity, str | None]:
-    """Client settings (an empty value counts as unset), and the contradiction between them in
-    words, or None; `flag_prefix` ("--upstream-") names the flags in the message."""
-    settings = ClientSecurity(tls_ca or None, tls_cert or None, tls_key or None, tls_server_name or None, auth_token_file or None)
-    if bool(settings.tls_cert) != bool(settings.tls_key):
-        return settings, f"{flag_prefix}tls-cert and {flag_prefix}tls-key go together: give both to present a client certificate, or neither"
-    needs_ca = [f"{flag_prefix}{name}" for name, value in (("tls-cert", settings.tls_cert), ("tls-server-name", settings.tls_server_name)) if value]
-    if needs_ca and not settings.tls_ca:
-        return settings, f"{' and '.join(needs_ca)} need{'s' if len(needs_ca) == 1 else ''} {flag_prefix}tls-ca (which turns TLS on)"
-    return settings, None
 
 
 # --- reading the files ---------------------------------------------------------------------
@@ -128,16 +69,22 @@ def read_tokens(path: str, flag: str) -> list[str]:
         raise ValueError(f"{flag} {path} holds no token (one per line)")
     for number, token in enumerate(tokens, 1):
         if not all(33 <= ord(char) < 127 for char in token):
-            raise ValueError(f"{flag} {path}: token {number} has a space or a non-ASCII character; use printable ASCII (e.g. hex)")
+            raise ValueError(
+                f"{flag} {path}: token {number} has a space or a non-ASCII character; use printable ASCII (e.g. hex)"
+            )
     return tokens
 
 
-def load_server_security(settings: ServerSecurity) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
+def load_server_security(
+    settings: ServerSecurity,
+) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
     """Server credentials (None = plaintext) and interceptors (the token check) for
     `specdec.serving.start_server`. Raises ValueError naming the flag of a bad file."""
     credentials = None
     if settings.tls_cert:
         cert_flag, key_flag, ca_flag = "--tls-cert", "--tls-key", "--tls-client-ca"
+        if not settings.tls_key:
+            raise ValueError(f"{cert_flag} needs {key_flag}")
         check_certificate_and_key(settings.tls_cert, settings.tls_key, cert_flag, key_flag)
         client_ca = None
         if settings.tls_client_ca:
@@ -238,6 +185,8 @@ def load_client_security(settings: ClientSecurity, flag_prefix: str = "--") -> C
         check_ca(settings.tls_ca, ca_flag)
         client_key = client_cert = None
         if settings.tls_cert:
+            if not settings.tls_key:
+                raise ValueError(f"{cert_flag} needs {key_flag}")
             check_certificate_and_key(settings.tls_cert, settings.tls_key, cert_flag, key_flag)
             client_key, client_cert = read_file(settings.tls_key, key_flag), read_file(settings.tls_cert, cert_flag)
         credentials = grpc.ssl_channel_credentials(read_file(settings.tls_ca, ca_flag), client_key, client_cert)
@@ -272,17 +221,20 @@ class _AddMetadataStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
 
 
 def aio_channel(
-    address: str, options: Sequence[tuple[str, Any]], security: ChannelSecurity | None = None, interceptors: Sequence[Any] = ()
+    address: str,
+    options: Sequence[tuple[str, Any]],
+    security: ChannelSecurity | None = None,
+    interceptors: Sequence[Any] = (),
 ) -> grpc.aio.Channel:
     """A grpc.aio channel with TLS and the bearer token of `security` (plaintext without);
     `interceptors` (tracing) run before the token is added."""
     security = security or ChannelSecurity()
     options = [*options, *security.options]
     token = [_AddMetadataUnary(security.metadata), _AddMetadataStream(security.metadata)] if security.token else []
-    interceptors = [*interceptors, *token] or None
+    chain = [*interceptors, *token] or None
     if security.credentials is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, security.credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=chain)
+    return grpc.aio.secure_channel(address, security.credentials, options=options, interceptors=chain)
 
 
 def channel(address: str, options: Sequence[tuple[str, Any]], security: ChannelSecurity | None = None) -> grpc.Channel:

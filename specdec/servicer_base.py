@@ -18,7 +18,9 @@ class SessionServicerMixin:
     _model_thread: ModelThread
 
     @grpc_errors
-    async def EndSession(self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+    async def EndSession(
+        self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.EndSessionResponse:
         existed = await self._model_thread.run(self._runner.end_session, request.session_id)
         return common_pb2.EndSessionResponse(existed=existed)
 

@@ -64,7 +64,9 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_names:
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
     """Listens on host:port, with TLS when `credentials` are given (health and reflection too)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    bound = (
+        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise SystemExit(f"could not listen on {address}")
     return bound
@@ -241,7 +243,7 @@ async def start_server(
     host: str,
     port: int,
     max_message_bytes: int,
-    background: list[Callable[[], Any]] = (),
+    background: Sequence[Callable[[], Any]] = (),
     on_stop: Callable[[], Any] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -261,13 +263,19 @@ async def start_server(
     return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http)
 
 
-def build_model_servicer(config, runner, make_servicer: Callable[..., Any], service_name: str) -> tuple[Any, ModelThread, CollectorRegistry]:
+def build_model_servicer(
+    config, runner, make_servicer: Callable[..., Any], service_name: str
+) -> tuple[Any, ModelThread, CollectorRegistry]:
     """A model service's servicer with its own model thread and metrics registry."""
     role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
     model_thread = ModelThread(f"{role}-model")
     registry = CollectorRegistry()
     servicer = make_servicer(
-        runner, model_thread, telemetry.ModelServiceMetrics(registry, role, runner), config.batch_window_ms / 1e3, config.max_batch_size
+        runner,
+        model_thread,
+        telemetry.ModelServiceMetrics(registry, role, runner),
+        config.batch_window_ms / 1e3,
+        config.max_batch_size,
     )
     return servicer, model_thread, registry
 
@@ -290,7 +298,9 @@ async def start_model_server(
         config.host,
         config.port,
         config.max_message_bytes,
-        background=[lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))],
+        background=[
+            lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))
+        ],
         on_stop=model_thread.shutdown,
         credentials=credentials,
         interceptors=interceptors,
@@ -298,7 +308,9 @@ async def start_model_server(
     )
 
 
-async def serve_forever(build: Callable[[], Any], log_level: str, service_name: str, shutdown_grace_s: float = 25.0) -> None:
+async def serve_forever(
+    build: Callable[[], Any], log_level: str, service_name: str, shutdown_grace_s: float = 25.0
+) -> None:
     """Configures logging and tracing, builds the server and serves until SIGTERM/SIGINT. A
     start-up failure (model not found, services unreachable, mismatched pair) exits with
     status 2 and a one-line reason instead of a traceback."""

@@ -26,6 +26,12 @@ class KVSession:
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # newest call number served (ProposeRequest.epoch)
 
+    def model_cache(self) -> DynamicCache:
+        """The KV cache of a model's session (a model-free drafter's sessions have none)."""
+        if self.cache is None:
+            raise AssertionError(f"session {self.session_id} belongs to a model-free drafter and has no KV cache")
+        return self.cache
+
     @property
     def cached_tokens(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
@@ -59,13 +65,13 @@ class KVSession:
         surplus = self.cached_tokens - keep_tokens
         if surplus > 0:
             # transformers 5 semantics: a negative argument removes that many tokens.
-            self.cache.crop(-surplus)
+            self.model_cache().crop(-surplus)
         if not self.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         if self.cached_tokens == len(self.tokens):
             # Every token is cached (a pre-draft continues from a kept prefix that ends on a
             # cached token): re-run the last one, since its logits are what the caller needs.
-            self.cache.crop(-1)
+            self.model_cache().crop(-1)
         return self.tokens[self.cached_tokens :]
 
     def advance_epoch(self, epoch: int) -> None:
@@ -73,7 +79,8 @@ class KVSession:
         a cancelled pre-draft that reaches the service late must not rewind the session."""
         if epoch and epoch <= self.epoch:
             raise StaleRequest(
-                f"call epoch {epoch} is not newer than epoch {self.epoch} already served for session {self.session_id!r}; "
+                f"call epoch {epoch} is not newer than epoch {self.epoch} already served for session "
+                f"{self.session_id!r}; "
                 "it was superseded"
             )
         self.epoch = max(self.epoch, epoch)
@@ -92,7 +99,11 @@ class SessionStore:
     """
 
     def __init__(
-        self, max_sessions: int, ttl_s: float, cache_factory: Callable[[], DynamicCache | None] = DynamicCache, max_kv_bytes: int = 0
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        cache_factory: Callable[[], DynamicCache | None] = DynamicCache,
+        max_kv_bytes: int = 0,
     ) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
@@ -113,7 +124,8 @@ class SessionStore:
             tokens = needed // bytes_per_token if bytes_per_token else 0
             raise ResourceExhausted(
                 f"session {session.session_id!r} would hold {needed} bytes of KV cache ({tokens} tokens at "
-                f"{bytes_per_token} bytes each); the service's KV budget (--max-kv-bytes) is {self.max_kv_bytes} bytes, "
+                f"{bytes_per_token} bytes each); the service's KV budget (--max-kv-bytes) is {self.max_kv_bytes} "
+                "bytes, "
                 f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
         total = self.kv_bytes() + extra_bytes + pending_bytes
@@ -171,7 +183,9 @@ class SessionStore:
         """
         parent = self._sessions.get(parent_id)
         if parent is None:
-            raise SessionNotFound(f"session {parent_id!r} to fork from is not held here (expired, evicted or the service restarted)")
+            raise SessionNotFound(
+                f"session {parent_id!r} to fork from is not held here (expired, evicted or the service restarted)"
+            )
         if epoch and epoch <= parent.epoch:
             raise StaleRequest(
                 f"fork epoch {epoch} is not newer than epoch {parent.epoch} already served for session {parent_id!r}; "
@@ -181,7 +195,8 @@ class SessionStore:
             raise InvalidArgument(f"session {session_id!r} already exists; a fork needs a new id")
         if not 0 < keep_tokens <= len(parent.tokens):
             raise InvalidArgument(
-                f"keep_tokens={keep_tokens} is outside session {parent_id!r}'s sequence of {len(parent.tokens)} tokens; "
+                f"keep_tokens={keep_tokens} is outside session {parent_id!r}'s sequence of {len(parent.tokens)} "
+                "tokens; "
                 f"a fork keeps between 1 and {len(parent.tokens)}"
             )
         session = self.open(session_id, 0)

@@ -51,7 +51,11 @@ def setup_tracing(default_service_name: str) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override the default name.
-    resource = Resource.create({SERVICE_NAME: default_service_name}) if not os.environ.get("OTEL_SERVICE_NAME") else Resource.create()
+    resource = (
+        Resource.create({SERVICE_NAME: default_service_name})
+        if not os.environ.get("OTEL_SERVICE_NAME")
+        else Resource.create()
+    )
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER(_ARG)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
@@ -98,7 +102,9 @@ class TracingClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             propagate.inject(carrier)
             metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
             call = await continuation(
-                grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready),
+                grpc.aio.ClientCallDetails(
+                    details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+                ),
                 request,
             )
             try:
@@ -146,15 +152,23 @@ class ModelServiceMetrics:
 
     def __init__(self, registry: CollectorRegistry, role: str, runner) -> None:
         self.forward_seconds = Histogram(
-            f"specdec_{role}_forward_seconds", f"Model work of one {role} call (all its forward passes)",
-            ["rpc"], registry=registry, buckets=_FORWARD_BUCKETS,
+            f"specdec_{role}_forward_seconds",
+            f"Model work of one {role} call (all its forward passes)",
+            ["rpc"],
+            registry=registry,
+            buckets=_FORWARD_BUCKETS,
         )
         self.processed_tokens = Counter(
-            f"specdec_{role}_processed_tokens", "Tokens run through the model (prefix reuse keeps this low)", registry=registry
+            f"specdec_{role}_processed_tokens",
+            "Tokens run through the model (prefix reuse keeps this low)",
+            registry=registry,
         )
         self.batch_size = Histogram(
-            f"specdec_{role}_batch_size", f"Sessions in the forward pass a {role} call ran in (1 = alone)",
-            ["rpc"], registry=registry, buckets=_BATCH_SIZE_BUCKETS,
+            f"specdec_{role}_batch_size",
+            f"Sessions in the forward pass a {role} call ran in (1 = alone)",
+            ["rpc"],
+            registry=registry,
+            buckets=_BATCH_SIZE_BUCKETS,
         )
         sessions = Gauge("specdec_sessions_open", "Sessions held (KV caches)", registry=registry)
         sessions.set_function(lambda: len(runner.sessions))
@@ -178,5 +192,7 @@ class _EvictionCollector:
 
     def collect(self):
         yield CounterMetricFamily(
-            "specdec_sessions_evicted", "Sessions evicted (least recently used) to fit the KV budget", value=self._sessions.evicted
+            "specdec_sessions_evicted",
+            "Sessions evicted (least recently used) to fit the KV budget",
+            value=self._sessions.evicted,
         )

@@ -96,8 +96,27 @@ def build_model(
     return model
 
 
-def build_pair(root: Path, tokenizer: PreTrainedTokenizerFast, *, logit_scale: float, noise: float, eos: bool, max_context: int = 512) -> TinyPair:
-    eos_token_id = tokenizer.convert_tokens_to_ids(EOS) if eos else None
-    target = build_model(root / "target", tokenizer, seed=0, logit_scale=logit_scale, eos_token_id=eos_token_id, max_context=max_context)
-    build_model(root / "draft", tokenizer, seed=1, logit_scale=1.0, eos_token_id=eos_token_id, base=target, noise=noise, max_context=max_context)
+def build_pair(
+    root: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    logit_scale: float,
+    noise: float,
+    eos: bool,
+    max_context: int = 512,
+) -> TinyPair:
+    eos_token_id = tokenizer.get_vocab()[EOS] if eos else None
+    target = build_model(
+        root / "target", tokenizer, seed=0, logit_scale=logit_scale, eos_token_id=eos_token_id, max_context=max_context
+    )
+    build_model(
+        root / "draft",
+        tokenizer,
+        seed=1,
+        logit_scale=1.0,
+        eos_token_id=eos_token_id,
+        base=target,
+        noise=noise,
+        max_context=max_context,
+    )
     return TinyPair(root / "target", root / "draft", len(tokenizer), eos_token_id)

@@ -12,20 +12,24 @@ import math
 import numpy as np
 import torch
 
+from specdec.calls import ModelDescription
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams
-from specdec.runner import ModelDescription
 from specdec.v1 import common_pb2
 
 # Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.
 _SPARSE_MAX_FRACTION = 0.5
 
 
-def encode_distributions(probs: torch.Tensor | None, count: int, deterministic: bool) -> list[common_pb2.ProposalDistribution]:
+def encode_distributions(
+    probs: torch.Tensor | None, count: int, deterministic: bool
+) -> list[common_pb2.ProposalDistribution]:
     """probs: [count, V], or None when deterministic (one-hot rows need no values). Each row
     travels sparse when at most half its entries are non-zero, dense otherwise."""
     if deterministic:
         return [common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot()) for _ in range(count)]
+    if probs is None:
+        raise ValueError("a sampled proposal must carry the distributions its tokens were drawn from")
     probs = probs.detach().to("cpu", torch.float32)
     # One scan of the whole [count, V] tensor finds every row's support (a scan per row cost
     # about 0.25 ms each at Qwen's vocabulary).
@@ -36,9 +40,11 @@ def encode_distributions(probs: torch.Tensor | None, count: int, deterministic: 
     out, start = [], 0
     for row, end in enumerate(ends):
         if end - start <= _SPARSE_MAX_FRACTION * probs.shape[1]:
-            out.append(common_pb2.ProposalDistribution(
-                sparse=common_pb2.SparseProbs(token_ids=ids_list[start:end], probs=values[start:end])
-            ))
+            out.append(
+                common_pb2.ProposalDistribution(
+                    sparse=common_pb2.SparseProbs(token_ids=ids_list[start:end], probs=values[start:end])
+                )
+            )
         else:
             out.append(common_pb2.ProposalDistribution(dense=encode_dense(probs[row])))
         start = end

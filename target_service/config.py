@@ -30,8 +30,11 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
     args.add("--device-map", None, "'auto' shards the model over all visible GPUs (overrides --device)")
     args.add(
-        "--tensor-parallel", 1, "split every layer over N processes, one per GPU (cuda:0..N-1; gloo on CPU); the "
-        "service starts the other ranks itself, or joins the ranks torchrun started", type=int,
+        "--tensor-parallel",
+        1,
+        "split every layer over N processes, one per GPU (cuda:0..N-1; gloo on CPU); the "
+        "service starts the other ranks itself, or joins the ranks torchrun started",
+        type=int,
     )
     ns = parser.parse_args(argv)
     if ns.tensor_parallel < 1:
@@ -41,11 +44,15 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if ns.tensor_parallel > 1 and ns.device not in ("cpu", "cuda"):
         parser.error(f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {ns.device!r}")
     config = TargetConfig(
-        **model_service_kwargs(ns, parser), device_map=ns.device_map or None,
+        **model_service_kwargs(ns, parser),
+        device_map=ns.device_map or None,
         tensor_parallel=ns.tensor_parallel,
     )
     if problem := config.quantize_problem():
         parser.error(problem)
     if config.quantize == "int8" and (config.tensor_parallel > 1 or config.device_map):
-        parser.error("--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or --device-map")
+        parser.error(
+            "--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or "
+            "--device-map"
+        )
     return config

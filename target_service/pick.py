@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         costs = measure(args.model, dtype, quantize, args.k)
         rows.append((label, dtype, quantize, costs, (costs[0] + costs[-1]) / 2))
-    print(f"target pass cost, ms, by new tokens (threads {torch.get_num_threads()}, CPU capability {torch.backends.cpu.get_cpu_capability()}):")
+    print(
+        f"target pass cost, ms, by new tokens (threads {torch.get_num_threads()}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}):"
+    )
     print("| setting | " + " | ".join(str(n) for n in range(1, args.k + 2)) + " | score |")
     print("|---|" + "---|" * (args.k + 2))
     for label, _, _, costs, score in rows:
@@ -80,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     fastest = min(score for *_, score in rows)
     label, dtype, quantize, costs, score = next(row for row in rows if row[-1] <= TIE * fastest)
     others = ", ".join(f"{row[0]} {row[-1]:.0f} ms" for row in rows if row[0] != label)
-    reason = (
-        f"{label} scores {score:.0f} ms (mean of a 1-token and a {args.k + 1}-token pass) against {others}"
-        + ("; within 5% of the fastest, the more precise wins" if score > fastest else "")
+    reason = f"{label} scores {score:.0f} ms (mean of a 1-token and a {args.k + 1}-token pass) against {others}" + (
+        "; within 5% of the fastest, the more precise wins" if score > fastest else ""
     )
     print(json.dumps({"dtype": dtype, "quantize": quantize, "setting": label, "reason": reason}))
     return 0

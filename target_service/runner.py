@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.batching import batch_groups, call_waves, start_each
+from specdec.calls import Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import ModelRunner, Stopwatch, batch_groups, call_waves, start_each
+from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
 
 
@@ -21,7 +23,9 @@ class VerifyCall:
     keep_tokens: int
     new_tokens: list[int]
     draft_token_ids: list[int]  # [K]
-    draft_probs: torch.Tensor  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
+    draft_probs: (
+        torch.Tensor
+    )  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
     params: SamplingParams
     seed: int
     return_distributions: bool = False
@@ -67,7 +71,9 @@ class TargetRunner(ModelRunner):
         seed: int,
         return_distributions: bool = False,
     ) -> Verification:
-        call = VerifyCall(session_id, keep_tokens, new_tokens, draft_token_ids, draft_probs, params, seed, return_distributions)
+        call = VerifyCall(
+            session_id, keep_tokens, new_tokens, draft_token_ids, draft_probs, params, seed, return_distributions
+        )
         return self.verify_one(call)
 
     def verify_one(self, call: VerifyCall) -> Verification:
@@ -87,7 +93,9 @@ class TargetRunner(ModelRunner):
         scored = len(admitted.call.draft_token_ids) + 1
         if len(admitted.pending) > scored:
             try:  # the budget check sees the whole round, as in a batched pass
-                self.sessions.make_room(admitted.session, len(admitted.pending) * self.kv_bytes_per_token, self.kv_bytes_per_token)
+                self.sessions.make_room(
+                    admitted.session, len(admitted.pending) * self.kv_bytes_per_token, self.kv_bytes_per_token
+                )
             except BaseException:
                 self.sessions.end(admitted.session.session_id)
                 raise
@@ -139,7 +147,8 @@ class TargetRunner(ModelRunner):
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
         if not self._greedy_fast_path(call) and call.draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
-                f"draft distributions have shape {tuple(call.draft_probs.shape)}; expected ({num_draft}, {self.loaded.vocab_size})"
+                f"draft distributions have shape {tuple(call.draft_probs.shape)}; expected ({num_draft}, "
+                f"{self.loaded.vocab_size})"
             )
         self.check_tokens(call.new_tokens, "new_tokens")
         self.check_tokens(call.draft_token_ids, "draft tokens")
@@ -164,11 +173,15 @@ class TargetRunner(ModelRunner):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
             argmax = logits.argmax(dim=-1).cpu()  # [K + 1]
-            outputs = VerifyOutputs((draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft]))
+            outputs = VerifyOutputs(
+                (draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft])
+            )
             target_probs = None
         else:
             target_probs = logits_to_probs(logits, call.params).cpu()  # [K + 1, V]
-            outputs = verify_outputs(target_probs, call.draft_probs, draft_ids, torch.Generator().manual_seed(call.seed))
+            outputs = verify_outputs(
+                target_probs, call.draft_probs, draft_ids, torch.Generator().manual_seed(call.seed)
+            )
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
             recovered_token_ids=outputs.recovered_token_ids.tolist(),

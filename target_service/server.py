@@ -3,59 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 
-import torch
 from transformers import AutoConfig
 
-from target_service import tensor_parallel
 from specdec.config import pin_cpus
-from target_service.config import TargetConfig, parse_config
-from target_service.runner import TargetRunner
-from target_service.servicer import TargetServicer
-from specdec import attention
-from specdec.modeling import check_tensor_parallel, load_causal_lm
-from specdec.quantize import INT8_LABEL, quantize_int8
+from specdec.modeling import check_tensor_parallel
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
+from target_service import tensor_parallel
+from target_service.config import TargetConfig, parse_config
+from target_service.loading import load_runner
+from target_service.runner import TargetRunner
+from target_service.servicer import TargetServicer
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
-
-
-def load_runner(config: TargetConfig) -> TargetRunner:
-    """Under --tensor-parallel, this rank's shard (the process group must be up)."""
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    device = config.device
-    if config.tensor_parallel > 1:
-        device = tensor_parallel.rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0)))
-    loaded = load_causal_lm(
-        config.model, config.dtype, device, config.device_map, config.trust_remote_code, config.tensor_parallel
-    )
-    if config.resolved_quantize() == "int8":
-        # The output is then the int8 model's distribution, not the float32 model's (README: Exactness).
-        quantize_int8(loaded.model)
-        loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
-        logger.info("target Linear layers quantised to int8 (per-token activation scales)")
-    if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
-        # Per-row attention: a token's logits are the same in a verify pass as in a one-token
-        # pass (specdec.attention); on a GPU, a Python loop over rows would cost more than it saves.
-        loaded.model.set_attn_implementation(attention.NAME)
-    runner = TargetRunner(
-        loaded,
-        max_sessions=config.max_sessions,
-        session_ttl_s=config.session_ttl_s,
-        max_speculative_tokens=config.max_speculative_tokens,
-        max_kv_bytes=config.max_kv_bytes,
-    )
-    if config.calibrate:
-        # Under --tensor-parallel every rank runs this, so the passes' collectives line up.
-        runner.calibrate_costs(keep_all_logits=True)
-    return runner
 
 
 async def build_server(config: TargetConfig, runner: TargetRunner | None = None) -> RunningServer:
@@ -63,8 +27,13 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
     # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
-        config, runner or load_runner(config), TargetServicer, target_pb2_grpc.add_TargetServicer_to_server, SERVICE_NAME,
-        credentials, interceptors,
+        config,
+        runner or load_runner(config),
+        TargetServicer,
+        target_pb2_grpc.add_TargetServicer_to_server,
+        SERVICE_NAME,
+        credentials,
+        interceptors,
     )
 
 
@@ -73,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     pin_cpus(config.cpus)  # tensor-parallel ranks it spawns inherit it
     if config.tensor_parallel > 1:
         return main_tensor_parallel(config)
-    asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s))
+    asyncio.run(
+        serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s)
+    )
 
 
 def main_tensor_parallel(config: TargetConfig) -> None:
@@ -81,19 +52,23 @@ def main_tensor_parallel(config: TargetConfig) -> None:
     spawns the others on this host; under torchrun (RANK/WORLD_SIZE set) every rank runs this."""
     configure_logging(config.log_level)
     try:  # before any rank starts: a split that cannot work fails in a second
-        check_tensor_parallel(AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code), config.tensor_parallel)
+        check_tensor_parallel(
+            AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code), config.tensor_parallel
+        )
     except (OSError, ValueError) as exc:
         logger.error("cannot start: %s", exc)
         raise SystemExit(2) from None
     launched = tensor_parallel.rank_from_environment()
     if launched is None:
         init_method = f"tcp://127.0.0.1:{tensor_parallel.free_port()}"
-        workers = tensor_parallel.spawn_workers(config, init_method)
+        workers = tensor_parallel.spawn_workers(config, init_method, load_runner)
         stopping = tensor_parallel.exit_when_a_worker_dies(workers)
         rank, local_rank = 0, 0
     else:
         if launched.world_size != config.tensor_parallel:
-            raise SystemExit(f"--tensor-parallel {config.tensor_parallel} but the launcher started {launched.world_size} ranks")
+            raise SystemExit(
+                f"--tensor-parallel {config.tensor_parallel} but the launcher started {launched.world_size} ranks"
+            )
         init_method, rank, local_rank = "env://", launched.rank, launched.local_rank
         workers, stopping = [], None
     control = tensor_parallel.init_rank(rank, config.tensor_parallel, local_rank, config.device, init_method)

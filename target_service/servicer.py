@@ -31,7 +31,10 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         # waiting (one generation alone, or all of them in lockstep), the batch starts.
         self._batcher = (
             CallBatcher(
-                model_thread, runner.verify_batch, batch_window_s, max_batch_size,
+                model_thread,
+                runner.verify_batch,
+                batch_window_s,
+                max_batch_size,
                 more_expected=lambda waiting: len(runner.sessions) > waiting,
             )
             if batch_window_s > 0 and max_batch_size > 1
@@ -39,7 +42,9 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         )
 
     @grpc_errors
-    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
         draft_token_ids = list(request.draft_token_ids)
         params = wire.params_from_pb(request.sampling)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
@@ -47,10 +52,14 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
         with tracer.start_as_current_span("target.verify") as span:
-            span.set_attributes({
-                "specdec.session_id": request.session_id, "specdec.keep_tokens": request.keep_tokens,
-                "specdec.new_tokens": len(request.new_tokens), "specdec.draft_tokens": len(draft_token_ids),
-            })
+            span.set_attributes(
+                {
+                    "specdec.session_id": request.session_id,
+                    "specdec.keep_tokens": request.keep_tokens,
+                    "specdec.new_tokens": len(request.new_tokens),
+                    "specdec.draft_tokens": len(draft_token_ids),
+                }
+            )
             call = VerifyCall(
                 request.session_id,
                 request.keep_tokens,
@@ -65,10 +74,14 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 result = await self._batcher.submit(call)
             else:
                 result = await self._model_thread.run(self._runner.verify_one, call)
-            span.set_attributes({
-                "specdec.processed_tokens": result.processed_tokens, "specdec.cache_length": result.sequence_length,
-                "specdec.forward_ms": result.compute_ms, "specdec.batch_size": result.batch_size,
-            })
+            span.set_attributes(
+                {
+                    "specdec.processed_tokens": result.processed_tokens,
+                    "specdec.cache_length": result.sequence_length,
+                    "specdec.forward_ms": result.compute_ms,
+                    "specdec.batch_size": result.batch_size,
+                }
+            )
         if self._metrics is not None:
             self._metrics.observe_call("verify", result.compute_ms, result.processed_tokens, result.batch_size)
         return target_pb2.VerifyResponse(

@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,23 +140,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn_workers(config, init_method: str) -> list[multiprocessing.Process]:
-    """Starts ranks 1..N-1 as children of this process (rank 0)."""
+def spawn_workers(
+    config, init_method: str, load_runner: Callable[[Any], TargetRunner]
+) -> list[multiprocessing.Process]:
+    """Starts ranks 1..N-1 as children of this process (rank 0). `load_runner(config)` loads a
+    rank's shard: a module-level function, so the spawned ranks can import it by name."""
     context = multiprocessing.get_context("spawn")
     workers = []
     for rank in range(1, config.tensor_parallel):
         process = context.Process(
-            target=worker_main, args=(config, rank, init_method, os.getpid()), name=f"target-tp-rank{rank}", daemon=True
+            target=worker_main,
+            args=(config, rank, init_method, os.getpid(), load_runner),
+            name=f"target-tp-rank{rank}",
+            daemon=True,
         )
         process.start()
         workers.append(process)
     return workers
 
 
-def worker_main(config, rank: int, init_method: str, parent_pid: int) -> None:
+def worker_main(
+    config, rank: int, init_method: str, parent_pid: int, load_runner: Callable[[Any], TargetRunner]
+) -> None:
     """Entry point of a spawned rank: load the shard, replay rank 0's calls."""
     from specdec.serving import configure_logging
-    from target_service.server import load_runner
 
     configure_logging(config.log_level)
     _exit_when_parent_dies(parent_pid)
@@ -188,7 +196,8 @@ def exit_when_a_worker_dies(workers: list[multiprocessing.Process]) -> threading
                 if not process.is_alive():
                     logger.error(
                         "tensor-parallel worker %s exited (code %s); the target cannot run without it, exiting",
-                        process.name, process.exitcode,
+                        process.name,
+                        process.exitcode,
                     )
                     os._exit(3)
             time.sleep(0.5)

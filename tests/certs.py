@@ -48,7 +48,15 @@ def issue(folder: Path) -> TLSFiles:
     (folder / "tokens").write_text("first-token-0123456789\n\nsecond-token-abcdef\n")
     (folder / "other-token").write_text("not-a-token-anyone-accepts\n")
     return TLSFiles(
-        folder, str(folder / "ca.crt"), str(folder / "server.crt"), str(folder / "server.key"),
-        str(folder / "client.crt"), str(folder / "client.key"), str(folder / "rogue-ca.crt"),
-        str(folder / "rogue-client.crt"), str(folder / "rogue-client.key"), str(folder / "tokens"), str(folder / "other-token"),
+        folder,
+        str(folder / "ca.crt"),
+        str(folder / "server.crt"),
+        str(folder / "server.key"),
+        str(folder / "client.crt"),
+        str(folder / "client.key"),
+        str(folder / "rogue-ca.crt"),
+        str(folder / "rogue-client.crt"),
+        str(folder / "rogue-client.key"),
+        str(folder / "tokens"),
+        str(folder / "other-token"),
     )

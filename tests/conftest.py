@@ -15,11 +15,18 @@ os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_MIN_CONFIDENCE", "0")
 
 import pytest
+from hypothesis import settings
 from transformers.utils import logging as hf_logging
 
-from tests.tiny_models import TinyPair, build_pair, byte_level_tokenizer, word_tokenizer
+from specdec.testing import TinyPair, build_pair, byte_level_tokenizer, word_tokenizer
 
 hf_logging.disable_progress_bar()
+
+# Hypothesis example counts: `ci` (the default, what `make test` and CI run) keeps the fuzz
+# tests' full 300 examples; HYPOTHESIS_PROFILE=dev runs 30 for a quick local loop.
+settings.register_profile("ci", max_examples=300)
+settings.register_profile("dev", max_examples=30)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The full suite (`make test`, what CI runs) runs everything. `make test-fast` skips the
 # modules below, which start processes, run benchmarks or sample thousands of generations
@@ -53,7 +60,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 def tiny_pair(tmp_path_factory) -> TinyPair:
     """Byte-level BPE text pair with EOS; the draft is a noisy copy of the target, so it agrees
     with the target's greedy choice about 60% of the time."""
-    return build_pair(tmp_path_factory.mktemp("tiny"), byte_level_tokenizer(), logit_scale=3.0, noise=0.3, eos=True, max_context=256)
+    return build_pair(
+        tmp_path_factory.mktemp("tiny"), byte_level_tokenizer(), logit_scale=3.0, noise=0.3, eos=True, max_context=256
+    )
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,9 @@ class OtlpTraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context) -> trace_service_pb2.ExportTraceServiceResponse:
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         received = []
         for resource_spans in request.resource_spans:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
@@ -79,7 +81,9 @@ class OtlpTraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return [span for span in self.spans if span.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, complete: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 20.0) -> list[ReceivedSpan]:
+    def wait_for(
+        self, trace_id: str, complete: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 20.0
+    ) -> list[ReceivedSpan]:
         """The trace's spans once `complete(spans)` holds (services export in batches, apart)."""
         deadline = time.monotonic() + timeout_s
         while True:

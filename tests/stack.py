@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator import server as coordinator_server
@@ -22,27 +21,37 @@ from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
+from specdec.config import ClientSecurity
 from specdec.launch import ServiceProcess, free_port, spawn
 from specdec.local import LocalChannel
-from specdec.security import ClientSecurity, aio_channel, load_client_security
+from specdec.security import aio_channel, load_client_security
 from specdec.serving import RunningServer, build_model_servicer
+from specdec.testing import TinyPair
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from target_service import server as target_server
 from target_service.config import TargetConfig
 from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
-from tests.tiny_models import TinyPair
 
 
 def model_service_config(cls, model, **overrides):
     base = dict(
-        model=str(model), dtype="float32", device="cpu", host="127.0.0.1", port=0, threads=0,
-        max_sessions=64, session_ttl_s=60.0, max_speculative_tokens=16,
-        max_message_bytes=64 * 1024 * 1024, log_level="INFO",
+        model=str(model),
+        dtype="float32",
+        device="cpu",
+        host="127.0.0.1",
+        port=0,
+        threads=0,
+        max_sessions=64,
+        session_ttl_s=60.0,
+        max_speculative_tokens=16,
+        max_message_bytes=64 * 1024 * 1024,
+        log_level="INFO",
         # Start-up calibration is tested where it is the subject; the float32 target is the
         # reference the greedy tests compare with (the int8 target has tests of its own).
         # Confidence stops are off unless a test turns them on, so K means K.
-        calibrate=False, **({"quantize": "none"} if cls is TargetConfig else {"min_confidence": 0.0}),
+        calibrate=False,
+        **({"quantize": "none"} if cls is TargetConfig else {"min_confidence": 0.0}),
     )
     base.update(overrides)
     return cls(**base)
@@ -103,17 +112,28 @@ async def local_stack(
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, channels[role])
     coordinator_config = dataclasses.replace(
-        CoordinatorConfig(draft_address="in-process draft", target_address="in-process target", tokenizer=str(pair.target), port=0),
+        CoordinatorConfig(
+            draft_address="in-process draft", target_address="in-process target", tokenizer=str(pair.target), port=0
+        ),
         **(coordinator_overrides or {}),
     )
     draft = DraftClient(coordinator_config.draft_address, coordinator_config.draft_timeout_s, channel=channels["draft"])
-    target = TargetClient(coordinator_config.target_address, coordinator_config.target_timeout_s, channel=channels["target"])
+    target = TargetClient(
+        coordinator_config.target_address, coordinator_config.target_timeout_s, channel=channels["target"]
+    )
     coordinator = await coordinator_server.connect(coordinator_config, draft, target)
     channel = LocalChannel()
     add_coordinator_servicer(CoordinatorServicer(coordinator), channel)
     try:
         yield Stack(
-            coordinator_pb2_grpc.CoordinatorStub(channel), channel, None, None, None, draft_runner, target_runner, coordinator_config,
+            coordinator_pb2_grpc.CoordinatorStub(channel),
+            channel,
+            None,
+            None,
+            None,
+            draft_runner,
+            target_runner,
+            coordinator_config,
         )
     finally:
         coordinator.close()
@@ -157,10 +177,18 @@ async def inprocess_stack(
         coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))
         coordinator = await coordinator_server.build_server(coordinator_config)
         started.insert(0, coordinator)
-        channel = aio_channel(f"127.0.0.1:{coordinator.port}", [], load_client_security(client_security or ClientSecurity()))
+        channel = aio_channel(
+            f"127.0.0.1:{coordinator.port}", [], load_client_security(client_security or ClientSecurity())
+        )
         yield Stack(
-            coordinator_pb2_grpc.CoordinatorStub(channel), channel, draft, target, coordinator,
-            draft_runner, target_runner, coordinator_config,
+            coordinator_pb2_grpc.CoordinatorStub(channel),
+            channel,
+            draft,
+            target,
+            coordinator,
+            draft_runner,
+            target_runner,
+            coordinator_config,
         )
     finally:
         if channel is not None:
@@ -195,7 +223,9 @@ class ProcessStack:
         args = self.args[role]
         if role == "coordinator":
             args = ["--draft", self.current["draft"].address, "--target", self.current["target"].address, *args]
-        process = spawn(name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+        process = spawn(
+            name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT
+        )
         self.processes.append(process)
         self.current[role] = process
         return process

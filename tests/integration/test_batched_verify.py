@@ -42,9 +42,13 @@ async def test_concurrent_greedy_requests_are_batched_and_token_identical(stack,
     runner = stack.target_runner
     passes_before, processed_before = runner.batched_forwards, runner.processed_tokens_total
     draft_passes_before = stack.draft_runner.batched_forwards
-    responses = await asyncio.gather(*(stack.stub.Generate(generate_request(*request), timeout=120) for request in REQUESTS))
+    responses = await asyncio.gather(
+        *(stack.stub.Generate(generate_request(*request), timeout=120) for request in REQUESTS)
+    )
     for (prompt, tokens, k), response in zip(REQUESTS, responses):
-        assert list(response.token_ids) == reference(prompt, tokens), f"{prompt!r} (K={k}) diverged from the target's greedy output"
+        assert list(response.token_ids) == reference(prompt, tokens), (
+            f"{prompt!r} (K={k}) diverged from the target's greedy output"
+        )
     assert runner.batched_forwards > passes_before, "no Verify call shared a forward pass"
     assert runner.max_batch_size_seen > 1
     assert stack.draft_runner.batched_forwards > draft_passes_before, "no Propose step shared a forward pass"
@@ -56,7 +60,10 @@ async def test_concurrent_greedy_requests_are_batched_and_token_identical(stack,
 async def test_concurrent_seeded_sampling_matches_each_request_alone(stack):
     """Sampled rounds draw from target probabilities that batching changes only by float32
     rounding, so with fixed seeds each output equals the same request run alone."""
-    requests = [generate_request(prompt, tokens, k, temperature=0.8, seed=7 + i) for i, (prompt, tokens, k) in enumerate(REQUESTS)]
+    requests = [
+        generate_request(prompt, tokens, k, temperature=0.8, seed=7 + i)
+        for i, (prompt, tokens, k) in enumerate(REQUESTS)
+    ]
     alone = [await stack.stub.Generate(request, timeout=60) for request in requests]
     passes_before, draft_passes_before = stack.target_runner.batched_forwards, stack.draft_runner.batched_forwards
     together = await asyncio.gather(*(stack.stub.Generate(request, timeout=120) for request in requests))

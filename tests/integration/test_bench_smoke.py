@@ -10,19 +10,53 @@ from bench.__main__ import main as bench_main
 
 def test_bench_harness_runs_all_modes_and_writes_results(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}))
+    prompts.write_text(
+        json.dumps(
+            {"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}
+        )
+    )
     out = tmp_path / "out"
-    code = bench_main([
-        "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1",
-        "--max-new-tokens", "8", "--repeats", "2", "--ks", "1", "3", "--hf-assisted", "default", "2",
-        "--temperatures", "0", "0.7", "--prompts-file", str(prompts), "--out", str(out),
-    ])
+    code = bench_main(
+        [
+            "--draft-model",
+            str(tiny_pair.draft),
+            "--target-model",
+            str(tiny_pair.target),
+            "--draft-dtype",
+            "float32",
+            "--target-setting",
+            "float32",
+            "--threads",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--ks",
+            "1",
+            "3",
+            "--hf-assisted",
+            "default",
+            "2",
+            "--temperatures",
+            "0",
+            "0.7",
+            "--prompts-file",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     names = [m["name"] for m in results["modes"]]
     assert names == [
-        "ours target-only (K=0)", "HF generate target-only", "HF assisted (default)", "HF assisted (K=2)", "ours K=1", "ours K=3",
+        "ours target-only (K=0)",
+        "HF generate target-only",
+        "HF assisted (default)",
+        "HF assisted (K=2)",
+        "ours K=1",
+        "ours K=3",
     ]
     assert len(results["samples"]) == len(names) * 2 * 2 * 2  # modes × prompts × repeats × temperatures
     assert results["machine"]["torch"] and results["machine"]["cores"]
@@ -45,11 +79,34 @@ def test_bench_drafters_suite_runs_every_drafter(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": [{"kind": "code-edit", "text": "x = 1\nx = 1\nx ="}]}))
     out = tmp_path / "out"
-    code = bench_main([
-        "--suite", "drafters", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1", "--draft-vocab", "128",
-        "--max-new-tokens", "8", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
-    ])
+    code = bench_main(
+        [
+            "--suite",
+            "drafters",
+            "--draft-model",
+            str(tiny_pair.draft),
+            "--target-model",
+            str(tiny_pair.target),
+            "--draft-dtype",
+            "float32",
+            "--target-setting",
+            "float32",
+            "--threads",
+            "1",
+            "--draft-vocab",
+            "128",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--temperatures",
+            "0",
+            "--prompts-file",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     rows = {row["mode"]: row for row in results["summary"]["0.0"]}
@@ -64,11 +121,32 @@ def test_bench_modes_suite_reports_pipelining_hedging_and_adaptive_k(tiny_pair, 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}]}))
     out = tmp_path / "out"
-    code = bench_main([
-        "--suite", "modes", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1",
-        "--max-new-tokens", "12", "--repeats", "1", "--temperatures", "0", "--prompts-file", str(prompts), "--out", str(out),
-    ])
+    code = bench_main(
+        [
+            "--suite",
+            "modes",
+            "--draft-model",
+            str(tiny_pair.draft),
+            "--target-model",
+            str(tiny_pair.target),
+            "--draft-dtype",
+            "float32",
+            "--target-setting",
+            "float32",
+            "--threads",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--repeats",
+            "1",
+            "--temperatures",
+            "0",
+            "--prompts-file",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     rows = {row["mode"]: row for row in results["summary"]["0.0"]}
@@ -77,18 +155,49 @@ def test_bench_modes_suite_reports_pipelining_hedging_and_adaptive_k(tiny_pair, 
     assert rows["ours int8 adaptive K"]["mean_k"] > 0
     assert rows["ours int8 K=3 hedged (2)"]["hedge_hit_rate"] is not None
     assert rows["ours int8 K=3 sequential"]["hedge_hit_rate"] is None
-    assert "pre-drafts used" in (out / "table.md").read_text() and "rejected rounds hedged" in (out / "table.md").read_text()
+    assert (
+        "pre-drafts used" in (out / "table.md").read_text()
+        and "rejected rounds hedged" in (out / "table.md").read_text()
+    )
 
 
 def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_pair, tmp_path):
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}))
+    prompts.write_text(
+        json.dumps(
+            {"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}
+        )
+    )
     out = tmp_path / "out"
-    code = bench_main([
-        "--suite", "concurrency", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--draft-dtype", "float32", "--target-setting", "float32", "--threads", "1", "--sessions", "1", "3",
-        "--batch-window-ms", "50", "--max-new-tokens", "12", "--repeats", "1", "--prompts-file", str(prompts), "--out", str(out),
-    ])
+    code = bench_main(
+        [
+            "--suite",
+            "concurrency",
+            "--draft-model",
+            str(tiny_pair.draft),
+            "--target-model",
+            str(tiny_pair.target),
+            "--draft-dtype",
+            "float32",
+            "--target-setting",
+            "float32",
+            "--threads",
+            "1",
+            "--sessions",
+            "1",
+            "3",
+            "--batch-window-ms",
+            "50",
+            "--max-new-tokens",
+            "12",
+            "--repeats",
+            "1",
+            "--prompts-file",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert len(results["samples"]) == 2 * 3  # sizes × settings
@@ -101,5 +210,7 @@ def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_
     assert rows[3]["both"]["sessions_per_propose"] > 1.0, "three generations at once never shared a propose pass"
     assert all(row[b]["tokens_per_s"] > 0 for row in rows.values() for b in ("off", "verify", "both"))
     table = (out / "table.md").read_text()
-    assert "sessions per verify pass" in table and "sessions per propose pass" in table and "the same 3 requests" in table
+    assert (
+        "sessions per verify pass" in table and "sessions per propose pass" in table and "the same 3 requests" in table
+    )
     assert (out / "tokens_per_s_vs_sessions.png").stat().st_size > 0

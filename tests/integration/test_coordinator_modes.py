@@ -15,8 +15,8 @@ import pytest_asyncio
 from specdec import wire
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams
-from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import draft_pb2, draft_pb2_grpc
 from tests.stack import inprocess_stack, slow_down
 
 MODES = {
@@ -39,7 +39,10 @@ async def stack(request, tiny_pair):
             target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
 
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=MODES[request.param], prepare_runners=chooser_costs
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        coordinator_overrides=MODES[request.param],
+        prepare_runners=chooser_costs,
     ) as running:
         running.mode = request.param
         yield running
@@ -83,11 +86,15 @@ async def test_stale_predraft_is_cancelled_on_the_draft_and_never_used(tiny_pair
     """A slow draft keeps each pre-draft (or hedge) in flight when its round ends otherwise:
     the coordinator cancels the RPC, the draft service stops drafting at its next step, no
     branch session is left behind, and the output is still the target's greedy output."""
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=overrides) as stack:
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=overrides
+    ) as stack:
         runner = stack.draft_runner
         slow_down(runner, 0.03)
         prompt = PROMPTS[1]
-        response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=6), timeout=60)
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=6), timeout=60
+        )
         assert list(response.token_ids) == reference(prompt)
         s = response.stats
         if "pipeline" in overrides:
@@ -103,12 +110,24 @@ async def test_a_call_older_than_one_served_is_refused_and_changes_nothing(tiny_
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
             draft = draft_pb2_grpc.DraftStub(channel)
             sampling = wire.params_to_pb(SamplingParams())  # greedy
-            first = await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=0, new_tokens=[5, 6, 7], num_tokens=2, sampling=sampling, epoch=5))
+            first = await draft.Propose(
+                draft_pb2.ProposeRequest(
+                    session_id="e", keep_tokens=0, new_tokens=[5, 6, 7], num_tokens=2, sampling=sampling, epoch=5
+                )
+            )
             with pytest.raises(grpc.aio.AioRpcError) as stale:
-                await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=3, new_tokens=[9], num_tokens=2, sampling=sampling, epoch=4))
+                await draft.Propose(
+                    draft_pb2.ProposeRequest(
+                        session_id="e", keep_tokens=3, new_tokens=[9], num_tokens=2, sampling=sampling, epoch=4
+                    )
+                )
             assert stale.value.code() == grpc.StatusCode.ABORTED and "superseded" in stale.value.details()
             assert stack.draft_runner.sessions.open("e", 1).tokens == [5, 6, 7, *first.token_ids]
-            later = await draft.Propose(draft_pb2.ProposeRequest(session_id="e", keep_tokens=5, new_tokens=[], num_tokens=1, sampling=sampling, epoch=6))
+            later = await draft.Propose(
+                draft_pb2.ProposeRequest(
+                    session_id="e", keep_tokens=5, new_tokens=[], num_tokens=1, sampling=sampling, epoch=6
+                )
+            )
             assert later.sequence_length == 6
 
 
@@ -120,21 +139,59 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
             draft = draft_pb2_grpc.DraftStub(channel)
             sampling = wire.params_to_pb(SamplingParams())
-            first = await draft.Propose(draft_pb2.ProposeRequest(session_id="s", new_tokens=[5, 6, 7, 8], num_tokens=3, sampling=sampling, epoch=1))
+            first = await draft.Propose(
+                draft_pb2.ProposeRequest(
+                    session_id="s", new_tokens=[5, 6, 7, 8], num_tokens=3, sampling=sampling, epoch=1
+                )
+            )
             held = 4 + len(first.token_ids)
-            reply = await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[
-                draft_pb2.ProposeRequest(session_id="h0", fork_from="s", keep_tokens=4, new_tokens=[9], num_tokens=3, sampling=sampling, epoch=2),
-                draft_pb2.ProposeRequest(session_id="h1", fork_from="gone", keep_tokens=4, new_tokens=[9], num_tokens=3, sampling=sampling, epoch=3),
-                draft_pb2.ProposeRequest(session_id="s", keep_tokens=held, num_tokens=4, sampling=sampling, epoch=4),
-            ]))
+            reply = await draft.ProposeBranches(
+                draft_pb2.ProposeBranchesRequest(
+                    branches=[
+                        draft_pb2.ProposeRequest(
+                            session_id="h0",
+                            fork_from="s",
+                            keep_tokens=4,
+                            new_tokens=[9],
+                            num_tokens=3,
+                            sampling=sampling,
+                            epoch=2,
+                        ),
+                        draft_pb2.ProposeRequest(
+                            session_id="h1",
+                            fork_from="gone",
+                            keep_tokens=4,
+                            new_tokens=[9],
+                            num_tokens=3,
+                            sampling=sampling,
+                            epoch=3,
+                        ),
+                        draft_pb2.ProposeRequest(
+                            session_id="s", keep_tokens=held, num_tokens=4, sampling=sampling, epoch=4
+                        ),
+                    ]
+                )
+            )
             codes = [r.error_code for r in reply.results]
-            assert codes == [0, grpc.StatusCode.NOT_FOUND.value[0], 0], [(r.error_code, r.error_message) for r in reply.results]
+            assert codes == [0, grpc.StatusCode.NOT_FOUND.value[0], 0], [
+                (r.error_code, r.error_message) for r in reply.results
+            ]
             assert "gone" in reply.results[1].error_message
             assert len(reply.results[0].proposal.token_ids) == 3 and len(reply.results[2].proposal.token_ids) == 4
             assert reply.results[2].proposal.sequence_length == held + 4
             runner = stack.draft_runner
-            assert runner.sessions.open("h0", 5).tokens[:5] == [5, 6, 7, 8, 9], "the fork copied the session as it was before the pre-draft"
-            for branches in ([], [draft_pb2.ProposeRequest(session_id=f"x{i}", new_tokens=[1], num_tokens=1, sampling=sampling) for i in range(17)]):
+            assert runner.sessions.open("h0", 5).tokens[:5] == [5, 6, 7, 8, 9], (
+                "the fork copied the session as it was before the pre-draft"
+            )
+            for branches in (
+                [],
+                [
+                    draft_pb2.ProposeRequest(session_id=f"x{i}", new_tokens=[1], num_tokens=1, sampling=sampling)
+                    for i in range(17)
+                ],
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=branches))
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()
+                assert (
+                    refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()
+                )

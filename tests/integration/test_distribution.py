@@ -69,21 +69,35 @@ CASES = {
     "sparse_draft_top_k": Case({"proposal_top_k": 3}),
     "sparse_reduced_vocab_head": Case({"draft_vocab": 6}),
     "one_hot_greedy_proposals": Case({"proposal_mode": "greedy"}),
-    "one_hot_ngram_prompt_lookup": Case({"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)),
+    "one_hot_ngram_prompt_lookup": Case(
+        {"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
+    ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # Coordinator modes. With K=1 and 4 tokens, round 1 pre-drafts the bonus guess plus one
     # draft, which round 2 verifies when the guess was right.
     "pipelined_dense": Case({"quantize": "none"}, coordinator=PIPELINED, length=4, k=1),
-    "pipelined_top_k_top_p": Case({"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1),
-    "pipelined_adaptive_k": Case(
-        {"quantize": "none"}, coordinator={"pipeline": True, "adaptive_k": True}, length=4, k=None, costs=PIPELINED_CHOOSER_COSTS
+    "pipelined_top_k_top_p": Case(
+        {"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1
     ),
-    "adaptive_k_sequential": Case({"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS),
+    "pipelined_adaptive_k": Case(
+        {"quantize": "none"},
+        coordinator={"pipeline": True, "adaptive_k": True},
+        length=4,
+        k=None,
+        costs=PIPELINED_CHOOSER_COSTS,
+    ),
+    "adaptive_k_sequential": Case(
+        {"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS
+    ),
     # Confidence stops: proposals end early after a token drawn with low draft probability.
     "confidence_stop_sampled": Case({"quantize": "none", "min_confidence": 0.3}, length=4, k=3),
     "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
     "confidence_stop_adaptive_pipelined": Case(
-        {"quantize": "none", "min_confidence": 0.3}, coordinator={"pipeline": True}, length=4, k=None, costs=PIPELINED_CHOOSER_COSTS
+        {"quantize": "none", "min_confidence": 0.3},
+        coordinator={"pipeline": True},
+        length=4,
+        k=None,
+        costs=PIPELINED_CHOOSER_COSTS,
     ),
     # An int8 target: the output is the int8 model's own distribution.
     "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
@@ -97,7 +111,9 @@ CASES = {
 # one for the busiest coordinator mode; the rest run over in-process channels (tests/stack.py's
 # local_stack: the same servicers, messages serialised and parsed, no sockets), which is
 # several times faster and tests the same math.
-OVER_THE_WIRE = frozenset({"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup", "pipelined_hedged_top_k"})
+OVER_THE_WIRE = frozenset(
+    {"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup", "pipelined_hedged_top_k"}
+)
 
 
 def batch_invariant(draft: dict) -> bool:
@@ -130,7 +146,13 @@ def exact_target_distribution(
 
 
 async def sample_continuations(
-    stub, params: SamplingParams, seeds, prompt=PROMPT, length: int = LENGTH, k: int | None = NUM_DRAFT, stats=None,
+    stub,
+    params: SamplingParams,
+    seeds,
+    prompt=PROMPT,
+    length: int = LENGTH,
+    k: int | None = NUM_DRAFT,
+    stats=None,
     concurrency: int = CONCURRENCY,
 ):
     """Seeded generations of `length` tokens; `stats`, if given, collects each response's stats."""
@@ -140,8 +162,13 @@ async def sample_continuations(
         async with semaphore:
             response = await stub.Generate(
                 pb.GenerateRequest(
-                    prompt_token_ids=list(prompt), max_new_tokens=length, num_speculative_tokens=k,
-                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
+                    prompt_token_ids=list(prompt),
+                    max_new_tokens=length,
+                    num_speculative_tokens=k,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    seed=seed,
                 ),
                 timeout=60,
             )
@@ -158,7 +185,12 @@ async def sample_continuations(
 async def test_sampled_output_has_target_distribution(word_pair, case):
     c = CASES[case]
     expected = exact_target_distribution(
-        word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length, int8=c.target.get("quantize") == "int8"
+        word_pair.target,
+        c.params,
+        word_pair.vocab_size,
+        list(c.prompt),
+        c.length,
+        int8=c.target.get("quantize") == "int8",
     )
 
     def set_costs(draft_runner, target_runner) -> None:
@@ -169,12 +201,23 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     if case in OVER_THE_WIRE:
         make_stack, concurrency, draft, target = inprocess_stack, CONCURRENCY, c.draft, c.target
     else:
-        make_stack, concurrency, draft, target = local_stack, LOCAL_CONCURRENCY, {**LOCAL_BATCH, **c.draft}, {**LOCAL_BATCH, **c.target}
+        make_stack, concurrency, draft, target = (
+            local_stack,
+            LOCAL_CONCURRENCY,
+            {**LOCAL_BATCH, **c.draft},
+            {**LOCAL_BATCH, **c.target},
+        )
     async with make_stack(
-        word_pair, draft_overrides=draft, coordinator_overrides=c.coordinator, target_overrides=target, prepare_runners=set_costs
+        word_pair,
+        draft_overrides=draft,
+        coordinator_overrides=c.coordinator,
+        target_overrides=target,
+        prepare_runners=set_costs,
     ) as stack:
         stats: list = []
-        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, concurrency)
+        samples = await sample_continuations(
+            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, concurrency
+        )
         repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
     # The K chooser works from figures fixed at start-up, so a seed reproduces with it too.
     if batch_invariant(c.draft):
@@ -187,7 +230,9 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     if c.coordinator.get("pipeline"):
         hits = sum(s.predraft_hits for s in stats)
         # With K=1 most requests pre-draft; adaptive K often fills the 4 tokens in one round.
-        assert hits > (SAMPLES // 50 if c.k else 0), f"only {hits} pre-drafts were used; the pipelined path is barely exercised"
+        assert hits > (SAMPLES // 50 if c.k else 0), (
+            f"only {hits} pre-drafts were used; the pipelined path is barely exercised"
+        )
         assert sum(s.predraft_cancelled for s in stats) > 0
     if c.coordinator.get("hedges"):
         hits = sum(s.hedge_hits for s in stats)
@@ -203,7 +248,9 @@ async def test_distribution_test_detects_the_draft_distribution(word_pair):
     model) must fail the same test against the target's distribution."""
     params = SamplingParams(temperature=1.0)
     expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size)
-    swapped = type(word_pair)(target=word_pair.draft, draft=word_pair.draft, vocab_size=word_pair.vocab_size, eos_token_id=None)
+    swapped = type(word_pair)(
+        target=word_pair.draft, draft=word_pair.draft, vocab_size=word_pair.vocab_size, eos_token_id=None
+    )
     async with local_stack(swapped, draft_overrides=LOCAL_BATCH, target_overrides=LOCAL_BATCH) as stack:
         samples = await sample_continuations(stack.stub, params, range(SAMPLES), concurrency=LOCAL_CONCURRENCY)
     assert chi_square_p_value(samples, expected) < 1e-6
@@ -239,13 +286,22 @@ async def test_distribution_test_detects_a_branch_picked_by_its_own_drafts(word_
             return None, "", draft_view
         self._end_later(self.draft, draft_view.session_id)
         taken, plan = chosen
-        return taken, "hedge", dataclasses.replace(draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1)
+        return (
+            taken,
+            "hedge",
+            dataclasses.replace(draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1),
+        )
 
     monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
     expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
     # Over the same in-process channels as the hedged case it must fail where that one passes.
     async with local_stack(
-        word_pair, draft_overrides={**LOCAL_BATCH, **c.draft}, coordinator_overrides=c.coordinator, target_overrides=LOCAL_BATCH
+        word_pair,
+        draft_overrides={**LOCAL_BATCH, **c.draft},
+        coordinator_overrides=c.coordinator,
+        target_overrides=LOCAL_BATCH,
     ) as stack:
-        samples = await sample_continuations(stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, concurrency=LOCAL_CONCURRENCY)
+        samples = await sample_continuations(
+            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, concurrency=LOCAL_CONCURRENCY
+        )
     assert chi_square_p_value(samples, expected) < 1e-6

@@ -6,9 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest_asyncio
 
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import draft_pb2_grpc
 from tests.stack import inprocess_stack
 
 DRAFTERS = {
@@ -37,7 +36,9 @@ async def test_greedy_output_is_the_targets_for_every_drafter(stack, reference):
     accepted = 0
     for prompt in PROMPTS:
         for k in (2, 5):
-            response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=k), timeout=60)
+            response = await stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=k), timeout=60
+            )
             assert list(response.token_ids) == reference(prompt), f"{stack.drafter}, K={k}: diverged on {prompt!r}"
             s = response.stats
             assert s.proposed_tokens <= k * s.rounds and s.accepted_tokens <= s.proposed_tokens

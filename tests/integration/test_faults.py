@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
+from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import START_TIMEOUT_S, ProcessStack, inprocess_stack, slow_down
 
 PROMPT = "The quick brown fox"
@@ -53,13 +53,17 @@ def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_r
         assert response.stats.accepted_tokens > 0 and response.stats.draft_failures == 0
 
 
-def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_the_deadline(tiny_pair, reference, tmp_path):
+def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_the_deadline(
+    tiny_pair, reference, tmp_path
+):
     with ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "90"]) as stack, stack.channel() as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
         # The target is killed after the first round and restarted on its address: the
         # coordinator retries, re-sends the committed tokens and finishes unchanged.
-        stream = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4), timeout=120)
+        stream = stub.GenerateStream(
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4), timeout=120
+        )
         chunks = [next(stream)]
         stack.kill("target")
         stack.start("target")
@@ -86,11 +90,16 @@ def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             # K=1 and 230 tokens: a couple of hundred rounds, still running when SIGTERM arrives.
-            stream = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=120)
+            stream = stub.GenerateStream(
+                pb.GenerateRequest(prompt=PROMPT, max_new_tokens=230, num_speculative_tokens=1), timeout=120
+            )
             chunks = [next(stream)]
             coordinator.process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 1.0
-            while health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            while (
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                != health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
                 assert time.monotonic() < deadline, "health did not turn NOT_SERVING promptly after SIGTERM"
                 time.sleep(0.02)
             chunks += list(stream)
@@ -98,13 +107,19 @@ def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight
             assert chunks[-1].finish_reason == "length"
         assert coordinator.process.wait(timeout=30) == 0
         log = coordinator.log.read_text()
-        assert log.index("shutting down") < log.index("generated 230 tokens"), "the request should have been in flight at SIGTERM"
+        assert log.index("shutting down") < log.index("generated 230 tokens"), (
+            "the request should have been in flight at SIGTERM"
+        )
 
 
 async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_pair, reference):
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"draft_timeout_s": 0.2}) as stack:
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"draft_timeout_s": 0.2}
+    ) as stack:
         slow_down(stack.draft_runner, 0.5)
-        response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4), timeout=60)
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=4), timeout=60
+        )
         assert list(response.token_ids) == reference(PROMPT, 40)
         s = response.stats
         assert s.degraded and s.draft_failures >= 1 and s.proposed_tokens == 0
@@ -114,7 +129,12 @@ async def test_a_draft_slower_than_its_deadline_is_skipped_not_waited_for(tiny_p
 
 
 def test_a_client_that_cancels_frees_both_sessions_within_a_second(tiny_pair, tmp_path):
-    with ProcessStack(tiny_pair, tmp_path, []) as stack, stack.channel() as channel, stack.channel("draft") as d, stack.channel("target") as t:
+    with (
+        ProcessStack(tiny_pair, tmp_path, []) as stack,
+        stack.channel() as channel,
+        stack.channel("draft") as d,
+        stack.channel("target") as t,
+    ):
         infos = {"draft": draft_pb2_grpc.DraftStub(d).Info, "target": target_pb2_grpc.TargetStub(t).Info}
 
         def open_sessions() -> dict[str, int]:
@@ -128,5 +148,7 @@ def test_a_client_that_cancels_frees_both_sessions_within_a_second(tiny_pair, tm
         stream.cancel()
         cancelled = time.monotonic()
         while (sessions := open_sessions()) != {"draft": 0, "target": 0}:
-            assert time.monotonic() - cancelled < 1.0, f"sessions still open a second after the client cancelled: {sessions}"
+            assert time.monotonic() - cancelled < 1.0, (
+                f"sessions still open a second after the client cancelled: {sessions}"
+            )
             time.sleep(0.02)

@@ -39,8 +39,8 @@ from tests.stack import inprocess_stack
 MAX_MESSAGE_BYTES = 1 << 20
 # Valid requests left to the default stay short, so each example takes milliseconds.
 DEFAULT_MAX_NEW_TOKENS = 8
+# Example counts come from the profile (tests/conftest.py: 300 in `ci`, the default).
 FUZZ_SETTINGS = settings(
-    max_examples=300,
     deadline=None,
     derandomize=True,
     database=None,
@@ -54,10 +54,27 @@ UINT64 = st.integers(0, 2**64 - 1)
 INT32_EDGES = st.sampled_from([0, -1, 1, -(2**31), 2**31 - 1, 2**16, 10**9])
 SMALLEST_SUBNORMAL = 1.401298464324817e-45  # float32
 FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
-FLOAT32_EDGES = st.sampled_from([
-    0.0, -0.0, 1.0, 0.5, -1.0, math.nan, math.inf, -math.inf, SMALLEST_SUBNORMAL, 1e-38, 1.1754944e-38, MIN_TEMPERATURE,
-    1e-6, 3.4028235e38, 1.0000001, 0.99999994, 2.0,
-])
+FLOAT32_EDGES = st.sampled_from(
+    [
+        0.0,
+        -0.0,
+        1.0,
+        0.5,
+        -1.0,
+        math.nan,
+        math.inf,
+        -math.inf,
+        SMALLEST_SUBNORMAL,
+        1e-38,
+        1.1754944e-38,
+        MIN_TEMPERATURE,
+        1e-6,
+        3.4028235e38,
+        1.0000001,
+        0.99999994,
+        2.0,
+    ]
+)
 CONTROL_TEXT = st.text(st.characters(categories=["Cc", "Cf", "Zl", "Zp"]), min_size=1, max_size=20)
 
 
@@ -71,15 +88,21 @@ def valid_requests(vocab_size: int) -> st.SearchStrategy[pb.GenerateRequest]:
     optional = {
         "max_new_tokens": st.integers(1, DEFAULT_MAX_NEW_TOKENS),
         "temperature": st.one_of(
-            st.just(0.0), st.sampled_from([MIN_TEMPERATURE, 3.4028235e38]), st.floats(MIN_TEMPERATURE, 2.0**100, width=32)
+            st.just(0.0),
+            st.sampled_from([MIN_TEMPERATURE, 3.4028235e38]),
+            st.floats(MIN_TEMPERATURE, 2.0**100, width=32),
         ),
         "top_k": st.one_of(st.integers(0, 20), st.integers(0, 2**31 - 1)),
-        "top_p": st.one_of(st.sampled_from([SMALLEST_SUBNORMAL, 1.0, 0.99999994]), st.floats(SMALLEST_SUBNORMAL, 1.0, width=32)),
+        "top_p": st.one_of(
+            st.sampled_from([SMALLEST_SUBNORMAL, 1.0, 0.99999994]), st.floats(SMALLEST_SUBNORMAL, 1.0, width=32)
+        ),
         "seed": st.one_of(st.sampled_from([0, 2**63, 2**64 - 1]), UINT64),
         "stop": st.lists(stop_string, max_size=16),
         "num_speculative_tokens": st.integers(0, 8),
     }
-    return st.builds(lambda prompt, rest: pb.GenerateRequest(**prompt, **rest), prompt, st.fixed_dictionaries({}, optional=optional))
+    return st.builds(
+        lambda prompt, rest: pb.GenerateRequest(**prompt, **rest), prompt, st.fixed_dictionaries({}, optional=optional)
+    )
 
 
 def any_requests(vocab_size: int, huge_fields: bool = True) -> st.SearchStrategy[pb.GenerateRequest]:
@@ -105,7 +128,9 @@ def any_requests(vocab_size: int, huge_fields: bool = True) -> st.SearchStrategy
     # Valid max_new_tokens above 8 are skipped: valid requests stay fast.
     max_new_tokens = st.one_of(INT32_EDGES, INT32.filter(lambda n: not DEFAULT_MAX_NEW_TOKENS < n <= 2048))
     stop_string = st.one_of(st.text(max_size=4), st.just(""), huge(st.text(min_size=1, max_size=4), 100_000))
-    stop = st.one_of(st.lists(stop_string, max_size=20), huge(st.lists(st.text(max_size=3), min_size=1, max_size=2), 50_000))
+    stop = st.one_of(
+        st.lists(stop_string, max_size=20), huge(st.lists(st.text(max_size=3), min_size=1, max_size=2), 50_000)
+    )
     optional = {
         "max_new_tokens": max_new_tokens,
         "temperature": st.one_of(FLOAT32_EDGES, FLOAT32),
@@ -115,7 +140,9 @@ def any_requests(vocab_size: int, huge_fields: bool = True) -> st.SearchStrategy
         "stop": stop,
         "num_speculative_tokens": st.one_of(INT32_EDGES, INT32),
     }
-    return st.builds(lambda prompt, rest: pb.GenerateRequest(**prompt, **rest), prompt, st.fixed_dictionaries({}, optional=optional))
+    return st.builds(
+        lambda prompt, rest: pb.GenerateRequest(**prompt, **rest), prompt, st.fixed_dictionaries({}, optional=optional)
+    )
 
 
 def requests(vocab_size: int, huge_fields: bool = True) -> st.SearchStrategy[pb.GenerateRequest]:
@@ -136,7 +163,9 @@ class Limits:
     tokenizer: PreTrainedTokenizerBase
 
     def prompt_length(self, request: pb.GenerateRequest) -> int:
-        return len(request.prompt_token_ids) or len(self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+        return len(request.prompt_token_ids) or len(
+            self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+        )
 
 
 def problems(request: pb.GenerateRequest, limits: Limits) -> list[str]:
@@ -158,14 +187,21 @@ def problems(request: pb.GenerateRequest, limits: Limits) -> list[str]:
         found.append("top_k")
     if request.HasField("top_p") and not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
         found.append("top_p")
-    if request.HasField("num_speculative_tokens") and not 0 <= request.num_speculative_tokens <= limits.max_num_speculative_tokens:
+    if (
+        request.HasField("num_speculative_tokens")
+        and not 0 <= request.num_speculative_tokens <= limits.max_num_speculative_tokens
+    ):
         found.append("num_speculative_tokens")
-    if len(request.stop) > limits.max_stop_strings or not all(0 < len(s) <= limits.max_stop_string_chars for s in request.stop):
+    if len(request.stop) > limits.max_stop_strings or not all(
+        0 < len(s) <= limits.max_stop_string_chars for s in request.stop
+    ):
         found.append("stop")
     return found
 
 
-async def call(stack, request: pb.GenerateRequest | bytes, streamed: bool) -> tuple[pb.GenerateResponse | None, grpc.aio.AioRpcError | None]:
+async def call(
+    stack, request: pb.GenerateRequest | bytes, streamed: bool
+) -> tuple[pb.GenerateResponse | None, grpc.aio.AioRpcError | None]:
     """One Generate or GenerateStream call (a stream folded into one response); a typed request
     goes through the stub, raw bytes through a generic call with identity serializers."""
     if isinstance(request, bytes):
@@ -197,7 +233,9 @@ def check_outcome(request: pb.GenerateRequest, size: int, limits: Limits, respon
         return
     found = problems(request, limits)
     if error is not None:
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{error.code()}: {error.details()} for {found or 'a valid request'}"
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+            f"{error.code()}: {error.details()} for {found or 'a valid request'}"
+        )
         assert found, f"a valid request was refused: {error.details()}"
         assert any(name in error.details() for name in found), f"{error.details()!r} names none of {found}"
         return
@@ -224,7 +262,9 @@ def limits(stack, tiny_pair) -> Limits:
     return Limits(
         vocab_size=min(draft.vocab_size, target.vocab_size),
         max_context=target.max_context,
-        max_num_speculative_tokens=min(config.max_num_speculative_tokens, draft.max_speculative_tokens, target.max_speculative_tokens),
+        max_num_speculative_tokens=min(
+            config.max_num_speculative_tokens, draft.max_speculative_tokens, target.max_speculative_tokens
+        ),
         max_new_tokens_limit=config.max_new_tokens_limit,
         max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
@@ -248,7 +288,9 @@ async def wait_sessions_closed(stack) -> None:
         if len(stack.draft_runner.sessions) == 0 and len(stack.target_runner.sessions) == 0:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"sessions left open: draft {len(stack.draft_runner.sessions)}, target {len(stack.target_runner.sessions)}")
+    raise AssertionError(
+        f"sessions left open: draft {len(stack.draft_runner.sessions)}, target {len(stack.target_runner.sessions)}"
+    )
 
 
 async def test_every_request_field_is_served_or_invalid_argument(stack, limits):
@@ -335,7 +377,9 @@ async def test_message_size_limit_is_exact_and_resource_exhausted(stack):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context is" in error.details()
         _, error = await call(stack, over, streamed)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert re.search(rf"larger than max \({MAX_MESSAGE_BYTES + 1} vs\. {MAX_MESSAGE_BYTES}\)", error.details()), error.details()
+        assert re.search(rf"larger than max \({MAX_MESSAGE_BYTES + 1} vs\. {MAX_MESSAGE_BYTES}\)", error.details()), (
+            error.details()
+        )
 
 
 async def test_after_the_fuzz_a_normal_request_gives_the_target_greedy_output(stack, reference):

@@ -95,7 +95,9 @@ async def test_stop_string_ends_generation_before_it(stack, reference):
     stop = text[8:11]
     first = text.find(stop)
     for streamed in (False, True):
-        request = pb.GenerateRequest(prompt=PROMPTS[3], max_new_tokens=40, num_speculative_tokens=4, stop=[stop, "never-seen"])
+        request = pb.GenerateRequest(
+            prompt=PROMPTS[3], max_new_tokens=40, num_speculative_tokens=4, stop=[stop, "never-seen"]
+        )
         if streamed:
             chunks = [c async for c in stack.stub.GenerateStream(request, timeout=60)]
             out_text = "".join(c.text for c in chunks)
@@ -127,7 +129,9 @@ async def test_sessions_are_freed_after_each_request(stack):
 
 
 async def test_client_cancel_frees_sessions(stack):
-    call = stack.stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=2))
+    call = stack.stub.GenerateStream(
+        pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=200, num_speculative_tokens=2)
+    )
     await call.read()
     call.cancel()
     for _ in range(100):
@@ -143,7 +147,9 @@ async def test_lost_sessions_are_reprefilled_without_changing_output(stack, refe
     prompt = PROMPTS[0]
     expected = reference(prompt, 40)
     tokens, reprefills = [], 0
-    call = stack.stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=60)
+    call = stack.stub.GenerateStream(
+        pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=60
+    )
     index = 0
     async for chunk in call:
         tokens.extend(chunk.token_ids)

@@ -46,8 +46,14 @@ async def test_info_describes_model(stack, tiny_pair):
 
 async def test_unknown_session_is_not_found(stack):
     for call, request in (
-        (stack.draft_stub.Propose, draft_pb2.ProposeRequest(session_id="ghost", keep_tokens=3, new_tokens=[1], num_tokens=2, sampling=GREEDY)),
-        (stack.target_stub.Verify, target_pb2.VerifyRequest(session_id="ghost", keep_tokens=3, new_tokens=[1], sampling=GREEDY)),
+        (
+            stack.draft_stub.Propose,
+            draft_pb2.ProposeRequest(session_id="ghost", keep_tokens=3, new_tokens=[1], num_tokens=2, sampling=GREEDY),
+        ),
+        (
+            stack.target_stub.Verify,
+            target_pb2.VerifyRequest(session_id="ghost", keep_tokens=3, new_tokens=[1], sampling=GREEDY),
+        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await call(request)
@@ -58,18 +64,48 @@ async def test_unknown_session_is_not_found(stack):
 @pytest.mark.parametrize(
     "request_fields, message",
     [
-        (dict(draft_token_ids=[5, 6], draft_distributions=[common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())]), "2 draft tokens but 1 distributions"),
+        (
+            dict(
+                draft_token_ids=[5, 6],
+                draft_distributions=[common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())],
+            ),
+            "2 draft tokens but 1 distributions",
+        ),
         (dict(draft_token_ids=[5], draft_distributions=[common_pb2.ProposalDistribution()]), "distribution 0 is empty"),
         (dict(new_tokens=[]), "new_tokens is empty"),
         (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0)), r"top_p must be in \(0, 1\]"),
-        (dict(draft_token_ids=[5], draft_distributions=[common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=b"abc"))]), "multiple of 4"),
+        (
+            dict(
+                draft_token_ids=[5],
+                draft_distributions=[common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=b"abc"))],
+            ),
+            "multiple of 4",
+        ),
         # Sampled rounds read the distributions: every value carried must be a probability.
-        (dict(draft_token_ids=[5], sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
-              draft_distributions=[common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[5, 6], probs=[0.5, float("nan")]))]),
-         "finite, non-negative"),
-        (dict(draft_token_ids=[5], sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
-              draft_distributions=[common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=struct.pack("<3f", 0.5, -0.25, 0.75)))]),
-         "finite, non-negative"),
+        (
+            dict(
+                draft_token_ids=[5],
+                sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
+                draft_distributions=[
+                    common_pb2.ProposalDistribution(
+                        sparse=common_pb2.SparseProbs(token_ids=[5, 6], probs=[0.5, float("nan")])
+                    )
+                ],
+            ),
+            "finite, non-negative",
+        ),
+        (
+            dict(
+                draft_token_ids=[5],
+                sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0),
+                draft_distributions=[
+                    common_pb2.ProposalDistribution(
+                        dense=common_pb2.DenseProbs(float32_le=struct.pack("<3f", 0.5, -0.25, 0.75))
+                    )
+                ],
+            ),
+            "finite, non-negative",
+        ),
     ],
 )
 async def test_malformed_verify_is_invalid_argument(stack, request_fields, message):
@@ -84,18 +120,28 @@ async def test_malformed_verify_is_invalid_argument(stack, request_fields, messa
 async def test_propose_then_verify_with_full_distributions(stack):
     prompt = [10, 20, 30, 40]
     proposal = await stack.draft_stub.Propose(
-        draft_pb2.ProposeRequest(session_id="rt", keep_tokens=0, new_tokens=prompt, num_tokens=3, sampling=SAMPLED, seed=5)
+        draft_pb2.ProposeRequest(
+            session_id="rt", keep_tokens=0, new_tokens=prompt, num_tokens=3, sampling=SAMPLED, seed=5
+        )
     )
     assert len(proposal.token_ids) == 3 and proposal.processed_tokens == len(prompt) + 2
     assert all(d.WhichOneof("kind") == "dense" for d in proposal.distributions)
     verification = await stack.target_stub.Verify(
         target_pb2.VerifyRequest(
-            session_id="rt", keep_tokens=0, new_tokens=prompt, draft_token_ids=proposal.token_ids,
-            draft_distributions=proposal.distributions, sampling=SAMPLED, seed=9, return_distributions=True,
+            session_id="rt",
+            keep_tokens=0,
+            new_tokens=prompt,
+            draft_token_ids=proposal.token_ids,
+            draft_distributions=proposal.distributions,
+            sampling=SAMPLED,
+            seed=9,
+            return_distributions=True,
         )
     )
     assert len(verification.target_distributions) == 4
-    target_probs = torch.tensor(np.stack([np.frombuffer(d.float32_le, dtype="<f4") for d in verification.target_distributions]))
+    target_probs = torch.tensor(
+        np.stack([np.frombuffer(d.float32_le, dtype="<f4") for d in verification.target_distributions])
+    )
     with torch.inference_mode():
         logits = stack.target_runner.model(torch.tensor([prompt + list(proposal.token_ids)])).logits[0, -4:]
     torch.testing.assert_close(target_probs, logits_to_probs(logits, SamplingParams(temperature=1.0)))
@@ -108,7 +154,9 @@ async def test_propose_then_verify_with_full_distributions(stack):
 
 async def test_client_cli_prints_completion(stack, capsys):
     address = f"127.0.0.1:{stack.coordinator.port}"
-    code = await asyncio.to_thread(client_cli.main, ["def add(a, b):", "--address", address, "--max-new-tokens", "8", "--k", "3"])
+    code = await asyncio.to_thread(
+        client_cli.main, ["def add(a, b):", "--address", address, "--max-new-tokens", "8", "--k", "3"]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert "[finish: " in captured.err and "8 tokens" in captured.err

@@ -42,7 +42,9 @@ async def generate(stack, prompt: str, **fields) -> pb.GenerateResponse:
 async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair, reference):
     # A target pass over n tokens costs 2 + 30n ms: a pass over two tokens costs nearly two
     # target-only steps, so speculation cannot pay.
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)) as stack:
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)
+    ) as stack:
         for prompt in PROMPTS:
             chosen = await generate(stack, prompt)
             assert list(chosen.token_ids) == reference(prompt)
@@ -57,7 +59,9 @@ async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair,
 async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, reference):
     # A flat 100 ms target pass and a ~1 ms draft step: long drafts cost almost nothing, so
     # K >= 3 pays even at the tiny pair's lowest acceptance (about 0.3 on some prompts).
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.100, 0.0)) as stack:
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.100, 0.0)
+    ) as stack:
         ks: list[int] = []
         for prompt in PROMPTS:
             chosen = await generate(stack, prompt)
@@ -70,7 +74,9 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
 
 
 async def test_a_request_that_fixes_k_gets_it(tiny_pair):
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)) as stack:
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)
+    ) as stack:
         fixed = await generate(stack, PROMPTS[0], num_speculative_tokens=3)
         assert set(list(fixed.stats.k_per_round)[:-1]) == {3}
 
@@ -91,4 +97,6 @@ async def test_confidence_stop_shortens_proposals_and_keeps_greedy_output(tiny_p
         assert drafts_per_round[0.9] < drafts_per_round[0.0], drafts_per_round
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await generate(stack, PROMPTS[0], draft_min_confidence=1.5)
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_min_confidence" in error.value.details()
+        assert (
+            error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_min_confidence" in error.value.details()
+        )

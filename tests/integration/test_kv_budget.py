@@ -19,11 +19,17 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"
 async def test_evictions_mid_generation_leave_greedy_output_unchanged(tiny_pair, reference):
     per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.target), "float32", "cpu").model)
     budget = 80 * per_token  # one generation (prompt + 40 tokens + K) fits, three at once do not
-    async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}, target_overrides={"max_kv_bytes": budget}) as stack:
-        responses = await asyncio.gather(*(
-            stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=4), timeout=120)
-            for prompt in PROMPTS
-        ))
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, target_overrides={"max_kv_bytes": budget}
+    ) as stack:
+        responses = await asyncio.gather(
+            *(
+                stack.stub.Generate(
+                    pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=4), timeout=120
+                )
+                for prompt in PROMPTS
+            )
+        )
         for prompt, response in zip(PROMPTS, responses):
             assert list(response.token_ids) == reference(prompt), f"eviction changed the output for {prompt!r}"
         info = stack.target_runner.describe()
@@ -33,7 +39,9 @@ async def test_evictions_mid_generation_leave_greedy_output_unchanged(tiny_pair,
         # A prompt that cannot fit even alone: RESOURCE_EXHAUSTED with the numbers, and the
         # service goes on serving.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stack.stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(1, 120)), max_new_tokens=4), timeout=60)
+            await stack.stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=list(range(1, 120)), max_new_tokens=4), timeout=60
+            )
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-kv-bytes" in refused.value.details() and f"is {budget} bytes" in refused.value.details()
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=40), timeout=60)

@@ -10,11 +10,26 @@ from scripts.loadtest import main as loadtest_main
 
 def test_short_load_has_no_errors_frees_every_session_and_keeps_memory_flat(tiny_pair, tmp_path):
     report_path = tmp_path / "report.json"
-    code = loadtest_main([
-        "--clients", "8", "--duration", "15", "--warmup", "3", "--max-new-tokens", "16",
-        "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target),
-        "--report", str(report_path), "--log-dir", str(tmp_path / "logs"),
-    ])
+    code = loadtest_main(
+        [
+            "--clients",
+            "8",
+            "--duration",
+            "15",
+            "--warmup",
+            "3",
+            "--max-new-tokens",
+            "16",
+            "--draft-model",
+            str(tiny_pair.draft),
+            "--target-model",
+            str(tiny_pair.target),
+            "--report",
+            str(report_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ]
+    )
     report = json.loads(report_path.read_text())
     assert report["errors"] == {}, report["error_examples"]
     assert report["requests"] > 8 and report["ok"] == report["requests"]

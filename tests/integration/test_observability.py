@@ -23,7 +23,9 @@ from specdec import telemetry
 from specdec.launch import local_stack
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
-from tests.integration.test_coordinator_modes import test_stale_predraft_is_cancelled_on_the_draft_and_never_used as stale_predraft_check
+from tests.integration.test_coordinator_modes import (
+    test_stale_predraft_is_cancelled_on_the_draft_and_never_used as stale_predraft_check,
+)
 from tests.otlp_receiver import OtlpTraceReceiver
 from tests.stack import inprocess_stack
 
@@ -47,12 +49,16 @@ def test_one_request_is_one_trace_across_the_three_services(tiny_pair, receiver,
     client_spans = InMemorySpanExporter()
     client_tracing = TracerProvider()
     client_tracing.add_span_processor(SimpleSpanProcessor(client_spans))
-    with local_stack(tiny_pair.draft, tiny_pair.target, tmp_path, threads=1, coordinator_args=["--pipeline", "on"]) as services:
+    with local_stack(
+        tiny_pair.draft, tiny_pair.target, tmp_path, threads=1, coordinator_args=["--pipeline", "on"]
+    ) as services:
         channel = grpcext.intercept_channel(
             grpc.insecure_channel(services["coordinator"].address), client_interceptor(tracer_provider=client_tracing)
         )
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        response = stub.Generate(pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=24, num_speculative_tokens=3), timeout=60)
+        response = stub.Generate(
+            pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=24, num_speculative_tokens=3), timeout=60
+        )
         stats = response.stats
         (client,) = client_spans.get_finished_spans()
         trace_id = format(client.context.trace_id, "032x")
@@ -62,15 +68,19 @@ def test_one_request_is_one_trace_across_the_three_services(tiny_pair, receiver,
             ids = {s.span_id for s in spans}
             orphans = [s for s in spans if s.parent_span_id not in ids and s.name != "/specdec.v1.Coordinator/Generate"]
             return (
-                {s.service for s in spans} == SERVICES and "/specdec.v1.Coordinator/Generate" in names
-                and names.count("round") == names.count("target.verify") == stats.rounds and not orphans
+                {s.service for s in spans} == SERVICES
+                and "/specdec.v1.Coordinator/Generate" in names
+                and names.count("round") == names.count("target.verify") == stats.rounds
+                and not orphans
             )
 
         spans = receiver.wait_for(trace_id, complete)
 
         # One trace: the coordinator continues the client's span, every round hangs off it.
         by_id = {span.span_id: span for span in spans}
-        (server,) = [s for s in spans if s.service == "specdec-coordinator" and s.name == "/specdec.v1.Coordinator/Generate"]
+        (server,) = [
+            s for s in spans if s.service == "specdec-coordinator" and s.name == "/specdec.v1.Coordinator/Generate"
+        ]
         assert server.parent_span_id == format(client.context.span_id, "016x")
         rounds = sorted((s for s in spans if s.name == "round"), key=lambda s: s.attributes["specdec.round.index"])
         assert [r.attributes["specdec.round.index"] for r in rounds] == list(range(stats.rounds))
@@ -104,17 +114,23 @@ def test_one_request_is_one_trace_across_the_three_services(tiny_pair, receiver,
 
         # The coordinator's log line for the request carries the same trace id.
         log = (tmp_path / "coordinator.log").read_text()
-        assert re.search(rf"trace_id={trace_id} span_id=[0-9a-f]{{16}}: generated {stats.generated_tokens} tokens", log), log[-2000:]
+        assert re.search(
+            rf"trace_id={trace_id} span_id=[0-9a-f]{{16}}: generated {stats.generated_tokens} tokens", log
+        ), log[-2000:]
 
         # A collector that goes away costs requests nothing.
         receiver.stop()
-        again = stub.Generate(pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=24, num_speculative_tokens=3), timeout=60)
+        again = stub.Generate(
+            pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=24, num_speculative_tokens=3), timeout=60
+        )
         assert list(again.token_ids) == list(response.token_ids)
 
 
 def test_tracing_is_off_without_an_endpoint():
     assert not telemetry.tracing_requested({})
-    assert not telemetry.tracing_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"})
+    assert not telemetry.tracing_requested(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}
+    )
     assert telemetry.tracing_requested({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://x:4317"})
     if not telemetry.tracing_requested():
         assert telemetry.server_interceptors() == [] and telemetry.client_interceptors() == []
@@ -146,12 +162,20 @@ def moved(before: dict, after: dict, name: str, **labels) -> float:
 
 async def test_metrics_move_by_what_the_response_reports(tiny_pair):
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none", "metrics_port": 0}, coordinator_overrides={"metrics_port": 0},
+        tiny_pair,
+        draft_overrides={"quantize": "none", "metrics_port": 0},
+        coordinator_overrides={"metrics_port": 0},
         target_overrides={"metrics_port": 0},
     ) as stack:
-        ports = {"coordinator": stack.coordinator.metrics_port, "draft": stack.draft.metrics_port, "target": stack.target.metrics_port}
+        ports = {
+            "coordinator": stack.coordinator.metrics_port,
+            "draft": stack.draft.metrics_port,
+            "target": stack.target.metrics_port,
+        }
         before = {name: scrape(port) for name, port in ports.items()}
-        response = await stack.stub.Generate(pb.GenerateRequest(prompt="The quick brown fox", max_new_tokens=20, num_speculative_tokens=3), timeout=60)
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt="The quick brown fox", max_new_tokens=20, num_speculative_tokens=3), timeout=60
+        )
         with pytest.raises(grpc.aio.AioRpcError):
             await stack.stub.Generate(pb.GenerateRequest(prompt="x", temperature=-1.0), timeout=60)
         after = {name: scrape(port) for name, port in ports.items()}
@@ -163,7 +187,10 @@ async def test_metrics_move_by_what_the_response_reports(tiny_pair):
     assert moved(c_before, c_after, "specdec_spec_decode_num_draft_tokens_total") == s.proposed_tokens
     assert moved(c_before, c_after, "specdec_spec_decode_num_accepted_tokens_total") == s.accepted_tokens > 0
     for position, accepted in enumerate(s.accepted_per_position):
-        assert moved(c_before, c_after, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == accepted
+        assert (
+            moved(c_before, c_after, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+            == accepted
+        )
     assert moved(c_before, c_after, "specdec_spec_decode_num_recovered_tokens_total") == s.recovered_tokens
     assert moved(c_before, c_after, "specdec_spec_decode_num_bonus_tokens_total") == s.bonus_tokens
     assert moved(c_before, c_after, "specdec_generation_tokens_total") == s.generated_tokens == 20
@@ -174,8 +201,12 @@ async def test_metrics_move_by_what_the_response_reports(tiny_pair):
     )
     # The model services: one verify per round, one propose per drafted round (sequential mode).
     assert moved(before["target"], after["target"], "specdec_target_forward_seconds_count", rpc="verify") == s.rounds
-    assert moved(before["draft"], after["draft"], "specdec_draft_forward_seconds_count", rpc="propose") == sum(1 for k in s.k_per_round if k)
-    assert moved(before["target"], after["target"], "specdec_target_forward_seconds_sum", rpc="verify") == pytest.approx(s.target_compute_ms / 1e3, rel=1e-3)
+    assert moved(before["draft"], after["draft"], "specdec_draft_forward_seconds_count", rpc="propose") == sum(
+        1 for k in s.k_per_round if k
+    )
+    assert moved(
+        before["target"], after["target"], "specdec_target_forward_seconds_sum", rpc="verify"
+    ) == pytest.approx(s.target_compute_ms / 1e3, rel=1e-3)
     # The prompt once, then per round the previous round's recovered/bonus token and the drafts.
     processed = s.prompt_tokens + (s.rounds - 1) + s.proposed_tokens
     assert moved(before["target"], after["target"], "specdec_target_processed_tokens_total") == processed

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.launch import ServiceProcess, free_port, spawn
+from specdec.testing import build_model, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
-from tests.tiny_models import build_model, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
@@ -37,9 +37,22 @@ def processes(tiny_pair, tmp_path_factory):
     draft = start("draft", "draft_service", "--model", str(tiny_pair.draft), "--cpus", str(CORES[0]), logs=logs)
     target = start("target", "target_service", "--model", str(tiny_pair.target), "--cpus", str(CORES[-1]), logs=logs)
     coordinator = start(
-        "coordinator", "coordinator",
-        "--draft", draft.address, "--target", target.address, "--tokenizer", str(tiny_pair.target),
-        "--draft-timeout", "5", "--pipeline", "on", "--hedges", "2", "--cpus", str(CORES[-1]),
+        "coordinator",
+        "coordinator",
+        "--draft",
+        draft.address,
+        "--target",
+        target.address,
+        "--tokenizer",
+        str(tiny_pair.target),
+        "--draft-timeout",
+        "5",
+        "--pipeline",
+        "on",
+        "--hedges",
+        "2",
+        "--cpus",
+        str(CORES[-1]),
         logs=logs,
     )
     services = {"draft": draft, "target": target, "coordinator": coordinator}
@@ -61,7 +74,9 @@ def test_generate_and_stream_across_processes(processes, tiny_pair):
         expected = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
     with grpc.insecure_channel(processes["coordinator"].address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        response = stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=32, num_speculative_tokens=4), timeout=60)
+        response = stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=32, num_speculative_tokens=4), timeout=60
+        )
         assert list(response.token_ids) == expected
         assert response.stats.accepted_tokens > 0 and response.stats.rounds < len(expected)
         chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=32), timeout=60))
@@ -90,7 +105,9 @@ def test_reflection_lists_services(processes):
     for name, service in expected.items():
         with grpc.insecure_channel(processes[name].address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            responses = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
             names = {s.name for r in responses for s in r.list_services_response.service}
         assert {service, "grpc.health.v1.Health"} <= names
 
@@ -103,7 +120,9 @@ def test_an_unreachable_draft_degrades_and_an_unreachable_target_is_unavailable(
     with grpc.insecure_channel(processes["coordinator"].address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         started = time.monotonic()
-        response = stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=8, num_speculative_tokens=2), timeout=30)
+        response = stub.Generate(
+            pb.GenerateRequest(prompt="hello", max_new_tokens=8, num_speculative_tokens=2), timeout=30
+        )
         assert time.monotonic() - started < 10, "an unreachable draft must be given up on fast, not waited for"
         assert response.stats.degraded and response.stats.draft_failures >= 1 and len(response.token_ids) == 8
         processes["target"].stop()
@@ -124,8 +143,15 @@ def test_coordinator_refuses_pair_with_different_tokenizers(tiny_pair, tmp_path)
         draft.wait_healthy(START_TIMEOUT_S)
         target.wait_healthy(START_TIMEOUT_S)
         coordinator = start(
-            "coordinator", "coordinator", "--draft", draft.address, "--target", target.address,
-            "--tokenizer", str(tiny_pair.target), logs=tmp_path,
+            "coordinator",
+            "coordinator",
+            "--draft",
+            draft.address,
+            "--target",
+            target.address,
+            "--tokenizer",
+            str(tiny_pair.target),
+            logs=tmp_path,
         )
         assert coordinator.process.wait(timeout=60) != 0
         output = coordinator.log.read_text()

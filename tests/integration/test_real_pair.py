@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS_DIR", ROOT / ".cache/models"))
 READY = all((MODELS_DIR / m.name / "specdec-ready").exists() for m in (DRAFT, TARGET))
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not READY, reason=f"real pair not prepared in {MODELS_DIR} (make models)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not READY, reason=f"real pair not prepared in {MODELS_DIR} (make models)"),
+]
 
 PROMPTS = [
     "<|im_start|>user\nWrite a Python function that reverses a linked list.<|im_end|>\n<|im_start|>assistant\n",
@@ -35,12 +38,21 @@ NEW_TOKENS = 24
 def test_real_pair_greedy_is_exact(tmp_path):
     target_dir, draft_dir = MODELS_DIR / TARGET.name, MODELS_DIR / DRAFT.name
     with local_stack(
-        draft_dir, target_dir, tmp_path, draft_dtype="bfloat16", target_dtype="float32", target_args=["--quantize", "none"], threads=2, cwd=ROOT
+        draft_dir,
+        target_dir,
+        tmp_path,
+        draft_dtype="bfloat16",
+        target_dtype="float32",
+        target_args=["--quantize", "none"],
+        threads=2,
+        cwd=ROOT,
     ) as services:
         with grpc.insecure_channel(services["coordinator"].address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             outputs = {
-                (prompt, k): stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=k), timeout=600)
+                (prompt, k): stub.Generate(
+                    pb.GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=k), timeout=600
+                )
                 for prompt in PROMPTS
                 for k in (0, 4)
             }

@@ -15,9 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import draft_service.server
 from specdec import client as client_cli
 from specdec.client import CoordinatorClient
+from specdec.config import ClientSecurity, ServerSecurity
 from specdec.errors import ServiceRefused
-from specdec.security import ChannelSecurity, ClientSecurity, ServerSecurity, aio_channel, load_client_security
-from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, draft_pb2_grpc
+from specdec.security import ChannelSecurity, aio_channel, load_client_security
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc
+from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
 PROMPT = "def add(a, b):"
@@ -30,12 +32,16 @@ def internal(tls_files) -> ServerSecurity:
 
 def upstream(tls_files, token_file: str | None = None) -> ClientSecurity:
     """The coordinator's side of `internal`: the server certificate doubles as its client one."""
-    return ClientSecurity(tls_files.ca, tls_files.server_cert, tls_files.server_key, None, token_file or tls_files.tokens)
+    return ClientSecurity(
+        tls_files.ca, tls_files.server_cert, tls_files.server_key, None, token_file or tls_files.tokens
+    )
 
 
 def public_client(tls_files, token_file: str | None = None, **changes) -> ClientSecurity:
     """A caller of the coordinator with a client certificate (the coordinator requires one)."""
-    settings = dict(tls_ca=tls_files.ca, tls_cert=tls_files.client_cert, tls_key=tls_files.client_key, auth_token_file=token_file)
+    settings = dict(
+        tls_ca=tls_files.ca, tls_cert=tls_files.client_cert, tls_key=tls_files.client_key, auth_token_file=token_file
+    )
     settings.update(changes)
     return ClientSecurity(**settings)
 
@@ -57,7 +63,9 @@ async def secure_stack(tiny_pair, tls_files):
         yield running
 
 
-async def call_generate(address: str, security: ChannelSecurity | None, stream: bool = False, metadata=()) -> pb.GenerateResponse:
+async def call_generate(
+    address: str, security: ChannelSecurity | None, stream: bool = False, metadata=()
+) -> pb.GenerateResponse:
     async with aio_channel(address, [], security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=8)
@@ -71,10 +79,17 @@ def coordinator_address(stack) -> str:
 
 
 async def test_generation_over_mutual_tls_with_tokens_matches_the_target(secure_stack, reference):
-    response = await secure_stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=24, num_speculative_tokens=3), timeout=60)
+    response = await secure_stack.stub.Generate(
+        pb.GenerateRequest(prompt=PROMPT, max_new_tokens=24, num_speculative_tokens=3), timeout=60
+    )
     assert list(response.token_ids) == reference(PROMPT, 24)
     assert response.stats.accepted_tokens > 0 and response.stats.predrafts > 0, "the draft was reached, pre-drafts too"
-    chunks = [chunk async for chunk in secure_stack.stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=24), timeout=60)]
+    chunks = [
+        chunk
+        async for chunk in secure_stack.stub.GenerateStream(
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=24), timeout=60
+        )
+    ]
     assert "".join(chunk.text for chunk in chunks) == response.text
 
 
@@ -82,9 +97,17 @@ async def test_generation_over_mutual_tls_with_tokens_matches_the_target(secure_
 async def test_missing_or_wrong_token_is_unauthenticated(secure_stack, tls_files, stream):
     address = coordinator_address(secure_stack)
     cases = [
-        (load_client_security(public_client(tls_files)), (), "missing credentials: this server requires `authorization: Bearer <token>`"),
+        (
+            load_client_security(public_client(tls_files)),
+            (),
+            "missing credentials: this server requires `authorization: Bearer <token>`",
+        ),
         (load_client_security(public_client(tls_files, tls_files.other_token)), (), "invalid bearer token"),
-        (load_client_security(public_client(tls_files)), (("authorization", "Basic dXNlcjpwYXNz"),), "expected `Bearer <token>`"),
+        (
+            load_client_security(public_client(tls_files)),
+            (("authorization", "Basic dXNlcjpwYXNz"),),
+            "expected `Bearer <token>`",
+        ),
     ]
     for security, metadata, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -93,7 +116,9 @@ async def test_missing_or_wrong_token_is_unauthenticated(secure_stack, tls_files
         assert message in refused.value.details()
     # Either accepted token works; the second is preceded by a blank line in the file.
     for token in ("first-token-0123456789", "second-token-abcdef"):
-        response = await call_generate(address, load_client_security(public_client(tls_files)), stream, (("authorization", f"Bearer {token}"),))
+        response = await call_generate(
+            address, load_client_security(public_client(tls_files)), stream, (("authorization", f"Bearer {token}"),)
+        )
         assert response.finish_reason
 
 
@@ -106,9 +131,13 @@ async def test_health_and_reflection_need_no_token(secure_stack, tls_files):
 
 async def test_mutual_tls_refuses_clients_without_a_trusted_certificate(secure_stack, tls_files):
     cases = {
-        "no client certificate": load_client_security(ClientSecurity(tls_ca=tls_files.ca, auth_token_file=tls_files.tokens)),
+        "no client certificate": load_client_security(
+            ClientSecurity(tls_ca=tls_files.ca, auth_token_file=tls_files.tokens)
+        ),
         "a certificate from another CA": load_client_security(
-            public_client(tls_files, tls_files.tokens, tls_cert=tls_files.rogue_client_cert, tls_key=tls_files.rogue_client_key)
+            public_client(
+                tls_files, tls_files.tokens, tls_cert=tls_files.rogue_client_cert, tls_key=tls_files.rogue_client_key
+            )
         ),
         "plaintext": load_client_security(ClientSecurity(auth_token_file=tls_files.tokens)),
     }
@@ -148,15 +177,32 @@ async def test_python_client_helper_speaks_tls_with_a_token(secure_stack, tls_fi
 
     # Blocking calls run on a thread: the servers share this test's event loop.
     assert list((await asyncio.to_thread(generate)).token_ids) == reference(PROMPT, 12)
-    args = ["--address", address, "--tls-ca", tls_files.ca, "--tls-cert", tls_files.client_cert, "--tls-key", tls_files.client_key]
-    assert await asyncio.to_thread(client_cli.main, [*args, "--auth-token-file", tls_files.tokens, PROMPT, "--max-new-tokens", "4"]) == 0
+    args = [
+        "--address",
+        address,
+        "--tls-ca",
+        tls_files.ca,
+        "--tls-cert",
+        tls_files.client_cert,
+        "--tls-key",
+        tls_files.client_key,
+    ]
+    assert (
+        await asyncio.to_thread(
+            client_cli.main, [*args, "--auth-token-file", tls_files.tokens, PROMPT, "--max-new-tokens", "4"]
+        )
+        == 0
+    )
     assert await asyncio.to_thread(client_cli.main, [*args, PROMPT, "--max-new-tokens", "4"]) == 1
     assert "error: UNAUTHENTICATED: missing credentials" in capsys.readouterr().err
 
 
 async def test_coordinator_with_the_wrong_internal_token_fails_start_up_naming_the_draft(tiny_pair, tls_files):
     started = time.monotonic()
-    with pytest.raises(ServiceRefused, match=r"draft service at 127\.0\.0\.1:\d+ refused the coordinator \(UNAUTHENTICATED\): invalid bearer token"):
+    with pytest.raises(
+        ServiceRefused,
+        match=r"draft service at 127\.0\.0\.1:\d+ refused the coordinator \(UNAUTHENTICATED\): invalid bearer token",
+    ):
         async with inprocess_stack(
             tiny_pair,
             draft_overrides={"security": internal(tls_files)},
@@ -172,6 +218,8 @@ def test_a_missing_certificate_stops_start_up_with_status_2_naming_the_flag(tiny
     """Before any model loads: the message names the flag and the file."""
     missing = str(tls_files.folder / "missing.crt")
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
-        draft_service.server.main(["--model", str(tiny_pair.draft), "--port", "0", "--tls-cert", missing, "--tls-key", tls_files.server_key])
+        draft_service.server.main(
+            ["--model", str(tiny_pair.draft), "--port", "0", "--tls-cert", missing, "--tls-key", tls_files.server_key]
+        )
     assert stopped.value.code == 2
     assert f"--tls-cert {missing}" in caplog.text

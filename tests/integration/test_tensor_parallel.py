@@ -18,9 +18,8 @@ import grpc
 import pytest
 from transformers import AutoConfig
 
-from specdec.v1 import common_pb2, target_pb2
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import coordinator_pb2_grpc, target_pb2_grpc
 from tests.stack import START_TIMEOUT_S, ProcessStack
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import numpy as np"]
@@ -34,15 +33,23 @@ def _workers_of(pid: int) -> list[int]:
     return [int(line) for line in out.split()]
 
 
-def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_eviction_and_expiry(tiny_pair, reference, tmp_path):
+def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_eviction_and_expiry(
+    tiny_pair, reference, tmp_path
+):
     # A budget of about 70 tokens of this rank's KV: the four generations below (prompt + 40
     # tokens each) cannot all stay, so sessions are evicted mid-generation and re-prefilled.
     config = AutoConfig.from_pretrained(tiny_pair.target)
     head_dim = config.hidden_size // config.num_attention_heads
-    kv_per_rank_token = 2 * config.num_hidden_layers * (config.num_key_value_heads // 2) * head_dim * 4  # K and V, float32
+    kv_per_rank_token = (
+        2 * config.num_hidden_layers * (config.num_key_value_heads // 2) * head_dim * 4
+    )  # K and V, float32
     budget = 70 * kv_per_rank_token
     target_args = [*TP_ARGS, "--max-kv-bytes", str(budget), "--batch-window-ms", "20"]
-    with ProcessStack(tiny_pair, tmp_path, [], target_args) as stack, stack.channel() as channel, stack.channel("target") as t:
+    with (
+        ProcessStack(tiny_pair, tmp_path, [], target_args) as stack,
+        stack.channel() as channel,
+        stack.channel("target") as t,
+    ):
         target = target_pb2_grpc.TargetStub(t)
         info = target.Info(common_pb2.InfoRequest(), timeout=10)
         assert info.tensor_parallel_size == 2
@@ -50,7 +57,10 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         assert len(_workers_of(stack.current["target"].process.pid)) == 1, "rank 0 did not start rank 1"
 
         generate = coordinator_pb2_grpc.CoordinatorStub(channel).Generate
-        requests = [pb.GenerateRequest(prompt=p, max_new_tokens=40, num_speculative_tokens=k) for p, k in zip(PROMPTS, (1, 2, 3, 4))]
+        requests = [
+            pb.GenerateRequest(prompt=p, max_new_tokens=40, num_speculative_tokens=k)
+            for p, k in zip(PROMPTS, (1, 2, 3, 4))
+        ]
         with ThreadPoolExecutor(len(requests)) as pool:
             responses = list(pool.map(lambda r: generate(r, timeout=300), requests))
         for request, response in zip(requests, responses):
@@ -60,27 +70,39 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         assert info.evicted_sessions > 0 and sum(r.stats.reprefills for r in responses) > 0, "the budget never evicted"
 
         # Sampled generation runs on both ranks too (its draw is rank 0's).
-        sampled = generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=1.0, seed=5), timeout=300)
+        sampled = generate(
+            pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=1.0, seed=5), timeout=300
+        )
         assert len(sampled.token_ids) == 20
 
         # TTL expiry is rank 0's decision, sent to rank 1: a session left open expires on both.
         ids = list(reference(PROMPTS[1], 3))
-        target.Verify(target_pb2.VerifyRequest(session_id="left-open", keep_tokens=0, new_tokens=ids, sampling=GREEDY), timeout=30)
+        target.Verify(
+            target_pb2.VerifyRequest(session_id="left-open", keep_tokens=0, new_tokens=ids, sampling=GREEDY), timeout=30
+        )
         deadline = time.monotonic() + 10
         while target.Info(common_pb2.InfoRequest(), timeout=10).open_sessions:
             assert time.monotonic() < deadline, "an idle session outlived its 2 s TTL"
             time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as gone:
-            target.Verify(target_pb2.VerifyRequest(session_id="left-open", keep_tokens=len(ids), new_tokens=[1], sampling=GREEDY), timeout=30)
+            target.Verify(
+                target_pb2.VerifyRequest(session_id="left-open", keep_tokens=len(ids), new_tokens=[1], sampling=GREEDY),
+                timeout=30,
+            )
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
         # After expiry, eviction and a NOT_FOUND, the ranks still agree.
-        again = generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40, num_speculative_tokens=3), timeout=300)
+        again = generate(
+            pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40, num_speculative_tokens=3), timeout=300
+        )
         assert list(again.token_ids) == reference(PROMPTS[2], 40)
 
 
 def test_a_dead_tensor_parallel_rank_stops_the_target_which_comes_back_whole(tiny_pair, reference, tmp_path):
-    with ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "120"], TP_ARGS) as stack, stack.channel() as channel:
+    with (
+        ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "120"], TP_ARGS) as stack,
+        stack.channel() as channel,
+    ):
         generate = coordinator_pb2_grpc.CoordinatorStub(channel).Generate
         request = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=30, num_speculative_tokens=2)
         assert list(generate(request, timeout=120).token_ids) == reference(PROMPTS[0], 30)
@@ -98,7 +120,13 @@ def test_a_dead_tensor_parallel_rank_stops_the_target_which_comes_back_whole(tin
 def test_tensor_parallel_that_does_not_divide_the_heads_refuses_to_start(tiny_pair, tmp_path):
     from specdec.launch import free_port, spawn
 
-    process = spawn("target", "target_service", ["--model", str(tiny_pair.target), "--tensor-parallel", "3"], free_port(), tmp_path / "t.log")
+    process = spawn(
+        "target",
+        "target_service",
+        ["--model", str(tiny_pair.target), "--tensor-parallel", "3"],
+        free_port(),
+        tmp_path / "t.log",
+    )
     try:
         assert process.process.wait(timeout=120) != 0
     finally:

@@ -61,7 +61,9 @@ def test_chooser_settles_at_zero_and_probes_now_and_then():
 
 def test_chooser_learns_acceptance_and_leaves_zero_when_speculation_pays_again():
     # A dear draft: speculation pays only at high acceptance. Low acceptance → K = 0 ...
-    chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(DEAR_DRAFT, FLAT_TARGET), alpha_prior=0.2, probe_every=2)
+    chooser = AdaptiveK(
+        k_max=8, pipelined=False, costs=RoundCosts(DEAR_DRAFT, FLAT_TARGET), alpha_prior=0.2, probe_every=2
+    )
     assert chooser.choose() == 0
     # ... then every probe is accepted in full (a code block the draft knows by heart).
     for _ in range(12):

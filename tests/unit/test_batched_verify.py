@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec import attention
+from specdec.batching import batch_groups, call_waves
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec.modeling import load_causal_lm
 from specdec.probs import SamplingParams
-from specdec.runner import batch_groups, call_waves
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
@@ -32,7 +32,9 @@ def loaded(tiny_pair):
 
 
 def make_runner(loaded, **kwargs) -> TargetRunner:
-    return TargetRunner(loaded, max_sessions=kwargs.pop("max_sessions", 16), session_ttl_s=60, max_speculative_tokens=8, **kwargs)
+    return TargetRunner(
+        loaded, max_sessions=kwargs.pop("max_sessions", 16), session_ttl_s=60, max_speculative_tokens=8, **kwargs
+    )
 
 
 def tokens(seed: int, count: int, vocab: int) -> list[int]:
@@ -72,7 +74,12 @@ def mixed_calls(runners, params: SamplingParams, return_distributions: bool) -> 
     rounds, a rollback that drops two draft tokens, and two brand-new sessions' prompt
     prefills (one with drafts, one without)."""
     vocab = runners[0].loaded.vocab_size
-    pasts = {"short": tokens(1, 3, vocab), "medium": tokens(2, 17, vocab), "long": tokens(3, 41, vocab), "rollback": tokens(4, 12, vocab)}
+    pasts = {
+        "short": tokens(1, 3, vocab),
+        "medium": tokens(2, 17, vocab),
+        "long": tokens(3, 41, vocab),
+        "rollback": tokens(4, 12, vocab),
+    }
     for session_id, prompt in pasts.items():
         prefill(runners, session_id, prompt)
     # "rollback" holds 12 prompt tokens + 3 drafts; the round keeps the prompt and one draft.
@@ -87,8 +94,16 @@ def mixed_calls(runners, params: SamplingParams, return_distributions: bool) -> 
         ("prompt-only", 0, pasts["long"], []),
     ]
     return [
-        VerifyCall(session_id, keep, new, drafts, draft_probs(30 + i, len(drafts), vocab), params, seed=100 + i,
-                   return_distributions=return_distributions)
+        VerifyCall(
+            session_id,
+            keep,
+            new,
+            drafts,
+            draft_probs(30 + i, len(drafts), vocab),
+            params,
+            seed=100 + i,
+            return_distributions=return_distributions,
+        )
         for i, (session_id, keep, new, drafts) in enumerate(specs)
     ]
 
@@ -118,7 +133,9 @@ def test_greedy_batch_equals_each_session_alone(loaded):
         assert got.recovered_token_ids == want.recovered_token_ids, call.session_id
         assert got.bonus_token_id == want.bonus_token_id, call.session_id
         assert got.draft_token_target_probs == want.draft_token_target_probs, call.session_id
-        assert (got.processed_tokens, got.sequence_length) == (want.processed_tokens, want.sequence_length), call.session_id
+        assert (got.processed_tokens, got.sequence_length) == (want.processed_tokens, want.sequence_length), (
+            call.session_id
+        )
     assert_same_caches(solo, batched, [call.session_id for call in calls])
 
 
@@ -168,7 +185,9 @@ def test_batched_rounds_decode_exactly_the_greedy_continuation(loaded):
             right = (round_index + i) % (k + 1)  # how many drafts agree with the target
             upcoming = truth[session_id][len(generated[session_id]) :][:k]
             drafts = upcoming[:right] + [(t + 1) % vocab for t in upcoming[right:]]
-            calls.append(VerifyCall(session_id, held[session_id], unsent[session_id], drafts, torch.zeros(0), GREEDY, 0))
+            calls.append(
+                VerifyCall(session_id, held[session_id], unsent[session_id], drafts, torch.zeros(0), GREEDY, 0)
+            )
         expected = alone(solo, calls)
         results = batched.verify_batch(calls)
         for call, want, got in zip(calls, expected, results):
@@ -210,7 +229,11 @@ def test_an_error_in_one_item_fails_only_that_call(loaded):
     good = [calls[0], calls[5]]
     for want, got in zip(alone(solo, good), [results[0], results[5]]):
         assert got.batch_size == 2
-        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (want.recovered_token_ids, want.bonus_token_id, want.sequence_length)
+        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (
+            want.recovered_token_ids,
+            want.bonus_token_id,
+            want.sequence_length,
+        )
     assert_same_caches(solo, batched, ["a", "b", "e"])  # "e" is as it was: a refused call changes nothing
     assert not any(holds(batched, session_id) for session_id in ("c", "v", "nobody"))
 
@@ -245,7 +268,9 @@ def test_the_kv_budget_counts_what_the_whole_pass_adds(loaded):
     per_token = make_runner(loaded).kv_bytes_per_token
     runner = make_runner(loaded, max_kv_bytes=35 * per_token)
     runner.verify("old", 0, tokens(80, 15, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0)
-    calls = [VerifyCall(f"new{i}", 0, tokens(81 + i, 12, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0) for i in range(2)]
+    calls = [
+        VerifyCall(f"new{i}", 0, tokens(81 + i, 12, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0) for i in range(2)
+    ]
     results = runner.verify_batch(calls)
     assert all(result.batch_size == 2 for result in results)
     assert runner.sessions.evicted == 1 and not holds(runner, "old")
@@ -265,7 +290,11 @@ def test_calls_for_one_session_run_in_order(loaded):
     results = batched.verify_batch(calls)
     assert [r.batch_size for r in results] == [2, 2, 1]
     for want, got in zip(expected, results):
-        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (want.recovered_token_ids, want.bonus_token_id, want.sequence_length)
+        assert (got.recovered_token_ids, got.bonus_token_id, got.sequence_length) == (
+            want.recovered_token_ids,
+            want.bonus_token_id,
+            want.sequence_length,
+        )
     assert_same_caches(solo, batched, ["x", "y"])
 
 

@@ -14,16 +14,33 @@ def test_theoretical_speedup_formula():
 
 
 def _sample(mode, rounds, proposed, accepted, per_position, total_ms=1000.0, draft=100.0, target=800.0):
-    return dict(mode=mode, kind="code", temperature=0.0, repeat=0, tokens=accepted + rounds, total_ms=total_ms, ttft_ms=10.0,
-                rounds=rounds, proposed=proposed, accepted=accepted, accepted_per_position=per_position,
-                draft_compute_ms=draft, target_compute_ms=target)
+    return dict(
+        mode=mode,
+        kind="code",
+        temperature=0.0,
+        repeat=0,
+        tokens=accepted + rounds,
+        total_ms=total_ms,
+        ttft_ms=10.0,
+        rounds=rounds,
+        proposed=proposed,
+        accepted=accepted,
+        accepted_per_position=per_position,
+        draft_compute_ms=draft,
+        target_compute_ms=target,
+    )
 
 
 def test_alpha_counts_only_positions_that_were_evaluated():
     results = {
-        "modes": [dict(name="ours target-only (K=0)", family="ours", k=0, assisted=None), dict(name="ours K=2", family="ours", k=2, assisted=None)],
+        "modes": [
+            dict(name="ours target-only (K=0)", family="ours", k=0, assisted=None),
+            dict(name="ours K=2", family="ours", k=2, assisted=None),
+        ],
         "samples": [
-            _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0),
+            _sample(
+                "ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0
+            ),
             # 10 rounds of K=2: 8 accepted position 0, 4 of those also position 1.
             _sample("ours K=2", rounds=10, proposed=20, accepted=12, per_position=[8, 4]),
         ],
@@ -49,12 +66,24 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
     assert PLACEMENTS["pinned"]["draft"] == ["--cpus", "0", "--threads", "1"]
     assert PLACEMENTS["pinned"]["target"] == ["--cpus", "1", "--threads", "1"]
     assert any(m.family == "hf" and m.assisted == "default" for m in modes)
-    base = _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0)
+    base = _sample(
+        "ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0
+    )
     base.update(target_ms=1900.0)
-    piped = _sample("ours pinned pipelined K=2", rounds=10, proposed=20, accepted=14, per_position=[8, 6], total_ms=3000.0)
+    piped = _sample(
+        "ours pinned pipelined K=2", rounds=10, proposed=20, accepted=14, per_position=[8, 6], total_ms=3000.0
+    )
     # 9 rounds followed the first; 6 of them took their drafts from a branch.
-    piped.update(predrafts=10, hedges=20, ready_rounds=6, target_ms=2000.0, draft_ms=300.0, branch_wait_ms=200.0,
-                 predraft_wasted_tokens=5, hedge_wasted_tokens=15)
+    piped.update(
+        predrafts=10,
+        hedges=20,
+        ready_rounds=6,
+        target_ms=2000.0,
+        draft_ms=300.0,
+        branch_wait_ms=200.0,
+        predraft_wasted_tokens=5,
+        hedge_wasted_tokens=15,
+    )
     results = {
         "modes": [dict(name=base["mode"], family="ours", k=0), dict(name=piped["mode"], family="ours", k=2)],
         "samples": [base, piped],
@@ -70,7 +99,8 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
 
 
 def test_overhead_table_reports_per_rpc_figures_and_the_bare_rpc_floor():
-    from bench.overhead import markdown_table, summarise as summarise_overhead
+    from bench.overhead import markdown_table
+    from bench.overhead import summarise as summarise_overhead
 
     samples = [
         {"decoding": decoding, "k": k, "round_ms": [10.0, 12.0], "round_overhead_ms": [2.0, 4.0]}

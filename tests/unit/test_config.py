@@ -32,9 +32,15 @@ def test_malformed_environment_value_is_a_clear_start_up_error():
 
 def test_environment_values_outside_the_choices_are_refused():
     """argparse checks choices only on flags; a variable must not slip past them."""
-    with pytest.raises(SystemExit, match="SPECDEC_TARGET_DTYPE='bf16' is invalid: choose from float32, bfloat16, float16"):
+    with pytest.raises(
+        SystemExit, match="SPECDEC_TARGET_DTYPE='bf16' is invalid: choose from float32, bfloat16, float16"
+    ):
         target_config(["--model", "m"], {"SPECDEC_TARGET_DTYPE": "bf16"})
-    base = {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"}
+    base = {
+        "SPECDEC_COORDINATOR_DRAFT": "a:1",
+        "SPECDEC_COORDINATOR_TARGET": "b:2",
+        "SPECDEC_COORDINATOR_TOKENIZER": "t",
+    }
     with pytest.raises(SystemExit, match="SPECDEC_COORDINATOR_PIPELINE='yes' is invalid"):
         coordinator_config([], {**base, "SPECDEC_COORDINATOR_PIPELINE": "yes"})
     assert coordinator_config([], {**base, "SPECDEC_COORDINATOR_PIPELINE": "on"}).pipeline
@@ -44,7 +50,10 @@ def test_required_settings_are_named(capsys):
     with pytest.raises(SystemExit):
         coordinator_config(["--draft", "a:1", "--target", "b:2"], {})
     assert "--tokenizer is required" in capsys.readouterr().err
-    config = coordinator_config([], {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"})
+    config = coordinator_config(
+        [],
+        {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"},
+    )
     assert (config.draft_address, config.target_address, config.default_num_speculative_tokens) == ("a:1", "b:2", 4)
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from specdec.costs import CALIBRATION_MAX_TOKENS, PassCosts, calibrate, cost_at
 from specdec.probs import SamplingParams
-from target_service.runner import TargetRunner, VerifyCall
-from tests.stack import model_service_config
 from target_service import server as target_server
 from target_service.config import TargetConfig
+from target_service.runner import TargetRunner, VerifyCall
+from tests.stack import model_service_config
 
 
 def test_calibrate_times_every_size_keeps_the_fastest_run_and_times_slow_passes_once(monkeypatch):
@@ -64,7 +64,9 @@ def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny
 
 
 def test_calibration_is_capped_and_off_means_no_costs(tiny_pair):
-    runner = target_server.load_runner(model_service_config(TargetConfig, tiny_pair.target, max_speculative_tokens=16, calibrate=True))
+    runner = target_server.load_runner(
+        model_service_config(TargetConfig, tiny_pair.target, max_speculative_tokens=16, calibrate=True)
+    )
     assert len(runner.describe().calibrated_pass_ms) == CALIBRATION_MAX_TOKENS
     plain = target_server.load_runner(model_service_config(TargetConfig, tiny_pair.target))
     assert plain.describe().calibrated_pass_ms == ()

@@ -39,7 +39,11 @@ CONFIGS: dict[str, ModuleType] = {
 REQUIRED_ENV = {
     "draft_service": {"SPECDEC_DRAFT_MODEL": "m"},
     "target_service": {"SPECDEC_TARGET_MODEL": "m"},
-    "coordinator": {"SPECDEC_COORDINATOR_DRAFT": "d:1", "SPECDEC_COORDINATOR_TARGET": "t:2", "SPECDEC_COORDINATOR_TOKENIZER": "m"},
+    "coordinator": {
+        "SPECDEC_COORDINATOR_DRAFT": "d:1",
+        "SPECDEC_COORDINATOR_TARGET": "t:2",
+        "SPECDEC_COORDINATOR_TOKENIZER": "m",
+    },
 }
 SERVICE_PREFIX = re.compile(r"^SPECDEC_(DRAFT|TARGET|COORDINATOR)_")
 
@@ -112,7 +116,11 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
             continue
         logical.append(pending + line)
         pending = ""
-    return [(words[0].upper(), words[1] if len(words) > 1 else "") for line in logical if (words := line.strip().split(None, 1))]
+    return [
+        (words[0].upper(), words[1] if len(words) > 1 else "")
+        for line in logical
+        if (words := line.strip().split(None, 1))
+    ]
 
 
 def substitute(value: str, variables: Mapping[str, str]) -> str:
@@ -125,7 +133,7 @@ def runtime_image() -> Image:
     last_from = max(i for i, (name, _) in enumerate(instructions) if name == "FROM")
     image = Image(env={}, user="root", healthcheck_cmd=[], cmd=[], exposed=set(), copies=[], volumes=[])
     variables: dict[str, str] = {}
-    for name, rest in instructions[last_from + 1:]:
+    for name, rest in instructions[last_from + 1 :]:
         if name == "ARG":
             key, _, default = rest.partition("=")
             variables[key] = default
@@ -161,7 +169,9 @@ class Container:
     argv: list[str]  # after `python -m module`
     env: dict[str, str]
     mounts: list[str]
-    files: dict[str, str] = field(default_factory=dict)  # secret files: container path -> source (host file or Secret key)
+    files: dict[str, str] = field(
+        default_factory=dict
+    )  # secret files: container path -> source (host file or Secret key)
 
     def config(self):
         """The service's config, parsed as the service parses it (choices included)."""
@@ -169,7 +179,10 @@ class Container:
         try:
             return parse(self.argv, self.env)
         except SystemExit as exc:
-            pytest.fail(f"{self.where}: `python -m {self.module} {' '.join(self.argv)}` does not parse with its environment: {exc}")
+            pytest.fail(
+                f"{self.where}: `python -m {self.module} {' '.join(self.argv)}` does not parse with its environment: "
+                f"{exc}"
+            )
 
     def own_variables(self) -> set[str]:
         prefix, _ = healthcheck.SERVICES[self.module]
@@ -199,9 +212,11 @@ def compose_interpolations(node: Any) -> Iterator[tuple[str, str | None]]:
 def with_defaults(node: Any) -> Any:
     """The compose file as Compose sees it when none of its variables is set."""
     if isinstance(node, str):
+
         def default(match: re.Match) -> str:
             assert match.group(2) is not None, f"compose variable {match.group(1)} has no default"
             return match.group(2)
+
         return INTERPOLATION.sub(default, node)
     if isinstance(node, dict):
         return {key: with_defaults(value) for key, value in node.items()}
@@ -214,9 +229,15 @@ def merge_compose(base: Any, override: Any, where: str = "") -> Any:
     """`docker compose -f base -f override` for what these files use: mappings merge, and the
     only list an override may replace is a command or a health-check test."""
     if isinstance(base, dict) and isinstance(override, dict):
-        return {key: merge_compose(base[key], override[key], f"{where}.{key}") if key in base and key in override else override.get(key, base.get(key))
-                for key in {**base, **override}}
-    assert not isinstance(base, list) or where.endswith((".command", ".test")), f"compose override replaces the list {where}"
+        return {
+            key: merge_compose(base[key], override[key], f"{where}.{key}")
+            if key in base and key in override
+            else override.get(key, base.get(key))
+            for key in {**base, **override}
+        }
+    assert not isinstance(base, list) or where.endswith((".command", ".test")), (
+        f"compose override replaces the list {where}"
+    )
     return override
 
 
@@ -227,7 +248,9 @@ COMPOSE_TLS_FILE = with_defaults(merge_compose(COMPOSE_RAW, COMPOSE_TLS_RAW))
 COMPOSE_TLS = COMPOSE_TLS_FILE["services"]
 
 
-def compose_containers(services: dict = COMPOSE, secrets: dict | None = None, label: str = "compose") -> dict[str, Container]:
+def compose_containers(
+    services: dict = COMPOSE, secrets: dict | None = None, label: str = "compose"
+) -> dict[str, Container]:
     containers = {}
     for name, service in services.items():
         command = service.get("command")
@@ -269,9 +292,13 @@ def k8s_containers(documents: list[dict] = K8S, label: str = "k8s") -> dict[str,
             env = dict(IMAGE.env)
             for source in manifest.get("envFrom", []):
                 ref = source["configMapRef"]["name"]
-                assert ref in config_maps, f"k8s {name}: envFrom names ConfigMap {ref}, which is not in the kustomization"
+                assert ref in config_maps, (
+                    f"k8s {name}: envFrom names ConfigMap {ref}, which is not in the kustomization"
+                )
                 data = config_maps[ref]["data"]
-                assert all(isinstance(value, str) for value in data.values()), f"ConfigMap {ref}: quote non-string values"
+                assert all(isinstance(value, str) for value in data.values()), (
+                    f"ConfigMap {ref}: quote non-string values"
+                )
                 env.update(data)
             env.update({item["name"]: item["value"] for item in manifest.get("env", []) if "value" in item})
             mounts = [mount["mountPath"] for mount in manifest.get("volumeMounts", [])]
@@ -290,7 +317,9 @@ def secret_files(spec: dict, manifest: dict) -> dict[str, str]:
         if "secret" in volume:
             sources.append({"name": volume["secret"]["secretName"], **volume["secret"]})
         for secret in sources:
-            assert "items" in secret, f"{manifest['name']}: Secret {secret['name']} is mounted whole; list the files it needs"
+            assert "items" in secret, (
+                f"{manifest['name']}: Secret {secret['name']} is mounted whole; list the files it needs"
+            )
             for item in secret["items"]:
                 files[f"{mount['mountPath'].rstrip('/')}/{item['path']}"] = f"{secret['name']}/{item['key']}"
     return files
@@ -301,8 +330,10 @@ K8S_CONTAINERS = k8s_containers()
 COMPOSE_TLS_CONTAINERS = compose_containers(COMPOSE_TLS, COMPOSE_TLS_FILE["secrets"], "compose+tls")
 K8S_TLS_CONTAINERS = k8s_containers(K8S_TLS, "k8s/tls")
 ALL_CONTAINERS = [
-    *COMPOSE_CONTAINERS.values(), *(container for container, _, _ in K8S_CONTAINERS.values()),
-    *COMPOSE_TLS_CONTAINERS.values(), *(container for container, _, _ in K8S_TLS_CONTAINERS.values()),
+    *COMPOSE_CONTAINERS.values(),
+    *(container for container, _, _ in K8S_CONTAINERS.values()),
+    *COMPOSE_TLS_CONTAINERS.values(),
+    *(container for container, _, _ in K8S_TLS_CONTAINERS.values()),
 ]
 
 
@@ -372,10 +403,14 @@ def test_image_sets_model_paths_under_its_volume():
 def test_model_folders_are_on_a_mounted_volume(container):
     config = container.config()
     path = config.tokenizer if container.module == "coordinator" else config.model
-    assert any(path.startswith(mount.rstrip("/") + "/") for mount in container.mounts), f"{container.where}: {path} is on no mounted volume"
+    assert any(path.startswith(mount.rstrip("/") + "/") for mount in container.mounts), (
+        f"{container.where}: {path} is on no mounted volume"
+    )
 
 
-@pytest.mark.parametrize("containers", [COMPOSE_CONTAINERS, {n: c for n, (c, _, _) in K8S_CONTAINERS.items()}], ids=["compose", "k8s"])
+@pytest.mark.parametrize(
+    "containers", [COMPOSE_CONTAINERS, {n: c for n, (c, _, _) in K8S_CONTAINERS.items()}], ids=["compose", "k8s"]
+)
 def test_coordinator_tokenizer_is_the_targets_model(containers):
     """The coordinator checks its tokenizer against the target's fingerprint at start-up."""
     _, coordinator_container = by_module(containers, "coordinator")
@@ -437,7 +472,9 @@ def test_compose_otlp_endpoint_is_jaegers_receiver():
 
 
 def otlp_grpc_port(jaeger_args: list[str]) -> int:
-    [endpoint] = [arg.split("=", 2)[2] for arg in jaeger_args if arg.startswith("--set=receivers.otlp.protocols.grpc.endpoint=")]
+    [endpoint] = [
+        arg.split("=", 2)[2] for arg in jaeger_args if arg.startswith("--set=receivers.otlp.protocols.grpc.endpoint=")
+    ]
     host, port = split_address(endpoint)
     assert host == "0.0.0.0", "Jaeger's OTLP receiver would listen on loopback only"
     return port
@@ -471,9 +508,13 @@ def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
     port = config.port
     assert {p["name"]: p["containerPort"] for p in manifest["ports"]} == {"grpc": port, "metrics": config.metrics_port}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
+    assert (
+        annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
+    )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert manifest[probe]["grpc"]["port"] == port, f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
+        assert manifest[probe]["grpc"]["port"] == port, (
+            f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
+        )
     [service_port] = service_for(deployment)["spec"]["ports"]
     assert target_port(service_port, manifest) == port
 
@@ -488,7 +529,9 @@ def test_k8s_service_links_cannot_override_settings(name):
         prefix = service.upper().replace("-", "_")
         injected |= {f"{prefix}_PORT", f"{prefix}_SERVICE_HOST", f"{prefix}_SERVICE_PORT"}
     if injected & READS[container.module]:
-        assert pod_spec(deployment).get("enableServiceLinks") is False, f"{name} would read Service link variables {sorted(injected & READS[container.module])}"
+        assert pod_spec(deployment).get("enableServiceLinks") is False, (
+            f"{name} would read Service link variables {sorted(injected & READS[container.module])}"
+        )
 
 
 def resolve_k8s_address(address: str) -> tuple[dict, int]:
@@ -502,8 +545,19 @@ def resolve_k8s_address(address: str) -> tuple[dict, int]:
     assert service_name in services, f"{address}: no Service {service_name}"
     service = services[service_name]
     [service_port] = [p for p in service["spec"]["ports"] if p["port"] == port]
-    [deployment] = [d for d in k8s("Deployment").values() if selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
-    [manifest] = [c for c in pod_spec(deployment)["containers"] if any(p.get("name") == service_port["targetPort"] or p["containerPort"] == service_port["targetPort"] for p in c["ports"])]
+    [deployment] = [
+        d
+        for d in k8s("Deployment").values()
+        if selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+    ]
+    [manifest] = [
+        c
+        for c in pod_spec(deployment)["containers"]
+        if any(
+            p.get("name") == service_port["targetPort"] or p["containerPort"] == service_port["targetPort"]
+            for p in c["ports"]
+        )
+    ]
     return deployment, target_port(service_port, manifest)
 
 
@@ -537,10 +591,13 @@ def test_k8s_draft_and_target_get_their_own_gpu_nodes():
     for this, other in ((draft_name, target_name), (draft_name, target_name)[::-1]):
         other_labels = deployments[other]["spec"]["template"]["metadata"]["labels"]
         assert any(
-            term["topologyKey"] == "kubernetes.io/hostname" and selects(term["labelSelector"]["matchLabels"], other_labels)
+            term["topologyKey"] == "kubernetes.io/hostname"
+            and selects(term["labelSelector"]["matchLabels"], other_labels)
             for term in required_anti_affinity(deployments[this])
         ), f"nothing keeps {this} off {other}'s node"
-    gpus = {name: K8S_CONTAINERS[name][1]["resources"]["limits"]["nvidia.com/gpu"] for name in (draft_name, target_name)}
+    gpus = {
+        name: K8S_CONTAINERS[name][1]["resources"]["limits"]["nvidia.com/gpu"] for name in (draft_name, target_name)
+    }
     assert gpus == {draft_name: 1, target_name: 2}
     assert target.config().device_map == "auto", "the target requests two GPUs but would load on one"
     assert K8S_CONTAINERS[draft_name][0].config().device.startswith("cuda")
@@ -551,7 +608,9 @@ def test_k8s_pods_run_as_the_images_non_root_user():
     for name, (_, manifest, deployment) in K8S_CONTAINERS.items():
         security = pod_spec(deployment)["securityContext"]
         assert security["runAsNonRoot"] is True
-        assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid), f"{name} runs as another user than the image's"
+        assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid), (
+            f"{name} runs as another user than the image's"
+        )
         assert manifest["securityContext"]["readOnlyRootFilesystem"] is True
         # A read-only root needs a writable /tmp: HF_HOME points there.
         assert IMAGE.env["HF_HOME"].startswith("/tmp/") and "/tmp" in K8S_CONTAINERS[name][0].mounts
@@ -560,21 +619,39 @@ def test_k8s_pods_run_as_the_images_non_root_user():
 def test_k8s_pdb_and_network_policies_select_real_pods():
     deployments = k8s("Deployment")
     for pdb in k8s("PodDisruptionBudget").values():
-        [deployment] = [d for d in deployments.values() if selects(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
-        assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], "the PDB would block every voluntary eviction"
-    coordinator_labels = deployments[by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")[0]]["spec"]["template"]["metadata"]["labels"]
+        [deployment] = [
+            d
+            for d in deployments.values()
+            if selects(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"], (
+            "the PDB would block every voluntary eviction"
+        )
+    coordinator_labels = deployments[by_module({n: c for n, (c, _, _) in K8S_CONTAINERS.items()}, "coordinator")[0]][
+        "spec"
+    ]["template"]["metadata"]["labels"]
     for policy in k8s("NetworkPolicy").values():
-        [protected] = [n for n, d in deployments.items() if selects(policy["spec"]["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        [protected] = [
+            n
+            for n, d in deployments.items()
+            if selects(policy["spec"]["podSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
+        ]
         config = K8S_CONTAINERS[protected][0].config()
         [rule, metrics_rule] = policy["spec"]["ingress"]
         assert [p["port"] for p in rule["ports"]] == [config.port]
-        assert selects(rule["from"][0]["podSelector"]["matchLabels"], coordinator_labels), f"{policy['metadata']['name']} shuts out the coordinator"
-        assert [p["port"] for p in metrics_rule["ports"]] == [config.metrics_port], "Prometheus must reach the metrics port"
+        assert selects(rule["from"][0]["podSelector"]["matchLabels"], coordinator_labels), (
+            f"{policy['metadata']['name']} shuts out the coordinator"
+        )
+        assert [p["port"] for p in metrics_rule["ports"]] == [config.metrics_port], (
+            "Prometheus must reach the metrics port"
+        )
 
 
 def test_compose_prometheus_scrapes_each_service_on_its_metrics_port():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = {target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]}
+    targets = {
+        target for job in config["scrape_configs"] for group in job["static_configs"] for target in group["targets"]
+    }
     expected = {f"{name}:{container.config().metrics_port}" for name, container in COMPOSE_CONTAINERS.items()}
     assert targets == expected
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in COMPOSE["prometheus"]["volumes"]
@@ -585,7 +662,9 @@ def test_k8s_volumes_and_config_maps_exist():
     for name, (_, _, deployment) in K8S_CONTAINERS.items():
         for volume in pod_spec(deployment)["volumes"]:
             if "persistentVolumeClaim" in volume:
-                assert volume["persistentVolumeClaim"]["claimName"] in claims, f"{name}: no claim {volume['persistentVolumeClaim']['claimName']}"
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, (
+                    f"{name}: no claim {volume['persistentVolumeClaim']['claimName']}"
+                )
 
 
 def test_kustomization_lists_every_manifest():
@@ -598,7 +677,10 @@ def test_render_applies_namespace_and_image_overrides():
     assert {doc["metadata"].get("namespace") for doc in K8S if doc["kind"] != "Namespace"} == {NAMESPACE}
     rules = [{"name": "registry.example.com/specdec", "newName": "r.io/team/specdec"}]
     assert render.retag("registry.example.com/specdec:0.1.0-cuda", rules) == "r.io/team/specdec:0.1.0-cuda"
-    assert render.retag("localhost:5000/specdec", [{"name": "localhost:5000/specdec", "newTag": "1"}]) == "localhost:5000/specdec:1"
+    assert (
+        render.retag("localhost:5000/specdec", [{"name": "localhost:5000/specdec", "newTag": "1"}])
+        == "localhost:5000/specdec:1"
+    )
     assert render.retag("jaegertracing/jaeger:2.13.0", rules) == "jaegertracing/jaeger:2.13.0"
 
 
@@ -621,7 +703,13 @@ def test_health_probe_knows_each_services_port_and_variable(module):
 @pytest.mark.parametrize("module", sorted(CONFIGS))
 @pytest.mark.parametrize(
     "argv, env",
-    [([], {}), ([], {"PORT": "7001"}), (["--port", "7002"], {}), (["--port=7003"], {"PORT": "7001"}), (["--log-level", "DEBUG"], {"PORT": "7004"})],
+    [
+        ([], {}),
+        ([], {"PORT": "7001"}),
+        (["--port", "7002"], {}),
+        (["--port=7003"], {"PORT": "7001"}),
+        (["--log-level", "DEBUG"], {"PORT": "7004"}),
+    ],
 )
 def test_health_probe_finds_the_port_the_service_parses(module, argv, env):
     prefix, _ = healthcheck.SERVICES[module]
@@ -674,7 +762,9 @@ def source_name(source: str) -> str:
 
 def mounted(container: Container, path: str | None, what: str) -> str:
     assert path, f"{container.where}: {what} is not set"
-    assert path in container.files, f"{container.where}: {what} {path} is not a mounted secret file ({sorted(container.files)})"
+    assert path in container.files, (
+        f"{container.where}: {what} {path} is not a mounted secret file ({sorted(container.files)})"
+    )
     return source_name(container.files[path])
 
 
@@ -687,7 +777,9 @@ def test_tls_files_are_each_services_own_and_mounted(containers):
         security = config.security
         assert mounted(container, security.tls_cert, "--tls-cert") == f"{component}.crt"
         assert mounted(container, security.tls_key, "--tls-key") == f"{component}.key"
-        assert not any(source_name(source) == "ca.key" for source in container.files.values()), f"{container.where} mounts the CA's key"
+        assert not any(source_name(source) == "ca.key" for source in container.files.values()), (
+            f"{container.where} mounts the CA's key"
+        )
         if container.module == "coordinator":
             assert mounted(container, config.upstream.tls_ca, "--upstream-tls-ca") == "ca.crt"
             assert mounted(container, config.upstream.tls_cert, "--upstream-tls-cert") == "coordinator.crt"
@@ -695,7 +787,9 @@ def test_tls_files_are_each_services_own_and_mounted(containers):
             assert mounted(container, security.auth_token_file, "--auth-token-file") == "public-tokens"
             assert mounted(container, config.upstream.auth_token_file, "--upstream-auth-token-file") == "internal-token"
         else:
-            assert mounted(container, security.tls_client_ca, "--tls-client-ca") == "ca.crt", f"{container.where}: mutual TLS is off"
+            assert mounted(container, security.tls_client_ca, "--tls-client-ca") == "ca.crt", (
+                f"{container.where}: mutual TLS is off"
+            )
             assert mounted(container, security.auth_token_file, "--auth-token-file") == "internal-token"
 
 
@@ -706,7 +800,9 @@ def test_tls_coordinator_reaches_draft_and_target_by_a_name_in_their_certificate
     assert config.upstream.tls_server_name is None
     for address, component in ((config.draft_address, "draft"), (config.target_address, "target")):
         host, _ = split_address(address)
-        assert host in make_certs.service_hosts(component, NAMESPACE), f"{address} is not a name make_certs.py puts in {component}.crt"
+        assert host in make_certs.service_hosts(component, NAMESPACE), (
+            f"{address} is not a name make_certs.py puts in {component}.crt"
+        )
 
 
 @pytest.mark.parametrize("containers", TLS_SETS.values(), ids=TLS_SETS.keys())
@@ -720,12 +816,16 @@ def test_tls_probe_verifies_with_the_ca_and_gets_past_mutual_tls(containers):
             commands = [COMPOSE_TLS[name]["healthcheck"]["test"][1:]]
         else:
             probes = [k8s_manifests[name][probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe")]
-            assert all("grpc" not in probe for probe in probes), f"{container.where}: kubelet's gRPC probes cannot speak TLS"
+            assert all("grpc" not in probe for probe in probes), (
+                f"{container.where}: kubelet's gRPC probes cannot speak TLS"
+            )
             commands = [probe["exec"]["command"] for probe in probes]
         for command in commands:
             assert command[:2] == IMAGE.healthcheck_cmd, f"{container.where}: {command} is not the image's probe"
             assert command[2:4] == ["--tls-ca", command[3]] and len(command) == 4, f"{container.where}: {command}"
-            tls = healthcheck.service_tls(["python", "-m", container.module, *container.argv], container.env, command[3])
+            tls = healthcheck.service_tls(
+                ["python", "-m", container.module, *container.argv], container.env, command[3]
+            )
             assert tls is not None and mounted(container, tls.ca, "the probe's --tls-ca") == "ca.crt"
             if container.config().security.tls_client_ca:
                 assert mounted(container, tls.cert, "the probe's certificate") == f"{COMPONENT[container.module]}.crt"
@@ -757,8 +857,12 @@ def test_render_applies_json_patches_and_refuses_bad_ones(tmp_path):
     render.apply_operation(doc, {"op": "replace", "path": "/spec/list/1", "value": 9}, tmp_path)
     render.apply_operation(doc, {"op": "add", "path": "/spec/map/b~1c", "value": 2}, tmp_path)
     assert doc["spec"] == {"list": [0, 9, 2, 3], "map": {"b/c": 2}}
-    for bad in ({"op": "test", "path": "/spec/list/0", "value": 5}, {"op": "remove", "path": "/spec/map/zz"},
-                {"op": "replace", "path": "/spec/list/4", "value": 1}, {"op": "move", "path": "/spec", "from": "/x"}):
+    for bad in (
+        {"op": "test", "path": "/spec/list/0", "value": 5},
+        {"op": "remove", "path": "/spec/map/zz"},
+        {"op": "replace", "path": "/spec/list/4", "value": 1},
+        {"op": "move", "path": "/spec", "from": "/x"},
+    ):
         with pytest.raises(SystemExit):
             render.apply_operation(doc, bad, tmp_path)
 
@@ -789,7 +893,12 @@ def test_health_probe_speaks_tls_and_mutual_tls(tls_health_server, tls_files):
     assert healthcheck.main([address]) == 1, "plaintext must not pass against a TLS server"
     assert healthcheck.main([address, "--tls-ca", tls_files.rogue_ca]) == 1, "a server another CA signed must not pass"
     assert healthcheck.main([address, "--tls-ca", tls_files.ca]) == (1 if mutual else 0)
-    assert healthcheck.main([address, "--tls-ca", tls_files.ca, "--tls-cert", tls_files.server_cert, "--tls-key", tls_files.server_key]) == 0
+    assert (
+        healthcheck.main(
+            [address, "--tls-ca", tls_files.ca, "--tls-cert", tls_files.server_cert, "--tls-key", tls_files.server_key]
+        )
+        == 0
+    )
 
 
 def test_health_probe_follows_the_services_tls_settings(tls_files):
@@ -801,5 +910,7 @@ def test_health_probe_follows_the_services_tls_settings(tls_files):
     assert healthcheck.service_tls(argv, env, "/s/ca.crt") == healthcheck.ProbeTLS("/s/ca.crt")
     mutual = {**env, "SPECDEC_DRAFT_TLS_CLIENT_CA": "/s/ca.crt"}
     assert healthcheck.service_tls(argv, mutual) == healthcheck.ProbeTLS("/s/ca.crt", "/s/tls.crt", "/s/tls.key")
-    assert healthcheck.service_tls([*argv, "--tls-cert", "/f/c.crt"], mutual).cert == "/f/c.crt", "flags win over variables"
+    assert healthcheck.service_tls([*argv, "--tls-cert", "/f/c.crt"], mutual).cert == "/f/c.crt", (
+        "flags win over variables"
+    )
     assert healthcheck.service_tls(argv, {"SPECDEC_DRAFT_TLS_CERT": ""}) is None, "an empty variable means unset"

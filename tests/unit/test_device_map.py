@@ -33,12 +33,18 @@ def rounds(runner: TargetRunner) -> list:
     probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)), dim=-1)  # [3, V]
     empty = torch.zeros(0, vocab)
     results = [
-        runner.verify_one(VerifyCall("a", 0, [5, 6, 7, 8, 9, 10], [11, 12, 13], probs, SAMPLED, 3, return_distributions=True)),
+        runner.verify_one(
+            VerifyCall("a", 0, [5, 6, 7, 8, 9, 10], [11, 12, 13], probs, SAMPLED, 3, return_distributions=True)
+        ),
         runner.verify_one(VerifyCall("b", 0, [20, 21, 22], [23], empty, GREEDY, 0)),
-        *runner.verify_batch([
-            VerifyCall("a", 7, [14], [15, 16, 17], probs, SAMPLED, 4, return_distributions=True),  # two drafts rolled back
-            VerifyCall("b", 4, [24, 25], [26, 27], empty, GREEDY, 0),
-        ]),
+        *runner.verify_batch(
+            [
+                VerifyCall(
+                    "a", 7, [14], [15, 16, 17], probs, SAMPLED, 4, return_distributions=True
+                ),  # two drafts rolled back
+                VerifyCall("b", 4, [24, 25], [26, 27], empty, GREEDY, 0),
+            ]
+        ),
     ]
     return results
 
@@ -48,7 +54,9 @@ def same(left: list, right: list) -> None:
         assert mine.recovered_token_ids == theirs.recovered_token_ids
         assert mine.bonus_token_id == theirs.bonus_token_id
         assert mine.sequence_length == theirs.sequence_length
-        torch.testing.assert_close(torch.tensor(mine.draft_token_target_probs), torch.tensor(theirs.draft_token_target_probs))
+        torch.testing.assert_close(
+            torch.tensor(mine.draft_token_target_probs), torch.tensor(theirs.draft_token_target_probs)
+        )
         if mine.target_probs is not None:
             torch.testing.assert_close(mine.target_probs, theirs.target_probs, atol=1e-6, rtol=1e-5)
 
@@ -63,8 +71,12 @@ def test_device_map_auto_loads_and_verifies_like_the_plain_model_on_a_cpu_only_h
 def test_a_model_split_by_accelerate_over_two_placements_verifies_like_the_plain_model(tiny_pair, tmp_path):
     loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
     device_map = {
-        "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-        "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu",
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
     }
     model = AutoModelForCausalLM.from_pretrained(
         tiny_pair.target, dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path / "offload")

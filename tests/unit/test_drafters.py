@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from specdec.quantize import RowwiseInt8Linear
-
 import dataclasses
 
 import numpy as np
@@ -18,6 +16,7 @@ from draft_service.runner import DraftRunner, frequent_token_ids
 from specdec.errors import InvalidArgument, SessionNotFound
 from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
 from specdec.probs import SamplingParams
+from specdec.quantize import RowwiseInt8Linear
 from tests.stack import model_service_config
 
 GREEDY = SamplingParams()
@@ -46,7 +45,14 @@ def test_lookup_respects_min_n_and_finds_nothing_without_a_recurrence():
 
 @pytest.fixture(scope="module")
 def ngram(tiny_pair) -> NgramDrafter:
-    return NgramDrafter(load_tokenizer_info(str(tiny_pair.target)), max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, min_n=1, max_n=3)
+    return NgramDrafter(
+        load_tokenizer_info(str(tiny_pair.target)),
+        max_sessions=4,
+        session_ttl_s=60,
+        max_speculative_tokens=8,
+        min_n=1,
+        max_n=3,
+    )
 
 
 def test_ngram_drafter_keeps_its_sequence_and_rolls_back(ngram, tiny_pair):

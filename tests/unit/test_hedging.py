@@ -46,7 +46,12 @@ def test_hedges_flag_is_bounded():
 
 @pytest.fixture(scope="module")
 def draft_runner(tiny_pair) -> DraftRunner:
-    return DraftRunner(load_causal_lm(str(tiny_pair.draft), "float32", "cpu"), max_sessions=8, session_ttl_s=60, max_speculative_tokens=8)
+    return DraftRunner(
+        load_causal_lm(str(tiny_pair.draft), "float32", "cpu"),
+        max_sessions=8,
+        session_ttl_s=60,
+        max_speculative_tokens=8,
+    )
 
 
 def test_a_fork_drafts_as_a_fresh_session_would_and_leaves_its_parent_alone(draft_runner):
@@ -90,7 +95,9 @@ def test_runner_up_is_the_likeliest_other_token(draft_runner, params):
     for token, runner_up, prob in zip(proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
         assert runner_up != token and 0.0 < prob <= 1.0
     if not params.greedy:
-        for row, token, runner_up, prob in zip(proposal.probs, proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
+        for row, token, runner_up, prob in zip(
+            proposal.probs, proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs
+        ):
             assert prob == pytest.approx(float(row[runner_up]))
             others = row.clone()
             others[token] = 0.0

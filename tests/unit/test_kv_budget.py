@@ -30,12 +30,18 @@ def test_bytes_per_token_is_what_the_cache_really_holds(loaded):
     session = runner.sessions.open("m", 1)
     assert session.kv_bytes == session.cached_tokens * runner.kv_bytes_per_token > 0
     info = runner.describe()
-    assert (info.kv_cache_bytes, info.kv_bytes_per_token, info.max_kv_cache_bytes) == (session.kv_bytes, runner.kv_bytes_per_token, 0)
+    assert (info.kv_cache_bytes, info.kv_bytes_per_token, info.max_kv_cache_bytes) == (
+        session.kv_bytes,
+        runner.kv_bytes_per_token,
+        0,
+    )
 
 
 def test_least_recently_used_sessions_are_evicted_to_fit_the_budget(loaded):
     per_token = TargetRunner(loaded, 1, 60, 4).kv_bytes_per_token
-    runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=70 * per_token)
+    runner = TargetRunner(
+        loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=70 * per_token
+    )
     verify(runner, "old", 0, list(range(1, 31)))  # 30 tokens
     verify(runner, "recent", 0, list(range(1, 31)))  # 60 in all
     verify(runner, "recent", 30, [5])  # "recent" is now the most recently used
@@ -50,7 +56,9 @@ def test_least_recently_used_sessions_are_evicted_to_fit_the_budget(loaded):
 
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
     per_token = TargetRunner(loaded, 1, 60, 4).kv_bytes_per_token
-    runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=10 * per_token)
+    runner = TargetRunner(
+        loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=10 * per_token
+    )
     verify(runner, "other", 0, [1, 2, 3])
     with pytest.raises(ResourceExhausted) as refused:
         verify(runner, "big", 0, list(range(1, 21)))
@@ -65,6 +73,10 @@ def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
 
 def test_sizes_parse_with_units():
     assert parse_bytes("1048576") == 2**20
-    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    assert (
+        parse_bytes("512MiB") == 512 * 2**20
+        and parse_bytes("8GiB") == 8 * 2**30
+        and parse_bytes("1.5GB") == 1_500_000_000
+    )
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")

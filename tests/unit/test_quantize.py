@@ -34,7 +34,9 @@ def test_per_token_scales_are_closer_to_float32_than_torch_dynamic_quantisation(
     ours = RowwiseInt8Linear(linear)(rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dynamic = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)(rows)
+        dynamic = torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8
+        )(rows)
     relative = ((ours - exact).norm(dim=1) / exact.norm(dim=1)).max()
     assert relative < 0.02
     # torch's one scale per pass crushes the small rows; per-token scales do not.
@@ -50,9 +52,12 @@ def test_a_k_plus_one_token_pass_scores_like_one_token_passes(tiny_pair):
         with torch.inference_mode():
             together = model(input_ids=ids).logits[0]  # [8, V]
             cache = DynamicCache(config=model.config)
-            one_by_one = torch.cat([
-                model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(ids.shape[1])
-            ])
+            one_by_one = torch.cat(
+                [
+                    model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0]
+                    for i in range(ids.shape[1])
+                ]
+            )
         return together, one_by_one
 
     model = quantize_int8(AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval())
@@ -69,16 +74,21 @@ def test_a_k_plus_one_token_pass_scores_like_one_token_passes(tiny_pair):
             model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
             if tail_together:
                 return model(input_ids=ids_tail, past_key_values=cache, use_cache=True).logits[0]
-            return torch.cat([
-                model(input_ids=ids_tail[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(ids_tail.shape[1])
-            ])
+            return torch.cat(
+                [
+                    model(input_ids=ids_tail[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0]
+                    for i in range(ids_tail.shape[1])
+                ]
+            )
 
     assert torch.equal(prefix_then(model, True), prefix_then(model, False))
     # Power: torch's per-pass activation scale gives a different answer for the same token.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dynamic = torch.ao.quantization.quantize_dynamic(
-            AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval(), {torch.nn.Linear}, dtype=torch.qint8
+            AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval(),
+            {torch.nn.Linear},
+            dtype=torch.qint8,
         )
     together, one_by_one = pass_vs_steps(dynamic)
     assert (together - one_by_one).abs().max() > 1e-2

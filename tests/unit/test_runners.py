@@ -16,12 +16,22 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def target_runner(tiny_pair) -> TargetRunner:
-    return TargetRunner(load_causal_lm(str(tiny_pair.target), "float32", "cpu"), max_sessions=4, session_ttl_s=60, max_speculative_tokens=8)
+    return TargetRunner(
+        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
+        max_sessions=4,
+        session_ttl_s=60,
+        max_speculative_tokens=8,
+    )
 
 
 @pytest.fixture(scope="module")
 def draft_runner(tiny_pair) -> DraftRunner:
-    return DraftRunner(load_causal_lm(str(tiny_pair.draft), "float32", "cpu"), max_sessions=4, session_ttl_s=60, max_speculative_tokens=8)
+    return DraftRunner(
+        load_causal_lm(str(tiny_pair.draft), "float32", "cpu"),
+        max_sessions=4,
+        session_ttl_s=60,
+        max_speculative_tokens=8,
+    )
 
 
 def full_logits(runner, tokens: list[int]) -> torch.Tensor:
@@ -32,12 +42,16 @@ def full_logits(runner, tokens: list[int]) -> torch.Tensor:
 
 def test_rollback_leaves_exactly_the_kept_prefix(target_runner):
     prompt = list(range(5, 25))
-    first = target_runner.verify("s-rollback", 0, prompt, [30, 31, 32], torch.zeros(3, target_runner.loaded.vocab_size), GREEDY, 0)
+    first = target_runner.verify(
+        "s-rollback", 0, prompt, [30, 31, 32], torch.zeros(3, target_runner.loaded.vocab_size), GREEDY, 0
+    )
     assert first.sequence_length == 23
     session = target_runner.sessions.open("s-rollback", 1)
     assert session.cached_tokens == 23
     # Keep the prompt plus one draft token, then append a different token.
-    second = target_runner.verify("s-rollback", 21, [40], [], torch.zeros(0, target_runner.loaded.vocab_size), GREEDY, 0, True)
+    second = target_runner.verify(
+        "s-rollback", 21, [40], [], torch.zeros(0, target_runner.loaded.vocab_size), GREEDY, 0, True
+    )
     assert session.tokens == prompt + [30, 40]
     assert session.cached_tokens == 22
     assert second.processed_tokens == 1, "only the new token may run; the prefix must come from the cache"
@@ -49,7 +63,9 @@ def test_rollback_leaves_exactly_the_kept_prefix(target_runner):
 def test_verify_greedy_matches_argmax_of_uncached_forward(target_runner):
     prompt = [3, 14, 15, 92, 65, 35]
     drafts = [89, 79, 32]
-    result = target_runner.verify("s-greedy", 0, prompt, drafts, torch.zeros(3, target_runner.loaded.vocab_size), GREEDY, 0)
+    result = target_runner.verify(
+        "s-greedy", 0, prompt, drafts, torch.zeros(3, target_runner.loaded.vocab_size), GREEDY, 0
+    )
     argmax = full_logits(target_runner, prompt + drafts)[-4:].argmax(-1).tolist()  # [K + 1]
     assert result.recovered_token_ids == argmax[:3]
     assert result.bonus_token_id == argmax[3]
@@ -112,7 +128,12 @@ def test_out_of_vocab_and_too_long_inputs_are_invalid(target_runner):
 
 
 def test_session_cap_gives_resource_exhausted(tiny_pair):
-    runner = TargetRunner(load_causal_lm(str(tiny_pair.target), "float32", "cpu"), max_sessions=1, session_ttl_s=60, max_speculative_tokens=4)
+    runner = TargetRunner(
+        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
+        max_sessions=1,
+        session_ttl_s=60,
+        max_speculative_tokens=4,
+    )
     runner.verify("a", 0, [1, 2], [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
     with pytest.raises(ResourceExhausted, match="maximum is 1"):
         runner.verify("b", 0, [1, 2], [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
@@ -121,7 +142,12 @@ def test_session_cap_gives_resource_exhausted(tiny_pair):
 
 
 def test_idle_sessions_expire(tiny_pair):
-    runner = TargetRunner(load_causal_lm(str(tiny_pair.target), "float32", "cpu"), max_sessions=4, session_ttl_s=0.0, max_speculative_tokens=4)
+    runner = TargetRunner(
+        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
+        max_sessions=4,
+        session_ttl_s=0.0,
+        max_speculative_tokens=4,
+    )
     runner.verify("idle", 0, [1, 2], [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
     assert runner.expire_sessions() == 1
     assert runner.describe().open_sessions == 0
@@ -132,7 +158,10 @@ def test_greedy_fast_path_equals_generic_one_hot_path(target_runner):
     the generic path, and both must agree for every kind of draft distribution."""
     vocab = target_runner.loaded.vocab_size
     prompt, drafts = [5, 6, 7, 8, 9], [10, 11, 12]
-    for draft_probs in (torch.zeros(3, vocab).scatter_(1, torch.tensor([[10], [11], [12]]), 1.0), torch.full((3, vocab), 1.0 / vocab)):
+    for draft_probs in (
+        torch.zeros(3, vocab).scatter_(1, torch.tensor([[10], [11], [12]]), 1.0),
+        torch.full((3, vocab), 1.0 / vocab),
+    ):
         fast = target_runner.verify("fast", 0, prompt, drafts, draft_probs, GREEDY, 1)
         generic = target_runner.verify("generic", 0, prompt, drafts, draft_probs, GREEDY, 2, True)
         assert fast.recovered_token_ids == generic.recovered_token_ids

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats
 import torch
+from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from coordinator.sampling import count_accepted, decide_round
@@ -14,6 +14,7 @@ from specdec.probs import SamplingParams, logits_to_probs, residual_probs, sampl
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
 # --- logits processing -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "params",
@@ -54,6 +55,7 @@ def test_truncate_top_k_renormalises():
 
 # --- residual and acceptance ---------------------------------------------------------------
 
+
 def test_residual_is_normalised_positive_part():
     target_probs = torch.tensor([[0.5, 0.3, 0.2]])
     draft_probs = torch.tensor([[0.2, 0.6, 0.2]])
@@ -93,7 +95,9 @@ def test_acceptance_ratio_above_one_always_accepts():
 
 def test_no_draft_tokens_emits_bonus_only():
     generator = torch.Generator().manual_seed(0)
-    outputs = verify_outputs(torch.tensor([[0.0, 1.0]]), torch.empty(0, 2), torch.empty(0, dtype=torch.int64), generator)
+    outputs = verify_outputs(
+        torch.tensor([[0.0, 1.0]]), torch.empty(0, 2), torch.empty(0, dtype=torch.int64), generator
+    )
     assert outputs.bonus_token_id == 1 and outputs.recovered_token_ids.numel() == 0
 
 
@@ -119,7 +123,9 @@ def _one_hot_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(rows.argmax(-1), VOCAB).float()
 
 
-def _speculative_sample(target_rows: torch.Tensor, draft_rows: torch.Tensor, seed: int, trials: int = TRIALS) -> list[tuple[int, ...]]:
+def _speculative_sample(
+    target_rows: torch.Tensor, draft_rows: torch.Tensor, seed: int, trials: int = TRIALS
+) -> list[tuple[int, ...]]:
     """Full speculative decoding of SEQUENCE_LENGTH tokens after token 0, many times, using the
     real target-side (verify_outputs) and coordinator-side (decide_round) functions."""
     generator = torch.Generator().manual_seed(seed)
@@ -136,7 +142,9 @@ def _speculative_sample(target_rows: torch.Tensor, draft_rows: torch.Tensor, see
             contexts = [sequence[-1], *draft_tokens]  # the token each target position follows
             target_probs = target_rows[contexts]  # [K + 1, V]
             draft_probs = draft_rows[contexts[:-1]]  # [K, V]
-            outputs = verify_outputs(target_probs, draft_probs, torch.tensor(draft_tokens, dtype=torch.int64), generator)
+            outputs = verify_outputs(
+                target_probs, draft_probs, torch.tensor(draft_tokens, dtype=torch.int64), generator
+            )
             outcome = decide_round(
                 outputs.draft_token_target_probs.tolist(),
                 [float(draft_probs[i, t]) for i, t in enumerate(draft_tokens)],

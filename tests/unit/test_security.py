@@ -6,7 +6,8 @@ import pytest
 
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import parse_config as draft_config
-from specdec.security import BearerTokenAuth, ClientSecurity, ServerSecurity, load_client_security, load_server_security, read_tokens
+from specdec.config import ClientSecurity, ServerSecurity
+from specdec.security import BearerTokenAuth, load_client_security, load_server_security, read_tokens
 from target_service.config import parse_config as target_config
 
 COORDINATOR = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]
@@ -15,13 +16,33 @@ COORDINATOR = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]
 def test_security_is_off_by_default_and_set_by_flags_or_environment():
     assert draft_config(["--model", "m"], {}).security == ServerSecurity()
     assert not draft_config(["--model", "m"], {}).trust_remote_code
-    env = {"SPECDEC_TARGET_MODEL": "m", "SPECDEC_TARGET_TLS_CERT": "c.pem", "SPECDEC_TARGET_TLS_KEY": "k.pem",
-           "SPECDEC_TARGET_TLS_CLIENT_CA": "ca.pem", "SPECDEC_TARGET_AUTH_TOKEN_FILE": "tokens", "SPECDEC_TARGET_TRUST_REMOTE_CODE": "on"}
+    env = {
+        "SPECDEC_TARGET_MODEL": "m",
+        "SPECDEC_TARGET_TLS_CERT": "c.pem",
+        "SPECDEC_TARGET_TLS_KEY": "k.pem",
+        "SPECDEC_TARGET_TLS_CLIENT_CA": "ca.pem",
+        "SPECDEC_TARGET_AUTH_TOKEN_FILE": "tokens",
+        "SPECDEC_TARGET_TRUST_REMOTE_CODE": "on",
+    }
     config = target_config([], env)
     assert config.security == ServerSecurity("c.pem", "k.pem", "ca.pem", "tokens")
     assert config.trust_remote_code
-    config = coordinator_config([*COORDINATOR, "--upstream-tls-ca", "ca.pem", "--upstream-tls-cert", "c.pem", "--upstream-tls-key", "k.pem",
-                                 "--upstream-tls-server-name", "draft", "--upstream-auth-token-file", "token"], {})
+    config = coordinator_config(
+        [
+            *COORDINATOR,
+            "--upstream-tls-ca",
+            "ca.pem",
+            "--upstream-tls-cert",
+            "c.pem",
+            "--upstream-tls-key",
+            "k.pem",
+            "--upstream-tls-server-name",
+            "draft",
+            "--upstream-auth-token-file",
+            "token",
+        ],
+        {},
+    )
     assert config.upstream == ClientSecurity("ca.pem", "c.pem", "k.pem", "draft", "token")
     assert config.security == ServerSecurity()
 
@@ -37,11 +58,27 @@ def test_an_empty_variable_means_unset():
     [
         (draft_config, ["--model", "m", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
         (target_config, ["--model", "m", "--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
-        (draft_config, ["--model", "m", "--tls-client-ca", "ca.pem"], "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"),
+        (
+            draft_config,
+            ["--model", "m", "--tls-client-ca", "ca.pem"],
+            "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key",
+        ),
         (coordinator_config, [*COORDINATOR, "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
-        (coordinator_config, [*COORDINATOR, "--upstream-tls-cert", "c.pem", "--upstream-tls-ca", "ca.pem"], "--upstream-tls-cert and --upstream-tls-key go together"),
-        (coordinator_config, [*COORDINATOR, "--upstream-tls-cert", "c.pem", "--upstream-tls-key", "k.pem"], "--upstream-tls-cert needs --upstream-tls-ca"),
-        (coordinator_config, [*COORDINATOR, "--upstream-tls-server-name", "draft"], "--upstream-tls-server-name needs --upstream-tls-ca"),
+        (
+            coordinator_config,
+            [*COORDINATOR, "--upstream-tls-cert", "c.pem", "--upstream-tls-ca", "ca.pem"],
+            "--upstream-tls-cert and --upstream-tls-key go together",
+        ),
+        (
+            coordinator_config,
+            [*COORDINATOR, "--upstream-tls-cert", "c.pem", "--upstream-tls-key", "k.pem"],
+            "--upstream-tls-cert needs --upstream-tls-ca",
+        ),
+        (
+            coordinator_config,
+            [*COORDINATOR, "--upstream-tls-server-name", "draft"],
+            "--upstream-tls-server-name needs --upstream-tls-ca",
+        ),
     ],
 )
 def test_contradicting_flags_are_refused_naming_them(parse, argv, message, capsys):
@@ -56,10 +93,22 @@ def test_files_that_cannot_serve_are_refused_naming_the_flag(tls_files):
     (folder / "empty").write_text("\n\n")
     (folder / "spaced").write_text("two words\n")
     cases = [
-        (ServerSecurity(str(folder / "nope.crt"), tls_files.server_key), "--tls-cert " + str(folder / "nope.crt") + ": cannot read it"),
-        (ServerSecurity(tls_files.server_cert, tls_files.client_key), "--tls-key " + tls_files.client_key + " is not the private key of --tls-cert"),
-        (ServerSecurity(str(folder / "garbage"), tls_files.server_key), "are not a PEM certificate chain and its unencrypted private key"),
-        (ServerSecurity(tls_files.server_cert, tls_files.server_key, str(folder / "garbage")), "--tls-client-ca " + str(folder / "garbage") + " holds no PEM CA"),
+        (
+            ServerSecurity(str(folder / "nope.crt"), tls_files.server_key),
+            "--tls-cert " + str(folder / "nope.crt") + ": cannot read it",
+        ),
+        (
+            ServerSecurity(tls_files.server_cert, tls_files.client_key),
+            "--tls-key " + tls_files.client_key + " is not the private key of --tls-cert",
+        ),
+        (
+            ServerSecurity(str(folder / "garbage"), tls_files.server_key),
+            "are not a PEM certificate chain and its unencrypted private key",
+        ),
+        (
+            ServerSecurity(tls_files.server_cert, tls_files.server_key, str(folder / "garbage")),
+            "--tls-client-ca " + str(folder / "garbage") + " holds no PEM CA",
+        ),
         (ServerSecurity(auth_token_file=str(folder / "empty")), "holds no token"),
         (ServerSecurity(auth_token_file=str(folder / "spaced")), "token 1 has a space"),
     ]
@@ -74,10 +123,14 @@ def test_files_that_cannot_serve_are_refused_naming_the_flag(tls_files):
 
 
 def test_good_files_load(tls_files):
-    credentials, interceptors = load_server_security(ServerSecurity(tls_files.server_cert, tls_files.server_key, tls_files.ca, tls_files.tokens))
+    credentials, interceptors = load_server_security(
+        ServerSecurity(tls_files.server_cert, tls_files.server_key, tls_files.ca, tls_files.tokens)
+    )
     assert credentials is not None and len(interceptors) == 1
     assert load_server_security(ServerSecurity()) == (None, [])
-    loaded = load_client_security(ClientSecurity(tls_files.ca, tls_files.client_cert, tls_files.client_key, "localhost", tls_files.tokens))
+    loaded = load_client_security(
+        ClientSecurity(tls_files.ca, tls_files.client_cert, tls_files.client_key, "localhost", tls_files.tokens)
+    )
     assert loaded.credentials is not None
     assert loaded.options == (("grpc.ssl_target_name_override", "localhost"),)
     assert loaded.metadata == (("authorization", "Bearer first-token-0123456789"),)

@@ -38,13 +38,15 @@ def _script(runner, pause) -> list:
 
     for result in [runner.verify_one(call("a", 0, [5, 6, 7, 8, 9], [10, 11]))]:
         record(result)
-    for result in runner.verify_batch([
-        call("a", 6, [12], [13, 14]),  # rolls back one draft token
-        call("b", 0, [20, 21, 22], [23]),
-        call("c", 0, [30, 31], [32, 33, 34]),
-        call("b", 4, [25], []),  # the same session twice: runs after its first call
-        call("d", 3, [1], []),  # unknown session keeping tokens: NOT_FOUND alone
-    ]):
+    for result in runner.verify_batch(
+        [
+            call("a", 6, [12], [13, 14]),  # rolls back one draft token
+            call("b", 0, [20, 21, 22], [23]),
+            call("c", 0, [30, 31], [32, 33, 34]),
+            call("b", 4, [25], []),  # the same session twice: runs after its first call
+            call("d", 3, [1], []),  # unknown session keeping tokens: NOT_FOUND alone
+        ]
+    ):
         record(result)
     runner.end_session("c")
     # Grows "b" past the budget: "a", least recently used, is evicted on both ranks.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests.conftest import HEAVY_MODULES
@@ -19,3 +20,10 @@ def test_every_heavy_module_exists_and_says_why():
 def test_the_fast_tier_keeps_the_sampling_math_and_in_process_services():
     kept = {"unit/test_sampling.py", "integration/test_generate.py", "integration/test_coordinator_modes.py"}
     assert not kept & set(HEAVY_MODULES)
+
+
+def test_hypothesis_keeps_the_ci_example_counts_unless_asked():
+    from hypothesis import settings
+
+    if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci":
+        assert settings.default.max_examples == 300

@@ -18,7 +18,9 @@ def _rows(seed: int, vocab: int) -> torch.Tensor:
     count = int(torch.randint(1, 6, (), generator=generator))
     probs = torch.zeros(count, vocab)
     for row in range(count):
-        support = torch.randperm(vocab, generator=generator)[: int(torch.randint(0, vocab + 1, (), generator=generator))]
+        support = torch.randperm(vocab, generator=generator)[
+            : int(torch.randint(0, vocab + 1, (), generator=generator))
+        ]
         probs[row, support] = torch.rand(len(support), generator=generator)
     return probs
 
@@ -27,7 +29,9 @@ def _encode_row(row: torch.Tensor) -> common_pb2.ProposalDistribution:
     """The codec's rule for one [V] row, written out plainly as the reference."""
     support = torch.nonzero(row, as_tuple=True)[0]  # [nnz]
     if support.numel() <= row.numel() // 2:
-        return common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=support.tolist(), probs=row[support].tolist()))
+        return common_pb2.ProposalDistribution(
+            sparse=common_pb2.SparseProbs(token_ids=support.tolist(), probs=row[support].tolist())
+        )
     return common_pb2.ProposalDistribution(dense=wire.encode_dense(row))
 
 
@@ -49,7 +53,9 @@ def test_both_forms_appear():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
 def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
     sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1, 2], probs=[0.5, bad]))
-    dense = common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=np.array([0.5, bad, 0.0], "<f4").tobytes()))
+    dense = common_pb2.ProposalDistribution(
+        dense=common_pb2.DenseProbs(float32_le=np.array([0.5, bad, 0.0], "<f4").tobytes())
+    )
     for distribution in (sparse, dense):
         with pytest.raises(InvalidArgument, match="finite, non-negative"):
             wire.decode_distributions([distribution], [1], 3)

@@ -1,0 +1,68 @@
+"""What the draft servicer needs from a drafter, whichever kind: the model drafter
+(draft_service.runner) and the prompt-lookup drafter (draft_service.ngram) both provide it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdec.calls import ModelDescription
+from specdec.probs import SamplingParams
+from specdec.sessions import SessionStore
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]  # [K'], K' <= K: a drafter may propose fewer, even none
+    probs: torch.Tensor | None  # [K', V] float32: the distribution each token was drawn from;
+    # None when deterministic (every row one-hot at its token)
+    deterministic: bool
+    processed_tokens: int
+    sequence_length: int
+    compute_ms: float
+    # Per position, the draft's likeliest other token and its draft probability: where a
+    # hedge would guess the recovered token. Empty when the drafter has no distribution.
+    runner_up_ids: list[int] = field(default_factory=list)  # [K']
+    runner_up_probs: list[float] = field(default_factory=list)  # [K']
+    batch_size: int = 1  # most sessions that shared one of its forward passes
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """One Propose request, runner-side."""
+
+    session_id: str
+    keep_tokens: int
+    new_tokens: list[int]
+    num_tokens: int  # K
+    params: SamplingParams
+    seed: int
+    epoch: int = 0
+    should_stop: Callable[[], bool] = lambda: False  # polled between steps (the caller cancelled)
+    fork_from: str = ""
+    min_confidence: float | None = None  # None: the runner's default; 0: never stop early
+
+
+class Drafter(Protocol):
+    """Proposes tokens per session and keeps each session's sequence between calls.
+
+    `shares_passes`: whether calls from several sessions run cheaper together than apart (a
+    model's forward pass), which is when the servicer batches them; a lookup has nothing to share.
+    """
+
+    shares_passes: bool
+    sessions: SessionStore
+    max_speculative_tokens: int
+
+    def propose_one(self, call: ProposeCall) -> Proposal: ...
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]: ...
+
+    def describe(self) -> ModelDescription: ...
+
+    def end_session(self, session_id: str) -> bool: ...
+
+    def expire_sessions(self) -> int: ...

@@ -1,0 +1,128 @@
+"""Running several sessions' calls in one forward pass: which calls may share a pass, and how
+their KV caches are padded into a batch and split back (used by both runners)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specdec.sessions import KVSession
+
+T = TypeVar("T")
+
+# A batched pass right-pads every session's tokens to the longest run; a session whose run
+# would make the padding cost more than this many times the real tokens (a prompt prefill
+# among decode rounds) gets a pass of its own instead.
+MAX_PADDING_RATIO = 2.0
+
+
+def batchable_cache(cache: DynamicCache | None) -> bool:
+    """Only plain full-attention layers can be padded and split again (not sliding windows,
+    quantised or offloaded caches)."""
+    return (
+        isinstance(cache, DynamicCache)
+        and not getattr(cache, "offloading", False)
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    )
+
+
+def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, config) -> DynamicCache:
+    """The sessions' caches stacked as a batch, each past left-padded with zeros to `max_past`.
+
+    per layer: B × [1, H, P_b, D] → [B, H, max_past, D]
+    """
+    if max_past == 0:
+        return DynamicCache(config=config)
+    layers = []
+    for layer_index in range(len(sessions[0].model_cache().layers)):
+        # Any: transformers types a layer as any cache kind's; a session's are full-attention layers.
+        source: list[Any] = [session.model_cache().layers[layer_index] for session in sessions]
+        reference = next(layer for layer, length in zip(source, past) if length)
+        heads, head_dim = reference.keys.shape[1], reference.keys.shape[3]
+        keys = reference.keys.new_zeros(len(sessions), heads, max_past, head_dim)
+        values = reference.values.new_zeros(len(sessions), heads, max_past, reference.values.shape[3])
+        for row, (layer, length) in enumerate(zip(source, past)):
+            if length:
+                keys[row, :, max_past - length :] = layer.keys[0]
+                values[row, :, max_past - length :] = layer.values[0]
+        layers.append((keys, values))
+    return DynamicCache(layers, config=config)
+
+
+def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> DynamicCache:
+    """Row `row`, columns [start, end) of a batched cache as a session's own cache; the layers
+    copy the slice (DynamicLayer.update concatenates), so the batch's tensors are freed."""
+    layers: list[Any] = cache.layers  # full-attention layers (see padded_cache)
+    return DynamicCache(
+        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in layers),
+        config=config,
+    )
+
+
+def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:
+    """Splits items (by how many tokens each runs) into passes: similar lengths share a pass,
+    but one whose padding would cost more than `max_padding_ratio` × the real tokens (a prompt
+    prefill among one-token decodes) starts a new pass. Returns indices into `lengths`."""
+    groups: list[list[int]] = []
+    real = 0
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        length = lengths[index]  # the longest so far, as the order is ascending
+        if groups and (len(groups[-1]) + 1) * length <= max_padding_ratio * (real + length):
+            groups[-1].append(index)
+            real += length
+        else:
+            groups.append([index])
+            real = length
+    return groups
+
+
+def call_waves(keys: list[tuple[str, ...]], reads: list[tuple[str, ...]] | None = None) -> list[list[int]]:
+    """Indices of calls split into waves that may share passes. keys[i]: the session ids call
+    i writes; reads[i]: ids it only reads at its start (a fork copies its parent then).
+
+    A call goes in the wave after the last one that wrote any of its keys, so calls on one
+    session keep their order and never share a pass. A writer may share the wave of calls
+    that only read its session before it: every call of a wave starts, in index order,
+    before any of them steps, so those readers copy the session as it was before the writer.
+    A reader goes after the last writer of what it reads."""
+    reads = reads or [()] * len(keys)
+    last_write: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    waves: list[list[int]] = []
+    for index, (call_keys, call_reads) in enumerate(zip(keys, reads, strict=True)):
+        wave = max(
+            [last_write[key] + 1 for key in (*call_keys, *call_reads) if key in last_write]
+            + [last_read[key] for key in call_keys if key in last_read],
+            default=0,
+        )
+        for key in call_keys:
+            last_write[key] = wave
+        for key in call_reads:
+            last_read[key] = max(last_read.get(key, 0), wave)
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
+
+
+def start_each(indices: list[int], start: Callable[[int], T], results: list) -> list[tuple[int, T]]:
+    """(index, start(index)) for each call that starts; one that raises gets its exception in
+    `results` and stays out of the batch."""
+    started = []
+    for index in indices:
+        try:
+            started.append((index, start(index)))
+        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+            results[index] = exc
+    return started
+
+
+def result_or_error(fn, *args):
+    """fn(*args), or the exception it raised: one call's failure handed back to it alone."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+        return exc

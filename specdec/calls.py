@@ -1,0 +1,68 @@
+"""What every runner call shares, model or not: argument checks, timing, and the runner-side
+view of the Info RPC. No torch here, so the protobuf codec (specdec.wire) can import it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Runner-side view of the Info RPC."""
+
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    dtype: str
+    device: str
+    open_sessions: int
+    max_speculative_tokens: int
+    kv_cache_bytes: int = 0  # held over all sessions
+    max_kv_cache_bytes: int = 0  # the budget; 0 = none
+    kv_bytes_per_token: int = 0  # what one cached token costs
+    evicted_sessions: int = 0  # dropped to fit the budget since start
+    tensor_parallel_size: int = 1  # ranks sharing every layer (--tensor-parallel)
+    calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
+    live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
+    cost_context_tokens: int = 0  # cached tokens under the calibrated passes
+
+    @classmethod
+    def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
+        """From a LoadedModel or a TokenizerInfo: both carry the model's id space."""
+        return cls(
+            model_id=source.model_id,
+            vocab_size=source.vocab_size,
+            tokenizer_fingerprint=source.tokenizer_fingerprint,
+            eos_token_ids=source.eos_token_ids,
+            max_context=source.max_context,
+            dtype=dtype,
+            device=device,
+            open_sessions=open_sessions,
+            max_speculative_tokens=max_speculative_tokens,
+        )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def check_context(total: int, max_context: int) -> None:
+    if total > max_context:
+        raise InvalidArgument(f"sequence would reach {total} tokens; the model's context is {max_context}")
+
+
+class Stopwatch:
+    """Milliseconds since construction."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self._start) * 1e3
