@@ -485,9 +485,19 @@ class Coordinator:
                 self.draft.address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids)
             )
             _check_reply(self.draft.address, "runner_up_probs", len(proposal.runner_up_probs), len(proposal.token_ids))
+        draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
+        for position, (token, prob) in enumerate(zip(proposal.token_ids, draft_probs)):
+            # u * 0 < target_prob would accept the token with probability 1, and NaN would never
+            # accept it: either way the output would stop being the target's distribution.
+            if not 0.0 < prob <= 1.0 + 1e-5:
+                raise SpecDecError(
+                    f"draft service at {self.draft.address} proposed token {token} at position {position} with "
+                    f"probability {prob} under the distribution it sent with it; a drafter can only propose tokens "
+                    "its distribution gives mass, so the reply is malformed"
+                )
         return _Round(
             list(proposal.token_ids),
-            [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)],
+            draft_probs,
             list(proposal.distributions),
             list(proposal.runner_up_token_ids),
             list(proposal.runner_up_probs),

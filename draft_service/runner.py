@@ -135,7 +135,11 @@ class DraftRunner(ModelRunner):
                             results[index] = logits
                             drafting.failed = True
                         else:
-                            self._step(drafting, logits[-1], batch_size=len(members))
+                            try:
+                                self._step(drafting, logits[-1], batch_size=len(members))
+                            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                                results[index] = exc
+                                drafting.failed = True
                 active = [(index, drafting) for index, drafting in running if not drafting.failed]
         return results  # type: ignore[return-value]
 
@@ -181,6 +185,7 @@ class DraftRunner(ModelRunner):
 
         logits: [N] (N = V without a reduced head)
         """
+        self.check_logits(logits, drafting.call.session_id)
         drafting.processed += len(drafting.feed)
         drafting.batch_size = max(drafting.batch_size, batch_size)
         if drafting.deterministic:

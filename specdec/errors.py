@@ -51,6 +51,12 @@ class DeadlineExceeded(Unavailable):
     means "skip it this round", never "retry and wait again"."""
 
 
+class ModelOutputError(SpecDecError):
+    """A model produced NaN or infinite logits (a broken checkpoint, an overflow in low
+    precision). INTERNAL, saying which model and where: argmax and sampling would otherwise pick
+    an arbitrary token and the output would silently stop being the target's."""
+
+
 class ServiceRefused(SpecDecError):
     """A model service refused the coordinator's credentials: a deployment mistake, never the
     public caller's, so it stays INTERNAL rather than UNAUTHENTICATED."""

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from specdec.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
 from specdec.calls import ModelDescription, check_context, check_token_ids
 from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
+from specdec.errors import ModelOutputError
 from specdec.modeling import LoadedModel
 from specdec.sessions import KVSession, SessionStore
 
@@ -122,6 +123,14 @@ class ModelRunner:
 
     def expire_sessions(self) -> int:
         return self.sessions.expire()
+
+    def check_logits(self, logits: torch.Tensor, session_id: str) -> None:
+        """logits: [..., V]. NaN or +inf fails the call (ModelOutputError); -inf is a masked id."""
+        if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+            raise ModelOutputError(
+                f"model {self.loaded.model_id} produced NaN or infinite logits for session {session_id!r} "
+                f"(dtype {self.describe().dtype}); no token can be chosen from them"
+            )
 
     def check_tokens(self, token_ids: list[int], what: str) -> None:
         check_token_ids(token_ids, self.loaded.vocab_size, what)

@@ -167,6 +167,7 @@ class TargetRunner(ModelRunner):
         logits: [K + 1, V]
         """
         call = admitted.call
+        self.check_logits(logits, call.session_id)
         num_draft = len(call.draft_token_ids)
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
         if self._greedy_fast_path(call):
