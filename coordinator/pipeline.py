@@ -29,6 +29,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.hedging import Hedge, acceptance_estimate, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.sampling import decide_round
+from coordinator.seeds import RequestStreams, next_seed
 from coordinator.text import FINISH_LENGTH, TextAssembler
 from specdec import wire
 from specdec.errors import DeadlineExceeded, InvalidArgument, SessionNotFound, SpecDecError, Unavailable
@@ -38,7 +39,6 @@ from specdec.v1 import draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
 
-_SEED_BOUND = 2**63
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
 # such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
 # to float32 as the request carries it, so a client that sends 1e-5 is accepted.
@@ -296,7 +296,7 @@ class Coordinator:
             else min(self.config.target_retry_s, 0.7 * time_remaining_s)
         )
         retry_until = asyncio.get_running_loop().time() + retry_for
-        rng = np.random.default_rng(job.seed)
+        streams = RequestStreams.of(job.seed)
         session_id = uuid.uuid4().hex
         draft_view, target_view = (
             _SessionView(session_id, min_confidence=job.draft_min_confidence),
@@ -307,7 +307,6 @@ class Coordinator:
         text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
         hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
-        hedge_seeds = np.random.default_rng((job.seed, 1))  # a stream apart from the rounds' draws
         adaptive = self._adaptive(job, pipelined)
         stats.pipelined = pipelined
         ready: _Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
@@ -326,8 +325,9 @@ class Coordinator:
                     if k and not self.breaker.allow():
                         k = 0  # the draft is down: this round is one target-only step
                         stats.fallback_rounds += 1
-                    draft_seed, target_seed, predraft_seed = (int(s) for s in rng.integers(0, _SEED_BOUND, size=3))
-                    uniforms = rng.random(k).tolist()  # [K]
+                    draft_seed, target_seed = next_seed(streams.draft), next_seed(streams.target)
+                    predraft_seed = next_seed(streams.predraft)
+                    uniforms = streams.coins.random(k).tolist()  # [K]
                     draft_in_round = bool(k)  # the draft session will hold this round's drafts
                     source = "none"  # where this round's drafts come from
                     if ready is not None and ready.draft_token_ids and k:
@@ -369,7 +369,7 @@ class Coordinator:
                             remaining,
                             sampling,
                             predraft_seed,
-                            hedge_seeds,
+                            streams.hedge,
                             stats,
                         )
                     try:
@@ -546,7 +546,7 @@ class Coordinator:
                         new_tokens=[hedge.recovered_token_id],
                         num_tokens=plans[-1].k,
                         sampling=sampling,
-                        seed=int(hedge_seeds.integers(0, _SEED_BOUND)),
+                        seed=next_seed(hedge_seeds),
                         **draft_view.confidence_field(),
                     )
                 )

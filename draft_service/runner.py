@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
@@ -27,7 +28,7 @@ class _Drafting:
     session: KVSession
     feed: list[int]  # tokens the cache has not seen yet: [N]
     deterministic: bool
-    generator: torch.Generator
+    generator: np.random.Generator  # the call's draws (seeded with its whole seed)
     clock: Stopwatch
     token_ids: list[int] = field(default_factory=list)  # [k]
     rows: list[torch.Tensor] = field(default_factory=list)  # k × [V]
@@ -154,7 +155,7 @@ class DraftRunner(ModelRunner):
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
-        generator = torch.Generator(device=self.loaded.device).manual_seed(call.seed)
+        generator = np.random.default_rng(call.seed)
         return _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
 
     def _done(self, drafting: _Drafting) -> bool:

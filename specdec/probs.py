@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # A residual with less mass than this is treated as empty. It is only sampled after a
@@ -80,15 +81,17 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: np.random.Generator) -> torch.Tensor:
     """One token id per row by inverse CDF: token i is drawn when cdf[i-1] <= u < cdf[i], an
     empty interval for a token of probability 0, so those are never drawn. Three times
     cheaper than torch.multinomial over a 152k vocabulary. Rows need not be normalised.
+    The uniforms come from a 64-bit numpy generator seeded with the call's whole seed (torch's
+    CPU generator would keep only its low 32 bits).
 
     probs: [N, V] → token ids [N] (int64)
     """
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    uniforms = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    uniforms = torch.from_numpy(generator.random((probs.shape[0], 1))).to(probs.device)  # [N, 1] float64
     token_ids = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(-1)  # [N]
     # u * total can round up to total itself; it then belongs to the last token with mass.
     last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]
@@ -119,7 +122,7 @@ def verify_outputs(
     target_probs: torch.Tensor,  # [K + 1, V]
     draft_probs: torch.Tensor,  # [K, V]
     draft_token_ids: torch.Tensor,  # [K] int64
-    generator: torch.Generator,
+    generator: np.random.Generator,
 ) -> VerifyOutputs:
     """The target's side of rejection sampling: probabilities of the draft tokens, a recovered
     sample for every position and the bonus sample. Sampling a recovered token at every

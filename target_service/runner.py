@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.batching import batch_groups, call_waves, start_each
@@ -180,9 +181,7 @@ class TargetRunner(ModelRunner):
             target_probs = None
         else:
             target_probs = logits_to_probs(logits, call.params).cpu()  # [K + 1, V]
-            outputs = verify_outputs(
-                target_probs, call.draft_probs, draft_ids, torch.Generator().manual_seed(call.seed)
-            )
+            outputs = verify_outputs(target_probs, call.draft_probs, draft_ids, np.random.default_rng(call.seed))
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
             recovered_token_ids=outputs.recovered_token_ids.tolist(),

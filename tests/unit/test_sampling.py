@@ -94,7 +94,7 @@ def test_acceptance_ratio_above_one_always_accepts():
 
 
 def test_no_draft_tokens_emits_bonus_only():
-    generator = torch.Generator().manual_seed(0)
+    generator = np.random.default_rng(0)
     outputs = verify_outputs(
         torch.tensor([[0.0, 1.0]]), torch.empty(0, 2), torch.empty(0, dtype=torch.int64), generator
     )
@@ -128,7 +128,8 @@ def _speculative_sample(
 ) -> list[tuple[int, ...]]:
     """Full speculative decoding of SEQUENCE_LENGTH tokens after token 0, many times, using the
     real target-side (verify_outputs) and coordinator-side (decide_round) functions."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # the draft's draws
+    target_generator = np.random.default_rng((seed, 1))  # the target's, as the services draw them
     rng = np.random.default_rng(seed)
     samples = []
     for _ in range(trials):
@@ -143,7 +144,7 @@ def _speculative_sample(
             target_probs = target_rows[contexts]  # [K + 1, V]
             draft_probs = draft_rows[contexts[:-1]]  # [K, V]
             outputs = verify_outputs(
-                target_probs, draft_probs, torch.tensor(draft_tokens, dtype=torch.int64), generator
+                target_probs, draft_probs, torch.tensor(draft_tokens, dtype=torch.int64), target_generator
             )
             outcome = decide_round(
                 outputs.draft_token_target_probs.tolist(),
@@ -214,10 +215,20 @@ def test_greedy_target_always_gives_target_argmax_path():
 
 
 def test_sample_draws_in_proportion_and_never_draws_zero_mass():
-    generator = torch.Generator().manual_seed(3)
+    generator = np.random.default_rng(3)
     weights = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]])  # unnormalised on purpose
     draws = sample(weights.repeat(50_000, 1), generator)
     counts = torch.bincount(draws, minlength=6).tolist()
     assert counts[0] == counts[2] == counts[5] == 0
     p_value = stats.chisquare(counts[1:2] + counts[3:5], [10_000, 25_000, 15_000]).pvalue
     assert p_value > P_VALUE_FLOOR
+
+
+def test_sample_uses_the_whole_64_bit_seed():
+    """torch's CPU generator keeps only a seed's low 32 bits; the services' draws must not."""
+    probs = torch.full((64, 1000), 1.0)
+    draws = {seed: sample(probs, np.random.default_rng(seed)).tolist() for seed in (7, 7 + 2**32, 7 + 2**40)}
+    assert len({tuple(d) for d in draws.values()}) == 3
+    # What the services used before: torch's generator gives seeds 2**32 apart the same draws.
+    same = [torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist() for seed in (7, 7 + 2**32)]
+    assert same[0] == same[1]

@@ -1,0 +1,39 @@
+"""A request's random streams (coordinator.seeds): distinct within a request, distinct across
+seeds that differ only above bit 32, and never a plain seed's stream."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from coordinator.seeds import RequestStreams
+
+
+def first_draws(streams: RequestStreams) -> dict[str, tuple[float, ...]]:
+    return {name: tuple(getattr(streams, name).random(8)) for name in ("coins", "draft", "target", "predraft", "hedge")}
+
+
+def test_no_two_streams_of_a_request_are_equal():
+    draws = first_draws(RequestStreams.of(12345))
+    for (a, x), (b, y) in itertools.combinations(draws.items(), 2):
+        assert x != y, f"{a} and {b} draw alike"
+
+
+def test_seeds_that_differ_above_bit_32_get_different_streams():
+    for seed in (0, 7, 2**40 + 3):
+        ours, other = first_draws(RequestStreams.of(seed)), first_draws(RequestStreams.of(seed + 2**32))
+        assert not set(ours.values()) & set(other.values())
+
+
+def test_no_stream_equals_a_plain_seed_stream():
+    """default_rng(x + 2**32) and default_rng((x, 1)) are one stream; spawned children are not."""
+    x = 99
+    assert tuple(np.random.default_rng(x + 2**32).random(8)) == tuple(np.random.default_rng((x, 1)).random(8))
+    plain = {tuple(np.random.default_rng(s).random(8)) for s in (x, x + 2**32, (x, 1), (x, 0))}
+    for seed in (x, x + 2**32):
+        assert not set(first_draws(RequestStreams.of(seed)).values()) & plain
+
+
+def test_the_same_seed_gives_the_same_streams():
+    assert first_draws(RequestStreams.of(5)) == first_draws(RequestStreams.of(5))
