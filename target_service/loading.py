@@ -30,7 +30,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         config.model, config.dtype, device, config.device_map, config.trust_remote_code, config.tensor_parallel
     )
     if config.resolved_quantize() == "int8":
-        # The output is then the int8 model's distribution, not the float32 model's (README: Exactness).
+        # The output is then the int8 model's distribution, not the float32 model's (docs/design.md: Exactness).
         quantize_int8(loaded.model)
         loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
         logger.info("target Linear layers quantised to int8 (per-token activation scales)")

@@ -107,13 +107,12 @@ CASES = {
 }
 
 
-# The end-to-end proof over loopback gRPC, one case per wire form of the draft distribution and
-# one for the busiest coordinator mode; the rest run over in-process channels (tests/stack.py's
-# local_stack: the same servicers, messages serialised and parsed, no sockets), which is
-# several times faster and tests the same math.
-OVER_THE_WIRE = frozenset(
-    {"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup", "pipelined_hedged_top_k"}
-)
+# The end-to-end proof over loopback gRPC, one case per wire form of the draft distribution
+# (dense, sparse, one-hot); the rest, every coordinator mode included, run over in-process
+# channels (tests/stack.py's local_stack: the same coordinator, servicers and runners, messages
+# serialised and parsed, no sockets), which is twice as fast and tests the same math.
+# tests/integration/test_processes.py runs pipelining with hedges across real processes.
+OVER_THE_WIRE = frozenset({"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup"})
 
 
 def batch_invariant(draft: dict) -> bool:
