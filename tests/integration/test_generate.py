@@ -8,6 +8,7 @@ import re
 import grpc
 import pytest
 import pytest_asyncio
+from transformers import AutoTokenizer
 
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
@@ -200,3 +201,39 @@ async def test_bad_request_is_invalid_argument_and_service_keeps_serving(stack, 
         assert error.value.details() and re.search(message, error.value.details()), error.value.details()
     ok = await generate(stack, prompt="hi", max_new_tokens=2)
     assert len(ok.token_ids) >= 1
+
+
+@pytest.mark.parametrize("k", [0, 3])
+async def test_a_sampled_stop_commits_exactly_the_tokens_up_to_it(stack, tiny_pair, k):
+    """Sampled, as greedy: the token ids returned at a stop string are the run's own tokens up
+    to the one that completes the stop, nothing drafted past it (issue 17, item 5)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    request = dict(prompt=PROMPTS[3], max_new_tokens=40, num_speculative_tokens=k, temperature=0.9, seed=7)
+    full = await generate(stack, **request)
+    ids, text = list(full.token_ids), full.text
+    assert len(text) > 12
+    stop = text[8:11]
+    needed = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n], skip_special_tokens=True))
+    stopped = await generate(stack, stop=[stop], **request)
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids) == ids[:needed]
+    assert stopped.text == text[: text.find(stop)]
+    assert stopped.stats.generated_tokens == needed
+
+
+@pytest.mark.parametrize("k", [0, 4])
+async def test_sampled_eos_is_the_last_token_committed(stack, tiny_pair, k):
+    """A round that accepts EOS mid-way commits nothing after it, sampled as greedy."""
+    ended = 0
+    for seed in range(60):  # a flat distribution (temperature 2) reaches EOS in some of them
+        response = await generate(
+            stack, prompt=PROMPTS[1], max_new_tokens=64, num_speculative_tokens=k, temperature=2.0, seed=seed
+        )
+        ids = list(response.token_ids)
+        if response.finish_reason == "eos":
+            ended += 1
+            assert ids[-1] == tiny_pair.eos_token_id and tiny_pair.eos_token_id not in ids[:-1]
+            assert response.stats.generated_tokens == len(ids)
+        else:
+            assert tiny_pair.eos_token_id not in ids
+    assert ended >= 3, f"only {ended} of 60 sampled generations ended at EOS; the test needs more"
