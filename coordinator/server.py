@@ -14,7 +14,8 @@ from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.pipeline import Coordinator, PairInfo
+from coordinator.requests import PairInfo
+from coordinator.rounds import Coordinator
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.config import pin_cpus
 from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
@@ -43,7 +44,8 @@ async def connect(
     check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), config.draft_address, config.target_address)
     costs = await measure_round_costs(draft, target, draft_info, target_info)
     pair = PairInfo(
-        vocab_size=min(draft_info.vocab_size, target_info.vocab_size),
+        vocab_size=target_info.vocab_size,
+        draft_vocab_size=draft_info.vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         max_context=target_info.max_context,
         draft_max_context=draft_info.max_context,

@@ -9,7 +9,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
-from coordinator.pipeline import Chunk, Coordinator, GenerationRequest
+from coordinator.requests import Chunk, GenerationRequest
+from coordinator.rounds import Coordinator
 from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 

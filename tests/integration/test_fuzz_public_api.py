@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from coordinator.pipeline import MIN_TEMPERATURE
+from coordinator.requests import MIN_TEMPERATURE
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 

@@ -1,0 +1,279 @@
+"""The generation loop: draft proposes, target verifies, the coordinator accepts or rejects.
+
+Each round sends each service only what it has not seen: the service keeps the session's
+sequence and KV cache, and the coordinator tracks how much of it is still valid (`synced`).
+A service that lost the session (restart, expiry) answers NOT_FOUND and is re-sent the
+whole committed sequence, so no request fails because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from transformers import PreTrainedTokenizerBase
+
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
+from coordinator.branches import Branching, Speculation
+from coordinator.breaker import CircuitBreaker
+from coordinator.clients import DraftClient, TargetClient
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import GenerationStats
+from coordinator.requests import Chunk, GenerationRequest, Job, PairInfo, prepare_job
+from coordinator.sampling import decide_round
+from coordinator.seeds import RequestStreams, next_seed
+from coordinator.state import Round, SessionView, check_reply, round_from
+from coordinator.text import FINISH_LENGTH, TextAssembler
+from coordinator.upstream import UpstreamCalls
+from specdec import wire
+from specdec.errors import Unavailable
+from specdec.telemetry import tracer
+from specdec.v1 import draft_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinator(Branching, UpstreamCalls):
+    """Runs requests: validation (coordinator.requests), the round loop here, pre-drafts and
+    hedges (coordinator.branches), and the calls to the services (coordinator.upstream)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        draft: DraftClient,
+        target: TargetClient,
+        tokenizer: PreTrainedTokenizerBase,
+        pair: PairInfo,
+    ) -> None:
+        self.config = config
+        self.draft = draft
+        self.target = target
+        self.tokenizer = tokenizer
+        self.pair = pair
+        self._cleanup: set[asyncio.Task] = set()
+        # The K chooser's acceptance prior, learned from finished requests (seeded sampled
+        # requests start from the fixed default, so their K depends only on themselves).
+        self._alpha_prior = DEFAULT_ALPHA_PRIOR
+        # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
+        self.breaker = CircuitBreaker(config.breaker_failures)
+        self._probe: asyncio.Task | None = None
+
+    def prepare(self, request: GenerationRequest) -> Job:
+        """Validates a request (coordinator.requests)."""
+        return prepare_job(request, self.config, self.pair, self.tokenizer)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+
+    async def generate(self, request: GenerationRequest, time_remaining_s: float | None = None) -> AsyncIterator[Chunk]:
+        """Yields one chunk per round; the last carries the finish reason and the stats.
+
+        Sequential mode drafts, then verifies. Pipelined mode (`--pipeline`) also starts a
+        pre-draft during each verify: the draft continues as if every draft token will be
+        accepted. It is used only when the whole round was accepted and its first token e1
+        equals the target's bonus token b; then e2.. become the next round's drafts, each
+        drawn from the draft's distribution given exactly the committed prefix (which ends
+        in b). Why that stays exact: rejection sampling returns the target's distribution
+        for any proposal that was drawn from the distribution sent with it, independently of
+        the target's coins. e2.. were drawn before the next round's uniforms and target
+        samples exist, the rule that selects them looks only at the finished round and e1,
+        and the next round verifies them against the distributions they came from. Any
+        other outcome cancels the pre-draft (gRPC cancellation) and its tokens are never read.
+
+        Hedged mode (`--hedges N`) also forks the draft session during each verify for the N
+        likeliest rejection outcomes "draft j rejected, token t recovered" (coordinator.hedging)
+        and drafts the round that would follow each. A branch is used only when the round ended
+        exactly as it assumed; then it holds the committed prefix and drafts drawn given exactly
+        that prefix, so the same argument applies. The others are cancelled and their sessions freed.
+        """
+        job = self.prepare(request)
+        stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
+        # Give up on an unavailable target in time to tell the client so before its own deadline.
+        retry_for = (
+            self.config.target_retry_s
+            if time_remaining_s is None
+            else min(self.config.target_retry_s, 0.7 * time_remaining_s)
+        )
+        retry_until = asyncio.get_running_loop().time() + retry_for
+        streams = RequestStreams.of(job.seed)
+        session_id = uuid.uuid4().hex
+        draft_view, target_view = (
+            SessionView(session_id, min_confidence=job.draft_min_confidence, vocab_limit=self.pair.draft_vocab_limit),
+            SessionView(session_id),
+        )
+        sampling = wire.params_to_pb(job.params)
+        sequence = list(job.prompt_ids)
+        text = TextAssembler(self.tokenizer, job.prompt_ids, set(self.pair.eos_token_ids), job.stop, job.max_new_tokens)
+        pipelined = self.config.pipeline and job.num_speculative_tokens != 0
+        hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
+        adaptive = self._adaptive(job, pipelined)
+        stats.pipelined = pipelined
+        ready: Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
+        ready_source = ""
+        speculation: Speculation | None = None  # branches in flight during a verify
+        try:
+            while True:
+                with tracer.start_as_current_span(
+                    "round", attributes={"specdec.round.index": stats.rounds}
+                ) as round_span:
+                    round_started = stats.elapsed_ms()
+                    compute_before = stats.draft_compute_ms + stats.target_compute_ms
+                    remaining = job.max_new_tokens - len(text.token_ids)
+                    limit = self._k_limit(len(sequence), remaining)
+                    k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
+                    if k and not self.breaker.allow():
+                        k = 0  # the draft is down: this round is one target-only step
+                        stats.fallback_rounds += 1
+                    draft_seed, target_seed = next_seed(streams.draft), next_seed(streams.target)
+                    predraft_seed = next_seed(streams.predraft)
+                    uniforms = streams.coins.random(k).tolist()  # [K]
+                    draft_in_round = bool(k)  # the draft session will hold this round's drafts
+                    source = "none"  # where this round's drafts come from
+                    if ready is not None and ready.draft_token_ids and k:
+                        round_, source = ready.truncated(k), ready_source
+                        stats.ready_rounds += 1
+                    elif k:
+                        source = "draft"
+                        try:
+                            proposal = await self._propose_with_retries(
+                                draft_view, sequence, k, sampling, draft_seed, stats
+                            )
+                        except Unavailable as exc:
+                            # Target-only for this round: the same output, only slower.
+                            self._draft_failed(exc, draft_view, stats)
+                            round_, source, draft_in_round = Round(), "fallback", False
+                        else:
+                            self.breaker.record_success()
+                            round_ = self._round_from(proposal, k)
+                            stats.draft_compute_ms += proposal.compute_ms
+                    else:
+                        round_ = Round()
+                    ready = None
+                    # A drafter may propose fewer than K (a prompt lookup with no match proposes none).
+                    proposed = len(round_.draft_token_ids)
+                    base = len(sequence)
+                    verify = asyncio.ensure_future(
+                        self._verify(target_view, sequence, round_, sampling, target_seed, stats, retry_until)
+                    )
+                    # Pre-draft only if a fully accepted round would leave room for another round: the
+                    # bonus guess plus up to K drafts for it.
+                    next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
+                    if (pipelined or hedging) and proposed and self.breaker.allow():
+                        speculation = self._start_speculation(
+                            draft_view,
+                            sequence,
+                            round_,
+                            min(k, next_limit) + 1 if pipelined and next_limit else 0,
+                            k if hedging else 0,
+                            remaining,
+                            sampling,
+                            predraft_seed,
+                            streams.hedge,
+                            stats,
+                        )
+                    try:
+                        verification = await verify
+                    finally:
+                        if not verify.done():
+                            verify.cancel()
+                    check_reply(
+                        self.target.address,
+                        "draft_token_target_probs",
+                        len(verification.draft_token_target_probs),
+                        proposed,
+                    )
+                    check_reply(
+                        self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed
+                    )
+                    stats.target_compute_ms += verification.compute_ms
+                    outcome = decide_round(
+                        verification.draft_token_target_probs,
+                        round_.draft_token_draft_probs,
+                        uniforms[:proposed],
+                        verification.recovered_token_ids,
+                        verification.bonus_token_id,
+                    )
+                    stats.record_round(proposed, outcome.num_accepted)
+                    if adaptive:
+                        adaptive.observe_round(proposed, outcome.num_accepted)
+                    # Both services hold sequence + drafts; only the accepted drafts stay valid.
+                    target_view.synced = base + outcome.num_accepted
+                    if draft_in_round:
+                        draft_view.synced = base + outcome.num_accepted
+                    finished = False
+                    for token in outcome.committed(round_.draft_token_ids):
+                        sequence.append(token)
+                        if finished := text.push(token):
+                            break
+                    if not finished and len(sequence) >= self.pair.max_context:
+                        text.finish(FINISH_LENGTH)
+                    if speculation is not None:
+                        live = text.finish_reason is None
+                        taken, ready_source, draft_view = await self._settle(
+                            speculation, outcome, proposed, live, draft_view, base, stats
+                        )
+                        speculation = None
+                        if taken is not None:
+                            ready = taken
+                    stats.mark_first_token()
+                    delta = text.take_delta()
+                    stats.round_ms.append(stats.elapsed_ms() - round_started)
+                    stats.round_overhead_ms.append(
+                        stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
+                    )
+                    round_span.set_attributes(
+                        {
+                            "specdec.round.k": proposed,
+                            "specdec.round.accepted": outcome.num_accepted,
+                            "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
+                            # draft, predraft, hedge, fallback (draft down), none (K=0)
+                            "specdec.round.drafts_from": source,
+                            "specdec.round.epoch": draft_view.last_epoch,
+                            "specdec.round.pipelined": pipelined,
+                        }
+                    )
+                # Spans end before yielding: the caller runs between rounds.
+                if text.finish_reason is not None:
+                    stats.close(len(text.token_ids))
+                    self._learn(adaptive)
+                    yield Chunk(delta.token_ids, delta.text, text.finish_reason, stats)
+                    return
+                yield Chunk(delta.token_ids, delta.text)
+        finally:
+            if speculation is not None:
+                self._drop(speculation)
+            self._end_sessions(draft_view, target_view)
+
+    def _k_limit(self, length: int, remaining: int) -> int:
+        """The most drafts a round may carry, from a sequence of `length` with `remaining` new
+        tokens allowed: room for the drafts plus the recovered/bonus token, in both models."""
+        room = self.pair.max_context - length
+        return max(
+            0, min(self.pair.max_num_speculative_tokens, remaining - 1, room - 1, self.pair.draft_max_context - length)
+        )
+
+    def _adaptive(self, job: Job, pipelined: bool) -> AdaptiveK | None:
+        """A per-request K chooser when the request left K to the coordinator and it adapts."""
+        if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
+            return None
+        if self.pair.costs is None:
+            return None  # no measured costs to choose from: the default K
+        return AdaptiveK(
+            k_max=self.pair.max_num_speculative_tokens,
+            pipelined=pipelined,
+            costs=self.pair.costs,
+            # A seeded sampled request's output depends on K, so its K may depend on nothing but
+            # itself; greedy output is the target's whatever K is.
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
+        )
+
+    def _learn(self, adaptive: AdaptiveK | None) -> None:
+        """Carries the finished request's acceptance into the next request's prior."""
+        if adaptive is not None and adaptive.reached > PRIOR_WEIGHT:
+            self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * adaptive.alpha
+
+    def _round_from(self, proposal: draft_pb2.ProposeResponse, k: int) -> Round:
+        return round_from(proposal, k, self.draft.address, self.pair.vocab_size)

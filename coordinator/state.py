@@ -1,0 +1,93 @@
+"""What the coordinator tracks per request: its record of each service's session, and a
+round's drafts as the draft sent them (checked, so a malformed reply fails the request rather
+than the output)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from specdec import wire
+from specdec.errors import SpecDecError
+from specdec.v1 import draft_pb2
+
+
+@dataclass
+class SessionView:
+    """The coordinator's record of one service's session."""
+
+    session_id: str
+    synced: int = 0  # leading tokens of the committed sequence the service holds
+    opened: bool = False
+    calls: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # numbers Propose calls (epochs)
+    last_epoch: int = 0  # of the newest regular call sent
+    min_confidence: float | None = None  # the request's draft confidence stop (None: the service's)
+    vocab_limit: int = 0  # the draft proposes only ids below this (0: no limit; see PairInfo)
+
+    def draft_fields(self) -> dict:
+        """ProposeRequest keywords every call on this session carries (min_confidence is
+        optional, and unset means the service's default)."""
+        fields: dict = {"vocab_limit": self.vocab_limit}
+        if self.min_confidence is not None:
+            fields["min_confidence"] = self.min_confidence
+        return fields
+
+
+@dataclass
+class Round:
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_draft_probs: list[float] = field(default_factory=list)
+    distributions: list = field(default_factory=list)
+    runner_up_ids: list[int] = field(default_factory=list)  # per draft, for hedging; may be empty
+    runner_up_probs: list[float] = field(default_factory=list)
+
+    def truncated(self, k: int, start: int = 0) -> Round:
+        end = start + k
+        return Round(
+            self.draft_token_ids[start:end],
+            self.draft_token_draft_probs[start:end],
+            self.distributions[start:end],
+            self.runner_up_ids[start:end],
+            self.runner_up_probs[start:end],
+        )
+
+
+def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_size: int) -> Round:
+    """The drafts of a Propose reply (or a branch's), checked against what was asked."""
+    if len(proposal.token_ids) > k:
+        raise SpecDecError(
+            f"service at {address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
+        )
+    check_reply(address, "distributions", len(proposal.distributions), len(proposal.token_ids))
+    if proposal.runner_up_token_ids or proposal.runner_up_probs:  # optional, but whole if sent
+        check_reply(address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids))
+        check_reply(address, "runner_up_probs", len(proposal.runner_up_probs), len(proposal.token_ids))
+    draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
+    for position, (token, prob) in enumerate(zip(proposal.token_ids, draft_probs)):
+        # u * 0 < target_prob would accept the token with probability 1, and NaN would never
+        # accept it: either way the output would stop being the target's distribution.
+        if not 0 <= token < vocab_size:
+            raise SpecDecError(
+                f"draft service at {address} proposed token {token} at position {position}, outside the target's "
+                f"vocabulary [0, {vocab_size}); the reply is malformed"
+            )
+        if not 0.0 < prob <= 1.0 + 1e-5:
+            raise SpecDecError(
+                f"draft service at {address} proposed token {token} at position {position} with "
+                f"probability {prob} under the distribution it sent with it; a drafter can only propose tokens "
+                "its distribution gives mass, so the reply is malformed"
+            )
+    return Round(
+        list(proposal.token_ids),
+        draft_probs,
+        list(proposal.distributions),
+        list(proposal.runner_up_token_ids),
+        list(proposal.runner_up_probs),
+    )
+
+
+def check_reply(address: str, field_name: str, got: int, expected: int) -> None:
+    """A node that answers with the wrong shape fails the request; it never corrupts output."""
+    if got != expected:
+        raise SpecDecError(f"service at {address} returned {got} {field_name} for K={expected}; the reply is malformed")

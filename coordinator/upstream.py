@@ -1,0 +1,182 @@
+"""The coordinator's calls to the draft and target services: deadlines and retries, the
+circuit breaker with its health probe, re-sending the sequence to a service that lost the
+session, and ending sessions without delaying the request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from opentelemetry import trace
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from coordinator.breaker import CircuitBreaker
+from coordinator.clients import DraftClient, TargetClient
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import GenerationStats
+from coordinator.requests import PairInfo
+from coordinator.state import Round, SessionView
+from specdec.errors import DeadlineExceeded, SessionNotFound, SpecDecError, Unavailable
+from specdec.v1 import draft_pb2, target_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class UpstreamCalls:
+    """The Coordinator's service calls (a mixin: they share its clients, breaker and tasks)."""
+
+    config: CoordinatorConfig
+    pair: PairInfo
+    draft: DraftClient
+    target: TargetClient
+    breaker: CircuitBreaker
+    _cleanup: set[asyncio.Task]
+    _probe: asyncio.Task | None
+
+    async def _propose_with_retries(
+        self, view: SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+    ) -> draft_pb2.ProposeResponse:
+        """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
+        connection) but never on a missed deadline: a slow draft is skipped, not waited for."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.draft_attempts),
+            wait=wait_exponential(multiplier=self.config.draft_retry_backoff_s, max=1.0),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+            ),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._propose(view, sequence, k, sampling, seed, stats)
+        raise AssertionError("unreachable")
+
+    def _draft_failed(self, exc: Unavailable, draft_view: SessionView, stats: GenerationStats) -> None:
+        """Counts a failed draft call, opens the breaker after enough of them, and forgets what
+        the draft held: if it comes back, the next call re-sends the whole sequence."""
+        stats.draft_failures += 1
+        stats.fallback_rounds += 1
+        draft_view.synced = 0
+        trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
+        logger.warning("draft call failed, round runs target-only: %s", exc)
+        if self.breaker.record_failure():
+            logger.warning(
+                "draft at %s failed %d times in a row: rounds run target-only until a health probe finds it serving",
+                self.draft.address,
+                self.breaker.failure_threshold,
+            )
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
+
+    async def _probe_draft(self) -> None:
+        """While the breaker is open, asks the draft's health service until it is SERVING."""
+        while self.breaker.is_open:
+            await asyncio.sleep(self.config.breaker_probe_interval_s)
+            if await self.draft.serving():
+                logger.info("draft at %s is serving again: speculation resumes", self.draft.address)
+                self.breaker.close()
+
+    async def _propose(
+        self, view: SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+    ) -> draft_pb2.ProposeResponse:
+        def send(keep: int, new_tokens: list[int]):
+            view.last_epoch = next(view.calls)
+            return self.draft.propose(
+                draft_pb2.ProposeRequest(
+                    session_id=view.session_id,
+                    keep_tokens=keep,
+                    new_tokens=self.pair.for_draft(new_tokens),
+                    num_tokens=k,
+                    sampling=sampling,
+                    seed=seed,
+                    epoch=view.last_epoch,
+                    **view.draft_fields(),
+                )
+            )
+
+        return await self._with_reprefill("draft", view, sequence, stats, send)
+
+    async def _verify(
+        self,
+        view: SessionView,
+        sequence: list[int],
+        round_: Round,
+        sampling,
+        seed: int,
+        stats: GenerationStats,
+        retry_until: float,
+    ) -> target_pb2.VerifyResponse:
+        """The round's verify. A target that is UNAVAILABLE (restarting) is retried until
+        `retry_until` (loop time); back up, it has lost the session, answers NOT_FOUND and is
+        re-sent the committed sequence, so the output does not change."""
+
+        def send(keep: int, new_tokens: list[int]):
+            return self.target.verify(
+                target_pb2.VerifyRequest(
+                    session_id=view.session_id,
+                    keep_tokens=keep,
+                    new_tokens=new_tokens,
+                    draft_token_ids=round_.draft_token_ids,
+                    draft_distributions=round_.distributions,
+                    sampling=sampling,
+                    seed=seed,
+                )
+            )
+
+        loop = asyncio.get_running_loop()
+        retrying = AsyncRetrying(
+            stop=lambda state: loop.time() >= retry_until,
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+            ),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    stats.target_retries += 1
+                return await self._with_reprefill("target", view, sequence, stats, send)
+        raise AssertionError("unreachable")
+
+    async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
+        """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
+        for attempt in range(2):
+            view.opened = True  # even a failed call may have opened it; ending is idempotent
+            started = stats.elapsed_ms()
+            try:
+                return await send(view.synced, sequence[view.synced :])
+            except SessionNotFound:
+                if attempt:
+                    raise SpecDecError(
+                        f"{role} service lost session {view.session_id} again right after a full re-send"
+                    ) from None
+                logger.info("%s lost session %s; re-sending %d tokens", role, view.session_id, len(sequence))
+                trace.get_current_span().add_event(
+                    "reprefill", {"specdec.service": role, "specdec.tokens": len(sequence)}
+                )
+                stats.reprefills += 1
+                view.synced = 0
+            finally:
+                elapsed = stats.elapsed_ms() - started
+                if role == "draft":
+                    stats.draft_ms += elapsed
+                else:
+                    stats.target_ms += elapsed
+        raise AssertionError("unreachable")
+
+    def _end_sessions(self, draft_view: SessionView, target_view: SessionView) -> None:
+        for client, view in ((self.draft, draft_view), (self.target, target_view)):
+            if view.opened:
+                self._end_later(client, view.session_id)
+
+    async def wait_cleanup(self) -> None:
+        """Until every session end already started has finished (before the services stop)."""
+        while self._cleanup:
+            await asyncio.gather(*self._cleanup, return_exceptions=True)
+
+    def _end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
+        """Frees a service's session without delaying (or being cancelled with) the request."""
+        task = asyncio.get_running_loop().create_task(client.end_session(session_id))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
