@@ -44,6 +44,7 @@ class ProposeCall:
     should_stop: Callable[[], bool] = lambda: False  # polled between steps (the caller cancelled)
     fork_from: str = ""
     min_confidence: float | None = None  # None: the runner's default; 0: never stop early
+    vocab_limit: int = 0  # propose only ids below this (the target's width); 0: no limit
 
 
 class Drafter(Protocol):

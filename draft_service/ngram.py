@@ -10,6 +10,7 @@ each with exactly its own probability of that token (see specdec.probs.verify_ou
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -74,6 +75,7 @@ class NgramDrafter:
             call.epoch,
             call.should_stop,
             call.fork_from,
+            call.vocab_limit,
         )
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
@@ -91,6 +93,7 @@ class NgramDrafter:
         epoch: int = 0,
         should_stop: Callable[[], bool] = lambda: False,
         fork_from: str = "",
+        vocab_limit: int = 0,
     ) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
         if not 1 <= num_tokens <= self.max_speculative_tokens:
@@ -103,6 +106,8 @@ class NgramDrafter:
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, num_tokens)
+        if vocab_limit:  # the target could not embed the rest
+            token_ids = list(itertools.takewhile(lambda token: token < vocab_limit, token_ids))
         session.tokens.extend(token_ids)
         return Proposal(
             token_ids=token_ids,

@@ -187,6 +187,8 @@ class DraftRunner(ModelRunner):
         logits: [N] (N = V without a reduced head)
         """
         self.check_logits(logits, drafting.call.session_id)
+        if drafting.call.vocab_limit:
+            logits = self._below(logits, drafting.call.vocab_limit)
         drafting.processed += len(drafting.feed)
         drafting.batch_size = max(drafting.batch_size, batch_size)
         if drafting.deterministic:
@@ -224,6 +226,17 @@ class DraftRunner(ModelRunner):
             runner_up_probs=drafting.runner_up_probs,
             batch_size=drafting.batch_size,
         )
+
+    def _below(self, logits: torch.Tensor, limit: int) -> torch.Tensor:
+        """logits: [N] with the rows of ids >= `limit` masked: the draft's distribution gives
+        them probability 0, and that distribution is what it samples from and sends."""
+        ids = torch.arange(logits.shape[-1], device=logits.device) if self.head_ids is None else self.head_ids
+        outside = ids >= limit  # [N]
+        if not bool(outside.any()):
+            return logits
+        if bool(outside.all()):
+            raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
+        return logits.masked_fill(outside, float("-inf"))
 
     def _runner_up(self, belief: torch.Tensor, row: int) -> tuple[int, float] | None:
         """The likeliest head row other than `row` as (token id, probability); None for a

@@ -135,6 +135,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         should_stop,
         request.fork_from,
         request.min_confidence if request.HasField("min_confidence") else None,
+        request.vocab_limit,
     )
 
 

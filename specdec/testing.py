@@ -64,12 +64,16 @@ def build_model(
     noise: float = 0.0,
     max_context: int = 512,
     layers: int = 2,
+    extra_vocab: int = 0,
 ) -> Qwen2ForCausalLM:
     """Random Qwen2; with `base`, a noisy copy of it (a draft that agrees often, not always).
-    `logit_scale` sets the logits' spread so distributions are peaked, not uniform."""
+    `logit_scale` sets the logits' spread so distributions are peaked, not uniform.
+    `extra_vocab` widens the embeddings and logits past the tokenizer (as Qwen2.5-7B's 152,064
+    columns are wider than its tokenizer and than 0.5B's 151,936); a copy of a base of another
+    width shares the rows both have."""
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) + extra_vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -84,7 +88,14 @@ def build_model(
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         if base is not None:
-            model.load_state_dict(base.state_dict())
+            own = model.state_dict()
+            for name, value in base.state_dict().items():
+                if value.shape == own[name].shape:
+                    own[name].copy_(value)
+                else:  # embeddings or output head of another width: the rows both have
+                    rows = min(value.shape[0], own[name].shape[0])
+                    own[name][:rows].copy_(value[:rows])
+            model.load_state_dict(own)
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * noise * (param.std() if param.numel() > 1 else 1.0))
         else:
@@ -104,10 +115,20 @@ def build_pair(
     noise: float,
     eos: bool,
     max_context: int = 512,
+    target_extra_vocab: int = 0,
+    draft_extra_vocab: int = 0,
 ) -> TinyPair:
+    """`target_extra_vocab`, `draft_extra_vocab`: logit columns past the tokenizer's, so the
+    two models' widths can differ as real pairs' do; the target samples its extra ids too."""
     eos_token_id = tokenizer.get_vocab()[EOS] if eos else None
     target = build_model(
-        root / "target", tokenizer, seed=0, logit_scale=logit_scale, eos_token_id=eos_token_id, max_context=max_context
+        root / "target",
+        tokenizer,
+        seed=0,
+        logit_scale=logit_scale,
+        eos_token_id=eos_token_id,
+        max_context=max_context,
+        extra_vocab=target_extra_vocab,
     )
     build_model(
         root / "draft",
@@ -118,5 +139,6 @@ def build_pair(
         base=target,
         noise=noise,
         max_context=max_context,
+        extra_vocab=draft_extra_vocab,
     )
-    return TinyPair(root / "target", root / "draft", len(tokenizer), eos_token_id)
+    return TinyPair(root / "target", root / "draft", len(tokenizer) + target_extra_vocab, eos_token_id)

@@ -70,8 +70,11 @@ def decode_distributions(
 ) -> torch.Tensor:
     """Draft distributions as a dense [K, vocab_size] float32 tensor over the target's vocab.
 
-    Mass the draft put on ids the target does not have is dropped: the target gives those
-    ids probability 0, so they are never accepted or recovered either way.
+    A draft with fewer logit columns sends narrower rows, which are zero-padded. A draft with
+    more is told the target's width (ProposeRequest.vocab_limit) and gives the ids past it
+    probability 0; mass a draft put there anyway is dropped, which leaves the residual
+    norm(max(0, target_probs - draft_probs)) unchanged, as the target gives those ids 0 (the
+    coordinator refuses a proposed token past the target's width outright).
     """
     if len(distributions) != len(token_ids):
         raise InvalidArgument(

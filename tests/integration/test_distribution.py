@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.pipeline import Coordinator
+from coordinator.rounds import Coordinator
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
 from specdec.quantize import quantize_int8
@@ -122,10 +122,16 @@ def batch_invariant(draft: dict) -> bool:
 
 
 def exact_target_distribution(
-    model_dir, params: SamplingParams, vocab: int, prompt: list[int] = PROMPT, length: int = LENGTH, int8: bool = False
+    model_dir,
+    params: SamplingParams,
+    vocab: int,
+    prompt: list[int] = PROMPT,
+    length: int = LENGTH,
+    int8: bool = False,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> dict[tuple[int, ...], float]:
     """Probability of every `length`-token continuation of `prompt` under the target (its int8
-    form if `int8`), by enumeration."""
+    form if `int8`), by enumeration; a continuation that reaches an EOS id ends there."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if int8:
         quantize_int8(model)
@@ -134,6 +140,9 @@ def exact_target_distribution(
         for _ in range(length):
             extended = {}
             for prefix, prefix_prob in probs.items():
+                if prefix and prefix[-1] in eos_token_ids:
+                    extended[prefix] = prefix_prob  # generation ended at EOS
+                    continue
                 if prefix_prob == 0.0:
                     row = torch.zeros(vocab)
                 else:
