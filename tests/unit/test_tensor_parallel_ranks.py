@@ -6,6 +6,7 @@ answers equal a single-process TargetRunner's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -79,7 +80,13 @@ def _rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
     dist.all_gather_object(states, _state(runner), group=control)
     if rank == 0:
         results.put((answers, states, runner.kv_bytes_per_token, runner.sessions.evicted))
-    dist.destroy_process_group()
+        results.close()
+        results.join_thread()  # the answer is in the pipe before this process goes
+    dist.barrier(group=control)  # neither rank leaves while the other still uses the group
+    # As target_service.tensor_parallel.worker_main does: skip interpreter teardown, whose C++
+    # destructors can abort a process whose gloo peer has already gone (seen once under load:
+    # "terminate called without an active exception", exit code -6, after all the work was done).
+    os._exit(0)
 
 
 def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny_pair):
