@@ -37,13 +37,14 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reco
 
 
 class ServiceClient:
-    """One channel to a model service; `role` ("draft"/"target") names it in errors."""
+    """One channel to a model service; the subclass's `role` ("draft"/"target") names it in
+    errors and its `stub_class` is the service's generated stub."""
 
-    _stub: Any  # the service's generated stub, set by the subclass
+    role: str
+    stub_class: Any
 
     def __init__(
         self,
-        role: str,
         address: str,
         timeout_s: float,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -51,7 +52,6 @@ class ServiceClient:
         channel=None,
     ):
         """`channel`: an already open channel to use instead (a specdec.local.LocalChannel)."""
-        self.role = role
         self.address = address
         self.timeout_s = timeout_s
         self.channel = channel or aio_channel(
@@ -60,6 +60,7 @@ class ServiceClient:
             security,
             telemetry.client_interceptors(),
         )
+        self._stub = self.stub_class(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -115,17 +116,8 @@ class ServiceClient:
 
 
 class DraftClient(ServiceClient):
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        security: ChannelSecurity | None = None,
-        channel=None,
-    ):
-        super().__init__("draft", address, timeout_s, max_message_bytes, security, channel)
-        self._stub = draft_pb2_grpc.DraftStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    role = "draft"
+    stub_class = draft_pb2_grpc.DraftStub
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         return await self.call(self._stub.Propose, request)
@@ -136,23 +128,17 @@ class DraftClient(ServiceClient):
     async def serving(self, timeout_s: float = 1.0) -> bool:
         """The standard health check: is the draft up and SERVING (the breaker's probe)?"""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class TargetClient(ServiceClient):
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        security: ChannelSecurity | None = None,
-        channel=None,
-    ):
-        super().__init__("target", address, timeout_s, max_message_bytes, security, channel)
-        self._stub = target_pb2_grpc.TargetStub(self.channel)
+    role = "target"
+    stub_class = target_pb2_grpc.TargetStub
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         return await self.call(self._stub.Verify, request)
