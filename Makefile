@@ -12,7 +12,7 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test test-fast lint bench bench-quick loadtest deploy-check clean
+.PHONY: help install protos models run test test-fast lint docs bench bench-quick loadtest deploy-check clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-quick - the same in a few minutes"
 	@echo "make loadtest - 32 clients for 3 minutes against the three services on tiny models (LOADTEST_ARGS=... for more)"
 	@echo "make protos - regenerate the gRPC stubs from protos/"
+	@echo "make docs   - regenerate the flag tables in docs/configuration.md from the config dataclasses"
 	@echo "make deploy-check - validate deploy/ offline: Kubernetes schemas, compose spec, hadolint, cross-check test"
 
 $(VENV)/bin/python:
@@ -70,6 +71,11 @@ test: install
 # no over-the-wire χ² runs (tests/conftest.py lists what it skips). CI runs `make test`.
 test-fast: install
 	$(PY) -m pytest -q -m "not heavy"
+
+# The flag tables in docs/configuration.md come from the config dataclasses (specdec.settings);
+# tests/unit/test_docs.py fails when the committed tables are not what this writes.
+docs: install
+	$(PY) scripts/configuration_docs.py
 
 # Lint and types (pyproject.toml configures both). The tools go into the same .venv under their
 # own marker, so `make test` never installs them.

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from draft_service.config import DraftConfig, config_problem, parse_config
+from draft_service.config import DraftConfig, parse_config
 from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
@@ -24,7 +24,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
-    if problem := config_problem(config):
+    if problem := config.problem():
         raise ValueError(problem)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

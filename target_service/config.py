@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import EnvArgs, ModelServiceConfig, add_model_service_args, model_service_kwargs
+from specdec.config import ModelServiceConfig, metrics_port_setting, port_setting
+from specdec.settings import parse_settings, setting
 
 DEFAULT_PORT = 50062
 DEFAULT_METRICS_PORT = 9162
@@ -14,8 +14,18 @@ DEFAULT_METRICS_PORT = 9162
 
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceConfig):
-    device_map: str | None = None  # "auto": shard layers over all visible GPUs (accelerate)
-    tensor_parallel: int = 1  # processes (GPUs) every layer is split over; rank 0 serves
+    port: int = port_setting(DEFAULT_PORT)
+    metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
+    device_map: str | None = setting(
+        None, "--device-map", "'auto' shards the model's layers over all visible GPUs (accelerate; overrides --device)"
+    )
+    tensor_parallel: int = setting(
+        1,
+        "--tensor-parallel",
+        "split every layer over N processes, one per GPU (cuda:0..N-1; gloo on CPU); the "
+        "service starts the other ranks itself, or joins the ranks torchrun started",
+        more="Exclusive with `--device-map`.",
+    )
 
     def resolved_quantize(self) -> str:
         """A split model (device map, tensor parallel) is never quantised by `auto`."""
@@ -23,36 +33,23 @@ class TargetConfig(ModelServiceConfig):
             return "none"
         return super().resolved_quantize()
 
+    def problem(self) -> str | None:
+        """A contradiction between flags, said in words; None if the config is consistent."""
+        if self.tensor_parallel < 1:
+            return f"--tensor-parallel must be >= 1; got {self.tensor_parallel}"
+        if self.tensor_parallel > 1 and self.device_map:
+            return "--tensor-parallel and --device-map are exclusive: choose one way to split the model"
+        if self.tensor_parallel > 1 and self.device not in ("cpu", "cuda"):
+            return f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {self.device!r}"
+        if problem := super().problem():
+            return problem
+        if self.quantize == "int8" and (self.tensor_parallel > 1 or self.device_map):
+            return (
+                "--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or "
+                "--device-map"
+            )
+        return None
+
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> TargetConfig:
-    parser = argparse.ArgumentParser(prog="python -m target_service", description=__doc__.split(":")[0])
-    args = EnvArgs(parser, "SPECDEC_TARGET", env)
-    add_model_service_args(args, DEFAULT_PORT, DEFAULT_METRICS_PORT)
-    args.add("--device-map", None, "'auto' shards the model over all visible GPUs (overrides --device)")
-    args.add(
-        "--tensor-parallel",
-        1,
-        "split every layer over N processes, one per GPU (cuda:0..N-1; gloo on CPU); the "
-        "service starts the other ranks itself, or joins the ranks torchrun started",
-        type=int,
-    )
-    ns = parser.parse_args(argv)
-    if ns.tensor_parallel < 1:
-        parser.error(f"--tensor-parallel must be >= 1; got {ns.tensor_parallel}")
-    if ns.tensor_parallel > 1 and ns.device_map:
-        parser.error("--tensor-parallel and --device-map are exclusive: choose one way to split the model")
-    if ns.tensor_parallel > 1 and ns.device not in ("cpu", "cuda"):
-        parser.error(f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {ns.device!r}")
-    config = TargetConfig(
-        **model_service_kwargs(ns, parser),
-        device_map=ns.device_map or None,
-        tensor_parallel=ns.tensor_parallel,
-    )
-    if problem := config.quantize_problem():
-        parser.error(problem)
-    if config.quantize == "int8" and (config.tensor_parallel > 1 or config.device_map):
-        parser.error(
-            "--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or "
-            "--device-map"
-        )
-    return config
+    return parse_settings(TargetConfig, "SPECDEC_TARGET", argv, env, "python -m target_service", "Target service")

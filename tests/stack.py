@@ -35,21 +35,16 @@ from target_service.servicer import TargetServicer
 
 
 def model_service_config(cls, model, **overrides):
+    """The service's declared defaults, with what tests need instead: a free port, no metrics
+    server, fewer sessions, no start-up calibration (tested where it is the subject), the
+    float32 target (the reference the greedy tests compare with; the int8 target has tests of
+    its own), and no confidence stops, so K means K."""
     base = dict(
         model=str(model),
-        dtype="float32",
-        device="cpu",
-        host="127.0.0.1",
         port=0,
-        threads=0,
+        metrics_port=-1,
         max_sessions=64,
         session_ttl_s=60.0,
-        max_speculative_tokens=16,
-        max_message_bytes=64 * 1024 * 1024,
-        log_level="INFO",
-        # Start-up calibration is tested where it is the subject; the float32 target is the
-        # reference the greedy tests compare with (the int8 target has tests of its own).
-        # Confidence stops are off unless a test turns them on, so K means K.
         calibrate=False,
         **({"quantize": "none"} if cls is TargetConfig else {"min_confidence": 0.0}),
     )
@@ -113,7 +108,11 @@ async def local_stack(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, channels[role])
     coordinator_config = dataclasses.replace(
         CoordinatorConfig(
-            draft_address="in-process draft", target_address="in-process target", tokenizer=str(pair.target), port=0
+            draft_address="in-process draft",
+            target_address="in-process target",
+            tokenizer=str(pair.target),
+            port=0,
+            metrics_port=-1,
         ),
         **(coordinator_overrides or {}),
     )
@@ -172,6 +171,7 @@ async def inprocess_stack(
             target_address=f"127.0.0.1:{target.port}",
             tokenizer=str(pair.target),
             port=0,
+            metrics_port=-1,
             connect_timeout_s=10.0,
         )
         coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))

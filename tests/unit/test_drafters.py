@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draft_service import server as draft_server
-from draft_service.config import DraftConfig, config_problem
+from draft_service.config import DraftConfig
 from draft_service.config import parse_config as draft_config
 from draft_service.ngram import NgramDrafter, lookup
 from draft_service.runner import DraftRunner, frequent_token_ids
@@ -124,10 +124,10 @@ def test_auto_quantisation_and_contradictory_flags():
     assert base.quantize == "auto" and base.drafter == "model"
     assert dataclasses.replace(base, dtype="bfloat16").resolved_quantize() == "none"
     assert dataclasses.replace(base, device="cuda").resolved_quantize() == "none"
-    assert config_problem(dataclasses.replace(base, quantize="int8", device="cuda")) is not None
-    assert config_problem(dataclasses.replace(base, drafter="ngram", quantize="int8")) is not None
-    assert config_problem(dataclasses.replace(base, drafter="ngram", ngram_min=3, ngram_max=2)) is not None
-    assert config_problem(dataclasses.replace(base, drafter="ngram")) is None
+    assert dataclasses.replace(base, quantize="int8", device="cuda").problem() is not None
+    assert dataclasses.replace(base, drafter="ngram", quantize="int8").problem() is not None
+    assert dataclasses.replace(base, drafter="ngram", ngram_min=3, ngram_max=2).problem() is not None
+    assert dataclasses.replace(base, drafter="ngram").problem() is None
     with pytest.raises(SystemExit):
         draft_config(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"], {})
     ngram = draft_config(["--model", "m", "--drafter", "ngram", "--ngram-min", "1"], {"SPECDEC_DRAFT_NGRAM_MAX": "6"})

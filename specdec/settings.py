@@ -1,0 +1,243 @@
+"""Settings declared once: each field of a service's config dataclass carries its flag.
+
+A field declared with `setting(default, "--flag", "help")` gives, from that one line, the
+argparse flag, its environment variable (`PREFIX_FLAG`, e.g. SPECDEC_TARGET_SESSION_TTL; the
+flag wins), its default, its `--help` text, the frozen config's field, and its row in
+docs/configuration.md (`make docs` writes the tables; a test checks they are current). A
+nested settings dataclass (the TLS settings) is a `group`, its flags optionally prefixed.
+
+Nothing reads the environment at import time: `parse_settings` is called once, in a
+service's `__main__`, with the environment it should read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, TypeVar
+
+C = TypeVar("C")
+_FLAG = "specdec.setting"
+_GROUP = "specdec.group"
+REQUIRED_HINT = "(or set the environment variable named in --help)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "--session-ttl"
+    help: str
+    parse: Callable[[str], Any] | None = None  # text -> value; None: from the default's type
+    choices: tuple[str, ...] | None = None  # the texts accepted, where they are a closed set
+    required: bool = False  # the default ("" or None) is refused after parsing
+    shown: str | None = None  # the default as --help and the docs show it, where the value reads badly
+    more: str = ""  # docs only: detail and links beyond --help
+
+
+def setting(default: Any, flag: str, help: str, **options: Any) -> Any:
+    """A config field that is also a flag (see the module docstring)."""
+    return field(default=default, metadata={_FLAG: Flag(flag, help, **options)})
+
+
+def group(default: Any, flag_prefix: str = "") -> Any:
+    """A nested settings dataclass; its flags are named `--{flag_prefix}{flag}`."""
+    return field(default=default, metadata={_GROUP: flag_prefix})
+
+
+def on_off(text: str) -> bool:
+    """'on' / 'off' -> bool: the flags' spelling of a switch."""
+    if text not in ("on", "off"):
+        raise ValueError("choose from on, off")
+    return text == "on"
+
+
+def optional_text(text: str) -> str | None:
+    """An empty value counts as unset (an environment variable set to "")."""
+    return text or None
+
+
+def _parser_for(flag: Flag, default: Any) -> Callable[[str], Any]:
+    if flag.parse is not None:
+        return flag.parse
+    if isinstance(default, bool):
+        return on_off
+    if default is None:
+        return optional_text
+    if isinstance(default, (int, float, str)):
+        return type(default)
+    raise TypeError(f"{flag.name}: say how to parse a default of type {type(default).__name__}")
+
+
+def shown_default(flag: Flag, default: Any) -> str:
+    """The default in words: 'on', 'unset', '2.0', 'required'."""
+    if flag.shown is not None:
+        return flag.shown
+    if flag.required:
+        return "required"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default is None or default == () or default == "":
+        return "unset"
+    return str(default)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One setting as a config class declares it, with its place in the (nested) config."""
+
+    path: tuple[str, ...]  # field names from the top config down: ("upstream", "tls_ca")
+    flag: Flag  # the flag's name carries its group's prefix
+    default: Any
+
+    @property
+    def dest(self) -> str:
+        return "__".join(self.path)
+
+    def env_name(self, env_prefix: str) -> str:
+        return f"{env_prefix}_{self.flag.name.lstrip('-').replace('-', '_').upper()}"
+
+
+def declared(cls: type, flag_prefix: str = "", path: tuple[str, ...] = ()) -> Iterator[Declared]:
+    """Every setting of `cls` in field order; a field that is neither a setting nor a group is an error,
+    so nothing in a config escapes its flag, its variable or the docs."""
+    for item in fields(cls):
+        if _FLAG in item.metadata:
+            flag = item.metadata[_FLAG]
+            name = f"--{flag_prefix}{flag.name.removeprefix('--')}"
+            yield Declared((*path, item.name), dataclasses.replace(flag, name=name), item.default)
+        elif _GROUP in item.metadata:
+            yield from declared(type(item.default), flag_prefix + item.metadata[_GROUP], (*path, item.name))
+        else:
+            raise TypeError(f"{cls.__name__}.{item.name} is declared with neither setting() nor group()")
+
+
+class _HasProblem(Protocol):
+    def problem(self) -> str | None: ...
+
+
+def _build(cls: type[C], values: Mapping[tuple[str, ...], Any]) -> C:
+    kwargs: dict[str, Any] = {}
+    for item in fields(cls):  # type: ignore[arg-type]
+        if _GROUP in item.metadata:
+            inner = {path[1:]: value for path, value in values.items() if path[0] == item.name}
+            kwargs[item.name] = _build(type(item.default), inner)
+        else:
+            kwargs[item.name] = values[(item.name,)]
+    return cls(**kwargs)
+
+
+def env_value(env: Mapping[str, str], name: str, parse: Callable[[str], Any], choices: Sequence[str] | None) -> Any:
+    """The variable `name` parsed; a malformed value is a start-up error naming the variable
+    (argparse checks choices on flags only, never on defaults, so they are checked here too)."""
+    text = env[name]
+    if choices is not None and text not in choices:
+        raise SystemExit(f"environment variable {name}={text!r} is invalid: choose from {', '.join(choices)}")
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise SystemExit(f"environment variable {name}={text!r} is invalid: {exc}") from exc
+
+
+def parse_settings(
+    cls: type[C],
+    env_prefix: str,
+    argv: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    prog: str,
+    description: str,
+) -> C:
+    """The frozen config from flags over `env_prefix` variables over the declared defaults;
+    a missing required setting or the config's own `problem()` is a usage error."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    settings = list(declared(cls))
+    for item in settings:
+        flag, variable = item.flag, item.env_name(env_prefix)
+        parse = _parser_for(flag, item.default)
+        default = env_value(env, variable, parse, flag.choices) if variable in env else item.default
+        parser.add_argument(
+            flag.name,
+            dest=item.dest,
+            type=parse,
+            default=default,
+            choices=list(flag.choices) if flag.choices else None,
+            metavar="{on,off}" if parse is on_off else None,
+            help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]",
+        )
+    ns = parser.parse_args(argv)
+    for item in settings:
+        if item.flag.required and not getattr(ns, item.dest):
+            parser.error(f"{item.flag.name} is required {REQUIRED_HINT}")
+    config = _build(cls, {item.path: getattr(ns, item.dest) for item in settings})
+    problem: _HasProblem = config  # type: ignore[assignment]
+    if message := problem.problem():
+        parser.error(message)
+    return config
+
+
+# --- docs/configuration.md ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service as the docs list it: its name, config class and variable prefix."""
+
+    name: str  # "draft"
+    config: type
+    env_prefix: str  # "SPECDEC_DRAFT"
+
+
+def _row(flag: Flag, variables: str, default: str) -> str:
+    meaning = f"{flag.help}{'. ' + flag.more if flag.more else ''}".replace("|", "\\|")
+    return f"| `{flag.name}` | `{variables}` | {default} | {meaning} |"
+
+
+def _table(rows: list[str]) -> list[str]:
+    return ["| Flag | Environment variable | Default | Meaning |", "|---|---|---|---|", *rows]
+
+
+def render_tables(services: Sequence[Service], shared: tuple[str, str] | None = None) -> str:
+    """Markdown tables of every service's settings. With `shared` = two service names, the
+    settings both declare go in one table first (differing defaults shown per service), and
+    each of the two then lists only its own."""
+    by_name = {service.name: service for service in services}
+    settings = {service.name: {item.flag.name: item for item in declared(service.config)} for service in services}
+    out: list[str] = []
+    common: set[str] = set()
+    if shared:
+        first, second = (by_name[name] for name in shared)
+        common = settings[first.name].keys() & settings[second.name].keys()
+        rows = []
+        for name, item in settings[first.name].items():
+            if name not in common:
+                continue
+            other = settings[second.name][name]
+            defaults = [shown_default(item.flag, item.default), shown_default(other.flag, other.default)]
+            default = (
+                defaults[0]
+                if defaults[0] == defaults[1]
+                else f"{defaults[0]} ({first.name}), {defaults[1]} ({second.name})"
+            )
+            variable = item.env_name(first.env_prefix).replace(
+                first.env_prefix, f"SPECDEC_{{{first.name.upper()},{second.name.upper()}}}"
+            )
+            rows.append(_row(item.flag, variable, default))
+        helps = f"`python -m {_module(first)} --help`, `python -m {_module(second)} --help`"
+        title = f"{first.name.title()} and {second.name} ({helps})"
+        out += [f"### {title}", "", *_table(rows), ""]
+    for service in services:
+        own = shared is not None and service.name in shared
+        rows = [
+            _row(item.flag, item.env_name(service.env_prefix), shown_default(item.flag, item.default))
+            for name, item in settings[service.name].items()
+            if not (own and name in common)
+        ]
+        title = f"{service.name.title()} only" if own else service.name.title()
+        out += [f"### {title} (`python -m {_module(service)} --help`)", "", *_table(rows), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _module(service: Service) -> str:
+    return service.config.__module__.rsplit(".", 1)[0]

@@ -1,0 +1,70 @@
+"""Each setting is declared once (specdec.settings): the flag, its variable, its default, the
+config field and the docs table all come from that one declaration."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.config import parse_config as coordinator_config
+from draft_service.config import DraftConfig
+from draft_service.config import parse_config as draft_config
+from specdec.settings import declared
+from target_service.config import TargetConfig
+from target_service.config import parse_config as target_config
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = {
+    DraftConfig: (draft_config, ["--model", "m"], {"model": "m"}),
+    TargetConfig: (target_config, ["--model", "m"], {"model": "m"}),
+    CoordinatorConfig: (
+        coordinator_config,
+        ["--draft", "d:1", "--target", "t:2", "--tokenizer", "k"],
+        {"draft_address": "d:1", "target_address": "t:2", "tokenizer": "k"},
+    ),
+}
+
+
+def configuration_docs():
+    spec = importlib.util.spec_from_file_location("configuration_docs", ROOT / "scripts" / "configuration_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_configuration_tables_are_generated_from_the_configs():
+    docs = configuration_docs()
+    current = docs.DOC.read_text()
+    assert docs.rendered(current) == current, "docs/configuration.md is out of date: run `make docs`"
+    for cls in REQUIRED:
+        for item in declared(cls):
+            assert f"`{item.flag.name}`" in current
+
+
+@pytest.mark.parametrize("cls", list(REQUIRED), ids=lambda cls: cls.__name__)
+def test_every_config_field_is_a_flag_whose_default_is_the_fields(cls):
+    """Parsing nothing but the required flags gives exactly the dataclass's own defaults, so no
+    default is written twice; `declared` raises on a field that is not a setting."""
+    parse, argv, required = REQUIRED[cls]
+    assert parse(argv, {}) == cls(**required)
+    names = [item.flag.name for item in declared(cls)]
+    assert len(names) == len(set(names)), "two fields share a flag"
+
+
+def test_every_flag_reads_its_variable_and_says_so_in_help(capsys):
+    for cls, (parse, _, _) in REQUIRED.items():
+        prefix = {DraftConfig: "SPECDEC_DRAFT", TargetConfig: "SPECDEC_TARGET"}.get(cls, "SPECDEC_COORDINATOR")
+        with pytest.raises(SystemExit):
+            parse(["--help"], {})
+        text = " ".join(capsys.readouterr().out.split())
+        for item in declared(cls):
+            assert item.env_name(prefix) in text
+    env = {"SPECDEC_COORDINATOR_UPSTREAM_TLS_CA": "ca.pem", "SPECDEC_COORDINATOR_ADAPTIVE_K": "off"}
+    config = coordinator_config(REQUIRED[CoordinatorConfig][1], env)
+    assert config.upstream.tls_ca == "ca.pem" and config.adaptive_k is False
+    assert coordinator_config([*REQUIRED[CoordinatorConfig][1], "--adaptive-k", "on"], env).adaptive_k is True
+    with pytest.raises(SystemExit, match="SPECDEC_DRAFT_CALIBRATE='yes' is invalid"):
+        draft_config(["--model", "m"], {"SPECDEC_DRAFT_CALIBRATE": "yes"})
