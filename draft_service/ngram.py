@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -21,7 +20,6 @@ from specdec.batching import result_or_error
 from specdec.calls import ModelDescription, Stopwatch, check_context, check_token_ids
 from specdec.errors import InvalidArgument
 from specdec.modeling import TokenizerInfo
-from specdec.probs import SamplingParams
 from specdec.sessions import SessionStore
 
 
@@ -64,50 +62,24 @@ class NgramDrafter:
         self.max_speculative_tokens = max_speculative_tokens
         self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
 
-    def propose_one(self, call: ProposeCall) -> Proposal:
-        return self.propose(
-            call.session_id,
-            call.keep_tokens,
-            call.new_tokens,
-            call.num_tokens,
-            call.params,
-            call.seed,
-            call.epoch,
-            call.should_stop,
-            call.fork_from,
-            call.vocab_limit,
-        )
-
     def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
         """One after the other, in order: a lookup has no model pass to share."""
         return [result_or_error(self.propose_one, call) for call in calls]
 
-    def propose(
-        self,
-        session_id: str,
-        keep_tokens: int,
-        new_tokens: list[int],
-        num_tokens: int,
-        params: SamplingParams,
-        seed: int,
-        epoch: int = 0,
-        should_stop: Callable[[], bool] = lambda: False,
-        fork_from: str = "",
-        vocab_limit: int = 0,
-    ) -> Proposal:
+    def propose_one(self, call: ProposeCall) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
-        if not 1 <= num_tokens <= self.max_speculative_tokens:
-            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {num_tokens}")
-        check_token_ids(new_tokens, self.info.vocab_size, "new_tokens")
-        check_context(keep_tokens + len(new_tokens) + num_tokens, self.info.max_context)
+        if not 1 <= call.num_tokens <= self.max_speculative_tokens:
+            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {call.num_tokens}")
+        check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
+        check_context(call.keep_tokens + len(call.new_tokens) + call.num_tokens, self.info.max_context)
         clock = Stopwatch()
-        session = self.sessions.for_call(session_id, keep_tokens, epoch, fork_from)
-        session.rollback(keep_tokens, new_tokens)
+        session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
+        session.rollback(call.keep_tokens, call.new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
-        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, num_tokens)
-        if vocab_limit:  # the target could not embed the rest
-            token_ids = list(itertools.takewhile(lambda token: token < vocab_limit, token_ids))
+        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, call.num_tokens)
+        if call.vocab_limit:  # the target could not embed the rest
+            token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
         session.tokens.extend(token_ids)
         return Proposal(
             token_ids=token_ids,

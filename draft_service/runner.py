@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +12,7 @@ from specdec.batching import batch_groups, call_waves, start_each
 from specdec.calls import Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
-from specdec.probs import SamplingParams, logits_to_probs, one_hot_argmax, sample, truncate_top_k
+from specdec.probs import logits_to_probs, one_hot_argmax, sample, truncate_top_k
 from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
 
@@ -76,24 +75,6 @@ class DraftRunner(ModelRunner):
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
         self.proposal_mode = proposal_mode
         self.proposal_top_k = proposal_top_k
-
-    def propose(
-        self,
-        session_id: str,
-        keep_tokens: int,
-        new_tokens: list[int],
-        num_tokens: int,
-        params: SamplingParams,
-        seed: int,
-        epoch: int = 0,
-        should_stop: Callable[[], bool] = lambda: False,
-        fork_from: str = "",
-    ) -> Proposal:
-        """`should_stop` is polled between steps: a cancelled call (a stale pre-draft) frees
-        the model thread after at most one more forward pass instead of K."""
-        return self.propose_one(
-            ProposeCall(session_id, keep_tokens, new_tokens, num_tokens, params, seed, epoch, should_stop, fork_from)
-        )
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""

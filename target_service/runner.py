@@ -61,22 +61,6 @@ class TargetRunner(ModelRunner):
         callers then need not densify [K, V] draft distributions."""
         return not params.greedy or return_distributions
 
-    def verify(
-        self,
-        session_id: str,
-        keep_tokens: int,
-        new_tokens: list[int],
-        draft_token_ids: list[int],
-        draft_probs: torch.Tensor,  # [K, V] float32 (CPU); unused (any shape) on the greedy fast path
-        params: SamplingParams,
-        seed: int,
-        return_distributions: bool = False,
-    ) -> Verification:
-        call = VerifyCall(
-            session_id, keep_tokens, new_tokens, draft_token_ids, draft_probs, params, seed, return_distributions
-        )
-        return self.verify_one(call)
-
     def verify_one(self, call: VerifyCall) -> Verification:
         """One session's round, in a forward pass of its own (two when it carries a prefill)."""
         admitted = self._admit(call)

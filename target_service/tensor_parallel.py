@@ -89,9 +89,6 @@ class TensorParallelRunner:
         self._send("verify_batch", calls)
         return self._runner.verify_batch(calls)
 
-    def verify(self, *args, **kwargs):
-        return self.verify_one(VerifyCall(*args, **kwargs))
-
     def end_session(self, session_id: str) -> bool:
         self._send("end_session", session_id)
         return self._runner.end_session(session_id)

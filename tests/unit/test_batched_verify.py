@@ -48,7 +48,7 @@ def draft_probs(seed: int, num_draft: int, vocab: int) -> torch.Tensor:
 
 def prefill(runners, session_id: str, prompt: list[int]) -> None:
     for runner in runners:
-        runner.verify(session_id, 0, prompt, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
+        runner.verify_one(VerifyCall(session_id, 0, prompt, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0))
 
 
 def holds(runner: TargetRunner, session_id: str) -> bool:
@@ -84,7 +84,7 @@ def mixed_calls(runners, params: SamplingParams, return_distributions: bool) -> 
         prefill(runners, session_id, prompt)
     # "rollback" holds 12 prompt tokens + 3 drafts; the round keeps the prompt and one draft.
     for runner in runners:
-        runner.verify("rollback", 12, [7], [8, 9, 10], draft_probs(0, 3, vocab), params, 0)
+        runner.verify_one(VerifyCall("rollback", 12, [7], [8, 9, 10], draft_probs(0, 3, vocab), params, 0))
     specs = [  # session, keep_tokens, new tokens, draft tokens
         ("short", 3, tokens(11, 1, vocab), tokens(12, 4, vocab)),
         ("medium", 17, tokens(13, 2, vocab), tokens(14, 1, vocab)),
@@ -267,7 +267,7 @@ def test_the_kv_budget_counts_what_the_whole_pass_adds(loaded):
     second counts the first's pending tokens, so the least recently used session is evicted."""
     per_token = make_runner(loaded).kv_bytes_per_token
     runner = make_runner(loaded, max_kv_bytes=35 * per_token)
-    runner.verify("old", 0, tokens(80, 15, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0)
+    runner.verify_one(VerifyCall("old", 0, tokens(80, 15, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0))
     calls = [
         VerifyCall(f"new{i}", 0, tokens(81 + i, 12, loaded.vocab_size), [], torch.zeros(0), GREEDY, 0) for i in range(2)
     ]
@@ -302,7 +302,7 @@ def test_a_prompt_prefill_among_decode_rounds_gets_its_own_pass(loaded):
     runner = make_runner(loaded)  # the default padding limit
     vocab = loaded.vocab_size
     for i in range(3):
-        runner.verify(f"d{i}", 0, tokens(100 + i, 10, vocab), [], torch.zeros(0), GREEDY, 0)
+        runner.verify_one(VerifyCall(f"d{i}", 0, tokens(100 + i, 10, vocab), [], torch.zeros(0), GREEDY, 0))
     calls = [VerifyCall(f"d{i}", 10, [1], [2, 3, 4], torch.zeros(0), GREEDY, 0) for i in range(3)]
     calls.append(VerifyCall("prompt", 0, tokens(110, 60, vocab), [5], torch.zeros(0), GREEDY, 0))
     results = runner.verify_batch(calls)

@@ -11,6 +11,7 @@ import torch
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.config import parse_config as draft_config
+from draft_service.drafter import ProposeCall
 from draft_service.ngram import NgramDrafter, lookup
 from draft_service.runner import DraftRunner, frequent_token_ids
 from specdec.errors import InvalidArgument, SessionNotFound
@@ -57,17 +58,17 @@ def ngram(tiny_pair) -> NgramDrafter:
 
 def test_ngram_drafter_keeps_its_sequence_and_rolls_back(ngram, tiny_pair):
     prompt = [10, 11, 12, 13, 10, 11]
-    first = ngram.propose("n", 0, prompt, 4, SAMPLED, 0)
+    first = ngram.propose_one(ProposeCall("n", 0, prompt, 4, SAMPLED, 0))
     assert first.token_ids == [12, 13, 10, 11] and first.deterministic and first.probs is None
     assert first.processed_tokens == 0 and first.sequence_length == 10
     # The target accepted two of them and recovered 40: keep prompt + 2, send the recovered token.
-    second = ngram.propose("n", 8, [40], 4, SAMPLED, 0)
+    second = ngram.propose_one(ProposeCall("n", 8, [40], 4, SAMPLED, 0))
     assert ngram.sessions.open("n", 1).tokens[:9] == prompt + [12, 13, 40]
     assert second.token_ids == [] and second.sequence_length == 9, "40 never occurred before, so nothing is proposed"
     with pytest.raises(SessionNotFound):
-        ngram.propose("unknown", 3, [1], 2, GREEDY, 0)
+        ngram.propose_one(ProposeCall("unknown", 3, [1], 2, GREEDY, 0))
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
-        ngram.propose("n", 9, [tiny_pair.vocab_size], 2, GREEDY, 0)
+        ngram.propose_one(ProposeCall("n", 9, [tiny_pair.vocab_size], 2, GREEDY, 0))
     info = ngram.describe()
     assert info.vocab_size == tiny_pair.vocab_size and info.model_id.startswith("ngram[1..3]")
     assert info.tokenizer_fingerprint == load_causal_lm(str(tiny_pair.target), "float32", "cpu").tokenizer_fingerprint
@@ -90,10 +91,10 @@ def test_reduced_head_scores_exactly_its_ids_and_proposes_only_them(tiny_pair):
     prompt = [5, 17, 99, 200, 31]
     # The restricted head's logits are the full head's logits at its ids.
     torch.testing.assert_close(full_logits(loaded.model, prompt), full_logits(reference.model, prompt)[head_ids])
-    greedy = runner.propose("g", 0, prompt, 3, GREEDY, 0)
+    greedy = runner.propose_one(ProposeCall("g", 0, prompt, 3, GREEDY, 0))
     expected = int(head_ids[full_logits(reference.model, prompt)[head_ids].argmax()])
     assert greedy.token_ids[0] == expected
-    sampled = runner.propose("s", 0, prompt, 4, SAMPLED, 0)
+    sampled = runner.propose_one(ProposeCall("s", 0, prompt, 4, SAMPLED, 0))
     outside = torch.ones(loaded.vocab_size, dtype=torch.bool)
     outside[head_ids] = False
     assert sampled.probs.shape == (4, loaded.vocab_size)
@@ -112,7 +113,7 @@ def test_int8_draft_is_quantised_reports_it_and_stays_close(tiny_pair):
     assert runner.describe().dtype.startswith("int8")
     reference = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
     prompt = [5, 17, 99, 200, 31]
-    proposal = runner.propose("q", 0, prompt, 2, SAMPLED, 0)
+    proposal = runner.propose_one(ProposeCall("q", 0, prompt, 2, SAMPLED, 0))
     exact = torch.softmax(full_logits(reference.model, prompt), -1)
     assert float((proposal.probs[0] - exact).abs().sum()) < 0.2, "int8 should move the distribution only a little"
     plain = draft_server.load_runner(dataclasses.replace(config, quantize="none"))

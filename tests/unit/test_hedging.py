@@ -8,6 +8,7 @@ import torch
 
 from coordinator.config import parse_config
 from coordinator.hedging import acceptance_estimate, plan_hedges
+from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.errors import InvalidArgument, SessionNotFound, StaleRequest
 from specdec.modeling import load_causal_lm
@@ -56,41 +57,41 @@ def draft_runner(tiny_pair) -> DraftRunner:
 
 def test_a_fork_drafts_as_a_fresh_session_would_and_leaves_its_parent_alone(draft_runner):
     prompt = list(range(5, 25))
-    parent = draft_runner.propose("parent", 0, prompt, 4, GREEDY, 0, epoch=1)
+    parent = draft_runner.propose_one(ProposeCall("parent", 0, prompt, 4, GREEDY, 0, epoch=1))
     parent_tokens = list(draft_runner.sessions.open("parent", 1).tokens)
     # "Draft 2 rejected, token 77 recovered": keep the prompt and the first two drafts.
     keep = len(prompt) + 2
-    branch = draft_runner.propose("branch", keep, [77], 3, GREEDY, 0, epoch=2, fork_from="parent")
+    branch = draft_runner.propose_one(ProposeCall("branch", keep, [77], 3, GREEDY, 0, epoch=2, fork_from="parent"))
     assert branch.processed_tokens == 3, "only 77 and then one draft per step may run: the prefix is the parent's cache"
-    fresh = draft_runner.propose("fresh", 0, [*prompt, *parent.token_ids[:2], 77], 3, GREEDY, 0)
+    fresh = draft_runner.propose_one(ProposeCall("fresh", 0, [*prompt, *parent.token_ids[:2], 77], 3, GREEDY, 0))
     assert branch.token_ids == fresh.token_ids
     torch.testing.assert_close(branch.probs, fresh.probs)
     assert draft_runner.sessions.open("parent", 1).tokens == parent_tokens
     # The parent goes on from where it was.
-    later = draft_runner.propose("parent", len(parent_tokens), [], 1, GREEDY, 0, epoch=3)
+    later = draft_runner.propose_one(ProposeCall("parent", len(parent_tokens), [], 1, GREEDY, 0, epoch=3))
     assert later.sequence_length == len(parent_tokens) + 1
     for session_id in ("parent", "branch", "fresh"):
         draft_runner.end_session(session_id)
 
 
 def test_stale_unknown_or_clashing_forks_open_nothing(draft_runner):
-    draft_runner.propose("p", 0, [5, 6, 7, 8], 2, GREEDY, 0, epoch=5)
+    draft_runner.propose_one(ProposeCall("p", 0, [5, 6, 7, 8], 2, GREEDY, 0, epoch=5))
     before = len(draft_runner.sessions)
     with pytest.raises(StaleRequest, match="superseded"):
-        draft_runner.propose("b", 3, [9], 2, GREEDY, 0, epoch=4, fork_from="p")
+        draft_runner.propose_one(ProposeCall("b", 3, [9], 2, GREEDY, 0, epoch=4, fork_from="p"))
     with pytest.raises(SessionNotFound):
-        draft_runner.propose("b", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="gone")
+        draft_runner.propose_one(ProposeCall("b", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="gone"))
     with pytest.raises(InvalidArgument, match="already exists"):
-        draft_runner.propose("p", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="p")
+        draft_runner.propose_one(ProposeCall("p", 3, [9], 2, GREEDY, 0, epoch=6, fork_from="p"))
     with pytest.raises(InvalidArgument, match="a fork keeps"):
-        draft_runner.propose("b", 99, [9], 2, GREEDY, 0, epoch=6, fork_from="p")
+        draft_runner.propose_one(ProposeCall("b", 99, [9], 2, GREEDY, 0, epoch=6, fork_from="p"))
     assert len(draft_runner.sessions) == before
     draft_runner.end_session("p")
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
 def test_runner_up_is_the_likeliest_other_token(draft_runner, params):
-    proposal = draft_runner.propose("r", 0, [5, 6, 7, 8], 4, params, 1)
+    proposal = draft_runner.propose_one(ProposeCall("r", 0, [5, 6, 7, 8], 4, params, 1))
     assert len(proposal.runner_up_ids) == len(proposal.runner_up_probs) == len(proposal.token_ids)
     for token, runner_up, prob in zip(proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
         assert runner_up != token and 0.0 < prob <= 1.0

@@ -10,7 +10,7 @@ from specdec.config import parse_bytes
 from specdec.errors import ResourceExhausted, SessionNotFound
 from specdec.modeling import load_causal_lm
 from specdec.probs import SamplingParams
-from target_service.runner import TargetRunner
+from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
 
@@ -21,7 +21,9 @@ def loaded(tiny_pair):
 
 
 def verify(runner, session_id, keep, new_tokens):
-    return runner.verify(session_id, keep, new_tokens, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
+    return runner.verify_one(
+        VerifyCall(session_id, keep, new_tokens, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
+    )
 
 
 def test_bytes_per_token_is_what_the_cache_really_holds(loaded):
