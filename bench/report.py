@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.harness import HF_TARGET_ONLY, OURS_TARGET_ONLY  # noqa: E402
+from bench.modes import HF_TARGET_ONLY, OURS_TARGET_ONLY  # noqa: E402
 
 
 def theoretical_speedup(alpha: float, k: int, c: float) -> float:

@@ -55,7 +55,7 @@ def test_alpha_counts_only_positions_that_were_evaluated():
 
 
 def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_split():
-    from bench.harness import PLACEMENTS, node_modes
+    from bench.modes import PLACEMENTS, node_modes
     from bench.report import markdown_table
 
     modes = node_modes()

@@ -1,0 +1,211 @@
+"""What the benchmark runs: its settings, the modes of each suite, and one measured sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OURS_TARGET_ONLY = "ours target-only (K=0)"
+HF_TARGET_ONLY = "HF generate target-only"
+
+
+# Draft service variants, by name: extra flags for `python -m draft_service` (the draft's
+# --dtype comes first, from --draft-dtype, so a variant's own --dtype wins).
+def drafter_args(name: str, config: BenchConfig) -> list[str]:
+    return {
+        "model": ["--quantize", "none"],  # the draft model at --draft-dtype
+        "int8": ["--dtype", "float32", "--quantize", "int8"],
+        "int8+vocab": ["--dtype", "float32", "--quantize", "int8", "--draft-vocab", str(config.draft_vocab)],
+        "ngram": ["--drafter", "ngram"],
+        "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
+        # The nodes suite: the draft's own "node" is core 0 (the target's is core 1).
+        "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"]],
+    }[name]
+
+
+# Where the services run. "shared": every service may use every core (torch --threads each).
+# "pinned": one machine standing in for separate nodes, the draft on core 0 and the target on
+# core 1, one thread each. The coordinator shares the target's core: it works between a
+# verify's reply and the next verify, exactly when the target's core is idle.
+PLACEMENTS = {
+    "shared": {"draft": [], "target": [], "coordinator": []},
+    "pinned": {
+        "draft": ["--cpus", "0", "--threads", "1"],
+        "target": ["--cpus", "1", "--threads", "1"],
+        "coordinator": ["--cpus", "1"],
+    },
+}
+
+
+# Coordinator variants: extra flags for `python -m coordinator`.
+COORDINATORS = {
+    "sequential": [],
+    "pipelined": ["--pipeline", "on"],
+    "adaptive": ["--adaptive-k", "on"],
+    "pipelined+adaptive": ["--pipeline", "on", "--adaptive-k", "on"],
+    "hedged1": ["--hedges", "1"],
+    "hedged2": ["--hedges", "2"],
+    "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
+    "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
+}
+
+
+# The in-process HF baseline's draft for each variant that has a model.
+HF_DRAFTS = {
+    "model": "as --draft-dtype",
+    "int8": "float32 weights, int8 Linear layers (specdec.quantize, as the draft service)",
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    draft_model: Path
+    target_model: Path
+    draft_dtype: str
+    target_dtype: str
+    device: str
+    threads: int
+    max_new_tokens: int
+    repeats: int
+    ks: tuple[int, ...]
+    hf_assisted: tuple[str, ...]  # "default" (HF's own schedule) or a fixed K
+    temperatures: tuple[float, ...]
+    prompts_file: Path
+    out_dir: Path
+    seed: int
+    suite: str = "k-sweep"  # or "drafters", "modes", "concurrency"
+    only: tuple[str, ...] = ()  # keep only modes whose name contains one of these (plus ours K=0)
+    draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
+    sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
+    batch_window_ms: float = 2.0  # concurrency suite: the batching target's --batch-window-ms
+    requests: int = 0  # concurrency suite: requests per sample (0 = the largest --sessions)
+    target_quantize: str = "none"  # the target service's --quantize; "int8" also for the HF baselines' target
+    target_pick: str = ""  # why this target setting: target_service.pick's table and reason (--target-setting auto)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    family: str  # "ours" or "hf"
+    k: int = 0  # ours: num_speculative_tokens
+    assisted: str | None = None  # hf: None (target only), "default", a fixed K, or "lookup" (prompt lookup)
+    drafter: str = "model"  # ours: the draft service variant (drafter_args); hf: the assistant (HF_DRAFTS)
+    coordinator: str = "sequential"  # ours: the coordinator variant (COORDINATORS)
+    adaptive: bool = False  # ours: leave K to the coordinator (k is then only a label)
+    placement: str = "shared"  # ours: PLACEMENTS
+
+
+@dataclass
+class Sample:
+    mode: str
+    kind: str
+    temperature: float
+    repeat: int
+    tokens: int
+    total_ms: float
+    ttft_ms: float
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_compute_ms: float = 0.0
+    target_compute_ms: float = 0.0
+    predrafts: int = 0
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    predraft_cancelled: int = 0
+    k_per_round: list[int] = field(default_factory=list)
+    recovered: int = 0  # rounds that ended in a rejection
+    hedges: int = 0
+    hedge_hits: int = 0
+    draft_ms: float = 0.0  # waiting on draft calls (the draft on the critical path)
+    target_ms: float = 0.0  # waiting on verify calls
+    branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies
+    ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
+    predraft_wasted_tokens: int = 0
+    hedge_wasted_tokens: int = 0
+
+
+def build_modes(config: BenchConfig) -> list[Mode]:
+    modes = _suite_modes(config)
+    if config.only:
+        modes = [m for m in modes if m.name == OURS_TARGET_ONLY or any(part in m.name for part in config.only)]
+    return modes
+
+
+def _suite_modes(config: BenchConfig) -> list[Mode]:
+    if config.suite == "drafters":
+        return drafter_modes()
+    if config.suite == "modes":
+        return coordinator_modes()
+    if config.suite == "concurrency":
+        return [Mode(f"ours int8 K={k}", "ours", k, drafter="int8") for k in config.ks]
+    if config.suite == "nodes":
+        return node_modes()
+    modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
+    modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
+    modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
+    return modes
+
+
+def drafter_modes() -> list[Mode]:
+    """Each drafter against target-only and against HF's best peers with the same drafts:
+    assisted generation with the int8 draft, and HF's own prompt lookup."""
+    return [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="ngram"),
+        Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("HF prompt lookup (10)", "hf", assisted="lookup"),
+        Mode("ours model K=2", "ours", 2, drafter="model"),
+        Mode("ours int8 K=3", "ours", 3, drafter="int8"),
+        Mode("ours int8 K=5", "ours", 5, drafter="int8"),
+        Mode("ours int8+reduced vocab K=4", "ours", 4, drafter="int8+vocab"),
+        Mode("ours ngram K=4", "ours", 4, drafter="ngram"),
+        Mode("ours ngram K=8", "ours", 8, drafter="ngram"),
+    ]
+
+
+def coordinator_modes() -> list[Mode]:
+    """Sequential against pipelined, hedged and adaptive K, all with the int8 draft."""
+    return [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("ours int8 K=3 sequential", "ours", 3, drafter="int8"),
+        Mode("ours int8 K=3 pipelined", "ours", 3, drafter="int8", coordinator="pipelined"),
+        Mode("ours int8 (1 thread) K=3 pipelined", "ours", 3, drafter="int8@1thread", coordinator="pipelined"),
+        Mode("ours int8 adaptive K", "ours", 0, drafter="int8", coordinator="adaptive", adaptive=True),
+        Mode(
+            "ours int8 adaptive K pipelined", "ours", 0, drafter="int8", coordinator="pipelined+adaptive", adaptive=True
+        ),
+        Mode("ours int8 K=3 hedged (1)", "ours", 3, drafter="int8", coordinator="hedged1"),
+        Mode("ours int8 K=3 hedged (2)", "ours", 3, drafter="int8", coordinator="hedged2"),
+        Mode("ours int8 K=3 pipelined+hedged (1)", "ours", 3, drafter="int8", coordinator="pipelined+hedged1"),
+    ]
+
+
+def node_modes() -> list[Mode]:
+    """Each service on its own node, emulated by pinning, against the same pair in one process:
+    target-only and HF assisted generation (int8 draft and int8 target, all cores), ours with
+    shared cores, and ours pinned sequential, pipelined and pipelined with hedges, each with K
+    fixed and with the K chooser."""
+    pinned = dict(drafter="int8@core0", placement="pinned")
+    modes = [
+        Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
+        Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
+        Mode("HF assisted int8 (K=2)", "hf", assisted="2", drafter="int8"),
+        Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("ours shared sequential, K chooser", "ours", 0, drafter="int8", adaptive=True),
+        Mode("ours shared pipelined+2 hedges K=2", "ours", 2, drafter="int8", coordinator="pipelined+hedged2"),
+    ]
+    for name, coordinator in (
+        ("sequential", "sequential"),
+        ("pipelined", "pipelined"),
+        ("pipelined+2 hedges", "pipelined+hedged2"),
+    ):
+        modes.append(Mode(f"ours pinned {name} K=2", "ours", 2, coordinator=coordinator, **pinned))
+        modes.append(
+            Mode(f"ours pinned {name}, K chooser", "ours", 0, coordinator=coordinator, adaptive=True, **pinned)
+        )
+    return modes
