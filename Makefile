@@ -64,13 +64,18 @@ bench-quick: install models
 loadtest: install
 	$(PY) scripts/loadtest.py $(LOADTEST_ARGS)
 
+# Two parts: the tests that check results, not time, on one worker per core (pytest-xdist);
+# then the ones that check deadlines or measured times across processes, one at a time
+# (tests/conftest.py lists them and says why).
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # The quick tier for the edit-test loop (about 3 minutes on 2 cores): no processes, no benchmarks,
 # no over-the-wire χ² runs (tests/conftest.py lists what it skips). CI runs `make test`.
 test-fast: install
-	$(PY) -m pytest -q -m "not heavy"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy"
 
 # The flag tables in docs/configuration.md come from the config dataclasses (specdec.settings);
 # tests/unit/test_docs.py fails when the committed tables are not what this writes.

@@ -49,12 +49,32 @@ HEAVY_MODULES = {
 }
 
 
+# `make test` runs the suite in two parts: everything else two tests at a time (pytest-xdist,
+# one worker per core; those tests check results, not time), then these modules one test at
+# a time, because they check deadlines or measured times across processes (a killed node is
+# noticed within its deadline, a cancelled request frees its sessions within a second), which
+# a second test on the other core would stretch. (The K chooser's tests calibrate against
+# target passes slowed by sleeps of 2-100 ms, which contention does not move.)
+SERIAL_MODULES = {
+    "integration/test_faults.py": "deadlines after killing and restarting processes",
+    "integration/test_tensor_parallel.py": "gloo ranks as processes, with deadlines",
+    "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes, with deadlines",
+    "integration/test_processes.py": "services as processes, with deadlines",
+    "integration/test_real_pair.py": "the real Qwen pair: memory and time",
+}
+
+
+def module_of(item) -> str:
+    return os.path.relpath(str(item.path), os.path.dirname(__file__)).replace(os.sep, "/")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    tests_dir = os.path.dirname(__file__)
     for item in items:
-        relative = os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")
+        relative = module_of(item)
         if relative in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
+        if relative in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")

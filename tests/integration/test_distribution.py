@@ -138,17 +138,21 @@ def exact_target_distribution(
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
         for _ in range(length):
+            # Every live prefix of this length in one batched pass (same length: no padding).
+            live = [prefix for prefix, p in probs.items() if p > 0.0 and not (prefix and prefix[-1] in eos_token_ids)]
+            rows = {}
+            for start in range(0, len(live), 512):
+                chunk = live[start : start + 512]
+                logits = model(torch.tensor([prompt + list(prefix) for prefix in chunk])).logits[:, -1]  # [N, V]
+                rows.update(zip(chunk, logits_to_probs(logits, params)))
             extended = {}
             for prefix, prefix_prob in probs.items():
                 if prefix and prefix[-1] in eos_token_ids:
                     extended[prefix] = prefix_prob  # generation ended at EOS
                     continue
-                if prefix_prob == 0.0:
-                    row = torch.zeros(vocab)
-                else:
-                    row = logits_to_probs(model(torch.tensor([prompt + list(prefix)])).logits[0, -1], params)
+                row = rows.get(prefix)
                 for token in range(vocab):
-                    extended[prefix + (token,)] = prefix_prob * float(row[token])
+                    extended[prefix + (token,)] = prefix_prob * float(row[token]) if row is not None else 0.0
             probs = extended
     return probs
 

@@ -225,10 +225,15 @@ async def test_a_sampled_stop_commits_exactly_the_tokens_up_to_it(stack, tiny_pa
 async def test_sampled_eos_is_the_last_token_committed(stack, tiny_pair, k):
     """A round that accepts EOS mid-way commits nothing after it, sampled as greedy."""
     ended = 0
-    for seed in range(60):  # a flat distribution (temperature 2) reaches EOS in some of them
-        response = await generate(
-            stack, prompt=PROMPTS[1], max_new_tokens=64, num_speculative_tokens=k, temperature=2.0, seed=seed
+    # A flat distribution (temperature 2) reaches EOS in some of them; run together, so
+    # they share passes.
+    responses = await asyncio.gather(
+        *(
+            generate(stack, prompt=PROMPTS[1], max_new_tokens=64, num_speculative_tokens=k, temperature=2.0, seed=seed)
+            for seed in range(60)
         )
+    )
+    for response in responses:
         ids = list(response.token_ids)
         if response.finish_reason == "eos":
             ended += 1

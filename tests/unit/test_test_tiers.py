@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.conftest import HEAVY_MODULES
+from tests.conftest import HEAVY_MODULES, SERIAL_MODULES
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -15,6 +15,14 @@ def test_every_heavy_module_exists_and_says_why():
     for relative, reason in HEAVY_MODULES.items():
         assert (TESTS / relative).is_file(), f"tests/conftest.py lists {relative}, which does not exist"
         assert reason.strip(), f"{relative} needs a reason"
+
+
+def test_every_serial_module_exists_says_why_and_is_heavy():
+    """Serial modules run alone in `make test`; they are all heavy, so the fast tier (which
+    runs on one worker) never needs the split."""
+    for relative, reason in SERIAL_MODULES.items():
+        assert (TESTS / relative).is_file(), f"tests/conftest.py lists {relative}, which does not exist"
+        assert reason.strip() and relative in HEAVY_MODULES, relative
 
 
 def test_the_fast_tier_keeps_the_sampling_math_and_in_process_services():
