@@ -75,6 +75,18 @@ class CoordinatorConfig:
         f"(0 = off; at most {MAX_HEDGES})",
     )
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
+    http_port: int = setting(
+        -1,
+        "--http-port",
+        "serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port of "
+        "--host, with the same TLS and tokens as gRPC (-1 = off, 0 picks a free one; 8000 is the usual choice)",
+        more="See [The OpenAI-compatible HTTP API](../README.md#the-openai-compatible-http-api).",
+    )
+    served_model_name: str = setting(
+        "",
+        "--served-model-name",
+        "the model name the HTTP API reports and accepts in `model` (empty = the target's model id)",
+    )
     draft_attempts: int = setting(
         2, "--draft-attempts", "tries of a draft call that fails UNAVAILABLE before that round runs target-only"
     )

@@ -36,6 +36,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None
     draft_min_confidence: float | None = None
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content): rendered with the chat template
+
+
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class PairInfo:
     draft_max_context: int
     max_num_speculative_tokens: int  # the config's maximum, capped by both services'
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
+    target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
 
     @property
     def draft_vocab_limit(self) -> int:
@@ -90,13 +95,38 @@ class Chunk:
     stats: GenerationStats | None = None
 
 
+def chat_prompt_ids(messages: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The conversation rendered with the tokenizer's own chat template, the assistant's turn
+    opened, as token ids. The template writes the special tokens itself, so the text is
+    encoded without adding more (as vLLM and transformers' pipelines do)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument(
+            "messages need a chat template, and this model's tokenizer has none; send prompt (raw text) instead"
+        )
+    for index, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidArgument(f"messages[{index}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}")
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template's own refusal (e.g. roles out of order) is the client's
+        raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from exc
+    prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not prompt_ids:
+        raise InvalidArgument("the messages render to no tokens")
+    return prompt_ids
+
+
 def prepare_job(
     request: GenerationRequest, config: CoordinatorConfig, pair: PairInfo, tokenizer: PreTrainedTokenizerBase
 ) -> Job:
     """Validates a request; every failure says what was wrong and what is accepted."""
-    if request.prompt and request.prompt_token_ids:
-        raise InvalidArgument("set exactly one of prompt and prompt_token_ids; both were set")
-    if request.prompt:
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+    if len(given) > 1:
+        raise InvalidArgument(f"set exactly one of prompt, prompt_token_ids and messages; got {' and '.join(given)}")
+    if request.messages:
+        prompt_ids = chat_prompt_ids(request.messages, tokenizer)
+    elif request.prompt:
         prompt_ids = list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
         if not prompt_ids:
             raise InvalidArgument("prompt encodes to no tokens; send non-empty text")
@@ -108,7 +138,7 @@ def prepare_job(
                     f"prompt_token_ids[{i}] = {token} is outside the vocabulary; ids must be in [0, {pair.vocab_size})"
                 )
     else:
-        raise InvalidArgument("prompt is empty: set prompt (text) or prompt_token_ids")
+        raise InvalidArgument("prompt is empty: set prompt (text), prompt_token_ids or messages")
     if len(prompt_ids) >= pair.max_context:
         raise InvalidArgument(
             f"prompt has {len(prompt_ids)} tokens; the model's context is {pair.max_context}, "

@@ -14,6 +14,7 @@ from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.openai_api import start_http
 from coordinator.requests import PairInfo
 from coordinator.rounds import Coordinator
 from coordinator.servicer import CoordinatorServicer, add_to_server
@@ -53,6 +54,7 @@ async def connect(
             config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
         ),
         costs=costs,
+        target_model_id=target_info.model_id,
     )
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
@@ -116,22 +118,32 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     metrics.watch_breaker(coordinator.breaker)
     servicer = CoordinatorServicer(coordinator, metrics)
 
-    def close_channels() -> None:
-        coordinator.close()
-        for client in (coordinator.draft, coordinator.target):
-            asyncio.get_running_loop().create_task(client.close())
+    http = None
+    if config.http_port >= 0:
+        model_name = config.served_model_name or coordinator.pair.target_model_id
+        http, http_port = await start_http(
+            coordinator, model_name, config.host, config.http_port, config.security, metrics
+        )
 
-    return await start_server(
+    async def close() -> None:
+        if http is not None:
+            await http.cleanup()
+        coordinator.close()
+        await asyncio.gather(*(client.close() for client in (coordinator.draft, coordinator.target)))
+
+    running = await start_server(
         lambda server: add_to_server(servicer, server),
         [SERVICE_NAME],
         config.host,
         config.port,
         config.max_message_bytes,
-        on_stop=close_channels,
+        on_stop=close,
         credentials=credentials,
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
     )
+    running.http_port = http_port if http is not None else None
+    return running
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,6 +64,7 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationReque
         stop=tuple(request.stop),
         num_speculative_tokens=optional("num_speculative_tokens"),
         draft_min_confidence=optional("draft_min_confidence"),
+        messages=tuple((message.role, message.content) for message in request.messages),
     )
 
 

@@ -42,9 +42,10 @@ QUESTIONS = [
 ]
 
 
-def chat_prompt(question: str) -> str:
-    """Qwen's ChatML template, written out: the API takes raw text."""
-    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+def chat(question: str) -> list[pb.ChatMessage]:
+    """The question as chat messages: the coordinator renders them with the model's own chat
+    template (Qwen's ChatML), the assistant's turn opened."""
+    return [pb.ChatMessage(role="system", content=SYSTEM), pb.ChatMessage(role="user", content=question)]
 
 
 def main() -> int:
@@ -135,11 +136,11 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         # One short request first, so neither mode pays the first-call warm-up.
-        stub.Generate(pb.GenerateRequest(prompt=chat_prompt("hi"), max_new_tokens=4, num_speculative_tokens=args.k))
+        stub.Generate(pb.GenerateRequest(messages=chat("hi"), max_new_tokens=4, num_speculative_tokens=args.k))
         speculation = {} if args.k is None else {"num_speculative_tokens": args.k}
         for question in QUESTIONS:
             request = dict(
-                prompt=chat_prompt(question),
+                messages=chat(question),
                 max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature,
                 seed=args.seed,

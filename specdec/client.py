@@ -1,6 +1,7 @@
 """A small Python client for the coordinator, and a CLI:
 
 python -m specdec.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
+python -m specdec.client --chat --system "You are terse." "Write a palindrome check in Python."
 python -m specdec.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
 """
 
@@ -45,19 +46,26 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def generate(self, prompt: str | list[int], **fields) -> coordinator_pb2.GenerateResponse:
-        """Whole completion. `fields` are GenerateRequest fields (max_new_tokens, temperature, ...)."""
+    def generate(self, prompt: str | list[int] | list[dict[str, str]], **fields) -> coordinator_pb2.GenerateResponse:
+        """Whole completion of raw text, token ids or chat messages ({"role", "content"} dicts).
+        `fields` are GenerateRequest fields (max_new_tokens, temperature, ...)."""
         return self._stub.Generate(_request(prompt, fields), timeout=self._timeout_s, metadata=self._metadata)
 
-    def generate_stream(self, prompt: str | list[int], **fields) -> Iterator[coordinator_pb2.GenerateResponse]:
+    def generate_stream(
+        self, prompt: str | list[int] | list[dict[str, str]], **fields
+    ) -> Iterator[coordinator_pb2.GenerateResponse]:
         """Chunks as rounds complete; the last has finish_reason and stats."""
         yield from self._stub.GenerateStream(_request(prompt, fields), timeout=self._timeout_s, metadata=self._metadata)
 
 
-def _request(prompt: str | list[int], fields: dict) -> coordinator_pb2.GenerateRequest:
+def _request(prompt: str | list[int] | list[dict[str, str]], fields: dict) -> coordinator_pb2.GenerateRequest:
     if isinstance(prompt, str):
         return coordinator_pb2.GenerateRequest(prompt=prompt, **fields)
-    return coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, **fields)
+    messages = [m for m in prompt if isinstance(m, dict)]
+    if messages:
+        chat = [coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        return coordinator_pb2.GenerateRequest(messages=chat, **fields)
+    return coordinator_pb2.GenerateRequest(prompt_token_ids=[t for t in prompt if isinstance(t, int)], **fields)
 
 
 def format_stats(stats: coordinator_pb2.GenerationStats) -> str:
@@ -72,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m specdec.client", description="Generate text through the coordinator"
     )
-    parser.add_argument("prompt", help="raw prompt text (no chat template is applied)")
+    parser.add_argument(
+        "prompt", help="raw prompt text (no chat template is applied), or with --chat the user's message"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message, through the model's chat template"
+    )
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -106,15 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None:
             fields[name] = value
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
+    prompt: str | list[dict[str, str]] = args.prompt
+    if args.chat:
+        prompt = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt.append({"role": "user", "content": args.prompt})
     try:
         with CoordinatorClient(args.address, security=security) as client:
             if args.stream:
-                for chunk in client.generate_stream(args.prompt, **fields):
+                for chunk in client.generate_stream(prompt, **fields):
                     print(chunk.text, end="", flush=True)
                     final = chunk
                 print()
             else:
-                final = client.generate(args.prompt, **fields)
+                final = client.generate(prompt, **fields)
                 print(final.text)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)

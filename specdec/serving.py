@@ -4,6 +4,7 @@ metrics, shutdown, and the single model thread that every runner call goes throu
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Callable, Iterable, Sequence
@@ -203,6 +204,7 @@ class RunningServer:
         self._background = background or []
         self._on_stop = on_stop
         self.metrics_http = metrics_http  # None when metrics are off
+        self.http_port: int | None = None  # the coordinator's HTTP API, when it serves one
 
     @property
     def metrics_port(self) -> int | None:
@@ -214,7 +216,9 @@ class RunningServer:
             task.cancel()
         await self.server.stop(grace_s)
         if self._on_stop:
-            self._on_stop()
+            result = self._on_stop()
+            if inspect.isawaitable(result):
+                await result
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()

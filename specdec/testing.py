@@ -30,6 +30,14 @@ class TinyPair:
     eos_token_id: int | None
 
 
+# ChatML, as Qwen's instruct models write it, in plain text (the tiny vocabulary has no
+# special tokens for the markers), so chat requests go through a real template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def byte_level_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     """A byte-level BPE like Qwen's: encodes any text, splits multi-byte characters."""
     tokenizer = Tokenizer(models.BPE())
@@ -42,7 +50,9 @@ def byte_level_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def word_tokenizer(num_words: int) -> PreTrainedTokenizerFast:

@@ -45,6 +45,7 @@ HEAVY_MODULES = {
     "integration/test_processes.py": "services as processes",
     "integration/test_fuzz_public_api.py": "hundreds of hypothesis examples over gRPC",
     "integration/test_real_pair.py": "the real Qwen pair",
+    "integration/test_openai_api.py": "the services as processes, driven over HTTP by the openai client",
     "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
 }
 

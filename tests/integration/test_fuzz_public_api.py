@@ -19,19 +19,21 @@ It is derandomized, so CI sees the same examples every run.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 from dataclasses import dataclass
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from coordinator.requests import MIN_TEMPERATURE
+from coordinator.requests import CHAT_ROLES, MIN_TEMPERATURE, chat_prompt_ids
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
@@ -78,11 +80,19 @@ FLOAT32_EDGES = st.sampled_from(
 CONTROL_TEXT = st.text(st.characters(categories=["Cc", "Cf", "Zl", "Zp"]), min_size=1, max_size=20)
 
 
+def chat_message(roles: st.SearchStrategy[str]) -> st.SearchStrategy[pb.ChatMessage]:
+    content = st.one_of(st.text(max_size=40), CONTROL_TEXT)
+    return st.builds(lambda role, text: pb.ChatMessage(role=role, content=text), roles, content)
+
+
 def valid_requests(vocab_size: int) -> st.SearchStrategy[pb.GenerateRequest]:
     """Requests the documented rules accept, at the edges of what they accept."""
     prompt = st.one_of(
         st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=60), CONTROL_TEXT)}),
         st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=120)}),
+        st.fixed_dictionaries(
+            {"messages": st.lists(chat_message(st.sampled_from(CHAT_ROLES)), min_size=1, max_size=4)}
+        ),
     )
     stop_string = st.one_of(st.text(min_size=1, max_size=4), CONTROL_TEXT, st.text(min_size=250, max_size=256))
     optional = {
@@ -119,10 +129,16 @@ def any_requests(vocab_size: int, huge_fields: bool = True) -> st.SearchStrategy
         st.lists(st.one_of(INT32, INT32_EDGES, st.integers(vocab_size - 2, vocab_size + 2)), max_size=60),
         huge(st.lists(st.one_of(st.integers(0, vocab_size - 1), INT32), min_size=1, max_size=3), 300_000),
     )
+    roles = st.one_of(st.sampled_from(CHAT_ROLES), st.text(max_size=12))
+    messages = st.one_of(
+        st.lists(chat_message(roles), max_size=4), huge(st.lists(chat_message(roles), min_size=1, max_size=2), 20_000)
+    )
     prompt = st.one_of(
         st.fixed_dictionaries({"prompt": text}),
         st.fixed_dictionaries({"prompt_token_ids": token_ids}),
+        st.fixed_dictionaries({"messages": messages}),
         st.fixed_dictionaries({"prompt": text, "prompt_token_ids": token_ids}),
+        st.fixed_dictionaries({"prompt": text, "messages": messages}),
         st.just({}),
     )
     # Valid max_new_tokens above 8 are skipped: valid requests stay fast.
@@ -163,6 +179,8 @@ class Limits:
     tokenizer: PreTrainedTokenizerBase
 
     def prompt_length(self, request: pb.GenerateRequest) -> int:
+        if request.messages:
+            return len(chat_prompt_ids(tuple((m.role, m.content) for m in request.messages), self.tokenizer))
         return len(request.prompt_token_ids) or len(
             self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
         )
@@ -172,8 +190,10 @@ def problems(request: pb.GenerateRequest, limits: Limits) -> list[str]:
     """Fields the proto's documented rules (with the server's limits) reject; empty = valid.
     Read back from the message, so floats are the float32 values the server sees."""
     found = []
-    if bool(request.prompt) == bool(request.prompt_token_ids):
+    if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) != 1:
         found.append("prompt")
+    elif any(m.role not in CHAT_ROLES for m in request.messages):
+        found.append("messages")
     elif request.prompt_token_ids and not all(0 <= t < limits.vocab_size for t in request.prompt_token_ids):
         found.append("prompt_token_ids")
     elif not 0 < limits.prompt_length(request) < limits.max_context:
@@ -251,7 +271,7 @@ def check_outcome(request: pb.GenerateRequest, size: int, limits: Limits, respon
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(tiny_pair):
-    overrides = dict(max_message_bytes=MAX_MESSAGE_BYTES, default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    overrides = dict(max_message_bytes=MAX_MESSAGE_BYTES, default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS, http_port=0)
     async with inprocess_stack(tiny_pair, coordinator_overrides=overrides) as running:
         yield running
 
@@ -380,6 +400,98 @@ async def test_message_size_limit_is_exact_and_resource_exhausted(stack):
         assert re.search(rf"larger than max \({MAX_MESSAGE_BYTES + 1} vs\. {MAX_MESSAGE_BYTES}\)", error.details()), (
             error.details()
         )
+
+
+# --- the OpenAI-compatible HTTP API ---------------------------------------------------------
+
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), INT32, INT32_EDGES, st.floats(allow_nan=False), FLOAT32_EDGES.filter(math.isfinite),
+    st.text(max_size=20), CONTROL_TEXT,
+)  # fmt: skip
+JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+HTTP_FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+    "stop", "stream", "stream_options", "n", "logprobs", "presence_penalty", "num_speculative_tokens",
+    "draft_min_confidence", "user",
+]  # fmt: skip
+
+
+@st.composite
+def http_bodies(draw, chat: bool) -> bytes:
+    """Request bodies: about half valid OpenAI requests (so generation meets odd values too),
+    the rest with one field anywhere in JSON, an unknown field, another JSON value, or bytes
+    that are not JSON."""
+    text = st.one_of(st.text(min_size=1, max_size=30), CONTROL_TEXT)
+    message = st.fixed_dictionaries({"role": st.sampled_from(CHAT_ROLES), "content": st.text(max_size=30)})
+    body = (
+        {"messages": draw(st.lists(message, min_size=1, max_size=3))}
+        if chat
+        else {"prompt": draw(st.one_of(text, st.lists(st.integers(0, 319), min_size=1, max_size=8)))}
+    )
+    optional = {
+        "max_tokens": st.integers(1, DEFAULT_MAX_NEW_TOKENS),
+        "temperature": st.one_of(st.just(0), st.floats(0, 2)),
+        "top_p": st.floats(0.01, 1),
+        "stream": st.booleans(),
+        "seed": st.integers(0, 2**63),
+        "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+        "num_speculative_tokens": st.integers(0, 8),
+        "n": st.just(1),
+    }
+    body.update(draw(st.fixed_dictionaries({}, optional=optional)))
+    body.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)  # OpenAI's default is longer: keep examples fast
+    choice = draw(st.integers(0, 9))
+    if choice == 0:
+        return draw(st.binary(max_size=40))
+    if choice == 1:
+        return json.dumps(draw(JSON)).encode()
+    if choice in (2, 3, 4):
+        body[draw(st.sampled_from(HTTP_FIELDS))] = draw(JSON)
+    if choice == 5:
+        body[draw(st.text(min_size=1, max_size=8))] = draw(JSON)
+    return json.dumps(body).encode()
+
+
+async def post(stack, path: str, body: bytes) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"http://127.0.0.1:{stack.coordinator.http_port}/v1/{path}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
+        ) as response:
+            return response.status, await response.read()
+
+
+async def test_http_bodies_are_served_or_a_400_that_says_why(stack):
+    """Never a 500: a body is served (200), refused with OpenAI's error body and a message
+    (400; 404 for another model's name), and the service serves on afterwards."""
+
+    def check(submit) -> None:
+        @FUZZ_SETTINGS
+        @given(data=st.data(), chat=st.booleans())
+        def fuzz(data, chat: bool) -> None:
+            body = data.draw(http_bodies(chat))
+            status, reply = submit(post(stack, "chat/completions" if chat else "completions", body))
+            event(f"HTTP {status}")  # --hypothesis-show-statistics: how often each answer was seen
+            assert status in (200, 400, 404), (status, body, reply[:300])
+            if status == 200:
+                if reply.startswith(b"data: "):  # a stream: events, then [DONE] (or an error event)
+                    assert reply.rstrip().endswith(b"data: [DONE]"), reply[-200:]
+                else:
+                    assert json.loads(reply)["choices"]
+                return
+            error = json.loads(reply)["error"]
+            assert error["message"] and error["type"], error
+
+        fuzz()
+
+    await fuzz_from_thread(check)
+    await wait_sessions_closed(stack)
 
 
 async def test_after_the_fuzz_a_normal_request_gives_the_target_greedy_output(stack, reference):

@@ -11,7 +11,7 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from specdec.v1 import coordinator_pb2 as pb
-from tests.stack import inprocess_stack
+from tests.stack import inprocess_stack, local_stack
 
 PROMPTS = [
     "def add(a, b):",
@@ -165,11 +165,53 @@ async def test_lost_sessions_are_reprefilled_without_changing_output(stack, refe
     assert reprefills >= 2
 
 
+# --- chat ------------------------------------------------------------------------------------
+
+
+async def test_messages_go_through_the_chat_template(stack, tiny_pair):
+    """A conversation is rendered with the tokenizer's own template, the assistant's turn
+    opened, and generated exactly as that text sent as a prompt would be."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    chat = await generate(
+        stack, messages=[pb.ChatMessage(**m) for m in messages], max_new_tokens=20, num_speculative_tokens=3
+    )
+    plain = await generate(stack, prompt_token_ids=ids, max_new_tokens=20, num_speculative_tokens=0)
+    assert list(chat.token_ids) == list(plain.token_ids) and chat.stats.prompt_tokens == len(ids)
+    streamed = [
+        c
+        async for c in stack.stub.GenerateStream(
+            pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in messages], max_new_tokens=20), timeout=60
+        )
+    ]
+    assert [t for c in streamed for t in c.token_ids] == list(chat.token_ids)
+
+
+async def test_a_tokenizer_without_a_chat_template_refuses_messages(word_pair):
+    async with local_stack(word_pair) as words:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await words.stub.Generate(
+                pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="w1")]), timeout=30
+            )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat template" in error.value.details()
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 BAD_REQUESTS = {
     "empty prompt": (dict(prompt=""), "prompt is empty"),
-    "both prompt and ids": (dict(prompt="hi", prompt_token_ids=[1, 2]), "exactly one of prompt and prompt_token_ids"),
+    "both prompt and ids": (dict(prompt="hi", prompt_token_ids=[1, 2]), "exactly one of prompt, prompt_token_ids and"),
+    "both prompt and messages": (
+        dict(prompt="hi", messages=[pb.ChatMessage(role="user", content="hi")]),
+        "got prompt and messages",
+    ),
+    "unknown chat role": (
+        dict(messages=[pb.ChatMessage(role="robot", content="hi")]),
+        r"messages\[0\]\.role is 'robot'; use one of system, user, assistant",
+    ),
     "token id beyond vocab": (dict(prompt_token_ids=[1, 320]), r"outside the vocabulary; ids must be in \[0, 320\)"),
     "negative token id": (dict(prompt_token_ids=[-1]), "outside the vocabulary"),
     "negative temperature": (dict(prompt="hi", temperature=-0.5), "temperature must be a finite number >= 0"),

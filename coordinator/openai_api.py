@@ -1,0 +1,431 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions and /v1/chat/completions.
+
+Served by the coordinator process beside its gRPC API (`--http-port`), on aiohttp: an
+asyncio server that runs in the coordinator's own event loop, so an HTTP request drives the
+same `Coordinator.generate` as a gRPC one, with no thread hop or second loop. Requests and
+responses follow OpenAI's shapes (what the official `openai` client sends and parses);
+`stream: true` is served as server-sent events ending with `data: [DONE]`. The same bearer
+tokens and TLS files as the gRPC API apply, a W3C `traceparent` header joins the caller's
+trace, and finished requests feed the same metrics.
+
+Extras beyond OpenAI's fields: a request may set `num_speculative_tokens`,
+`draft_min_confidence` and `top_k`; every response carries `speculation` (acceptance, tokens
+per round, rounds, draft tokens proposed and accepted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import ssl
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from coordinator.metrics import CoordinatorMetrics, GenerationStats
+from coordinator.requests import CHAT_ROLES, Chunk, GenerationRequest
+from coordinator.rounds import Coordinator
+from specdec.config import ServerSecurity
+from specdec.errors import status_of
+from specdec.security import BearerTokenAuth, read_tokens
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("specdec.coordinator.http")
+
+# gRPC status (as specdec.errors.status_of names it) -> HTTP status and OpenAI error type.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+PATHS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# Fields a request may carry only at the value that means "off" (the official client never
+# sends them unless asked); any other value is refused by name, never silently ignored.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+}
+IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
+SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
+EXTRAS = {"num_speculative_tokens", "draft_min_confidence"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """A domain error as OpenAI's error body with the fitting HTTP status."""
+    if isinstance(exc, ApiError):
+        return exc
+    status, error_type = HTTP_STATUS.get(status_of(exc), (500, "internal_error"))
+    message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
+    return ApiError(status, message, error_type)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An HTTP request body as the domain request, and how to answer it."""
+
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    chat: bool
+
+
+def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {value!r}", name)
+    return kind(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(item, str) for item in stop):
+        return tuple(stop)
+    raise bad_request("stop must be a string or a list of strings", "stop")
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def parse_body(body: Any, chat: bool) -> Parsed:
+    """Validates an OpenAI request body; every refusal names the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    prompt_field = "messages" if chat else "prompt"
+    known = {prompt_field, *SAMPLING, *EXTRAS, *IGNORED, *OFF_VALUES}
+    for name in body:
+        if name not in known:
+            raise bad_request(f"unsupported field {name!r}", name)
+    for name, accepted in OFF_VALUES.items():
+        if name in body and body[name] not in accepted:
+            raise bad_request(
+                f"{name}={body[name]!r} is not supported; leave it out (or send {accepted[0]!r})"
+                + (" (n: one completion per request)" if name == "n" else ""),
+                name,
+            )
+    fields: dict[str, Any] = {}
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+        turns = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
+            role = message.get("role")
+            if role not in CHAT_ROLES:
+                raise bad_request(f"messages[{index}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}", "messages")
+            turns.append((role, _content(message, index)))
+        fields["messages"] = tuple(turns)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            fields["prompt"] = prompt
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            fields["prompt_token_ids"] = tuple(prompt)
+        else:
+            raise bad_request(
+                "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+            )
+    max_tokens = _number(body, "max_completion_tokens", int, _number(body, "max_tokens", int))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    request = GenerationRequest(
+        **fields,
+        max_new_tokens=max_tokens,
+        # OpenAI's default temperature is 1; 0 is greedy, as in the gRPC API.
+        temperature=_number(body, "temperature", float, 1.0),
+        top_p=_number(body, "top_p", float),
+        top_k=_number(body, "top_k", int, 0),
+        seed=_number(body, "seed", int),
+        stop=_stop(body),
+        num_speculative_tokens=_number(body, "num_speculative_tokens", int),
+        draft_min_confidence=_number(body, "draft_min_confidence", float),
+    )
+    if request.seed is not None and request.seed < 0:
+        raise bad_request(f"seed must be >= 0; got {request.seed}", "seed")
+    return Parsed(request, stream, bool(options.get("include_usage")), chat)
+
+
+def speculation(stats: GenerationStats) -> dict:
+    return {
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "tokens_per_round": round(stats.mean_accepted_length, 4),
+        "rounds": stats.rounds,
+        "proposed_tokens": stats.proposed_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+    }
+
+
+def usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
+
+
+class OpenAIApi:
+    """The HTTP handlers, bound to one coordinator."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        model_name: str,
+        metrics: CoordinatorMetrics | None = None,
+        tokens: list[str] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.model_name = model_name
+        self.metrics = metrics
+        self.auth = BearerTokenAuth(tokens) if tokens else None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", lambda request: self.generate(request, chat=False))
+        app.router.add_post("/v1/chat/completions", lambda request: self.generate(request, chat=True))
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Trace context, the token check and OpenAI error bodies around every handler."""
+        context = propagate.extract(dict(request.headers))
+        with tracer.start_as_current_span(
+            f"{request.method} {request.path}", context=context, kind=trace.SpanKind.SERVER
+        ) as span:
+            try:
+                if self.auth is not None and request.path != "/health":
+                    problem = self.auth.problem(request.headers.get("Authorization"))
+                    if problem is not None:
+                        raise ApiError(401, problem, "authentication_error", code="invalid_api_key")
+                response = await handler(request)
+            except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
+                response = ApiError(exc.status, exc.reason, "invalid_request_error").response()
+            except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's error shape
+                error = api_error(exc)
+                if error.status == 500:
+                    logger.exception("HTTP %s %s failed", request.method, request.path)
+                response = error.response()
+            span.set_attribute("http.status_code", response.status)
+            if self.metrics is not None:
+                path = request.path if request.path in PATHS else "other"  # bounded label values
+                self.metrics.http_requests.labels(path, str(response.status)).inc()
+            return response
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not JSON: {exc}") from None
+        parsed = parse_body(body, chat)
+        model = body.get("model")
+        if model not in (None, self.model_name):
+            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")  # fmt: skip
+        chunks = self._chunks(parsed.request)
+        if parsed.stream:
+            return await self._stream(request, parsed, chunks)
+        async with contextlib.aclosing(chunks):  # a client gone mid-way ends the generation at once
+            pieces = [chunk async for chunk in chunks]
+        final = pieces[-1]
+        assert final.stats is not None and final.finish_reason is not None
+        text = "".join(piece.text for piece in pieces)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[final.finish_reason], "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response(
+            {
+                **self._envelope(chat, streamed=False),
+                "choices": [choice],
+                "usage": usage(final.stats),
+                "speculation": speculation(final.stats),
+            }
+        )
+
+    def _envelope(self, chat: bool, streamed: bool, ident: str | None = None) -> dict:
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
+        return {
+            "id": ident or f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+    async def _chunks(self, generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        """The coordinator's chunks, with the request counted as a gRPC one is."""
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.inc()
+        try:
+            async for chunk in self.coordinator.generate(generation):
+                if chunk.stats is not None and self.metrics is not None:
+                    self.metrics.observe_finished(chunk.stats, chunk.finish_reason or "")
+                yield chunk
+        except BaseException as exc:
+            if self.metrics is not None:
+                self.metrics.observe_failed(status_of(exc))
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.requests_in_flight.dec()
+
+    async def _stream(
+        self, request: web.Request, parsed: Parsed, chunks: AsyncGenerator[Chunk, None]
+    ) -> web.StreamResponse:
+        """Server-sent events in OpenAI's chunk format. The first chunk is awaited before the
+        headers go out, so a request refused up front still gets its HTTP error status."""
+        chat = parsed.chat
+        envelope = self._envelope(chat, streamed=True)
+        iterator = chunks
+        first = await anext(iterator)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(payload: dict | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        def event(text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            return {**envelope, "choices": [choice]}
+
+        try:
+            if chat:
+                await send(event(None, None, role=True))
+            chunk: Chunk | None = first
+            while chunk is not None:
+                finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
+                if chunk.text or finish:
+                    payload = event(chunk.text, finish)
+                    if chunk.stats is not None:
+                        payload["speculation"] = speculation(chunk.stats)
+                    await send(payload)
+                if chunk.stats is not None and parsed.include_usage:
+                    await send({**envelope, "choices": [], "usage": usage(chunk.stats)})
+                chunk = await anext(iterator, None)
+        except (ConnectionResetError, ConnectionError):
+            logger.info("HTTP client went away mid-stream; the generation is cancelled")
+            return response
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
+            await send(api_error(exc).body())
+        finally:
+            await iterator.aclose()
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+def server_ssl_context(security: ServerSecurity) -> ssl.SSLContext | None:
+    """The gRPC API's TLS files, for HTTPS: the same certificate and, with --tls-client-ca,
+    the same client-certificate requirement."""
+    if not security.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    if security.tls_client_ca:
+        context.load_verify_locations(security.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+async def start_http(
+    coordinator: Coordinator,
+    model_name: str,
+    host: str,
+    port: int,
+    security: ServerSecurity,
+    metrics: CoordinatorMetrics | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Starts the API on `host:port` (0 picks a free port); returns the runner (cleanup()
+    stops it) and the bound port."""
+    tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
+    # handler_cancellation: a client that goes away cancels its handler at once, so its
+    # generation stops and both sessions are freed without waiting for the next write.
+    runner = web.AppRunner(
+        OpenAIApi(coordinator, model_name, metrics, tokens).app(), access_log=None, handler_cancellation=True
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=server_ssl_context(security))
+    await site.start()
+    bound = runner.addresses[0][1]
+    scheme = "https" if security.tls_cert else "http"
+    logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, bound)
+    return runner, bound
