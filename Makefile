@@ -64,10 +64,10 @@ bench-quick: install models
 loadtest: install
 	$(PY) scripts/loadtest.py $(LOADTEST_ARGS)
 
-# Two parts: the tests that check results, not time, on one worker per core (pytest-xdist);
-# then the ones that check deadlines or measured times across processes, one at a time
-# (tests/conftest.py lists them and says why).
-TEST_WORKERS ?= 2
+# Two parts: the tests that check results, not time, three at a time (pytest-xdist; many wait
+# on processes part of the time, so a third worker keeps both cores busy); then the ones that
+# check deadlines or measured times, one at a time (tests/conftest.py lists them and says why).
+TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(PY) -m pytest -q -m serial

@@ -163,11 +163,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--suite",
-        choices=["k-sweep", "drafters", "modes", "concurrency", "overhead", "nodes"],
+        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes"],
         default="k-sweep",
         help=(
             "k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's "
-            "int8 assisted and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); "
+            "int8 assisted and prompt lookup; modes: sequential vs pipelined vs adaptive K (int8 draft); all: those "
+            "three in one interleaved run, sharing their services; "
             "concurrency: aggregate tokens/s with --sessions generations at once, the target batching Verify calls "
             "or not (int8 draft, greedy); nodes: each service on its own core (pinned) sequential, pipelined and "
             "hedged, against HF assisted with the same int8 pair on all cores"

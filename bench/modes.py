@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,7 @@ class BenchConfig:
     prompts_file: Path
     out_dir: Path
     seed: int
-    suite: str = "k-sweep"  # or "drafters", "modes", "concurrency"
+    suite: str = "k-sweep"  # or "drafters", "modes", "all" (those three at once), "concurrency", "overhead", "nodes"
     only: tuple[str, ...] = ()  # keep only modes whose name contains one of these (plus ours K=0)
     draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
     sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
@@ -135,7 +136,19 @@ def build_modes(config: BenchConfig) -> list[Mode]:
     return modes
 
 
+# The suites `--suite all` runs together, sharing their processes.
+SHARED_SUITES = ("k-sweep", "drafters", "modes")
+
+
 def _suite_modes(config: BenchConfig) -> list[Mode]:
+    if config.suite == "all":
+        # One interleaved run of the three suites: one target, one draft service per drafter
+        # and one coordinator per coordination mode serve every mode that needs them.
+        merged: dict[str, Mode] = {}
+        for suite in SHARED_SUITES:
+            for mode in _suite_modes(dataclasses.replace(config, suite=suite)):
+                merged.setdefault(mode.name, mode)
+        return list(merged.values())
     if config.suite == "drafters":
         return drafter_modes()
     if config.suite == "modes":

@@ -50,17 +50,16 @@ HEAVY_MODULES = {
 }
 
 
-# `make test` runs the suite in two parts: everything else two tests at a time (pytest-xdist,
-# one worker per core; those tests check results, not time), then these modules one test at
-# a time, because they check deadlines or measured times across processes (a killed node is
-# noticed within its deadline, a cancelled request frees its sessions within a second), which
-# a second test on the other core would stretch. (The K chooser's tests calibrate against
-# target passes slowed by sleeps of 2-100 ms, which contention does not move.)
+# `make test` runs the suite in two parts: everything else three tests at a time (pytest-xdist;
+# three workers on two cores, since many tests wait on processes or sleeps part of the time,
+# and those tests check results, not time), then these modules one test at a time, because
+# they check deadlines or measured times that a test beside them would stretch: a killed node
+# noticed within its deadline, a cancelled request freeing its sessions within a second, the
+# K chooser settling from pass times the services measure on themselves.
 SERIAL_MODULES = {
     "integration/test_faults.py": "deadlines after killing and restarting processes",
-    "integration/test_tensor_parallel.py": "gloo ranks as processes, with deadlines",
-    "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes, with deadlines",
     "integration/test_processes.py": "services as processes, with deadlines",
+    "integration/test_k_chooser.py": "start-up calibration measures pass times (contention moved it once)",
     "integration/test_real_pair.py": "the real Qwen pair: memory and time",
 }
 
