@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -22,9 +23,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.openai_api import api_error, parse_body
+from coordinator.openai_schema import api_error, parse_body
+from specdec.config import ClientSecurity, ServerSecurity
 from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.launch import free_port, local_stack
+from specdec.security import read_tokens
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.otlp_receiver import OtlpTraceReceiver
@@ -270,6 +273,40 @@ async def test_an_unavailable_target_is_a_503(tiny_pair):
         with pytest.raises(openai.APIStatusError) as error:
             await client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
         assert error.value.status_code == 503 and "target" in error.value.message
+
+
+async def test_https_with_a_client_certificate_and_tokens_as_for_grpc(tiny_pair, tls_files):
+    """The HTTP API takes the gRPC API's TLS files and tokens: HTTPS with the same certificate,
+    client certificates required by --tls-client-ca, bearer tokens from --auth-token-file."""
+    security = ServerSecurity(tls_files.server_cert, tls_files.server_key, tls_files.ca, tls_files.tokens)
+    client_security = ClientSecurity(tls_files.ca, tls_files.client_cert, tls_files.client_key, None, tls_files.tokens)
+    async with inprocess_stack(
+        tiny_pair, coordinator_overrides={"http_port": 0, "security": security}, client_security=client_security
+    ) as stack:
+        base_url = f"https://127.0.0.1:{stack.coordinator.http_port}/v1"
+        token = read_tokens(tls_files.tokens, "tokens")[0]
+        trusted = openai.DefaultAsyncHttpxClient(verify=ssl_context(tls_files.ca, tls_files.client_cert, tls_files.client_key))
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, http_client=trusted)
+        model = (await client.models.list()).data[0].id
+        reply = await client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+        wrong = openai.AsyncOpenAI(base_url=base_url, api_key="nope", max_retries=0, http_client=trusted)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.completions.create(model=model, prompt="x", max_tokens=2)
+        # No client certificate: the TLS handshake is refused, as for gRPC.
+        anonymous = openai.DefaultAsyncHttpxClient(verify=ssl_context(tls_files.ca))
+        bare = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, http_client=anonymous)
+        with pytest.raises(openai.APIConnectionError):
+            await bare.models.list()
+        await trusted.aclose()
+        await anonymous.aclose()
+
+
+def ssl_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca)
+    if cert:
+        context.load_cert_chain(cert, key)
+    return context
 
 
 def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():

@@ -1,0 +1,200 @@
+"""OpenAI's request and response shapes, as the HTTP API reads and writes them.
+
+`parse_body` turns a /v1/completions or /v1/chat/completions body into the domain's
+GenerationRequest, refusing by name every field it does not serve; `api_error` gives a domain
+error OpenAI's error body and the fitting HTTP status. No HTTP server here: coordinator.openai_api
+serves these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.metrics import GenerationStats
+from coordinator.requests import CHAT_ROLES, GenerationRequest
+from specdec.errors import status_of
+
+# gRPC status (as specdec.errors.status_of names it) -> HTTP status and OpenAI error type.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# Fields a request may carry only at the value that means "off" (the official client never
+# sends them unless asked); any other value is refused by name, never silently ignored.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+}
+IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
+SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
+EXTRAS = {"num_speculative_tokens", "draft_min_confidence"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param, self.code = status, message, error_type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """A domain error as OpenAI's error body with the fitting HTTP status."""
+    if isinstance(exc, ApiError):
+        return exc
+    status, error_type = HTTP_STATUS.get(status_of(exc), (500, "internal_error"))
+    message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
+    return ApiError(status, message, error_type)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An HTTP request body as the domain request, and how to answer it."""
+
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    chat: bool
+
+
+def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {value!r}", name)
+    return kind(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(item, str) for item in stop):
+        return tuple(stop)
+    raise bad_request("stop must be a string or a list of strings", "stop")
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def parse_body(body: Any, chat: bool) -> Parsed:
+    """Validates an OpenAI request body; every refusal names the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    prompt_field = "messages" if chat else "prompt"
+    known = {prompt_field, *SAMPLING, *EXTRAS, *IGNORED, *OFF_VALUES}
+    for name in body:
+        if name not in known:
+            raise bad_request(f"unsupported field {name!r}", name)
+    for name, accepted in OFF_VALUES.items():
+        if name in body and body[name] not in accepted:
+            raise bad_request(
+                f"{name}={body[name]!r} is not supported; leave it out (or send {accepted[0]!r})"
+                + (" (n: one completion per request)" if name == "n" else ""),
+                name,
+            )
+    fields: dict[str, Any] = {}
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+        turns = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
+            role = message.get("role")
+            if role not in CHAT_ROLES:
+                raise bad_request(f"messages[{index}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}", "messages")
+            turns.append((role, _content(message, index)))
+        fields["messages"] = tuple(turns)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            fields["prompt"] = prompt
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            fields["prompt_token_ids"] = tuple(prompt)
+        else:
+            raise bad_request(
+                "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+            )
+    max_tokens = _number(body, "max_completion_tokens", int, _number(body, "max_tokens", int))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    request = GenerationRequest(
+        **fields,
+        max_new_tokens=max_tokens,
+        # OpenAI's default temperature is 1; 0 is greedy, as in the gRPC API.
+        temperature=_number(body, "temperature", float, 1.0),
+        top_p=_number(body, "top_p", float),
+        top_k=_number(body, "top_k", int, 0),
+        seed=_number(body, "seed", int),
+        stop=_stop(body),
+        num_speculative_tokens=_number(body, "num_speculative_tokens", int),
+        draft_min_confidence=_number(body, "draft_min_confidence", float),
+    )
+    if request.seed is not None and request.seed < 0:
+        raise bad_request(f"seed must be >= 0; got {request.seed}", "seed")
+    return Parsed(request, stream, bool(options.get("include_usage")), chat)
+
+
+def speculation(stats: GenerationStats) -> dict:
+    return {
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "tokens_per_round": round(stats.mean_accepted_length, 4),
+        "rounds": stats.rounds,
+        "proposed_tokens": stats.proposed_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+    }
+
+
+def usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
