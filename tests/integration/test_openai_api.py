@@ -285,7 +285,9 @@ async def test_https_with_a_client_certificate_and_tokens_as_for_grpc(tiny_pair,
     ) as stack:
         base_url = f"https://127.0.0.1:{stack.coordinator.http_port}/v1"
         token = read_tokens(tls_files.tokens, "tokens")[0]
-        trusted = openai.DefaultAsyncHttpxClient(verify=ssl_context(tls_files.ca, tls_files.client_cert, tls_files.client_key))
+        trusted = openai.DefaultAsyncHttpxClient(
+            verify=ssl_context(tls_files.ca, tls_files.client_cert, tls_files.client_key)
+        )
         client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, http_client=trusted)
         model = (await client.models.list()).data[0].id
         reply = await client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
