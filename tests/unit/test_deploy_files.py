@@ -427,7 +427,8 @@ def test_compose_ports_and_health_probe_match_the_listening_port(name):
     port = container.config().port
     service = COMPOSE[name]
     published = {int(mapping.rsplit(":", 1)[1]) for mapping in service.get("ports", [])}
-    assert published <= {port}, f"compose {name} publishes container port(s) {published}, the service listens on {port}"
+    listening = {port} | ({http} if (http := getattr(container.config(), "http_port", -1)) >= 0 else set())
+    assert published <= listening, f"compose {name} publishes container port(s) {published}, it listens on {listening}"
     test = service["healthcheck"]["test"]
     assert test[:3] == ["CMD", *IMAGE.healthcheck_cmd], f"compose {name} health check is not the image's probe: {test}"
     assert split_address(test[3]) == ("127.0.0.1", port)
@@ -506,7 +507,10 @@ def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
     container, manifest, deployment = K8S_CONTAINERS[name]
     config = container.config()
     port = config.port
-    assert {p["name"]: p["containerPort"] for p in manifest["ports"]} == {"grpc": port, "metrics": config.metrics_port}
+    expected = {"grpc": port, "metrics": config.metrics_port}
+    if getattr(config, "http_port", -1) >= 0:  # the coordinator's OpenAI-compatible HTTP API
+        expected["http"] = config.http_port
+    assert {p["name"]: p["containerPort"] for p in manifest["ports"]} == expected
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert (
         annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
@@ -515,8 +519,8 @@ def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
         assert manifest[probe]["grpc"]["port"] == port, (
             f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
         )
-    [service_port] = service_for(deployment)["spec"]["ports"]
-    assert target_port(service_port, manifest) == port
+    service_ports = {p["name"]: target_port(p, manifest) for p in service_for(deployment)["spec"]["ports"]}
+    assert service_ports == {name: expected[name] for name in ("grpc", "http") if name in expected}
 
 
 @pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
