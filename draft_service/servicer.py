@@ -11,7 +11,7 @@ from draft_service.drafter import Drafter, ProposeCall
 from specdec import wire
 from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.servicer_base import SessionServicerMixin
-from specdec.serving import CallBatcher, ModelThread
+from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.telemetry import ModelServiceMetrics, tracer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -38,7 +38,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
                 runner.propose_batch,
                 batch_window_s,
                 max_batch_size,
-                more_expected=lambda waiting: len(runner.sessions) > waiting,
+                more_expected=lambda waiting: runner.sessions.active(ACTIVE_SESSION_S) > waiting,
             )
             if batch_window_s > 0 and max_batch_size > 1 and runner.shares_passes
             else None

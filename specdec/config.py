@@ -234,7 +234,7 @@ class ModelServiceConfig:
         "--batch-window-ms",
         "milliseconds a Verify/Propose call waits for calls from other sessions to share its "
         "forward passes (0 = every call runs alone)",
-        more="Never while every open session already has a call waiting.",
+        more="Never while every session active in the last second already has a call waiting.",
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
     quantize: str = setting(

@@ -88,13 +88,19 @@ class ModelThread:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+# A session used this recently is mid-generation (between its rounds) and likely to call again
+# within a batch window; one idle longer (a client between requests, a session not yet ended)
+# is not waited for: a lone active session's calls then run at once, whatever else is open.
+ACTIVE_SESSION_S = 1.0
+
+
 class CallBatcher(Generic[C, R]):
     """Gathers calls for one batched runner method and runs them on the model thread together.
 
     A batch starts `window_s` after the oldest waiting call arrived or the previous batch
     ended, whichever is later; earlier when `max_size` are waiting or when
-    `more_expected(waiting)` says no other caller could join (e.g. every open session already
-    has a call waiting, so a lone session never waits). Calls that queue while a batch runs
+    `more_expected(waiting)` says no other caller could join (e.g. every recently active
+    session already has a call waiting, so a lone session never waits). Calls that queue while a batch runs
     go in the next one. Counting the window from the end of the previous batch lets the
     callers that batch just answered come back in time to join: without it, two sessions
     alternate forever, each one's call running alone while the other's is in flight.

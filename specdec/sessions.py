@@ -213,6 +213,12 @@ class SessionStore:
         it reads a snapshot of the sessions and only sizes of tensors."""
         return sum(session.kv_bytes for session in list(self._sessions.values()))
 
+    def active(self, within_s: float, now: float | None = None) -> int:
+        """Sessions used within the last `within_s` seconds: those whose next call is likely
+        soon (a generation between rounds), as opposed to ones left open and idle."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for session in list(self._sessions.values()) if now - session.last_used <= within_s)
+
     def ids(self) -> list[str]:
         """Open session ids, least recently used first."""
         return list(self._sessions)

@@ -7,7 +7,7 @@ import grpc
 from specdec import wire
 from specdec.errors import grpc_errors
 from specdec.servicer_base import SessionServicerMixin
-from specdec.serving import CallBatcher, ModelThread
+from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.telemetry import ModelServiceMetrics, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, VerifyCall
@@ -35,7 +35,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 runner.verify_batch,
                 batch_window_s,
                 max_batch_size,
-                more_expected=lambda waiting: len(runner.sessions) > waiting,
+                more_expected=lambda waiting: runner.sessions.active(ACTIVE_SESSION_S) > waiting,
             )
             if batch_window_s > 0 and max_batch_size > 1
             else None

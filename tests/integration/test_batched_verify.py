@@ -4,9 +4,11 @@ draft batches Propose calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest_asyncio
 
+from specdec.serving import ACTIVE_SESSION_S
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
@@ -80,3 +82,22 @@ async def test_a_lone_request_does_not_wait_for_the_window(stack, reference):
     # With no other session open, a Verify or Propose starts at once instead of waiting 20 ms for company.
     assert response.stats.target_ms < response.stats.rounds * 20.0
     assert response.stats.draft_ms < response.stats.rounds * 20.0
+
+
+async def test_a_lone_generation_does_not_wait_for_sessions_left_open_and_idle(tiny_pair):
+    """A call waits for company only from sessions active in the last second: beside a session
+    left open and idle, a lone generation's calls run at once instead of waiting the window."""
+    window_ms = 300.0
+    batching = {"batch_window_ms": window_ms, "max_batch_size": 8, "quantize": "none"}
+    async with inprocess_stack(tiny_pair, draft_overrides=batching, target_overrides=batching) as stack:
+        for runner in (stack.draft_runner, stack.target_runner):
+            idle = runner.sessions.open("idle-client", 0)
+            idle.last_used -= 10 * ACTIVE_SESSION_S  # left open, unused for a while
+        started = time.perf_counter()
+        response = await stack.stub.Generate(generate_request("def add(a, b):", 8, 2), timeout=60)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        rounds = response.stats.rounds
+        # Each round makes a Propose and a Verify call: waiting the window would cost at least
+        # 2 x 300 ms a round.
+        assert elapsed_ms < rounds * window_ms, f"{rounds} rounds took {elapsed_ms:.0f} ms"
+        assert len(stack.target_runner.sessions) >= 1  # the idle session was there throughout
