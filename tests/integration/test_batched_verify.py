@@ -79,9 +79,12 @@ async def test_a_lone_request_does_not_wait_for_the_window(stack, reference):
     prompt, tokens, k = REQUESTS[0]
     response = await stack.stub.Generate(generate_request(prompt, tokens, k), timeout=60)
     assert list(response.token_ids) == reference(prompt, tokens)
-    # With no other session open, a Verify or Propose starts at once instead of waiting 20 ms for company.
-    assert response.stats.target_ms < response.stats.rounds * 20.0
-    assert response.stats.draft_ms < response.stats.rounds * 20.0
+    # With no other session open, a Verify or Propose starts at once instead of waiting 20 ms for
+    # company: the time a round spends in calls outside the model's work stays below the window
+    # (the model's own work is left out: on busy cores it alone can take 20 ms).
+    stats = response.stats
+    assert stats.target_ms - stats.target_compute_ms < stats.rounds * 20.0
+    assert stats.draft_ms - stats.draft_compute_ms < stats.rounds * 20.0
 
 
 async def test_a_lone_generation_does_not_wait_for_sessions_left_open_and_idle(tiny_pair):
