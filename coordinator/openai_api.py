@@ -40,8 +40,8 @@ from coordinator.openai_schema import (
 )
 from coordinator.requests import Chunk, GenerationRequest
 from coordinator.rounds import Coordinator
+from coordinator.servicer import metered
 from specdec.config import ServerSecurity
-from specdec.errors import status_of
 from specdec.security import BearerTokenAuth, read_tokens
 
 logger = logging.getLogger(__name__)
@@ -152,21 +152,9 @@ class OpenAIApi:
         }
 
     async def _chunks(self, generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        """The coordinator's chunks, with the request counted as a gRPC one is."""
-        if self.metrics is not None:
-            self.metrics.requests_in_flight.inc()
-        try:
-            async for chunk in self.coordinator.generate(generation):
-                if chunk.stats is not None and self.metrics is not None:
-                    self.metrics.observe_finished(chunk.stats, chunk.finish_reason or "")
-                yield chunk
-        except BaseException as exc:
-            if self.metrics is not None:
-                self.metrics.observe_failed(status_of(exc))
-            raise
-        finally:
-            if self.metrics is not None:
-                self.metrics.requests_in_flight.dec()
+        """The coordinator's chunks, counted and logged as a gRPC request's are."""
+        async for chunk in metered(self.coordinator.generate(generation), self.metrics):
+            yield chunk
 
     async def _stream(
         self, request: web.Request, parsed: Parsed, chunks: AsyncGenerator[Chunk, None]

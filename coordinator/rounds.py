@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from transformers import PreTrainedTokenizerBase
 
@@ -68,7 +68,9 @@ class Coordinator(Branching, UpstreamCalls):
         if self._probe is not None:
             self._probe.cancel()
 
-    async def generate(self, request: GenerationRequest, time_remaining_s: float | None = None) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, request: GenerationRequest, time_remaining_s: float | None = None
+    ) -> AsyncGenerator[Chunk, None]:
         """Yields one chunk per round; the last carries the finish reason and the stats.
 
         Sequential mode drafts, then verifies. Pipelined mode (`--pipeline`) also starts a

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -86,6 +87,41 @@ def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
     return response
 
 
+async def metered(chunks: AsyncGenerator[Chunk, None], metrics: CoordinatorMetrics | None) -> AsyncIterator[Chunk]:
+    """`chunks`, with the request counted in flight, then logged and counted by its outcome:
+    what every request gets, from gRPC and from the HTTP API alike. The generation is closed
+    as soon as this is (a client gone), so its sessions are freed at once."""
+    if metrics is not None:
+        metrics.requests_in_flight.inc()
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk.stats is not None:
+                    log_finished(chunk.stats, chunk.finish_reason or "")
+                    if metrics is not None:
+                        metrics.observe_finished(chunk.stats, chunk.finish_reason or "")
+                yield chunk
+    except BaseException as exc:
+        if metrics is not None:
+            metrics.observe_failed(status_of(exc))
+        raise
+    finally:
+        if metrics is not None:
+            metrics.requests_in_flight.dec()
+
+
+def log_finished(s: GenerationStats, finish_reason: str) -> None:
+    logger.info(
+        "generated %d tokens (%s) in %.0f ms: %d rounds, acceptance %.2f, %.2f tokens/round",
+        s.generated_tokens,
+        finish_reason,
+        s.total_ms,
+        s.rounds,
+        s.acceptance_rate,
+        s.mean_accepted_length,
+    )
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator, metrics: CoordinatorMetrics | None = None) -> None:
         self._coordinator = coordinator
@@ -95,9 +131,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Chunk]:
         """The coordinator's chunks, with the request counted and logged (in its trace) once it ends."""
-        if self._metrics is not None:
-            self._metrics.requests_in_flight.inc()
-        try:
+
+        async def chunks() -> AsyncGenerator[Chunk, None]:
             if isinstance(request, MalformedRequest):
                 raise InvalidArgument(
                     f"the request is not a valid {coordinator_pb2.GenerateRequest.DESCRIPTOR.full_name} "
@@ -106,29 +141,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             remaining = context.time_remaining()  # seconds, or None without a client deadline
             async for chunk in self._coordinator.generate(request_from_pb(request), remaining):
-                if chunk.stats is not None:
-                    self._finished(chunk.stats, chunk.finish_reason or "")
                 yield chunk
-        except BaseException as exc:
-            if self._metrics is not None:
-                self._metrics.observe_failed(status_of(exc))
-            raise
-        finally:
-            if self._metrics is not None:
-                self._metrics.requests_in_flight.dec()
 
-    def _finished(self, s: GenerationStats, finish_reason: str) -> None:
-        logger.info(
-            "generated %d tokens (%s) in %.0f ms: %d rounds, acceptance %.2f, %.2f tokens/round",
-            s.generated_tokens,
-            finish_reason,
-            s.total_ms,
-            s.rounds,
-            s.acceptance_rate,
-            s.mean_accepted_length,
-        )
-        if self._metrics is not None:
-            self._metrics.observe_finished(s, finish_reason)
+        async for chunk in metered(chunks(), self._metrics):
+            yield chunk
 
     @grpc_errors
     async def Generate(
