@@ -29,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.modes import ROOT, drafter_args  # noqa: E402
+from bench.modes import ROOT, drafter_args, target_service_args  # noqa: E402
 from specdec.launch import ServiceProcess, free_port, model_service_args, spawn, spawn_coordinator  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -81,14 +81,7 @@ class ConcurrencyRunner:
                         config.draft_dtype,
                         *drafter_args("int8", config),
                     ],
-                    "target": [
-                        "--model",
-                        str(config.target_model),
-                        "--dtype",
-                        config.target_dtype,
-                        "--quantize",
-                        config.target_quantize,
-                    ],
+                    "target": target_service_args(config),
                 }
                 services[batching] = {}
                 for role in ("draft", "target"):

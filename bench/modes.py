@@ -26,6 +26,18 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
     }[name]
 
 
+def target_service_args(config: BenchConfig) -> list[str]:
+    """The benchmark target's model and setting flags (`python -m target_service`)."""
+    return [
+        "--model",
+        str(config.target_model),
+        "--dtype",
+        config.target_dtype,
+        "--quantize",
+        config.target_quantize,
+    ]
+
+
 # Where the services run. "shared": every service may use every core (torch --threads each).
 # "pinned": one machine standing in for separate nodes, the draft on core 0 and the target on
 # core 1, one thread each. The coordinator shares the target's core: it works between a

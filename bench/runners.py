@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args
+from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args, target_service_args
 from specdec.launch import free_port, model_service_args, spawn, spawn_coordinator
 from specdec.modeling import DTYPES
 from specdec.quantize import quantize_int8
@@ -35,16 +35,7 @@ class OursRunner:
             for placement in dict.fromkeys(placement for _, _, placement in variants):
                 targets[placement] = self._start(
                     "target_service",
-                    [
-                        "--model",
-                        str(config.target_model),
-                        "--dtype",
-                        config.target_dtype,
-                        "--quantize",
-                        config.target_quantize,
-                        *model_args,
-                        *PLACEMENTS[placement]["target"],
-                    ],
+                    [*target_service_args(config), *model_args, *PLACEMENTS[placement]["target"]],
                     log_dir / f"target-{placement}.log",
                     env,
                 )

@@ -38,7 +38,7 @@ from coordinator.openai_schema import (
     speculation,
     usage,
 )
-from coordinator.requests import Chunk, GenerationRequest
+from coordinator.requests import Chunk
 from coordinator.rounds import Coordinator
 from coordinator.servicer import metered
 from specdec.config import ServerSecurity
@@ -120,7 +120,8 @@ class OpenAIApi:
         if model not in (None, self.model_name):
             raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")  # fmt: skip
-        chunks = self._chunks(parsed.request)
+        # Counted and logged as a gRPC request's are.
+        chunks = metered(self.coordinator.generate(parsed.request), self.metrics)
         if parsed.stream:
             return await self._stream(request, parsed, chunks)
         async with contextlib.aclosing(chunks):  # a client gone mid-way ends the generation at once
@@ -142,19 +143,14 @@ class OpenAIApi:
             }
         )
 
-    def _envelope(self, chat: bool, streamed: bool, ident: str | None = None) -> dict:
+    def _envelope(self, chat: bool, streamed: bool) -> dict:
         kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
         return {
-            "id": ident or f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
         }
-
-    async def _chunks(self, generation: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        """The coordinator's chunks, counted and logged as a gRPC request's are."""
-        async for chunk in metered(self.coordinator.generate(generation), self.metrics):
-            yield chunk
 
     async def _stream(
         self, request: web.Request, parsed: Parsed, chunks: AsyncGenerator[Chunk, None]
@@ -163,8 +159,7 @@ class OpenAIApi:
         headers go out, so a request refused up front still gets its HTTP error status."""
         chat = parsed.chat
         envelope = self._envelope(chat, streamed=True)
-        iterator = chunks
-        first = await anext(iterator)
+        first = await anext(chunks)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -195,14 +190,14 @@ class OpenAIApi:
                     await send(payload)
                 if chunk.stats is not None and parsed.include_usage:
                     await send({**envelope, "choices": [], "usage": usage(chunk.stats)})
-                chunk = await anext(iterator, None)
+                chunk = await anext(chunks, None)
         except (ConnectionResetError, ConnectionError):
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
             await send(api_error(exc).body())
         finally:
-            await iterator.aclose()
+            await chunks.aclose()
         await send("[DONE]")
         await response.write_eof()
         return response

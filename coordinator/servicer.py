@@ -87,7 +87,9 @@ def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
     return response
 
 
-async def metered(chunks: AsyncGenerator[Chunk, None], metrics: CoordinatorMetrics | None) -> AsyncIterator[Chunk]:
+async def metered(
+    chunks: AsyncGenerator[Chunk, None], metrics: CoordinatorMetrics | None
+) -> AsyncGenerator[Chunk, None]:
     """`chunks`, with the request counted in flight, then logged and counted by its outcome:
     what every request gets, from gRPC and from the HTTP API alike. The generation is closed
     as soon as this is (a client gone), so its sessions are freed at once."""
