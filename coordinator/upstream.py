@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from opentelemetry import trace
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import DraftClient, TargetClient
@@ -20,6 +21,30 @@ from specdec.errors import DeadlineExceeded, SessionNotFound, SpecDecError, Unav
 from specdec.v1 import draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def retry_unavailable(
+    call: Callable[[], Awaitable[T]],
+    give_up: Callable[[int], bool],
+    backoff_s: float,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s) each time it
+    raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never retried.
+    A plain loop: it runs on every round, where a retry library's per-call set-up cost a
+    tenth of the coordinator's own time per round."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return await call()
+        except Unavailable as exc:
+            if isinstance(exc, DeadlineExceeded) or give_up(attempts):
+                raise
+        await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0))
+        if on_retry is not None:
+            on_retry()
 
 
 class UpstreamCalls:
@@ -38,18 +63,11 @@ class UpstreamCalls:
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
         connection) but never on a missed deadline: a slow draft is skipped, not waited for."""
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.config.draft_attempts),
-            wait=wait_exponential(multiplier=self.config.draft_retry_backoff_s, max=1.0),
-            retry=retry_if_exception(
-                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
-            ),
-            reraise=True,
+        return await retry_unavailable(
+            lambda: self._propose(view, sequence, k, sampling, seed, stats),
+            give_up=lambda attempts: attempts >= self.config.draft_attempts,
+            backoff_s=self.config.draft_retry_backoff_s,
         )
-        async for attempt in retrying:
-            with attempt:
-                return await self._propose(view, sequence, k, sampling, seed, stats)
-        raise AssertionError("unreachable")
 
     def _draft_failed(self, exc: Unavailable, draft_view: SessionView, stats: GenerationStats) -> None:
         """Counts a failed draft call, opens the breaker after enough of them, and forgets what
@@ -124,20 +142,16 @@ class UpstreamCalls:
             )
 
         loop = asyncio.get_running_loop()
-        retrying = AsyncRetrying(
-            stop=lambda state: loop.time() >= retry_until,
-            wait=wait_exponential(multiplier=0.1, max=1.0),
-            retry=retry_if_exception(
-                lambda exc: isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
-            ),
-            reraise=True,
+
+        def retried() -> None:
+            stats.target_retries += 1
+
+        return await retry_unavailable(
+            lambda: self._with_reprefill("target", view, sequence, stats, send),
+            give_up=lambda attempts: loop.time() >= retry_until,
+            backoff_s=0.1,
+            on_retry=retried,
         )
-        async for attempt in retrying:
-            with attempt:
-                if attempt.retry_state.attempt_number > 1:
-                    stats.target_retries += 1
-                return await self._with_reprefill("target", view, sequence, stats, send)
-        raise AssertionError("unreachable")
 
     async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""

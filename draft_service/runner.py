@@ -183,7 +183,7 @@ class DraftRunner(ModelRunner):
         token = row if self.head_ids is None else int(self.head_ids[row])
         # The draft's probability of what it proposes: its belief in its own argmax when
         # greedy, the drawn token's probability when sampling.
-        drafting.unsure = float(belief[row]) < drafting.min_confidence
+        drafting.unsure = stops_on_confidence(float(belief[row]), drafting.min_confidence)
         drafting.token_ids.append(token)
         runner_up = self._runner_up(belief, row)
         if runner_up is not None:
@@ -235,6 +235,13 @@ class DraftRunner(ModelRunner):
             return head_probs
         probs = torch.zeros(self.loaded.vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
         return probs.index_copy_(0, self.head_ids, head_probs)
+
+
+def stops_on_confidence(drawn_prob: float, min_confidence: float) -> bool:
+    """Whether a proposal ends after a token the draft drew with probability `drawn_prob`
+    (its belief in its own argmax when greedy). The token itself is still proposed: the
+    decision looks only at draws already made (see DraftRunner._done)."""
+    return drawn_prob < min_confidence
 
 
 def check_confidence(min_confidence: float) -> float:

@@ -36,6 +36,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 HEAVY_MODULES = {
     "integration/test_distribution.py": "3,000 seeded generations per case over gRPC",
     "integration/test_vocab_widths.py": "3,000 seeded generations per pair of widths",
+    "integration/test_mode_distributions.py": "30,000-40,000 seeded generations per coordinator mode",
     "integration/test_bench_smoke.py": "every benchmark suite end to end, with processes",
     "integration/test_faults.py": "killed and restarted processes",
     "integration/test_tensor_parallel.py": "gloo ranks as processes",

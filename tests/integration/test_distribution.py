@@ -6,21 +6,21 @@ seeded speculative generations against it with a χ² test at a fixed bound. Eac
 exercises one wire form of the draft distribution: dense (the draft samples its full
 distribution), sparse (the draft truncates to its top-k, or its output head covers only part
 of the vocabulary) and one-hot (greedy proposals, prompt lookup), plus a target whose top-k
-gives most tokens probability 0, each drafter of the draft service, and each coordinator
-mode (pipelined, adaptive K, hedged).
+gives most tokens probability 0, each drafter of the draft service, and the coordinator's
+modes (pre-drafts, hedges, the K chooser, confidence stops) as the real services serve them.
+Each coordinator mode's own high-power test, with a mutation check that it fails when that
+mode's path is made inexact, is in test_mode_distributions.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.rounds import Coordinator
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
 from specdec.quantize import quantize_int8
@@ -59,7 +59,6 @@ class Case:
     costs: tuple[float, float] | None = None
 
 
-CHOOSER_COSTS = (1.0, 40.0)  # long drafts pay: sequential cases fill the tokens in one round
 # Drafts half as dear as a verify: the pipelined cases settle at K = 1, so rounds continue
 # from pre-drafts.
 PIPELINED_CHOOSER_COSTS = (20.0, 40.0)
@@ -74,42 +73,28 @@ CASES = {
         {"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
     ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
-    # Coordinator modes. With K=1 and 4 tokens, round 1 pre-drafts the bonus guess plus one
-    # draft, which round 2 verifies when the guess was right.
-    "pipelined_dense": Case({"quantize": "none"}, coordinator=PIPELINED, length=4, k=1),
-    "pipelined_top_k_top_p": Case(
-        {"proposal_top_k": 4}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9), coordinator=PIPELINED, length=4, k=1
+    # The coordinator's modes through the real services: branches forked and stepped together
+    # in the real draft, sparse rows, confidence stops and the K chooser. Each mode's own
+    # high-power test, with a mutation check, is in test_mode_distributions.py.
+    "pipelined_hedged_confidence_stops": Case(
+        {"quantize": "none", "min_confidence": 0.3}, coordinator={"pipeline": True, "hedges": 1}, length=4, k=1
     ),
-    "pipelined_adaptive_k": Case(
-        {"quantize": "none"},
+    "adaptive_pipelined_top_k_top_p": Case(
+        {"proposal_top_k": 4},
+        SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
         coordinator={"pipeline": True, "adaptive_k": True},
         length=4,
         k=None,
         costs=PIPELINED_CHOOSER_COSTS,
     ),
-    "adaptive_k_sequential": Case(
-        {"quantize": "none"}, coordinator={"adaptive_k": True}, length=4, k=None, costs=CHOOSER_COSTS
-    ),
-    # Confidence stops: proposals end early after a token drawn with low draft probability.
-    "confidence_stop_sampled": Case({"quantize": "none", "min_confidence": 0.3}, length=4, k=3),
     "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
-    "confidence_stop_adaptive_pipelined": Case(
-        {"quantize": "none", "min_confidence": 0.3},
-        coordinator={"pipeline": True},
-        length=4,
-        k=None,
-        costs=PIPELINED_CHOOSER_COSTS,
-    ),
     # An int8 target: the output is the int8 model's own distribution.
     "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
-    # Hedges: a rejected round's next drafts come from a fork that assumed its outcome.
-    "hedged_dense": Case({"quantize": "none"}, coordinator={"hedges": 2}, length=4, k=2),
-    "pipelined_hedged_top_k": Case({"proposal_top_k": 4}, coordinator={"pipeline": True, "hedges": 1}, length=4, k=1),
 }
 
 
 # The end-to-end proof over loopback gRPC, one case per wire form of the draft distribution
-# (dense, sparse, one-hot); the rest, every coordinator mode included, run over in-process
+# (dense, sparse, one-hot); the rest, the coordinator's modes included, run over in-process
 # channels (tests/stack.py's local_stack: the same coordinator, servicers and runners, messages
 # serialised and parsed, no sockets), which is twice as fast and tests the same math.
 # tests/integration/test_processes.py runs pipelining with hedges across real processes.
@@ -259,55 +244,4 @@ async def test_distribution_test_detects_the_draft_distribution(word_pair):
     )
     async with local_stack(swapped, draft_overrides=LOCAL_BATCH, target_overrides=LOCAL_BATCH) as stack:
         samples = await sample_continuations(stack.stub, params, range(SAMPLES), concurrency=LOCAL_CONCURRENCY)
-    assert chi_square_p_value(samples, expected) < 1e-6
-
-
-async def test_distribution_test_detects_a_branch_picked_by_its_own_drafts(word_pair, monkeypatch):
-    """Power check for hedging: the next round may use a branch chosen by the verification
-    outcome alone. A coordinator that, after any rejection, takes a hedge whose first draft
-    happens to be the draft's likeliest token (a choice that looks at the branches' draws)
-    ships tokens that are no longer distributed as the distributions sent with them, and must
-    fail the test the hedged cases pass. A choice that ignores the draws, even a wrong one such
-    as "always the first hedge", stays exact: every token is still checked against the
-    distribution it was drawn from, so it only costs acceptance. (A milder rule, the hedge whose
-    first draft has the highest probability, gave p = 0.1 at this sample size.)"""
-    c = CASES["hedged_dense"]
-    original = Coordinator._settle
-
-    async def pick_by_drafts(self, speculation, outcome, proposed, live, draft_view, base, stats):
-        if not live or outcome.num_accepted == proposed or not speculation.forks:
-            return await original(self, speculation, outcome, proposed, live, draft_view, base, stats)
-        reply = await speculation.task
-        chosen = None
-        for plan, result in zip(speculation.branches, reply.results):
-            proposal = result.proposal
-            if chosen is None and plan.hedge is not None and not result.error_code and proposal.token_ids:
-                branch = self._round_from(proposal, plan.k)
-                if branch.draft_token_draft_probs[0] >= proposal.runner_up_probs[0]:  # its first draft is the argmax
-                    chosen = (branch, plan)
-        for fork in speculation.forks:  # free the others, as the real rule does
-            if chosen is None or fork is not chosen[1]:
-                self._end_later(self.draft, fork.session_id)
-        if chosen is None:
-            return None, "", draft_view
-        self._end_later(self.draft, draft_view.session_id)
-        taken, plan = chosen
-        return (
-            taken,
-            "hedge",
-            dataclasses.replace(draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1),
-        )
-
-    monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
-    expected = exact_target_distribution(word_pair.target, c.params, word_pair.vocab_size, list(c.prompt), c.length)
-    # Over the same in-process channels as the hedged case it must fail where that one passes.
-    async with local_stack(
-        word_pair,
-        draft_overrides={**LOCAL_BATCH, **c.draft},
-        coordinator_overrides=c.coordinator,
-        target_overrides=LOCAL_BATCH,
-    ) as stack:
-        samples = await sample_continuations(
-            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, concurrency=LOCAL_CONCURRENCY
-        )
     assert chi_square_p_value(samples, expected) < 1e-6

@@ -1,0 +1,368 @@
+"""High-power distribution tests for each coordinator mode, each with a mutation check.
+
+The real coordinator (coordinator.rounds.Coordinator, built by coordinator.server.connect)
+drives in-process draft and target services whose models are lookup tables
+(tests/table_services.py): a few tokens, a few positions, so the target's distribution over
+whole continuations is known exactly and tens of thousands of generations take half a
+minute. Each mode is sampled and compared with that distribution by a χ² test.
+
+Power. For any output distribution at total-variation distance δ from the target's, the χ²
+noncentrality is n·Σ(Δ²/p) ≥ n·(Σ|Δ|)² = 4nδ² (Cauchy-Schwarz), whatever the shape of the
+bias. Each mode draws the fewest samples (`samples_for_power`) that detect δ = 0.02 with
+probability ≥ 0.9 at the p < 1e-4 bound: 30,000 over 16 outcomes (power 0.905), 40,000 over
+27 (0.958). `test_power` checks this and draws a worst-case biased sample that must fail. The
+over-the-wire χ² cases in test_distribution.py (3,000 samples, real models) stay as the
+end-to-end proof that the real services draw what they send.
+
+Mutation checks. Each mode's test must fail when only that mode's own path is made inexact
+in a way a real bug could: drafts paired with the wrong distributions, a branch chosen by its
+own draws, or draws that share a seed with the target's. Such a mutant is sampled as many
+times as its mode (10,000 where its bias is plain at that count) and must fail the same
+χ² bound. (A branch used for the wrong outcome is
+*not* among them: its drafts come with the distributions they were drawn from, so rejection
+sampling keeps the output exact and only acceptance suffers.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+from transformers import AutoTokenizer
+
+from coordinator import server as coordinator_server
+from coordinator.config import CoordinatorConfig
+from coordinator.requests import GenerationRequest
+from coordinator.rounds import Coordinator
+from coordinator.seeds import RequestStreams
+from coordinator.state import Round, SessionView
+from specdec import wire
+from specdec.modeling import tokenizer_fingerprint
+from tests.stats import P_VALUE_FLOOR, chi_square_p_value
+from tests.table_services import TableDraft, TableModel, TableTarget
+
+DETECTABLE_TV = 0.02
+REQUIRED_POWER = 0.9
+CONCURRENCY = 32
+# (draft ms per step, target ms per pass) in Info, for the K chooser: drafts half as dear as a
+# verify, so the pipelined chooser settles at short drafts and rounds continue from pre-drafts.
+CHOOSER_COSTS = (20.0, 40.0)
+
+
+@dataclass(frozen=True)
+class Mode:
+    coordinator: dict
+    vocab: int  # tokens in the tables (ids 0..vocab-1)
+    length: int  # new tokens per generation: vocab**length outcomes
+    k: int | None  # None: the K chooser decides
+    min_confidence: float = 0.0  # the draft's confidence stop
+    costs: tuple[float, float] | None = None
+    exercised: Callable[[list, TableDraft], str | None] = field(default=lambda stats, draft: None)
+    prompt: tuple[int, ...] = (1, 0, 1)
+    draft_noise: float = 0.8  # how far the draft's logits are from the target's
+    # Samples for the mutation check: fewer where the mutant's bias is plain at 10,000 (a
+    # test that fails with fewer samples fails with more); None: the mode's own count.
+    mutant_samples: int | None = None
+
+    @property
+    def samples(self) -> int:
+        return samples_for_power(self.vocab**self.length)
+
+
+def samples_for_power(outcomes: int, step: int = 5_000) -> int:
+    """The fewest samples (a multiple of `step`) with which the χ² test over `outcomes`
+    detects any bias of total variation DETECTABLE_TV with probability REQUIRED_POWER at the
+    P_VALUE_FLOOR bound: noncentrality ≥ 4nδ² (the module docstring)."""
+    critical = scipy_stats.chi2.ppf(1 - P_VALUE_FLOOR, outcomes - 1)
+    samples = step
+    while scipy_stats.ncx2.sf(critical, outcomes - 1, 4 * samples * DETECTABLE_TV**2) < REQUIRED_POWER:
+        samples += step
+    return samples
+
+
+def total(stats: list, name: str) -> int:
+    return sum(getattr(s, name) for s in stats)
+
+
+def pre_drafts_used(stats, draft) -> str | None:
+    hits = total(stats, "predraft_hits")
+    return None if hits > len(stats) // 20 else f"only {hits} pre-drafts were used"
+
+
+def hedges_used(stats, draft) -> str | None:
+    hits = total(stats, "hedge_hits")
+    return None if hits > len(stats) // 20 else f"only {hits} hedges were used"
+
+
+def hedges_and_pre_drafts_used(stats, draft) -> str | None:
+    return hedges_used(stats, draft) or pre_drafts_used(stats, draft)
+
+
+def confidence_stops(stats, draft) -> str | None:
+    return None if draft.confidence_stops > len(stats) // 20 else f"only {draft.confidence_stops} confidence stops"
+
+
+def chooser_varied(stats, draft) -> str | None:
+    ks = {k for s in stats for k in s.k_per_round}
+    return pre_drafts_used(stats, draft) or (None if len(ks) > 1 else f"the chooser only ever chose K in {ks}")
+
+
+# Pipelining needs 4 tokens (a first round of K = 1, then a round from its pre-draft), so those
+# modes use 2 tokens (16 outcomes); sequential uses 3 tokens over 3 positions (27 outcomes).
+MODES = {
+    "sequential": Mode({}, vocab=3, length=3, k=2),
+    "pipelined": Mode({"pipeline": True}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000),
+    # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
+    # and a noisier draft, so rejections are common: about a third of the requests use a hedge.
+    "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.5, exercised=hedges_used),
+    # Pre-draft and hedges in one ProposeBranches call, stepped together.
+    "batched_hedges": Mode(
+        {"pipeline": True, "hedges": 2},
+        vocab=2,
+        length=4,
+        k=1,
+        exercised=hedges_and_pre_drafts_used,
+        mutant_samples=10_000,
+    ),
+    "confidence_stopped": Mode(
+        {"pipeline": True}, vocab=2, length=4, k=2, min_confidence=0.6, exercised=confidence_stops
+    ),
+    "adaptive": Mode(
+        {"pipeline": True, "adaptive_k": True},
+        vocab=2,
+        length=4,
+        k=None,
+        costs=CHOOSER_COSTS,
+        exercised=chooser_varied,
+        mutant_samples=10_000,
+    ),
+}
+
+
+# Mutants: each biases only its mode's own path (see the module docstring).
+
+
+def draft_seeded_like_target(monkeypatch) -> None:
+    """Sequential: the round's draft draws with the verify's seed, so the draft's uniforms are
+    the target's (its recovered samples reuse them): draws that should be independent are not."""
+    plain = RequestStreams.of
+
+    def shared(seed: int) -> RequestStreams:
+        streams = plain(seed)
+        target = np.random.Generator(np.random.PCG64())
+        target.bit_generator.state = streams.draft.bit_generator.state
+        return dataclasses.replace(streams, target=target)
+
+    monkeypatch.setattr(RequestStreams, "of", staticmethod(shared))
+
+
+def pre_draft_off_by_one(monkeypatch) -> None:
+    """Pipelined: a kept pre-draft's drafts (from position 1, after the bonus guess) are sent
+    with the distributions of the position before each: the branch's start is off by one."""
+    plain = Round.truncated
+
+    def shifted(self: Round, k: int, start: int = 0) -> Round:
+        kept = plain(self, k, start)
+        if not start:
+            return kept
+        early = plain(self, len(kept.draft_token_ids), start - 1)
+        probs = [wire.token_probability(d, t) for d, t in zip(early.distributions, kept.draft_token_ids)]
+        return dataclasses.replace(kept, draft_token_draft_probs=probs, distributions=early.distributions)
+
+    monkeypatch.setattr(Round, "truncated", shifted)
+
+
+def hedge_picked_by_its_drafts(monkeypatch) -> None:
+    """Hedged: after a rejection the round takes the first hedge whose first draft is the
+    draft's likeliest token, looking at the branches' draws (the real rule looks only at the
+    verification outcome)."""
+    original = Coordinator._settle
+
+    async def pick_by_drafts(self, speculation, outcome, proposed, live, draft_view, base, stats):
+        if not live or outcome.num_accepted == proposed or not speculation.forks:
+            return await original(self, speculation, outcome, proposed, live, draft_view, base, stats)
+        reply = await speculation.task
+        chosen = None
+        for plan, result in zip(speculation.branches, reply.results):
+            proposal = result.proposal
+            if chosen is None and plan.hedge is not None and not result.error_code and proposal.token_ids:
+                branch = self._round_from(proposal, plan.k)
+                if branch.draft_token_draft_probs[0] >= proposal.runner_up_probs[0]:  # its first draft is the argmax
+                    chosen = (branch, plan)
+        for fork in speculation.forks:
+            if chosen is None or fork is not chosen[1]:
+                self._end_later(self.draft, fork.session_id)
+        if chosen is None:
+            return None, "", draft_view
+        self._end_later(self.draft, draft_view.session_id)
+        taken, plan = chosen
+        view = SessionView(plan.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls)
+        return taken, "hedge", view
+
+    monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
+
+
+def branch_rows_mixed_up(monkeypatch) -> None:
+    """Batched hedges: the rows of the one batched ProposeBranches pass reach the wrong
+    branches: each branch's drafts arrive with the distributions the next branch drew from."""
+    plain = TableDraft.propose_branches
+
+    async def mixed_up(self, request):
+        reply = await plain(self, request)
+        proposals = [result.proposal for result in reply.results]
+        rows = [[type(row)(dense=row.dense) for row in proposal.distributions] for proposal in proposals]
+        for proposal, own, other in zip(proposals, rows, rows[1:] + rows[:1]):
+            count = min(len(own), len(other))
+            del proposal.distributions[:]
+            proposal.distributions.extend(other[:count] + own[count:])
+        return reply
+
+    monkeypatch.setattr(TableDraft, "propose_branches", mixed_up)
+
+
+def stopped_drafts_redrawn(monkeypatch) -> None:
+    """Confidence-stopped: a proposal that stopped early (its last draft was unsure) is drawn
+    again with other seeds, up to three times, so the drafts sent are selected by their own
+    confidence."""
+    original = Coordinator._propose_with_retries
+
+    async def redraw(self, view, sequence, k, sampling, seed, stats):
+        proposal = await original(self, view, sequence, k, sampling, seed, stats)
+        for attempt in range(1, 4):
+            if len(proposal.token_ids) == k:
+                break
+            proposal = await original(self, view, sequence, k, sampling, seed ^ attempt, stats)
+        return proposal
+
+    monkeypatch.setattr(Coordinator, "_propose_with_retries", redraw)
+
+
+def k_cut_after_drafting(monkeypatch) -> None:
+    """Adaptive: the round's K is cut after the drafts are drawn, at the first draft the draft
+    gave less than 1/2: K chosen by looking at the draws instead of before them."""
+    original = Coordinator._round_from
+
+    def cut(self, proposal, k):
+        round_ = original(self, proposal, k)
+        keep = next((i for i, p in enumerate(round_.draft_token_draft_probs) if p < 0.5), None)
+        return round_ if not keep else round_.truncated(keep)
+
+    monkeypatch.setattr(Coordinator, "_round_from", cut)
+
+
+MUTANTS = {
+    "sequential": draft_seeded_like_target,
+    "pipelined": pre_draft_off_by_one,
+    "hedged": hedge_picked_by_its_drafts,
+    "batched_hedges": branch_rows_mixed_up,
+    "confidence_stopped": stopped_drafts_redrawn,
+    "adaptive": k_cut_after_drafting,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(word_pair):
+    """Any real tokenizer whose ids cover the tables' few tokens: the coordinator decodes text."""
+    return word_pair.target
+
+
+def tables(mode: Mode) -> tuple[TableModel, TableModel]:
+    target = TableModel(mode.vocab, salt=1)
+    return target, TableModel(mode.vocab, salt=2, base=target, noise=mode.draft_noise)
+
+
+async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tuple[int, ...]], list, TableDraft]:
+    """`samples` seeded generations (seeds 0..samples-1) through a coordinator in `mode`."""
+    target_model, draft_model = tables(mode)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+    draft_ms, target_ms = mode.costs or (None, None)
+    draft = TableDraft(
+        draft_model, fingerprint, pass_ms=(draft_ms,) * 9 if draft_ms else (), min_confidence=mode.min_confidence
+    )
+    target = TableTarget(target_model, fingerprint, pass_ms=(target_ms,) * 9 if target_ms else ())
+    config = dataclasses.replace(
+        CoordinatorConfig(draft_address=draft.address, target_address=target.address, tokenizer=str(tokenizer_dir)),
+        metrics_port=-1,
+        **mode.coordinator,
+    )
+    coordinator = await coordinator_server.connect(config, draft, target)
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+    collected: list = []
+
+    async def one(seed: int) -> tuple[int, ...]:
+        request = GenerationRequest(
+            prompt_token_ids=mode.prompt,
+            max_new_tokens=mode.length,
+            temperature=1.0,
+            seed=seed,
+            num_speculative_tokens=mode.k,
+        )
+        token_ids: list[int] = []
+        async with semaphore:
+            async for chunk in coordinator.generate(request):
+                token_ids.extend(chunk.token_ids)
+                if chunk.stats is not None:
+                    collected.append(chunk.stats)
+        return tuple(token_ids)
+
+    try:
+        outputs = await asyncio.gather(*(one(seed) for seed in range(samples)))
+        repeat = await asyncio.gather(*(one(seed) for seed in range(20)))
+    finally:
+        coordinator.close()
+        await coordinator.wait_cleanup()
+    assert repeat == outputs[:20], "the same seed must give the same output"
+    assert total(collected, "proposed_tokens") > 0, "the draft never proposed, so nothing was tested"
+    assert draft.open_sessions == 0 and target.open_sessions == 0, "a request left a session open"
+    return outputs, collected, draft
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+async def test_mode_has_target_distribution(tokenizer_dir, name):
+    mode = MODES[name]
+    outputs, stats, draft = await sample_mode(tokenizer_dir, mode, mode.samples)
+    problem = mode.exercised(stats, draft)
+    assert problem is None, f"{name}: {problem}; the mode's own path is barely exercised"
+    expected = tables(mode)[0].continuations(mode.prompt, mode.length)
+    p_value = chi_square_p_value(outputs, expected)
+    assert p_value > P_VALUE_FLOOR, f"{name}: χ² p-value {p_value:.2e}; output is not the target's distribution"
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+async def test_mode_test_detects_its_mutant(tokenizer_dir, name, monkeypatch):
+    mode = MODES[name]
+    MUTANTS[name](monkeypatch)
+    outputs, _, _ = await sample_mode(tokenizer_dir, mode, mode.mutant_samples or mode.samples)
+    expected = tables(mode)[0].continuations(mode.prompt, mode.length)
+    p_value = chi_square_p_value(outputs, expected)
+    assert p_value < P_VALUE_FLOOR, f"{name}: the mutant passed (p = {p_value:.2e}); the test lacks power"
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_power(name):
+    """Each mode's test detects any bias of total variation DETECTABLE_TV with probability at
+    least REQUIRED_POWER at the p < 1e-4 bound (the noncentral χ² bound in the module
+    docstring), and does fail on a sample drawn from the worst case for χ²: the mass moved
+    in proportion to p from the likeliest outcomes to the others."""
+    mode = MODES[name]
+    expected = tables(mode)[0].continuations(mode.prompt, mode.length)
+    outcomes = len(expected)
+    critical = scipy_stats.chi2.ppf(1 - P_VALUE_FLOOR, outcomes - 1)
+    power = scipy_stats.ncx2.sf(critical, outcomes - 1, 4 * mode.samples * DETECTABLE_TV**2)
+    assert power >= REQUIRED_POWER, f"{name}: power {power:.3f} over {outcomes} outcomes"
+
+    keys = sorted(expected, key=expected.get, reverse=True)
+    probs = np.array([expected[key] for key in keys])
+    head = np.cumsum(probs) - probs < 0.5  # the likeliest outcomes, about half the mass
+    biased = probs.copy()
+    biased[head] -= DETECTABLE_TV * probs[head] / probs[head].sum()
+    biased[~head] += DETECTABLE_TV * probs[~head] / probs[~head].sum()
+    assert np.isclose(0.5 * np.abs(biased - probs).sum(), DETECTABLE_TV)
+    counts = np.random.default_rng(0).multinomial(mode.samples, biased)
+    drawn = [key for key, count in zip(keys, counts) for _ in range(count)]
+    assert chi_square_p_value(drawn, expected) < P_VALUE_FLOOR
