@@ -15,12 +15,12 @@ over-the-wire χ² cases in test_distribution.py (3,000 samples, real models) st
 end-to-end proof that the real services draw what they send.
 
 Mutation checks. Each mode's test must fail when only that mode's own path is made inexact
-in a way a real bug could: drafts paired with the wrong distributions, a branch chosen by its
-own draws, or draws that share a seed with the target's. Such a mutant is sampled as many
-times as its mode (10,000 where its bias is plain at that count) and must fail the same
-χ² bound. (A branch used for the wrong outcome is
-*not* among them: its drafts come with the distributions they were drawn from, so rejection
-sampling keeps the output exact and only acceptance suffers.)
+in a way a real bug could: a token emitted from the wrong position, drafts paired with the
+wrong distributions, or drafts chosen, kept or dropped by looking at their own draws. A
+mutant is sampled 10,000 times (30,000 for the hedge picked by its drafts, a milder bias) and
+must fail the same χ² bound. A branch used for the wrong outcome is *not* among them: its
+drafts come with the distributions they were drawn from, so rejection sampling keeps the
+output exact and only acceptance suffers.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import pytest
 from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
+from coordinator import rounds
 from coordinator import server as coordinator_server
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
 from coordinator.rounds import Coordinator
-from coordinator.seeds import RequestStreams
+from coordinator.sampling import RoundOutcome
 from coordinator.state import Round, SessionView
 from specdec import wire
 from specdec.modeling import tokenizer_fingerprint
@@ -115,7 +116,7 @@ def chooser_varied(stats, draft) -> str | None:
 # Pipelining needs 4 tokens (a first round of K = 1, then a round from its pre-draft), so those
 # modes use 2 tokens (16 outcomes); sequential uses 3 tokens over 3 positions (27 outcomes).
 MODES = {
-    "sequential": Mode({}, vocab=3, length=3, k=2),
+    "sequential": Mode({}, vocab=3, length=3, k=2, mutant_samples=10_000),
     "pipelined": Mode({"pipeline": True}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000),
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
     # and a noisier draft, so rejections are common: about a third of the requests use a hedge.
@@ -130,7 +131,13 @@ MODES = {
         mutant_samples=10_000,
     ),
     "confidence_stopped": Mode(
-        {"pipeline": True}, vocab=2, length=4, k=2, min_confidence=0.6, exercised=confidence_stops
+        {"pipeline": True},
+        vocab=2,
+        length=4,
+        k=2,
+        min_confidence=0.6,
+        exercised=confidence_stops,
+        mutant_samples=10_000,
     ),
     "adaptive": Mode(
         {"pipeline": True, "adaptive_k": True},
@@ -147,18 +154,20 @@ MODES = {
 # Mutants: each biases only its mode's own path (see the module docstring).
 
 
-def draft_seeded_like_target(monkeypatch) -> None:
-    """Sequential: the round's draft draws with the verify's seed, so the draft's uniforms are
-    the target's (its recovered samples reuse them): draws that should be independent are not."""
-    plain = RequestStreams.of
+def recovered_one_late(monkeypatch) -> None:
+    """Sequential: at a rejection the round emits the target's recovered sample for the
+    position after the rejected one (an off-by-one in the acceptance step)."""
+    plain = rounds.decide_round
 
-    def shared(seed: int) -> RequestStreams:
-        streams = plain(seed)
-        target = np.random.Generator(np.random.PCG64())
-        target.bit_generator.state = streams.draft.bit_generator.state
-        return dataclasses.replace(streams, target=target)
+    def late(draft_token_target_probs, draft_token_draft_probs, uniforms, recovered_token_ids, bonus_token_id):
+        outcome = plain(
+            draft_token_target_probs, draft_token_draft_probs, uniforms, recovered_token_ids, bonus_token_id
+        )
+        if outcome.num_accepted + 1 < len(recovered_token_ids):
+            return RoundOutcome(outcome.num_accepted, int(recovered_token_ids[outcome.num_accepted + 1]))
+        return outcome
 
-    monkeypatch.setattr(RequestStreams, "of", staticmethod(shared))
+    monkeypatch.setattr(rounds, "decide_round", late)
 
 
 def pre_draft_off_by_one(monkeypatch) -> None:
@@ -225,21 +234,19 @@ def branch_rows_mixed_up(monkeypatch) -> None:
     monkeypatch.setattr(TableDraft, "propose_branches", mixed_up)
 
 
-def stopped_drafts_redrawn(monkeypatch) -> None:
-    """Confidence-stopped: a proposal that stopped early (its last draft was unsure) is drawn
-    again with other seeds, up to three times, so the drafts sent are selected by their own
-    confidence."""
-    original = Coordinator._propose_with_retries
+def unsure_draft_dropped(monkeypatch) -> None:
+    """Confidence-stopped: the coordinator drops the draft a proposal stopped on (the one drawn
+    with low confidence) and verifies the rest, so which drafts are verified depends on their
+    own draws."""
+    original = Coordinator._round_from
 
-    async def redraw(self, view, sequence, k, sampling, seed, stats):
-        proposal = await original(self, view, sequence, k, sampling, seed, stats)
-        for attempt in range(1, 4):
-            if len(proposal.token_ids) == k:
-                break
-            proposal = await original(self, view, sequence, k, sampling, seed ^ attempt, stats)
-        return proposal
+    def drop(self, proposal, k):
+        round_ = original(self, proposal, k)
+        if 0 < len(round_.draft_token_ids) < k:
+            return round_.truncated(len(round_.draft_token_ids) - 1)
+        return round_
 
-    monkeypatch.setattr(Coordinator, "_propose_with_retries", redraw)
+    monkeypatch.setattr(Coordinator, "_round_from", drop)
 
 
 def k_cut_after_drafting(monkeypatch) -> None:
@@ -256,11 +263,11 @@ def k_cut_after_drafting(monkeypatch) -> None:
 
 
 MUTANTS = {
-    "sequential": draft_seeded_like_target,
+    "sequential": recovered_one_late,
     "pipelined": pre_draft_off_by_one,
     "hedged": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
-    "confidence_stopped": stopped_drafts_redrawn,
+    "confidence_stopped": unsure_draft_dropped,
     "adaptive": k_cut_after_drafting,
 }
 
