@@ -69,8 +69,8 @@ loadtest: install
 # check deadlines or measured times, one at a time (tests/conftest.py lists them and says why).
 TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15
+	$(PY) -m pytest -q -m serial --durations=5
 
 # The quick tier for the edit-test loop (about 3 minutes on 2 cores): no processes, no benchmarks,
 # no over-the-wire χ² runs (tests/conftest.py lists what it skips). CI runs `make test`.
