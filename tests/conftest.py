@@ -48,6 +48,7 @@ HEAVY_MODULES = {
     "integration/test_real_pair.py": "the real Qwen pair",
     "integration/test_openai_api.py": "the services as processes, driven over HTTP by the openai client",
     "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
+    "unit/test_tree_sampling.py": "40,000 simulated tree generations",
 }
 
 

@@ -1,0 +1,109 @@
+"""Exact acceptance for a tree of draft tokens (issue 19's sampling math): pure functions.
+
+A tree is numbered 0..N: node 0 is the root, the position after the committed sequence, and
+node i (1..N) holds draft token `token_ids[i-1]` with parent `parents[i-1]` < i. The
+children of a node are drawn **i.i.d.** (with replacement) from the draft's distribution at
+that node, `draft_probs[node]`, and are tried in index order.
+
+Multi-step speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2; the same rule as
+"recursive rejection sampling" with replacement): at a node with target distribution p and
+children c_1..c_m drawn i.i.d. from q, start from r_0 = p; child c_i is *accepted* with
+probability min(1, r_{i-1}(c_i) / q(c_i)), and on rejection r_i = norm(max(0, r_{i-1} − q)).
+An accepted child becomes the node and the rule repeats below it; if every child is
+rejected, the next token is *recovered* from r_m (for a leaf, m = 0: the *bonus* sample from
+p). Why it is exact, by induction over the children: before child i the token still to be
+emitted at this node is distributed as r_{i-1} given the rejections so far; child i is an
+independent draw from q, so one step of ordinary rejection sampling emits c_i with
+probability min(r_{i-1}, q)(c_i) and leaves r_i after a rejection; summing over the steps
+gives exactly p. i.i.d. children are required: a child drawn conditionally on its siblings
+(top-b distinct tokens, sampling without replacement) breaks the step's premise, which is why
+greedy trees (the target one-hot) may use top-b children and sampled trees may not.
+
+The split across processes mirrors the chain (specdec.probs.verify_outputs): r_i depends on
+p, q and the number of rejections only, never on which tokens were rejected, so the target
+computes every child's r_{i-1}(c_i) and every node's recovered sample from r_m in advance,
+from its own generator; the coordinator then walks the tree with its own uniforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.probs import residual_probs, sample
+
+
+def children_of(parents: Sequence[int], num_nodes: int) -> list[list[int]]:
+    """Children of each node 0..num_nodes-1, in index order; checks the numbering."""
+    children: list[list[int]] = [[] for _ in range(num_nodes)]
+    for node, parent in enumerate(parents, start=1):
+        if not 0 <= parent < node:
+            raise ValueError(f"node {node} has parent {parent}; a parent must be a lower-numbered node")
+        children[parent].append(node)
+    return children
+
+
+@dataclass(frozen=True)
+class TreeVerifyOutputs:
+    """The target's side of a tree round."""
+
+    node_target_probs: torch.Tensor  # [N]: r_{i-1}(token) for node i, the i-th child of its parent
+    next_token_ids: torch.Tensor  # [N + 1] int64: per node, a sample from r_m (all children rejected)
+
+
+def tree_verify_outputs(
+    target_probs: torch.Tensor,  # [N + 1, V]: the target at each node (row 0: the root)
+    draft_probs: torch.Tensor,  # [N + 1, V]: the distribution each node's children were drawn from
+    token_ids: torch.Tensor,  # [N] int64
+    parents: Sequence[int],  # [N]
+    generator: np.random.Generator,
+) -> TreeVerifyOutputs:
+    """Every child's residual-adjusted target probability, and every node's recovered (or,
+    for a leaf, bonus) sample, drawn before and independently of the coordinator's uniforms."""
+    num_nodes = target_probs.shape[0]
+    children = children_of(parents, num_nodes)
+    node_target_probs = torch.zeros(num_nodes - 1, dtype=target_probs.dtype)  # [N]
+    final_rows = []
+    for node in range(num_nodes):
+        residual = target_probs[node]  # [V]: r_0 = p
+        for child in children[node]:
+            node_target_probs[child - 1] = residual[token_ids[child - 1]]
+            residual = residual_probs(residual[None], draft_probs[node][None])[0]  # r_i
+        final_rows.append(residual)
+    next_token_ids = sample(torch.stack(final_rows), generator)  # [N + 1]
+    return TreeVerifyOutputs(node_target_probs, next_token_ids)
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    path: list[int]  # accepted nodes, root's child first
+    next_token_id: int  # recovered at the last accepted node, or the bonus at a leaf
+
+    def committed(self, token_ids: Sequence[int]) -> list[int]:
+        """Tokens this round adds: the accepted path's tokens, then the next token."""
+        return [*(token_ids[node - 1] for node in self.path), self.next_token_id]
+
+
+def decide_tree(
+    node_target_probs: Sequence[float],  # [N]
+    node_draft_probs: Sequence[float],  # [N]: q(token) under its parent's draft distribution, > 0
+    uniforms: Sequence[float],  # [N], each in [0, 1): one per node, used if it is tried
+    parents: Sequence[int],  # [N]
+    next_token_ids: Sequence[int],  # [N + 1]
+) -> TreeOutcome:
+    """Walks the tree from the root: at each node the first child (in index order) that is
+    accepted becomes the node; when none is, the node's next token ends the round."""
+    children = children_of(parents, len(next_token_ids))
+    node, path = 0, []
+    while True:
+        for child in children[node]:
+            # u < r / q written without the division; strict, so r = 0 is never accepted.
+            if uniforms[child - 1] * node_draft_probs[child - 1] < node_target_probs[child - 1]:
+                path.append(child)
+                node = child
+                break
+        else:
+            return TreeOutcome(path, int(next_token_ids[node]))
