@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from specdec import attention
+
 
 def ancestors(parents: Sequence[int]) -> list[list[int]]:
     """For node i (1..N), the nodes from the root's child down to i itself."""
@@ -68,6 +70,10 @@ def tree_forward(
     row i predicts the children of node i. `new_tokens` must not be empty (it ends in node 0)."""
     if not new_tokens:
         raise ValueError("new_tokens is empty: the pass needs the last committed token as the tree's root")
+    if getattr(model.config, "_attn_implementation", None) == attention.NAME:
+        # The row-wise attention assumes a causal pass and ignores the mask: a tree's nodes
+        # would see their siblings. Tree passes need a mask-honouring implementation (SDPA).
+        raise ValueError(f"tree passes need an attention that honours a 4D mask, not {attention.NAME!r}")
     past = cache.get_seq_length()
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(parents, past, len(new_tokens), dtype if dtype.is_floating_point else torch.float32)

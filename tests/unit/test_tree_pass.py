@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
+from specdec import attention
 from specdec.tree_pass import ancestors, keep_tree_path, tree_forward
 
 PROMPT = [3, 7, 11, 5, 2]
@@ -72,3 +73,14 @@ def test_keeping_the_accepted_path_leaves_the_committed_sequences_cache(model, p
 def test_a_tree_needs_its_root_token(model):
     with pytest.raises(ValueError, match="root"):
         tree_forward(model, prefilled(model), [], TOKENS, PARENTS)
+
+
+def test_the_row_wise_attention_is_refused(model):
+    """specdec.attention's row-wise kernel is causal by construction and would let a node see
+    its siblings; a tree pass must not run on it."""
+    model.set_attn_implementation(attention.NAME)
+    try:
+        with pytest.raises(ValueError, match="4D mask"):
+            tree_forward(model, prefilled(model), NEW, TOKENS, PARENTS)
+    finally:
+        model.set_attn_implementation("sdpa")
