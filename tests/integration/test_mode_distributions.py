@@ -119,7 +119,7 @@ MODES = {
     "sequential": Mode({}, vocab=3, length=3, k=2, mutant_samples=10_000),
     "pipelined": Mode({"pipeline": True}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000),
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
-    # and a noisier draft, so rejections are common: about a third of the requests use a hedge.
+    # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%).
     "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.5, exercised=hedges_used),
     # Pre-draft and hedges in one ProposeBranches call, stepped together.
     "batched_hedges": Mode(
