@@ -22,40 +22,31 @@ import torch
 from transformers import DynamicCache
 
 from specdec import attention
-
-
-def ancestors(parents: Sequence[int]) -> list[list[int]]:
-    """For node i (1..N), the nodes from the root's child down to i itself."""
-    paths: list[list[int]] = []
-    for node, parent in enumerate(parents, start=1):
-        if not 0 <= parent < node:
-            raise ValueError(f"node {node} has parent {parent}; a parent must be a lower-numbered node")
-        paths.append(([] if parent == 0 else paths[parent - 1]) + [node])
-    return paths
+from specdec.tree_sampling import ancestors
 
 
 def tree_attention_mask(
-    parents: Sequence[int], past: int, num_new: int, dtype: torch.dtype = torch.float32
+    paths: list[list[int]], past: int, num_new: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """[1, 1, num_new + N, past + num_new + N] additive mask: 0 where a row may attend, the
-    dtype's minimum elsewhere. Rows: the new committed tokens (causal), then the nodes."""
-    num_nodes = len(parents)
+    dtype's minimum elsewhere. Rows: the new committed tokens (causal), then the nodes, each
+    seeing its root-to-node path (`paths`, from specdec.tree_sampling.ancestors)."""
+    num_nodes = len(paths)
     rows, columns = num_new + num_nodes, past + num_new + num_nodes
     allowed = torch.zeros(rows, columns, dtype=torch.bool)
     allowed[:, :past] = True
     allowed[:num_new, past : past + num_new] = torch.ones(num_new, num_new, dtype=torch.bool).tril()
     allowed[num_new:, past : past + num_new] = True
-    for row, path in enumerate(ancestors(parents)):
+    for row, path in enumerate(paths):
         allowed[num_new + row, [past + num_new + node - 1 for node in path]] = True
     zero, blocked = torch.tensor(0.0, dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     return torch.where(allowed, zero, blocked)[None, None]
 
 
-def tree_position_ids(parents: Sequence[int], past: int, num_new: int) -> torch.Tensor:
+def tree_position_ids(paths: list[list[int]], past: int, num_new: int) -> torch.Tensor:
     """[1, num_new + N]: the new tokens at past.., each node at its depth below the last one."""
     base = past + num_new
-    depths = [len(path) for path in ancestors(parents)]
-    return torch.tensor([[*range(past, base), *(base + depth - 1 for depth in depths)]])
+    return torch.tensor([[*range(past, base), *(base + len(path) - 1 for path in paths)]])
 
 
 @torch.inference_mode()
@@ -74,10 +65,10 @@ def tree_forward(
         # The row-wise attention assumes a causal pass and ignores the mask: a tree's nodes
         # would see their siblings. Tree passes need a mask-honouring implementation (SDPA).
         raise ValueError(f"tree passes need an attention that honours a 4D mask, not {attention.NAME!r}")
-    past = cache.get_seq_length()
+    past, paths = cache.get_seq_length(), ancestors(parents)
     dtype = next(model.parameters()).dtype
-    mask = tree_attention_mask(parents, past, len(new_tokens), dtype if dtype.is_floating_point else torch.float32)
-    positions = tree_position_ids(parents, past, len(new_tokens))
+    mask = tree_attention_mask(paths, past, len(new_tokens), dtype if dtype.is_floating_point else torch.float32)
+    positions = tree_position_ids(paths, past, len(new_tokens))
     input_ids = torch.tensor([[*new_tokens, *token_ids]])
     logits = model(input_ids, past_key_values=cache, attention_mask=mask, position_ids=positions).logits[0]
     return logits[len(new_tokens) - 1 :]  # [N + 1, V]

@@ -36,14 +36,29 @@ import torch
 from specdec.probs import residual_probs, sample
 
 
-def children_of(parents: Sequence[int], num_nodes: int) -> list[list[int]]:
-    """Children of each node 0..num_nodes-1, in index order; checks the numbering."""
-    children: list[list[int]] = [[] for _ in range(num_nodes)]
+def check_parents(parents: Sequence[int]) -> None:
+    """Every node's parent is a lower-numbered node (the root is 0)."""
     for node, parent in enumerate(parents, start=1):
         if not 0 <= parent < node:
             raise ValueError(f"node {node} has parent {parent}; a parent must be a lower-numbered node")
+
+
+def children_of(parents: Sequence[int], num_nodes: int) -> list[list[int]]:
+    """Children of each node 0..num_nodes-1, in index order."""
+    check_parents(parents)
+    children: list[list[int]] = [[] for _ in range(num_nodes)]
+    for node, parent in enumerate(parents, start=1):
         children[parent].append(node)
     return children
+
+
+def ancestors(parents: Sequence[int]) -> list[list[int]]:
+    """For node i (1..N), the nodes from the root's child down to i itself."""
+    check_parents(parents)
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents, start=1):
+        paths.append(([] if parent == 0 else paths[parent - 1]) + [node])
+    return paths
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,9 @@ class TableModel:
         probs: dict[tuple[int, ...], float] = {(): 1.0}
         for _ in range(length):
             probs = {
-                prefix + (token,): prefix_prob * float(row[token])
+                prefix + (token,): prefix_prob * float(token_prob)
                 for prefix, prefix_prob in probs.items()
-                for token, row in [(t, self.probs(prompt + prefix)) for t in range(self.vocab_size)]
+                for token, token_prob in enumerate(self.probs(prompt + prefix))
             }
         return probs
 
@@ -102,7 +102,6 @@ class Row:
     probs: np.ndarray  # [V] float64
     cdf: np.ndarray  # [V]
     wire: common_pb2.ProposalDistribution  # dense float32, as the draft sends it
-    sent: np.ndarray  # [V] float64: the float32 values sent, as the target reads them
     argmax: int
     second: int  # the likeliest other token
 
@@ -114,7 +113,6 @@ def row_of(probs: np.ndarray) -> Row:
         probs,
         np.cumsum(probs),
         common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=sent.tobytes())),
-        sent.astype(np.float64),
         int(order[0]),
         int(order[1]),
     )
@@ -133,7 +131,6 @@ class TableService:
         self.fingerprint = fingerprint
         self.pass_ms = pass_ms
         self.sessions = SessionStore(max_sessions=100_000, ttl_s=600.0, cache_factory=lambda: None)
-        self.calls = 0
 
     async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -172,12 +169,10 @@ class TableDraft(TableService):
         self.confidence_stops = 0
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        self.calls += 1
         await asyncio.sleep(0)  # a real call yields to the event loop; so do the branches
         return self._propose(request)
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
-        self.calls += 1
         await asyncio.sleep(0)
         results = []
         for branch in request.branches:
@@ -219,7 +214,6 @@ class TableTarget(TableService):
         self._residuals: dict[tuple[tuple[int, ...], bytes], np.ndarray] = {}
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        self.calls += 1
         await asyncio.sleep(0)
         draft_ids = list(request.draft_token_ids)
         session = self.sessions.open(request.session_id, request.keep_tokens)
@@ -233,17 +227,17 @@ class TableTarget(TableService):
             context = tuple(session.tokens[: base + position])
             target_row = self.model.row(context)
             response.draft_token_target_probs.append(float(target_row.probs[token]))
-            response.recovered_token_ids.append(draw(self._residual_cdf(context, sent.dense.float32_le), generator))
+            response.recovered_token_ids.append(draw(self._residual_cdf(context, sent.dense), generator))
         response.bonus_token_id = draw(self.model.row(tuple(session.tokens)).cdf, generator)
         return response
 
-    def _residual_cdf(self, context: tuple[int, ...], dense: bytes) -> np.ndarray:
+    def _residual_cdf(self, context: tuple[int, ...], dense: common_pb2.DenseProbs) -> np.ndarray:
         """cdf of norm(max(0, target_probs - draft_probs)), or of target_probs where that is
         empty (specdec.probs.residual_probs), for the draft distribution sent as `dense`."""
-        key = (context, dense)
+        key = (context, dense.float32_le)
         cdf = self._residuals.get(key)
         if cdf is None:
             target_probs = self.model.probs(context)
-            residual = np.clip(target_probs - wire.decode_dense(common_pb2.DenseProbs(float32_le=dense)), 0.0, None)
+            residual = np.clip(target_probs - wire.decode_dense(dense), 0.0, None)
             cdf = self._residuals[key] = np.cumsum(residual if residual.sum() > 1e-7 else target_probs)
         return cdf

@@ -41,7 +41,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
 from coordinator.rounds import Coordinator
 from coordinator.sampling import RoundOutcome
-from coordinator.state import Round, SessionView
+from coordinator.state import Round
 from specdec import wire
 from specdec.modeling import tokenizer_fingerprint
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
@@ -210,7 +210,9 @@ def hedge_picked_by_its_drafts(monkeypatch) -> None:
             return None, "", draft_view
         self._end_later(self.draft, draft_view.session_id)
         taken, plan = chosen
-        view = SessionView(plan.session_id, synced=base + outcome.num_accepted + 1, opened=True, calls=draft_view.calls)
+        view = dataclasses.replace(
+            draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1, opened=True
+        )
         return taken, "hedge", view
 
     monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)

@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec import attention
-from specdec.tree_pass import ancestors, keep_tree_path, tree_forward
+from specdec.tree_pass import keep_tree_path, tree_forward
+from specdec.tree_sampling import ancestors
 
 PROMPT = [3, 7, 11, 5, 2]
 NEW = [9, 4]  # committed tokens the cache has not seen yet; the last one is the tree's root
