@@ -5,14 +5,15 @@ own classes, saved and loaded back through the services' real --model path, the 
 tokenizer beside it) serves as both draft and target, so model compute is small and every
 draft is accepted: what remains of a round's wall time after the compute the services report
 is RPCs, serialisation, queueing and the coordinator's own work. For greedy and sampled
-decoding at K = 0 and K = 4 it prints p50 and p90 of that overhead per round and per RPC
+decoding at K = 0 and K = 4 it prints p50 and p90 of that overhead per round and per call
 (K = 0 makes one call per round, K = 4 two), from every round but each request's first
 (which carries the prompt).
 
-It also times the floor under those figures: a bare gRPC round trip (the standard health
-Check, no model and no handler work) from a grpc.aio client, the kind the coordinator uses, to
-the target service on the same loopback. A round with K > 0 makes two model-service calls, so
-it cannot cost less than twice that.
+It also times the floor under those figures from a grpc.aio client, the kind the coordinator
+uses (FLOORS): a bare unary call, a message on an open call stream answered from the model
+thread without model work, and the same after 10 ms idle. A round with K > 0 makes two calls
+in a row, each to a service that sat idle while the other worked, so it cannot cost less than
+twice the last.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.launch import free_port, spawn, spawn_coordinator
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_VOCAB = 151_936
+GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 CELLS = [("greedy", 0.0, 0), ("greedy", 0.0, 4), ("sampled", 0.7, 0), ("sampled", 0.7, 4)]
 
 
@@ -60,17 +62,37 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
-async def bare_rpc_ms(address: str, calls: int = 300) -> list[float]:
-    """Wall time of `calls` health checks in a row (after 20 to warm up), in ms."""
+FLOORS = {
+    "unary": "a bare unary call (health Check, no handler work)",
+    "stream": "a message on an open ProposeStream that the service refuses on its model thread (unknown session)",
+    "stream_idle": "the same message after 10 ms idle, as a round's call finds a service that waited for the other",
+}
+
+
+async def floor_ms(address: str, calls: int = 300) -> dict[str, list[float]]:
+    """The transport under the figures, in ms per call (after 20 to warm up): see FLOORS."""
+    ghost = draft_pb2.ProposeRequest(
+        session_id="overhead-floor", keep_tokens=1, new_tokens=[1], num_tokens=1, sampling=GREEDY
+    )
+    floors: dict[str, list[float]] = {name: [] for name in FLOORS}
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        times = []
-        for i in range(calls + 20):
-            started = time.perf_counter()
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            if i >= 20:
-                times.append((time.perf_counter() - started) * 1e3)
-    return times
+        health = health_pb2_grpc.HealthStub(channel)
+        stream = draft_pb2_grpc.DraftStub(channel).ProposeStream()
+        for name in FLOORS:
+            for i in range(calls + 20):
+                if name == "stream_idle":
+                    await asyncio.sleep(0.01)
+                started = time.perf_counter()
+                if name == "unary":
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                else:
+                    await stream.write(ghost)
+                    reply = await stream.read()
+                    assert reply.error_code == grpc.StatusCode.NOT_FOUND.value[0], reply
+                if i >= 20:
+                    floors[name].append((time.perf_counter() - started) * 1e3)
+        stream.cancel()
+    return floors
 
 
 def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
@@ -105,7 +127,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         stub.Generate(pb.GenerateRequest(prompt="warm up", max_new_tokens=8, num_speculative_tokens=4), timeout=60)
-        floor = asyncio.run(bare_rpc_ms(services["target"].address))
+        floors = asyncio.run(floor_ms(services["draft"].address))
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):
                 for decoding, temperature, k in CELLS:
@@ -116,6 +138,9 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                             temperature=temperature,
                             seed=config.seed + 1000 * repeat + index,
                             num_speculative_tokens=k,
+                            # A random model is unsure of every token: with the draft's default
+                            # confidence stop a K = 4 round would carry one draft.
+                            draft_min_confidence=0.0,
                         ),
                         timeout=600,
                     )
@@ -136,7 +161,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         "config": {"max_new_tokens": config.max_new_tokens, "repeats": config.repeats},
         "machine": machine,
         "samples": samples,
-        "bare_rpc_ms": floor,
+        "floor_ms": floors,
     }
 
 
@@ -147,12 +172,14 @@ def summarise(results: dict) -> list[dict]:
             ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_overhead_ms"]
         ]
         rounds = [ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_ms"]]
+        drafts = [d for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for d in s["k_per_round"]]
         rpcs = 1 if k == 0 else 2
         rows.append(
             {
                 "decoding": decoding,
                 "k": k,
                 "rounds": len(overheads),
+                "drafts_per_round": statistics.fmean(drafts) if drafts else 0.0,
                 "round_ms_p50": percentile(rounds, 50),
                 "overhead_ms_p50": percentile(overheads, 50),
                 "overhead_ms_p90": percentile(overheads, 90),
@@ -163,7 +190,7 @@ def summarise(results: dict) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], machine: dict, bare_rpc_ms: list[float] | None = None) -> str:
+def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float]] | None = None) -> str:
     lines = [
         f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cores']} cores; torch "
         f"{machine['torch']}; {machine['date']}",
@@ -171,29 +198,30 @@ def markdown_table(rows: list[dict], machine: dict, bare_rpc_ms: list[float] | N
         "Framework overhead per round: round wall time minus the model compute the services report "
         f"(tiny {QWEN_VOCAB}-id model as draft and target, 1 thread each, loopback):",
         "",
-        "| decoding | K | rounds | round p50 ms | overhead p50 ms | overhead p90 ms | per RPC p50 ms | per RPC p90 ms "
-        "|",
-        "|---|---|---|---|---|---|---|---|",
+        "| decoding | K | drafts/round | rounds | round p50 ms | overhead p50 ms | overhead p90 ms | per call p50 ms "
+        "| per call p90 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['decoding']} | {r['k']} | {r['rounds']} | {r['round_ms_p50']:.2f} | {r['overhead_ms_p50']:.2f} | "
-            f"{r['overhead_ms_p90']:.2f} | {r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
+            f"| {r['decoding']} | {r['k']} | {r.get('drafts_per_round', 0):.1f} | {r['rounds']} | "
+            f"{r['round_ms_p50']:.2f} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p90']:.2f} | "
+            f"{r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
         )
-    if bare_rpc_ms:
-        lines += [
-            "",
-            f"Floor: a bare gRPC round trip (health Check, grpc.aio client to the target service, loopback) takes "
-            f"{percentile(bare_rpc_ms, 50):.2f} ms p50, {percentile(bare_rpc_ms, 90):.2f} ms p90 ({len(bare_rpc_ms)} "
-            "calls).",
-        ]
+    if floors:
+        lines += ["", "Floor: what the transport alone costs per call on the same loopback (draft service):", ""]
+        for name, times in floors.items():
+            lines.append(
+                f"- {FLOORS.get(name, name)}: {percentile(times, 50):.2f} ms p50, {percentile(times, 90):.2f} ms p90 "
+                f"({len(times)} calls)"
+            )
     return "\n".join(lines) + "\n"
 
 
 def write(results: dict, out_dir: Path) -> int:
     rows = summarise(results)
     results["summary"] = rows
-    table = markdown_table(rows, results["machine"], results.get("bare_rpc_ms"))
+    table = markdown_table(rows, results["machine"], results.get("floor_ms"))
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "table.md").write_text(table)
     print("\n" + table)

@@ -42,6 +42,7 @@ class ServiceClient:
 
     role: str
     stub_class: Any
+    _stream_pools: tuple[CallStreams, ...] = ()  # the hot-path method's pooled streams
 
     def __init__(
         self,
@@ -63,6 +64,8 @@ class ServiceClient:
         self._stub = self.stub_class(self.channel)
 
     async def close(self) -> None:
+        for pool in self._stream_pools:
+            pool.discard()
         await self.channel.close()
 
     async def call(self, method: Callable[..., Awaitable[T]], request, timeout_s: float | None = None) -> T:
@@ -72,7 +75,9 @@ class ServiceClient:
             raise self.translate(exc) from exc
 
     def translate(self, exc: grpc.aio.AioRpcError) -> SpecDecError:
-        code, details = exc.code(), exc.details()
+        return self.translate_status(exc.code(), exc.details() or "")
+
+    def translate_status(self, code: grpc.StatusCode, details: str) -> SpecDecError:
         where = f"{self.role} service at {self.address}"
         if code == grpc.StatusCode.NOT_FOUND:
             return SessionNotFound(f"{where}: {details}")
@@ -115,12 +120,112 @@ class ServiceClient:
                 await asyncio.sleep(0.5)
 
 
+class CallStreams:
+    """One method's calls sent as messages on long-lived bidirectional streams, each stream
+    carrying one call at a time and going back to a pool when its reply is read.
+
+    Why: on loopback a unary call costs about twice a message on an open stream, and more
+    after the service has been idle (a round's draft call waits through the verify and the
+    other way round); the round makes one call to each service. A call that fails on the
+    service comes back as a reply with its status code, so the stream stays usable; a call the
+    caller gives up on (cancelled, past its deadline) cancels its stream, which cancels the work
+    on the service as cancelling a unary call does. A stream that breaks (the service went away)
+    discards the whole pool: the next call opens a fresh stream, so a retry after UNAVAILABLE
+    never lands on another dead one. `reply_field` names the reply's payload field."""
+
+    MAX_IDLE = 64  # more concurrent generations than this open streams of their own
+
+    def __init__(self, client: ServiceClient, open_stream: Callable[[], Any], reply_field: str) -> None:
+        self._client = client
+        self._open = open_stream
+        self._field = reply_field
+        self._idle: list[Any] = []
+
+    async def call(self, request, span_name: str, timeout_s: float):
+        stream = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                if telemetry.tracing_on():
+                    with telemetry.client_span(span_name, request.trace_context):
+                        stream = await self._send(request)
+                        reply = await stream.read()
+                else:
+                    stream = await self._send(request)
+                    reply = await stream.read()
+        except TimeoutError:
+            if stream is not None:
+                stream.cancel()
+            raise DeadlineExceeded(
+                f"{self._client.role} service at {self._client.address} did not answer within {timeout_s} s"
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            if stream is not None:
+                stream.cancel()
+            self.discard()
+            raise self._client.translate(exc) from exc
+        except BaseException:
+            if stream is not None:
+                stream.cancel()  # the caller gave up: the service stops the call's work
+            raise
+        assert stream is not None
+        if reply is grpc.aio.EOF:  # the service ended the stream (shutting down)
+            self.discard()
+            code = await stream.code()
+            if code == grpc.StatusCode.OK:
+                code = grpc.StatusCode.UNAVAILABLE
+            raise self._client.translate_status(code, await stream.details() or "the service closed the stream")
+        if len(self._idle) < self.MAX_IDLE:
+            self._idle.append(stream)
+        else:
+            stream.cancel()
+        if reply.error_code:
+            raise self._client.translate_status(STATUS_BY_VALUE[reply.error_code], reply.error_message)
+        return getattr(reply, self._field)
+
+    async def _send(self, request):
+        """Writes the call on an idle stream, or a new one. A pooled stream that broke while
+        idle (the service restarted) fails at the write, before the call reached anyone: the
+        pool is emptied and the call goes out on a fresh stream."""
+        while self._idle:
+            stream = self._idle.pop()
+            if stream.done():
+                continue
+            try:
+                await stream.write(request)
+                return stream
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                stream.cancel()
+                self.discard()
+        stream = self._open()
+        try:
+            await stream.write(request)
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    def discard(self) -> None:
+        """Cancels every idle stream (the service went away, or the client closes)."""
+        for stream in self._idle:
+            stream.cancel()
+        self._idle.clear()
+
+
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class DraftClient(ServiceClient):
     role = "draft"
     stub_class = draft_pb2_grpc.DraftStub
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._proposals = CallStreams(self, lambda: self._stub.ProposeStream(), "proposal")
+        self._stream_pools = (self._proposals,)
+
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        return await self.call(self._stub.Propose, request)
+        """A round's draft call, as a message on a pooled ProposeStream."""
+        return await self._proposals.call(request, "/specdec.v1.Draft/Propose", self.timeout_s)
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         return await self.call(self._stub.ProposeBranches, request)
@@ -140,8 +245,14 @@ class TargetClient(ServiceClient):
     role = "target"
     stub_class = target_pb2_grpc.TargetStub
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._verifies = CallStreams(self, lambda: self._stub.VerifyStream(), "response")
+        self._stream_pools = (self._verifies,)
+
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        return await self.call(self._stub.Verify, request)
+        """A round's verify, as a message on a pooled VerifyStream."""
+        return await self._verifies.call(request, "/specdec.v1.Target/Verify", self.timeout_s)
 
 
 def check_pair(

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 
 from draft_service.drafter import Drafter, ProposeCall
 from specdec import wire
-from specdec.errors import InvalidArgument, grpc_errors, status_of
-from specdec.servicer_base import SessionServicerMixin
+from specdec.errors import InvalidArgument, error_fields, grpc_errors
+from specdec.servicer_base import SessionServicerMixin, answer_each
 from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
-from specdec.telemetry import ModelServiceMetrics, tracer
+from specdec.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -48,7 +49,18 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        with tracer.start_as_current_span("draft.propose") as span:
+        return await self._answer(request)
+
+    @grpc_errors
+    async def ProposeStream(
+        self, requests: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.BranchResult]:
+        """Propose calls as stream messages (the coordinator's hot path), each answered alone."""
+        async for reply in answer_each(requests, self._answer, draft_pb2.BranchResult, "proposal"):
+            yield reply
+
+    async def _answer(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        with tracer.start_as_current_span("draft.propose", context=context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.session_id": request.session_id,
@@ -100,8 +112,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         reply = draft_pb2.ProposeBranchesResponse()
         for result in results:
             if isinstance(result, Exception):
-                code = grpc.StatusCode[status_of(result)]
-                reply.results.add(error_code=code.value[0], error_message=str(result) or type(result).__name__)
+                reply.results.add(**error_fields(result))
             else:
                 if self._metrics is not None:
                     self._metrics.observe_call("propose", result.compute_ms, result.processed_tokens, result.batch_size)

@@ -76,6 +76,16 @@ def status_of(exc: BaseException) -> str:
     return grpc.StatusCode.INTERNAL.name
 
 
+def error_fields(exc: Exception) -> dict[str, Any]:
+    """error_code and error_message of a call answered inside a reply message (a branch of
+    ProposeBranches, a message on a call stream), with the code `_abort` would end a unary
+    call with."""
+    code = grpc.StatusCode[status_of(exc)]
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("unexpected error in a call", exc_info=exc)
+    return {"error_code": code.value[0], "error_message": str(exc) or type(exc).__name__}
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """Ends the call with `exc`'s status code (context.abort raises)."""
     if isinstance(exc, SpecDecError):

@@ -131,6 +131,84 @@ class _UnaryStream(_Method):
             raise context.error(exc) from None
 
 
+class _StreamStream(_Method):
+    def __call__(self, request_iterator=None, timeout: float | None = None, **_: Any) -> LocalStreamCall:
+        return LocalStreamCall(self, timeout)
+
+
+_DONE_WRITING = object()
+
+
+class LocalStreamCall:
+    """A bidirectional call, as much of grpc.aio's StreamStreamCall as the coordinator's call
+    streams use: write, read (grpc.aio.EOF at the end), done_writing, cancel, done, code, details.
+    The handler runs inside the reader's task, as a unary handler runs inside the caller's, so
+    cancelling a read cancels the handler's work just as cancelling the call does on the wire."""
+
+    def __init__(self, method: _StreamStream, timeout: float | None) -> None:
+        self._method = method
+        self._context = LocalContext(timeout)
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._handler: grpc.RpcMethodHandler | None = None
+        self._responses: AsyncIterator | None = None
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    async def _incoming(self) -> AsyncIterator:
+        assert self._handler is not None
+        parse = self._handler.request_deserializer or _same
+        while (message := await self._requests.get()) is not _DONE_WRITING:
+            yield parse(self._method._serialize(message))
+
+    async def write(self, message) -> None:
+        if self._code is not None:
+            raise rpc_error(self._code, self._details or "the call has ended")
+        self._requests.put_nowait(message)
+
+    async def done_writing(self) -> None:
+        self._requests.put_nowait(_DONE_WRITING)
+
+    async def read(self):
+        if self._code is not None:
+            raise rpc_error(self._code, self._details)
+        try:
+            if self._responses is None:
+                self._handler = self._method._channel.handler(self._method._method)
+                self._responses = self._handler.stream_stream(self._incoming(), self._context)
+            response = await self._responses.__anext__()
+        except StopAsyncIteration:
+            self._code = grpc.StatusCode.OK
+            return grpc.aio.EOF
+        except asyncio.CancelledError:
+            self._end(grpc.StatusCode.CANCELLED, "the call was cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status, as on the wire
+            error = exc if isinstance(exc, grpc.aio.AioRpcError) else self._context.error(exc)
+            self._end(error.code(), error.details() or "")
+            raise error from None
+        return self._method._reply(self._handler, response)
+
+    def _end(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def cancel(self) -> bool:
+        if self._code is not None:
+            return False
+        self._end(grpc.StatusCode.CANCELLED, "the call was cancelled")
+        if self._responses is not None:
+            asyncio.ensure_future(self._responses.aclose())  # type: ignore[attr-defined]
+        return True
+
+    def done(self) -> bool:
+        return self._code is not None
+
+    async def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    async def details(self) -> str:
+        return self._details
+
+
 async def _handler_messages(result, context: LocalContext) -> AsyncIterator:
     """A server-streaming handler's messages, whether it yields them (an async generator) or
     writes them with `context.write` (a coroutine), as grpc.aio allows both."""
@@ -181,6 +259,9 @@ class LocalChannel:
 
     def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, _registered_method=False):
         return _UnaryStream(self, method, request_serializer, response_deserializer)
+
+    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, _registered_method=False):
+        return _StreamStream(self, method, request_serializer, response_deserializer)
 
     def handler(self, method: str) -> grpc.RpcMethodHandler:
         if self.closed:

@@ -220,6 +220,10 @@ class _AddMetadataStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
     intercept_unary_stream = _AddMetadata._add
 
 
+class _AddMetadataBidi(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _AddMetadata._add  # the coordinator's call streams
+
+
 def aio_channel(
     address: str,
     options: Sequence[tuple[str, Any]],
@@ -230,7 +234,11 @@ def aio_channel(
     `interceptors` (tracing) run before the token is added."""
     security = security or ChannelSecurity()
     options = [*options, *security.options]
-    token = [_AddMetadataUnary(security.metadata), _AddMetadataStream(security.metadata)] if security.token else []
+    token = (
+        [kind(security.metadata) for kind in (_AddMetadataUnary, _AddMetadataStream, _AddMetadataBidi)]
+        if security.token
+        else []
+    )
     chain = [*interceptors, *token] or None
     if security.credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=chain)

@@ -1,11 +1,15 @@
-"""The RPCs the draft and target services share: EndSession and Info."""
+"""The RPCs the draft and target services share: EndSession and Info, and answering a call
+stream."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from specdec import wire
-from specdec.errors import grpc_errors
+from specdec.errors import error_fields, grpc_errors
 from specdec.runner import ModelRunner
 from specdec.serving import ModelThread
 from specdec.v1 import common_pb2
@@ -27,3 +31,18 @@ class SessionServicerMixin:
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return wire.description_to_pb(await self._model_thread.run(self._runner.describe))
+
+
+async def answer_each(
+    requests: AsyncIterator[Any], answer: Callable[[Any], Awaitable[Any]], reply_type: type, field: str
+) -> AsyncIterator[Any]:
+    """A call stream's replies (Draft.ProposeStream, Target.VerifyStream): each request is one
+    call, answered in order with `reply_type(field=answer(request))` or, when the call fails,
+    with its status code inside the reply, so one bad call does not end the stream. A cancelled
+    stream cancels the call in progress, as cancelling a unary call does."""
+    async for request in requests:
+        try:
+            reply = reply_type(**{field: await answer(request)})
+        except Exception as exc:  # noqa: BLE001 - answered inside the reply
+            reply = reply_type(**error_fields(exc))
+        yield reply

@@ -14,9 +14,10 @@ Metrics are Prometheus (prometheus-client), one registry per server so servers i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import grpc
 from opentelemetry import propagate, trace
@@ -82,6 +83,33 @@ def server_interceptors() -> list:
 def client_interceptors() -> list:
     """Sends the current trace context with each call when tracing is on."""
     return [] if _provider is None else [TracingClientInterceptor()]
+
+
+def tracing_on() -> bool:
+    return _provider is not None
+
+
+@contextlib.contextmanager
+def client_span(name: str, carrier) -> Iterator[trace.Span]:
+    """A client span for one call sent as a stream message, its context written into the
+    message's `carrier` map: a message has no metadata of its own, and the service's span for
+    the call continues this one (`context_of`), as it would a unary call's."""
+    service, _, method = name.lstrip("/").rpartition("/")
+    attributes: dict[str, str | bool] = {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": method,
+        "specdec.on_stream": True,
+    }
+    with tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
+        propagate.inject(carrier)
+        yield span
+
+
+def context_of(carrier: Mapping[str, str]):
+    """The trace context a stream message carries (see client_span); None, the current
+    context, when it carries none (a unary call: its metadata set the context already)."""
+    return propagate.extract(carrier) if carrier else None
 
 
 class TracingClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):

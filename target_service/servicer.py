@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from specdec import wire
 from specdec.errors import grpc_errors
-from specdec.servicer_base import SessionServicerMixin
+from specdec.servicer_base import SessionServicerMixin, answer_each
 from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
-from specdec.telemetry import ModelServiceMetrics, tracer
+from specdec.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, VerifyCall
 
@@ -45,13 +47,24 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        return await self._answer(request)
+
+    @grpc_errors
+    async def VerifyStream(
+        self, requests: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResult]:
+        """Verify calls as stream messages (the coordinator's hot path), each answered alone."""
+        async for reply in answer_each(requests, self._answer, target_pb2.VerifyResult, "response"):
+            yield reply
+
+    async def _answer(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         draft_token_ids = list(request.draft_token_ids)
         params = wire.params_from_pb(request.sampling)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
-        with tracer.start_as_current_span("target.verify") as span:
+        with tracer.start_as_current_span("target.verify", context=context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.session_id": request.session_id,

@@ -95,8 +95,10 @@ def test_one_request_is_one_trace_across_the_three_services(tiny_pair, receiver,
         assert sum(r.attributes["specdec.round.drafts_from"] == "predraft" for r in rounds) == stats.predraft_hits
 
         def round_of(span) -> dict:
-            """Walks up to the round a service span belongs to: service span -> its server span
-            -> the coordinator's client span -> the round."""
+            """Walks up to the round a service span belongs to: service span -> the
+            coordinator's client span (a round's calls go as stream messages, each carrying
+            its client span's context; a pre-draft's unary call has a server span between)
+            -> the round."""
             while span.name != "round":
                 assert span.parent_span_id in by_id, f"{span.service} {span.name} has a parent outside the trace"
                 span = by_id[span.parent_span_id]
@@ -106,7 +108,10 @@ def test_one_request_is_one_trace_across_the_three_services(tiny_pair, receiver,
         assert len(verifies) == stats.rounds
         assert {round_of(v).span_id for v in verifies} == {r.span_id for r in rounds}
         for verify in verifies:
-            assert by_id[verify.parent_span_id].name == "/specdec.v1.Target/Verify"
+            # The coordinator's span for the call, sent with the VerifyStream message.
+            caller = by_id[verify.parent_span_id]
+            assert caller.name == "/specdec.v1.Target/Verify" and caller.service == "specdec-coordinator"
+            assert caller.attributes["specdec.on_stream"]
             assert verify.attributes["specdec.forward_ms"] > 0 and verify.attributes["specdec.cache_length"] > 0
         proposes = [s for s in spans if s.name == "draft.propose"]
         assert len(proposes) >= stats.rounds - stats.predraft_hits

@@ -98,18 +98,19 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
     assert "ready rate" in table and "67%" in table
 
 
-def test_overhead_table_reports_per_rpc_figures_and_the_bare_rpc_floor():
+def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     from bench.overhead import markdown_table
     from bench.overhead import summarise as summarise_overhead
 
     samples = [
-        {"decoding": decoding, "k": k, "round_ms": [10.0, 12.0], "round_overhead_ms": [2.0, 4.0]}
+        {"decoding": decoding, "k": k, "round_ms": [10.0, 12.0], "round_overhead_ms": [2.0, 4.0], "k_per_round": [k, k]}
         for decoding, k in (("greedy", 0), ("greedy", 4), ("sampled", 0), ("sampled", 4))
     ]
     rows = summarise_overhead({"samples": samples})
     assert [r["per_rpc_ms_p50"] for r in rows] == [3.0, 1.5, 3.0, 1.5]  # K > 0 makes two calls per round
     machine = {"cpu": "cpu", "cpu_flags": "avx2", "cores": 2, "torch": "2.13", "date": "today"}
-    table = markdown_table(rows, machine, bare_rpc_ms=[0.5] * 10 + [0.9] * 10)
-    assert "| greedy | 4 | 2 | 11.00 | 3.00 |" in table
-    assert "bare gRPC round trip" in table and "0.70 ms p50" in table
+    table = markdown_table(rows, machine, floors={"unary": [0.5] * 10 + [0.9] * 10, "stream_idle": [0.8] * 3})
+    assert "| greedy | 4 | 4.0 | 2 | 11.00 | 3.00 |" in table
+    assert "bare unary call" in table and "0.70 ms p50" in table
+    assert "after 10 ms idle" in table and "0.80 ms p50" in table
     assert "Floor" not in markdown_table(rows, machine)

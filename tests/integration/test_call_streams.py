@@ -1,0 +1,99 @@
+"""The coordinator's hot-path calls as messages on pooled streams (Draft.ProposeStream,
+Target.VerifyStream), over real gRPC: a failed call leaves its stream open, a call given up
+on cancels its stream and the work behind it, and a broken stream empties the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.clients import DraftClient, TargetClient
+from specdec.errors import DeadlineExceeded, SessionNotFound, Unavailable
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from tests.stack import inprocess_stack, slow_down
+
+GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def propose(session_id: str, keep: int = 0, num_tokens: int = 3) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        session_id=session_id, keep_tokens=keep, new_tokens=[5, 6, 7], num_tokens=num_tokens, sampling=GREEDY
+    )
+
+
+async def test_each_message_is_one_call_and_a_failed_call_leaves_the_stream_open(tiny_pair):
+    async with inprocess_stack(tiny_pair) as stack:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+            stream = draft_pb2_grpc.DraftStub(channel).ProposeStream()
+            await stream.write(propose("ghost", keep=3))
+            failed = await stream.read()
+            assert failed.error_code == grpc.StatusCode.NOT_FOUND.value[0] and "ghost" in failed.error_message
+            await stream.write(propose("s1"))
+            served = await stream.read()
+            assert served.error_code == 0 and len(served.proposal.token_ids) == 3
+            # The same call as a unary Propose gives the same tokens (greedy).
+            unary = await draft_pb2_grpc.DraftStub(channel).Propose(propose("s2"))
+            assert list(unary.token_ids) == list(served.proposal.token_ids)
+            await stream.done_writing()
+            assert await stream.read() is grpc.aio.EOF and await stream.code() == grpc.StatusCode.OK
+
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=30)
+        target = TargetClient(f"127.0.0.1:{stack.target.port}", timeout_s=30)
+        try:
+            with pytest.raises(SessionNotFound):
+                await draft.propose(propose("ghost", keep=3))
+            with pytest.raises(SessionNotFound):
+                await target.verify(
+                    target_pb2.VerifyRequest(session_id="ghost", keep_tokens=3, new_tokens=[1], sampling=GREEDY)
+                )
+            pooled = list(draft._proposals._idle)
+            assert len(pooled) == 1  # the failed call's stream went back to the pool
+            reply = await draft.propose(propose("s3"))
+            assert len(reply.token_ids) == 3 and draft._proposals._idle == pooled  # and served the next call
+            verified = await target.verify(
+                target_pb2.VerifyRequest(
+                    session_id="s3", keep_tokens=0, new_tokens=[5, 6, 7], sampling=GREEDY, draft_token_ids=[]
+                )
+            )
+            assert verified.processed_tokens == 3
+        finally:
+            await draft.close()
+            await target.close()
+
+
+async def test_a_call_past_its_deadline_or_cancelled_cancels_its_stream_and_the_drafting(tiny_pair):
+    async with inprocess_stack(tiny_pair, prepare_runners=lambda draft, target: slow_down(draft, 0.2)) as stack:
+        runner = stack.draft_runner
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=0.3)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await draft.propose(propose("late", num_tokens=6))  # 7 passes of > 0.2 s each
+            assert draft._proposals._idle == []
+            await asyncio.sleep(0.6)  # the service notices the cancelled stream at its next step
+            assert runner.stopped_proposals == 1
+
+            task = asyncio.ensure_future(draft.propose(propose("cancelled", num_tokens=6)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.6)
+            assert runner.stopped_proposals == 2 and draft._proposals._idle == []
+        finally:
+            await draft.close()
+
+
+async def test_a_broken_stream_empties_the_pool(tiny_pair):
+    async with inprocess_stack(tiny_pair) as stack:
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=5)
+        try:
+            await asyncio.gather(*(draft.propose(propose(f"s{i}")) for i in range(3)))
+            assert len(draft._proposals._idle) == 3  # three calls at once: three streams
+            await stack.draft.stop(0)
+            with pytest.raises(Unavailable):
+                await draft.propose(propose("after"))
+            assert draft._proposals._idle == []  # a retry opens a fresh stream, not another dead one
+        finally:
+            await draft.close()
