@@ -28,6 +28,9 @@ class Proposal:
     runner_up_ids: list[int] = field(default_factory=list)  # [K']
     runner_up_probs: list[float] = field(default_factory=list)  # [K']
     batch_size: int = 1  # most sessions that shared one of its forward passes
+    # Per row, the ids of exactly its non-zero entries when the drafter knows them without a
+    # scan (top-k truncation); None rows, or no list, are found by the wire encoder.
+    supports: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)

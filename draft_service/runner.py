@@ -12,7 +12,7 @@ from specdec.batching import batch_groups, call_waves, start_each
 from specdec.calls import Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
-from specdec.probs import logits_to_probs, one_hot_argmax, sample, truncate_top_k
+from specdec.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
 from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
 
@@ -31,6 +31,7 @@ class _Drafting:
     clock: Stopwatch
     token_ids: list[int] = field(default_factory=list)  # [k]
     rows: list[torch.Tensor] = field(default_factory=list)  # k × [V]
+    supports: list[torch.Tensor | None] = field(default_factory=list)  # k × ([nnz] token ids, or None)
     runner_up_ids: list[int] = field(default_factory=list)
     runner_up_probs: list[float] = field(default_factory=list)
     processed: int = 0
@@ -177,7 +178,7 @@ class DraftRunner(ModelRunner):
             row = int(logits.argmax())
             belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
         else:
-            head_probs = truncate_top_k(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)  # [N]
+            head_probs, support = top_k_with_support(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
             row = int(sample(head_probs[None], drafting.generator)[0])
             belief = head_probs
         token = row if self.head_ids is None else int(self.head_ids[row])
@@ -190,6 +191,8 @@ class DraftRunner(ModelRunner):
             drafting.runner_up_ids.append(runner_up[0])
             drafting.runner_up_probs.append(runner_up[1])
         drafting.rows.append(self._over_vocab(head_probs))  # [V]
+        if not drafting.deterministic:
+            drafting.supports.append(support if support is None or self.head_ids is None else self.head_ids[support])
         drafting.session.tokens.append(token)
         drafting.feed = [token]
 
@@ -206,6 +209,7 @@ class DraftRunner(ModelRunner):
             runner_up_ids=drafting.runner_up_ids,  # empty for a one-token head
             runner_up_probs=drafting.runner_up_probs,
             batch_size=drafting.batch_size,
+            supports=drafting.supports or None,
         )
 
     def _below(self, logits: torch.Tensor, limit: int) -> torch.Tensor:

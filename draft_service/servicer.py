@@ -153,7 +153,9 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
 def _response(proposal) -> draft_pb2.ProposeResponse:
     return draft_pb2.ProposeResponse(
         token_ids=proposal.token_ids,
-        distributions=wire.encode_distributions(proposal.probs, len(proposal.token_ids), proposal.deterministic),
+        distributions=wire.encode_distributions(
+            proposal.probs, len(proposal.token_ids), proposal.deterministic, proposal.supports
+        ),
         processed_tokens=proposal.processed_tokens,
         sequence_length=proposal.sequence_length,
         compute_ms=proposal.compute_ms,

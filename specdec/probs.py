@@ -81,6 +81,28 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+def top_k_with_support(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`truncate_top_k` of one row, and the ids of its non-zero entries when they are known
+    without scanning the row: the wire encoder would otherwise look for them in all V entries
+    (0.2 ms a row at Qwen's vocabulary on a slow core). Known when no entry outside the top k
+    ties the k-th: then everything outside is masked, and the support is the top k's ids
+    whose value is above zero. None when there is such a tie (more than k entries kept) or no
+    truncation.
+
+    probs: [V] → ([V], [k'] int64 ascending, or None)
+    """
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return probs, None
+    top = torch.topk(probs, top_k + 1)  # values descending: [k + 1]
+    kth, next_value = top.values[top_k - 1], top.values[top_k]
+    kept = probs.masked_fill(probs < kth, 0.0)
+    kept = kept / kept.sum()
+    if bool(next_value == kth) and bool(kth > 0):
+        return kept, None  # a tie at the k-th value keeps more than k entries
+    ids = top.indices[:top_k]
+    return kept, ids[kept[ids] > 0].sort().values
+
+
 def sample(probs: torch.Tensor, generator: np.random.Generator) -> torch.Tensor:
     """One token id per row by inverse CDF: token i is drawn when cdf[i-1] <= u < cdf[i], an
     empty interval for a token of probability 0, so those are never drawn. Three times

@@ -59,3 +59,34 @@ def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
     for distribution in (sparse, dense):
         with pytest.raises(InvalidArgument, match="finite, non-negative"):
             wire.decode_distributions([distribution], [1], 3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
+    """top_k_with_support keeps exactly what truncate_top_k keeps (bit for bit), names exactly
+    the non-zero ids, and the encoder given those ids writes what its scan writes. Rows with
+    fewer than k non-zero entries (after top-p, say) and ties at the k-th value included."""
+    from specdec.probs import SamplingParams, logits_to_probs, top_k_with_support, truncate_top_k
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab, top_k = 500, 16
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    rows = [
+        logits_to_probs(logits[0], SamplingParams(temperature=0.7)),
+        logits_to_probs(logits[1], SamplingParams(temperature=1.0, top_p=0.3)),  # few entries left
+        logits_to_probs(logits[2], SamplingParams(temperature=1.0, top_k=5)),
+        torch.full((vocab,), 1.0 / vocab),  # every entry ties the k-th
+    ]
+    supports = []
+    for row in rows:
+        kept, support = top_k_with_support(row, top_k)
+        assert torch.equal(kept, truncate_top_k(row, top_k))
+        if support is not None:
+            assert torch.equal(support, torch.nonzero(kept, as_tuple=True)[0])
+        supports.append(support)
+    assert supports[-1] is None and all(s is not None for s in supports[:-1])
+    probs = torch.stack([top_k_with_support(row, top_k)[0] for row in rows[:-1]])
+    assert wire.encode_distributions(probs, 3, False, supports[:-1]) == wire.encode_distributions(probs, 3, False)
+    # A row without a known support falls back to the scan.
+    everything = torch.stack([top_k_with_support(row, top_k)[0] for row in rows])
+    assert wire.encode_distributions(everything, 4, False, supports) == wire.encode_distributions(everything, 4, False)
