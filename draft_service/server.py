@@ -13,7 +13,12 @@ from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
 from specdec.config import pin_cpus
-from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
+from specdec.modeling import (
+    leave_torch_to_the_model_thread,
+    load_causal_lm,
+    load_tokenizer_info,
+    restrict_output_head,
+)
 from specdec.quantize import INT8_LABEL, quantize_int8
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, serve_forever, start_model_server
@@ -69,7 +74,8 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
         config,
-        runner or load_runner(config),
+        runner,
+        lambda: load_runner(config),
         DraftServicer,
         draft_pb2_grpc.add_DraftServicer_to_server,
         SERVICE_NAME,
@@ -81,4 +87,5 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     pin_cpus(config.cpus)
+    config = leave_torch_to_the_model_thread(config)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-draft", config.shutdown_grace_s))

@@ -8,7 +8,7 @@ import logging
 from transformers import AutoConfig
 
 from specdec.config import pin_cpus
-from specdec.modeling import check_tensor_parallel
+from specdec.modeling import check_tensor_parallel, leave_torch_to_the_model_thread
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -28,7 +28,8 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
         config,
-        runner or load_runner(config),
+        runner,
+        lambda: load_runner(config),
         TargetServicer,
         target_pb2_grpc.add_TargetServicer_to_server,
         SERVICE_NAME,
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     pin_cpus(config.cpus)  # tensor-parallel ranks it spawns inherit it
     if config.tensor_parallel > 1:
         return main_tensor_parallel(config)
+    config = leave_torch_to_the_model_thread(config)
     asyncio.run(
         serve_forever(lambda: build_server(config), config.log_level, "specdec-target", config.shutdown_grace_s)
     )
