@@ -50,8 +50,10 @@ async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair,
             assert list(chosen.token_ids) == reference(prompt)
             ks = list(chosen.stats.k_per_round)
             assert ks.count(0) >= 0.8 * len(ks), ks
-            # Speculative rounds are lone probes between runs of K = 0 rounds.
-            assert all(ks[i - 1] == 0 for i, k in enumerate(ks) if k and i), f"{ks}"
+            # Speculative rounds are short probes between runs of K = 0 rounds (a probe that
+            # was accepted may be followed by one more one-draft round: AdaptiveK.choose).
+            runs = "".join("x" if k else "." for k in ks).split(".")
+            assert max(len(run) for run in runs) <= 2, f"{ks}"
             sampled = [await generate(stack, prompt, temperature=0.8, seed=11) for _ in range(2)]
             assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
 
