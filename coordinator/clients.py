@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import grpc
@@ -144,12 +145,9 @@ class CallStreams:
     async def call(self, request, span_name: str, timeout_s: float):
         stream = None
         try:
+            span = telemetry.client_span(span_name, request.trace_context) if telemetry.tracing_on() else nullcontext()
             async with asyncio.timeout(timeout_s):
-                if telemetry.tracing_on():
-                    with telemetry.client_span(span_name, request.trace_context):
-                        stream = await self._send(request)
-                        reply = await stream.read()
-                else:
+                with span:
                     stream = await self._send(request)
                     reply = await stream.read()
         except TimeoutError:

@@ -36,7 +36,12 @@ def encode_distributions(
     if probs is None:
         raise ValueError("a sampled proposal must carry the distributions its tokens were drawn from")
     probs = probs.detach().to("cpu", torch.float32)
-    if supports is not None and len(supports) == count and all(ids is not None for ids in supports):
+    if (
+        supports is not None
+        and len(supports) == count
+        # The scan's rule too: a row with more than this many entries goes dense.
+        and all(ids is not None and len(ids) <= _SPARSE_MAX_FRACTION * probs.shape[1] for ids in supports)
+    ):
         return [
             common_pb2.ProposalDistribution(
                 sparse=common_pb2.SparseProbs(token_ids=ids.tolist(), probs=probs[row, ids].tolist())
