@@ -28,6 +28,9 @@ from specdec.costs import cost_at
 DEFAULT_ALPHA_PRIOR = 0.6  # before any round: a draft of the same family agrees about this often
 PRIOR_WEIGHT = 2.0  # pseudo-positions the prior counts for
 PROBE_EVERY = 8  # after this many K = 0 rounds in a row, one round speculates to re-measure α
+QUICK_PROBE_EVERY = 2  # ... or this many, while speculation would still pay at a plausible α
+PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above the estimate
+PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -70,7 +73,7 @@ def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: 
 @dataclass
 class AdaptiveK:
     """Per-request K chooser. Learns this request's acceptance as rounds complete, starting
-    from a prior; when speculating does not pay it picks K = 0, and every `probe_every`
+    from a prior; when speculating does not pay it picks K = 0, and every `probe_interval`
     target-only rounds it speculates once at the best K > 0 so that a rise in acceptance
     (code after prose, say) is noticed."""
 
@@ -95,8 +98,28 @@ class AdaptiveK:
     @property
     def optimistic_alpha(self) -> float:
         """α plus one standard error of its estimate."""
+        return self._alpha_above(1.0)
+
+    def _alpha_above(self, standard_errors: float) -> float:
         alpha = self.alpha
-        return min(alpha + math.sqrt(alpha * (1.0 - alpha) / self.reached), 0.999)
+        return min(alpha + standard_errors * math.sqrt(alpha * (1.0 - alpha) / self.reached), 0.999)
+
+    @property
+    def probe_interval(self) -> int:
+        """K = 0 rounds before a probe: QUICK_PROBE_EVERY while speculating would pay (by
+        PROBE_GAIN) for an α PLAUSIBLE_ERRORS standard errors above the estimate, else
+        `probe_every`. Why: a K = 0
+        round teaches nothing, so one rejection in the first round (α 0.6 → 0.4 with the
+        prior's weight of 2) parked a request for `probe_every` rounds whatever its drafts
+        were (bench --suite nodes, AVX-512 machine: "1000000001111111…" on a prompt that
+        then accepted 19 drafts of 21). Where nothing plausible pays (a steep verify cost, or
+        many rejections), probes stay rare."""
+        alpha = self._alpha_above(PLAUSIBLE_ERRORS)
+        k = best_k(alpha, self.costs, self.k_max, self.pipelined)
+        gain = self.costs.tokens_per_ms(k, alpha, self.pipelined) / self.costs.tokens_per_ms(0, alpha, self.pipelined)
+        if gain >= PROBE_GAIN:
+            return min(self.probe_every, QUICK_PROBE_EVERY)
+        return self.probe_every
 
     def choose(self) -> int:
         """The best K for the estimated α; but K = 1, not 0, while K > 0 would pay for an α
@@ -110,7 +133,7 @@ class AdaptiveK:
         k = best_k(self.alpha, self.costs, self.k_max, self.pipelined)
         if k == 0 and self.k_max and best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined):
             k = 1
-        if k == 0 and self.k_max and self.probe_every and self.zero_streak >= self.probe_every:
+        if k == 0 and self.k_max and self.probe_every and self.zero_streak >= self.probe_interval:
             k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1)
         self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)

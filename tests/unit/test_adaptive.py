@@ -75,6 +75,27 @@ def test_chooser_learns_acceptance_and_leaves_zero_when_speculation_pays_again()
     assert chooser.choose() >= 1
 
 
+# Measured at start-up on the AVX-512 machine (int8 pair, 2 threads): a draft step is 0.65 of
+# a one-token target pass, so speculation pays only at high acceptance.
+MEASURED_DRAFT = (35.5,) * 9
+MEASURED_TARGET = (55.0, 60.0, 65.0, 71.0, 77.0, 86.0, 94.0, 109.0, 114.0)
+
+
+@pytest.mark.parametrize("drafts_good", [True, False])
+def test_an_early_rejection_does_not_park_a_request_for_the_full_probe_interval(drafts_good):
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(MEASURED_DRAFT, MEASURED_TARGET, 0.7, 0.7))
+    for round_index in range(40):
+        k = chooser.choose()
+        if k:  # the first round's draft is rejected; then every draft is accepted, or none
+            chooser.observe_round(k, k if drafts_good and round_index else 0)
+    ks = chooser.history
+    assert ks[:4] == [1, 0, 0, 1], ks  # probed again after two K = 0 rounds, not eight
+    if drafts_good:
+        assert all(ks[3:]), ks
+    else:  # once the estimate is sure, probes are as rare as ever
+        assert sum(1 for k in ks[16:] if k) <= 3, ks
+
+
 def test_chooser_history_depends_only_on_outcomes():
     """No clocks: the same outcomes give the same Ks (a seed's output is reproducible)."""
 
