@@ -20,6 +20,9 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
         "int8": ["--dtype", "float32", "--quantize", "int8"],
         "int8+vocab": ["--dtype", "float32", "--quantize", "int8", "--draft-vocab", str(config.draft_vocab)],
         "ngram": ["--drafter", "ngram"],
+        # Prompt lookup where the sequence's last n-gram recurs, the int8 model otherwise.
+        "int8+lookup": ["--dtype", "float32", "--quantize", "int8", "--drafter", "hybrid"],
+        "int8+lookup3": ["--dtype", "float32", "--quantize", "int8", "--drafter", "hybrid", "--ngram-min", "3"],
         "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
         # The nodes suite: the draft's own "node" is core 0 (the target's is core 1).
         "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"]],
@@ -189,6 +192,10 @@ def drafter_modes() -> list[Mode]:
         Mode("ours int8+reduced vocab K=4", "ours", 4, drafter="int8+vocab"),
         Mode("ours ngram K=4", "ours", 4, drafter="ngram"),
         Mode("ours ngram K=8", "ours", 8, drafter="ngram"),
+        Mode("ours int8+lookup K=3", "ours", 3, drafter="int8+lookup"),
+        Mode("ours int8, K chooser", "ours", 0, drafter="int8", adaptive=True),
+        Mode("ours int8+lookup, K chooser", "ours", 0, drafter="int8+lookup", adaptive=True),
+        Mode("ours int8+lookup3, K chooser", "ours", 0, drafter="int8+lookup3", adaptive=True),
     ]
 
 
@@ -221,6 +228,7 @@ def node_modes() -> list[Mode]:
         Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
         Mode("HF assisted int8 (K=2)", "hf", assisted="2", drafter="int8"),
         Mode("HF assisted int8 (K=4)", "hf", assisted="4", drafter="int8"),
+        Mode("ours shared sequential K=2", "ours", 2, drafter="int8"),
         Mode("ours shared sequential, K chooser", "ours", 0, drafter="int8", adaptive=True),
         Mode("ours shared pipelined+2 hedges K=2", "ours", 2, drafter="int8", coordinator="pipelined+hedged2"),
     ]

@@ -11,7 +11,7 @@ from specdec.settings import parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
-DRAFTERS = ("model", "ngram")
+DRAFTERS = ("model", "ngram", "hybrid")
 # A sampled proposal is drawn from the draft's own top-k and shipped as (id, prob) pairs:
 # 2 KiB per token instead of 0.6 MB of dense float32 over a 152k vocabulary. Exact, since
 # it is the distribution the token was drawn from; what it costs in acceptance is measured
@@ -28,7 +28,8 @@ class DraftConfig(ModelServiceConfig):
     drafter: str = setting(
         "model",
         "--drafter",
-        "how to propose: model (a causal LM) or ngram (prompt lookup, no weights; the tokenizer comes from --model)",
+        "how to propose: model (a causal LM), ngram (prompt lookup, no weights; the tokenizer comes from --model) "
+        "or hybrid (prompt lookup where the sequence's last n-gram recurs, the model otherwise)",
         choices=DRAFTERS,
         more="See [Drafters](design.md#drafters).",
     )
@@ -37,8 +38,8 @@ class DraftConfig(ModelServiceConfig):
         "--draft-vocab",
         "restrict the draft's output head to the N lowest (most frequent BPE) ids plus special tokens (0 = full)",
     )
-    ngram_min: int = setting(2, "--ngram-min", "prompt lookup: shortest suffix n-gram to match")
-    ngram_max: int = setting(4, "--ngram-max", "prompt lookup: longest suffix n-gram, tried first")
+    ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid): shortest suffix n-gram to match")
+    ngram_max: int = setting(4, "--ngram-max", "prompt lookup (ngram, hybrid): longest suffix n-gram, tried first")
     proposal_mode: str = setting(
         "sample",
         "--proposal-mode",
@@ -68,6 +69,8 @@ class DraftConfig(ModelServiceConfig):
             return super().problem()
         if problem := super().problem():
             return problem
+        if self.drafter == "hybrid" and not 1 <= self.ngram_min <= self.ngram_max:
+            return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
         if self.draft_vocab < 0:
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"
         if not 0.0 <= self.min_confidence <= 1.0:

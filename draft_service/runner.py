@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
+from draft_service.ngram import lookup
 from specdec.batching import batch_groups, call_waves, start_each
-from specdec.calls import Stopwatch
+from specdec.calls import ModelDescription, Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
@@ -39,6 +42,7 @@ class _Drafting:
     failed: bool = False
     min_confidence: float = 0.0
     unsure: bool = False  # the last token was drawn with less than min_confidence
+    looked_up: bool = False  # the tokens were copied by prompt lookup: no pass, one-hot rows
 
 
 class DraftRunner(ModelRunner):
@@ -50,6 +54,14 @@ class DraftRunner(ModelRunner):
     `head_ids` ([N] int64, ascending) means the model's output head was restricted to those
     token ids (see `modeling.restrict_output_head`): its logits are [N], and every proposal
     distribution is zero outside `head_ids`, which the sparse wire form carries exactly.
+
+    `lookup` = (min_n, max_n) makes it a hybrid drafter: a call whose sequence ends in an
+    n-gram (n from max_n down to min_n) that occurred earlier proposes the tokens that followed
+    it (draft_service.ngram.lookup), at the cost of a search instead of K forward passes; any
+    other call drafts with the model. Why this stays exact: which source proposes is decided
+    from the session's sequence alone, before the target's coins exist, and a looked-up token
+    travels with the distribution it was drawn from, one-hot at itself, so the target accepts
+    it with exactly its own probability of that token and otherwise samples its residual.
     """
 
     shares_passes = True  # a `Drafter` whose calls from several sessions can step in one pass
@@ -65,8 +77,13 @@ class DraftRunner(ModelRunner):
         head_ids: torch.Tensor | None = None,
         max_kv_bytes: int = 0,
         min_confidence: float = 0.0,
+        lookup: tuple[int, int] | None = None,
     ):
         super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens, max_kv_bytes)
+        if lookup is not None and not 1 <= lookup[0] <= lookup[1]:
+            raise ValueError(f"lookup n-gram sizes need 1 <= min <= max; got {lookup}")
+        self.lookup = lookup
+        self.looked_up_proposals = 0  # hybrid: proposals copied by prompt lookup
         check_confidence(min_confidence)
         self.min_confidence = min_confidence
         self.confidence_stops = 0  # proposals cut short by a low-confidence token
@@ -76,6 +93,14 @@ class DraftRunner(ModelRunner):
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
         self.proposal_mode = proposal_mode
         self.proposal_top_k = proposal_top_k
+
+    def describe(self) -> ModelDescription:
+        description = super().describe()
+        if self.lookup is None:
+            return description
+        return dataclasses.replace(
+            description, model_id=f"{description.model_id}+lookup[{self.lookup[0]}..{self.lookup[1]}]"
+        )
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""
@@ -138,7 +163,18 @@ class DraftRunner(ModelRunner):
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         generator = np.random.default_rng(call.seed)
-        return _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
+        drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
+        if self.lookup is not None:
+            copied = lookup(np.asarray(session.tokens, dtype=np.int64), *self.lookup, call.num_tokens)
+            if call.vocab_limit:  # the target could not embed the rest
+                copied = list(itertools.takewhile(lambda token: token < call.vocab_limit, copied))
+            if copied:
+                # The cache lags the sequence by the pending tokens and these; the session's
+                # next call runs whichever of them it keeps.
+                session.tokens.extend(copied)
+                drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
+                self.looked_up_proposals += 1
+        return drafting
 
     def _done(self, drafting: _Drafting) -> bool:
         """All K drawn, the last one drawn with too little confidence, or the caller cancelled
@@ -153,7 +189,7 @@ class DraftRunner(ModelRunner):
         `assistant_confidence_threshold` and llama.cpp's `--draft-p-min` do).
         """
         step = len(drafting.token_ids)
-        if step >= drafting.call.num_tokens:
+        if step >= drafting.call.num_tokens or drafting.looked_up:
             return True
         if drafting.unsure:
             self.confidence_stops += 1
@@ -199,6 +235,15 @@ class DraftRunner(ModelRunner):
     def _finish(self, drafting: _Drafting) -> Proposal:
         # The last proposal is in the sequence but not yet in the cache; the next call runs it
         # if it is kept, or crops it away for free if it is not.
+        if drafting.looked_up:
+            return Proposal(
+                token_ids=drafting.token_ids,
+                probs=None,
+                deterministic=True,
+                processed_tokens=0,
+                sequence_length=len(drafting.session.tokens),
+                compute_ms=drafting.clock.ms(),
+            )
         return Proposal(
             token_ids=drafting.token_ids,
             probs=torch.stack(drafting.rows),

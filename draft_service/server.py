@@ -62,6 +62,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         head_ids=head_ids,
         max_kv_bytes=config.max_kv_bytes,
         min_confidence=config.min_confidence,
+        lookup=(config.ngram_min, config.ngram_max) if config.drafter == "hybrid" else None,
     )
     if config.calibrate:
         runner.calibrate_costs(keep_all_logits=False)

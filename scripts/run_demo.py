@@ -56,7 +56,9 @@ def main() -> int:
         default="float32",
         help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it as is",
     )
-    parser.add_argument("--drafter", choices=["model", "ngram"], default="model", help="draft service drafter")
+    parser.add_argument(
+        "--drafter", choices=["model", "ngram", "hybrid"], default="model", help="draft service drafter"
+    )
     parser.add_argument(
         "--target-setting",
         choices=["auto", *TARGET_SETTINGS],

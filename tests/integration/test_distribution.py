@@ -72,6 +72,11 @@ CASES = {
     "one_hot_ngram_prompt_lookup": Case(
         {"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
     ),
+    # Lookup where the sequence's last n-gram recurs, the model elsewhere: both kinds of rows
+    # in one generation, and the model's cache catching up on copied tokens.
+    "hybrid_lookup_then_model": Case(
+        {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
+    ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # The coordinator's modes through the real services: branches forked and stepped together
     # in the real draft, sparse rows, confidence stops and the K chooser. Each mode's own

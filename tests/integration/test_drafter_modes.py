@@ -16,6 +16,7 @@ DRAFTERS = {
     "model_reduced_vocab": {"quantize": "none", "draft_vocab": 128},
     "model_int8_reduced_vocab": {"quantize": "int8", "draft_vocab": 128},
     "ngram": {"drafter": "ngram", "ngram_min": 1, "ngram_max": 4},
+    "hybrid": {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 4},
 }
 PROMPTS = [
     "def add(a, b):",
@@ -52,6 +53,8 @@ async def test_info_names_the_drafter(stack):
         info = await draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest())
     if stack.drafter == "ngram":
         assert info.model_id.startswith("ngram[1..4]") and info.dtype == "none"
+    elif stack.drafter == "hybrid":
+        assert info.model_id.endswith("+lookup[1..4]") and info.dtype == "float32"
     elif "int8" in stack.drafter:
         assert info.dtype.startswith("int8")
     else:

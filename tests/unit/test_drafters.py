@@ -133,3 +133,37 @@ def test_auto_quantisation_and_contradictory_flags():
         draft_config(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"], {})
     ngram = draft_config(["--model", "m", "--drafter", "ngram", "--ngram-min", "1"], {"SPECDEC_DRAFT_NGRAM_MAX": "6"})
     assert (ngram.ngram_min, ngram.ngram_max) == (1, 6)
+
+
+def test_hybrid_drafter_copies_recurring_ngrams_and_drafts_with_the_model_otherwise(tiny_pair):
+    """A call whose sequence ends in a recurring n-gram proposes what followed it, one-hot and
+    without a pass; any other drafts with the model; and the model's cache catches up on the
+    copied tokens, so its next proposal is the one a plain model drafter makes on the same
+    sequence."""
+    config = dataclasses.replace(model_service_config(DraftConfig, tiny_pair.draft), quantize="none")
+    hybrid = draft_server.load_runner(dataclasses.replace(config, drafter="hybrid", ngram_min=2, ngram_max=3))
+    plain = draft_server.load_runner(config)
+    assert hybrid.lookup == (2, 3) and hybrid.describe().model_id.endswith("+lookup[2..3]")
+
+    fresh = [5, 17, 99, 200, 31]  # no n-gram recurs: the model drafts
+    drafted = hybrid.propose_one(ProposeCall("h", 0, fresh, 3, GREEDY, 0))
+    assert drafted.processed_tokens > 0 and drafted.probs is not None
+    assert drafted.token_ids == plain.propose_one(ProposeCall("p", 0, fresh, 3, GREEDY, 0)).token_ids
+
+    # Keep the first draft, then a sequence that ends in "17 99" again: copy "200 31 …".
+    sequence = [*fresh, drafted.token_ids[0], 5, 17, 99]
+    copied = hybrid.propose_one(ProposeCall("h", len(fresh) + 1, sequence[len(fresh) + 1 :], 3, SAMPLED, 1))
+    assert copied.token_ids == [200, 31, drafted.token_ids[0]]
+    assert copied.deterministic and copied.probs is None and copied.processed_tokens == 0
+    assert hybrid.looked_up_proposals == 1
+
+    # Two copied tokens accepted, then a token that breaks the pattern: the model drafts again,
+    # running every token its cache has not seen, and agrees with a drafter that saw them all.
+    sequence += [200, 31, 250]
+    after = hybrid.propose_one(ProposeCall("h", len(sequence) - 1, [250], 3, GREEDY, 2))
+    # First pass: 5 17 99 200 31 250 (the lookup call ran none); then one token a step.
+    assert after.processed_tokens == 6 + 2
+    expected = plain.propose_one(ProposeCall("p2", 0, sequence, 3, GREEDY, 0))
+    assert after.token_ids == expected.token_ids
+    torch.testing.assert_close(after.probs, expected.probs)
+    assert dataclasses.replace(config, drafter="hybrid", ngram_min=3, ngram_max=2).problem() is not None
