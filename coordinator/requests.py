@@ -54,6 +54,7 @@ class PairInfo:
     max_num_speculative_tokens: int  # the config's maximum, capped by both services'
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
+    draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
 
     @property
     def draft_vocab_limit(self) -> int:

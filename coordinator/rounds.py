@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
 from coordinator.branches import Branching, Speculation
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import DraftClient, TargetClient
@@ -112,6 +112,7 @@ class Coordinator(Branching, UpstreamCalls):
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
         hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
         adaptive = self._adaptive(job, pipelined)
+        copying = self._copying(adaptive)
         stats.pipelined = pipelined
         ready: Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
         ready_source = ""
@@ -126,22 +127,30 @@ class Coordinator(Branching, UpstreamCalls):
                     remaining = job.max_new_tokens - len(text.token_ids)
                     limit = self._k_limit(len(sequence), remaining)
                     k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
-                    if k and not self.breaker.allow():
-                        k = 0  # the draft is down: this round is one target-only step
+                    copy_limit = self._copy_limit(job, copying, k, limit)  # the most tokens a copy may carry
+                    if (k or copy_limit) and not self.breaker.allow():
+                        k = copy_limit = 0  # the draft is down: this round is one target-only step
                         stats.fallback_rounds += 1
                     draft_seed, target_seed = next_seed(streams.draft), next_seed(streams.target)
                     predraft_seed = next_seed(streams.predraft)
-                    uniforms = streams.coins.random(k).tolist()  # [K]
-                    draft_in_round = bool(k)  # the draft session will hold this round's drafts
+                    # One per position a proposal may fill, drawn whatever it turns out to be.
+                    uniforms = streams.coins.random(max(k, copy_limit)).tolist()  # [max(K, copy_limit)]
+                    draft_in_round = bool(k or copy_limit)  # the draft session will hold this round's drafts
                     source = "none"  # where this round's drafts come from
                     if ready is not None and ready.draft_token_ids and k:
                         round_, source = ready.truncated(k), ready_source
                         stats.ready_rounds += 1
-                    elif k:
+                    elif k or copy_limit:
                         source = "draft"
                         try:
                             proposal = await self._propose_with_retries(
-                                draft_view, sequence, k, sampling, draft_seed, stats
+                                draft_view,
+                                sequence,
+                                k,
+                                sampling,
+                                draft_seed,
+                                stats,
+                                max_copied=copy_limit if copy_limit > k else 0,
                             )
                         except Unavailable as exc:
                             # Target-only for this round: the same output, only slower.
@@ -149,7 +158,8 @@ class Coordinator(Branching, UpstreamCalls):
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()
-                            round_ = self._round_from(proposal, k)
+                            round_ = self._round_from(proposal, max(k, copy_limit))
+                            source = "copy" if round_.copied else source
                             stats.draft_compute_ms += proposal.compute_ms
                     else:
                         round_ = Round()
@@ -163,7 +173,7 @@ class Coordinator(Branching, UpstreamCalls):
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                    if (pipelined or hedging) and proposed and self.breaker.allow():
+                    if (pipelined or hedging) and k and proposed and self.breaker.allow():
                         speculation = self._start_speculation(
                             draft_view,
                             sequence,
@@ -199,7 +209,9 @@ class Coordinator(Branching, UpstreamCalls):
                         verification.bonus_token_id,
                     )
                     stats.record_round(proposed, outcome.num_accepted)
-                    if adaptive:
+                    if copying is not None and round_.copied:
+                        copying.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
+                    elif adaptive:
                         adaptive.observe_round(proposed, outcome.num_accepted)
                     # Both services hold sequence + drafts; only the accepted drafts stay valid.
                     target_view.synced = base + outcome.num_accepted
@@ -231,7 +243,7 @@ class Coordinator(Branching, UpstreamCalls):
                             "specdec.round.k": proposed,
                             "specdec.round.accepted": outcome.num_accepted,
                             "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
-                            # draft, predraft, hedge, fallback (draft down), none (K=0)
+                            # draft, copy (prompt lookup), predraft, hedge, fallback (draft down), none (K=0)
                             "specdec.round.drafts_from": source,
                             "specdec.round.epoch": draft_view.last_epoch,
                             "specdec.round.pipelined": pipelined,
@@ -271,6 +283,36 @@ class Coordinator(Branching, UpstreamCalls):
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
         )
+
+    def _copying(self, adaptive: AdaptiveK | None) -> AdaptiveK | None:
+        """How many tokens a copy may carry, when the draft copies by prompt lookup and K is
+        left to the chooser: a second chooser over the same target costs with drafts that cost
+        nothing (a copy runs no pass), learning from copied rounds only. Long copies pay where
+        they are right (an edit that repeats code), short ones where they are not, since each
+        copied token lengthens the verify."""
+        if adaptive is None or not self.pair.draft_copies or self.pair.costs is None:
+            return None
+        costs = self.pair.costs
+        return AdaptiveK(
+            k_max=self.pair.max_num_speculative_tokens,
+            pipelined=False,
+            costs=RoundCosts(
+                draft_pass_ms=tuple(0.0 for _ in costs.draft_pass_ms),
+                target_pass_ms=costs.target_pass_ms,
+                draft_rpc_ms=costs.draft_rpc_ms,
+                target_rpc_ms=costs.target_rpc_ms,
+            ),
+            alpha_prior=DEFAULT_ALPHA_PRIOR,
+        )
+
+    def _copy_limit(self, job: Job, copying: AdaptiveK | None, k: int, limit: int) -> int:
+        """ProposeRequest.max_copied_tokens for this round (0: no copy call of its own). A
+        request that fixes K copies at most K; target-only requests (K = 0) never copy."""
+        if not self.pair.draft_copies or job.num_speculative_tokens == 0:
+            return 0
+        if copying is None:
+            return k
+        return min(copying.choose(), limit)
 
     def _learn(self, adaptive: AdaptiveK | None) -> None:
         """Carries the finished request's acceptance into the next request's prior."""

@@ -55,6 +55,7 @@ async def connect(
         ),
         costs=costs,
         target_model_id=target_info.model_id,
+        draft_copies=draft_info.copies,
     )
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",

@@ -41,6 +41,7 @@ class Round:
     distributions: list = field(default_factory=list)
     runner_up_ids: list[int] = field(default_factory=list)  # per draft, for hedging; may be empty
     runner_up_probs: list[float] = field(default_factory=list)
+    copied: bool = False  # copied by the draft's prompt lookup, not drafted by its model
 
     def truncated(self, k: int, start: int = 0) -> Round:
         end = start + k
@@ -50,6 +51,7 @@ class Round:
             self.distributions[start:end],
             self.runner_up_ids[start:end],
             self.runner_up_probs[start:end],
+            self.copied,
         )
 
 
@@ -84,6 +86,7 @@ def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_
         list(proposal.distributions),
         list(proposal.runner_up_token_ids),
         list(proposal.runner_up_probs),
+        proposal.copied,
     )
 
 

@@ -59,12 +59,20 @@ class UpstreamCalls:
     _probe: asyncio.Task | None
 
     async def _propose_with_retries(
-        self, view: SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+        self,
+        view: SessionView,
+        sequence: list[int],
+        k: int,
+        sampling,
+        seed: int,
+        stats: GenerationStats,
+        max_copied: int = 0,
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
-        connection) but never on a missed deadline: a slow draft is skipped, not waited for."""
+        connection) but never on a missed deadline: a slow draft is skipped, not waited for.
+        `max_copied`: ProposeRequest.max_copied_tokens (a draft that copies; k may then be 0)."""
         return await retry_unavailable(
-            lambda: self._propose(view, sequence, k, sampling, seed, stats),
+            lambda: self._propose(view, sequence, k, sampling, seed, stats, max_copied),
             give_up=lambda attempts: attempts >= self.config.draft_attempts,
             backoff_s=self.config.draft_retry_backoff_s,
         )
@@ -95,7 +103,14 @@ class UpstreamCalls:
                 self.breaker.close()
 
     async def _propose(
-        self, view: SessionView, sequence: list[int], k: int, sampling, seed: int, stats: GenerationStats
+        self,
+        view: SessionView,
+        sequence: list[int],
+        k: int,
+        sampling,
+        seed: int,
+        stats: GenerationStats,
+        max_copied: int = 0,
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
             view.last_epoch = next(view.calls)
@@ -108,6 +123,7 @@ class UpstreamCalls:
                     sampling=sampling,
                     seed=seed,
                     epoch=view.last_epoch,
+                    max_copied_tokens=max_copied,
                     **view.draft_fields(),
                 )
             )

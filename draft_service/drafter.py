@@ -31,6 +31,7 @@ class Proposal:
     # Per row, the ids of exactly its non-zero entries when the drafter knows them without a
     # scan (top-k truncation); None rows, or no list, are found by the wire encoder.
     supports: list[torch.Tensor | None] | None = None
+    copied: bool = False  # copied by prompt lookup (one-hot rows, no forward pass)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class ProposeCall:
     fork_from: str = ""
     min_confidence: float | None = None  # None: the runner's default; 0: never stop early
     vocab_limit: int = 0  # propose only ids below this (the target's width); 0: no limit
+    max_copied_tokens: int = 0  # a copying drafter may copy up to this many (0: num_tokens)
+
+    @property
+    def copy_limit(self) -> int:
+        """The most tokens a copy may carry."""
+        return max(self.num_tokens, self.max_copied_tokens)
 
 
 class Drafter(Protocol):

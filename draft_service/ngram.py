@@ -23,6 +23,19 @@ from specdec.modeling import TokenizerInfo
 from specdec.sessions import SessionStore
 
 
+def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: bool) -> None:
+    """num_tokens in [1, max] (0 too for a copy-only call to a drafter that copies), and
+    max_copied_tokens in [0, max]."""
+    if not 0 <= call.max_copied_tokens <= max_speculative_tokens:
+        raise InvalidArgument(
+            f"max_copied_tokens must be in [0, {max_speculative_tokens}]; got {call.max_copied_tokens}"
+        )
+    low = 0 if copies and call.max_copied_tokens else 1
+    if not low <= call.num_tokens <= max_speculative_tokens:
+        what = "" if copies else " (this drafter does not copy: max_copied_tokens has no effect)"
+        raise InvalidArgument(f"num_tokens must be in [{low}, {max_speculative_tokens}]{what}; got {call.num_tokens}")
+
+
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """Up to `num_tokens` tokens that followed the most recent earlier occurrence of the
     longest suffix n-gram, n from `max_n` down to `min_n`; [] when no suffix recurs.
@@ -68,16 +81,15 @@ class NgramDrafter:
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
-        if not 1 <= call.num_tokens <= self.max_speculative_tokens:
-            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {call.num_tokens}")
+        check_call_sizes(call, self.max_speculative_tokens, copies=True)
         check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
-        check_context(call.keep_tokens + len(call.new_tokens) + call.num_tokens, self.info.max_context)
+        check_context(call.keep_tokens + len(call.new_tokens) + call.copy_limit, self.info.max_context)
         clock = Stopwatch()
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         session.rollback(call.keep_tokens, call.new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
-        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, call.num_tokens)
+        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, call.copy_limit)
         if call.vocab_limit:  # the target could not embed the rest
             token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
         session.tokens.extend(token_ids)
@@ -88,11 +100,14 @@ class NgramDrafter:
             processed_tokens=0,
             sequence_length=len(session.tokens),
             compute_ms=clock.ms(),
+            copied=bool(token_ids),
         )
 
     def describe(self) -> ModelDescription:
         description = ModelDescription.of(self.info, "none", "cpu", len(self.sessions), self.max_speculative_tokens)
-        return dataclasses.replace(description, model_id=f"ngram[{self.min_n}..{self.max_n}]:{self.info.model_id}")
+        return dataclasses.replace(
+            description, model_id=f"ngram[{self.min_n}..{self.max_n}]:{self.info.model_id}", copies=True
+        )
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)

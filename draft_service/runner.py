@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
-from draft_service.ngram import lookup
+from draft_service.ngram import check_call_sizes, lookup
 from specdec.batching import batch_groups, call_waves, start_each
 from specdec.calls import ModelDescription, Stopwatch
 from specdec.errors import InvalidArgument
@@ -99,7 +99,7 @@ class DraftRunner(ModelRunner):
         if self.lookup is None:
             return description
         return dataclasses.replace(
-            description, model_id=f"{description.model_id}+lookup[{self.lookup[0]}..{self.lookup[1]}]"
+            description, model_id=f"{description.model_id}+lookup[{self.lookup[0]}..{self.lookup[1]}]", copies=True
         )
 
     def propose_one(self, call: ProposeCall) -> Proposal:
@@ -153,27 +153,26 @@ class DraftRunner(ModelRunner):
 
     def _begin(self, call: ProposeCall) -> _Drafting:
         """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
-        if not 1 <= call.num_tokens <= self.max_speculative_tokens:
-            raise InvalidArgument(f"num_tokens must be in [1, {self.max_speculative_tokens}]; got {call.num_tokens}")
+        check_call_sizes(call, self.max_speculative_tokens, copies=self.lookup is not None)
         self.check_tokens(call.new_tokens, "new_tokens")
         min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         clock = Stopwatch()
-        self.check_length(call.keep_tokens + len(call.new_tokens) + call.num_tokens)
+        self.check_length(call.keep_tokens + len(call.new_tokens) + call.copy_limit)
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         generator = np.random.default_rng(call.seed)
         drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
         if self.lookup is not None:
-            copied = lookup(np.asarray(session.tokens, dtype=np.int64), *self.lookup, call.num_tokens)
+            copied = lookup(np.asarray(session.tokens, dtype=np.int64), *self.lookup, call.copy_limit)
             if call.vocab_limit:  # the target could not embed the rest
                 copied = list(itertools.takewhile(lambda token: token < call.vocab_limit, copied))
-            if copied:
+            if copied or not call.num_tokens:  # a copy-only call that found none proposes nothing
                 # The cache lags the sequence by the pending tokens and these; the session's
                 # next call runs whichever of them it keeps.
                 session.tokens.extend(copied)
                 drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
-                self.looked_up_proposals += 1
+                self.looked_up_proposals += bool(copied)
         return drafting
 
     def _done(self, drafting: _Drafting) -> bool:
@@ -243,6 +242,7 @@ class DraftRunner(ModelRunner):
                 processed_tokens=0,
                 sequence_length=len(drafting.session.tokens),
                 compute_ms=drafting.clock.ms(),
+                copied=bool(drafting.token_ids),
             )
         return Proposal(
             token_ids=drafting.token_ids,

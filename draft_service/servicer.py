@@ -147,6 +147,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.fork_from,
         request.min_confidence if request.HasField("min_confidence") else None,
         request.vocab_limit,
+        request.max_copied_tokens,
     )
 
 
@@ -161,4 +162,5 @@ def _response(proposal) -> draft_pb2.ProposeResponse:
         compute_ms=proposal.compute_ms,
         runner_up_token_ids=proposal.runner_up_ids,
         runner_up_probs=proposal.runner_up_probs,
+        copied=proposal.copied,
     )

@@ -30,6 +30,7 @@ class ModelDescription:
     calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
     live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
+    copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
 
     @classmethod
     def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:

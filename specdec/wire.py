@@ -180,4 +180,5 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         calibrated_pass_ms=list(description.calibrated_pass_ms),
         live_pass_ms=list(description.live_pass_ms),
         cost_context_tokens=description.cost_context_tokens,
+        copies=description.copies,
     )

@@ -77,6 +77,15 @@ CASES = {
     "hybrid_lookup_then_model": Case(
         {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
     ),
+    # The chooser with a hybrid draft: copy-only calls (K = 0 from the model) and copies
+    # longer than the model's K, their length chosen apart from it.
+    "hybrid_copies_chosen_apart": Case(
+        {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3},
+        prompt=tuple(REPEATING_PROMPT),
+        coordinator={"adaptive_k": True},
+        k=None,
+        costs=(40.0, 40.0),
+    ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # The coordinator's modes through the real services: branches forked and stepped together
     # in the real draft, sparse rows, confidence stops and the K chooser. Each mode's own

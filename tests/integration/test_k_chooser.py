@@ -102,3 +102,35 @@ async def test_confidence_stop_shortens_proposals_and_keeps_greedy_output(tiny_p
         assert (
             error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_min_confidence" in error.value.details()
         )
+
+
+def dear_draft_flat_verify(draft_runner, target_runner) -> None:
+    """A model draft step of 40 ms against a flat 45 ms verify: drafting with the model does
+    not pay, but a copy (no pass) does."""
+    slow_passes(draft_runner, 0.040, 0.0)
+    slow_passes(target_runner, 0.045, 0.0)
+    draft_runner.calibrate_costs(keep_all_logits=False)
+    target_runner.calibrate_costs(keep_all_logits=True)
+
+
+async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
+    """With a hybrid draft and the chooser, the model's K settles low where its drafts are dear,
+    while copies, which cost no pass, carry more tokens than the model's K; output unchanged
+    and seeds reproduce."""
+    repeating = "x = x + 1\nx = x + 1\nx = x + 1\nx = x"
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 4},
+        prepare_runners=dear_draft_flat_verify,
+    ) as stack:
+        assert stack.draft_runner.describe().copies
+        longer_than_model_k = 0
+        for prompt in (repeating, *PROMPTS):
+            chosen = await generate(stack, prompt)
+            assert list(chosen.token_ids) == reference(prompt)
+            ks = list(chosen.stats.k_per_round)
+            longer_than_model_k += sum(1 for k in ks if k > 1)
+            sampled = [await generate(stack, prompt, temperature=0.8, seed=3) for _ in range(2)]
+            assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
+        assert stack.draft_runner.looked_up_proposals > 0
+        assert longer_than_model_k > 0, "copies never carried more than one token"

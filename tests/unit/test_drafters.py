@@ -167,3 +167,34 @@ def test_hybrid_drafter_copies_recurring_ngrams_and_drafts_with_the_model_otherw
     assert after.token_ids == expected.token_ids
     torch.testing.assert_close(after.probs, expected.probs)
     assert dataclasses.replace(config, drafter="hybrid", ngram_min=3, ngram_max=2).problem() is not None
+
+
+def test_copies_may_exceed_k_and_a_copy_only_call_never_runs_the_model(tiny_pair, ngram):
+    config = dataclasses.replace(model_service_config(DraftConfig, tiny_pair.draft), quantize="none")
+    hybrid = draft_server.load_runner(dataclasses.replace(config, drafter="hybrid", ngram_min=2, ngram_max=3))
+    plain = draft_server.load_runner(config)
+    assert hybrid.describe().copies and ngram.describe().copies and not plain.describe().copies
+    repeating = [5, 17, 99, 200, 31, 40, 5, 17, 99]
+    # K = 1 from the model, but a copy may carry up to max_copied_tokens = 4.
+    long_copy = hybrid.propose_one(ProposeCall("a", 0, repeating, 1, GREEDY, 0, max_copied_tokens=4))
+    assert long_copy.token_ids == [200, 31, 40, 5] and long_copy.copied
+    assert ngram.propose_one(ProposeCall("n4", 0, repeating, 1, GREEDY, 0, max_copied_tokens=4)).token_ids == [
+        200,
+        31,
+        40,
+        5,
+    ]
+    # Copy-only (K = 0): a copy when one exists, else nothing, and no pass either way.
+    only = hybrid.propose_one(ProposeCall("b", 0, repeating, 0, GREEDY, 0, max_copied_tokens=2))
+    assert only.token_ids == [200, 31] and only.processed_tokens == 0
+    nothing = hybrid.propose_one(ProposeCall("c", 0, [5, 17, 99, 200], 0, SAMPLED, 0, max_copied_tokens=2))
+    assert nothing.token_ids == [] and not nothing.copied and nothing.processed_tokens == 0
+    # The session still holds the sequence: the next call sends only what follows it.
+    follow = hybrid.propose_one(ProposeCall("c", 4, [31], 2, GREEDY, 0))
+    assert follow.token_ids == plain.propose_one(ProposeCall("p", 0, [5, 17, 99, 200, 31], 2, GREEDY, 0)).token_ids
+    with pytest.raises(InvalidArgument, match="num_tokens must be in \\[1"):
+        plain.propose_one(ProposeCall("d", 0, repeating, 0, GREEDY, 0, max_copied_tokens=2))  # the model cannot copy
+    with pytest.raises(InvalidArgument, match="num_tokens must be in \\[1"):
+        hybrid.propose_one(ProposeCall("e", 0, repeating, 0, GREEDY, 0))  # K = 0 without copies asks for nothing
+    with pytest.raises(InvalidArgument, match="max_copied_tokens"):
+        hybrid.propose_one(ProposeCall("f", 0, repeating, 1, GREEDY, 0, max_copied_tokens=999))
