@@ -57,7 +57,10 @@ def main() -> int:
         help="float32 lets the draft service quantise the draft to int8 (its CPU default); bfloat16 keeps it as is",
     )
     parser.add_argument(
-        "--drafter", choices=["model", "ngram", "hybrid"], default="model", help="draft service drafter"
+        "--drafter",
+        choices=["model", "ngram", "hybrid"],
+        default="hybrid",
+        help="draft service drafter (hybrid: prompt lookup where the text repeats itself, the model elsewhere)",
     )
     parser.add_argument(
         "--target-setting",
