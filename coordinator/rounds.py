@@ -150,7 +150,7 @@ class Coordinator(Branching, UpstreamCalls):
                                 sampling,
                                 draft_seed,
                                 stats,
-                                max_copied=copy_limit if copy_limit > k else 0,
+                                max_copied=copy_limit if self.pair.draft_copies else None,
                             )
                         except Unavailable as exc:
                             # Target-only for this round: the same output, only slower.
@@ -158,8 +158,11 @@ class Coordinator(Branching, UpstreamCalls):
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()
-                            round_ = self._round_from(proposal, max(k, copy_limit))
-                            source = "copy" if round_.copied else source
+                            round_ = self._round_from(proposal, copy_limit if proposal.copied else k)
+                            if round_.copied:
+                                source = "copy"
+                                stats.copied_rounds += 1
+                                stats.copied_tokens += len(round_.draft_token_ids)
                             stats.draft_compute_ms += proposal.compute_ms
                     else:
                         round_ = Round()
@@ -306,8 +309,9 @@ class Coordinator(Branching, UpstreamCalls):
         )
 
     def _copy_limit(self, job: Job, copying: AdaptiveK | None, k: int, limit: int) -> int:
-        """ProposeRequest.max_copied_tokens for this round (0: no copy call of its own). A
-        request that fixes K copies at most K; target-only requests (K = 0) never copy."""
+        """ProposeRequest.max_copied_tokens for this round, an exact cap (0: no copy; with
+        K = 0 too, no draft call). A request that fixes K copies at most K; target-only
+        requests (K = 0) never copy."""
         if not self.pair.draft_copies or job.num_speculative_tokens == 0:
             return 0
         if copying is None:

@@ -66,11 +66,12 @@ class UpstreamCalls:
         sampling,
         seed: int,
         stats: GenerationStats,
-        max_copied: int = 0,
+        max_copied: int | None = None,
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
         connection) but never on a missed deadline: a slow draft is skipped, not waited for.
-        `max_copied`: ProposeRequest.max_copied_tokens (a draft that copies; k may then be 0)."""
+        `max_copied`: ProposeRequest.max_copied_tokens for a draft that copies (k may then be
+        0); None leaves it unset."""
         return await retry_unavailable(
             lambda: self._propose(view, sequence, k, sampling, seed, stats, max_copied),
             give_up=lambda attempts: attempts >= self.config.draft_attempts,
@@ -110,23 +111,23 @@ class UpstreamCalls:
         sampling,
         seed: int,
         stats: GenerationStats,
-        max_copied: int = 0,
+        max_copied: int | None = None,
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
             view.last_epoch = next(view.calls)
-            return self.draft.propose(
-                draft_pb2.ProposeRequest(
-                    session_id=view.session_id,
-                    keep_tokens=keep,
-                    new_tokens=self.pair.for_draft(new_tokens),
-                    num_tokens=k,
-                    sampling=sampling,
-                    seed=seed,
-                    epoch=view.last_epoch,
-                    max_copied_tokens=max_copied,
-                    **view.draft_fields(),
-                )
+            request = draft_pb2.ProposeRequest(
+                session_id=view.session_id,
+                keep_tokens=keep,
+                new_tokens=self.pair.for_draft(new_tokens),
+                num_tokens=k,
+                sampling=sampling,
+                seed=seed,
+                epoch=view.last_epoch,
+                **view.draft_fields(),
             )
+            if max_copied is not None:  # unset means num_tokens
+                request.max_copied_tokens = max_copied
+            return self.draft.propose(request)
 
         return await self._with_reprefill("draft", view, sequence, stats, send)
 

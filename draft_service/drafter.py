@@ -49,12 +49,12 @@ class ProposeCall:
     fork_from: str = ""
     min_confidence: float | None = None  # None: the runner's default; 0: never stop early
     vocab_limit: int = 0  # propose only ids below this (the target's width); 0: no limit
-    max_copied_tokens: int = 0  # a copying drafter may copy up to this many (0: num_tokens)
+    max_copied_tokens: int | None = None  # a copying drafter copies at most this many (None: num_tokens)
 
     @property
     def copy_limit(self) -> int:
-        """The most tokens a copy may carry."""
-        return max(self.num_tokens, self.max_copied_tokens)
+        """The most tokens a copy may carry (0: none)."""
+        return self.num_tokens if self.max_copied_tokens is None else self.max_copied_tokens
 
 
 class Drafter(Protocol):

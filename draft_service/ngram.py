@@ -24,16 +24,19 @@ from specdec.sessions import SessionStore
 
 
 def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: bool) -> None:
-    """num_tokens in [1, max] (0 too for a copy-only call to a drafter that copies), and
-    max_copied_tokens in [0, max]."""
-    if not 0 <= call.max_copied_tokens <= max_speculative_tokens:
+    """num_tokens in [1, max], or 0 for a copy-only call (max_copied_tokens > 0) to a drafter
+    that copies; max_copied_tokens, where it applies, in [0, max]."""
+    copy_only = copies and bool(call.max_copied_tokens)
+    if copies and call.max_copied_tokens is not None and not 0 <= call.max_copied_tokens <= max_speculative_tokens:
         raise InvalidArgument(
             f"max_copied_tokens must be in [0, {max_speculative_tokens}]; got {call.max_copied_tokens}"
         )
-    low = 0 if copies and call.max_copied_tokens else 1
-    if not low <= call.num_tokens <= max_speculative_tokens:
-        what = "" if copies else " (this drafter does not copy: max_copied_tokens has no effect)"
-        raise InvalidArgument(f"num_tokens must be in [{low}, {max_speculative_tokens}]{what}; got {call.num_tokens}")
+    if not (0 if copy_only else 1) <= call.num_tokens <= max_speculative_tokens:
+        if copies:
+            hint = " (0 only with max_copied_tokens > 0: a copy-only call)"
+        else:
+            hint = " (this drafter does not copy, so max_copied_tokens cannot make 0 valid)"
+        raise InvalidArgument(f"num_tokens must be in [1, {max_speculative_tokens}]{hint}; got {call.num_tokens}")
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
@@ -83,7 +86,9 @@ class NgramDrafter:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
         check_call_sizes(call, self.max_speculative_tokens, copies=True)
         check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
-        check_context(call.keep_tokens + len(call.new_tokens) + call.copy_limit, self.info.max_context)
+        check_context(
+            call.keep_tokens + len(call.new_tokens) + max(call.num_tokens, call.copy_limit), self.info.max_context
+        )
         clock = Stopwatch()
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         session.rollback(call.keep_tokens, call.new_tokens)

@@ -157,13 +157,14 @@ class DraftRunner(ModelRunner):
         self.check_tokens(call.new_tokens, "new_tokens")
         min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         clock = Stopwatch()
-        self.check_length(call.keep_tokens + len(call.new_tokens) + call.copy_limit)
+        drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
+        self.check_length(call.keep_tokens + len(call.new_tokens) + drafts)
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         generator = np.random.default_rng(call.seed)
         drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
-        if self.lookup is not None:
+        if self.lookup is not None and call.copy_limit:
             copied = lookup(np.asarray(session.tokens, dtype=np.int64), *self.lookup, call.copy_limit)
             if call.vocab_limit:  # the target could not embed the rest
                 copied = list(itertools.takewhile(lambda token: token < call.vocab_limit, copied))

@@ -147,7 +147,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.fork_from,
         request.min_confidence if request.HasField("min_confidence") else None,
         request.vocab_limit,
-        request.max_copied_tokens,
+        request.max_copied_tokens if request.HasField("max_copied_tokens") else None,
     )
 
 

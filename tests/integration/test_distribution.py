@@ -77,14 +77,14 @@ CASES = {
     "hybrid_lookup_then_model": Case(
         {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
     ),
-    # The chooser with a hybrid draft: copy-only calls (K = 0 from the model) and copies
-    # longer than the model's K, their length chosen apart from it.
+    # The chooser with a hybrid draft: model drafts at the model's K (a draft half as dear as
+    # a verify), copies at a length chosen apart, copy-only calls where the model's K is 0.
     "hybrid_copies_chosen_apart": Case(
         {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3},
         prompt=tuple(REPEATING_PROMPT),
         coordinator={"adaptive_k": True},
         k=None,
-        costs=(40.0, 40.0),
+        costs=PIPELINED_CHOOSER_COSTS,
     ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # The coordinator's modes through the real services: branches forked and stepped together
@@ -231,6 +231,11 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         assert any(len(set(s.k_per_round)) > 1 or 0 < s.proposed_tokens for s in stats), "the chooser never speculated"
     if c.draft.get("min_confidence"):
         assert stack.draft_runner.confidence_stops > 0, "no proposal stopped on confidence; the case tests nothing new"
+    if c.draft.get("drafter") == "hybrid":
+        # Both kinds of row in the sample: copies and model drafts.
+        copied = sum(s.copied_rounds for s in stats)
+        drafted = sum(1 for s in stats for k in s.k_per_round if k) - copied
+        assert copied > SAMPLES // 10 and drafted > SAMPLES // 10, (copied, drafted)
     assert all(len(s) == c.length for s in samples)
     if c.coordinator.get("pipeline"):
         hits = sum(s.predraft_hits for s in stats)

@@ -198,3 +198,9 @@ def test_copies_may_exceed_k_and_a_copy_only_call_never_runs_the_model(tiny_pair
         hybrid.propose_one(ProposeCall("e", 0, repeating, 0, GREEDY, 0))  # K = 0 without copies asks for nothing
     with pytest.raises(InvalidArgument, match="max_copied_tokens"):
         hybrid.propose_one(ProposeCall("f", 0, repeating, 1, GREEDY, 0, max_copied_tokens=999))
+    # An exact cap: 0 means no copy this call, so the model drafts even where a copy exists.
+    model = hybrid.propose_one(ProposeCall("g", 0, repeating, 2, GREEDY, 0, max_copied_tokens=0))
+    assert not model.copied and model.processed_tokens > 0
+    assert model.token_ids == plain.propose_one(ProposeCall("q", 0, repeating, 2, GREEDY, 0)).token_ids
+    short = hybrid.propose_one(ProposeCall("h", 0, repeating, 3, GREEDY, 0, max_copied_tokens=1))
+    assert short.token_ids == [200] and short.copied
