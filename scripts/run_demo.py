@@ -165,7 +165,9 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
                 f"  speculative : {s.generated_tokens} tokens, {s.tokens_per_second:5.2f} tok/s, "
                 f"K={args.k if args.k is not None else 'chosen'} ({s.proposed_tokens / max(1, s.rounds):.1f} "
                 "drafts/round), "
-                f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/round, "
+                f"{s.rounds} rounds"
+                + (f" ({s.copied_rounds} of them copies, {s.copied_tokens} tokens)" if s.copied_rounds else "")
+                + f", acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/round, "
                 f"TTFT {s.time_to_first_token_ms:.0f} ms, draft {s.draft_ms:.0f} ms, target {s.target_ms:.0f} ms\n"
                 f"  speedup {s.tokens_per_second / target_only.stats.tokens_per_second:.2f}x"
                 + (f"; output identical to target-only: {'yes' if same else 'no'}" if greedy else "")
