@@ -9,13 +9,14 @@ whole committed sequence, so no request fails because of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator
 
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.branches import Branching, Speculation
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import DraftClient, TargetClient
@@ -295,16 +296,11 @@ class Coordinator(Branching, UpstreamCalls):
         copied token lengthens the verify."""
         if adaptive is None or not self.pair.draft_copies or self.pair.costs is None:
             return None
-        costs = self.pair.costs
+        free_drafts = dataclasses.replace(self.pair.costs, draft_pass_ms=(0.0,) * len(self.pair.costs.draft_pass_ms))
         return AdaptiveK(
             k_max=self.pair.max_num_speculative_tokens,
             pipelined=False,
-            costs=RoundCosts(
-                draft_pass_ms=tuple(0.0 for _ in costs.draft_pass_ms),
-                target_pass_ms=costs.target_pass_ms,
-                draft_rpc_ms=costs.draft_rpc_ms,
-                target_rpc_ms=costs.target_rpc_ms,
-            ),
+            costs=free_drafts,
             alpha_prior=DEFAULT_ALPHA_PRIOR,
         )
 

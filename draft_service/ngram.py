@@ -20,7 +20,7 @@ from specdec.batching import result_or_error
 from specdec.calls import ModelDescription, Stopwatch, check_context, check_token_ids
 from specdec.errors import InvalidArgument
 from specdec.modeling import TokenizerInfo
-from specdec.sessions import SessionStore
+from specdec.sessions import KVSession, SessionStore
 
 
 def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: bool) -> None:
@@ -37,6 +37,32 @@ def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: boo
         else:
             hint = " (this drafter does not copy, so max_copied_tokens cannot make 0 valid)"
         raise InvalidArgument(f"num_tokens must be in [1, {max_speculative_tokens}]{hint}; got {call.num_tokens}")
+
+
+def copy_tail(session: KVSession, call: ProposeCall, min_n: int, max_n: int) -> tuple[list[int], Stopwatch]:
+    """Prompt lookup for `call` on its rolled-back session: up to `call.copy_limit` tokens,
+    cut before the first id at or above the call's vocab_limit (the target could not embed
+    it), appended to the session's sequence (ahead of any KV cache). Returns them and the
+    call's clock, started here."""
+    clock = Stopwatch()
+    token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), min_n, max_n, call.copy_limit)
+    if call.vocab_limit:
+        token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
+    session.tokens.extend(token_ids)
+    return token_ids, clock
+
+
+def copied_proposal(token_ids: list[int], session: KVSession, compute_ms: float) -> Proposal:
+    """A proposal copied by prompt lookup: one-hot rows (deterministic), no forward pass."""
+    return Proposal(
+        token_ids=token_ids,
+        probs=None,
+        deterministic=True,
+        processed_tokens=0,
+        sequence_length=len(session.tokens),
+        compute_ms=compute_ms,
+        copied=bool(token_ids),
+    )
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
@@ -89,24 +115,12 @@ class NgramDrafter:
         check_context(
             call.keep_tokens + len(call.new_tokens) + max(call.num_tokens, call.copy_limit), self.info.max_context
         )
-        clock = Stopwatch()
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         session.rollback(call.keep_tokens, call.new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
-        token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, call.copy_limit)
-        if call.vocab_limit:  # the target could not embed the rest
-            token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
-        session.tokens.extend(token_ids)
-        return Proposal(
-            token_ids=token_ids,
-            probs=None,
-            deterministic=True,
-            processed_tokens=0,
-            sequence_length=len(session.tokens),
-            compute_ms=clock.ms(),
-            copied=bool(token_ids),
-        )
+        token_ids, clock = copy_tail(session, call, self.min_n, self.max_n)
+        return copied_proposal(token_ids, session, clock.ms())
 
     def describe(self) -> ModelDescription:
         description = ModelDescription.of(self.info, "none", "cpu", len(self.sessions), self.max_speculative_tokens)

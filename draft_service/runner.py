@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
-from draft_service.ngram import check_call_sizes, lookup
+from draft_service.ngram import check_call_sizes, copied_proposal, copy_tail
 from specdec.batching import batch_groups, call_waves, start_each
 from specdec.calls import ModelDescription, Stopwatch
 from specdec.errors import InvalidArgument
@@ -165,13 +164,10 @@ class DraftRunner(ModelRunner):
         generator = np.random.default_rng(call.seed)
         drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
         if self.lookup is not None and call.copy_limit:
-            copied = lookup(np.asarray(session.tokens, dtype=np.int64), *self.lookup, call.copy_limit)
-            if call.vocab_limit:  # the target could not embed the rest
-                copied = list(itertools.takewhile(lambda token: token < call.vocab_limit, copied))
+            # The cache lags the sequence by the pending tokens and any copied ones; the
+            # session's next call runs whichever of them it keeps.
+            copied, _ = copy_tail(session, call, *self.lookup)
             if copied or not call.num_tokens:  # a copy-only call that found none proposes nothing
-                # The cache lags the sequence by the pending tokens and these; the session's
-                # next call runs whichever of them it keeps.
-                session.tokens.extend(copied)
                 drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
                 self.looked_up_proposals += bool(copied)
         return drafting
@@ -236,15 +232,7 @@ class DraftRunner(ModelRunner):
         # The last proposal is in the sequence but not yet in the cache; the next call runs it
         # if it is kept, or crops it away for free if it is not.
         if drafting.looked_up:
-            return Proposal(
-                token_ids=drafting.token_ids,
-                probs=None,
-                deterministic=True,
-                processed_tokens=0,
-                sequence_length=len(drafting.session.tokens),
-                compute_ms=drafting.clock.ms(),
-                copied=bool(drafting.token_ids),
-            )
+            return copied_proposal(drafting.token_ids, drafting.session, drafting.clock.ms())
         return Proposal(
             token_ids=drafting.token_ids,
             probs=torch.stack(drafting.rows),
