@@ -54,15 +54,17 @@ class GenerationStats:
     def degraded(self) -> bool:
         return self.fallback_rounds > 0
 
-    def record_round(self, num_draft: int, num_accepted: int) -> None:
+    def record_round(self, num_draft: int, num_accepted: int, bonus: bool | None = None) -> None:
+        """`bonus`: whether the round ended in a bonus token, where that is not "every draft
+        accepted" (a tree: its accepted path reached a leaf)."""
         self.rounds += 1
         self.k_per_round.append(num_draft)
         self.proposed_tokens += num_draft
         self.accepted_tokens += num_accepted
-        if num_accepted < num_draft:
-            self.recovered_tokens += 1
-        else:
+        if (num_accepted == num_draft) if bonus is None else bonus:
             self.bonus_tokens += 1
+        else:
+            self.recovered_tokens += 1
         if len(self.accepted_per_position) < num_draft:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for i in range(num_accepted):

@@ -15,6 +15,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams
+from specdec.tree_sampling import MAX_TREE_NODES, tree_size
 
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
 # such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
@@ -37,6 +38,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None
     draft_min_confidence: float | None = None
     messages: tuple[tuple[str, str], ...] = ()  # (role, content): rendered with the chat template
+    tree_widths: tuple[int, ...] = ()  # tree speculation: children per node at each depth
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -55,6 +57,7 @@ class PairInfo:
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
     draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
+    trees: bool = False  # both services serve token trees (ModelInfo.trees)
 
     @property
     def draft_vocab_limit(self) -> int:
@@ -86,6 +89,7 @@ class Job:
     num_speculative_tokens_unset: bool = False  # the request left K to the coordinator
     seeded: bool = False  # the request set its seed: K may not depend on other requests
     draft_min_confidence: float | None = None  # None: the draft service's default
+    tree_widths: tuple[int, ...] = ()  # each round proposes and verifies this tree (K is then 0)
 
 
 @dataclass
@@ -180,6 +184,9 @@ def prepare_job(
     if confidence is not None and not (math.isfinite(confidence) and 0.0 <= confidence <= 1.0):
         raise InvalidArgument(f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}")
     seed = secrets.randbits(63) if request.seed is None else request.seed
+    if request.tree_widths:
+        check_tree_request(request, pair)
+        k = 0  # no chain: the round loop proposes the tree instead
     return Job(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -190,4 +197,26 @@ def prepare_job(
         num_speculative_tokens_unset=request.num_speculative_tokens is None,
         seeded=request.seed is not None,
         draft_min_confidence=confidence,
+        tree_widths=tuple(request.tree_widths),
     )
+
+
+def check_tree_request(request: GenerationRequest, pair: PairInfo) -> None:
+    """Trees replace the chain's K, take no confidence stop, and fit both services' limits."""
+    widths = request.tree_widths
+    if not pair.trees:
+        raise InvalidArgument(
+            "tree_widths: this deployment's draft or target does not serve token trees (the n-gram drafter proposes "
+            "chains only); send num_speculative_tokens instead"
+        )
+    if request.num_speculative_tokens is not None or request.draft_min_confidence is not None:
+        raise InvalidArgument("tree_widths replaces num_speculative_tokens and takes no draft_min_confidence; send one")
+    if any(width < 1 for width in widths) or len(widths) > pair.max_num_speculative_tokens:
+        raise InvalidArgument(
+            f"tree_widths {list(widths)}: each width must be >= 1 and the depth at most "
+            f"{pair.max_num_speculative_tokens}"
+        )
+    if tree_size(widths) > MAX_TREE_NODES:
+        raise InvalidArgument(
+            f"tree_widths {list(widths)} make a tree of {tree_size(widths)} nodes; at most {MAX_TREE_NODES}"
+        )

@@ -23,7 +23,7 @@ from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.requests import Chunk, GenerationRequest, Job, PairInfo, prepare_job
-from coordinator.sampling import decide_round
+from coordinator.sampling import RoundOutcome, decide_round
 from coordinator.seeds import RequestStreams, next_seed
 from coordinator.state import Round, SessionView, check_reply, round_from
 from coordinator.text import FINISH_LENGTH, TextAssembler
@@ -31,6 +31,7 @@ from coordinator.upstream import UpstreamCalls
 from specdec import wire
 from specdec.errors import Unavailable
 from specdec.telemetry import tracer
+from specdec.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
@@ -129,19 +130,22 @@ class Coordinator(Branching, UpstreamCalls):
                     limit = self._k_limit(len(sequence), remaining)
                     k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
                     copy_limit = self._copy_limit(job, copying, k, limit)  # the most tokens a copy may carry
-                    if (k or copy_limit) and not self.breaker.allow():
+                    widths = job.tree_widths[:limit]  # a tree request's shape, as deep as there is room for
+                    if (k or copy_limit or widths) and not self.breaker.allow():
                         k = copy_limit = 0  # the draft is down: this round is one target-only step
+                        widths = ()
                         stats.fallback_rounds += 1
                     draft_seed, target_seed = next_seed(streams.draft), next_seed(streams.target)
                     predraft_seed = next_seed(streams.predraft)
                     # One per position a proposal may fill, drawn whatever it turns out to be.
-                    uniforms = streams.coins.random(max(k, copy_limit)).tolist()  # [max(K, copy_limit)]
-                    draft_in_round = bool(k or copy_limit)  # the draft session will hold this round's drafts
+                    # A tree's: one per node, tried or not.
+                    uniforms = streams.coins.random(tree_size(widths) or max(k, copy_limit)).tolist()
+                    draft_in_round = bool(k or copy_limit or widths)  # the draft session will hold this round's drafts
                     source = "none"  # where this round's drafts come from
                     if ready is not None and ready.draft_token_ids and k:
                         round_, source = ready.truncated(k), ready_source
                         stats.ready_rounds += 1
-                    elif k or copy_limit:
+                    elif k or copy_limit or widths:
                         source = "draft"
                         try:
                             proposal = await self._propose_with_retries(
@@ -151,7 +155,8 @@ class Coordinator(Branching, UpstreamCalls):
                                 sampling,
                                 draft_seed,
                                 stats,
-                                max_copied=copy_limit if self.pair.draft_copies else None,
+                                max_copied=copy_limit if self.pair.draft_copies and not widths else None,
+                                tree_widths=widths,
                             )
                         except Unavailable as exc:
                             # Target-only for this round: the same output, only slower.
@@ -159,7 +164,9 @@ class Coordinator(Branching, UpstreamCalls):
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()
-                            round_ = self._round_from(proposal, copy_limit if proposal.copied else k)
+                            round_ = self._round_from(
+                                proposal, tree_size(widths) or (copy_limit if proposal.copied else k)
+                            )
                             if round_.copied:
                                 source = "copy"
                                 stats.copied_rounds += 1
@@ -202,25 +209,41 @@ class Coordinator(Branching, UpstreamCalls):
                         proposed,
                     )
                     check_reply(
-                        self.target.address, "recovered_token_ids", len(verification.recovered_token_ids), proposed
+                        self.target.address,
+                        "recovered_token_ids",
+                        len(verification.recovered_token_ids),
+                        proposed + 1 if round_.parents else proposed,  # a tree's: one per node and the root
                     )
                     stats.target_compute_ms += verification.compute_ms
-                    outcome = decide_round(
-                        verification.draft_token_target_probs,
-                        round_.draft_token_draft_probs,
-                        uniforms[:proposed],
-                        verification.recovered_token_ids,
-                        verification.bonus_token_id,
-                    )
-                    stats.record_round(proposed, outcome.num_accepted)
+                    outcome: RoundOutcome | TreeOutcome
+                    if round_.parents:  # multi-step speculative sampling (specdec.tree_sampling)
+                        outcome = decide_tree(
+                            verification.draft_token_target_probs,
+                            round_.draft_token_draft_probs,
+                            uniforms[:proposed],
+                            round_.parents,
+                            verification.recovered_token_ids,
+                        )
+                    else:
+                        outcome = decide_round(
+                            verification.draft_token_target_probs,
+                            round_.draft_token_draft_probs,
+                            uniforms[:proposed],
+                            verification.recovered_token_ids,
+                            verification.bonus_token_id,
+                        )
+                    stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
                     if copying is not None and round_.copied:
                         copying.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
                     elif adaptive:
                         adaptive.observe_round(proposed, outcome.num_accepted)
-                    # Both services hold sequence + drafts; only the accepted drafts stay valid.
-                    target_view.synced = base + outcome.num_accepted
+                    # Both services hold sequence + drafts; only the accepted drafts stay valid. After
+                    # a tree both hold the committed sequence, the nodes cached behind it: the next
+                    # call's new tokens (the accepted path first) tell them which nodes to keep.
+                    held = base + (0 if round_.parents else outcome.num_accepted)
+                    target_view.synced = held
                     if draft_in_round:
-                        draft_view.synced = base + outcome.num_accepted
+                        draft_view.synced = held
                     finished = False
                     for token in outcome.committed(round_.draft_token_ids):
                         sequence.append(token)

@@ -56,6 +56,7 @@ async def connect(
         costs=costs,
         target_model_id=target_info.model_id,
         draft_copies=draft_info.copies,
+        trees=draft_info.trees and target_info.trees,
     )
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",

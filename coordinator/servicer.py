@@ -66,6 +66,7 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationReque
         num_speculative_tokens=optional("num_speculative_tokens"),
         draft_min_confidence=optional("draft_min_confidence"),
         messages=tuple((message.role, message.content) for message in request.messages),
+        tree_widths=tuple(request.tree_widths),
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specdec import wire
 from specdec.errors import SpecDecError
+from specdec.tree_sampling import check_parents
 from specdec.v1 import draft_pb2
 
 
@@ -42,6 +43,7 @@ class Round:
     runner_up_ids: list[int] = field(default_factory=list)  # per draft, for hedging; may be empty
     runner_up_probs: list[float] = field(default_factory=list)
     copied: bool = False  # copied by the draft's prompt lookup, not drafted by its model
+    parents: list[int] = field(default_factory=list)  # a token tree's parent nodes; empty: a chain
 
     def truncated(self, k: int, start: int = 0) -> Round:
         end = start + k
@@ -52,7 +54,7 @@ class Round:
             self.runner_up_ids[start:end],
             self.runner_up_probs[start:end],
             self.copied,
-        )
+        )  # chains only: the coordinator never pre-drafts or hedges a tree
 
 
 def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_size: int) -> Round:
@@ -80,6 +82,12 @@ def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_
                 f"probability {prob} under the distribution it sent with it; a drafter can only propose tokens "
                 "its distribution gives mass, so the reply is malformed"
             )
+    if proposal.parents:
+        check_reply(address, "parents", len(proposal.parents), len(proposal.token_ids))
+        try:
+            check_parents(proposal.parents)
+        except ValueError as exc:
+            raise SpecDecError(f"draft service at {address} sent a malformed tree: {exc}") from None
     return Round(
         list(proposal.token_ids),
         draft_probs,
@@ -87,6 +95,7 @@ def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_
         list(proposal.runner_up_token_ids),
         list(proposal.runner_up_probs),
         proposal.copied,
+        list(proposal.parents),
     )
 
 

@@ -67,13 +67,14 @@ class UpstreamCalls:
         seed: int,
         stats: GenerationStats,
         max_copied: int | None = None,
+        tree_widths: tuple[int, ...] = (),
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
         connection) but never on a missed deadline: a slow draft is skipped, not waited for.
         `max_copied`: ProposeRequest.max_copied_tokens for a draft that copies (k may then be
-        0); None leaves it unset."""
+        0); None leaves it unset. `tree_widths`: propose a tree instead (k 0)."""
         return await retry_unavailable(
-            lambda: self._propose(view, sequence, k, sampling, seed, stats, max_copied),
+            lambda: self._propose(view, sequence, k, sampling, seed, stats, max_copied, tree_widths),
             give_up=lambda attempts: attempts >= self.config.draft_attempts,
             backoff_s=self.config.draft_retry_backoff_s,
         )
@@ -112,6 +113,7 @@ class UpstreamCalls:
         seed: int,
         stats: GenerationStats,
         max_copied: int | None = None,
+        tree_widths: tuple[int, ...] = (),
     ) -> draft_pb2.ProposeResponse:
         def send(keep: int, new_tokens: list[int]):
             view.last_epoch = next(view.calls)
@@ -123,6 +125,7 @@ class UpstreamCalls:
                 sampling=sampling,
                 seed=seed,
                 epoch=view.last_epoch,
+                tree_widths=tree_widths,
                 **view.draft_fields(),
             )
             if max_copied is not None:  # unset means num_tokens
@@ -153,6 +156,7 @@ class UpstreamCalls:
                     new_tokens=new_tokens,
                     draft_token_ids=round_.draft_token_ids,
                     draft_distributions=round_.distributions,
+                    draft_parents=round_.parents,
                     sampling=sampling,
                     seed=seed,
                 )

@@ -32,6 +32,7 @@ class Proposal:
     # scan (top-k truncation); None rows, or no list, are found by the wire encoder.
     supports: list[torch.Tensor | None] | None = None
     copied: bool = False  # copied by prompt lookup (one-hot rows, no forward pass)
+    parents: list[int] = field(default_factory=list)  # [K']: a token tree's parent nodes; empty: a chain
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ProposeCall:
     min_confidence: float | None = None  # None: the runner's default; 0: never stop early
     vocab_limit: int = 0  # propose only ids below this (the target's width); 0: no limit
     max_copied_tokens: int | None = None  # a copying drafter copies at most this many (None: num_tokens)
+    tree_widths: tuple[int, ...] = ()  # propose a tree: children per node at each depth (num_tokens 0)
 
     @property
     def copy_limit(self) -> int:

@@ -110,6 +110,8 @@ class NgramDrafter:
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """Sampling settings and seed do not matter: a lookup proposes the same tokens either way."""
+        if call.tree_widths:
+            raise InvalidArgument("the n-gram drafter proposes chains only; tree_widths needs a model drafter")
         check_call_sizes(call, self.max_speculative_tokens, copies=True)
         check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
         check_context(

@@ -10,13 +10,14 @@ import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import check_call_sizes, copied_proposal, copy_tail
-from specdec.batching import batch_groups, call_waves, start_each
+from specdec.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.calls import ModelDescription, Stopwatch
 from specdec.errors import InvalidArgument
 from specdec.modeling import LoadedModel
 from specdec.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
 from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
+from specdec.tree_sampling import MAX_TREE_NODES, tree_size
 
 PROPOSAL_MODES = ("sample", "greedy")
 
@@ -103,6 +104,8 @@ class DraftRunner(ModelRunner):
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""
+        if call.tree_widths:
+            return self.propose_tree(call)
         drafting = self._begin(call)
         while not self._done(drafting):
             self._step(drafting, self.forward(drafting.session, drafting.feed, logits_to_keep=1)[-1], batch_size=1)
@@ -120,6 +123,9 @@ class DraftRunner(ModelRunner):
         after it waits for it.
         """
         results: list[Proposal | Exception | None] = [None] * len(calls)
+        if any(call.tree_widths for call in calls):
+            # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
+            return [result_or_error(self.propose_one, call) for call in calls]
         reads = [(call.fork_from,) if call.fork_from else () for call in calls]
         for wave in call_waves([(call.session_id,) for call in calls], reads):
             active = start_each(wave, lambda index: self._begin(calls[index]), results)
@@ -149,6 +155,68 @@ class DraftRunner(ModelRunner):
                                 drafting.failed = True
                 active = [(index, drafting) for index, drafting in running if not drafting.failed]
         return results  # type: ignore[return-value]
+
+    def propose_tree(self, call: ProposeCall) -> Proposal:
+        """A token tree: every node at depth d gets tree_widths[d] children, grown a level per
+        pass (the root's pass, then each level but the last on top of the cached levels above,
+        with a tree mask: specdec.tree_pass). Nodes come in level order.
+
+        Why the target can verify it exactly (specdec.tree_sampling): a node's children are
+        independent draws, each sent with the distribution it was drawn from. Sampled, they
+        are i.i.d. from the node's distribution (with replacement, so siblings may repeat);
+        deterministic (greedy), they are the node's top tokens, each sent one-hot. The levels
+        stay cached behind the session's sequence, which remains the committed one; the next
+        call keeps the branch its new tokens spell out (KVSession.tree). Trees take no copies
+        and no confidence stop.
+        """
+        widths = check_tree_widths(call, self.max_speculative_tokens)
+        self.check_tokens(call.new_tokens, "new_tokens")
+        self.check_length(call.keep_tokens + len(call.new_tokens) + len(widths))
+        clock = Stopwatch()
+        session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
+        pending = session.extend(call.keep_tokens, call.new_tokens)
+        deterministic = call.params.greedy or self.proposal_mode == "greedy"
+        generator = np.random.default_rng(call.seed)
+        frontier = [(0, self.forward(session, pending, logits_to_keep=1)[-1])]  # (node, logits [N_head])
+        processed = len(pending)
+        token_ids: list[int] = []
+        parents: list[int] = []
+        rows: list[torch.Tensor] = []  # per node, the distribution it was drawn from: [V]
+        supports: list[torch.Tensor | None] = []
+        for depth, width in enumerate(widths):
+            first = len(token_ids) + 1
+            for node, logits in frontier:
+                self.check_logits(logits, call.session_id)
+                if call.vocab_limit:
+                    logits = self._below(logits, call.vocab_limit)
+                if deterministic:  # the top tokens by logit (the softmax keeps the order)
+                    allowed = width if not call.vocab_limit else min(width, int(torch.isfinite(logits).sum()))
+                    chosen = logits.topk(allowed).indices.tolist()
+                else:
+                    head_probs, support = top_k_with_support(logits_to_probs(logits, call.params), self.proposal_top_k)
+                    chosen = sample(head_probs.expand(width, -1), generator).tolist()  # i.i.d.
+                    row = self._over_vocab(head_probs)  # [V]
+                    mapped = support if support is None or self.head_ids is None else self.head_ids[support]
+                for head_row in chosen:
+                    token_ids.append(head_row if self.head_ids is None else int(self.head_ids[head_row]))
+                    parents.append(node)
+                    if not deterministic:
+                        rows.append(row)
+                        supports.append(mapped)
+            if depth + 1 < len(widths):  # the last level's nodes have no children to draw
+                logits_by_node = self.forward_tree(session, [], token_ids, parents, first_node=first)  # [R, N_head]
+                frontier = list(zip(range(first, len(token_ids) + 1), logits_by_node))
+                processed += len(logits_by_node)
+        return Proposal(
+            token_ids=token_ids,
+            probs=None if deterministic else torch.stack(rows),  # [N, V]
+            deterministic=deterministic,
+            processed_tokens=processed,
+            sequence_length=len(session.tokens),
+            compute_ms=clock.ms(),
+            supports=None if deterministic else supports,
+            parents=parents,
+        )
 
     def _begin(self, call: ProposeCall) -> _Drafting:
         """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
@@ -273,6 +341,21 @@ class DraftRunner(ModelRunner):
             return head_probs
         probs = torch.zeros(self.loaded.vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
         return probs.index_copy_(0, self.head_ids, head_probs)
+
+
+def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:
+    """A tree call's shape: widths >= 1, a depth within max_speculative_tokens, at most
+    MAX_TREE_NODES nodes, and no chain length or copies beside it."""
+    widths = call.tree_widths
+    if call.num_tokens or call.max_copied_tokens:
+        raise InvalidArgument("a tree proposal (tree_widths) takes num_tokens 0 and no max_copied_tokens")
+    if any(width < 1 for width in widths) or len(widths) > max_speculative_tokens:
+        raise InvalidArgument(
+            f"tree_widths {list(widths)}: each width must be >= 1 and the depth at most {max_speculative_tokens}"
+        )
+    if tree_size(widths) > MAX_TREE_NODES:
+        raise InvalidArgument(f"tree_widths {list(widths)} make {tree_size(widths)} nodes; at most {MAX_TREE_NODES}")
+    return widths
 
 
 def stops_on_confidence(drawn_prob: float, min_confidence: float) -> bool:

@@ -148,6 +148,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.min_confidence if request.HasField("min_confidence") else None,
         request.vocab_limit,
         request.max_copied_tokens if request.HasField("max_copied_tokens") else None,
+        tuple(request.tree_widths),
     )
 
 
@@ -163,4 +164,5 @@ def _response(proposal) -> draft_pb2.ProposeResponse:
         runner_up_token_ids=proposal.runner_up_ids,
         runner_up_probs=proposal.runner_up_probs,
         copied=proposal.copied,
+        parents=proposal.parents,
     )

@@ -50,17 +50,49 @@ def rowwise_attention_forward(
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     past = length - rows
+    # A float mask is a token tree's (specdec.tree_pass): row j sees exactly the keys its
+    # mask row allows (the committed past and its ancestors), gathered into the layout a
+    # one-token pass over that path has. Causal passes get a boolean mask or none.
+    tree = attention_mask if attention_mask is not None and attention_mask.dtype.is_floating_point else None
+    visible_ids = None if tree is None else _visible_keys(tree, length)
     outputs = []
     for row in range(rows):
-        visible = past + row + 1
         q = query[:, :, row, :].reshape(batch, kv_heads, groups, dim).contiguous()  # [1, Hkv, G, D]
-        k = key[:, :, :visible, :].contiguous()  # [1, Hkv, P + j + 1, D]
-        v = value[:, :, :visible, :].contiguous()
+        if visible_ids is not None:
+            prefix, extra = visible_ids[row]  # a contiguous run from key 0, then the few ancestors
+            k = torch.cat([key[:, :, :prefix], key.index_select(2, extra)], dim=2)  # [1, Hkv, S_row, D]
+            v = torch.cat([value[:, :, :prefix], value.index_select(2, extra)], dim=2)
+        else:
+            visible = past + row + 1
+            k = key[:, :, :visible, :].contiguous()  # [1, Hkv, P + j + 1, D]
+            v = value[:, :, :visible, :].contiguous()
         weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(
             q.dtype
         )  # [1, Hkv, G, P + j + 1]
         outputs.append(torch.matmul(weights, v).reshape(batch, 1, heads, dim))  # [1, 1, H, D]
     return torch.cat(outputs, dim=1), None  # [1, Q, H, D]
+
+
+_last_tree: tuple[torch.Tensor, int, list[tuple[int, torch.Tensor]]] | None = None
+
+
+def _visible_keys(tree: torch.Tensor, length: int) -> list[tuple[int, torch.Tensor]]:
+    """Per row of a tree mask [1, 1, Q, L], the key positions it may see, as the length of
+    the run 0..n−1 they start with (the committed past: a slice) and the rest ([E_row]: the
+    row's ancestors, gathered), since gathering every position costs 5× a slice.
+    Every layer of a pass gets the same mask object: its rows are read once per pass, not
+    once per layer (the entry holds the mask, so its identity cannot be reused meanwhile)."""
+    global _last_tree
+    last = _last_tree  # one read: another thread's runner may replace it meanwhile
+    if last is not None and last[0] is tree and last[1] == length:
+        return last[2]
+    visible = []
+    for row in range(tree.shape[2]):
+        ids = (tree[0, 0, row, :length] == 0).nonzero().squeeze(-1)  # [S_row], ascending
+        prefix = int((ids == torch.arange(len(ids))).int().cumprod(0).sum())  # leading run 0, 1, ..
+        visible.append((prefix, ids[prefix:]))
+    _last_tree = (tree, length, visible)
+    return visible
 
 
 AttentionInterface.register(NAME, rowwise_attention_forward)

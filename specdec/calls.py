@@ -31,6 +31,7 @@ class ModelDescription:
     live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
+    trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
 
     @classmethod
     def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:

@@ -17,7 +17,9 @@ from specdec.calls import ModelDescription, check_context, check_token_ids
 from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
 from specdec.errors import ModelOutputError
 from specdec.modeling import LoadedModel
-from specdec.sessions import KVSession, SessionStore
+from specdec.sessions import CachedTree, KVSession, SessionStore
+from specdec.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
+from specdec.tree_sampling import ancestors
 
 T = TypeVar("T")
 
@@ -102,6 +104,7 @@ class ModelRunner:
             kv_bytes_per_token=self.kv_bytes_per_token,
             evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
+            trees=True,  # both model runners score token trees (forward_tree)
             **self._cost_fields(),
         )
 
@@ -159,6 +162,31 @@ class ModelRunner:
             self.sessions.end(session.session_id)
             raise
 
+    @torch.inference_mode()
+    def forward_tree(
+        self,
+        session: KVSession,
+        new_tokens: list[int],
+        token_ids: list[int],
+        parents: list[int],
+        first_node: int = 1,
+    ) -> torch.Tensor:
+        """specdec.tree_pass.tree_forward on the session's cache, admitted to the KV budget as
+        `forward` admits a pass; records the nodes it leaves cached (KVSession.tree).
+
+        → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32
+        """
+        ran = len(token_ids) - first_node + 1
+        try:
+            self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
+            logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
+        except BaseException:
+            self.sessions.end(session.session_id)  # as in `forward`: a half-updated cache is not kept
+            raise
+        self.processed_tokens_total += len(new_tokens) + ran
+        session.tree = CachedTree(len(session.tokens), tuple(token_ids), tuple(parents), len(token_ids))
+        return logits.float()
+
     def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         started = time.perf_counter()
         start = session.cached_tokens
@@ -180,10 +208,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_batch(
-        self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]
+        self,
+        sessions: list[KVSession],
+        token_ids: list[list[int]],
+        logits_to_keep: list[int],
+        trees: list[tuple[list[int], list[int]]] | None = None,
     ) -> list[torch.Tensor | Exception]:
         """`forward` for several sessions (distinct ids) in ONE pass of the model; item b gets
         logits [min(logits_to_keep[b], N_b), V] or the exception that failed it alone.
+
+        `trees`: per session, a token tree (node tokens, parents) to score after its
+        `token_ids` (which end in the tree's root), as `forward_tree` would: item b then gets
+        logits [1 + nodes_b, V] and `logits_to_keep` is not read.
 
         Each session is admitted to the KV budget as `forward` would admit it; one that does
         not fit fails alone. The pass left-pads every past to the longest and right-pads every
@@ -192,12 +228,17 @@ class ModelRunner:
         A failed pass fails (and ends) every session in it, as `forward` does for one.
         """
         if len(sessions) == 1 or not all(batchable_cache(session.cache) for session in sessions):
+            if trees is not None:
+                return [
+                    result_or_error(self.forward_tree, session, tokens, *tree)
+                    for session, tokens, tree in zip(sessions, token_ids, trees)
+                ]
             return [result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
         results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
         admitted: list[int] = []
         pending_bytes = 0
         for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
-            extra_bytes = len(tokens) * self.kv_bytes_per_token
+            extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
             try:
                 self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
             except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
@@ -210,7 +251,11 @@ class ModelRunner:
             return results  # type: ignore[return-value]
         chosen = [sessions[i] for i in admitted]
         try:
-            if len(admitted) == 1:
+            if trees is not None:
+                outputs = self._forward_padded_tree(
+                    chosen, [token_ids[i] for i in admitted], [trees[i] for i in admitted]
+                )
+            elif len(admitted) == 1:
                 outputs = [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
             else:
                 outputs = self._forward_padded(
@@ -275,6 +320,54 @@ class ModelRunner:
         self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
         logits = out.logits  # [B, width, V]
         return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
+
+    def _forward_padded_tree(
+        self, sessions: list[KVSession], token_ids: list[list[int]], trees: list[tuple[list[int], list[int]]]
+    ) -> list[torch.Tensor]:
+        """One pass over B sessions' token trees. Row b is laid out as in `_forward_padded`,
+        its new tokens followed by its N_b nodes; the 4D mask gives each row its left pad, its
+        past, its new tokens (causal) and, for a node, its ancestors (specdec.tree_pass). Each
+        session keeps its past, new tokens and every node, as `forward_tree` leaves it."""
+        device = self.loaded.device
+        past = [session.cached_tokens for session in sessions]  # [B]
+        runs = [tokens + nodes for tokens, (nodes, _) in zip(token_ids, trees)]
+        batch, max_past, width = len(sessions), max(past), max(len(run) for run in runs)
+        dtype = next(self.model.parameters()).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        input_ids = torch.zeros(batch, width, dtype=torch.long)  # [B, Q]; pads never attended
+        mask = torch.full((batch, 1, width, max_past + width), torch.finfo(dtype).min, dtype=dtype)  # [B, 1, Q, P + Q]
+        positions = torch.zeros(batch, width, dtype=torch.long)  # [B, Q]
+        keep = max(len(nodes) for nodes, _ in trees) + 1
+        logit_positions = torch.zeros(batch, keep, dtype=torch.long)  # [B, 1 + max N_b]
+        for row, (tokens, (_, parents)) in enumerate(zip(token_ids, trees)):
+            length = len(runs[row])
+            input_ids[row, :length] = torch.tensor(runs[row])
+            row_mask = tree_attention_mask(ancestors(parents), past[row], len(tokens), dtype)[0, 0]  # [Q_b, P_b + Q_b]
+            mask[row, 0, :length, max_past - past[row] : max_past + length] = row_mask
+            mask[row, 0, length:, max_past - past[row] : max_past + 1] = 0.0  # pad queries: no empty row
+            positions[row, :length] = tree_position_ids(ancestors(parents), past[row], len(tokens))[0]
+            rows = torch.arange(len(tokens) - 1, length)  # the root and the nodes: [1 + N_b]
+            logit_positions[row, : len(rows)] = rows
+        cache = padded_cache(sessions, past, max_past, self.model.config)
+        out = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logit_positions.to(device),
+        )
+        results = []
+        for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
+            length = len(runs[row])
+            session.cache = row_cache(cache, row, max_past - past[row], max_past + length, self.model.config)
+            session.tree = CachedTree(len(session.tokens), tuple(nodes), tuple(parents), len(nodes))
+            results.append(out.logits[row, : len(nodes) + 1].float())  # [1 + N_b, V]
+        self.processed_tokens_total += sum(len(run) for run in runs)
+        self.batched_forwards += 1
+        self.batched_sessions_total += batch
+        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
+        return results
 
 
 def kv_bytes_per_token(model) -> int:

@@ -16,6 +16,38 @@ from dataclasses import dataclass, field
 from transformers import DynamicCache
 
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
+from specdec.tree_pass import keep_tree_path
+
+
+@dataclass(frozen=True)
+class CachedTree:
+    """Token-tree nodes a pass left in a session's cache behind its sequence (a tree verify,
+    or the levels a tree proposal ran). The next call keeps those on the path its new tokens
+    spell out, so a round that accepted a branch runs none of it again."""
+
+    start: int  # the session's sequence length; node i's entry sits at start + i − 1
+    token_ids: tuple[int, ...]  # [N]
+    parents: tuple[int, ...]  # [N]
+    cached_nodes: int  # nodes 1..M are in the cache
+
+    def path(self, tokens: list[int]) -> list[int]:
+        """The cached nodes whose root-to-node tokens are a prefix of `tokens`. Siblings with
+        the same token (i.i.d. children) have the same entries, so the first one serves."""
+        node, path = 0, []
+        for token in tokens:
+            child = next(
+                (
+                    c
+                    for c in range(node + 1, self.cached_nodes + 1)
+                    if self.parents[c - 1] == node and self.token_ids[c - 1] == token
+                ),
+                None,
+            )
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
 
 
 @dataclass
@@ -25,6 +57,7 @@ class KVSession:
     cache: DynamicCache | None = field(default_factory=DynamicCache)  # None: a model-free drafter
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # newest call number served (ProposeRequest.epoch)
+    tree: CachedTree | None = None  # tree nodes cached behind `tokens`, until the next call
 
     def model_cache(self) -> DynamicCache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""
@@ -61,6 +94,9 @@ class KVSession:
 
     def extend(self, keep_tokens: int, new_tokens: list[int]) -> list[int]:
         """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run."""
+        if self.tree is not None:
+            tree, self.tree = self.tree, None
+            keep_tokens, new_tokens = self._reuse_tree(tree, keep_tokens, new_tokens)
         self.rollback(keep_tokens, new_tokens)
         surplus = self.cached_tokens - keep_tokens
         if surplus > 0:
@@ -73,6 +109,21 @@ class KVSession:
             # cached token): re-run the last one, since its logits are what the caller needs.
             self.model_cache().crop(-1)
         return self.tokens[self.cached_tokens :]
+
+    def _reuse_tree(self, tree: CachedTree, keep_tokens: int, new_tokens: list[int]) -> tuple[int, list[int]]:
+        """Keeps the cached tree nodes on the path `new_tokens` spells (a gather: the path's
+        entries need not be contiguous) and drops the others; returns the call's keep and new
+        tokens with that path counted as kept."""
+        cache = self.model_cache()
+        if self.cached_tokens != tree.start + tree.cached_nodes:
+            raise AssertionError(f"session {self.session_id}: the cache does not end in the tree it recorded")
+        if keep_tokens != tree.start or keep_tokens != len(self.tokens):
+            cache.crop(-tree.cached_nodes)  # a rollback past the tree: none of its nodes is kept
+            return keep_tokens, new_tokens
+        path = tree.path(new_tokens)
+        keep_tree_path(cache, tree.start, path)
+        self.tokens.extend(new_tokens[: len(path)])
+        return keep_tokens + len(path), new_tokens[len(path) :]
 
     def advance_epoch(self, epoch: int) -> None:
         """Refuses a call older than one already served (0 = the caller does not number calls):

@@ -1,23 +1,28 @@
 """Exact acceptance for a tree of draft tokens (issue 19's sampling math): pure functions.
 
 A tree is numbered 0..N: node 0 is the root, the position after the committed sequence, and
-node i (1..N) holds draft token `token_ids[i-1]` with parent `parents[i-1]` < i. The
-children of a node are drawn **i.i.d.** (with replacement) from the draft's distribution at
-that node, `draft_probs[node]`, and are tried in index order.
+node i (1..N) holds draft token `token_ids[i-1]` with parent `parents[i-1]` < i, drawn from
+`draft_probs[i-1]`. The children of a node are drawn **independently**, each from the
+distribution it is sent with, and are tried in index order. Two ways of growing a tree meet
+that premise: children drawn i.i.d. (with replacement) from the draft's distribution at the
+node (every sibling sends that same row), and deterministic candidates such as the draft's
+top-b tokens, each sent as a one-hot at itself (a point mass is independent of anything).
 
-Multi-step speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2; the same rule as
-"recursive rejection sampling" with replacement): at a node with target distribution p and
-children c_1..c_m drawn i.i.d. from q, start from r_0 = p; child c_i is *accepted* with
-probability min(1, r_{i-1}(c_i) / q(c_i)), and on rejection r_i = norm(max(0, r_{i-1} − q)).
+Multi-step speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2, where each child
+may come from its own small model; with i.i.d. children it is "recursive rejection sampling"
+with replacement): at a node with target distribution p and children c_1..c_m, c_i drawn
+from q_i, start from r_0 = p; child c_i is *accepted* with probability
+min(1, r_{i-1}(c_i) / q_i(c_i)), and on rejection r_i = norm(max(0, r_{i-1} − q_i)).
 An accepted child becomes the node and the rule repeats below it; if every child is
 rejected, the next token is *recovered* from r_m (for a leaf, m = 0: the *bonus* sample from
 p). Why it is exact, by induction over the children: before child i the token still to be
 emitted at this node is distributed as r_{i-1} given the rejections so far; child i is an
-independent draw from q, so one step of ordinary rejection sampling emits c_i with
-probability min(r_{i-1}, q)(c_i) and leaves r_i after a rejection; summing over the steps
-gives exactly p. i.i.d. children are required: a child drawn conditionally on its siblings
-(top-b distinct tokens, sampling without replacement) breaks the step's premise, which is why
-greedy trees (the target one-hot) may use top-b children and sampled trees may not.
+independent draw from q_i, so one step of ordinary rejection sampling emits c_i with
+probability min(r_{i-1}, q_i)(c_i) and leaves r_i after a rejection; summing over the steps
+gives exactly p. Independence is required: a child drawn from its node's distribution
+conditionally on its siblings (sampling without replacement, yet sent with the node's row)
+breaks the step's premise. Distinct top-b candidates are fine when each is sent one-hot: the
+rule then tries c_1 with probability p(c_1), else c_2 with p(c_2) / (1 − p(c_1)), and so on.
 
 The split across processes mirrors the chain (specdec.probs.verify_outputs): r_i depends on
 p, q and the number of rejections only, never on which tokens were rejected, so the target
@@ -34,6 +39,17 @@ import numpy as np
 import torch
 
 from specdec.probs import residual_probs, sample
+
+MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.attention.MAX_ROWS
+
+
+def tree_size(widths: Sequence[int]) -> int:
+    """Nodes of a tree whose nodes at depth d (the root at 0) have widths[d] children each."""
+    total, level = 0, 1
+    for width in widths:
+        level *= width
+        total += level
+    return total
 
 
 def check_parents(parents: Sequence[int]) -> None:
@@ -71,7 +87,7 @@ class TreeVerifyOutputs:
 
 def tree_verify_outputs(
     target_probs: torch.Tensor,  # [N + 1, V]: the target at each node (row 0: the root)
-    draft_probs: torch.Tensor,  # [N + 1, V]: the distribution each node's children were drawn from
+    draft_probs: torch.Tensor,  # [N, V]: the distribution node i (1..N) was drawn from, row i - 1
     token_ids: torch.Tensor,  # [N] int64
     parents: Sequence[int],  # [N]
     generator: np.random.Generator,
@@ -86,7 +102,7 @@ def tree_verify_outputs(
         residual = target_probs[node]  # [V]: r_0 = p
         for child in children[node]:
             node_target_probs[child - 1] = residual[token_ids[child - 1]]
-            residual = residual_probs(residual[None], draft_probs[node][None])[0]  # r_i
+            residual = residual_probs(residual[None], draft_probs[child - 1][None])[0]  # r_i
         final_rows.append(residual)
     next_token_ids = sample(torch.stack(final_rows), generator)  # [N + 1]
     return TreeVerifyOutputs(node_target_probs, next_token_ids)
@@ -96,6 +112,15 @@ def tree_verify_outputs(
 class TreeOutcome:
     path: list[int]  # accepted nodes, root's child first
     next_token_id: int  # recovered at the last accepted node, or the bonus at a leaf
+    at_leaf: bool = False  # the path ends in a node without children: next_token_id is a bonus
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    def is_bonus(self, num_draft: int = 0) -> bool:
+        """As coordinator.sampling.RoundOutcome.is_bonus (the tree size does not matter)."""
+        return self.at_leaf
 
     def committed(self, token_ids: Sequence[int]) -> list[int]:
         """Tokens this round adds: the accepted path's tokens, then the next token."""
@@ -121,4 +146,4 @@ def decide_tree(
                 node = child
                 break
         else:
-            return TreeOutcome(path, int(next_token_ids[node]))
+            return TreeOutcome(path, int(next_token_ids[node]), at_leaf=not children[node])

@@ -181,4 +181,5 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         live_pass_ms=list(description.live_pass_ms),
         cost_context_tokens=description.cost_context_tokens,
         copies=description.copies,
+        trees=description.trees,
     )

@@ -14,6 +14,7 @@ from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
 from specdec.runner import ModelRunner
 from specdec.sessions import KVSession
+from specdec.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,13 @@ class VerifyCall:
     params: SamplingParams
     seed: int
     return_distributions: bool = False
+    parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.tree_sampling numbering); empty: a chain
 
 
 @dataclass(frozen=True)
 class Verification:
-    draft_token_target_probs: list[float]  # [K]
-    recovered_token_ids: list[int]  # [K]
+    draft_token_target_probs: list[float]  # [K]; a tree's: r(d_i) after the node's earlier siblings
+    recovered_token_ids: list[int]  # [K]; a tree's: [K + 1], per node (root first) the token after it
     bonus_token_id: int
     target_probs: torch.Tensor | None  # [K + 1, V] when asked for
     processed_tokens: int
@@ -67,6 +69,21 @@ class TargetRunner(ModelRunner):
         return self._conclude(admitted, self._forward_round(admitted), batch_size=1)
 
     def _forward_round(self, admitted: _Admitted) -> torch.Tensor:
+        if admitted.call.parents:
+            return self._forward_tree_round(admitted)
+        return self._forward_chain_round(admitted)
+
+    def _forward_tree_round(self, admitted: _Admitted) -> torch.Tensor:
+        """Logits [N + 1, V] of the last committed token (the root) and the N tree nodes, in
+        one pass with a tree mask (specdec.tree_pass); committed tokens before the root run
+        first, as in a chain round. The nodes stay cached behind the committed sequence until
+        the next call keeps the accepted path (KVSession.tree)."""
+        call, pending = admitted.call, admitted.pending
+        if len(pending) > 1:
+            self.forward(admitted.session, pending[:-1], logits_to_keep=1)
+        return self.forward_tree(admitted.session, pending[-1:], call.draft_token_ids, list(call.parents))
+
+    def _forward_chain_round(self, admitted: _Admitted) -> torch.Tensor:
         """Logits [K + 1, V] of the last committed token and the K drafts.
 
         Committed tokens before those (a prompt, a re-prefill) run first in a pass of their
@@ -97,34 +114,48 @@ class TargetRunner(ModelRunner):
         results: list[Verification | Exception | None] = [None] * len(calls)
         for wave in call_waves([(call.session_id,) for call in calls]):
             admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
-            for group in batch_groups([len(item.pending) for _, item in admitted], self.max_padding_ratio):
-                members = [admitted[position] for position in group]
-                if len(members) == 1:  # alone in its pass: exactly as verify_one
-                    index, item = members[0]
-                    try:
-                        results[index] = self._conclude(item, self._forward_round(item), batch_size=1)
-                    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                        results[index] = exc
-                    continue
-                outputs = self.forward_batch(
-                    [item.session for _, item in members],
-                    [item.pending for _, item in members],
-                    [len(item.call.draft_token_ids) + 1 for _, item in members],
-                )
-                for (index, item), logits in zip(members, outputs):
-                    if isinstance(logits, Exception):
-                        results[index] = logits
-                        continue
-                    try:
-                        results[index] = self._conclude(item, logits, batch_size=len(members))
-                    except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                        results[index] = exc
+            # Chains and trees share passes among their own kind (a tree pass needs a 4D mask).
+            for trees in (False, True):
+                kind = [entry for entry in admitted if bool(entry[1].call.parents) == trees]
+                # A chain's pending tokens hold its drafts; a tree's nodes come after them.
+                sizes = [len(item.pending) + (len(item.call.draft_token_ids) if trees else 0) for _, item in kind]
+                for group in batch_groups(sizes, self.max_padding_ratio):
+                    self._verify_group([kind[position] for position in group], trees, results)
         return results  # type: ignore[return-value]
+
+    def _verify_group(
+        self, members: list[tuple[int, _Admitted]], trees: bool, results: list[Verification | Exception | None]
+    ) -> None:
+        """One pass for `members` (alone: exactly as verify_one); each result or error into `results`."""
+        if len(members) == 1:
+            index, item = members[0]
+            try:
+                results[index] = self._conclude(item, self._forward_round(item), batch_size=1)
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                results[index] = exc
+            return
+        outputs = self.forward_batch(
+            [item.session for _, item in members],
+            [item.pending for _, item in members],
+            [len(item.call.draft_token_ids) + 1 for _, item in members],
+            [(item.call.draft_token_ids, list(item.call.parents)) for _, item in members] if trees else None,
+        )
+        for (index, item), logits in zip(members, outputs):
+            if isinstance(logits, Exception):
+                results[index] = logits
+                continue
+            try:
+                results[index] = self._conclude(item, logits, batch_size=len(members))
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                results[index] = exc
 
     def _admit(self, call: VerifyCall) -> _Admitted:
         """Checks the call, then rolls its session back to `keep_tokens` and appends its tokens."""
         num_draft = len(call.draft_token_ids)
-        if num_draft > self.max_speculative_tokens:
+        depth = num_draft
+        if call.parents:
+            depth = self._check_tree(call)
+        elif num_draft > self.max_speculative_tokens:
             raise InvalidArgument(
                 f"{num_draft} draft tokens exceed the maximum of {self.max_speculative_tokens} per call"
             )
@@ -137,11 +168,29 @@ class TargetRunner(ModelRunner):
             )
         self.check_tokens(call.new_tokens, "new_tokens")
         self.check_tokens(call.draft_token_ids, "draft tokens")
-        self.check_length(call.keep_tokens + len(call.new_tokens) + num_draft)
+        self.check_length(call.keep_tokens + len(call.new_tokens) + depth)
         clock = Stopwatch()
         session = self.sessions.open(call.session_id, call.keep_tokens)
-        pending = session.extend(call.keep_tokens, call.new_tokens + call.draft_token_ids)
+        # A tree's nodes never join the sequence: the pass caches them behind it (KVSession.tree).
+        pending = session.extend(
+            call.keep_tokens, call.new_tokens if call.parents else call.new_tokens + call.draft_token_ids
+        )
         return _Admitted(call, session, pending, clock)
+
+    @staticmethod
+    def _check_tree(call: VerifyCall) -> int:
+        """The tree's depth, after checking its shape."""
+        if len(call.parents) != len(call.draft_token_ids):
+            raise InvalidArgument(
+                f"{len(call.parents)} draft_parents for {len(call.draft_token_ids)} draft tokens; "
+                "a tree gives one per token"
+            )
+        if len(call.parents) > MAX_TREE_NODES:
+            raise InvalidArgument(f"a tree of {len(call.parents)} nodes exceeds the maximum of {MAX_TREE_NODES}")
+        try:
+            return max(len(path) for path in ancestors(call.parents))
+        except ValueError as exc:
+            raise InvalidArgument(f"draft_parents: {exc}") from None
 
     def _greedy_fast_path(self, call: VerifyCall) -> bool:
         return not self.needs_draft_probs(call.params, call.return_distributions)
@@ -155,6 +204,8 @@ class TargetRunner(ModelRunner):
         self.check_logits(logits, call.session_id)
         num_draft = len(call.draft_token_ids)
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
+        if call.parents:
+            return self._conclude_tree(admitted, logits, draft_ids, batch_size)
         if self._greedy_fast_path(call):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
@@ -172,6 +223,34 @@ class TargetRunner(ModelRunner):
             bonus_token_id=outputs.bonus_token_id,
             target_probs=target_probs if call.return_distributions else None,
             processed_tokens=len(admitted.pending),
+            sequence_length=len(admitted.session.tokens),
+            compute_ms=admitted.clock.ms(),
+            batch_size=batch_size,
+        )
+
+    def _conclude_tree(
+        self, admitted: _Admitted, logits: torch.Tensor, draft_ids: torch.Tensor, batch_size: int
+    ) -> Verification:
+        """A tree round's outputs (specdec.tree_sampling). logits: [N + 1, V], root first."""
+        call = admitted.call
+        parents = torch.tensor(call.parents, dtype=torch.int64)  # [N]
+        if self._greedy_fast_path(call):
+            # A one-hot target: a node is accepted iff it is its parent's argmax, and every
+            # residual of a one-hot is one-hot at the same argmax.
+            argmax = logits.argmax(dim=-1).cpu()  # [N + 1]
+            outputs = TreeVerifyOutputs((draft_ids == argmax[parents]).float(), argmax)
+            target_probs = None
+        else:
+            target_probs = logits_to_probs(logits, call.params).cpu()  # [N + 1, V]
+            outputs = tree_verify_outputs(
+                target_probs, call.draft_probs, draft_ids, call.parents, np.random.default_rng(call.seed)
+            )
+        return Verification(
+            draft_token_target_probs=outputs.node_target_probs.tolist(),
+            recovered_token_ids=outputs.next_token_ids.tolist(),
+            bonus_token_id=0,
+            target_probs=target_probs if call.return_distributions else None,
+            processed_tokens=len(admitted.pending) + len(call.draft_token_ids),
             sequence_length=len(admitted.session.tokens),
             compute_ms=admitted.clock.ms(),
             batch_size=batch_size,

@@ -82,6 +82,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 params,
                 request.seed,
                 request.return_distributions,
+                tuple(request.draft_parents),
             )
             if self._batcher is not None:
                 result = await self._batcher.submit(call)

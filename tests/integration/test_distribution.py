@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdec import tree_sampling
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams, logits_to_probs
 from specdec.quantize import quantize_int8
@@ -57,6 +58,7 @@ class Case:
     # (draft ms per step, target ms per pass) set as the services' calibrated costs, so the
     # K chooser has figures to choose from: a cheap draft and a flat verify make it speculate.
     costs: tuple[float, float] | None = None
+    tree: tuple[int, ...] = ()  # tree speculation with these widths (k must then be None)
 
 
 # Drafts half as dear as a verify: the pipelined cases settle at K = 1, so rounds continue
@@ -104,6 +106,11 @@ CASES = {
     "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
     # An int8 target: the output is the int8 model's own distribution.
     "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
+    # Token trees (issue 19): i.i.d. sampled children (siblings may repeat), the draft's top-b
+    # tokens sent one-hot, and an int8 target scoring the tree with its row-wise attention.
+    "tree_iid_sampled_children": Case({"quantize": "none"}, k=None, tree=(2, 2)),
+    "tree_top_b_one_hot_children": Case({"proposal_mode": "greedy"}, k=None, tree=(3, 1)),
+    "tree_int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, k=None, tree=(2, 2)),
 }
 
 
@@ -166,6 +173,7 @@ async def sample_continuations(
     k: int | None = NUM_DRAFT,
     stats=None,
     concurrency: int = CONCURRENCY,
+    tree: tuple[int, ...] = (),
 ):
     """Seeded generations of `length` tokens; `stats`, if given, collects each response's stats."""
     semaphore = asyncio.Semaphore(concurrency)
@@ -181,6 +189,7 @@ async def sample_continuations(
                     top_k=params.top_k,
                     top_p=params.top_p,
                     seed=seed,
+                    tree_widths=tree,
                 ),
                 timeout=60,
             )
@@ -221,9 +230,9 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     ) as stack:
         stats: list = []
         samples = await sample_continuations(
-            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, LOCAL_CONCURRENCY
+            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, LOCAL_CONCURRENCY, c.tree
         )
-        repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k)
+        repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k, tree=c.tree)
     # The K chooser works from figures fixed at start-up, so a seed reproduces with it too.
     if batch_invariant(c.draft):
         assert repeat == samples[:20], "the same seed must give the same output"
@@ -237,6 +246,9 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         drafted = sum(1 for s in stats for k in s.k_per_round if k) - copied
         assert copied > SAMPLES // 10 and drafted > SAMPLES // 10, (copied, drafted)
     assert all(len(s) == c.length for s in samples)
+    if c.tree:
+        accepted = sum(s.accepted_tokens for s in stats)
+        assert accepted > SAMPLES // 2, f"only {accepted} tree nodes were accepted; the tree path is barely exercised"
     if c.coordinator.get("pipeline"):
         hits = sum(s.predraft_hits for s in stats)
         # With K=1 most requests pre-draft; adaptive K often fills the 4 tokens in one round.
@@ -264,3 +276,17 @@ async def test_distribution_test_detects_the_draft_distribution(word_pair):
     async with local_stack(swapped, draft_overrides=LOCAL_BATCH, target_overrides=LOCAL_BATCH) as stack:
         samples = await sample_continuations(stack.stub, params, range(SAMPLES), concurrency=LOCAL_CONCURRENCY)
     assert chi_square_p_value(samples, expected) < 1e-6
+
+
+async def test_tree_distribution_test_detects_siblings_tried_against_the_target_itself(word_pair, monkeypatch):
+    """Power check for trees through the services: a target that tries every sibling against
+    its own distribution (no residual between siblings; the recovered token from p) must fail."""
+    monkeypatch.setattr(tree_sampling, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    params = SamplingParams(temperature=1.0)
+    expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size)
+    draft = {**LOCAL_BATCH, "quantize": "none"}
+    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
+        samples = await sample_continuations(
+            stack.stub, params, range(SAMPLES), k=None, concurrency=LOCAL_CONCURRENCY, tree=(3, 1)
+        )
+    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR

@@ -332,3 +332,67 @@ def test_call_waves_let_a_writer_share_the_wave_of_readers_before_it():
     assert call_waves([("a",), ("f",), ("a",)], [(), ("a",), ()]) == [[0], [1, 2]]
     # Two writers of one session never share a wave, readers or not.
     assert call_waves([("a",), ("f",), ("a",), ("a",)], [(), ("a",), (), ()]) == [[0], [1, 2], [3]]
+
+
+TREES = {  # session: (parents, new tokens this round)
+    "short": ([0, 0, 1, 2], 1),
+    "medium": ([0, 0, 0, 1, 4], 3),
+    "long": ([0, 1, 2], 2),
+}
+
+
+def tree_calls(runners, params: SamplingParams, round_index: int, kept: dict | None = None) -> list[VerifyCall]:
+    """A token tree per session: different pasts, shapes and numbers of new tokens. `kept`:
+    per session, (committed length, the accepted path's tokens) from the round before."""
+    vocab = runners[0].loaded.vocab_size
+    calls = []
+    for seed, (session_id, (parents, new)) in enumerate(TREES.items()):
+        nodes = tokens(100 + 10 * round_index + seed, len(parents), vocab)
+        probs = draft_probs(200 + 10 * round_index + seed, len(parents), vocab)
+        if kept is None:
+            keep, new_tokens = len(prefilled_tokens(runners[0], session_id)), tokens(300 + seed, new, vocab)
+        else:
+            keep, path = kept[session_id]
+            new_tokens = path + tokens(400 + seed, 1, vocab)
+        calls.append(
+            VerifyCall(session_id, keep, new_tokens, nodes, probs, params, 7 + seed, True, parents=tuple(parents))
+        )
+    return calls
+
+
+def prefilled_tokens(runner: TargetRunner, session_id: str) -> list[int]:
+    return runner.sessions.open(session_id, 1).tokens
+
+
+def test_batched_trees_equal_each_tree_alone_and_keep_their_paths(loaded):
+    """Token trees of several sessions share one pass (a 4D mask per row): every node's
+    target distribution and every cache match the lone pass; the next round, each session
+    keeps a different accepted path from its cached nodes, batched again."""
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    batched.max_padding_ratio = float("inf")
+    vocab = loaded.vocab_size
+    for seed, session_id in enumerate(TREES):
+        prefill([solo, batched], session_id, tokens(seed, 5 + 9 * seed, vocab))
+    kept = None
+    for round_index in range(2):
+        calls = tree_calls([solo, batched], SAMPLED, round_index, kept)
+        expected = alone(solo, calls)
+        passes_before = batched.batched_forwards
+        results = batched.verify_batch(calls)
+        assert batched.batched_forwards == passes_before + 1
+        for call, want, got in zip(calls, expected, results):
+            assert got.batch_size == len(calls) and len(got.recovered_token_ids) == len(call.parents) + 1
+            torch.testing.assert_close(got.target_probs, want.target_probs, **PROB_TOLERANCE)
+            assert got.sequence_length == want.sequence_length == call.keep_tokens + len(call.new_tokens)
+        assert_same_caches(solo, batched, list(TREES))
+        # Next round: "short" keeps nodes 1 -> 3, "medium" node 3, "long" nothing.
+        paths = {"short": [1, 3], "medium": [3], "long": []}
+        kept = {
+            call.session_id: (
+                call.keep_tokens + len(call.new_tokens),
+                [call.draft_token_ids[n - 1] for n in paths[call.session_id]],
+            )
+            for call in calls
+        }
+    for runner in (solo, batched):  # the kept paths ran no second time
+        assert runner.sessions.open("short", 1).tree is not None

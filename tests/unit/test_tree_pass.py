@@ -3,11 +3,15 @@ accepted path leaves the cache of the committed sequence (specdec.tree_pass)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec import attention
+from specdec.quantize import quantize_int8
+from specdec.sessions import CachedTree, KVSession
 from specdec.tree_pass import keep_tree_path, tree_forward
 from specdec.tree_sampling import ancestors
 
@@ -73,15 +77,54 @@ def test_keeping_the_accepted_path_leaves_the_committed_sequences_cache(model, p
 
 def test_a_tree_needs_its_root_token(model):
     with pytest.raises(ValueError, match="root"):
-        tree_forward(model, prefilled(model), [], TOKENS, PARENTS)
+        tree_forward(model, DynamicCache(config=model.config), [], TOKENS, PARENTS)
 
 
-def test_the_row_wise_attention_is_refused(model):
-    """specdec.attention's row-wise kernel is causal by construction and would let a node see
-    its siblings; a tree pass must not run on it."""
-    model.set_attn_implementation(attention.NAME)
-    try:
-        with pytest.raises(ValueError, match="4D mask"):
-            tree_forward(model, prefilled(model), NEW, TOKENS, PARENTS)
-    finally:
-        model.set_attn_implementation("sdpa")
+def test_a_tree_grown_a_level_per_pass_scores_as_one_pass(model):
+    """The draft's way: the root's pass, then each level on top of the cached levels above."""
+    whole = tree_forward(model, prefilled(model), NEW, TOKENS, PARENTS)
+    cache = prefilled(model)
+    rows = [tree_forward(model, cache, NEW, TOKENS[:2], PARENTS[:2])]  # root + nodes 1, 2
+    rows.append(tree_forward(model, cache, [], TOKENS[:6], PARENTS[:6], first_node=3))  # nodes 3..6
+    rows.append(tree_forward(model, cache, [], TOKENS, PARENTS, first_node=7))  # node 7
+    torch.testing.assert_close(torch.cat(rows), whole, atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == len(PROMPT + NEW) + len(TOKENS)
+
+
+def test_the_row_wise_int8_pass_is_bitwise_one_token_decoding(model):
+    """The target's setting on CPU (int8 layers, specdec.attention): every node's logits are
+    bitwise those of decoding its path one token at a time, so greedy trees stay identical
+    to the target's own greedy output."""
+    quantised = copy.deepcopy(model)
+    quantize_int8(quantised)
+    quantised.set_attn_implementation(attention.NAME)
+    logits = tree_forward(quantised, prefilled(quantised), NEW, TOKENS, PARENTS)
+    for node, path in enumerate(ancestors(PARENTS), start=1):
+        cache = prefilled(quantised)
+        with torch.inference_mode():
+            for token in NEW + [TOKENS[n - 1] for n in path]:
+                decoded = quantised(torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+        assert torch.equal(decoded, logits[node]), f"node {node}"
+
+
+def test_a_session_keeps_the_branch_its_next_call_spells_and_drops_the_rest(model):
+    """KVSession.tree: the next call's new tokens (the accepted path, then the next token)
+    reuse the path's cached nodes; a call that rolls back before the tree drops them all."""
+    committed = PROMPT + NEW
+    for keep, new, reused in (
+        (len(committed), [TOKENS[0], TOKENS[3], TOKENS[6], 17], 3),  # path 1 -> 4 -> 7, then 17
+        (len(committed), [TOKENS[1], 17], 1),  # path 2, then a token no child of 2 holds
+        (len(committed), [17], 0),  # every child of the root rejected
+        (len(PROMPT), [9, 9], 0),  # a rollback into the committed tokens
+    ):
+        session = KVSession("s", tokens=list(committed), cache=prefilled(model))
+        tree_forward(model, session.cache, NEW, TOKENS, PARENTS)
+        session.tree = CachedTree(len(committed), tuple(TOKENS), tuple(PARENTS), len(TOKENS))
+        pending = session.extend(keep, new)
+        sequence = committed[:keep] + new
+        assert session.tokens == sequence and session.tree is None
+        assert pending == new[reused:], (new, pending)
+        next_token = 5
+        with torch.inference_mode():
+            logits = model(torch.tensor([pending + [next_token]]), past_key_values=session.cache).logits[0, -1]
+        torch.testing.assert_close(logits, plain_next_logits(model, sequence + [next_token]), atol=1e-5, rtol=0)

@@ -44,10 +44,12 @@ def generate(
     distinct_children: bool = False,
     greedy: bool = False,
     paths: list | None = None,
+    top_b_one_hot: bool = False,
 ) -> tuple[int, ...]:
     """LENGTH tokens after PROMPT by tree rounds, drawing from `rngs` (see `streams`).
     `distinct_children`: each node's children are drawn without replacement (top-b distinct
-    tokens when `greedy`). `paths` collects each round's accepted path."""
+    tokens when `greedy`). `top_b_one_hot`: a sampled target with the draft's top-b tokens as
+    children, each sent one-hot at itself. `paths` collects each round's accepted path."""
     draft_rng, target_rng, coins = rngs
     context, out = PROMPT, []
     while len(out) < LENGTH:
@@ -56,7 +58,7 @@ def generate(
             grown = []
             for node in frontier:
                 q = DRAFT.probs(contexts[node])
-                if greedy:
+                if greedy or top_b_one_hot:
                     drawn = np.argsort(-q, kind="stable")[:width].tolist()
                 elif distinct_children:
                     drawn = draft_rng.choice(VOCAB, size=width, replace=False, p=q).tolist()
@@ -71,13 +73,16 @@ def generate(
         target_rows = np.stack([TARGET.probs(c) for c in contexts])  # [N + 1, V]
         if greedy:
             target_rows = np.stack([one_hot(row) for row in target_rows])
-        draft_rows = np.stack([DRAFT.probs(c) for c in contexts])  # [N + 1, V]
+        # [N, V]: the distribution each node was drawn from (its parent's, or one-hot at itself)
+        draft_rows = np.stack([DRAFT.probs(contexts[parent]) for parent in parents])
+        if top_b_one_hot or greedy:
+            draft_rows = np.eye(VOCAB)[token_ids]
         verified = tree_verify_outputs(
             torch.from_numpy(target_rows), torch.from_numpy(draft_rows), torch.tensor(token_ids), parents, target_rng
         )
         outcome = decide_tree(
             verified.node_target_probs.tolist(),
-            [float(draft_rows[parent, token]) for parent, token in zip(parents, token_ids)],
+            [float(draft_rows[node, token]) for node, token in enumerate(token_ids)],
             coins.random(len(token_ids)).tolist(),
             parents,
             verified.next_token_ids.tolist(),
@@ -117,6 +122,16 @@ def test_power_children_drawn_without_replacement_fail():
     assert chi_square_p_value(samples, TARGET.continuations(PROMPT, LENGTH)) < P_VALUE_FLOOR
 
 
+def test_top_b_children_sent_one_hot_have_the_target_distribution():
+    """Deterministic distinct candidates (the draft's top-b) are independent draws from point
+    masses: sent one-hot, the rule stays exact for a sampled target."""
+    rngs, paths = streams(4), []
+    samples = [generate(rngs, top_b_one_hot=True, paths=paths) for _ in range(SAMPLES)]
+    assert sum(bool({2, 4, 6} & set(path)) for path in paths) > SAMPLES // 10, "second candidates were rarely accepted"
+    p_value = chi_square_p_value(samples, TARGET.continuations(PROMPT, LENGTH))
+    assert p_value > P_VALUE_FLOOR, f"χ² p-value {p_value:.2e}: one-hot top-b trees are not the target's distribution"
+
+
 def test_greedy_tree_with_top_b_children_gives_the_targets_argmax_chain():
     """A one-hot target accepts exactly the child equal to its argmax, so distinct top-b
     children are fine for greedy: the output is the target's greedy continuation."""
@@ -134,22 +149,28 @@ def test_decide_tree_walks_the_first_accepted_child_down():
     next_token_ids = [10, 11, 12, 13, 14]
     # Node 1 rejected (u·q ≥ r), node 2 accepted, node 4 accepted: ends at leaf 4 with its bonus.
     outcome = decide_tree([0.1, 0.5, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.9, 0.1, 0.1, 0.1], parents, next_token_ids)
-    assert outcome.path == [2, 4] and outcome.next_token_id == 14
+    assert outcome.path == [2, 4] and outcome.next_token_id == 14 and outcome.is_bonus()
     assert outcome.committed([7, 8, 9, 6]) == [8, 6, 14]
     # Every root child rejected: the root's recovered token.
     outcome = decide_tree([0.0, 0.0, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0], parents, next_token_ids)
     assert outcome.path == [] and outcome.next_token_id == 10, "a child of target probability 0 is never accepted"
+    assert not outcome.is_bonus() and outcome.num_accepted == 0
 
 
 def test_tree_verify_outputs_updates_the_residual_per_sibling():
     """Two children of the root: the second is tried against norm(max(0, p − q))."""
     target = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
-    draft = torch.tensor([[0.6, 0.2, 0.2], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    draft = torch.tensor([[0.6, 0.2, 0.2], [0.6, 0.2, 0.2]])  # both children drawn from the root's q
     verified = tree_verify_outputs(target, draft, torch.tensor([0, 1]), [0, 0], np.random.default_rng(0))
     # r_0 = p: p(0) = 0.5; r_1 = norm(max(0, p − q)) = [0, 1, 0]: r_1(1) = 1.
     assert torch.allclose(verified.node_target_probs, torch.tensor([0.5, 1.0]))
     # After both rejected, r_2 = norm(max(0, r_1 − q)) = [0, 1, 0]: the recovered token is 1.
     assert int(verified.next_token_ids[0]) == 1
+
+
+def test_tree_size_counts_every_level():
+    assert tree_sampling.tree_size([2, 2]) == 6 and tree_sampling.tree_size([3, 1, 1]) == 9
+    assert tree_sampling.tree_size([]) == 0
 
 
 def test_parents_must_come_first():
