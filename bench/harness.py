@@ -163,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--suite",
-        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes"],
+        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes", "trees"],
         default="k-sweep",
         help=(
             "k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's "

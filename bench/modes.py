@@ -91,7 +91,7 @@ class BenchConfig:
     prompts_file: Path
     out_dir: Path
     seed: int
-    suite: str = "k-sweep"  # or "drafters", "modes", "all" (those three at once), "concurrency", "overhead", "nodes"
+    suite: str = "k-sweep"  # or "drafters", "modes", "all" (those three), "concurrency", "overhead", "nodes", "trees"
     only: tuple[str, ...] = ()  # keep only modes whose name contains one of these (plus ours K=0)
     draft_vocab: int = 32768  # the reduced-vocabulary drafter's head size
     sessions: tuple[int, ...] = (1, 2, 4, 8)  # concurrency suite: generations at once
@@ -111,6 +111,7 @@ class Mode:
     coordinator: str = "sequential"  # ours: the coordinator variant (COORDINATORS)
     adaptive: bool = False  # ours: leave K to the coordinator (k is then only a label)
     placement: str = "shared"  # ours: PLACEMENTS
+    tree: tuple[int, ...] = ()  # ours: tree speculation with these widths (GenerateRequest.tree_widths)
 
 
 @dataclass
@@ -172,6 +173,8 @@ def _suite_modes(config: BenchConfig) -> list[Mode]:
         return [Mode(f"ours int8 K={k}", "ours", k, drafter="int8") for k in config.ks]
     if config.suite == "nodes":
         return node_modes()
+    if config.suite == "trees":
+        return tree_modes()
     modes = [Mode(OURS_TARGET_ONLY, "ours", 0), Mode(HF_TARGET_ONLY, "hf")]
     modes += [Mode(f"HF assisted ({a if a == 'default' else 'K=' + a})", "hf", assisted=a) for a in config.hf_assisted]
     modes += [Mode(f"ours K={k}", "ours", k) for k in config.ks]
@@ -215,6 +218,17 @@ def coordinator_modes() -> list[Mode]:
         Mode("ours int8 K=3 hedged (2)", "ours", 3, drafter="int8", coordinator="hedged2"),
         Mode("ours int8 K=3 pipelined+hedged (1)", "ours", 3, drafter="int8", coordinator="pipelined+hedged1"),
     ]
+
+
+def tree_modes() -> list[Mode]:
+    """Token trees against chains with the same int8 draft and target (issue 19): tokens per
+    target pass and tok/s, so a tree shows whether its extra nodes pay for their verify."""
+    modes = [Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8")]
+    modes += [Mode(f"ours int8 chain K={k}", "ours", k, drafter="int8") for k in (2, 3, 4, 5)]
+    for widths in ((2, 1), (2, 1, 1), (2, 1, 1, 1), (2, 2), (2, 2, 1)):
+        label = "x".join(map(str, widths))
+        modes.append(Mode(f"ours int8 tree {label}", "ours", len(widths), drafter="int8", tree=widths))
+    return modes
 
 
 def node_modes() -> list[Mode]:

@@ -91,7 +91,9 @@ class OursRunner:
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
         request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        if not mode.adaptive:
+        if mode.tree:
+            request.tree_widths.extend(mode.tree)
+        elif not mode.adaptive:
             request.num_speculative_tokens = mode.k
         response = self.stubs[mode.drafter, mode.coordinator, mode.placement].Generate(request, timeout=3600)
         s = response.stats
