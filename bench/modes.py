@@ -65,6 +65,7 @@ COORDINATORS = {
     "hedged2": ["--hedges", "2"],
     "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
     "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
+    "tree-chooser": ["--tree-chooser", "on"],
 }
 
 
@@ -143,6 +144,7 @@ class Sample:
     ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
     predraft_wasted_tokens: int = 0
     hedge_wasted_tokens: int = 0
+    tree_rounds: int = 0  # rounds that verified a token tree
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
@@ -228,6 +230,10 @@ def tree_modes() -> list[Mode]:
     for widths in ((2, 1), (2, 1, 1), (2, 1, 1, 1), (2, 2), (2, 2, 1)):
         label = "x".join(map(str, widths))
         modes.append(Mode(f"ours int8 tree {label}", "ours", len(widths), drafter="int8", tree=widths))
+    modes.append(Mode("ours int8, K chooser", "ours", 0, drafter="int8", adaptive=True))
+    modes.append(
+        Mode("ours int8, K/tree chooser", "ours", 0, drafter="int8", coordinator="tree-chooser", adaptive=True)
+    )
     return modes
 
 

@@ -125,6 +125,7 @@ class OursRunner:
             ready_rounds=s.ready_rounds,
             predraft_wasted_tokens=s.predraft_wasted_tokens,
             hedge_wasted_tokens=s.hedge_wasted_tokens,
+            tree_rounds=s.tree_rounds,
         )
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdec.costs import cost_at
+from specdec.tree_sampling import MAX_TREE_NODES
 
 DEFAULT_ALPHA_PRIOR = 0.6  # before any round: a draft of the same family agrees about this often
 PRIOR_WEIGHT = 2.0  # pseudo-positions the prior counts for
@@ -31,6 +32,23 @@ PROBE_EVERY = 8  # after this many K = 0 rounds in a row, one round speculates t
 QUICK_PROBE_EVERY = 2  # ... or this many, while speculation would still pay at a plausible α
 PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above the estimate
 PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
+
+
+DEFAULT_BETA_PRIOR = 0.3  # a runner-up child accepted after the first child's rejection
+TREE_WIDTHS = (2, 3)  # tree shapes the chooser weighs: w children at the root, then chains
+
+
+def expected_tree_tokens(alpha: float, beta: float, width: int, depth: int) -> float:
+    """Tokens a round of the tree (width, 1, …, 1) commits: the root's first child is accepted
+    with probability α and, after it is rejected, each further child with probability β; below
+    the accepted child, a chain of depth − 1 accepts geometrically with α. Width 1 is the chain."""
+    root = 1.0 - (1.0 - alpha) * (1.0 - beta) ** (width - 1)
+    return 1.0 + root * expected_tokens(alpha, depth - 1)
+
+
+def tree_shape(width: int, depth: int) -> tuple[int, ...]:
+    """GenerateRequest.tree_widths of the tree (width, 1, …, 1) of this depth."""
+    return (width,) + (1,) * (depth - 1)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -64,10 +82,32 @@ class RoundCosts:
     def tokens_per_ms(self, k: int, alpha: float, pipelined: bool) -> float:
         return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined), 1e-9)
 
+    def tree_round_ms(self, width: int, depth: int) -> float:
+        """A sequential round of the tree (width, 1, …, 1): the root's pass, then depth − 1
+        level passes over `width` nodes each (the last level runs none), and one verify over
+        the root and width · depth nodes."""
+        draft = self.draft_rpc_ms + cost_at(self.draft_pass_ms, 1) + (depth - 1) * cost_at(self.draft_pass_ms, width)
+        return draft + self.target_rpc_ms + cost_at(self.target_pass_ms, width * depth + 1)
+
 
 def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0) -> int:
     """argmax over K in [k_min, k_max] of expected tokens per millisecond (ties: smaller K)."""
     return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined), -k))
+
+
+def best_tree(alpha: float, beta: float, costs: RoundCosts, k_max: int) -> tuple[tuple[int, ...], float]:
+    """The tree (width, 1, …, 1) of width in TREE_WIDTHS and depth 1..k_max (at most
+    MAX_TREE_NODES nodes) with the most expected tokens per millisecond, and that rate."""
+    candidates = [
+        (expected_tree_tokens(alpha, beta, width, depth) / max(costs.tree_round_ms(width, depth), 1e-9), width, depth)
+        for width in TREE_WIDTHS
+        for depth in range(1, k_max + 1)
+        if width * depth <= MAX_TREE_NODES
+    ]
+    if not candidates:
+        return (), 0.0
+    rate, width, depth = max(candidates, key=lambda c: (c[0], -c[1] * c[2]))
+    return tree_shape(width, depth), rate
 
 
 @dataclass
@@ -86,10 +126,22 @@ class AdaptiveK:
     reached: float = 0.0
     zero_streak: int = 0  # K = 0 rounds since the last speculative one
     history: list[int] = field(default_factory=list)
+    # Tree shapes (`trees`): β, the acceptance of a root child after the first was rejected,
+    # learned from tree rounds as α is from every round.
+    trees: bool = False
+    beta_prior: float = DEFAULT_BETA_PRIOR
+    beta_accepted: float = 0.0
+    beta_reached: float = 0.0
 
     def __post_init__(self) -> None:
         self.accepted += PRIOR_WEIGHT * self.alpha_prior
         self.reached += PRIOR_WEIGHT
+        self.beta_accepted += PRIOR_WEIGHT * self.beta_prior
+        self.beta_reached += PRIOR_WEIGHT
+
+    @property
+    def beta(self) -> float:
+        return min(self.beta_accepted / self.beta_reached, 0.999)
 
     @property
     def alpha(self) -> float:
@@ -138,6 +190,35 @@ class AdaptiveK:
         self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)
         return k
+
+    def choose_shape(self) -> tuple[int, tuple[int, ...]]:
+        """(K, ()) for a chain round, or (0, tree_widths) where a tree (width, 1, …, 1) beats
+        the best chain in expected tokens per millisecond at the estimated α and β. Sequential
+        rounds only (a tree is never pre-drafted), so trees are weighed only when not pipelined.
+        Like K, the shape depends only on the request's own rounds and the fixed costs."""
+        k = self.choose()
+        if not self.trees or self.pipelined or not k:
+            return k, ()
+        widths, rate = best_tree(self.alpha, self.beta, self.costs, self.k_max)
+        if widths and rate > self.costs.tokens_per_ms(k, self.alpha, False):
+            return 0, widths
+        return k, ()
+
+    def observe_tree(self, widths: tuple[int, ...], path: list[int]) -> None:
+        """A (width, 1, …, 1) round's evidence: the root's first child (node 1) is one α trial;
+        after its rejection the children tried next are β trials (node j accepted: j − 2
+        rejections then one acceptance); the chain below the accepted child counts for α as a
+        chain round does."""
+        width, depth = widths[0], len(widths)
+        first = path[0] if path else 0
+        self.reached += 1.0
+        self.accepted += first == 1
+        if first != 1:
+            tried = width - 1 if not first else first - 1
+            self.beta_reached += tried
+            self.beta_accepted += bool(first)
+        if first:
+            self.observe_round(depth - 1, len(path) - 1)
 
     def observe_round(self, proposed: int, accepted: int) -> None:
         """Geometric model: positions 1..accepted+1 were evaluated (all of them if none was rejected)."""

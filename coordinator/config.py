@@ -68,6 +68,14 @@ class CoordinatorConfig:
         "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use "
         "--num-speculative-tokens",
     )
+    tree_chooser: bool = setting(
+        False,
+        "--tree-chooser",
+        "on: the K chooser also weighs token trees (w, 1, …, 1) with w in 2..3 against chains, from "
+        "the calibrated pass costs and the request's acceptance of first and runner-up candidates, "
+        "and uses a tree where it pays; needs both services to serve trees; sequential rounds only "
+        "(ignored with --pipeline or --hedges)",
+    )
     hedges: int = setting(
         0,
         "--hedges",

@@ -47,6 +47,7 @@ class GenerationStats:
     branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies returned
     ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
     copied_rounds: int = 0  # rounds whose drafts the draft copied by prompt lookup
+    tree_rounds: int = 0  # rounds that verified a token tree
     copied_tokens: int = 0  # drafts in them
     _start: float = field(default_factory=time.perf_counter, repr=False)
 

@@ -128,9 +128,14 @@ class Coordinator(Branching, UpstreamCalls):
                     compute_before = stats.draft_compute_ms + stats.target_compute_ms
                     remaining = job.max_new_tokens - len(text.token_ids)
                     limit = self._k_limit(len(sequence), remaining)
-                    k = min(adaptive.choose() if adaptive else job.num_speculative_tokens, limit)
-                    copy_limit = self._copy_limit(job, copying, k, limit)  # the most tokens a copy may carry
-                    widths = job.tree_widths[:limit]  # a tree request's shape, as deep as there is room for
+                    if adaptive is not None:
+                        k, shape = adaptive.choose_shape()  # shape: a tree's widths, or () for a chain of K
+                    else:
+                        k, shape = job.num_speculative_tokens, job.tree_widths
+                    k = min(k, limit)
+                    # The most tokens a copy may carry (a tree round copies none).
+                    copy_limit = 0 if shape else self._copy_limit(job, copying, k, limit)
+                    widths = shape[:limit]  # a tree's shape, as deep as there is room for
                     if (k or copy_limit or widths) and not self.breaker.allow():
                         k = copy_limit = 0  # the draft is down: this round is one target-only step
                         widths = ()
@@ -233,8 +238,11 @@ class Coordinator(Branching, UpstreamCalls):
                             verification.bonus_token_id,
                         )
                     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
+                    stats.tree_rounds += bool(round_.parents)
                     if copying is not None and round_.copied:
                         copying.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
+                    elif adaptive and isinstance(outcome, TreeOutcome):
+                        adaptive.observe_tree(widths, outcome.path)
                     elif adaptive:
                         adaptive.observe_round(proposed, outcome.num_accepted)
                     # Both services hold sequence + drafts; only the accepted drafts stay valid. After
@@ -309,6 +317,7 @@ class Coordinator(Branching, UpstreamCalls):
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
+            trees=self.config.tree_chooser and self.pair.trees and not self.config.hedges,
         )
 
     def _copying(self, adaptive: AdaptiveK | None) -> AdaptiveK | None:

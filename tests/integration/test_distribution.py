@@ -111,6 +111,8 @@ CASES = {
     "tree_iid_sampled_children": Case({"quantize": "none"}, k=None, tree=(2, 2)),
     "tree_top_b_one_hot_children": Case({"proposal_mode": "greedy"}, k=None, tree=(3, 1)),
     "tree_int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, k=None, tree=(2, 2)),
+    # The chooser weighing trees against chains, with flat costs (rows nearly free) where trees pay.
+    "tree_chooser": Case({"quantize": "none"}, coordinator={"tree_chooser": True}, k=None, costs=(2.0, 10.0)),
 }
 
 
@@ -246,7 +248,10 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         drafted = sum(1 for s in stats for k in s.k_per_round if k) - copied
         assert copied > SAMPLES // 10 and drafted > SAMPLES // 10, (copied, drafted)
     assert all(len(s) == c.length for s in samples)
+    if c.coordinator.get("tree_chooser"):
+        assert sum(s.tree_rounds for s in stats) > SAMPLES // 2, "the chooser rarely chose a tree"
     if c.tree:
+        assert all(s.tree_rounds == s.rounds for s in stats)
         accepted = sum(s.accepted_tokens for s in stats)
         assert accepted > SAMPLES // 2, f"only {accepted} tree nodes were accepted; the tree path is barely exercised"
     if c.coordinator.get("pipeline"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, RoundCosts, best_k, expected_tokens
+from coordinator.adaptive import AdaptiveK, RoundCosts, best_k, expected_tokens, expected_tree_tokens
 
 # Shapes of the cost curves measured on real machines (ms per pass over 1..9 new tokens).
 FLAT_TARGET = tuple(150.0 + 5.0 * n for n in range(9))  # int8 1.5B on 2 AVX2 cores: ~flat to 5
@@ -107,3 +107,39 @@ def test_chooser_history_depends_only_on_outcomes():
         return chooser.history
 
     assert run() == run()
+
+
+def test_a_width_one_tree_is_the_chain():
+    for alpha in (0.2, 0.74, 0.95):
+        for depth in (1, 3, 5):
+            assert expected_tree_tokens(alpha, 0.5, 1, depth) == pytest.approx(expected_tokens(alpha, depth))
+    # A second root candidate adds its chance after the first's rejection, times the chain below.
+    assert expected_tree_tokens(0.5, 0.4, 2, 2) == pytest.approx(1 + (0.5 + 0.5 * 0.4) * (1 + 0.5))
+
+
+def test_trees_are_chosen_only_where_they_pay():
+    """This machine's measured costs (a node costs a verify row, a level a draft pass) and the
+    measured acceptance: chains. Rows nearly free and a cheap batched draft (a GPU) with a
+    draft whose runner-up is often right: a tree."""
+    measured = RoundCosts(MEASURED_DRAFT, MEASURED_TARGET, 0.7, 0.7)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=measured, alpha_prior=0.74, trees=True)
+    assert chooser.choose_shape()[1] == ()
+    gpu_like = RoundCosts((2.0,) * 9, (10.0,) * 8 + (10.5,), 0.3, 0.3)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=gpu_like, alpha_prior=0.6, beta_prior=0.5, trees=True)
+    k, widths = chooser.choose_shape()
+    assert k == 0 and widths[0] in (2, 3) and set(widths[1:]) <= {1}
+    # Pipelined coordinators never get a tree (it cannot be pre-drafted).
+    chooser = AdaptiveK(k_max=8, pipelined=True, costs=gpu_like, alpha_prior=0.6, beta_prior=0.5, trees=True)
+    assert chooser.choose_shape()[1] == ()
+
+
+def test_tree_rounds_teach_alpha_and_beta():
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=RoundCosts(MEASURED_DRAFT, MEASURED_TARGET), trees=True)
+    alpha_before, beta_before = chooser.alpha, chooser.beta
+    for _ in range(20):  # (2, 1, 1): the first candidate always rejected, the runner-up and its chain accepted
+        chooser.observe_tree((2, 1, 1), [2, 4, 6])
+    assert chooser.beta > beta_before + 0.3
+    assert chooser.alpha < alpha_before + 0.15  # 20 rejections of the first child against 40 chain acceptances
+    for _ in range(20):  # every candidate rejected: β trials fail
+        chooser.observe_tree((3, 1), [])
+    assert chooser.beta < 0.6
