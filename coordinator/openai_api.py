@@ -9,7 +9,7 @@ tokens and TLS files as the gRPC API apply, a W3C `traceparent` header joins the
 trace, and finished requests feed the same metrics.
 
 Extras beyond OpenAI's fields: a request may set `num_speculative_tokens`,
-`draft_min_confidence` and `top_k`; every response carries `speculation` (acceptance, tokens
+`draft_min_confidence`, `tree_widths` and `top_k`; every response carries `speculation` (acceptance, tokens
 per round, rounds, draft tokens proposed and accepted).
 """
 

@@ -45,7 +45,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
-EXTRAS = {"num_speculative_tokens", "draft_min_confidence"}
+EXTRAS = {"num_speculative_tokens", "draft_min_confidence", "tree_widths"}
 
 
 class ApiError(Exception):
@@ -87,6 +87,15 @@ def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {value!r}", name)
     return kind(value)
+
+
+def _tree_widths(body: dict) -> tuple[int, ...]:
+    widths = body.get("tree_widths")
+    if widths is None:
+        return ()
+    if not isinstance(widths, list) or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
+        raise bad_request(f"tree_widths must be a list of integers; got {widths!r}", "tree_widths")
+    return tuple(widths)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -176,6 +185,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         stop=_stop(body),
         num_speculative_tokens=_number(body, "num_speculative_tokens", int),
         draft_min_confidence=_number(body, "draft_min_confidence", float),
+        tree_widths=_tree_widths(body),
     )
     if request.seed is not None and request.seed < 0:
         raise bad_request(f"seed must be >= 0; got {request.seed}", "seed")

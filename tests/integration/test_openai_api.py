@@ -144,6 +144,15 @@ def test_completions_greedy_equal_the_grpc_prompt_streamed_or_not(served, client
         extra_body={"num_speculative_tokens": 0},
     )
     assert alone.choices[0].text == expected.text and alone.model_extra["speculation"]["proposed_tokens"] == 0
+    # ... and so is a token tree.
+    tree = client.completions.create(
+        model="tiny-coder",
+        prompt="def add(a, b):",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"tree_widths": [2, 1]},
+    )
+    assert tree.choices[0].text == expected.text and tree.model_extra["speculation"]["proposed_tokens"] > 0
 
 
 def test_stop_seed_and_max_tokens(served, client):

@@ -15,13 +15,14 @@ import pytest_asyncio
 import torch
 from transformers import DynamicCache
 
+from coordinator import rounds
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
-from specdec import wire
+from specdec import sessions, wire
 from specdec.costs import PassCosts
 from specdec.probs import SamplingParams
-from specdec.tree_sampling import decide_tree
+from specdec.tree_sampling import TreeOutcome, decide_tree
 from specdec.v1 import coordinator_pb2 as pb
 from target_service import server as target_server
 from target_service.config import TargetConfig
@@ -177,3 +178,38 @@ async def test_the_tree_chooser_uses_trees_where_they_pay_and_keeps_greedy_exact
             speculative += sum(1 for k in response.stats.k_per_round if k)
         # Where the chooser speculates at all (this tiny draft is often poor: K = 0), it uses trees.
         assert trees > speculative // 2 and trees > 0, (trees, speculative)
+
+
+async def test_power_greedy_identity_fails_when_the_walk_ignores_the_outcome(stack, reference, monkeypatch):
+    """Power check: a coordinator that, once a root child is accepted, takes the first child
+    instead (the branch picked by its index, not by the verification) diverges from the
+    target's greedy output on these prompts."""
+    plain = rounds.decide_tree
+
+    def first_child(node_target_probs, node_draft_probs, uniforms, parents, next_token_ids):
+        outcome = plain(node_target_probs, node_draft_probs, uniforms, parents, next_token_ids)
+        if outcome.path and outcome.path[0] != 1:
+            return TreeOutcome([1], int(next_token_ids[1]), at_leaf=False)
+        return outcome
+
+    monkeypatch.setattr(rounds, "decide_tree", first_child)
+    diverged = 0
+    for prompt in PROMPTS:
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=30, tree_widths=[3, 1]), timeout=60
+        )
+        diverged += list(response.token_ids) != reference(prompt, 30)
+    assert diverged, "the identity test cannot tell a branch picked by index from the verified one"
+
+
+def test_power_the_cache_check_fails_when_a_sibling_is_kept(tiny_pair, monkeypatch):
+    """Power check: a session that keeps each path node's next sibling (a gather of the wrong
+    entries) fails the fresh-prefill comparison."""
+    plain = sessions.keep_tree_path
+
+    def sibling(cache, committed, path):
+        plain(cache, committed, [node + 1 if node % 2 else node for node in path])
+
+    monkeypatch.setattr(sessions, "keep_tree_path", sibling)
+    with pytest.raises(AssertionError):
+        test_after_every_round_both_caches_are_the_committed_sequences(tiny_pair, 0.0)
