@@ -251,7 +251,8 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     if c.coordinator.get("tree_chooser"):
         assert sum(s.tree_rounds for s in stats) > SAMPLES // 2, "the chooser rarely chose a tree"
     if c.tree:
-        assert all(s.tree_rounds == s.rounds for s in stats)
+        # Every round is a tree but one with no room left for drafts (one token to go).
+        assert all(s.tree_rounds >= s.rounds - 1 for s in stats)
         accepted = sum(s.accepted_tokens for s in stats)
         assert accepted > SAMPLES // 2, f"only {accepted} tree nodes were accepted; the tree path is barely exercised"
     if c.coordinator.get("pipeline"):
