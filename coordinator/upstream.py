@@ -73,8 +73,26 @@ class UpstreamCalls:
         connection) but never on a missed deadline: a slow draft is skipped, not waited for.
         `max_copied`: ProposeRequest.max_copied_tokens for a draft that copies (k may then be
         0); None leaves it unset. `tree_widths`: propose a tree instead (k 0)."""
+
+        def send(keep: int, new_tokens: list[int]):
+            view.last_epoch = next(view.calls)
+            request = draft_pb2.ProposeRequest(
+                session_id=view.session_id,
+                keep_tokens=keep,
+                new_tokens=self.pair.for_draft(new_tokens),
+                num_tokens=k,
+                sampling=sampling,
+                seed=seed,
+                epoch=view.last_epoch,
+                tree_widths=tree_widths,
+                **view.draft_fields(),
+            )
+            if max_copied is not None:  # unset means num_tokens
+                request.max_copied_tokens = max_copied
+            return self.draft.propose(request)
+
         return await retry_unavailable(
-            lambda: self._propose(view, sequence, k, sampling, seed, stats, max_copied, tree_widths),
+            lambda: self._with_reprefill("draft", view, sequence, stats, send),
             give_up=lambda attempts: attempts >= self.config.draft_attempts,
             backoff_s=self.config.draft_retry_backoff_s,
         )
@@ -103,36 +121,6 @@ class UpstreamCalls:
             if await self.draft.serving():
                 logger.info("draft at %s is serving again: speculation resumes", self.draft.address)
                 self.breaker.close()
-
-    async def _propose(
-        self,
-        view: SessionView,
-        sequence: list[int],
-        k: int,
-        sampling,
-        seed: int,
-        stats: GenerationStats,
-        max_copied: int | None = None,
-        tree_widths: tuple[int, ...] = (),
-    ) -> draft_pb2.ProposeResponse:
-        def send(keep: int, new_tokens: list[int]):
-            view.last_epoch = next(view.calls)
-            request = draft_pb2.ProposeRequest(
-                session_id=view.session_id,
-                keep_tokens=keep,
-                new_tokens=self.pair.for_draft(new_tokens),
-                num_tokens=k,
-                sampling=sampling,
-                seed=seed,
-                epoch=view.last_epoch,
-                tree_widths=tree_widths,
-                **view.draft_fields(),
-            )
-            if max_copied is not None:  # unset means num_tokens
-                request.max_copied_tokens = max_copied
-            return self.draft.propose(request)
-
-        return await self._with_reprefill("draft", view, sequence, stats, send)
 
     async def _verify(
         self,

@@ -342,10 +342,11 @@ class ModelRunner:
         for row, (tokens, (_, parents)) in enumerate(zip(token_ids, trees)):
             length = len(runs[row])
             input_ids[row, :length] = torch.tensor(runs[row])
-            row_mask = tree_attention_mask(ancestors(parents), past[row], len(tokens), dtype)[0, 0]  # [Q_b, P_b + Q_b]
+            paths = ancestors(parents)
+            row_mask = tree_attention_mask(paths, past[row], len(tokens), dtype)[0, 0]  # [Q_b, P_b + Q_b]
             mask[row, 0, :length, max_past - past[row] : max_past + length] = row_mask
             mask[row, 0, length:, max_past - past[row] : max_past + 1] = 0.0  # pad queries: no empty row
-            positions[row, :length] = tree_position_ids(ancestors(parents), past[row], len(tokens))[0]
+            positions[row, :length] = tree_position_ids(paths, past[row], len(tokens))[0]
             rows = torch.arange(len(tokens) - 1, length)  # the root and the nodes: [1 + N_b]
             logit_positions[row, : len(rows)] = rows
         cache = padded_cache(sessions, past, max_past, self.model.config)
