@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdec import attention
-from specdec.quantize import RowwiseInt8Linear, int8_supported, quantize_int8
+from specdec import attention, quantize
+from specdec.quantize import RowwiseInt8Linear, SharedInputInt8, SharedInputSlice, int8_supported, quantize_int8
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch build has no CPU int8 engine")
 
@@ -111,3 +111,37 @@ def test_extreme_activations_and_weights_do_not_saturate_the_int8_kernel():
     rows = torch.full((3, 512), 2.0)
     rows[1] = -2.0
     torch.testing.assert_close(RowwiseInt8Linear(linear)(rows), linear(rows), rtol=1e-2, atol=1e-2)
+
+
+def test_layers_that_share_an_input_give_bitwise_their_own_layers_answer():
+    """q, k and v (and gate, up) become one GEMM: each slice equals its own int8 layer's output,
+    and a slice fed a different tensor recomputes rather than reuse another input's columns."""
+    torch.manual_seed(2)
+    q, k, v = torch.nn.Linear(48, 32), torch.nn.Linear(48, 16), torch.nn.Linear(48, 16, bias=False)
+    shared = SharedInputInt8([q, k, v])
+    slices = [SharedInputSlice(shared, i, 48, lin.out_features) for i, lin in enumerate((q, k, v))]
+    rows = torch.randn(2, 5, 48) * 3  # [B, T, in]
+    for lin, piece in zip((q, k, v), slices):
+        assert torch.equal(piece(rows), RowwiseInt8Linear(lin)(rows))
+    assert shared._last is None, "the shared output is held until every slice has read it, not after"
+    other = torch.randn(2, 5, 48)
+    assert torch.equal(slices[0](rows), RowwiseInt8Linear(q)(rows))
+    assert torch.equal(slices[1](other), RowwiseInt8Linear(k)(other))  # not rows' columns
+
+
+def test_a_quantised_decoder_stacks_its_shared_input_layers(tiny_pair):
+    model = quantize_int8(AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval())
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, SharedInputSlice) and isinstance(layer.mlp.up_proj, SharedInputSlice)
+    assert isinstance(layer.self_attn.o_proj, RowwiseInt8Linear) and isinstance(layer.mlp.down_proj, RowwiseInt8Linear)
+
+
+def test_the_fixed_map_gemm_matches_the_sentinel_path():
+    """Where the engine takes the activation map as an argument (skipping a copy a call), its
+    rows are bitwise those of the dynamic quantiser with the sentinel row."""
+    torch.manual_seed(3)
+    layer = RowwiseInt8Linear(torch.nn.Linear(96, 40))
+    rows = torch.randn(6, 96) * torch.tensor([0.01, 1, 3, 10, 100, 0.5])[:, None]
+    scaled = rows / rows.abs().amax(dim=1, keepdim=True)
+    sentinel_path = torch.ops.quantized.linear_dynamic(torch.cat([layer._sentinel, scaled]), layer._packed, False)[1:]
+    assert torch.equal(quantize._int8_gemm(scaled, layer._packed, layer._sentinel), sentinel_path)
