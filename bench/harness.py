@@ -97,10 +97,13 @@ def run_bench(config: BenchConfig) -> dict:
             for i, mode in enumerate(modes)
         }
         samples: list[Sample] = []
-        for temperature in config.temperatures:
-            for repeat in range(config.repeats):
-                for p_index, prompt in enumerate(prompts):
-                    seed = config.seed + 1000 * repeat + p_index
+        # Temperatures innermost: greedy and sampled figures then come from the same stretch of
+        # a run (a VM's speed drifts over a run; with temperature outermost, the sampled half
+        # ran later and its ratios to greedy mixed the drift in).
+        for repeat in range(config.repeats):
+            for p_index, prompt in enumerate(prompts):
+                seed = config.seed + 1000 * repeat + p_index
+                for temperature in config.temperatures:
                     for mode in modes:
                         sample = runners[mode.family].run(
                             mode, prompt["text"], config.max_new_tokens, temperature, seed
