@@ -37,6 +37,12 @@ T = TypeVar("T")
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
+class CallRejected(SpecDecError):
+    """A service answered INVALID_ARGUMENT to a call the coordinator built: a protocol bug, or a
+    service restarted with other capabilities than the coordinator read at start-up. INTERNAL
+    to a public client (never the client's fault); a draft's is a fallback round instead."""
+
+
 class ServiceClient:
     """One channel to a model service; the subclass's `role` ("draft"/"target") names it in
     errors and its `stub_class` is the service's generated stub."""
@@ -95,7 +101,7 @@ class ServiceClient:
             return ResourceExhausted(f"{where} is out of capacity: {details}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             # The coordinator validated the request, so this is a protocol bug, not the client's fault.
-            return SpecDecError(f"{where} rejected an internal call: {details}")
+            return CallRejected(f"{where} rejected an internal call: {details}")
         return SpecDecError(f"{where} failed ({code.name}): {details}")
 
     async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.branches import Branching, Speculation
 from coordinator.breaker import CircuitBreaker
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.clients import CallRejected, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.requests import Chunk, GenerationRequest, Job, PairInfo, prepare_job
@@ -32,7 +32,7 @@ from specdec import wire
 from specdec.errors import Unavailable
 from specdec.telemetry import tracer
 from specdec.tree_sampling import TreeOutcome, decide_tree, tree_size
-from specdec.v1 import draft_pb2
+from specdec.v1 import common_pb2, draft_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class Coordinator(Branching, UpstreamCalls):
         target: TargetClient,
         tokenizer: PreTrainedTokenizerBase,
         pair: PairInfo,
+        target_info: common_pb2.ModelInfo | None = None,
     ) -> None:
         self.config = config
         self.draft = draft
@@ -61,14 +62,17 @@ class Coordinator(Branching, UpstreamCalls):
         # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
         self.breaker = CircuitBreaker(config.breaker_failures)
         self._probe: asyncio.Task | None = None
+        self._target_info = target_info  # to rebuild the pair when the draft changes (UpstreamCalls)
+        self._refresh: asyncio.Task | None = None
 
     def prepare(self, request: GenerationRequest) -> Job:
         """Validates a request (coordinator.requests)."""
         return prepare_job(request, self.config, self.pair, self.tokenizer)
 
     def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        for task in (self._probe, self._refresh):
+            if task is not None:
+                task.cancel()
 
     async def generate(
         self, request: GenerationRequest, time_remaining_s: float | None = None
@@ -136,6 +140,8 @@ class Coordinator(Branching, UpstreamCalls):
                     # The most tokens a copy may carry (a tree round copies none).
                     copy_limit = 0 if shape else self._copy_limit(job, copying, k, limit)
                     widths = shape[:limit]  # a tree's shape, as deep as there is room for
+                    if widths and not self.pair.trees:
+                        widths = ()  # the draft stopped serving trees (restarted as another drafter)
                     if (k or copy_limit or widths) and not self.breaker.allow():
                         k = copy_limit = 0  # the draft is down: this round is one target-only step
                         widths = ()
@@ -163,8 +169,12 @@ class Coordinator(Branching, UpstreamCalls):
                                 max_copied=copy_limit if self.pair.draft_copies and not widths else None,
                                 tree_widths=widths,
                             )
-                        except Unavailable as exc:
-                            # Target-only for this round: the same output, only slower.
+                        except (Unavailable, CallRejected) as exc:
+                            # Target-only for this round: the same output, only slower. Not only
+                            # UNAVAILABLE: a draft restarted with other capabilities rejects calls
+                            # it used to take, and the draft only ever speeds a request up. A
+                            # broken draft (NaN logits: INTERNAL) still fails the request, loudly
+                            # (tests/integration/test_guards.py).
                             self._draft_failed(exc, draft_view, stats)
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:

@@ -15,7 +15,7 @@ from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api import start_http
-from coordinator.requests import PairInfo
+from coordinator.requests import pair_info
 from coordinator.rounds import Coordinator
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.config import pin_cpus
@@ -44,20 +44,7 @@ async def connect(
     )
     check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), config.draft_address, config.target_address)
     costs = await measure_round_costs(draft, target, draft_info, target_info)
-    pair = PairInfo(
-        vocab_size=target_info.vocab_size,
-        draft_vocab_size=draft_info.vocab_size,
-        eos_token_ids=frozenset(target_info.eos_token_ids),
-        max_context=target_info.max_context,
-        draft_max_context=draft_info.max_context,
-        max_num_speculative_tokens=min(
-            config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
-        ),
-        costs=costs,
-        target_model_id=target_info.model_id,
-        draft_copies=draft_info.copies,
-        trees=draft_info.trees and target_info.trees,
-    )
+    pair = pair_info(config, draft_info, target_info, costs)
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
         draft_info.model_id,
@@ -70,7 +57,7 @@ async def connect(
         config.target_address,
         pair.max_num_speculative_tokens,
     )
-    return Coordinator(config, draft, target, tokenizer, pair)
+    return Coordinator(config, draft, target, tokenizer, pair, target_info)
 
 
 async def measure_round_costs(

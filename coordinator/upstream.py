@@ -12,13 +12,13 @@ from typing import TypeVar
 from opentelemetry import trace
 
 from coordinator.breaker import CircuitBreaker
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.clients import CallRejected, DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
-from coordinator.requests import PairInfo
+from coordinator.requests import PairInfo, pair_info
 from coordinator.state import Round, SessionView
 from specdec.errors import DeadlineExceeded, SessionNotFound, SpecDecError, Unavailable
-from specdec.v1 import draft_pb2, target_pb2
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +57,8 @@ class UpstreamCalls:
     breaker: CircuitBreaker
     _cleanup: set[asyncio.Task]
     _probe: asyncio.Task | None
+    _refresh: asyncio.Task | None
+    _target_info: common_pb2.ModelInfo | None
 
     async def _propose_with_retries(
         self,
@@ -97,9 +99,13 @@ class UpstreamCalls:
             backoff_s=self.config.draft_retry_backoff_s,
         )
 
-    def _draft_failed(self, exc: Unavailable, draft_view: SessionView, stats: GenerationStats) -> None:
+    def _draft_failed(self, exc: SpecDecError, draft_view: SessionView, stats: GenerationStats) -> None:
         """Counts a failed draft call, opens the breaker after enough of them, and forgets what
-        the draft held: if it comes back, the next call re-sends the whole sequence."""
+        the draft held: if it comes back, the next call re-sends the whole sequence. A draft
+        that rejected the call may have restarted with other capabilities (no copies, no
+        trees, a lower K): its Info is read again."""
+        if isinstance(exc, CallRejected) and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair())
         stats.draft_failures += 1
         stats.fallback_rounds += 1
         draft_view.synced = 0
@@ -113,6 +119,39 @@ class UpstreamCalls:
             )
             if self._probe is None or self._probe.done():
                 self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
+
+    async def _refresh_pair(self) -> None:
+        """Rebuilds the pair from the draft's Info as it is now; keeps it where the draft is
+        unreachable or no longer pairs with the target (the breaker then keeps rounds
+        target-only). The chooser's costs stay as measured at start-up (a seed's output does
+        not move with a draft restart; a coordinator restart re-measures)."""
+        if self._target_info is None:
+            return
+        try:
+            draft_info = await self.draft.info()
+            check_pair(
+                draft_info,
+                self._target_info,
+                self._target_info.tokenizer_fingerprint,
+                self.draft.address,
+                self.target.address,
+            )
+        except SpecDecError as exc:
+            logger.warning("draft at %s refused a call and its Info does not pair: %s", self.draft.address, exc)
+            return
+        refreshed = pair_info(self.config, draft_info, self._target_info, self.pair.costs)
+        if refreshed != self.pair:
+            logger.warning(
+                "draft at %s changed (copies %s -> %s, trees %s -> %s, max K %d -> %d): rounds follow its new Info",
+                self.draft.address,
+                self.pair.draft_copies,
+                refreshed.draft_copies,
+                self.pair.trees,
+                refreshed.trees,
+                self.pair.max_num_speculative_tokens,
+                refreshed.max_num_speculative_tokens,
+            )
+            self.pair = refreshed
 
     async def _probe_draft(self) -> None:
         """While the breaker is open, asks the draft's health service until it is SERVING."""

@@ -53,6 +53,42 @@ def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_r
         assert response.stats.accepted_tokens > 0 and response.stats.draft_failures == 0
 
 
+def test_a_draft_restarted_without_trees_degrades_a_tree_request_and_the_pair_follows_it(
+    tiny_pair, reference, tmp_path
+):
+    """A draft that comes back as another drafter (here prompt lookup, which refuses trees)
+    answers a tree call with INVALID_ARGUMENT. The request finishes target-only with the same
+    output rather than failing; the coordinator re-reads the draft's Info, so the next tree
+    request is refused up front with a clear error, and chains go on."""
+    with ProcessStack(tiny_pair, tmp_path, ["--draft-timeout", "5"]) as stack, stack.channel() as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        tree = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=120, tree_widths=[2, 1])
+        stream = stub.GenerateStream(tree, timeout=120)
+        chunks = [next(stream)]
+        stack.kill("draft")
+        stack.args["draft"] = ["--model", str(tiny_pair.draft), "--drafter", "ngram"]
+        stack.start("draft").wait_healthy(START_TIMEOUT_S)
+        chunks += list(stream)
+        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 120)
+        stats = chunks[-1].stats
+        assert stats.draft_failures >= 1 and stats.fallback_rounds > 0
+
+        deadline = time.monotonic() + 10
+        while True:  # the Info refresh runs beside the request
+            try:
+                stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=8, tree_widths=[2, 1]), timeout=60)
+            except grpc.RpcError as refused:
+                assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+                assert "does not serve token trees" in refused.details()
+                break
+            assert time.monotonic() < deadline, "the coordinator never noticed the draft stopped serving trees"
+            time.sleep(0.2)
+        chain = stub.Generate(
+            pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=3), timeout=60
+        )
+        assert list(chain.token_ids) == reference(PROMPT, 40) and chain.stats.draft_failures == 0
+
+
 def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_the_deadline(
     tiny_pair, reference, tmp_path
 ):
