@@ -29,7 +29,7 @@ from coordinator.state import Round, SessionView, check_reply, round_from
 from coordinator.text import FINISH_LENGTH, TextAssembler
 from coordinator.upstream import UpstreamCalls
 from specdec import wire
-from specdec.errors import Unavailable
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.telemetry import tracer
 from specdec.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import common_pb2, draft_pb2
@@ -123,6 +123,7 @@ class Coordinator(Branching, UpstreamCalls):
         ready: Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
         ready_source = ""
         speculation: Speculation | None = None  # branches in flight during a verify
+        draft_refused = False  # the draft cannot hold this request: the rest of it runs target-only
         try:
             while True:
                 with tracer.start_as_current_span(
@@ -142,7 +143,7 @@ class Coordinator(Branching, UpstreamCalls):
                     widths = shape[:limit]  # a tree's shape, as deep as there is room for
                     if widths and not self.pair.trees:
                         widths = ()  # the draft stopped serving trees (restarted as another drafter)
-                    if (k or copy_limit or widths) and not self.breaker.allow():
+                    if (k or copy_limit or widths) and (draft_refused or not self.breaker.allow()):
                         k = copy_limit = 0  # the draft is down: this round is one target-only step
                         widths = ()
                         stats.fallback_rounds += 1
@@ -176,6 +177,16 @@ class Coordinator(Branching, UpstreamCalls):
                             # broken draft (NaN logits: INTERNAL) still fails the request, loudly
                             # (tests/integration/test_guards.py).
                             self._draft_failed(exc, draft_view, stats)
+                            round_, source, draft_in_round = Round(), "fallback", False
+                        except ResourceExhausted as exc:
+                            # The draft cannot hold this request (its KV budget, its session
+                            # limit) and the target can: the rest runs target-only. The draft
+                            # node is fine, so the breaker the other requests share is untouched.
+                            logger.info("draft refused the request, which goes on target-only: %s", exc)
+                            stats.draft_failures += 1
+                            stats.fallback_rounds += 1
+                            draft_view.synced = 0
+                            draft_refused = True
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()

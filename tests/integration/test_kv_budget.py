@@ -46,3 +46,30 @@ async def test_evictions_mid_generation_leave_greedy_output_unchanged(tiny_pair,
         assert "--max-kv-bytes" in refused.value.details() and f"is {budget} bytes" in refused.value.details()
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=40), timeout=60)
         assert list(response.token_ids) == reference(PROMPTS[0])
+
+
+async def test_a_prompt_too_long_for_the_draft_runs_target_only_and_other_requests_keep_speculating(
+    tiny_pair, reference
+):
+    """The draft's KV budget is its own: a request it cannot hold (RESOURCE_EXHAUSTED from the
+    draft) goes on target-only with the target's output instead of failing, and the breaker
+    the other requests share stays closed."""
+    per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.draft), "float32", "cpu").model)
+    budget = 30 * per_token  # the short prompt and its drafts fit; the long one does not
+    long_prompt = " ".join(PROMPTS * 4)
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none", "max_kv_bytes": budget},
+        coordinator_overrides={"breaker_failures": 1},
+    ) as stack:
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=long_prompt, max_new_tokens=30, num_speculative_tokens=3), timeout=120
+        )
+        assert list(response.token_ids) == reference(long_prompt, 30)
+        stats = response.stats  # one refused call; then no more draft calls (the last round has no room for drafts)
+        assert stats.draft_failures == 1 and stats.fallback_rounds >= stats.rounds - 1 and stats.proposed_tokens == 0
+        short = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=10, num_speculative_tokens=3), timeout=120
+        )
+        assert list(short.token_ids) == reference(PROMPTS[1], 10)
+        assert not short.stats.degraded and short.stats.accepted_tokens > 0
