@@ -154,20 +154,13 @@ class SharedInputInt8(torch.nn.Module):
 
     def __init__(self, linears: list[torch.nn.Linear]):
         super().__init__()
-        stacked = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears))
+        has_bias = any(lin.bias is not None for lin in linears)
+        stacked = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=has_bias)
         with torch.no_grad():
             stacked.weight.copy_(torch.cat([lin.weight.detach().float() for lin in linears]))
-            if all(lin.bias is None for lin in linears):
-                stacked.bias = None
-            else:
-                stacked.bias.copy_(
-                    torch.cat(
-                        [
-                            torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach().float()
-                            for lin in linears
-                        ]
-                    )
-                )
+            if has_bias:
+                biases = [torch.zeros(lin.out_features) if lin.bias is None else lin.bias.detach() for lin in linears]
+                stacked.bias.copy_(torch.cat(biases))
         self.linear = RowwiseInt8Linear(stacked)
         ends = torch.tensor([lin.out_features for lin in linears]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
@@ -200,8 +193,8 @@ class SharedInputSlice(torch.nn.Module):
 
 def _replace_linears(module: torch.nn.Module) -> None:
     for names in SHARED_INPUT_GROUPS:
-        linears = [getattr(module, name, None) for name in names]
-        if all(isinstance(lin, torch.nn.Linear) for lin in linears) and len({lin.in_features for lin in linears}) == 1:
+        linears = [lin for name in names if isinstance(lin := getattr(module, name, None), torch.nn.Linear)]
+        if len(linears) == len(names) and len({lin.in_features for lin in linears}) == 1:
             shared = SharedInputInt8(linears)
             module.add_module("_".join(name.split("_")[0] for name in names) + "_int8", shared)
             for index, (name, lin) in enumerate(zip(names, linears)):
