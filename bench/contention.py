@@ -31,13 +31,14 @@ def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, r
     import torch
     from transformers import AutoModelForCausalLM
 
+    from specdec.modeling import with_cache
     from specdec.quantize import quantize_int8
 
     torch.set_num_threads(1)
     model_ = quantize_int8(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        past = model_(torch.randint(100, 1000, (1, 128), generator=generator), use_cache=True).past_key_values
+        past = model_(torch.randint(100, 1000, (1, 128), generator=generator), use_cache=True)[1]
         for phase in PHASES:
             ready.wait()  # both loaded, and the previous phase over
             go[phase].wait()
@@ -48,7 +49,9 @@ def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, r
             while time.monotonic() < end:
                 started = time.perf_counter()
                 model_(
-                    torch.randint(100, 1000, (1, new_tokens), generator=generator), past_key_values=past, use_cache=True
+                    torch.randint(100, 1000, (1, new_tokens), generator=generator),
+                    **with_cache(model_, past),
+                    use_cache=True,
                 )
                 past.crop(-new_tokens)
                 times.append((time.perf_counter() - started) * 1e3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass
@@ -41,6 +42,21 @@ class LoadedModel:
     tokenizer_fingerprint: str
     dtype_label: str = ""  # what Info reports when it is not the weights' dtype (e.g. int8)
     tensor_parallel_size: int = 1  # ranks the weights and KV cache are split over (this process holds 1/N)
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The keyword argument that hands `model` its KV cache: `cache` since transformers 5.24,
+    where `past_key_values` is deprecated (a warning a pass; removed in 5.40), and
+    `past_key_values` before. pyproject allows both sides of the rename."""
+    model_class = type(model)
+    keyword = _CACHE_KEYWORDS.get(model_class)
+    if keyword is None:
+        parameters = inspect.signature(model_class.forward).parameters
+        keyword = _CACHE_KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
+    return {keyword: cache}
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
 
 
 def load_causal_lm(

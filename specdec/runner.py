@@ -16,7 +16,7 @@ from specdec.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, r
 from specdec.calls import ModelDescription, check_context, check_token_ids
 from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
 from specdec.errors import ModelOutputError
-from specdec.modeling import LoadedModel
+from specdec.modeling import LoadedModel, with_cache
 from specdec.sessions import CachedTree, KVSession, SessionStore
 from specdec.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
 from specdec.tree_sampling import ancestors
@@ -194,7 +194,7 @@ class ModelRunner:
         cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
         out = self.model(
             input_ids=input_ids,
-            past_key_values=session.cache,
+            **with_cache(self.model, session.cache),
             cache_position=cache_position,
             use_cache=True,
             logits_to_keep=logits_to_keep,
@@ -307,7 +307,7 @@ class ModelRunner:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **with_cache(self.model, cache),
             cache_position=torch.arange(max_past, max_past + max_new, device=device),
             use_cache=True,
             logits_to_keep=logit_positions,
@@ -354,7 +354,7 @@ class ModelRunner:
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
-            past_key_values=cache,
+            **with_cache(self.model, cache),
             use_cache=True,
             logits_to_keep=logit_positions.to(device),
         )

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from specdec.modeling import with_cache
 from specdec.tree_sampling import ancestors
 
 
@@ -87,7 +88,7 @@ def tree_forward(
     positions = tree_position_ids(paths, past, len(new_tokens), first_node).to(device)
     input_ids = torch.tensor([[*new_tokens, *token_ids[first_node - 1 :]]], device=device)
     mask = mask.to(device)
-    logits = model(input_ids, past_key_values=cache, attention_mask=mask, position_ids=positions).logits[0]
+    logits = model(input_ids, **with_cache(model, cache), attention_mask=mask, position_ids=positions).logits[0]
     return logits[max(len(new_tokens) - 1, 0) :]  # [1 + R, V] or [R, V]
 
 

@@ -21,6 +21,7 @@ from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
 from specdec import sessions, wire
 from specdec.costs import PassCosts
+from specdec.modeling import with_cache
 from specdec.probs import SamplingParams
 from specdec.tree_sampling import TreeOutcome, decide_tree
 from specdec.v1 import coordinator_pb2 as pb
@@ -134,7 +135,7 @@ def test_after_every_round_both_caches_are_the_committed_sequences(tiny_pair, te
 def assert_cache_is_a_fresh_prefill(runner, cache, tokens: list[int]) -> None:
     fresh = DynamicCache(config=runner.model.config)
     with torch.inference_mode():
-        runner.model(torch.tensor([tokens]), past_key_values=fresh)
+        runner.model(torch.tensor([tokens]), **with_cache(runner.model, fresh))
     assert cache.get_seq_length() == len(tokens)
     for kept, expected in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(kept.keys, expected.keys, atol=1e-4, rtol=0)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specdec import attention, quantize
+from specdec.modeling import with_cache
 from specdec.quantize import RowwiseInt8Linear, SharedInputInt8, SharedInputSlice, int8_supported, quantize_int8
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch build has no CPU int8 engine")
@@ -54,7 +55,7 @@ def test_a_k_plus_one_token_pass_scores_like_one_token_passes(tiny_pair):
             cache = DynamicCache(config=model.config)
             one_by_one = torch.cat(
                 [
-                    model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0]
+                    model(input_ids=ids[:, i : i + 1], **with_cache(model, cache), use_cache=True).logits[0]
                     for i in range(ids.shape[1])
                 ]
             )
@@ -71,12 +72,12 @@ def test_a_k_plus_one_token_pass_scores_like_one_token_passes(tiny_pair):
     def prefix_then(model, tail_together: bool) -> torch.Tensor:
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :3], **with_cache(model, cache), use_cache=True)
             if tail_together:
-                return model(input_ids=ids_tail, past_key_values=cache, use_cache=True).logits[0]
+                return model(input_ids=ids_tail, **with_cache(model, cache), use_cache=True).logits[0]
             return torch.cat(
                 [
-                    model(input_ids=ids_tail[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0]
+                    model(input_ids=ids_tail[:, i : i + 1], **with_cache(model, cache), use_cache=True).logits[0]
                     for i in range(ids_tail.shape[1])
                 ]
             )

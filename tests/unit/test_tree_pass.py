@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec import attention
+from specdec.modeling import with_cache
 from specdec.quantize import quantize_int8
 from specdec.sessions import CachedTree, KVSession
 from specdec.tree_pass import keep_tree_path, tree_forward
@@ -39,7 +40,7 @@ def model():
 def prefilled(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(torch.tensor([PROMPT]), past_key_values=cache)
+        model(torch.tensor([PROMPT]), **with_cache(model, cache))
     return cache
 
 
@@ -71,7 +72,7 @@ def test_keeping_the_accepted_path_leaves_the_committed_sequences_cache(model, p
     assert cache.get_seq_length() == len(sequence)
     next_token = 17
     with torch.inference_mode():
-        continued = model(torch.tensor([[next_token]]), past_key_values=cache).logits[0, -1]
+        continued = model(torch.tensor([[next_token]]), **with_cache(model, cache)).logits[0, -1]
     torch.testing.assert_close(continued, plain_next_logits(model, sequence + [next_token]), atol=1e-5, rtol=0)
 
 
@@ -103,7 +104,7 @@ def test_the_row_wise_int8_pass_is_bitwise_one_token_decoding(model):
         cache = prefilled(quantised)
         with torch.inference_mode():
             for token in NEW + [TOKENS[n - 1] for n in path]:
-                decoded = quantised(torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+                decoded = quantised(torch.tensor([[token]]), **with_cache(quantised, cache)).logits[0, -1]
         assert torch.equal(decoded, logits[node]), f"node {node}"
 
 
@@ -126,5 +127,5 @@ def test_a_session_keeps_the_branch_its_next_call_spells_and_drops_the_rest(mode
         assert pending == new[reused:], (new, pending)
         next_token = 5
         with torch.inference_mode():
-            logits = model(torch.tensor([pending + [next_token]]), past_key_values=session.cache).logits[0, -1]
+            logits = model(torch.tensor([pending + [next_token]]), **with_cache(model, session.cache)).logits[0, -1]
         torch.testing.assert_close(logits, plain_next_logits(model, sequence + [next_token]), atol=1e-5, rtol=0)
