@@ -170,13 +170,7 @@ class DraftRunner(ModelRunner):
         and no confidence stop.
         """
         widths = check_tree_widths(call, self.max_speculative_tokens)
-        self.check_tokens(call.new_tokens, "new_tokens")
-        self.check_length(call.keep_tokens + len(call.new_tokens) + len(widths))
-        clock = Stopwatch()
-        session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
-        pending = session.extend(call.keep_tokens, call.new_tokens)
-        deterministic = call.params.greedy or self.proposal_mode == "greedy"
-        generator = np.random.default_rng(call.seed)
+        session, pending, deterministic, generator, clock = self._open(call, len(widths))
         frontier = [(0, self.forward(session, pending, logits_to_keep=1)[-1])]  # (node, logits [N_head])
         processed = len(pending)
         token_ids: list[int] = []
@@ -218,18 +212,24 @@ class DraftRunner(ModelRunner):
             parents=parents,
         )
 
-    def _begin(self, call: ProposeCall) -> _Drafting:
-        """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
-        check_call_sizes(call, self.max_speculative_tokens, copies=self.lookup is not None)
+    def _open(self, call: ProposeCall, drafts: int):
+        """Checks the call's tokens and length (with `drafts` more to come), rolls its session
+        back to `keep_tokens` plus the new tokens, and returns (session, the tokens its cache
+        lacks, whether proposals are deterministic, the call's generator, its stopwatch)."""
         self.check_tokens(call.new_tokens, "new_tokens")
-        min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
-        clock = Stopwatch()
-        drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
         self.check_length(call.keep_tokens + len(call.new_tokens) + drafts)
+        clock = Stopwatch()
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         pending = session.extend(call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
-        generator = np.random.default_rng(call.seed)
+        return session, pending, deterministic, np.random.default_rng(call.seed), clock
+
+    def _begin(self, call: ProposeCall) -> _Drafting:
+        """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
+        check_call_sizes(call, self.max_speculative_tokens, copies=self.lookup is not None)
+        min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
+        drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
+        session, pending, deterministic, generator, clock = self._open(call, drafts)
         drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
         if self.lookup is not None and call.copy_limit:
             # The cache lags the sequence by the pending tokens and any copied ones; the
