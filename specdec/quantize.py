@@ -53,9 +53,7 @@ class RowwiseInt8Linear(torch.nn.Module):
             if linear.bias is None
             else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
         )
-        sentinel = torch.zeros(1, self.in_features)  # [1, in]: pins the quantiser's range to [-1, 1]
-        sentinel[0, 0], sentinel[0, -1] = 1.0, -1.0
-        self.register_buffer("_sentinel", sentinel, persistent=False)
+        self.register_buffer("_sentinel", _sentinel_row(self.in_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         shape = x.shape
@@ -83,6 +81,23 @@ def _pack(weight: torch.Tensor):  # [out, in] float32 → fbgemm's packed per-ch
 _ACT_SCALE, _ACT_ZERO_POINT = 2 / 255, 128
 
 
+def _sentinel_row(in_features: int) -> torch.Tensor:  # [1, in]: pins the quantiser's range to [-1, 1]
+    sentinel = torch.zeros(1, in_features)
+    sentinel[0, 0], sentinel[0, -1] = 1.0, -1.0
+    return sentinel
+
+
+def _fixed_map_gemm(scaled: torch.Tensor, packed) -> torch.Tensor:  # [M, in] → [M, out]
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        scaled, _ACT_SCALE, _ACT_ZERO_POINT, packed
+    )
+
+
+def _sentinel_gemm(scaled: torch.Tensor, packed, sentinel: torch.Tensor) -> torch.Tensor:  # [M, in] → [M, out]
+    # reduce_range=False: 8-bit activations (7-bit weights keep the int16 pair sums in range).
+    return torch.ops.quantized.linear_dynamic(torch.cat([sentinel, scaled]), packed, False)[1:]
+
+
 def _int8_gemm(scaled: torch.Tensor, packed, sentinel: torch.Tensor) -> torch.Tensor:
     """[M, in] rows with entries in [-1, 1] → [M, out], each row quantised with one fixed map.
 
@@ -91,11 +106,8 @@ def _int8_gemm(scaled: torch.Tensor, packed, sentinel: torch.Tensor) -> torch.Te
     layers, ~5 ms a token over its 169 GEMMs). The two give bitwise the same rows (checked
     once per process, `_fixed_map_available`)."""
     if _fixed_map_available():
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            scaled, _ACT_SCALE, _ACT_ZERO_POINT, packed
-        )
-    # reduce_range=False: 8-bit activations (7-bit weights keep the int16 pair sums in range).
-    return torch.ops.quantized.linear_dynamic(torch.cat([sentinel, scaled]), packed, False)[1:]
+        return _fixed_map_gemm(scaled, packed)
+    return _sentinel_gemm(scaled, packed, sentinel)
 
 
 @functools.cache
@@ -107,15 +119,11 @@ def _fixed_map_available() -> bool:
     rows = torch.randn(5, 40, generator=generator)  # [M, in]
     scaled = rows / rows.abs().amax(dim=1, keepdim=True)
     packed = _pack(weight)
-    sentinel = torch.zeros(1, 40)
-    sentinel[0, 0], sentinel[0, -1] = 1.0, -1.0
     try:
-        fixed = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            scaled, _ACT_SCALE, _ACT_ZERO_POINT, packed
-        )
+        fixed = _fixed_map_gemm(scaled, packed)
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
-    return torch.equal(fixed, torch.ops.quantized.linear_dynamic(torch.cat([sentinel, scaled]), packed, False)[1:])
+    return torch.equal(fixed, _sentinel_gemm(scaled, packed, _sentinel_row(40)))
 
 
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
