@@ -48,7 +48,7 @@ class Coordinator(Branching, UpstreamCalls):
         target: TargetClient,
         tokenizer: PreTrainedTokenizerBase,
         pair: PairInfo,
-        target_info: common_pb2.ModelInfo | None = None,
+        target_info: common_pb2.ModelInfo,
     ) -> None:
         self.config = config
         self.draft = draft
@@ -170,23 +170,15 @@ class Coordinator(Branching, UpstreamCalls):
                                 max_copied=copy_limit if self.pair.draft_copies and not widths else None,
                                 tree_widths=widths,
                             )
-                        except (Unavailable, CallRejected) as exc:
+                        except (Unavailable, CallRejected, ResourceExhausted) as exc:
                             # Target-only for this round: the same output, only slower. Not only
                             # UNAVAILABLE: a draft restarted with other capabilities rejects calls
-                            # it used to take, and the draft only ever speeds a request up. A
-                            # broken draft (NaN logits: INTERNAL) still fails the request, loudly
-                            # (tests/integration/test_guards.py).
+                            # it used to take, one short of memory refuses this request (the rest
+                            # of it then runs target-only), and the draft only ever speeds a
+                            # request up. A broken draft (NaN logits: INTERNAL) still fails the
+                            # request, loudly (tests/integration/test_guards.py).
                             self._draft_failed(exc, draft_view, stats)
-                            round_, source, draft_in_round = Round(), "fallback", False
-                        except ResourceExhausted as exc:
-                            # The draft cannot hold this request (its KV budget, its session
-                            # limit) and the target can: the rest runs target-only. The draft
-                            # node is fine, so the breaker the other requests share is untouched.
-                            logger.info("draft refused the request, which goes on target-only: %s", exc)
-                            stats.draft_failures += 1
-                            stats.fallback_rounds += 1
-                            draft_view.synced = 0
-                            draft_refused = True
+                            draft_refused = draft_refused or isinstance(exc, ResourceExhausted)
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()

@@ -17,7 +17,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.requests import PairInfo, pair_info
 from coordinator.state import Round, SessionView
-from specdec.errors import DeadlineExceeded, SessionNotFound, SpecDecError, Unavailable
+from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class UpstreamCalls:
     _cleanup: set[asyncio.Task]
     _probe: asyncio.Task | None
     _refresh: asyncio.Task | None
-    _target_info: common_pb2.ModelInfo | None
+    _target_info: common_pb2.ModelInfo
 
     async def _propose_with_retries(
         self,
@@ -103,13 +103,19 @@ class UpstreamCalls:
         """Counts a failed draft call, opens the breaker after enough of them, and forgets what
         the draft held: if it comes back, the next call re-sends the whole sequence. A draft
         that rejected the call may have restarted with other capabilities (no copies, no
-        trees, a lower K): its Info is read again."""
+        trees, a lower K): its Info is read again. One that cannot hold the request
+        (RESOURCE_EXHAUSTED) counts for this request only, not for the breaker."""
         if isinstance(exc, CallRejected) and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair())
         stats.draft_failures += 1
         stats.fallback_rounds += 1
         draft_view.synced = 0
         trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
+        if isinstance(exc, ResourceExhausted):
+            # The draft cannot hold this request (its KV budget, its session limit) and the
+            # target can; the draft node is fine, so the breaker other requests share is untouched.
+            logger.info("draft refused the request, which goes on target-only: %s", exc)
+            return
         logger.warning("draft call failed, round runs target-only: %s", exc)
         if self.breaker.record_failure():
             logger.warning(
@@ -125,8 +131,6 @@ class UpstreamCalls:
         unreachable or no longer pairs with the target (the breaker then keeps rounds
         target-only). The chooser's costs stay as measured at start-up (a seed's output does
         not move with a draft restart; a coordinator restart re-measures)."""
-        if self._target_info is None:
-            return
         try:
             draft_info = await self.draft.info()
             check_pair(
