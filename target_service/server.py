@@ -9,6 +9,7 @@ from transformers import AutoConfig
 
 from specdec.config import pin_cpus
 from specdec.modeling import check_tensor_parallel, leave_torch_to_the_model_thread
+from specdec.ports import free_port
 from specdec.security import load_server_security
 from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -62,7 +63,7 @@ def main_tensor_parallel(config: TargetConfig) -> None:
         raise SystemExit(2) from None
     launched = tensor_parallel.rank_from_environment()
     if launched is None:
-        init_method = f"tcp://127.0.0.1:{tensor_parallel.free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         workers = tensor_parallel.spawn_workers(config, init_method, load_runner)
         stopping = tensor_parallel.exit_when_a_worker_dies(workers)
         rank, local_rank = 0, 0

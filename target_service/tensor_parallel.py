@@ -22,7 +22,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -129,12 +128,6 @@ def serve_worker(runner: TargetRunner, control: dist.ProcessGroup, rank: int) ->
             handlers[method](*args)
         except Exception as exc:  # noqa: BLE001 - rank 0 raised the same and answered its caller
             logger.debug("tensor-parallel rank %d: %s failed as on rank 0: %s", rank, method, exc)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spawn_workers(

@@ -1,0 +1,31 @@
+import random
+import socket
+
+from specdec import ports
+from specdec.ports import free_port
+
+
+def test_free_port_is_below_the_kernels_ephemeral_range_and_bindable():
+    floor = ports._ephemeral_floor()
+    picked = [free_port() for _ in range(20)]
+    assert all(ports._LOWEST <= port < floor for port in picked)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", picked[0]))
+
+
+def test_free_port_ignores_the_seeded_global_random():
+    random.seed(0)
+    first = [free_port() for _ in range(3)]
+    random.seed(0)
+    assert [free_port() for _ in range(3)] != first
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        busy = held.getsockname()[1]
+        monkeypatch.setattr(ports, "_ephemeral_floor", lambda: busy + 1_000)
+        choices = iter([busy, busy + 1, busy + 2])
+        monkeypatch.setattr(ports._rng, "randrange", lambda low, high: next(choices))
+        port = free_port()
+    assert port != busy and port in (busy + 1, busy + 2)
