@@ -1,3 +1,7 @@
-from draft_service.server import main
+from specdec.openmp import limit_spinning
+
+limit_spinning()  # before torch loads: it reads the setting once
+
+from draft_service.server import main  # noqa: E402
 
 main()
