@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args, target_service_args
-from specdec.launch import free_port, model_service_args, spawn, spawn_coordinator
+from specdec.launch import model_service_args, spawn, spawn_coordinator
 from specdec.modeling import DTYPES
+from specdec.ports import free_port
 from specdec.quantize import quantize_int8
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc

@@ -18,8 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.ports import free_port
 
-__all__ = ["free_port"]  # the tests and the benchmark import it from here
-
 
 @dataclass
 class ServiceProcess:

@@ -22,8 +22,9 @@ from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from specdec.config import ClientSecurity
-from specdec.launch import ServiceProcess, free_port, spawn
+from specdec.launch import ServiceProcess, spawn
 from specdec.local import LocalChannel
+from specdec.ports import free_port
 from specdec.security import aio_channel, load_client_security
 from specdec.serving import RunningServer, build_model_servicer
 from specdec.testing import TinyPair

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specdec.launch import free_port
+from specdec.ports import free_port
 from specdec.probs import SamplingParams
 from target_service.config import TargetConfig
 from target_service.runner import VerifyCall
