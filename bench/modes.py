@@ -65,6 +65,9 @@ COORDINATORS = {
     "hedged2": ["--hedges", "2"],
     "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
     "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
+    # Without catch-up steps: a round with no drafts ready waits for fresh ones.
+    "pipelined-waiting": ["--pipeline", "on", "--catch-up", "off"],
+    "pipelined+hedged2-waiting": ["--pipeline", "on", "--hedges", "2", "--catch-up", "off"],
     "tree-chooser": ["--tree-chooser", "on"],
 }
 
@@ -145,6 +148,7 @@ class Sample:
     predraft_wasted_tokens: int = 0
     hedge_wasted_tokens: int = 0
     tree_rounds: int = 0  # rounds that verified a token tree
+    catch_up_rounds: int = 0  # pipelined rounds run target-only while the draft drafted the next
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:
@@ -254,6 +258,7 @@ def node_modes() -> list[Mode]:
     ]
     for name, coordinator in (
         ("sequential", "sequential"),
+        ("pipelined, waiting", "pipelined-waiting"),
         ("pipelined", "pipelined"),
         ("pipelined+2 hedges", "pipelined+hedged2"),
     ):

@@ -132,6 +132,7 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
             "other_ms": None,
             "ready_rate": None,
             "wasted_per_round": None,
+            "catch_up_rate": None,
         }
     verify = sum(s.get("target_ms", 0.0) for s in samples) / rounds
     draft = sum(s.get("draft_ms", 0.0) + s.get("branch_wait_ms", 0.0) for s in samples) / rounds
@@ -146,6 +147,9 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
             s.get("predraft_wasted_tokens", 0) + s.get("hedge_wasted_tokens", 0) for s in speculating
         )
         / sum(s["rounds"] for s in speculating)
+        if speculating
+        else None,
+        "catch_up_rate": sum(s.get("catch_up_rounds", 0) for s in speculating) / sum(s["rounds"] for s in speculating)
         if speculating
         else None,
     }
@@ -271,17 +275,20 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
         if split and any(row.get("ready_rate") is not None for row in split):
             lines += [
                 "",
-                "Round time split (ms per round, medians are not used: Σ over all rounds / rounds) and branch use:",
+                "Round time split (ms per round, medians are not used: Σ over all rounds / rounds; verify "
+                "includes the prompt's prefill, shared by fewer rounds the more tokens a round carries) and "
+                "branch use (catch-up steps: target-only rounds while the draft drafted the next):",
                 "",
-                "| Mode | verify | draft on critical path | other (overhead) | ready rate | wasted branch "
-                "drafts/round |",
-                "|---|---|---|---|---|---|",
+                "| Mode | verify | draft on critical path | other (overhead) | ready rate | catch-up steps | "
+                "wasted branch drafts/round |",
+                "|---|---|---|---|---|---|---|",
             ]
             for row in split:
                 lines.append(
                     f"| {row['mode']} | {_fmt(row['verify_ms'], '.0f')} | {_fmt(row['draft_critical_ms'], '.0f')} | "
                     f"{_fmt(row['other_ms'], '.0f')} "
-                    f"| {_fmt(row.get('ready_rate'), '.0%')} | {_fmt(row.get('wasted_per_round'))} |"
+                    f"| {_fmt(row.get('ready_rate'), '.0%')} | {_fmt(row.get('catch_up_rate'), '.0%')} "
+                    f"| {_fmt(row.get('wasted_per_round'))} |"
                 )
         if kinds and temperature in kinds:
             lines += _kind_table(kinds[temperature], [row["mode"] for row in rows])

@@ -127,6 +127,7 @@ class OursRunner:
             predraft_wasted_tokens=s.predraft_wasted_tokens,
             hedge_wasted_tokens=s.hedge_wasted_tokens,
             tree_rounds=s.tree_rounds,
+            catch_up_rounds=s.catch_up_rounds,
         )
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ class Speculation:
     round_index: int
     branches: list[BranchPlan]
     task: asyncio.Future  # the ProposeBranches call
+    failed: bool = False  # set when its reply was read: the call or the pre-draft's branch failed
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -84,6 +85,7 @@ class Branching:
         predraft_seed: int,
         hedge_seeds: np.random.Generator,
         stats: GenerationStats,
+        catch_up: bool = False,
     ) -> Speculation | None:
         """Starts, while the target verifies, one ProposeBranches call drafting the next round
         for the likeliest outcomes of this one, all branches stepped in the same passes:
@@ -94,6 +96,10 @@ class Branching:
           "draft j rejected, token t recovered" (coordinator.hedging), each drafting the round
           that would follow. They are listed first, so they copy the session before the
           pre-draft extends it and share its passes.
+
+        `catch_up`: this round runs target-only and its drafts are not in the draft session; the
+        pre-draft first appends the committed tokens the session lacks (opening it on a
+        request's first round), then guesses the step's token and drafts after it.
         """
         plans: list[BranchPlan] = []
         requests: list[draft_pb2.ProposeRequest] = []
@@ -121,12 +127,17 @@ class Branching:
                 )
         if predraft_k:
             plans.append(BranchPlan(min(predraft_k, self.pair.max_num_speculative_tokens), draft_view.session_id))
-            # The session holds the sequence and this round's drafts: nothing to send.
+            # The session holds the sequence and this round's drafts: nothing to send (a
+            # catch-up sends what the session lacks).
+            keep, new_tokens = base + len(round_.draft_token_ids), []
+            if catch_up:
+                keep, new_tokens = draft_view.synced, self.pair.for_draft(sequence[draft_view.synced :])
+                draft_view.opened = True
             requests.append(
                 draft_pb2.ProposeRequest(
                     session_id=draft_view.session_id,
-                    keep_tokens=base + len(round_.draft_token_ids),
-                    new_tokens=[],
+                    keep_tokens=keep,
+                    new_tokens=new_tokens,
                     num_tokens=plans[-1].k,
                     sampling=sampling,
                     seed=predraft_seed,
@@ -191,6 +202,7 @@ class Branching:
         except SpecDecError as exc:
             # A failed call only means the next round drafts afresh (or falls back).
             logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
+            speculation.failed = True
             self._drop(speculation)
             stats.predraft_cancelled += speculation.predraft is not None
             return None, "", draft_view
@@ -208,6 +220,7 @@ class Branching:
             else:
                 branch = self._round_from(result.proposal, plan.k)
             if plan.hedge is None:
+                speculation.failed = failed
                 stats.predraft_compute_ms += result.proposal.compute_ms
                 stats.predrafted_tokens += len(branch.draft_token_ids)
                 # A pre-draft that stopped at its first token (a confidence stop) has nothing to
@@ -229,6 +242,10 @@ class Branching:
                     stats.predraft_misses += plan is hit
                     stats.predraft_cancelled += plan is not hit
                     stats.predraft_wasted_tokens += len(branch.draft_token_ids)
+                    if plan is hit and not failed:
+                        # It ran, so the session holds the round's committed prefix (a catch-up
+                        # sent it): the next call need not send that again.
+                        draft_view.synced = max(draft_view.synced, base + proposed)
             elif plan is hit and not failed:
                 trace.get_current_span().add_event(
                     "hedge.used",

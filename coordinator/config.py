@@ -61,6 +61,14 @@ class CoordinatorConfig:
         "on: the draft pre-drafts the next round while the target verifies",
         more="See [Architecture](design.md#architecture).",
     )
+    catch_up: bool = setting(
+        True,
+        "--catch-up",
+        "with --pipeline: a round whose drafts are not ready (the first, and any after a pre-draft or "
+        "hedge missed) runs as one target-only step while the draft drafts the round after it, so the "
+        "target never waits for the draft; off: the round waits for fresh drafts",
+        more="See [Architecture](design.md#architecture).",
+    )
     adaptive_k: bool = setting(
         True,
         "--adaptive-k",

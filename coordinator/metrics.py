@@ -46,6 +46,7 @@ class GenerationStats:
     hedge_wasted_tokens: int = 0  # drafts of hedges that were read but not used
     branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies returned
     ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
+    catch_up_rounds: int = 0  # pipelined rounds run target-only while the draft drafted the next
     copied_rounds: int = 0  # rounds whose drafts the draft copied by prompt lookup
     tree_rounds: int = 0  # rounds that verified a token tree
     copied_tokens: int = 0  # drafts in them

@@ -91,6 +91,14 @@ class Coordinator(Branching, UpstreamCalls):
         and the next round verifies them against the distributions they came from. Any
         other outcome cancels the pre-draft (gRPC cancellation) and its tokens are never read.
 
+        With catch-up steps (`--catch-up`, on by default), a pipelined round that has no drafts
+        ready (the first round, or one after a missed pre-draft) does not wait for the draft:
+        it is one target-only step (K = 0: the target samples the next token), while a
+        pre-draft catches the draft session up and guesses that token before drafting on. The
+        same rule keeps the pre-draft only when its guess equals the step's token. Whether a
+        round is a catch-up step depends on the earlier outcomes alone, never on timing, so
+        a seed still maps to one output.
+
         Hedged mode (`--hedges N`) also forks the draft session during each verify for the N
         likeliest rejection outcomes "draft j rejected, token t recovered" (coordinator.hedging)
         and drafts the round that would follow each. A branch is used only when the round ended
@@ -124,6 +132,7 @@ class Coordinator(Branching, UpstreamCalls):
         ready_source = ""
         speculation: Speculation | None = None  # branches in flight during a verify
         draft_refused = False  # the draft cannot hold this request: the rest of it runs target-only
+        catch_up_failed = False  # the last catch-up's draft call failed: draft the next round afresh
         try:
             while True:
                 with tracer.start_as_current_span(
@@ -154,9 +163,24 @@ class Coordinator(Branching, UpstreamCalls):
                     uniforms = streams.coins.random(tree_size(widths) or max(k, copy_limit)).tolist()
                     draft_in_round = bool(k or copy_limit or widths)  # the draft session will hold this round's drafts
                     source = "none"  # where this round's drafts come from
+                    # Pipelined, nothing ready: rather than leave the target idle while the draft
+                    # drafts, run this round as one target-only step and draft the round after it
+                    # meanwhile (its pre-draft). Decided by the previous outcomes alone, as K is.
+                    catch_up = (
+                        pipelined
+                        and self.config.catch_up
+                        and bool(k)
+                        and not (copy_limit or widths)  # a copy costs no pass; a tree is not pipelined
+                        and (ready is None or not ready.draft_token_ids)
+                        and not catch_up_failed
+                        and self.breaker.allow()
+                    )
                     if ready is not None and ready.draft_token_ids and k:
                         round_, source = ready.truncated(k), ready_source
                         stats.ready_rounds += 1
+                    elif catch_up:
+                        round_, source, draft_in_round = Round(), "catch-up", False
+                        stats.catch_up_rounds += 1
                     elif k or copy_limit or widths:
                         source = "draft"
                         try:
@@ -202,7 +226,24 @@ class Coordinator(Branching, UpstreamCalls):
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                    if (pipelined or hedging) and k and proposed and self.breaker.allow():
+                    if catch_up and next_limit:
+                        # The draft session does not hold this round's new tokens yet: the
+                        # pre-draft carries them (catching the draft up), then guesses this
+                        # step's token and drafts up to K after it.
+                        speculation = self._start_speculation(
+                            draft_view,
+                            sequence,
+                            round_,
+                            min(k, next_limit) + 1,
+                            0,
+                            remaining,
+                            sampling,
+                            predraft_seed,
+                            streams.hedge,
+                            stats,
+                            catch_up=True,
+                        )
+                    elif (pipelined or hedging) and k and proposed and self.breaker.allow():
                         speculation = self._start_speculation(
                             draft_view,
                             sequence,
@@ -277,6 +318,9 @@ class Coordinator(Branching, UpstreamCalls):
                         taken, ready_source, draft_view = await self._settle(
                             speculation, outcome, proposed, live, draft_view, base, stats
                         )
+                        # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be
+                        # retried as one: the regular draft call re-prefills and counts failures.
+                        catch_up_failed = speculation.failed
                         speculation = None
                         if taken is not None:
                             ready = taken
@@ -291,7 +335,8 @@ class Coordinator(Branching, UpstreamCalls):
                             "specdec.round.k": proposed,
                             "specdec.round.accepted": outcome.num_accepted,
                             "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
-                            # draft, copy (prompt lookup), predraft, hedge, fallback (draft down), none (K=0)
+                            # draft, copy (prompt lookup), predraft, hedge, catch-up (a target-only step while the
+                            # draft catches up), fallback (draft down), none (K=0)
                             "specdec.round.drafts_from": source,
                             "specdec.round.epoch": draft_view.last_epoch,
                             "specdec.round.pipelined": pipelined,

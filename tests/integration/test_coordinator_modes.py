@@ -22,6 +22,7 @@ from tests.stack import inprocess_stack, slow_down
 MODES = {
     "sequential": {},
     "pipelined": {"pipeline": True},
+    "pipelined_waiting": {"pipeline": True, "catch_up": False},  # a miss waits for fresh drafts
     "adaptive": {"adaptive_k": True},
     "pipelined_adaptive": {"pipeline": True, "adaptive_k": True},
     "hedged": {"hedges": 2},
@@ -49,7 +50,7 @@ async def stack(request, tiny_pair):
 
 
 async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
-    totals = {"hits": 0, "cancelled": 0, "hedge_hits": 0}
+    totals = {"hits": 0, "cancelled": 0, "hedge_hits": 0, "catch_ups": 0}
     for prompt in PROMPTS:
         expected = reference(prompt)
         for k in (1, 3, 5, None):  # None: the coordinator's default, or adaptive K
@@ -65,11 +66,15 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
             totals["cancelled"] += s.predraft_cancelled
             assert s.hedge_hits <= min(s.hedges, s.recovered_tokens) and s.hedged_tokens <= s.hedge_hits * 16
             totals["hedge_hits"] += s.hedge_hits
+            # A catch-up round is a target-only step (K = 0) while the draft drafts the next.
+            assert s.catch_up_rounds <= list(s.k_per_round).count(0)
+            totals["catch_ups"] += s.catch_up_rounds
             if "adaptive" in stack.mode and k is None:
                 assert len(set(s.k_per_round[:-1])) >= 1
     pipelined, hedged = "pipeline" in MODES[stack.mode], "hedges" in MODES[stack.mode]
     assert (totals["hits"] > 0 and totals["cancelled"] > 0) == pipelined, totals
     assert (totals["hedge_hits"] > 0) == hedged, totals
+    assert (totals["catch_ups"] > 0) == (pipelined and MODES[stack.mode].get("catch_up", True)), totals
     await _until_no_sessions(stack.draft_runner)
 
 

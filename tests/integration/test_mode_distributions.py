@@ -95,6 +95,13 @@ def pre_drafts_used(stats, draft) -> str | None:
     return None if hits > len(stats) // 20 else f"only {hits} pre-drafts were used"
 
 
+def catch_ups_and_pre_drafts_used(stats, draft) -> str | None:
+    """Catch-up steps (target-only rounds while the draft drafts the next) ran, and their
+    pre-drafts were used."""
+    steps = total(stats, "catch_up_rounds")
+    return pre_drafts_used(stats, draft) or (None if steps > len(stats) // 20 else f"only {steps} catch-up steps")
+
+
 def hedges_used(stats, draft) -> str | None:
     hits = total(stats, "hedge_hits")
     return None if hits > len(stats) // 20 else f"only {hits} hedges were used"
@@ -113,17 +120,25 @@ def chooser_varied(stats, draft) -> str | None:
     return pre_drafts_used(stats, draft) or (None if len(ks) > 1 else f"the chooser only ever chose K in {ks}")
 
 
-# Pipelining needs 4 tokens (a first round of K = 1, then a round from its pre-draft), so those
+# Pipelining needs 4 tokens (a first round, a catch-up step or K = 1, then a round from its pre-draft), so those
 # modes use 2 tokens (16 outcomes); sequential uses 3 tokens over 3 positions (27 outcomes).
 MODES = {
     "sequential": Mode({}, vocab=3, length=3, k=2, mutant_samples=10_000),
-    "pipelined": Mode({"pipeline": True}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000),
+    # With catch-up steps (the default): the first round, and any after a miss, is a target-only
+    # step whose pre-draft drafts the round after it.
+    "pipelined": Mode(
+        {"pipeline": True}, vocab=2, length=4, k=1, exercised=catch_ups_and_pre_drafts_used, mutant_samples=10_000
+    ),
+    "pipelined_waiting": Mode(
+        {"pipeline": True, "catch_up": False}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000
+    ),
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
     # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%).
     "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.5, exercised=hedges_used),
     # Pre-draft and hedges in one ProposeBranches call, stepped together.
     "batched_hedges": Mode(
-        {"pipeline": True, "hedges": 2},
+        # Without catch-up steps, so that every round after the first batches its branches.
+        {"pipeline": True, "hedges": 2, "catch_up": False},
         vocab=2,
         length=4,
         k=1,
@@ -131,7 +146,8 @@ MODES = {
         mutant_samples=10_000,
     ),
     "confidence_stopped": Mode(
-        {"pipeline": True},
+        # Without catch-up steps, so that rounds after a miss make regular Propose calls.
+        {"pipeline": True, "catch_up": False},
         vocab=2,
         length=4,
         k=2,
@@ -267,6 +283,7 @@ def k_cut_after_drafting(monkeypatch) -> None:
 MUTANTS = {
     "sequential": recovered_one_late,
     "pipelined": pre_draft_off_by_one,
+    "pipelined_waiting": pre_draft_off_by_one,
     "hedged": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
     "confidence_stopped": unsure_draft_dropped,

@@ -60,7 +60,7 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
 
     modes = node_modes()
     pinned = [m for m in modes if m.placement == "pinned"]
-    assert {m.coordinator for m in pinned} == {"sequential", "pipelined", "pipelined+hedged2"}
+    assert {m.coordinator for m in pinned} == {"sequential", "pipelined-waiting", "pipelined", "pipelined+hedged2"}
     assert {m.adaptive for m in pinned} == {True, False}
     assert all(m.drafter == "int8@core0" for m in pinned)
     assert PLACEMENTS["pinned"]["draft"] == ["--cpus", "0", "--threads", "1"]
@@ -83,6 +83,7 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
         branch_wait_ms=200.0,
         predraft_wasted_tokens=5,
         hedge_wasted_tokens=15,
+        catch_up_rounds=3,
     )
     results = {
         "modes": [dict(name=base["mode"], family="ours", k=0), dict(name=piped["mode"], family="ours", k=2)],
@@ -92,10 +93,11 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
     row = {r["mode"]: r for r in summary[0.0]}["ours pinned pipelined K=2"]
     assert row["ready_rate"] == pytest.approx(6 / 9)
     assert row["wasted_per_round"] == pytest.approx(2.0)
+    assert row["catch_up_rate"] == pytest.approx(0.3)
     assert (row["verify_ms"], row["draft_critical_ms"], row["other_ms"]) == pytest.approx((200.0, 50.0, 50.0))
     machine = dict(cpu="x", cores=2, device="cpu", torch="t", transformers="t", threads={"in_process_hf": 2}, date="d")
     table = markdown_table(summary, machine)
-    assert "ready rate" in table and "67%" in table
+    assert "ready rate" in table and "67%" in table and "catch-up steps" in table and "30%" in table
 
 
 def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
