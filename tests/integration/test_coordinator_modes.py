@@ -200,3 +200,31 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
                 assert (
                     refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()
                 )
+
+
+async def test_catch_up_steps_survive_lost_sessions_and_leave_none_behind(tiny_pair, reference):
+    """A pipelined coordinator whose services forget the request's sessions mid-generation (a
+    restart, an eviction): the catch-up pre-draft that finds its session gone fails alone, the
+    next round's regular draft call re-sends the sequence, and the greedy output is unchanged."""
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides={"pipeline": True}
+    ) as stack:
+        prompt = PROMPTS[0]
+        tokens, stats = [], None
+        call = stack.stub.GenerateStream(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=60
+        )
+        index = 0
+        async for chunk in call:
+            tokens.extend(chunk.token_ids)
+            if index in (1, 3):
+                for runner in (stack.draft_runner, stack.target_runner):
+                    for session_id in list(runner.sessions._sessions):
+                        runner.end_session(session_id)
+            if chunk.finish_reason:
+                stats = chunk.stats
+            index += 1
+        assert tokens == reference(prompt, 40)
+        assert stats is not None and stats.reprefills >= 2 and stats.catch_up_rounds >= 1, stats
+        await _until_no_sessions(stack.draft_runner)
+        await _until_no_sessions(stack.target_runner)
