@@ -62,17 +62,22 @@ def summarise(results: dict) -> dict[float, list[dict]]:
             proposed = sum(s["proposed"] for s in samples)
             accepted = sum(s["accepted"] for s in samples)
             rounds = sum(s["rounds"] for s in samples)
+            # Rounds that verified drafts: a round of K = 0 (the chooser's, or a pipelined catch-up
+            # step) has no position to accept. Older results without k_per_round count every round.
+            drafted = sum(
+                sum(1 for k in s["k_per_round"] if k) if s.get("k_per_round") else s["rounds"] for s in samples
+            )
             positions = max((len(s["accepted_per_position"]) for s in samples), default=0)
             per_position = (
                 [
-                    sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / rounds
+                    sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / drafted
                     for i in range(positions)
                 ]
-                if rounds
+                if drafted
                 else []
             )
-            # Rounds reaching position i: all of them for i = 0, then those that accepted i tokens.
-            reached = [rounds] + [
+            # Rounds reaching position i: every drafted round for i = 0, then those that accepted i tokens.
+            reached = [drafted] + [
                 sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
                 for i in range(positions - 1)
             ]
@@ -107,8 +112,10 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "rejections_hedged": _ratio(samples, "hedge_hits", "recovered")
                 if any(s.get("hedges") for s in samples)
                 else None,
-                "mean_k": statistics.mean(k for s in samples for k in s.get("k_per_round", []))
-                if any(s.get("k_per_round") for s in samples)
+                # K per round, catch-up steps (target-only rounds of a pipelined K) left out.
+                "mean_k": sum(k for s in samples for k in s.get("k_per_round", []))
+                / sum(len(s.get("k_per_round", [])) - s.get("catch_up_rounds", 0) for s in samples)
+                if any(len(s.get("k_per_round", [])) > s.get("catch_up_rounds", 0) for s in samples)
                 else None,
                 "draft_step_ms": sum(s["draft_compute_ms"] for s in samples) / proposed if proposed else None,
                 "target_round_ms": sum(s["target_compute_ms"] for s in samples) / rounds if rounds else None,

@@ -54,6 +54,25 @@ def test_alpha_counts_only_positions_that_were_evaluated():
     assert row["theoretical_speedup"] == pytest.approx(theoretical_speedup(12 / 18, 2, c))
 
 
+def test_rounds_without_drafts_reach_no_position():
+    """K = 0 rounds (the chooser's, or a pipelined catch-up step) verify nothing: α, the
+    per-position acceptance and mean K count only the rounds that carried drafts."""
+    piped = _sample("ours pinned pipelined K=2", rounds=4, proposed=4, accepted=3, per_position=[2, 1])
+    piped.update(k_per_round=[0, 2, 2, 0], catch_up_rounds=2)
+    base = _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0)
+    results = {
+        "modes": [
+            dict(name=base["mode"], family="ours", k=0, assisted=None),
+            dict(name=piped["mode"], family="ours", k=2, assisted=None),
+        ],
+        "samples": [base, piped],
+    }
+    row = {r["mode"]: r for r in summarise(results)[0.0]}[piped["mode"]]
+    assert row["alpha"] == pytest.approx(3 / (2 + 2))  # 2 drafted rounds reach i=0, 2 reach i=1
+    assert row["per_position_acceptance"] == [1.0, 0.5]
+    assert row["mean_k"] == pytest.approx(2.0)
+
+
 def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_split():
     from bench.modes import PLACEMENTS, node_modes
     from bench.report import markdown_table
