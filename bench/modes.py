@@ -67,7 +67,6 @@ COORDINATORS = {
     "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
     # Without catch-up steps: a round with no drafts ready waits for fresh ones.
     "pipelined-waiting": ["--pipeline", "on", "--catch-up", "off"],
-    "pipelined+hedged2-waiting": ["--pipeline", "on", "--hedges", "2", "--catch-up", "off"],
     "tree-chooser": ["--tree-chooser", "on"],
 }
 

@@ -145,6 +145,7 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
     draft = sum(s.get("draft_ms", 0.0) + s.get("branch_wait_ms", 0.0) for s in samples) / rounds
     total = sum(s["total_ms"] for s in samples) / rounds
     follow = sum(max(s["rounds"] - 1, 0) for s in speculating)
+    speculating_rounds = sum(s["rounds"] for s in speculating)
     return {
         "verify_ms": verify,
         "draft_critical_ms": draft,
@@ -153,10 +154,10 @@ def _round_split(samples: list[dict], rounds: int) -> dict:
         "wasted_per_round": sum(
             s.get("predraft_wasted_tokens", 0) + s.get("hedge_wasted_tokens", 0) for s in speculating
         )
-        / sum(s["rounds"] for s in speculating)
+        / speculating_rounds
         if speculating
         else None,
-        "catch_up_rate": sum(s.get("catch_up_rounds", 0) for s in speculating) / sum(s["rounds"] for s in speculating)
+        "catch_up_rate": sum(s.get("catch_up_rounds", 0) for s in speculating) / speculating_rounds
         if speculating
         else None,
     }

@@ -226,24 +226,10 @@ class Coordinator(Branching, UpstreamCalls):
                     # Pre-draft only if a fully accepted round would leave room for another round: the
                     # bonus guess plus up to K drafts for it.
                     next_limit = self._k_limit(base + proposed + 1, remaining - proposed - 1)
-                    if catch_up and next_limit:
-                        # The draft session does not hold this round's new tokens yet: the
-                        # pre-draft carries them (catching the draft up), then guesses this
-                        # step's token and drafts up to K after it.
-                        speculation = self._start_speculation(
-                            draft_view,
-                            sequence,
-                            round_,
-                            min(k, next_limit) + 1,
-                            0,
-                            remaining,
-                            sampling,
-                            predraft_seed,
-                            streams.hedge,
-                            stats,
-                            catch_up=True,
-                        )
-                    elif (pipelined or hedging) and k and proposed and self.breaker.allow():
+                    # A catch-up step has no drafts of its own: its pre-draft carries the new
+                    # tokens the draft session lacks, guesses this step's token and drafts up
+                    # to K after it (no hedges: there are no runner-ups to hedge on).
+                    if (pipelined or hedging) and k and (proposed or catch_up) and self.breaker.allow():
                         speculation = self._start_speculation(
                             draft_view,
                             sequence,
@@ -255,6 +241,7 @@ class Coordinator(Branching, UpstreamCalls):
                             predraft_seed,
                             streams.hedge,
                             stats,
+                            catch_up=catch_up,
                         )
                     try:
                         verification = await verify
