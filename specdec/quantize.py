@@ -142,7 +142,28 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
         raise ValueError(f"this torch build has no CPU int8 engine (has {torch.backends.quantized.supported_engines})")
     model.config.tie_word_embeddings = False
     _replace_linears(model)
+    _own_float_tensors(model)
     return model
+
+
+def _own_float_tensors(model: torch.nn.Module) -> None:
+    """Copies the tensors left in float (embeddings, norms) out of the checkpoint's memory map.
+
+    transformers maps the safetensors file and a loaded tensor is a view of its pages, so a
+    single surviving view (the float32 embeddings) keeps the whole file mapped and the pages
+    read while loading resident: measured on the 1.5B target, 7,974 MiB RSS after int8
+    quantisation, 5,888 MiB of it the float32 file, against 2,975 MiB once the remaining float
+    tensors own their memory (the copy takes about 2 s). Identity is kept (`.data` is replaced),
+    so tensors shared between modules stay shared.
+    """
+    copied: dict[tuple, torch.Tensor] = {}  # distinct objects viewing the same memory stay one
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+                if key not in copied:
+                    copied[key] = tensor.data.clone()
+                tensor.data = copied[key]
 
 
 # Linear layers that transformers' decoder layers (Llama, Qwen2, Mistral, ...) apply to one input.

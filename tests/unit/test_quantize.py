@@ -3,6 +3,7 @@ what else is in the pass, which the exactness of an int8 target rests on."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -146,3 +147,33 @@ def test_the_fixed_map_gemm_matches_the_sentinel_path():
     scaled = rows / rows.abs().amax(dim=1, keepdim=True)
     sentinel_path = torch.ops.quantized.linear_dynamic(torch.cat([layer._sentinel, scaled]), layer._packed, False)[1:]
     assert torch.equal(quantize._int8_gemm(scaled, layer._packed, layer._sentinel), sentinel_path)
+
+
+def _file_mappings(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files ending in `suffix` (Linux)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[-1].endswith(suffix):
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_a_quantised_model_keeps_no_view_of_its_checkpoint_file(tiny_pair):
+    """The float tensors left after quantisation own their memory: a view of the mapped
+    safetensors file would keep the whole float32 checkpoint mapped and resident."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+
+    def in_file(model: torch.nn.Module) -> list[str]:
+        mapped = _file_mappings(".safetensors")  # read now: freed ranges may be reused
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return [name for name, t in tensors if any(start <= t.data_ptr() < end for start, end in mapped)]
+
+    assert in_file(model), "transformers no longer maps the checkpoint: the test would check nothing"
+    embeddings = model.get_input_embeddings().weight
+    quantize_int8(model)
+    assert model.get_input_embeddings().weight is embeddings  # the same Parameter, its memory copied
+    assert not in_file(model)
