@@ -25,7 +25,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.requests import Chunk, GenerationRequest, Job, PairInfo, prepare_job
 from coordinator.sampling import RoundOutcome, decide_round
 from coordinator.seeds import RequestStreams, next_seed
-from coordinator.state import Round, SessionView, check_reply, round_from
+from coordinator.state import DraftRefusals, Round, SessionView, check_reply, round_from
 from coordinator.text import FINISH_LENGTH, TextAssembler
 from coordinator.upstream import UpstreamCalls
 from specdec import wire
@@ -131,7 +131,7 @@ class Coordinator(Branching, UpstreamCalls):
         ready: Round | None = None  # drafts for the next round, from a kept pre-draft or hedge
         ready_source = ""
         speculation: Speculation | None = None  # branches in flight during a verify
-        draft_refused = False  # the draft cannot hold this request: the rest of it runs target-only
+        refusals = DraftRefusals()  # the draft could not hold this request: target-only rounds, then ask again
         catch_up_failed = False  # the last catch-up's draft call failed: draft the next round afresh
         try:
             while True:
@@ -152,7 +152,7 @@ class Coordinator(Branching, UpstreamCalls):
                     widths = shape[:limit]  # a tree's shape, as deep as there is room for
                     if widths and not self.pair.trees:
                         widths = ()  # the draft stopped serving trees (restarted as another drafter)
-                    if (k or copy_limit or widths) and (draft_refused or not self.breaker.allow()):
+                    if (k or copy_limit or widths) and not (refusals.allow(stats.rounds) and self.breaker.allow()):
                         k = copy_limit = 0  # the draft is down: this round is one target-only step
                         widths = ()
                         stats.fallback_rounds += 1
@@ -197,15 +197,18 @@ class Coordinator(Branching, UpstreamCalls):
                         except (Unavailable, CallRejected, ResourceExhausted) as exc:
                             # Target-only for this round: the same output, only slower. Not only
                             # UNAVAILABLE: a draft restarted with other capabilities rejects calls
-                            # it used to take, one short of memory refuses this request (the rest
-                            # of it then runs target-only), and the draft only ever speeds a
-                            # request up. A broken draft (NaN logits: INTERNAL) still fails the
-                            # request, loudly (tests/integration/test_guards.py).
+                            # it used to take, one short of sessions or memory refuses this
+                            # request (target-only rounds, then it asks again: DraftRefusals),
+                            # and the draft only ever speeds a request up. A broken draft (NaN
+                            # logits: INTERNAL) still fails the request, loudly
+                            # (tests/integration/test_guards.py).
                             self._draft_failed(exc, draft_view, stats)
-                            draft_refused = draft_refused or isinstance(exc, ResourceExhausted)
+                            if isinstance(exc, ResourceExhausted):
+                                refusals.refused(stats.rounds)
                             round_, source, draft_in_round = Round(), "fallback", False
                         else:
                             self.breaker.record_success()
+                            refusals.accepted()
                             round_ = self._round_from(
                                 proposal, tree_size(widths) or (copy_limit if proposal.copied else k)
                             )

@@ -36,6 +36,35 @@ class SessionView:
 
 
 @dataclass
+class DraftRefusals:
+    """When to ask a draft that refused this request (RESOURCE_EXHAUSTED) again.
+
+    A draft refuses when its sessions are all taken, which other requests ending will undo, or
+    when this request's context alone exceeds its KV budget, which only grows. So the request
+    runs target-only rounds and asks again after 4, 8, 16, ... (at most 64) of them: a freed
+    slot is found within a few rounds of freeing, and a request too long for the draft costs
+    one refused call (no model work) per back-off. A call the draft takes starts the back-off
+    over.
+    """
+
+    FIRST_ROUNDS = 4
+    MAX_ROUNDS = 64
+
+    retry_at: int = 0  # the first round index at which the draft is asked again
+    in_a_row: int = 0
+
+    def refused(self, round_index: int) -> None:
+        self.in_a_row += 1
+        self.retry_at = round_index + min(self.FIRST_ROUNDS << (self.in_a_row - 1), self.MAX_ROUNDS)
+
+    def accepted(self) -> None:
+        self.in_a_row = 0
+
+    def allow(self, round_index: int) -> bool:
+        return round_index >= self.retry_at
+
+
+@dataclass
 class Round:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_token_draft_probs: list[float] = field(default_factory=list)

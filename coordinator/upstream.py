@@ -114,7 +114,7 @@ class UpstreamCalls:
         if isinstance(exc, ResourceExhausted):
             # The draft cannot hold this request (its KV budget, its session limit) and the
             # target can; the draft node is fine, so the breaker other requests share is untouched.
-            logger.info("draft refused the request, which goes on target-only: %s", exc)
+            logger.info("draft refused the request, which runs target-only rounds before asking again: %s", exc)
             return
         logger.warning("draft call failed, round runs target-only: %s", exc)
         if self.breaker.record_failure():

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from specdec.errors import ResourceExhausted
 from specdec.modeling import load_causal_lm
 from specdec.runner import kv_bytes_per_token
 from specdec.v1 import coordinator_pb2 as pb
@@ -66,10 +67,48 @@ async def test_a_prompt_too_long_for_the_draft_runs_target_only_and_other_reques
             pb.GenerateRequest(prompt=long_prompt, max_new_tokens=30, num_speculative_tokens=3), timeout=120
         )
         assert list(response.token_ids) == reference(long_prompt, 30)
-        stats = response.stats  # one refused call; then no more draft calls (the last round has no room for drafts)
-        assert stats.draft_failures == 1 and stats.fallback_rounds >= stats.rounds - 1 and stats.proposed_tokens == 0
+        # Refused, then asked again after 4, 8 and 16 target-only rounds (DraftRefusals), refused
+        # each time, and never a draft: the context only grows.
+        stats = response.stats
+        assert stats.rounds == 30 and stats.draft_failures == 4 and stats.proposed_tokens == 0
+        assert stats.fallback_rounds >= stats.rounds - 1
         short = await stack.stub.Generate(
             pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=10, num_speculative_tokens=3), timeout=120
         )
         assert list(short.token_ids) == reference(PROMPTS[1], 10)
         assert not short.stats.degraded and short.stats.accepted_tokens > 0
+
+
+async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(tiny_pair, reference):
+    """A draft whose sessions are all taken refuses a request (RESOURCE_EXHAUSTED); the request
+    runs target-only rounds and asks again after 4, then 8: once a slot is free, it speculates
+    for the rest of the request, with the target's greedy output throughout."""
+    refusals = []
+
+    def full_for_two_requests(draft_runner, _target_runner) -> None:
+        open_session = draft_runner.sessions.open
+
+        def open_or_refuse(session_id: str, keep_tokens: int):
+            if len(refusals) < 2:  # as if another request held the only slot for two tries
+                refusals.append(session_id)
+                raise ResourceExhausted("1 sessions are open, the configured maximum is 1; retry later")
+            return open_session(session_id, keep_tokens)
+
+        draft_runner.sessions.open = open_or_refuse
+
+    prompt = PROMPTS[0]
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        coordinator_overrides={"breaker_failures": 1},
+        prepare_runners=full_for_two_requests,
+    ) as stack:
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=120
+        )
+    assert list(response.token_ids) == reference(prompt, 40)
+    stats = response.stats
+    assert len(refusals) == 2 and stats.draft_failures == 2 and stats.degraded  # degraded: it had fallback rounds
+    # Rounds 0-11 run target-only (refused at 0 and 4); from round 12 on, the draft drafts.
+    assert list(stats.k_per_round)[:12] == [0] * 12 and stats.proposed_tokens > 0 and stats.accepted_tokens > 0
+    assert all(k > 0 for k in list(stats.k_per_round)[12:-1])
