@@ -29,7 +29,7 @@ PHASES = ("target", "draft", "together")  # who times passes: each model alone, 
 def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, ready, go, results) -> None:
     pin_cpus((core,))
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     from specdec.modeling import with_cache
     from specdec.quantize import quantize_int8
@@ -38,7 +38,8 @@ def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, r
     model_ = quantize_int8(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        past = model_(torch.randint(100, 1000, (1, 128), generator=generator), use_cache=True)[1]
+        past = DynamicCache(config=model_.config)  # filled in place by the prefill below
+        model_(torch.randint(100, 1000, (1, 128), generator=generator), **with_cache(model_, past), use_cache=True)
         for phase in PHASES:
             ready.wait()  # both loaded, and the previous phase over
             go[phase].wait()
