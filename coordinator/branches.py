@@ -105,7 +105,7 @@ class Branching:
         requests: list[draft_pb2.ProposeRequest] = []
         base = len(sequence)
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
-            alpha = acceptance_estimate(stats.accepted_tokens, stats.proposed_tokens)
+            alpha = acceptance_estimate(*stats.drafted_acceptance())  # the model's drafts: copies apart
             for hedge in plan_hedges(
                 round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, self.pair.eos_token_ids
             ):

@@ -50,6 +50,7 @@ class GenerationStats:
     copied_rounds: int = 0  # rounds whose drafts the draft copied by prompt lookup
     tree_rounds: int = 0  # rounds that verified a token tree
     copied_tokens: int = 0  # drafts in them
+    copied_accepted: int = 0  # of those, accepted
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -86,6 +87,11 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    def drafted_acceptance(self) -> tuple[int, int]:
+        """(accepted, proposed) over the drafts the draft model drew: copied rounds (prompt
+        lookup) accept at rates of their own and would skew an estimate of the model's."""
+        return self.accepted_tokens - self.copied_accepted, self.proposed_tokens - self.copied_tokens
 
     @property
     def mean_accepted_length(self) -> float:

@@ -283,6 +283,7 @@ class Coordinator(Branching, UpstreamCalls):
                         )
                     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
                     stats.tree_rounds += bool(round_.parents)
+                    stats.copied_accepted += outcome.num_accepted if round_.copied else 0
                     if copying is not None and round_.copied:
                         copying.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
                     elif adaptive and isinstance(outcome, TreeOutcome):

@@ -134,6 +134,9 @@ async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
             longer_than_model_k += sum(1 for k in ks if k > 1)
             copied_rounds += chosen.stats.copied_rounds
             copied_tokens += chosen.stats.copied_tokens
+            s = chosen.stats  # copies' acceptance apart from the model's, each within its own drafts
+            assert 0 <= s.copied_accepted <= s.copied_tokens
+            assert 0 <= s.accepted_tokens - s.copied_accepted <= s.proposed_tokens - s.copied_tokens
             sampled = [await generate(stack, prompt, temperature=0.8, seed=3) for _ in range(2)]
             assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
         assert stack.draft_runner.looked_up_proposals > 0 and copied_rounds > 0
