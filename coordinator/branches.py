@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 from opentelemetry import trace
 
@@ -20,7 +21,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.requests import PairInfo
 from coordinator.seeds import next_seed
 from coordinator.state import Round, SessionView, check_reply
-from specdec.errors import SpecDecError
+from specdec.errors import ResourceExhausted, SpecDecError
 from specdec.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Speculation:
     branches: list[BranchPlan]
     task: asyncio.Future  # the ProposeBranches call
     failed: bool = False  # set when its reply was read: the call or the pre-draft's branch failed
+    refused: bool = False  # of those failures, RESOURCE_EXHAUSTED: the draft cannot hold the request
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -203,6 +205,7 @@ class Branching:
             # A failed call only means the next round drafts afresh (or falls back).
             logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
             speculation.failed = True
+            speculation.refused = isinstance(exc, ResourceExhausted)
             self._drop(speculation)
             stats.predraft_cancelled += speculation.predraft is not None
             return None, "", draft_view
@@ -221,6 +224,7 @@ class Branching:
                 branch = self._round_from(result.proposal, plan.k)
             if plan.hedge is None:
                 speculation.failed = failed
+                speculation.refused = result.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
                 stats.predraft_compute_ms += result.proposal.compute_ms
                 stats.predrafted_tokens += len(branch.draft_token_ids)
                 # A pre-draft that stopped at its first token (a confidence stop) has nothing to

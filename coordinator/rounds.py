@@ -214,8 +214,6 @@ class Coordinator(Branching, UpstreamCalls):
                             )
                             if round_.copied:
                                 source = "copy"
-                                stats.copied_rounds += 1
-                                stats.copied_tokens += len(round_.draft_token_ids)
                             stats.draft_compute_ms += proposal.compute_ms
                     else:
                         round_ = Round()
@@ -283,7 +281,10 @@ class Coordinator(Branching, UpstreamCalls):
                         )
                     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
                     stats.tree_rounds += bool(round_.parents)
-                    stats.copied_accepted += outcome.num_accepted if round_.copied else 0
+                    if round_.copied:  # from a draft call, a pre-draft or a hedge alike
+                        stats.copied_rounds += 1
+                        stats.copied_tokens += proposed
+                        stats.copied_accepted += outcome.num_accepted
                     if copying is not None and round_.copied:
                         copying.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
                     elif adaptive and isinstance(outcome, TreeOutcome):
@@ -312,9 +313,12 @@ class Coordinator(Branching, UpstreamCalls):
                         # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be
                         # retried as one: the regular draft call re-prefills and counts failures.
                         catch_up_failed = speculation.failed
+                        if speculation.refused:  # a pre-draft refused is a refusal like any draft call's
+                            refusals.refused(stats.rounds)
                         speculation = None
                         if taken is not None:
                             ready = taken
+                            refusals.accepted()  # the draft took the branch's call
                     stats.mark_first_token()
                     delta = text.take_delta()
                     stats.round_ms.append(stats.elapsed_ms() - round_started)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 
 from prometheus_client import CollectorRegistry
@@ -64,7 +63,8 @@ async def measure_round_costs(
     draft: DraftClient, target: TargetClient, draft_info, target_info, round_trips: int = RPC_ROUND_TRIPS
 ) -> RoundCosts | None:
     """The K chooser's inputs: both services' calibrated pass costs, and what one call costs
-    outside the model, timed here as the median of a few Info round trips. Measured once, so
+    outside the model, timed here as the fastest of a few Info round trips (the least disturbed
+    by whatever else the machine runs, as calibration takes the fastest pass). Measured once, so
     the choice of K (and a seed's output) stays put until a restart. None when either service
     did not calibrate (--calibrate off, or a drafter without a model)."""
     if not (draft_info.calibrated_pass_ms and target_info.calibrated_pass_ms):
@@ -80,7 +80,7 @@ async def measure_round_costs(
             started = time.perf_counter()
             await client.info()
             times.append((time.perf_counter() - started) * 1e3)
-        rpc_ms[name] = statistics.median(times)
+        rpc_ms[name] = min(times)
     costs = RoundCosts(
         draft_pass_ms=tuple(draft_info.calibrated_pass_ms),
         target_pass_ms=tuple(target_info.calibrated_pass_ms),

@@ -59,3 +59,25 @@ async def test_info_names_the_drafter(stack):
         assert info.dtype.startswith("int8")
     else:
         assert info.dtype == "float32"
+
+
+async def test_a_pipelined_hybrid_draft_counts_its_copies_wherever_they_come_from(tiny_pair, reference):
+    """Pre-drafts may copy too: copied rounds, drafts and accepted copies are counted when a
+    round is verified, whichever call drafted it, so each stays within the one before it."""
+    prompt = PROMPTS[2]
+    async with inprocess_stack(
+        tiny_pair, draft_overrides=DRAFTERS["hybrid"], coordinator_overrides={"pipeline": True}
+    ) as stack:
+        totals = {"copied_rounds": 0, "ready_rounds": 0}
+        for k in (2, 4):
+            response = await stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=k), timeout=60
+            )
+            assert list(response.token_ids) == reference(prompt)
+            s = response.stats
+            assert s.copied_rounds <= s.rounds and s.copied_rounds <= s.copied_tokens <= s.proposed_tokens
+            assert s.copied_accepted <= s.copied_tokens
+            assert s.accepted_tokens - s.copied_accepted <= s.proposed_tokens - s.copied_tokens
+            totals["copied_rounds"] += s.copied_rounds
+            totals["ready_rounds"] += s.ready_rounds
+    assert totals["copied_rounds"] > 0 and totals["ready_rounds"] > 0, totals

@@ -79,29 +79,35 @@ async def test_a_prompt_too_long_for_the_draft_runs_target_only_and_other_reques
         assert not short.stats.degraded and short.stats.accepted_tokens > 0
 
 
-async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(tiny_pair, reference):
-    """A draft whose sessions are all taken refuses a request (RESOURCE_EXHAUSTED); the request
-    runs target-only rounds and asks again after 4, then 8: once a slot is free, it speculates
-    for the rest of the request, with the target's greedy output throughout."""
-    refusals = []
+def refusing_twice(refusals: list[str]):
+    """prepare_runners: the draft refuses the first two sessions it is asked to open, as if
+    another request held its only slot."""
 
-    def full_for_two_requests(draft_runner, _target_runner) -> None:
+    def prepare(draft_runner, _target_runner) -> None:
         open_session = draft_runner.sessions.open
 
         def open_or_refuse(session_id: str, keep_tokens: int):
-            if len(refusals) < 2:  # as if another request held the only slot for two tries
+            if len(refusals) < 2:
                 refusals.append(session_id)
                 raise ResourceExhausted("1 sessions are open, the configured maximum is 1; retry later")
             return open_session(session_id, keep_tokens)
 
         draft_runner.sessions.open = open_or_refuse
 
+    return prepare
+
+
+async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(tiny_pair, reference):
+    """A draft whose sessions are all taken refuses a request (RESOURCE_EXHAUSTED); the request
+    runs target-only rounds and asks again after 4, then 8: once a slot is free, it speculates
+    for the rest of the request, with the target's greedy output throughout."""
+    refusals: list[str] = []
     prompt = PROMPTS[0]
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"quantize": "none"},
         coordinator_overrides={"breaker_failures": 1},
-        prepare_runners=full_for_two_requests,
+        prepare_runners=refusing_twice(refusals),
     ) as stack:
         response = await stack.stub.Generate(
             pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=120
@@ -112,3 +118,24 @@ async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(
     # Rounds 0-11 run target-only (refused at 0 and 4); from round 12 on, the draft drafts.
     assert list(stats.k_per_round)[:12] == [0] * 12 and stats.proposed_tokens > 0 and stats.accepted_tokens > 0
     assert all(k > 0 for k in list(stats.k_per_round)[12:-1])
+
+
+async def test_a_refused_catch_up_pre_draft_backs_off_like_a_refused_draft_call(tiny_pair, reference):
+    """Pipelined, the first round's draft call is its catch-up pre-draft: a refusal there
+    starts the same back-off (target-only rounds 1-4, then a regular call, refused, then 8
+    more) rather than a refused call every round."""
+    refusals: list[str] = []
+    prompt = PROMPTS[0]
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        coordinator_overrides={"breaker_failures": 1, "pipeline": True},
+        prepare_runners=refusing_twice(refusals),
+    ) as stack:
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=120
+        )
+    assert list(response.token_ids) == reference(prompt, 40)
+    stats = response.stats
+    assert len(refusals) == 2 and stats.draft_failures == 1  # the pre-draft's refusal is not a failed draft call
+    assert list(stats.k_per_round)[:13] == [0] * 13 and stats.proposed_tokens > 0
