@@ -177,3 +177,19 @@ def test_a_quantised_model_keeps_no_view_of_its_checkpoint_file(tiny_pair):
     quantize_int8(model)
     assert model.get_input_embeddings().weight is embeddings  # the same Parameter, its memory copied
     assert not in_file(model)
+
+
+def test_packed_weights_stay_within_the_7_bit_range():
+    """Each channel's scale maps its largest weight to WEIGHT_LEVELS, so no entry rounds past
+    it, whatever the spread: the AVX2 kernel's int16 pair sums rely on that."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 96, generator=generator) * torch.logspace(-6, 4, 64)[:, None]  # [out, in]
+    weight[3] = 0.0  # an all-zero channel
+    weight[5, 0] = -weight[5].abs().max() * 10  # one large negative outlier
+    scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / quantize.WEIGHT_LEVELS).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = quantize._pack(weight)
+        qweight, _ = torch.ops.quantized.linear_unpack(packed)
+    assert int(qweight.int_repr().abs().max()) == quantize.WEIGHT_LEVELS
+    assert torch.equal(qweight.q_per_channel_scales(), scales)
