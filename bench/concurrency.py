@@ -86,7 +86,6 @@ class ConcurrencyRunner:
                 }
                 services[batching] = {}
                 for role in ("draft", "target"):
-                    self.metrics_ports[batching, role] = free_port()
                     services[batching][role] = self._start(
                         f"{role}_service",
                         [
@@ -96,16 +95,17 @@ class ConcurrencyRunner:
                             str(windows[role]),
                             "--max-batch-size",
                             str(max(config.sessions)),
-                            "--metrics-port",
-                            str(self.metrics_ports[batching, role]),
                         ],
                         log_dir / f"{role}-batching-{batching}.log",
                         env,
                         ROOT,
                     )
-            for pair in services.values():
-                for process in pair.values():
+            for batching, pair in services.items():
+                for role, process in pair.items():
                     process.wait_healthy(900)
+                    # Bound by the service itself (spawn passes --metrics-port 0): a port picked
+                    # here could be taken by another process before the service binds it.
+                    self.metrics_ports[batching, role] = process.metrics_port()
             self.channels: dict[str, grpc.Channel] = {}
             self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
             for batching, pair in services.items():

@@ -4,6 +4,7 @@ the end-to-end tests. Deployments start them with their own process managers ins
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,13 @@ class ServiceProcess:
                     pass
                 time.sleep(0.2)
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.log.read_text()[-4000:]}")
+
+    def metrics_port(self) -> int:
+        """The Prometheus port the service bound (spawn passes --metrics-port 0), from its log."""
+        match = re.search(r"metrics on http://[^ ]*:(\d+)/metrics", self.log.read_text())
+        if match is None:
+            raise RuntimeError(f"{self.name} logged no metrics port:\n{self.log.read_text()[-2000:]}")
+        return int(match.group(1))
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
