@@ -97,23 +97,29 @@ def refusing_twice(refusals: list[str]):
     return prepare
 
 
-async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(tiny_pair, reference):
-    """A draft whose sessions are all taken refuses a request (RESOURCE_EXHAUSTED); the request
-    runs target-only rounds and asks again after 4, then 8: once a slot is free, it speculates
-    for the rest of the request, with the target's greedy output throughout."""
+async def generate_refused_twice(tiny_pair, reference, **coordinator_overrides) -> tuple[list[str], pb.GenerationStats]:
+    """One greedy request against a draft that refuses its first two sessions; the output must
+    be the target's own. Returns (the refused session ids, the request's stats)."""
     refusals: list[str] = []
     prompt = PROMPTS[0]
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"quantize": "none"},
-        coordinator_overrides={"breaker_failures": 1},
+        coordinator_overrides={"breaker_failures": 1, **coordinator_overrides},
         prepare_runners=refusing_twice(refusals),
     ) as stack:
         response = await stack.stub.Generate(
             pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=120
         )
     assert list(response.token_ids) == reference(prompt, 40)
-    stats = response.stats
+    return refusals, response.stats
+
+
+async def test_a_request_the_draft_had_no_session_for_speculates_once_one_frees(tiny_pair, reference):
+    """A draft whose sessions are all taken refuses a request (RESOURCE_EXHAUSTED); the request
+    runs target-only rounds and asks again after 4, then 8: once a slot is free, it speculates
+    for the rest of the request, with the target's greedy output throughout."""
+    refusals, stats = await generate_refused_twice(tiny_pair, reference)
     assert len(refusals) == 2 and stats.draft_failures == 2 and stats.degraded  # degraded: it had fallback rounds
     # Rounds 0-11 run target-only (refused at 0 and 4); from round 12 on, the draft drafts.
     assert list(stats.k_per_round)[:12] == [0] * 12 and stats.proposed_tokens > 0 and stats.accepted_tokens > 0
@@ -124,18 +130,6 @@ async def test_a_refused_catch_up_pre_draft_backs_off_like_a_refused_draft_call(
     """Pipelined, the first round's draft call is its catch-up pre-draft: a refusal there
     starts the same back-off (target-only rounds 1-4, then a regular call, refused, then 8
     more) rather than a refused call every round."""
-    refusals: list[str] = []
-    prompt = PROMPTS[0]
-    async with inprocess_stack(
-        tiny_pair,
-        draft_overrides={"quantize": "none"},
-        coordinator_overrides={"breaker_failures": 1, "pipeline": True},
-        prepare_runners=refusing_twice(refusals),
-    ) as stack:
-        response = await stack.stub.Generate(
-            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=3), timeout=120
-        )
-    assert list(response.token_ids) == reference(prompt, 40)
-    stats = response.stats
+    refusals, stats = await generate_refused_twice(tiny_pair, reference, pipeline=True)
     assert len(refusals) == 2 and stats.draft_failures == 1  # the pre-draft's refusal is not a failed draft call
     assert list(stats.k_per_round)[:13] == [0] * 13 and stats.proposed_tokens > 0
