@@ -23,7 +23,7 @@ from bench.modes import HF_DRAFTS, ROOT, BenchConfig, Sample, build_modes, draft
 from bench.runners import HFRunner, OursRunner
 from specdec.costs import cpu_flags, cpu_model
 from specdec.real_models import DRAFT, TARGET
-from target_service.pick import FLAGS, pick_in_subprocess
+from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess
 
 logger = logging.getLogger("bench")
 
@@ -129,10 +129,14 @@ def resolve_target_setting(setting: str, target_model: Path, threads: int, devic
     if setting == "auto" and device != "cpu":
         setting = "bfloat16"
     if setting != "auto":
-        return (*FLAGS[setting], f"{setting} (--target-setting)")
+        return (*FLAGS[setting], f"{setting} (--target-setting); {OUTPUT[setting]}")
     choice = pick_in_subprocess(target_model, threads, cwd=ROOT)
-    logger.info("target setting: %s\n%s\n%s", choice["setting"], choice["table"], choice["reason"])
-    return choice["dtype"], choice["quantize"], f"{choice['table']}\npicked {choice['setting']}: {choice['reason']}"
+    logger.info("target setting: %s\n%s\n%s\n%s", *(choice[key] for key in ("setting", "table", "reason", "output")))
+    return (
+        choice["dtype"],
+        choice["quantize"],
+        f"{choice['table']}\npicked {choice['setting']}: {choice['reason']}; {choice['output']}",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:

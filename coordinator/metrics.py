@@ -51,6 +51,7 @@ class GenerationStats:
     tree_rounds: int = 0  # rounds that verified a token tree
     copied_tokens: int = 0  # drafts in them
     copied_accepted: int = 0  # of those, accepted
+    target_numerics: str = ""  # what computed the target's logits: the output is that model's distribution
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property

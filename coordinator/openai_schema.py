@@ -199,6 +199,7 @@ def speculation(stats: GenerationStats) -> dict:
         "rounds": stats.rounds,
         "proposed_tokens": stats.proposed_tokens,
         "accepted_tokens": stats.accepted_tokens,
+        "target_numerics": stats.target_numerics,
     }
 
 

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import RoundCosts
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
+from specdec.calls import numerics
 from specdec.errors import InvalidArgument
 from specdec.probs import SamplingParams
 from specdec.tree_sampling import MAX_TREE_NODES, tree_size
@@ -58,6 +59,7 @@ class PairInfo:
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
     draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
     trees: bool = False  # both services serve token trees (ModelInfo.trees)
+    target_numerics: str = ""  # what computes the target's logits (specdec.calls.numerics)
 
     @property
     def draft_vocab_limit(self) -> int:
@@ -138,6 +140,7 @@ def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCo
         target_model_id=target_info.model_id,
         draft_copies=draft_info.copies,
         trees=draft_info.trees and target_info.trees,
+        target_numerics=numerics(target_info.dtype, target_info.quantization),
     )
 
 

@@ -106,7 +106,7 @@ class Coordinator(Branching, UpstreamCalls):
         that prefix, so the same argument applies. The others are cancelled and their sessions freed.
         """
         job = self.prepare(request)
-        stats = GenerationStats(prompt_tokens=len(job.prompt_ids))
+        stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=self.pair.target_numerics)
         # Give up on an unavailable target in time to tell the client so before its own deadline.
         retry_for = (
             self.config.target_retry_s

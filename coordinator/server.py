@@ -17,6 +17,7 @@ from coordinator.openai_api import start_http
 from coordinator.requests import pair_info
 from coordinator.rounds import Coordinator
 from coordinator.servicer import CoordinatorServicer, add_to_server
+from specdec.calls import numerics
 from specdec.config import pin_cpus
 from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.security import load_client_security, load_server_security
@@ -47,15 +48,22 @@ async def connect(
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
         draft_info.model_id,
-        draft_info.dtype,
+        numerics(draft_info.dtype, draft_info.quantization),
         draft_info.device,
         config.draft_address,
         target_info.model_id,
-        target_info.dtype,
+        pair.target_numerics,
         target_info.device,
         config.target_address,
         pair.max_num_speculative_tokens,
     )
+    if target_info.quantization:
+        logger.warning(
+            "the target serves %s: outputs have the distribution of that quantised model, not of the checkpoint "
+            "%s as given (start the target with --quantize none for the checkpoint's own)",
+            pair.target_numerics,
+            target_info.model_id,
+        )
     return Coordinator(config, draft, target, tokenizer, pair, target_info)
 
 

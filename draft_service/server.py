@@ -50,7 +50,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         logger.info("draft output head restricted to %d of %d ids", len(head_ids), loaded.vocab_size)
     if config.resolved_quantize() == "int8":
         quantize_int8(loaded.model)
-        loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
+        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
         logger.info("draft Linear layers quantised to int8 (per-token activation scales)")
     runner = DraftRunner(
         loaded,

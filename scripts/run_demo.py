@@ -25,7 +25,7 @@ from specdec.v1 import (  # noqa: E402
     draft_pb2_grpc,
 )
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
-from target_service.pick import FLAGS, pick_in_subprocess  # noqa: E402
+from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess  # noqa: E402
 
 SYSTEM = "You are a helpful coding assistant."
 TARGET_SETTINGS = FLAGS  # --target-setting: the target service's --dtype and --quantize
@@ -66,7 +66,8 @@ def main() -> int:
         "--target-setting",
         choices=["auto", *TARGET_SETTINGS],
         default="auto",
-        help="auto: time float32, bfloat16 and int8 target passes on this machine and use the fastest",
+        help="auto: time float32, bfloat16 and int8 target passes on this machine and use the fastest "
+        "(only float32 gives the checkpoint's own output; the demo says what the pick means)",
     )
     parser.add_argument(
         "--k", type=int, default=None, help="speculative tokens per round (default: the coordinator chooses each round)"
@@ -91,7 +92,8 @@ def main() -> int:
     args.target_dtype, target_quantize = TARGET_SETTINGS[setting]
     print(
         f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, "
-        f"{setting}); logs in {log_dir}"
+        f"{setting}: --dtype {args.target_dtype} --quantize {target_quantize}); logs in {log_dir}\n"
+        f"target {setting}: {OUTPUT[setting]}"
     )
     with local_stack(
         draft_dir,

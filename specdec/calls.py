@@ -32,6 +32,11 @@ class ModelDescription:
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
     trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
+    quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.quantize.INT8_LABEL
+
+    @property
+    def numerics(self) -> str:
+        return numerics(self.dtype, self.quantization)
 
     @classmethod
     def of(cls, source, dtype: str, device: str, open_sessions: int, max_speculative_tokens: int) -> ModelDescription:
@@ -47,6 +52,12 @@ class ModelDescription:
             open_sessions=open_sessions,
             max_speculative_tokens=max_speculative_tokens,
         )
+
+
+def numerics(dtype: str, quantization: str) -> str:
+    """What computes a model's logits, in words: "float32", or "int8 (...), float32 elsewhere". For
+    the target it names the model whose distribution the output has."""
+    return f"{quantization}, {dtype} elsewhere" if quantization else dtype
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:

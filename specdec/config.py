@@ -189,6 +189,22 @@ def host_setting() -> str:
     return setting("127.0.0.1", "--host", "address to listen on (0.0.0.0 for all interfaces)")
 
 
+def quantize_setting(default: str) -> str:
+    """--quantize: the draft's default is `auto` (its numerics change only speed), the
+    target's `none` (its numerics are the output's)."""
+    return setting(
+        default,
+        "--quantize",
+        "none: serve the model as given; int8: int8 Linear layers with per-token activation scales "
+        "(CPU, --dtype float32); auto: int8 on CPU with float32, else none",
+        choices=QUANTIZE,
+        more="The target's output is its numerics' distribution: with int8 (or auto on CPU) that is the int8 "
+        "model's, not the checkpoint's, which is why the target never quantises unless asked; its `Info` and every "
+        "response's `stats.target_numerics` say which. The draft's setting changes only speed. See "
+        "[Speculation that adapts to the machine](design.md#speculation-that-adapts-to-the-machine).",
+    )
+
+
 def max_message_bytes_setting() -> int:
     return setting(
         DEFAULT_MAX_MESSAGE_BYTES, "--max-message-bytes", "largest gRPC message sent or received", shown="64 MiB"
@@ -237,14 +253,7 @@ class ModelServiceConfig:
         more="Never while every session active in the last second already has a call waiting.",
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
-    quantize: str = setting(
-        "auto",
-        "--quantize",
-        "int8: int8 Linear layers with per-token activation scales (CPU, --dtype float32); "
-        "auto: int8 on CPU with float32, else none",
-        choices=QUANTIZE,
-        more="See [Speculation that adapts to the machine](design.md#speculation-that-adapts-to-the-machine).",
-    )
+    quantize: str = quantize_setting("auto")  # the draft's: its numerics change only speed
     calibrate: bool = setting(
         True,
         "--calibrate",

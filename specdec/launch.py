@@ -70,14 +70,21 @@ def spawn(
     args: list[str],
     port: int,
     log: Path,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     cwd: Path | None = None,
 ) -> ServiceProcess:
     """`python -m module args --port port --metrics-port 0`, output to `log`. Metrics take a free
-    port, so several local stacks never collide (the log names the port)."""
+    port, so several local stacks never collide (the log names the port). `env` adds to this
+    process's environment; a variable given as None is left out."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    full_env.update(env or {})
+    given: dict[str, str | None] = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    full_env = {name: value for name, value in given.items() if value is not None}
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
         cwd=cwd,

@@ -40,7 +40,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_context: int
     tokenizer_fingerprint: str
-    dtype_label: str = ""  # what Info reports when it is not the weights' dtype (e.g. int8)
+    quantization: str = ""  # the Linear layers' quantisation as Info reports it ("" = none), e.g. int8's label
     tensor_parallel_size: int = 1  # ranks the weights and KV cache are split over (this process holds 1/N)
 
 

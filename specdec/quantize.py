@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 # fbgemm (x86) or qnnpack (ARM): the int8 GEMM engines torch ships for CPU.
 INT8_ENGINES = ("fbgemm", "x86", "qnnpack")
-INT8_LABEL = "int8 (per-channel weights, per-token activations)"  # what Info reports as the dtype
+INT8_LABEL = "int8 (per-channel weights, per-token activations)"  # what Info reports as the quantization
 # fbgemm's AVX2 kernel multiplies uint8 activations by int8 weights and adds pairs of
 # products in int16 (vpmaddubsw), which saturates past 32767. torch's own dynamic
 # quantisation avoids that by using 7-bit activations (reduce_range); measured on the 1.5B

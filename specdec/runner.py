@@ -93,7 +93,7 @@ class ModelRunner:
         return self.pass_costs
 
     def describe(self) -> ModelDescription:
-        dtype = self.loaded.dtype_label or str(self.model.dtype).removeprefix("torch.")
+        dtype = str(self.model.dtype).removeprefix("torch.")
         description = ModelDescription.of(
             self.loaded, dtype, self.loaded.device_label, len(self.sessions), self.max_speculative_tokens
         )
@@ -104,6 +104,7 @@ class ModelRunner:
             kv_bytes_per_token=self.kv_bytes_per_token,
             evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
+            quantization=self.loaded.quantization,
             trees=True,  # both model runners score token trees (forward_tree)
             **self._cost_fields(),
         )
@@ -138,7 +139,7 @@ class ModelRunner:
         if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
             raise ModelOutputError(
                 f"model {self.loaded.model_id} produced NaN or infinite logits for session {session_id!r} "
-                f"(dtype {self.describe().dtype}); no token can be chosen from them"
+                f"({self.describe().numerics}); no token can be chosen from them"
             )
 
     def check_tokens(self, token_ids: list[int], what: str) -> None:

@@ -182,4 +182,5 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         cost_context_tokens=description.cost_context_tokens,
         copies=description.copies,
         trees=description.trees,
+        quantization=description.quantization,
     )

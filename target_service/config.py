@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import ModelServiceConfig, metrics_port_setting, port_setting
+from specdec.config import ModelServiceConfig, metrics_port_setting, port_setting, quantize_setting
 from specdec.settings import parse_settings, setting
 
 DEFAULT_PORT = 50062
@@ -16,6 +16,8 @@ DEFAULT_METRICS_PORT = 9162
 class TargetConfig(ModelServiceConfig):
     port: int = port_setting(DEFAULT_PORT)
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
+    # The model it is given, unless int8 is asked for by name: the target's numerics are the output's.
+    quantize: str = quantize_setting("none")
     device_map: str | None = setting(
         None, "--device-map", "'auto' shards the model's layers over all visible GPUs (accelerate; overrides --device)"
     )

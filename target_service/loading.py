@@ -32,7 +32,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
     if config.resolved_quantize() == "int8":
         # The output is then the int8 model's distribution, not the float32 model's (docs/design.md: Exactness).
         quantize_int8(loaded.model)
-        loaded = dataclasses.replace(loaded, dtype_label=INT8_LABEL)
+        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
         logger.info("target Linear layers quantised to int8 (per-token activation scales)")
     if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
         # Per-row attention: a token's logits are the same in a verify pass as in a one-token

@@ -6,9 +6,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Services the tests start as processes: a float32 target (the greedy reference's own
-# numbers) and no start-up calibration, unless a test's flags say otherwise ...
-os.environ.setdefault("SPECDEC_TARGET_QUANTIZE", "none")
+# Services the tests start as processes: no start-up calibration, unless a test's flags say
+# otherwise (tests/integration/test_readme_commands.py runs every default) ...
 os.environ.setdefault("SPECDEC_TARGET_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
 # ... and drafts of exactly K (confidence stops have tests of their own).
@@ -47,6 +46,7 @@ HEAVY_MODULES = {
     "integration/test_fuzz_public_api.py": "hundreds of hypothesis examples over gRPC",
     "integration/test_real_pair.py": "the real Qwen pair",
     "integration/test_openai_api.py": "the services as processes, driven over HTTP by the openai client",
+    "integration/test_readme_commands.py": "the services as processes, started by README's commands",
     "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
     "unit/test_tree_sampling.py": "40,000 simulated tree generations",
 }

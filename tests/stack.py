@@ -37,9 +37,8 @@ from target_service.servicer import TargetServicer
 
 def model_service_config(cls, model, **overrides):
     """The service's declared defaults, with what tests need instead: a free port, no metrics
-    server, fewer sessions, no start-up calibration (tested where it is the subject), the
-    float32 target (the reference the greedy tests compare with; the int8 target has tests of
-    its own), and no confidence stops, so K means K."""
+    server, fewer sessions, no start-up calibration (tested where it is the subject) and no
+    confidence stops, so K means K."""
     base = dict(
         model=str(model),
         port=0,
@@ -47,7 +46,7 @@ def model_service_config(cls, model, **overrides):
         max_sessions=64,
         session_ttl_s=60.0,
         calibrate=False,
-        **({"quantize": "none"} if cls is TargetConfig else {"min_confidence": 0.0}),
+        **({} if cls is TargetConfig else {"min_confidence": 0.0}),
     )
     base.update(overrides)
     return cls(**base)

@@ -56,9 +56,9 @@ async def test_info_names_the_drafter(stack):
     elif stack.drafter == "hybrid":
         assert info.model_id.endswith("+lookup[1..4]") and info.dtype == "float32"
     elif "int8" in stack.drafter:
-        assert info.dtype.startswith("int8")
+        assert info.dtype == "float32" and info.quantization.startswith("int8")
     else:
-        assert info.dtype == "float32"
+        assert info.dtype == "float32" and not info.quantization
 
 
 async def test_a_pipelined_hybrid_draft_counts_its_copies_wherever_they_come_from(tiny_pair, reference):

@@ -19,7 +19,7 @@ async def test_int8_target_speculative_greedy_equals_its_own_target_only_output(
     ) as stack:
         async with aio_channel(f"127.0.0.1:{stack.target.port}", []) as channel:
             info = await target_pb2_grpc.TargetStub(channel).Info(InfoRequest())
-        assert info.dtype.startswith("int8")
+        assert info.quantization.startswith("int8")
         for prompt in PROMPTS:
             alone = await stack.stub.Generate(
                 pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=0)
@@ -34,3 +34,4 @@ async def test_int8_target_speculative_greedy_equals_its_own_target_only_output(
                     f"K={k}, confidence {confidence}: diverged on {prompt!r}"
                 )
                 assert speculative.stats.accepted_tokens > 0
+                assert speculative.stats.target_numerics == f"{info.quantization}, float32 elsewhere"

@@ -110,7 +110,7 @@ def test_int8_draft_is_quantised_reports_it_and_stays_close(tiny_pair):
     assert config.resolved_quantize() == "int8"
     runner = draft_server.load_runner(config)
     assert any(isinstance(m, RowwiseInt8Linear) for m in runner.model.modules())
-    assert runner.describe().dtype.startswith("int8")
+    assert runner.describe().quantization.startswith("int8")
     reference = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
     prompt = [5, 17, 99, 200, 31]
     proposal = runner.propose_one(ProposeCall("q", 0, prompt, 2, SAMPLED, 0))
