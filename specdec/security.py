@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 import ssl
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,22 +107,51 @@ def load_server_security(
 # --- the server-side token check -------------------------------------------------------------
 
 
+class RefusalLog:
+    """Logs refused calls at a bounded rate: the first at once, then at most one line per
+    `interval_s` counting the calls refused since (a flood of bad tokens writes a line every
+    few seconds, not one per call)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._interval_s = interval_s
+        self._unlogged = 0
+        self._logged_at = float("-inf")
+
+    def refused(self, what: str, problem: str) -> None:
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at < self._interval_s:
+            return
+        logger.info(
+            "refused %d call%s for their credentials in the last %.0f s; the latest: %s: %s",
+            self._unlogged,
+            "" if self._unlogged == 1 else "s",
+            min(now - self._logged_at, self._interval_s),
+            what,
+            problem,
+        )
+        self._unlogged, self._logged_at = 0, now
+
+
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Refuses every call without `authorization: Bearer <token>` metadata for one of `tokens`
-    (UNAUTHENTICATED), except the health and reflection services."""
+    (UNAUTHENTICATED), except the health and reflection services. A refused call is answered
+    from its metadata alone: its message is never read or decoded."""
 
     def __init__(self, tokens: Iterable[str], open_services: Sequence[str] = OPEN_SERVICES) -> None:
         self._tokens = [token.encode() for token in tokens]
+        self._longest = max(len(token) for token in self._tokens)
         self._open_services = tuple(open_services)
+        self.log = RefusalLog()
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self._open_services):
-            return handler
+        if handler_call_details.method.startswith(self._open_services):
+            return await continuation(handler_call_details)
         problem = self.problem(dict(handler_call_details.invocation_metadata or ()).get("authorization"))
         if problem is None:
-            return handler
-        return _refusal(handler, handler_call_details.method, problem)
+            return await continuation(handler_call_details)
+        self.log.refused(handler_call_details.method, problem)
+        return _refusal(problem)
 
     def problem(self, authorization: str | bytes | None) -> str | None:
         """Why the call is refused, in words; None if its token is accepted."""
@@ -133,31 +163,25 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         if scheme.lower() != "bearer" or not token.strip():
             return "malformed `authorization` metadata: expected `Bearer <token>`"
         given = token.strip().encode("utf-8", "replace")
+        if len(given) > self._longest:
+            return "invalid bearer token: it is longer than any of this server's --auth-token-file tokens"
         # Compare with every token, so the time taken says nothing about which one was close.
         if not any([hmac.compare_digest(given, accepted) for accepted in self._tokens]):
             return "invalid bearer token: it is not one of this server's --auth-token-file tokens"
         return None
 
 
-def _refusal(handler: grpc.RpcMethodHandler, method: str, problem: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+def _refusal(problem: str) -> grpc.RpcMethodHandler:
+    """A handler that aborts with UNAUTHENTICATED without reading the request. It takes the
+    request as a stream whatever the method's shape (on the wire every call is one), so gRPC
+    hands it over before the message arrives and it is never read, decoded or kept: a refused
+    40 MB call costs what a refused empty one does. It answers with no message, which a unary
+    caller accepts with the status as well as a streaming one."""
 
-    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
-        logger.info("refused %s from %s: %s", method, context.peer(), problem)
+    async def refuse(request_iterator, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
-    async def refuse_stream(request_or_iterator, context: grpc.aio.ServicerContext):
-        await refuse(request_or_iterator, context)
-        yield  # pragma: no cover - never reached; makes this an async generator
-
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 # --- clients -----------------------------------------------------------------------------------

@@ -34,17 +34,33 @@ def configure_logging(level: str) -> None:
         handler.addFilter(telemetry.TraceContextFilter())
 
 
-def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+# A call's metadata may be this large (gRPC's default is 8 KiB): a bearer token longer than any
+# accepted one is read and refused as UNAUTHENTICATED, not cut off as RESOURCE_EXHAUSTED.
+MAX_METADATA_BYTES = 1 << 20
+
+
+def message_size_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
     ]
 
 
-def create_server(max_message_bytes: int, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """Tracing first (so the span covers a refused token too), then the security interceptors."""
+def create_server(
+    max_message_bytes: int,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int | None = None,
+) -> grpc.aio.Server:
+    """Tracing first (so the span covers a refused token too), then the security interceptors.
+    `max_receive_bytes` (default `max_message_bytes`): gRPC refuses a larger request with
+    RESOURCE_EXHAUSTED before anything decodes it."""
     chain = [*telemetry.server_interceptors(), *interceptors]
-    return grpc.aio.server(interceptors=chain or None, options=message_size_options(max_message_bytes))
+    options = [
+        *message_size_options(max_message_bytes, max_receive_bytes),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+    ]
+    return grpc.aio.server(interceptors=chain or None, options=options)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
@@ -258,11 +274,12 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: tuple[CollectorRegistry, int] | None = None,
+    max_receive_bytes: int | None = None,
 ) -> RunningServer:
     """Creates, binds and starts a server with health (SERVING once started), reflection,
     and `metrics` = (registry, port) served over HTTP on the same host; `credentials` and
     `interceptors` come from `specdec.security.load_server_security`."""
-    server = create_server(max_message_bytes, interceptors)
+    server = create_server(max_message_bytes, interceptors, max_receive_bytes)
     register(server)
     health_servicer = add_health_and_reflection(server, service_names)
     bound = bind(server, host, port, credentials)
