@@ -12,6 +12,7 @@ from specdec.config import (
     host_setting,
     max_message_bytes_setting,
     metrics_port_setting,
+    parse_bytes,
     port_setting,
     shutdown_grace_setting,
 )
@@ -101,7 +102,17 @@ class CoordinatorConfig:
     served_model_name: str = setting(
         "",
         "--served-model-name",
-        "the model name the HTTP API reports and accepts in `model` (empty = the target's model id)",
+        "the model name the HTTP API reports and accepts in `model` (empty = the target's model folder's name)",
+    )
+    http_max_body_bytes: int = setting(
+        1 << 20,
+        "--http-max-body-bytes",
+        "largest HTTP request body read, e.g. 4MiB (larger ones get 413 unread; never more than the largest "
+        "request the model can take, which bounds gRPC requests)",
+        parse=parse_bytes,
+        shown="1 MiB",
+        more="Parsing JSON holds the interpreter: at worst about 60 ms a MiB of tiny arrays, a stall of every "
+        "stream in flight, so the default stays at 1 MiB (a 32k-token text prompt is about 130 KB).",
     )
     draft_attempts: int = setting(
         2, "--draft-attempts", "tries of a draft call that fails UNAVAILABLE before that round runs target-only"

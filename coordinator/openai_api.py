@@ -33,8 +33,7 @@ from coordinator.openai_schema import (
     ApiError,
     Parsed,
     api_error,
-    bad_request,
-    parse_body,
+    parse_request_body,
     speculation,
     usage,
 )
@@ -43,6 +42,7 @@ from coordinator.rounds import Coordinator
 from coordinator.servicer import metered
 from specdec.config import ServerSecurity
 from specdec.security import BearerTokenAuth, read_tokens
+from specdec.serving import MAX_METADATA_BYTES
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec.coordinator.http")
@@ -63,14 +63,16 @@ class OpenAIApi:
         model_name: str,
         metrics: CoordinatorMetrics | None = None,
         tokens: list[str] | None = None,
+        body_limit: int = 1 << 20,
     ) -> None:
         self.coordinator = coordinator
         self.model_name = model_name
         self.metrics = metrics
         self.auth = BearerTokenAuth(tokens) if tokens else None
+        self.body_limit = body_limit
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware])
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.body_limit)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", lambda request: self.generate(request, chat=False))
@@ -88,6 +90,7 @@ class OpenAIApi:
                 if self.auth is not None and request.path != "/health":
                     problem = self.auth.problem(request.headers.get("Authorization"))
                     if problem is not None:
+                        self.auth.log.refused(f"HTTP {request.method} {request.path}", problem)
                         raise ApiError(401, problem, "authentication_error", code="invalid_api_key")
                 response = await handler(request)
             except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
@@ -112,14 +115,15 @@ class OpenAIApi:
 
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not JSON: {exc}") from None
-        parsed = parse_body(body, chat)
-        model = body.get("model")
-        if model not in (None, self.model_name):
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                           "not_found_error", "model", "model_not_found")  # fmt: skip
+            raw = await request.read()  # at most client_max_size, or HTTPRequestEntityTooLarge
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(
+                413,
+                f"the request body is larger than {request.client_max_size} bytes, the most a valid request to "
+                "this model can be (its context in tokens, stop strings and messages)",
+                "invalid_request_error",
+            ) from None
+        parsed = await self.coordinator.off_loop(parse_request_body, raw, chat, self.model_name)
         # Counted and logged as a gRPC request's are.
         chunks = metered(self.coordinator.generate(parsed.request), self.metrics)
         if parsed.stream:
@@ -223,14 +227,20 @@ async def start_http(
     port: int,
     security: ServerSecurity,
     metrics: CoordinatorMetrics | None = None,
+    body_limit: int = 1 << 20,
 ) -> tuple[web.AppRunner, int]:
     """Starts the API on `host:port` (0 picks a free port); returns the runner (cleanup()
-    stops it) and the bound port."""
+    stops it) and the bound port. A body over `body_limit` bytes gets 413 unread past the limit."""
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
+    # max_field_size: a header as long as gRPC's metadata may be, so an over-long bearer token
+    # reaches the token check and gets OpenAI's 401 body, not aiohttp's plain-text 400.
     runner = web.AppRunner(
-        OpenAIApi(coordinator, model_name, metrics, tokens).app(), access_log=None, handler_cancellation=True
+        OpenAIApi(coordinator, model_name, metrics, tokens, body_limit).app(),
+        access_log=None,
+        handler_cancellation=True,
+        max_field_size=MAX_METADATA_BYTES,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=server_ssl_context(security))

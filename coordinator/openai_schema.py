@@ -8,12 +8,13 @@ serves these.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.metrics import GenerationStats
 from coordinator.requests import CHAT_ROLES, GenerationRequest
-from specdec.errors import status_of
+from specdec.errors import shown, status_of
 
 # gRPC status (as specdec.errors.status_of names it) -> HTTP status and OpenAI error type.
 HTTP_STATUS = {
@@ -61,13 +62,22 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
+# GenerateRequest fields (InvalidArgument.field) by the HTTP parameter that carries them.
+HTTP_PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+
+
 def api_error(exc: BaseException) -> ApiError:
-    """A domain error as OpenAI's error body with the fitting HTTP status."""
+    """A domain error as OpenAI's error body with the fitting HTTP status; a refused field is
+    named as the HTTP API names it (`max_tokens`, not gRPC's `max_new_tokens`)."""
     if isinstance(exc, ApiError):
         return exc
     status, error_type = HTTP_STATUS.get(status_of(exc), (500, "internal_error"))
     message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
-    return ApiError(status, message, error_type)
+    field: str | None = getattr(exc, "field", None)
+    param = HTTP_PARAMS.get(field, field) if field else None
+    if field and param and param != field:
+        message = message.replace(field, param)
+    return ApiError(status, message, error_type, param)
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {value!r}", name)
+        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {shown(value)}", name)
     return kind(value)
 
 
@@ -94,7 +104,7 @@ def _tree_widths(body: dict) -> tuple[int, ...]:
     if widths is None:
         return ()
     if not isinstance(widths, list) or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
-        raise bad_request(f"tree_widths must be a list of integers; got {widths!r}", "tree_widths")
+        raise bad_request(f"tree_widths must be a list of integers; got {shown(widths)}", "tree_widths")
     return tuple(widths)
 
 
@@ -123,6 +133,25 @@ def _content(message: dict, index: int) -> str:
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
+def parse_request_body(raw: bytes, chat: bool, model_name: str) -> Parsed:
+    """A request body as it arrived (at most the API's body limit): JSON, validated, for this
+    model. Work in proportion to the body's size, so the API runs it off the event loop."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not JSON: {shown(str(exc), quote=False)}") from None
+    except RecursionError:
+        raise bad_request(
+            "the request body nests deeper than a request can (JSON arrays or objects in thousands)"
+        ) from None
+    parsed = parse_body(body, chat)
+    model = body.get("model")
+    if model not in (None, model_name):
+        raise ApiError(404, f"model {shown(model)} is not served here; this server serves {model_name!r}",
+                       "not_found_error", "model", "model_not_found")  # fmt: skip
+    return parsed
+
+
 def parse_body(body: Any, chat: bool) -> Parsed:
     """Validates an OpenAI request body; every refusal names the field."""
     if not isinstance(body, dict):
@@ -131,11 +160,11 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     known = {prompt_field, *SAMPLING, *EXTRAS, *IGNORED, *OFF_VALUES}
     for name in body:
         if name not in known:
-            raise bad_request(f"unsupported field {name!r}", name)
+            raise bad_request(f"unsupported field {shown(name)}", shown(name, quote=False))
     for name, accepted in OFF_VALUES.items():
         if name in body and body[name] not in accepted:
             raise bad_request(
-                f"{name}={body[name]!r} is not supported; leave it out (or send {accepted[0]!r})"
+                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})"
                 + (" (n: one completion per request)" if name == "n" else ""),
                 name,
             )
@@ -150,7 +179,9 @@ def parse_body(body: Any, chat: bool) -> Parsed:
                 raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
             role = message.get("role")
             if role not in CHAT_ROLES:
-                raise bad_request(f"messages[{index}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}", "messages")
+                raise bad_request(
+                    f"messages[{index}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", "messages"
+                )
             turns.append((role, _content(message, index)))
         fields["messages"] = tuple(turns)
     else:
@@ -187,8 +218,8 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         draft_min_confidence=_number(body, "draft_min_confidence", float),
         tree_widths=_tree_widths(body),
     )
-    if request.seed is not None and request.seed < 0:
-        raise bad_request(f"seed must be >= 0; got {request.seed}", "seed")
+    if request.seed is not None and not 0 <= request.seed < 2**64:
+        raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
     return Parsed(request, stream, bool(options.get("include_usage")), chat)
 
 

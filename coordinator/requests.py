@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from coordinator.adaptive import RoundCosts
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from specdec.calls import numerics
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, shown
 from specdec.probs import SamplingParams
 from specdec.tree_sampling import MAX_TREE_NODES, tree_size
 
@@ -26,20 +27,22 @@ MIN_TEMPERATURE = float(np.float32(1e-5))
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A client request as the domain sees it (fields as in GenerateRequest; None = unset)."""
+    """A client request as the domain sees it (fields as in GenerateRequest; None = unset).
+    The sequences may be views of the request as it arrived: `prepare_job` checks their
+    lengths before it reads them."""
 
     prompt: str = ""
-    prompt_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
     max_new_tokens: int | None = None
     temperature: float = 0.0
     top_k: int = 0
     top_p: float | None = None
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: Sequence[str] = ()
     num_speculative_tokens: int | None = None
     draft_min_confidence: float | None = None
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content): rendered with the chat template
-    tree_widths: tuple[int, ...] = ()  # tree speculation: children per node at each depth
+    messages: Sequence[tuple[str, str]] = ()  # (role, content): rendered with the chat template
+    tree_widths: Sequence[int] = ()  # tree speculation: children per node at each depth
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -102,26 +105,84 @@ class Chunk:
     stats: GenerationStats | None = None
 
 
-def chat_prompt_ids(messages: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def chat_prompt_ids(messages: Sequence[tuple[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The conversation rendered with the tokenizer's own chat template, the assistant's turn
     opened, as token ids. The template writes the special tokens itself, so the text is
     encoded without adding more (as vLLM and transformers' pipelines do)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidArgument(
-            "messages need a chat template, and this model's tokenizer has none; send prompt (raw text) instead"
+            "messages need a chat template, and this model's tokenizer has none; send prompt (raw text) instead",
+            field="messages",
         )
     for index, (role, _) in enumerate(messages):
         if role not in CHAT_ROLES:
-            raise InvalidArgument(f"messages[{index}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}")
+            raise InvalidArgument(
+                f"messages[{index}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", field="messages"
+            )
     conversation = [{"role": role, "content": content} for role, content in messages]
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template's own refusal (e.g. roles out of order) is the client's
-        raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from exc
+        raise InvalidArgument(
+            f"the model's chat template refused these messages: {shown(str(exc), quote=False)}", field="messages"
+        ) from exc
     prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not prompt_ids:
-        raise InvalidArgument("the messages render to no tokens")
+        raise InvalidArgument("the messages render to no tokens", field="messages")
     return prompt_ids
+
+
+def check_prompt_length(tokens: int, pair: PairInfo, field: str) -> None:
+    if tokens >= pair.max_context:
+        raise InvalidArgument(
+            f"prompt has {tokens} tokens; the model's context is {pair.max_context}, "
+            f"so at most {pair.max_context - 1} prompt tokens are accepted",
+            field=field,
+        )
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most UTF-8 bytes one token decodes to (Qwen2.5: 128, a run of spaces). A token's
+    vocabulary string is never shorter in UTF-8 than its text (byte-level BPE writes each byte
+    as one 1-2-byte character, SentencePiece a space as the 3-byte "▁"), so only the tokens
+    whose strings are longer than the best decoded so far are decoded: a few, not 150k."""
+    by_length = sorted(((len(token.encode()), index) for token, index in tokenizer.get_vocab().items()), reverse=True)
+    longest = 1
+    for string_bytes, index in by_length:
+        if string_bytes <= longest:
+            break
+        longest = max(longest, len(str(tokenizer.decode([index])).encode()))
+    return longest
+
+
+# A GenerateRequest's fields other than the prompt, the messages and the stop strings (numbers,
+# tree widths, field tags), with room to spare.
+FIXED_REQUEST_BYTES = 4096
+# One ChatMessage on the wire beyond its content: its tag and length, the role's tag, length
+# and longest name ("assistant"), and the content's tag and length prefix.
+MESSAGE_OVERHEAD_BYTES = 32
+
+
+def request_limit_bytes(config: CoordinatorConfig, pair: PairInfo, token_bytes: int) -> int:
+    """The largest GenerateRequest a valid request can be, on the wire: the public API refuses
+    anything larger before decoding it (gRPC: RESOURCE_EXHAUSTED; HTTP: 413). A prompt holds
+    fewer than max_context tokens, so as ids fewer than max_context varints of the vocabulary's
+    width, as text at most `token_bytes` bytes a token, and as messages, as many and at most one
+    token each (a chat template renders each message to at least one), holding that text between
+    them; stop strings are bounded by the config. A request sets one of the three prompt forms,
+    so the largest of them counts (one that sets more is refused once decoded).
+
+    Decoding stays in proportion: at worst ~15 ns a byte of empty repeated entries (Qwen2.5's
+    5.3 MB limit: 80 ms), and no entry is read past the counts `prepare_job` checks first."""
+    ids = pair.max_context * varint_bytes(pair.vocab_size - 1)
+    text = pair.max_context * token_bytes
+    messages = text + pair.max_context * MESSAGE_OVERHEAD_BYTES
+    stop = config.max_stop_strings * (4 * config.max_stop_string_chars + 8)  # UTF-8: 4 bytes a character at most
+    return FIXED_REQUEST_BYTES + max(ids, text, messages) + stop
+
+
+def varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCosts | None) -> PairInfo:
@@ -152,40 +213,50 @@ def prepare_job(
     if len(given) > 1:
         raise InvalidArgument(f"set exactly one of prompt, prompt_token_ids and messages; got {' and '.join(given)}")
     if request.messages:
+        if len(request.messages) >= pair.max_context:  # each renders to at least one token: before templating
+            raise InvalidArgument(
+                f"messages has {len(request.messages)} turns; the prompt they render to cannot fit the model's "
+                f"context of {pair.max_context} tokens (each turn renders to at least one)",
+                field="messages",
+            )
         prompt_ids = chat_prompt_ids(request.messages, tokenizer)
     elif request.prompt:
         prompt_ids = list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
         if not prompt_ids:
-            raise InvalidArgument("prompt encodes to no tokens; send non-empty text")
+            raise InvalidArgument("prompt encodes to no tokens; send non-empty text", field="prompt")
     elif request.prompt_token_ids:
-        prompt_ids = list(request.prompt_token_ids)
-        for i, token in enumerate(prompt_ids):
-            if not 0 <= token < pair.vocab_size:
-                raise InvalidArgument(
-                    f"prompt_token_ids[{i}] = {token} is outside the vocabulary; ids must be in [0, {pair.vocab_size})"
-                )
+        check_prompt_length(len(request.prompt_token_ids), pair, "prompt_token_ids")  # before any per-id work
+        ids = np.asarray(request.prompt_token_ids, dtype=np.int64)  # [N]
+        outside = np.flatnonzero((ids < 0) | (ids >= pair.vocab_size))
+        if outside.size:
+            i = int(outside[0])
+            raise InvalidArgument(
+                f"prompt_token_ids[{i}] = {ids[i]} is outside the vocabulary; ids must be in [0, {pair.vocab_size})",
+                field="prompt_token_ids",
+            )
+        prompt_ids = ids.tolist()
     else:
         raise InvalidArgument("prompt is empty: set prompt (text), prompt_token_ids or messages")
-    if len(prompt_ids) >= pair.max_context:
-        raise InvalidArgument(
-            f"prompt has {len(prompt_ids)} tokens; the model's context is {pair.max_context}, "
-            f"so at most {pair.max_context - 1} prompt tokens are accepted"
-        )
+    check_prompt_length(len(prompt_ids), pair, given[0])
     max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
-        raise InvalidArgument(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}")
+        raise InvalidArgument(
+            f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}",
+            field="max_new_tokens",
+        )
     if not (
         math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)
     ):
         raise InvalidArgument(
             f"temperature must be a finite number >= 0 (0 = greedy), and if positive at least {MIN_TEMPERATURE:g} "
-            f"(smaller ones overflow the logits); got {request.temperature}"
+            f"(smaller ones overflow the logits); got {request.temperature}",
+            field="temperature",
         )
     if request.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {request.top_k}")
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {request.top_k}", field="top_k")
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}")
+        raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}", field="top_p")
     if request.num_speculative_tokens is None:
         # The configured default, within what both services accept.
         k = min(config.default_num_speculative_tokens, pair.max_num_speculative_tokens)
@@ -193,18 +264,25 @@ def prepare_job(
         k = request.num_speculative_tokens
     if not 0 <= k <= pair.max_num_speculative_tokens:
         raise InvalidArgument(
-            f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}"
+            f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}",
+            field="num_speculative_tokens",
         )
     if len(request.stop) > config.max_stop_strings:
-        raise InvalidArgument(f"stop has {len(request.stop)} strings; at most {config.max_stop_strings} are accepted")
+        raise InvalidArgument(
+            f"stop has {len(request.stop)} strings; at most {config.max_stop_strings} are accepted", field="stop"
+        )
     for stop in request.stop:
         if not 0 < len(stop) <= config.max_stop_string_chars:
             raise InvalidArgument(
-                f"stop strings must have 1 to {config.max_stop_string_chars} characters; got one of {len(stop)}"
+                f"stop strings must have 1 to {config.max_stop_string_chars} characters; got one of {len(stop)}",
+                field="stop",
             )
     confidence = request.draft_min_confidence
     if confidence is not None and not (math.isfinite(confidence) and 0.0 <= confidence <= 1.0):
-        raise InvalidArgument(f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}")
+        raise InvalidArgument(
+            f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}",
+            field="draft_min_confidence",
+        )
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if request.tree_widths:
         check_tree_request(request, pair)
@@ -229,16 +307,22 @@ def check_tree_request(request: GenerationRequest, pair: PairInfo) -> None:
     if not pair.trees:
         raise InvalidArgument(
             "tree_widths: this deployment's draft or target does not serve token trees (the n-gram drafter proposes "
-            "chains only); send num_speculative_tokens instead"
+            "chains only); send num_speculative_tokens instead",
+            field="tree_widths",
         )
     if request.num_speculative_tokens is not None or request.draft_min_confidence is not None:
-        raise InvalidArgument("tree_widths replaces num_speculative_tokens and takes no draft_min_confidence; send one")
-    if any(width < 1 for width in widths) or len(widths) > pair.max_num_speculative_tokens:
         raise InvalidArgument(
-            f"tree_widths {list(widths)}: each width must be >= 1 and the depth at most "
-            f"{pair.max_num_speculative_tokens}"
+            "tree_widths replaces num_speculative_tokens and takes no draft_min_confidence; send one",
+            field="tree_widths",
+        )
+    if len(widths) > pair.max_num_speculative_tokens or any(width < 1 for width in widths):
+        raise InvalidArgument(
+            f"tree_widths {shown(list(widths))}: each width must be >= 1 and the depth at most "
+            f"{pair.max_num_speculative_tokens}",
+            field="tree_widths",
         )
     if tree_size(widths) > MAX_TREE_NODES:
         raise InvalidArgument(
-            f"tree_widths {list(widths)} make a tree of {tree_size(widths)} nodes; at most {MAX_TREE_NODES}"
+            f"tree_widths {shown(list(widths))} make a tree of {tree_size(widths)} nodes; at most {MAX_TREE_NODES}",
+            field="tree_widths",
         )

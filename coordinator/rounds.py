@@ -12,7 +12,9 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,6 +37,7 @@ from specdec.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import common_pb2, draft_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Coordinator(Branching, UpstreamCalls):
@@ -64,15 +67,24 @@ class Coordinator(Branching, UpstreamCalls):
         self._probe: asyncio.Task | None = None
         self._target_info = target_info  # to rebuild the pair when the draft changes (UpstreamCalls)
         self._refresh: asyncio.Task | None = None
+        # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
+        # tokenizer thread), never on the event loop: a large request costs its own latency, not
+        # a stall of every stream in flight.
+        self._requests_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="requests")
 
     def prepare(self, request: GenerationRequest) -> Job:
         """Validates a request (coordinator.requests)."""
         return prepare_job(request, self.config, self.pair, self.tokenizer)
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the requests thread: request handling that grows with the request's size."""
+        return await asyncio.get_running_loop().run_in_executor(self._requests_thread, fn, *args)
+
     def close(self) -> None:
         for task in (self._probe, self._refresh):
             if task is not None:
                 task.cancel()
+        self._requests_thread.shutdown(wait=False, cancel_futures=True)
 
     async def generate(
         self, request: GenerationRequest, time_remaining_s: float | None = None
@@ -105,7 +117,7 @@ class Coordinator(Branching, UpstreamCalls):
         exactly as it assumed; then it holds the committed prefix and drafts drawn given exactly
         that prefix, so the same argument applies. The others are cancelled and their sessions freed.
         """
-        job = self.prepare(request)
+        job = await self.off_loop(self.prepare, request)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=self.pair.target_numerics)
         # Give up on an unavailable target in time to tell the client so before its own deadline.
         retry_for = (

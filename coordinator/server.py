@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import PurePath
 
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
@@ -14,7 +15,7 @@ from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api import start_http
-from coordinator.requests import pair_info
+from coordinator.requests import longest_token_bytes, pair_info, request_limit_bytes
 from coordinator.rounds import Coordinator
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.calls import numerics
@@ -115,11 +116,20 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     metrics.watch_breaker(coordinator.breaker)
     servicer = CoordinatorServicer(coordinator, metrics)
 
+    # The public API reads no request larger than a valid one can be (coordinator.requests).
+    request_limit = request_limit_bytes(config, coordinator.pair, longest_token_bytes(coordinator.tokenizer))
+    logger.info("requests larger than %d bytes are refused before they are read", request_limit)
     http = None
     if config.http_port >= 0:
-        model_name = config.served_model_name or coordinator.pair.target_model_id
+        model_name = config.served_model_name or served_name(coordinator.pair.target_model_id)
         http, http_port = await start_http(
-            coordinator, model_name, config.host, config.http_port, config.security, metrics
+            coordinator,
+            model_name,
+            config.host,
+            config.http_port,
+            config.security,
+            metrics,
+            min(config.http_max_body_bytes, request_limit),
         )
 
     async def close() -> None:
@@ -138,9 +148,16 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         credentials=credentials,
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
+        max_receive_bytes=request_limit,
     )
     running.http_port = http_port if http is not None else None
     return running
+
+
+def served_name(model_id: str) -> str:
+    """The model name the HTTP API reports by default: the model folder's name, never its path
+    (a path tells callers about the server's filesystem)."""
+    return PurePath(model_id.rstrip("/\\")).name or model_id
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import overload
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -50,23 +51,47 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+class ChatTurns(Sequence[tuple[str, str]]):
+    """GenerateRequest.messages as (role, content) pairs, each read when it is used: the
+    coordinator counts the turns before it reads one."""
+
+    def __init__(self, messages) -> None:
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, str]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, str]]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [(message.role, message.content) for message in self._messages[index]]
+        message = self._messages[index]
+        return message.role, message.content
+
+
 def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationRequest:
+    """The request as the domain sees it, copying nothing: its repeated fields are handed over
+    as they arrived, so a request refused for its size costs no per-entry work."""
+
     def optional(name: str):
         return getattr(request, name) if request.HasField(name) else None
 
     return GenerationRequest(
         prompt=request.prompt,
-        prompt_token_ids=tuple(request.prompt_token_ids),
+        prompt_token_ids=request.prompt_token_ids,
         max_new_tokens=optional("max_new_tokens"),
         temperature=request.temperature,
         top_k=request.top_k,
         top_p=optional("top_p"),
         seed=optional("seed"),
-        stop=tuple(request.stop),
+        stop=request.stop,
         num_speculative_tokens=optional("num_speculative_tokens"),
         draft_min_confidence=optional("draft_min_confidence"),
-        messages=tuple((message.role, message.content) for message in request.messages),
-        tree_widths=tuple(request.tree_widths),
+        messages=ChatTurns(request.messages),
+        tree_widths=request.tree_widths,
     )
 
 

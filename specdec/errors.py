@@ -25,7 +25,35 @@ class SpecDecError(Exception):
 
 
 class InvalidArgument(SpecDecError):
+    """`field`: the GenerateRequest field at fault, where one is (the HTTP API names its own
+    parameter for it)."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# The most characters an error message quotes of a client's value: a refusal never echoes a
+# megabyte back (nor spends the time to format one).
+SHOWN_CHARS = 80
+
+
+def shown(value: object, quote: bool = True, limit: int = SHOWN_CHARS) -> str:
+    """A client's value as an error message quotes it: its repr (its str, unquoted), cut to
+    `limit` characters and saying how long it was. A long list or string is cut before it is
+    formatted."""
+    size = len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else None
+    if isinstance(value, (list, tuple)) and len(value) > limit:
+        value = value[:limit]
+    elif isinstance(value, (str, bytes)) and len(value) > 4 * limit:
+        value = value[: 4 * limit]
+    text = repr(value) if quote else str(value)
+    if len(text) <= limit:
+        return text
+    unit = "items" if isinstance(value, (list, tuple, dict)) else "characters"
+    return f"{text[:limit]}… ({size if size is not None else len(text)} {unit})"
 
 
 class SessionNotFound(SpecDecError):

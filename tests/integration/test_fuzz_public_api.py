@@ -8,7 +8,8 @@ strings that are not UTF-8) go through a generic channel call. Properties:
 - a request the proto's documented rules accept succeeds, generates at most max_new_tokens and
   never shows a stop string;
 - any other request fails with INVALID_ARGUMENT and a message naming an offending field, or
-  RESOURCE_EXHAUSTED when it is larger than the coordinator's max message size;
+  RESOURCE_EXHAUSTED, unread, when it is larger than the largest request the model can take
+  (coordinator.requests.request_limit_bytes);
 - never INTERNAL, UNKNOWN, a hang or a crash: afterwards no session is left open and a
   normal request gives the target's greedy output.
 
@@ -33,12 +34,17 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from coordinator.requests import CHAT_ROLES, MIN_TEMPERATURE, chat_prompt_ids
+from coordinator.requests import (
+    CHAT_ROLES,
+    MIN_TEMPERATURE,
+    PairInfo,
+    chat_prompt_ids,
+    longest_token_bytes,
+    request_limit_bytes,
+)
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
-# Small enough that huge fields cross it quickly; the default is 64 MiB.
-MAX_MESSAGE_BYTES = 1 << 20
 # Valid requests left to the default stay short, so each example takes milliseconds.
 DEFAULT_MAX_NEW_TOKENS = 8
 # Example counts come from the profile (tests/conftest.py: 300 in `ci`, the default).
@@ -177,6 +183,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_chars: int
     tokenizer: PreTrainedTokenizerBase
+    request_bytes: int  # the largest request the coordinator reads (coordinator.requests.request_limit_bytes)
 
     def prompt_length(self, request: pb.GenerateRequest) -> int:
         if request.messages:
@@ -194,6 +201,8 @@ def problems(request: pb.GenerateRequest, limits: Limits) -> list[str]:
         found.append("prompt")
     elif any(m.role not in CHAT_ROLES for m in request.messages):
         found.append("messages")
+    elif len(request.prompt_token_ids) >= limits.max_context:  # the length, before any id is read
+        found.append("prompt")
     elif request.prompt_token_ids and not all(0 <= t < limits.vocab_size for t in request.prompt_token_ids):
         found.append("prompt_token_ids")
     elif not 0 < limits.prompt_length(request) < limits.max_context:
@@ -247,7 +256,7 @@ async def call(
 
 def check_outcome(request: pb.GenerateRequest, size: int, limits: Limits, response, error) -> None:
     """The properties of one call, given the request as the server parsed it and its wire size."""
-    if size > MAX_MESSAGE_BYTES:
+    if size > limits.request_bytes:
         assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (size, error)
         assert "larger than max" in error.details()
         return
@@ -271,7 +280,7 @@ def check_outcome(request: pb.GenerateRequest, size: int, limits: Limits, respon
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(tiny_pair):
-    overrides = dict(max_message_bytes=MAX_MESSAGE_BYTES, default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS, http_port=0)
+    overrides = dict(default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS, http_port=0)
     async with inprocess_stack(tiny_pair, coordinator_overrides=overrides) as running:
         yield running
 
@@ -279,6 +288,8 @@ async def stack(tiny_pair):
 @pytest.fixture(scope="module")
 def limits(stack, tiny_pair) -> Limits:
     draft, target, config = stack.draft_runner.describe(), stack.target_runner.describe(), stack.coordinator_config
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    pair = PairInfo(target.vocab_size, draft.vocab_size, frozenset(), target.max_context, draft.max_context, 0)
     return Limits(
         vocab_size=min(draft.vocab_size, target.vocab_size),
         max_context=target.max_context,
@@ -288,7 +299,8 @@ def limits(stack, tiny_pair) -> Limits:
         max_new_tokens_limit=config.max_new_tokens_limit,
         max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
-        tokenizer=AutoTokenizer.from_pretrained(tiny_pair.target),
+        tokenizer=tokenizer,
+        request_bytes=request_limit_bytes(config, pair, longest_token_bytes(tokenizer)),
     )
 
 
@@ -386,20 +398,19 @@ async def test_raw_bytes_are_parsed_or_invalid_argument(stack, limits):
     await wait_sessions_closed(stack)
 
 
-async def test_message_size_limit_is_exact_and_resource_exhausted(stack):
-    """A request of exactly the coordinator's max message size reaches validation; one byte
-    more is refused by gRPC itself with RESOURCE_EXHAUSTED, naming both sizes."""
-    at_limit = pb.GenerateRequest(prompt="a" * (MAX_MESSAGE_BYTES - 4))  # tag + 3-byte length + text
+async def test_request_size_limit_is_exact_and_resource_exhausted(stack, limits):
+    """A request of exactly the largest size a valid request can have reaches validation; one
+    byte more is refused by gRPC itself, unread, with RESOURCE_EXHAUSTED naming both sizes."""
+    limit = limits.request_bytes
+    at_limit = pb.GenerateRequest(prompt="a" * (limit - 1 - (limit.bit_length() + 6) // 7))  # tag, length, text
     over = pb.GenerateRequest(prompt=at_limit.prompt + "a")
-    assert (at_limit.ByteSize(), over.ByteSize()) == (MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES + 1)
+    assert (at_limit.ByteSize(), over.ByteSize()) == (limit, limit + 1)
     for streamed in (False, True):
         _, error = await call(stack, at_limit, streamed)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context is" in error.details()
         _, error = await call(stack, over, streamed)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert re.search(rf"larger than max \({MAX_MESSAGE_BYTES + 1} vs\. {MAX_MESSAGE_BYTES}\)", error.details()), (
-            error.details()
-        )
+        assert re.search(rf"larger than max \({limit + 1} vs\. {limit}\)", error.details()), error.details()
 
 
 # --- the OpenAI-compatible HTTP API ---------------------------------------------------------

@@ -180,7 +180,7 @@ def test_stop_seed_and_max_tokens(served, client):
         ({"temperature": -1}, r"temperature must be"),
         ({"n": 2}, r"n=2 is not supported"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"role is 'robot'"),
-        ({"max_tokens": 0}, r"max_new_tokens must be in \[1"),
+        ({"max_tokens": 0}, r"max_tokens must be in \[1"),
         ({"logprobs": True}, r"logprobs=True is not supported"),
     ],
 )

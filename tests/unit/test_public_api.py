@@ -23,4 +23,4 @@ def test_explicit_zero_is_distinguished_from_unset():
     )
     domain = request_from_pb(request)
     assert domain.num_speculative_tokens == 0 and domain.seed == 0 and domain.top_p == 0.5
-    assert domain.prompt_token_ids == (1, 2) and domain.stop == ("\n",) and domain.max_new_tokens is None
+    assert list(domain.prompt_token_ids) == [1, 2] and list(domain.stop) == ["\n"] and domain.max_new_tokens is None
