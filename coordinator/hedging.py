@@ -6,7 +6,7 @@ A hedge drafts the next round for one such (j, t) on a fork of the draft's sessi
 round uses a hedge only when the round ended exactly as it assumed, so the choice depends on
 the verification outcome alone, and the hedge's drafts were drawn from the draft given exactly
 the committed prefix: the next round verifies them against the distributions they came from,
-which keeps the output distribution the target's (the argument in `Coordinator.generate`).
+which keeps the output distribution the target's (the argument in `Engine.generate`).
 
 Which (j, t) to hedge is a guess and only changes the hit rate, never the output. With
 per-token acceptance α, the round reaches draft j with probability α^j and rejects it with

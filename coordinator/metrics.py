@@ -30,7 +30,6 @@ class GenerationStats:
     predrafts: int = 0  # continuations started during a verify
     predraft_hits: int = 0  # whole round accepted and the bonus equalled the pre-draft's first token
     predraft_misses: int = 0  # whole round accepted, but a different bonus token (or no draft past the guess)
-    predraft_cancelled: int = 0  # a draft token was rejected (or generation ended): cancelled
     predrafted_tokens: int = 0  # tokens of pre-drafts that completed and were read
     predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)
     predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
@@ -57,6 +56,13 @@ class GenerationStats:
     @property
     def degraded(self) -> bool:
         return self.fallback_rounds > 0
+
+    @property
+    def predraft_cancelled(self) -> int:
+        """Pre-drafts neither used nor missed: a draft token was rejected (or the generation
+        ended, or the call failed), so they were cancelled unread. Every pre-draft is settled
+        as exactly one of the three."""
+        return self.predrafts - self.predraft_hits - self.predraft_misses
 
     def record_round(self, num_draft: int, num_accepted: int, bonus: bool | None = None) -> None:
         """`bonus`: whether the round ended in a bonus token, where that is not "every draft

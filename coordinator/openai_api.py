@@ -2,7 +2,7 @@
 
 Served by the coordinator process beside its gRPC API (`--http-port`), on aiohttp: an
 asyncio server that runs in the coordinator's own event loop, so an HTTP request drives the
-same `Coordinator.generate` as a gRPC one, with no thread hop or second loop. Requests and
+same `Engine.generate` as a gRPC one, with no thread hop or second loop. Requests and
 responses follow OpenAI's shapes (what the official `openai` client sends and parses);
 `stream: true` is served as server-sent events ending with `data: [DONE]`. The same bearer
 tokens and TLS files as the gRPC API apply, a W3C `traceparent` header joins the caller's
@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_schema import (
     FINISH_REASONS,
@@ -38,7 +39,6 @@ from coordinator.openai_schema import (
     usage,
 )
 from coordinator.requests import Chunk
-from coordinator.rounds import Coordinator
 from coordinator.servicer import metered
 from specdec.config import ServerSecurity
 from specdec.security import BearerTokenAuth, read_tokens
@@ -59,7 +59,7 @@ class OpenAIApi:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: Engine,
         model_name: str,
         metrics: CoordinatorMetrics | None = None,
         tokens: list[str] | None = None,
@@ -221,7 +221,7 @@ def server_ssl_context(security: ServerSecurity) -> ssl.SSLContext | None:
 
 
 async def start_http(
-    coordinator: Coordinator,
+    coordinator: Engine,
     model_name: str,
     host: str,
     port: int,

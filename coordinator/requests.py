@@ -11,10 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import RoundCosts
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
-from specdec.calls import numerics
+from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
 from specdec.probs import SamplingParams
 from specdec.tree_sampling import MAX_TREE_NODES, tree_size
@@ -46,39 +45,6 @@ class GenerationRequest:
 
 
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class PairInfo:
-    """What start-up learned from both services' Info."""
-
-    vocab_size: int  # the target's logit width: ids valid in a request and in the output
-    draft_vocab_size: int  # the draft's; may differ (Qwen2.5-0.5B has 151,936 columns, 7B 152,064)
-    eos_token_ids: frozenset[int]
-    max_context: int  # the target's
-    draft_max_context: int
-    max_num_speculative_tokens: int  # the config's maximum, capped by both services'
-    costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
-    target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
-    draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
-    trees: bool = False  # both services serve token trees (ModelInfo.trees)
-    target_numerics: str = ""  # what computes the target's logits (specdec.calls.numerics)
-
-    @property
-    def draft_vocab_limit(self) -> int:
-        """ProposeRequest.vocab_limit: the target's width when the draft's logits are wider."""
-        return self.vocab_size if self.draft_vocab_size > self.vocab_size else 0
-
-    def for_draft(self, token_ids: list[int]) -> list[int]:
-        """Committed tokens as the draft is sent them: an id the draft cannot embed (the
-        target's logits are wider) becomes one it can. Exact: the draft's proposals only have
-        to come with the distributions they were drawn from, whatever context produced them;
-        only their acceptance rate changes."""
-        if self.draft_vocab_size >= self.vocab_size:
-            return token_ids
-        unknown = min(self.eos_token_ids, default=0)
-        unknown = unknown if unknown < self.draft_vocab_size else 0
-        return [token if token < self.draft_vocab_size else unknown for token in token_ids]
 
 
 @dataclass(frozen=True)
@@ -185,30 +151,9 @@ def varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCosts | None) -> PairInfo:
-    """What the coordinator knows of the pair, from both services' Info (at start-up, and
-    again from the draft's when a restarted draft refuses a call)."""
-    return PairInfo(
-        vocab_size=target_info.vocab_size,
-        draft_vocab_size=draft_info.vocab_size,
-        eos_token_ids=frozenset(target_info.eos_token_ids),
-        max_context=target_info.max_context,
-        draft_max_context=draft_info.max_context,
-        max_num_speculative_tokens=min(
-            config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
-        ),
-        costs=costs,
-        target_model_id=target_info.model_id,
-        draft_copies=draft_info.copies,
-        trees=draft_info.trees and target_info.trees,
-        target_numerics=numerics(target_info.dtype, target_info.quantization),
-    )
-
-
-def prepare_job(
-    request: GenerationRequest, config: CoordinatorConfig, pair: PairInfo, tokenizer: PreTrainedTokenizerBase
-) -> Job:
-    """Validates a request; every failure says what was wrong and what is accepted."""
+def prompt_ids_of(request: GenerationRequest, pair: PairInfo, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The request's prompt as token ids, from whichever of its three forms it sets; lengths
+    are checked before any per-entry work."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
     if len(given) > 1:
         raise InvalidArgument(f"set exactly one of prompt, prompt_token_ids and messages; got {' and '.join(given)}")
@@ -238,6 +183,14 @@ def prepare_job(
     else:
         raise InvalidArgument("prompt is empty: set prompt (text), prompt_token_ids or messages")
     check_prompt_length(len(prompt_ids), pair, given[0])
+    return prompt_ids
+
+
+def prepare_job(
+    request: GenerationRequest, config: CoordinatorConfig, pair: PairInfo, tokenizer: PreTrainedTokenizerBase
+) -> Job:
+    """Validates a request; every failure says what was wrong and what is accepted."""
+    prompt_ids = prompt_ids_of(request, pair, tokenizer)
     max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(

@@ -13,10 +13,11 @@ from transformers import AutoTokenizer
 from coordinator.adaptive import RoundCosts
 from coordinator.clients import DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
+from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api import start_http
-from coordinator.requests import longest_token_bytes, pair_info, request_limit_bytes
-from coordinator.rounds import Coordinator
+from coordinator.pair import pair_info
+from coordinator.requests import longest_token_bytes, request_limit_bytes
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.calls import numerics
 from specdec.config import pin_cpus
@@ -32,7 +33,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 async def connect(
     config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None
-) -> Coordinator:
+) -> Engine:
     """Waits for both services, checks they form a pair, and builds the coordinator. `draft`
     and `target` replace the clients the config describes (in-process services)."""
     upstream = load_client_security(config.upstream, "--upstream-")
@@ -65,7 +66,7 @@ async def connect(
             pair.target_numerics,
             target_info.model_id,
         )
-    return Coordinator(config, draft, target, tokenizer, pair, target_info)
+    return Engine(config, draft, target, tokenizer, pair, target_info)
 
 
 async def measure_round_costs(
@@ -113,7 +114,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     coordinator = await connect(config)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry)
-    metrics.watch_breaker(coordinator.breaker)
+    metrics.watch_breaker(coordinator.upstream.breaker)
     servicer = CoordinatorServicer(coordinator, metrics)
 
     # The public API reads no request larger than a valid one can be (coordinator.requests).
@@ -136,7 +137,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         if http is not None:
             await http.cleanup()
         coordinator.close()
-        await asyncio.gather(*(client.close() for client in (coordinator.draft, coordinator.target)))
+        await asyncio.gather(*(client.close() for client in (coordinator.upstream.draft, coordinator.upstream.target)))
 
     running = await start_server(
         lambda server: add_to_server(servicer, server),

@@ -10,9 +10,9 @@ from typing import overload
 import grpc
 from google.protobuf.message import DecodeError
 
+from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.requests import Chunk, GenerationRequest
-from coordinator.rounds import Coordinator
 from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -151,8 +151,8 @@ def log_finished(s: GenerationStats, finish_reason: str) -> None:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator, metrics: CoordinatorMetrics | None = None) -> None:
-        self._coordinator = coordinator
+    def __init__(self, engine: Engine, metrics: CoordinatorMetrics | None = None) -> None:
+        self._engine = engine
         self._metrics = metrics
 
     async def _generate(
@@ -168,7 +168,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     "send a serialized GenerateRequest whose strings are UTF-8"
                 )
             remaining = context.time_remaining()  # seconds, or None without a client deadline
-            async for chunk in self._coordinator.generate(request_from_pb(request), remaining):
+            async for chunk in self._engine.generate(request_from_pb(request), remaining):
                 yield chunk
 
         async for chunk in metered(chunks(), self._metrics):

@@ -4,6 +4,7 @@ than the output)."""
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,8 +65,28 @@ class DraftRefusals:
         return round_index >= self.retry_at
 
 
+class Source(enum.Enum):
+    """Where a round's drafts came from (the round span's `specdec.round.drafts_from`)."""
+
+    DRAFT = "draft"  # the round's own Propose call, drafted by the model
+    COPY = "copy"  # the round's own Propose call, copied by prompt lookup
+    PREDRAFT = "predraft"  # the pre-draft of the round before, kept because its guess was right
+    HEDGE = "hedge"  # a hedge of the round before, kept because the round ended as it assumed
+    CATCH_UP = "catch-up"  # none: a target-only step while the draft catches up
+    FALLBACK = "fallback"  # none: the draft was down, refused or skipped
+    NONE = "none"  # none: K = 0
+
+    @property
+    def in_draft_session(self) -> bool:
+        """Whether the request's draft session holds the round's drafts (so it stays in step)."""
+        return self in (Source.DRAFT, Source.COPY, Source.PREDRAFT, Source.HEDGE)
+
+
 @dataclass
 class Round:
+    """A round's drafts as the draft sent them, and where they came from."""
+
+    source: Source = Source.NONE
     draft_token_ids: list[int] = field(default_factory=list)
     draft_token_draft_probs: list[float] = field(default_factory=list)
     distributions: list = field(default_factory=list)
@@ -77,6 +98,7 @@ class Round:
     def truncated(self, k: int, start: int = 0) -> Round:
         end = start + k
         return Round(
+            self.source,
             self.draft_token_ids[start:end],
             self.draft_token_draft_probs[start:end],
             self.distributions[start:end],
@@ -86,8 +108,10 @@ class Round:
         )  # chains only: the coordinator never pre-drafts or hedges a tree
 
 
-def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_size: int) -> Round:
-    """The drafts of a Propose reply (or a branch's), checked against what was asked."""
+def round_from(
+    proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_size: int, source: Source = Source.DRAFT
+) -> Round:
+    """The drafts of a Propose reply (or a branch's: `source`), checked against what was asked."""
     if len(proposal.token_ids) > k:
         raise SpecDecError(
             f"service at {address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
@@ -118,6 +142,7 @@ def round_from(proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_
         except ValueError as exc:
             raise SpecDecError(f"draft service at {address} sent a malformed tree: {exc}") from None
     return Round(
+        Source.COPY if source is Source.DRAFT and proposal.copied else source,
         list(proposal.token_ids),
         draft_probs,
         list(proposal.distributions),

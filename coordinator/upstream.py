@@ -1,6 +1,7 @@
 """The coordinator's calls to the draft and target services: deadlines and retries, the
 circuit breaker with its health probe, re-sending the sequence to a service that lost the
-session, and ending sessions without delaying the request."""
+session, the pair's Info read again when a restarted draft refuses a call, and ending
+sessions without delaying the request."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from coordinator.breaker import CircuitBreaker
 from coordinator.clients import CallRejected, DraftClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
-from coordinator.requests import PairInfo, pair_info
-from coordinator.state import Round, SessionView
+from coordinator.pair import PairInfo, pair_info
+from coordinator.state import Round, SessionView, Source, round_from
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -47,20 +48,40 @@ async def retry_unavailable(
             on_retry()
 
 
-class UpstreamCalls:
-    """The Coordinator's service calls (a mixin: they share its clients, breaker and tasks)."""
+class Upstream:
+    """The draft and target as the round loop sees them: one object shared by every request,
+    holding the clients, the draft's circuit breaker and the pair's current Info."""
 
-    config: CoordinatorConfig
-    pair: PairInfo
-    draft: DraftClient
-    target: TargetClient
-    breaker: CircuitBreaker
-    _cleanup: set[asyncio.Task]
-    _probe: asyncio.Task | None
-    _refresh: asyncio.Task | None
-    _target_info: common_pb2.ModelInfo
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        draft: DraftClient,
+        target: TargetClient,
+        pair: PairInfo,
+        target_info: common_pb2.ModelInfo,
+    ) -> None:
+        self.config = config
+        self.draft = draft
+        self.target = target
+        self.pair = pair  # replaced (never changed in place) when a restarted draft's Info differs
+        self._target_info = target_info  # to rebuild the pair when the draft changes
+        # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
+        self.breaker = CircuitBreaker(config.breaker_failures)
+        self._cleanup: set[asyncio.Task] = set()
+        self._probe: asyncio.Task | None = None
+        self._refresh: asyncio.Task | None = None
 
-    async def _propose_with_retries(
+    def close(self) -> None:
+        for task in (self._probe, self._refresh):
+            if task is not None:
+                task.cancel()
+
+    def round_from(self, proposal: draft_pb2.ProposeResponse, k: int, source: Source = Source.DRAFT) -> Round:
+        """The drafts of a Propose reply, or a branch's, checked against what was asked: the one
+        place a draft's reply becomes a round's drafts."""
+        return round_from(proposal, k, self.draft.address, self.pair.vocab_size, source)
+
+    async def propose(
         self,
         view: SessionView,
         sequence: list[int],
@@ -99,7 +120,7 @@ class UpstreamCalls:
             backoff_s=self.config.draft_retry_backoff_s,
         )
 
-    def _draft_failed(self, exc: SpecDecError, draft_view: SessionView, stats: GenerationStats) -> None:
+    def draft_failed(self, exc: SpecDecError, draft_view: SessionView, stats: GenerationStats) -> None:
         """Counts a failed draft call, opens the breaker after enough of them, and forgets what
         the draft held: if it comes back, the next call re-sends the whole sequence. A draft
         that rejected the call may have restarted with other capabilities (no copies, no
@@ -108,7 +129,6 @@ class UpstreamCalls:
         if isinstance(exc, CallRejected) and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair())
         stats.draft_failures += 1
-        stats.fallback_rounds += 1
         draft_view.synced = 0
         trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
         if isinstance(exc, ResourceExhausted):
@@ -165,7 +185,7 @@ class UpstreamCalls:
                 logger.info("draft at %s is serving again: speculation resumes", self.draft.address)
                 self.breaker.close()
 
-    async def _verify(
+    async def verify(
         self,
         view: SessionView,
         sequence: list[int],
@@ -231,17 +251,17 @@ class UpstreamCalls:
                     stats.target_ms += elapsed
         raise AssertionError("unreachable")
 
-    def _end_sessions(self, draft_view: SessionView, target_view: SessionView) -> None:
+    def end_sessions(self, draft_view: SessionView, target_view: SessionView) -> None:
         for client, view in ((self.draft, draft_view), (self.target, target_view)):
             if view.opened:
-                self._end_later(client, view.session_id)
+                self.end_later(client, view.session_id)
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""
         while self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
-    def _end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
+    def end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request."""
         task = asyncio.get_running_loop().create_task(client.end_session(session_id))
         self._cleanup.add(task)

@@ -34,14 +34,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from coordinator.requests import (
-    CHAT_ROLES,
-    MIN_TEMPERATURE,
-    PairInfo,
-    chat_prompt_ids,
-    longest_token_bytes,
-    request_limit_bytes,
-)
+from coordinator.pair import PairInfo
+from coordinator.requests import CHAT_ROLES, MIN_TEMPERATURE, chat_prompt_ids, longest_token_bytes, request_limit_bytes
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 

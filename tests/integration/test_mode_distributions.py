@@ -1,6 +1,6 @@
 """High-power distribution tests for each coordinator mode, each with a mutation check.
 
-The real coordinator (coordinator.rounds.Coordinator, built by coordinator.server.connect)
+The real coordinator (coordinator.engine.Engine, built by coordinator.server.connect)
 drives in-process draft and target services whose models are lookup tables
 (tests/table_services.py): a few tokens, a few positions, so the target's distribution over
 whole continuations is known exactly and tens of thousands of generations take half a
@@ -37,11 +37,12 @@ from transformers import AutoTokenizer
 
 from coordinator import rounds
 from coordinator import server as coordinator_server
+from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
-from coordinator.rounds import Coordinator
 from coordinator.sampling import RoundOutcome
 from coordinator.state import Round
+from coordinator.upstream import Upstream
 from specdec import wire
 from specdec.modeling import tokenizer_fingerprint
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
@@ -206,32 +207,21 @@ def hedge_picked_by_its_drafts(monkeypatch) -> None:
     """Hedged: after a rejection the round takes the first hedge whose first draft is the
     draft's likeliest token, looking at the branches' draws (the real rule looks only at the
     verification outcome)."""
-    original = Coordinator._settle
+    original = Branches.pick
 
-    async def pick_by_drafts(self, speculation, outcome, proposed, live, draft_view, base, stats):
-        if not live or outcome.num_accepted == proposed or not speculation.forks:
-            return await original(self, speculation, outcome, proposed, live, draft_view, base, stats)
-        reply = await speculation.task
-        chosen = None
-        for plan, result in zip(speculation.branches, reply.results):
+    async def pick_by_drafts(self, call, outcome, proposed, live):
+        if not live or outcome.num_accepted == proposed or not call.forks:
+            return await original(self, call, outcome, proposed, live)
+        reply = await call.task
+        for plan, result in zip(call.branches, reply.results):
             proposal = result.proposal
-            if chosen is None and plan.hedge is not None and not result.error_code and proposal.token_ids:
-                branch = self._round_from(proposal, plan.k)
+            if plan.hedge is not None and not result.error_code and proposal.token_ids:
+                branch = self.upstream.round_from(proposal, plan.k)
                 if branch.draft_token_draft_probs[0] >= proposal.runner_up_probs[0]:  # its first draft is the argmax
-                    chosen = (branch, plan)
-        for fork in speculation.forks:
-            if chosen is None or fork is not chosen[1]:
-                self._end_later(self.draft, fork.session_id)
-        if chosen is None:
-            return None, "", draft_view
-        self._end_later(self.draft, draft_view.session_id)
-        taken, plan = chosen
-        view = dataclasses.replace(
-            draft_view, session_id=plan.session_id, synced=base + outcome.num_accepted + 1, opened=True
-        )
-        return taken, "hedge", view
+                    return plan
+        return None
 
-    monkeypatch.setattr(Coordinator, "_settle", pick_by_drafts)
+    monkeypatch.setattr(Branches, "pick", pick_by_drafts)
 
 
 def branch_rows_mixed_up(monkeypatch) -> None:
@@ -256,28 +246,28 @@ def unsure_draft_dropped(monkeypatch) -> None:
     """Confidence-stopped: the coordinator drops the draft a proposal stopped on (the one drawn
     with low confidence) and verifies the rest, so which drafts are verified depends on their
     own draws."""
-    original = Coordinator._round_from
+    original = Upstream.round_from
 
-    def drop(self, proposal, k):
-        round_ = original(self, proposal, k)
+    def drop(self, proposal, k, *source):
+        round_ = original(self, proposal, k, *source)
         if 0 < len(round_.draft_token_ids) < k:
             return round_.truncated(len(round_.draft_token_ids) - 1)
         return round_
 
-    monkeypatch.setattr(Coordinator, "_round_from", drop)
+    monkeypatch.setattr(Upstream, "round_from", drop)
 
 
 def k_cut_after_drafting(monkeypatch) -> None:
     """Adaptive: the round's K is cut after the drafts are drawn, at the first draft the draft
     gave less than 1/2: K chosen by looking at the draws instead of before them."""
-    original = Coordinator._round_from
+    original = Upstream.round_from
 
-    def cut(self, proposal, k):
-        round_ = original(self, proposal, k)
+    def cut(self, proposal, k, *source):
+        round_ = original(self, proposal, k, *source)
         keep = next((i for i, p in enumerate(round_.draft_token_draft_probs) if p < 0.5), None)
         return round_ if not keep else round_.truncated(keep)
 
-    monkeypatch.setattr(Coordinator, "_round_from", cut)
+    monkeypatch.setattr(Upstream, "round_from", cut)
 
 
 MUTANTS = {

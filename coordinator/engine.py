@@ -1,0 +1,340 @@
+"""The generation engine: each request's rounds, as plan → run → commit → settle.
+
+`coordinator.rounds` holds the two pure phases (what a round does; what its outcome changes),
+`coordinator.upstream` the calls to the services (retries, breaker, re-prefill),
+`coordinator.branches` the pre-drafts and hedges drafted during a verify. This module runs a
+request through them and yields its text as rounds commit it.
+
+Each round sends each service only what it has not seen: the service keeps the session's
+sequence and KV cache, and the coordinator tracks how much of it is still valid (`synced`).
+A service that lost the session (restart, expiry) answers NOT_FOUND and is re-sent the whole
+committed sequence, so no request fails because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from opentelemetry.trace import Span
+from transformers import PreTrainedTokenizerBase
+
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
+from coordinator.branches import BranchCall, Branches
+from coordinator.clients import CallRejected, DraftClient, TargetClient
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import GenerationStats
+from coordinator.pair import PairInfo
+from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
+from coordinator.rounds import RequestState, RoundKind, RoundPlan, commit_round, decide, k_limit, plan_round
+from coordinator.seeds import RequestStreams
+from coordinator.state import Round, SessionView, Source, check_reply
+from coordinator.text import TextAssembler
+from coordinator.upstream import Upstream
+from specdec import wire
+from specdec.errors import ResourceExhausted, Unavailable
+from specdec.telemetry import tracer
+from specdec.tree_sampling import tree_size
+from specdec.v1 import common_pb2, target_pb2
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# What a round that asks the draft for nothing has as drafts, by its kind.
+NO_DRAFTS = {
+    RoundKind.CATCH_UP: Source.CATCH_UP,
+    RoundKind.FALLBACK: Source.FALLBACK,
+    RoundKind.TARGET_ONLY: Source.NONE,
+}
+
+
+class Engine:
+    """Runs requests: validation (coordinator.requests) on the requests thread, then rounds."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        draft: DraftClient,
+        target: TargetClient,
+        tokenizer: PreTrainedTokenizerBase,
+        pair: PairInfo,
+        target_info: common_pb2.ModelInfo,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.upstream = Upstream(config, draft, target, pair, target_info)
+        self.branches = Branches(config, self.upstream)
+        # The K chooser's acceptance prior, learned from finished requests (seeded sampled
+        # requests start from the fixed default, so their K depends only on themselves).
+        self._alpha_prior = DEFAULT_ALPHA_PRIOR
+        # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
+        # tokenizer thread), never on the event loop: a large request costs its own latency, not
+        # a stall of every stream in flight.
+        self._requests_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="requests")
+
+    @property
+    def pair(self) -> PairInfo:
+        """The pair as last read from both services' Info (a restarted draft may change it)."""
+        return self.upstream.pair
+
+    def prepare(self, request: GenerationRequest) -> Job:
+        """Validates a request (coordinator.requests)."""
+        return prepare_job(request, self.config, self.pair, self.tokenizer)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the requests thread: request handling that grows with the request's size."""
+        return await asyncio.get_running_loop().run_in_executor(self._requests_thread, fn, *args)
+
+    def close(self) -> None:
+        self.upstream.close()
+        self._requests_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_cleanup(self) -> None:
+        """Until every session end already started has finished (before the services stop)."""
+        await self.upstream.wait_cleanup()
+
+    async def generate(
+        self, request: GenerationRequest, time_remaining_s: float | None = None
+    ) -> AsyncGenerator[Chunk, None]:
+        """Yields one chunk per round; the last carries the finish reason and the stats.
+
+        Sequential mode drafts, then verifies. Pipelined mode (`--pipeline`) also starts a
+        pre-draft during each verify: the draft continues as if every draft token will be
+        accepted. It is used only when the whole round was accepted and its first token e1
+        equals the target's bonus token b; then e2.. become the next round's drafts, each
+        drawn from the draft's distribution given exactly the committed prefix (which ends
+        in b). Why that stays exact: rejection sampling returns the target's distribution
+        for any proposal that was drawn from the distribution sent with it, independently of
+        the target's coins. e2.. were drawn before the next round's uniforms and target
+        samples exist, the rule that selects them (`Branches.pick`) looks only at the finished
+        round and e1, and the next round verifies them against the distributions they came
+        from. Any other outcome cancels the pre-draft and its tokens are never read.
+
+        With catch-up steps (`--catch-up`), a pipelined round with no drafts ready is one
+        target-only step while a pre-draft catches the draft session up, guesses that step's
+        token and drafts on; the same rule keeps it. Hedged mode (`--hedges N`) also forks the
+        draft session for the N likeliest rejection outcomes (coordinator.hedging); a fork is
+        used only when the round ended exactly as it assumed, so the same argument applies.
+        Which kind a round is depends on earlier outcomes alone (`plan_round`), never on
+        timing, so a seed maps to one output.
+        """
+        state = self._start(await self.off_loop(self.prepare, request), time_remaining_s)
+        branches: BranchCall | None = None  # drafted during the verify, until the outcome settles them
+        try:
+            while True:
+                with tracer.start_as_current_span(
+                    "round", attributes={"specdec.round.index": state.stats.rounds}
+                ) as span:
+                    started = state.stats.elapsed_ms()
+                    compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
+                    pair = self.pair  # read once a round
+                    plan = plan_round(state, pair, self.config.catch_up, self.upstream.breaker.allow())
+                    round_, verification, branches = await self._run_round(state, pair, plan)
+                    outcome = decide(round_, verification, plan.uniforms)
+                    base = len(state.sequence)
+                    commit_round(state, plan, round_, outcome, pair.max_context)
+                    if branches is not None:
+                        await self._settle(state, branches, outcome, len(round_.draft_token_ids), base)
+                        branches = None
+                    self._close_round(state, span, started, compute_before, round_, outcome)
+                delta = state.text.take_delta()  # spans end before yielding: the caller runs between rounds
+                if state.finished:
+                    state.stats.close(len(state.text.token_ids))
+                    self._learn(state.k_chooser)
+                    yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats)
+                    return
+                yield Chunk(delta.token_ids, delta.text)
+        finally:
+            if branches is not None:
+                self.branches.drop(branches)
+            self.upstream.end_sessions(state.draft_view, state.target_view)
+
+    def _start(self, job: Job, time_remaining_s: float | None) -> RequestState:
+        """A request's state before its first round."""
+        pair = self.pair
+        # Give up on an unavailable target in time to tell the client so before its own deadline.
+        retry_for = self.config.target_retry_s
+        if time_remaining_s is not None:
+            retry_for = min(retry_for, 0.7 * time_remaining_s)
+        session_id = uuid.uuid4().hex
+        pipelined = self.config.pipeline and job.num_speculative_tokens != 0
+        k_chooser = self._k_chooser(job, pair, pipelined)
+        stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=pair.target_numerics)
+        stats.pipelined = pipelined
+        return RequestState(
+            job=job,
+            stats=stats,
+            streams=RequestStreams.of(job.seed),
+            sampling=wire.params_to_pb(job.params),
+            sequence=list(job.prompt_ids),
+            text=TextAssembler(self.tokenizer, job.prompt_ids, set(pair.eos_token_ids), job.stop, job.max_new_tokens),
+            draft_view=SessionView(
+                session_id, min_confidence=job.draft_min_confidence, vocab_limit=pair.draft_vocab_limit
+            ),
+            target_view=SessionView(session_id),
+            pipelined=pipelined,
+            hedging=self.config.hedges > 0 and job.num_speculative_tokens != 0,
+            retry_until=asyncio.get_running_loop().time() + retry_for,
+            k_chooser=k_chooser,
+            copy_chooser=self._copy_chooser(k_chooser, pair),
+        )
+
+    async def _run_round(
+        self, state: RequestState, pair: PairInfo, plan: RoundPlan
+    ) -> tuple[Round, target_pb2.VerifyResponse, BranchCall | None]:
+        """The round's calls: its drafts (ready, or a draft call that may fall back to none),
+        the verify, and the branches drafted while it runs."""
+        round_ = await self._drafts(state, pair, plan)
+        proposed = len(round_.draft_token_ids)  # a drafter may propose fewer than K (a lookup with no match: none)
+        verify = asyncio.ensure_future(
+            self.upstream.verify(
+                state.target_view,
+                state.sequence,
+                round_,
+                state.sampling,
+                plan.target_seed,
+                state.stats,
+                state.retry_until,
+            )  # fmt: skip
+        )
+        branches = None
+        try:
+            branches = self._start_branches(state, pair, plan, round_)
+            verification = await verify
+            address = self.upstream.target.address
+            check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
+            # A tree's: one recovered token per node and the root.
+            expected_recovered = proposed + 1 if round_.parents else proposed
+            check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
+        except BaseException:
+            if branches is not None:
+                self.branches.drop(branches)
+            raise
+        finally:
+            if not verify.done():
+                verify.cancel()
+        state.stats.target_compute_ms += verification.compute_ms
+        return round_, verification, branches
+
+    async def _drafts(self, state: RequestState, pair: PairInfo, plan: RoundPlan) -> Round:
+        """The round's drafts as its plan says: ready ones, none, or a draft call's."""
+        if plan.ready is not None:
+            return plan.ready
+        if plan.kind is not RoundKind.DRAFT_CALL:
+            return Round(NO_DRAFTS[plan.kind])
+        try:
+            proposal = await self.upstream.propose(
+                state.draft_view,
+                state.sequence,
+                plan.k,
+                state.sampling,
+                plan.draft_seed,
+                state.stats,
+                max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
+                tree_widths=plan.widths,
+            )
+        except (Unavailable, CallRejected, ResourceExhausted) as exc:
+            # Target-only for this round: the same output, only slower. Not only UNAVAILABLE: a
+            # draft restarted with other capabilities rejects calls it used to take, one short of
+            # sessions or memory refuses this request (target-only rounds, then it asks again:
+            # DraftRefusals), and the draft only ever speeds a request up. A broken draft (NaN
+            # logits: INTERNAL) still fails the request, loudly (tests/integration/test_guards.py).
+            self.upstream.draft_failed(exc, state.draft_view, state.stats)
+            if isinstance(exc, ResourceExhausted):
+                state.refusals.refused(state.stats.rounds)
+            return Round(Source.FALLBACK)
+        self.upstream.breaker.record_success()
+        state.refusals.accepted()
+        state.stats.draft_compute_ms += proposal.compute_ms
+        return self.upstream.round_from(
+            proposal, tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k)
+        )
+
+    def _start_branches(self, state: RequestState, pair: PairInfo, plan: RoundPlan, round_: Round) -> BranchCall | None:
+        """The branches to draft during the verify: a pre-draft (pipelined) and hedges, when the
+        round speculates and a fully accepted round would leave room for another. A catch-up
+        step's pre-draft carries the tokens the draft session lacks, guesses the step's token
+        and drafts up to K after it (no hedges: there are no runner-ups to hedge on)."""
+        catch_up = plan.kind is RoundKind.CATCH_UP
+        proposed = len(round_.draft_token_ids)
+        if not ((state.pipelined or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
+            return None
+        # Room after a fully accepted round: the bonus guess plus up to K drafts for it.
+        next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
+        predraft_k = min(plan.k, next_limit) + 1 if state.pipelined and next_limit else 0
+        hedge_k = plan.k if state.hedging else 0
+        return self.branches.start(state, pair, round_, predraft_k, hedge_k, plan.predraft_seed, catch_up)
+
+    async def _settle(self, state: RequestState, call: BranchCall, outcome, proposed: int, base: int) -> None:
+        """Takes the branch the outcome selected (if any) as the next round's drafts."""
+        settled = await self.branches.settle(
+            call, outcome, proposed, not state.finished, state.draft_view, base, state.stats
+        )
+        state.draft_view = settled.draft_view
+        # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
+        # the regular draft call re-prefills and counts failures.
+        state.branch_failed = settled.failed
+        if settled.refused:  # a branch refused is a refusal like any draft call's
+            state.refusals.refused(state.stats.rounds)
+        if settled.ready is not None:
+            state.ready = settled.ready
+            state.refusals.accepted()  # the draft took the branch's call
+
+    def _close_round(
+        self, state: RequestState, span: Span, started: float, compute_before: float, round_: Round, outcome
+    ) -> None:
+        """The round's timings and its span's attributes."""
+        stats, proposed = state.stats, len(round_.draft_token_ids)
+        stats.mark_first_token()
+        stats.round_ms.append(stats.elapsed_ms() - started)
+        stats.round_overhead_ms.append(
+            stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
+        )
+        span.set_attributes(
+            {
+                "specdec.round.k": proposed,
+                "specdec.round.accepted": outcome.num_accepted,
+                "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
+                "specdec.round.drafts_from": round_.source.value,
+                "specdec.round.epoch": state.draft_view.last_epoch,
+                "specdec.round.pipelined": state.pipelined,
+            }
+        )
+
+    def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
+        """A per-request K chooser when the request left K to the coordinator and it adapts."""
+        if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
+            return None
+        if pair.costs is None:
+            return None  # no measured costs to choose from: the default K
+        return AdaptiveK(
+            k_max=pair.max_num_speculative_tokens,
+            pipelined=pipelined,
+            costs=pair.costs,
+            # A seeded sampled request's output depends on K, so its K may depend on nothing but
+            # itself; greedy output is the target's whatever K is.
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
+            trees=self.config.tree_chooser and pair.trees and not self.config.hedges,
+        )
+
+    def _copy_chooser(self, k_chooser: AdaptiveK | None, pair: PairInfo) -> AdaptiveK | None:
+        """How many tokens a copy may carry, when the draft copies by prompt lookup and K is
+        left to the chooser: a second chooser over the same target costs with drafts that cost
+        nothing (a copy runs no pass), learning from copied rounds only. Long copies pay where
+        they are right (an edit that repeats code), short ones where they are not, since each
+        copied token lengthens the verify."""
+        if k_chooser is None or not pair.draft_copies or pair.costs is None:
+            return None
+        free_drafts = dataclasses.replace(pair.costs, draft_pass_ms=(0.0,) * len(pair.costs.draft_pass_ms))
+        return AdaptiveK(
+            k_max=pair.max_num_speculative_tokens, pipelined=False, costs=free_drafts, alpha_prior=DEFAULT_ALPHA_PRIOR
+        )
+
+    def _learn(self, k_chooser: AdaptiveK | None) -> None:
+        """Carries the finished request's acceptance into the next request's prior."""
+        if k_chooser is not None and k_chooser.reached > PRIOR_WEIGHT:
+            self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * k_chooser.alpha

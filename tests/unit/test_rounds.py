@@ -1,0 +1,183 @@
+"""The round loop's two pure phases, table-driven and without services: what `plan_round`
+decides from a request's state, and what `commit_round` makes of a verified outcome."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator.adaptive import AdaptiveK, RoundCosts
+from coordinator.metrics import GenerationStats
+from coordinator.pair import PairInfo
+from coordinator.requests import Job
+from coordinator.rounds import RequestState, RoundKind, commit_round, k_limit, plan_round
+from coordinator.sampling import RoundOutcome
+from coordinator.seeds import RequestStreams
+from coordinator.state import DraftRefusals, Round, SessionView, Source
+from coordinator.text import TextAssembler
+from specdec import wire
+from specdec.probs import SamplingParams
+from specdec.testing import byte_level_tokenizer
+from specdec.tree_sampling import TreeOutcome, tree_size
+
+PAIR = PairInfo(
+    vocab_size=320,
+    draft_vocab_size=320,
+    eos_token_ids=frozenset({0}),
+    max_context=64,
+    draft_max_context=64,
+    max_num_speculative_tokens=8,
+)
+TOKENIZER = byte_level_tokenizer()
+PROMPT = [65, 66, 67]
+
+
+def state(k: int = 4, max_new_tokens: int = 32, pipelined: bool = False, **changes) -> RequestState:
+    job = Job(PROMPT, max_new_tokens, SamplingParams(temperature=1.0), 7, (), k, tree_widths=changes.pop("tree", ()))
+    made = RequestState(
+        job=job,
+        stats=GenerationStats(prompt_tokens=len(PROMPT)),
+        streams=RequestStreams.of(job.seed),
+        sampling=wire.params_to_pb(job.params),
+        sequence=list(PROMPT),
+        text=TextAssembler(TOKENIZER, PROMPT, set(PAIR.eos_token_ids), (), max_new_tokens),
+        draft_view=SessionView("s"),
+        target_view=SessionView("s"),
+        pipelined=pipelined,
+        hedging=False,
+        retry_until=0.0,
+    )
+    return dataclasses.replace(made, **changes)
+
+
+def refused_just_now() -> DraftRefusals:
+    refusals = DraftRefusals()
+    refusals.refused(0)
+    return refusals
+
+
+READY = Round(Source.PREDRAFT, [5, 6, 7], [0.5, 0.5, 0.5], [None] * 3, [], [])
+
+# (case, state, pair, --catch-up, breaker allows) -> (kind, K, copy cap, tree widths)
+PLANS = {
+    "a chain of K": (state(), PAIR, True, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
+    "K = 0 is one target-only step": (state(k=0), PAIR, True, True, (RoundKind.TARGET_ONLY, 0, 0, ())),
+    "an open breaker falls back": (state(), PAIR, True, False, (RoundKind.FALLBACK, 0, 0, ())),
+    "a refusal backs off": (state(refusals=refused_just_now()), PAIR, True, True, (RoundKind.FALLBACK, 0, 0, ())),
+    "ready drafts, cut to K": (state(k=2, ready=READY), PAIR, True, True, (RoundKind.READY, 2, 0, ())),
+    "ready drafts, K = 0: unused": (state(k=0, ready=READY), PAIR, True, True, (RoundKind.TARGET_ONLY, 0, 0, ())),
+    "pipelined, none ready: a catch-up step": (state(pipelined=True), PAIR, True, True, (RoundKind.CATCH_UP, 4, 0, ())),
+    "pipelined, --catch-up off": (state(pipelined=True), PAIR, False, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
+    "pipelined, the last branch call failed": (
+        state(pipelined=True, branch_failed=True), PAIR, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
+    ),
+    "pipelined, ready drafts": (state(pipelined=True, ready=READY), PAIR, True, True, (RoundKind.READY, 4, 0, ())),
+    "a copying draft copies up to K": (
+        state(k=3), dataclasses.replace(PAIR, draft_copies=True), True, True, (RoundKind.DRAFT_CALL, 3, 3, ()),
+    ),
+    "two tokens to go: one draft": (state(max_new_tokens=2), PAIR, True, True, (RoundKind.DRAFT_CALL, 1, 0, ())),
+    "a tree": (state(k=0, tree=(2, 1)), dataclasses.replace(PAIR, trees=True), True, True,
+               (RoundKind.DRAFT_CALL, 0, 0, (2, 1))),
+    "a tree, the draft no longer serves trees": (state(k=0, tree=(2, 1)), PAIR, True, True,
+                                                 (RoundKind.TARGET_ONLY, 0, 0, ())),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_plan_round(case):
+    request, pair, catch_up, draft_allowed, (kind, k, copy, widths) = PLANS[case]
+    plan = plan_round(request, pair, catch_up, draft_allowed)
+    assert (plan.kind, plan.k, plan.copy_limit, plan.widths) == (kind, k, copy, widths)
+    assert len(plan.uniforms) == (tree_size(widths) or max(k, copy))
+    assert (plan.ready is not None) == (kind is RoundKind.READY)
+    if plan.ready is not None:
+        assert plan.ready.source is Source.PREDRAFT
+        assert plan.ready.draft_token_ids == READY.draft_token_ids[:k]
+
+
+def test_the_random_draws_do_not_depend_on_the_rounds_kind():
+    """The same request at the same round draws the same seeds and coins whether its drafts are
+    ready, come from a call, or the round is a catch-up step: the kind never shifts a stream."""
+    plans = [
+        plan_round(state(), PAIR, True, True),
+        plan_round(state(ready=READY), PAIR, True, True),
+        plan_round(state(pipelined=True), PAIR, True, True),
+    ]
+    assert [p.kind for p in plans] == [RoundKind.DRAFT_CALL, RoundKind.READY, RoundKind.CATCH_UP]
+    draws = {(p.draft_seed, p.target_seed, p.predraft_seed, tuple(p.uniforms[:3])) for p in plans}
+    assert len(draws) == 1
+
+
+def test_the_k_chooser_decides_k_and_the_context_caps_it():
+    costs = RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(50.0,) * 9, draft_rpc_ms=0.1, target_rpc_ms=0.1)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
+    near_the_end = state(sequence=list(range(60)), k_chooser=chooser)
+    plan = plan_round(near_the_end, PAIR, True, True)
+    assert chooser.history and plan.k == min(chooser.history[-1], k_limit(PAIR, 60, near_the_end.remaining)) == 3
+
+
+def chain_round(source: Source = Source.DRAFT, tokens=(70, 71, 72), copied: bool = False) -> Round:
+    return Round(source, list(tokens), [0.5] * len(tokens), [None] * len(tokens), [], [], copied)
+
+
+# (case, round, outcome) -> (committed tokens, views' synced: (draft, target), counters)
+COMMITS = {
+    "all accepted, bonus": (chain_round(), RoundOutcome(3, 80), ([70, 71, 72, 80], (6, 6), {"bonus_tokens": 1})),
+    "rejected at 1": (chain_round(), RoundOutcome(1, 81), ([70, 81], (4, 4), {"recovered_tokens": 1})),
+    "a catch-up step leaves the draft session behind": (
+        Round(Source.CATCH_UP), RoundOutcome(0, 82), ([82], (0, 3), {"catch_up_rounds": 1}),
+    ),
+    "a fallback round is counted once": (
+        Round(Source.FALLBACK), RoundOutcome(0, 82), ([82], (0, 3), {"fallback_rounds": 1}),
+    ),
+    "a pre-draft's round is a ready round": (
+        chain_round(Source.PREDRAFT), RoundOutcome(2, 90), ([70, 71, 90], (5, 5), {"ready_rounds": 1}),
+    ),
+    "a copy counts as one": (
+        chain_round(copied=True), RoundOutcome(2, 90),
+        ([70, 71, 90], (5, 5), {"copied_rounds": 1, "copied_accepted": 2}),
+    ),
+    "EOS ends the round": (chain_round(tokens=(70, 0, 72)), RoundOutcome(3, 80), ([70, 0], (6, 6), {})),
+    "a tree keeps its nodes cached behind the sequence": (
+        Round(Source.DRAFT, [70, 71, 72], [0.5] * 3, [None] * 3, [], [], parents=[0, 0, 1]),
+        TreeOutcome(path=[1, 3], next_token_id=88, at_leaf=True),
+        ([70, 72, 88], (3, 3), {"tree_rounds": 1, "bonus_tokens": 1}),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", COMMITS)
+def test_commit_round(case):
+    round_, outcome, (committed, synced, counters) = COMMITS[case]
+    request = state(ready=READY)
+    plan = plan_round(request, PAIR, True, True)
+    commit_round(request, plan, round_, outcome, PAIR.max_context)
+    assert request.sequence == PROMPT + committed
+    assert (request.draft_view.synced, request.target_view.synced) == synced
+    assert request.ready is None, "ready drafts are spent by the round that planned them"
+    for name, value in counters.items():
+        assert getattr(request.stats, name) == value, name
+    assert request.stats.rounds == 1 and request.stats.k_per_round == [len(round_.draft_token_ids)]
+    assert request.finished == (0 in committed)
+
+
+def test_commit_round_finishes_at_the_context_and_at_max_new_tokens():
+    at_context = state(sequence=list(range(60)))
+    commit_round(at_context, plan_round(at_context, PAIR, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    assert at_context.text.finish_reason == "length" and len(at_context.sequence) == 64
+    short = state(max_new_tokens=2)
+    commit_round(short, plan_round(short, PAIR, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    assert short.text.finish_reason == "length" and short.sequence == PROMPT + [70, 71]
+
+
+def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_chooser():
+    costs = RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(50.0,) * 9, draft_rpc_ms=0.1, target_rpc_ms=0.1)
+    k_chooser, copy_chooser = (AdaptiveK(k_max=8, pipelined=False, costs=costs) for _ in range(2))
+    request = state(k_chooser=k_chooser, copy_chooser=copy_chooser)
+    before = (k_chooser.reached, copy_chooser.reached)
+    plan = plan_round(request, PAIR, True, True)
+    commit_round(request, plan, chain_round(copied=True), RoundOutcome(3, 80), 64)
+    assert (k_chooser.reached, copy_chooser.reached) == (before[0], before[1] + 3)
+    commit_round(request, plan, chain_round(), RoundOutcome(1, 81), 64)
+    assert k_chooser.reached == before[0] + 2
