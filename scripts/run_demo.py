@@ -16,6 +16,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from specdec.calls import numerics  # noqa: E402
 from specdec.costs import cpu_flags, cpu_model  # noqa: E402
 from specdec.launch import local_stack  # noqa: E402
 from specdec.real_models import DRAFT, TARGET  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> int:
         print(
             f"coordinator on {services['coordinator'].address} (draft {services['draft'].address}: "
             f"{draft_info.model_id.rsplit('/', 1)[-1]}, "
-            f"{draft_info.dtype}; target {services['target'].address})\n"
+            f"{numerics(draft_info.dtype, draft_info.quantization)}; target {services['target'].address})\n"
         )
         return run_prompts(services["coordinator"].address, args)
 
