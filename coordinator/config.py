@@ -97,7 +97,7 @@ class CoordinatorConfig:
         "--http-port",
         "serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port of "
         "--host, with the same TLS and tokens as gRPC (-1 = off, 0 picks a free one; 8000 is the usual choice)",
-        more="See [The OpenAI-compatible HTTP API](../README.md#the-openai-compatible-http-api).",
+        more="See [The OpenAI-compatible HTTP API](api.md#the-openai-compatible-http-api).",
     )
     served_model_name: str = setting(
         "",
