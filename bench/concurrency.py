@@ -30,8 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.modes import ROOT, drafter_args, target_service_args  # noqa: E402
-from specdec.launch import ServiceProcess, model_service_args, spawn, spawn_coordinator  # noqa: E402
-from specdec.ports import free_port  # noqa: E402
+from specdec.rpc.ports import free_port  # noqa: E402
+from specdec.tools.launch import ServiceProcess, model_service_args, spawn, spawn_coordinator  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 

@@ -17,8 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec.config import pin_cpus
-from specdec.real_models import DRAFT, TARGET
+from specdec.config.services import pin_cpus
+from specdec.tools.real_models import DRAFT, TARGET
 
 MODELS = Path(__file__).resolve().parents[1] / ".cache/models"
 
@@ -31,8 +31,8 @@ def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, r
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from specdec.modeling import with_cache
-    from specdec.quantize import quantize_int8
+    from specdec.engine.modeling import with_cache
+    from specdec.engine.quantize import quantize_int8
 
     torch.set_num_threads(1)
     model_ = quantize_int8(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())

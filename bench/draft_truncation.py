@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.quality import MODELS, TEXT
-from specdec.probs import SamplingParams, logits_to_probs, truncate_top_k
-from specdec.quantize import quantize_int8
-from specdec.real_models import DRAFT, TARGET
+from specdec.engine.quantize import quantize_int8
+from specdec.sampling.probs import SamplingParams, logits_to_probs, truncate_top_k
+from specdec.tools.real_models import DRAFT, TARGET
 
 
 @torch.inference_mode()

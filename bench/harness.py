@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from bench.modes import HF_DRAFTS, ROOT, BenchConfig, Sample, build_modes, drafter_args
 from bench.runners import HFRunner, OursRunner
-from specdec.costs import cpu_flags, cpu_model
-from specdec.real_models import DRAFT, TARGET
+from specdec.engine.costs import cpu_flags, cpu_model
+from specdec.tools.real_models import DRAFT, TARGET
 from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess
 
 logger = logging.getLogger("bench")
@@ -88,7 +88,7 @@ def run_bench(config: BenchConfig) -> dict:
     ours = OursRunner(config, ours_variants, config.out_dir / "logs")
     try:
         hf = HFRunner(config, hf_drafts) if any(m.family == "hf" for m in modes) else None
-        runners = {"ours": ours, "hf": hf}
+        runners: dict[str, OursRunner | HFRunner] = {"ours": ours, **({"hf": hf} if hf is not None else {})}
         for mode in modes:  # warm-up: first calls pay one-off costs
             runners[mode.family].run(mode, prompts[0]["text"], 4, 0.0, config.seed)
         per_mode = len(prompts) * config.repeats * len(config.temperatures)

@@ -45,7 +45,7 @@ def target_service_args(config: BenchConfig) -> list[str]:
 # "pinned": one machine standing in for separate nodes, the draft on core 0 and the target on
 # core 1, one thread each. The coordinator shares the target's core: it works between a
 # verify's reply and the next verify, exactly when the target's core is idle.
-PLACEMENTS = {
+PLACEMENTS: dict[str, dict[str, list[str]]] = {
     "shared": {"draft": [], "target": [], "coordinator": []},
     "pinned": {
         "draft": ["--cpus", "0", "--threads", "1"],
@@ -74,7 +74,7 @@ COORDINATORS = {
 # The in-process HF baseline's draft for each variant that has a model.
 HF_DRAFTS = {
     "model": "as --draft-dtype",
-    "int8": "float32 weights, int8 Linear layers (specdec.quantize, as the draft service)",
+    "int8": "float32 weights, int8 Linear layers (specdec.engine.quantize, as the draft service)",
 }
 
 
@@ -245,7 +245,7 @@ def node_modes() -> list[Mode]:
     target-only and HF assisted generation (int8 draft and int8 target, all cores), ours with
     shared cores, and ours pinned sequential, pipelined and pipelined with hedges, each with K
     fixed and with the K chooser."""
-    pinned = dict(drafter="int8@core0", placement="pinned")
+    pinned = Mode("", "ours", drafter="int8@core0", placement="pinned")  # the draft on core 0, the target on core 1
     modes = [
         Mode(OURS_TARGET_ONLY, "ours", 0, drafter="int8"),
         Mode("HF assisted int8 (default)", "hf", assisted="default", drafter="int8"),
@@ -261,8 +261,8 @@ def node_modes() -> list[Mode]:
         ("pipelined", "pipelined"),
         ("pipelined+2 hedges", "pipelined+hedged2"),
     ):
-        modes.append(Mode(f"ours pinned {name} K=2", "ours", 2, coordinator=coordinator, **pinned))
+        modes.append(dataclasses.replace(pinned, name=f"ours pinned {name} K=2", k=2, coordinator=coordinator))
         modes.append(
-            Mode(f"ours pinned {name}, K chooser", "ours", 0, coordinator=coordinator, adaptive=True, **pinned)
+            dataclasses.replace(pinned, name=f"ours pinned {name}, K chooser", coordinator=coordinator, adaptive=True)
         )
     return modes

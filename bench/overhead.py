@@ -30,8 +30,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.launch import spawn, spawn_coordinator
-from specdec.ports import free_port
+from specdec.rpc.ports import free_port
+from specdec.tools.launch import spawn, spawn_coordinator
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 

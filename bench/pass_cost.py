@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.real_models import DRAFT, TARGET
+from specdec.tools.real_models import DRAFT, TARGET
 
 MODELS = Path(__file__).resolve().parents[1] / ".cache/models"
 

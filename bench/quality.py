@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.quantize import quantize_int8
-from specdec.real_models import TARGET
+from specdec.engine.quantize import quantize_int8
+from specdec.tools.real_models import TARGET
 
 HERE = Path(__file__).resolve().parent
 MODELS = HERE.parent / ".cache/models"

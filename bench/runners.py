@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -13,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args, target_service_args
-from specdec.launch import model_service_args, spawn, spawn_coordinator
-from specdec.modeling import DTYPES
-from specdec.ports import free_port
-from specdec.quantize import quantize_int8
+from specdec.engine.modeling import DTYPES
+from specdec.engine.quantize import quantize_int8
+from specdec.rpc.ports import free_port
+from specdec.tools.launch import model_service_args, spawn, spawn_coordinator
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -158,17 +159,16 @@ class HFRunner:
     def __init__(self, config: BenchConfig, drafts: list[str]) -> None:
         self.device = config.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_model)
-        self.target = (
-            AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype])
-            .to(config.device)
-            .eval()
-        )
+        # Any: transformers types PreTrainedModel.to as a wrapper mypy cannot call.
+        target: Any = AutoModelForCausalLM.from_pretrained(config.target_model, dtype=DTYPES[config.target_dtype])
+        self.target = target.to(config.device).eval()
         if config.target_quantize == "int8":  # the same int8 layers as the target service
             quantize_int8(self.target)
         self.drafts = {}
         for name in drafts:
             dtype = DTYPES["float32" if name == "int8" else config.draft_dtype]
-            draft = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype).to(config.device).eval()
+            draft: Any = AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype)
+            draft = draft.to(config.device).eval()
             self.drafts[name] = quantize_int8(draft) if name == "int8" else draft
         self._default_assistant = (
             {

@@ -1,4 +1,4 @@
-from specdec.openmp import limit_spinning
+from specdec.engine.openmp import limit_spinning
 
 limit_spinning()  # before torch loads: it reads the setting once
 

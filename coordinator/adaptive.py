@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdec.costs import cost_at
-from specdec.tree_sampling import MAX_TREE_NODES
+from specdec.engine.costs import cost_at
+from specdec.sampling.tree_sampling import MAX_TREE_NODES
 
 DEFAULT_ALPHA_PRIOR = 0.6  # before any round: a draft of the same family agrees about this often
 PRIOR_WEIGHT = 2.0  # pseudo-positions the prior counts for

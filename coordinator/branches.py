@@ -17,12 +17,12 @@ from coordinator.hedging import Hedge, acceptance_estimate, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.rounds import RequestState, k_limit
-from coordinator.sampling import RoundOutcome
-from coordinator.seeds import next_seed
 from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, SpecDecError
-from specdec.tree_sampling import TreeOutcome
+from specdec.sampling.chain import RoundOutcome
+from specdec.sampling.seeds import next_seed
+from specdec.sampling.tree_sampling import TreeOutcome
 from specdec.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import telemetry
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.config.services import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -26,8 +25,9 @@ from specdec.errors import (
     SpecDecError,
     Unavailable,
 )
-from specdec.security import ChannelSecurity, aio_channel
-from specdec.serving import message_size_options
+from specdec.rpc import telemetry
+from specdec.rpc.security import ChannelSecurity, aio_channel
+from specdec.rpc.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ServiceClient:
         security: ChannelSecurity | None = None,
         channel=None,
     ):
-        """`channel`: an already open channel to use instead (a specdec.local.LocalChannel)."""
+        """`channel`: an already open channel to use instead (a specdec.rpc.local.LocalChannel)."""
         self.address = address
         self.timeout_s = timeout_s
         self.channel = channel or aio_channel(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import (
+from specdec.config.services import (
     ClientSecurity,
     ServerSecurity,
     cpus_setting,
@@ -16,7 +16,7 @@ from specdec.config import (
     port_setting,
     shutdown_grace_setting,
 )
-from specdec.settings import group, parse_settings, setting
+from specdec.config.settings import group, parse_settings, setting
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151

@@ -32,14 +32,14 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
 from coordinator.rounds import RequestState, RoundKind, RoundPlan, commit_round, decide, k_limit, plan_round
-from coordinator.seeds import RequestStreams
 from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream
-from specdec import wire
 from specdec.errors import ResourceExhausted, Unavailable
-from specdec.telemetry import tracer
-from specdec.tree_sampling import tree_size
+from specdec.rpc import wire
+from specdec.rpc.telemetry import tracer
+from specdec.sampling.seeds import RequestStreams
+from specdec.sampling.tree_sampling import tree_size
 from specdec.v1 import common_pb2, target_pb2
 
 logger = logging.getLogger(__name__)

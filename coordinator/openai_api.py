@@ -40,9 +40,9 @@ from coordinator.openai_schema import (
 )
 from coordinator.requests import Chunk
 from coordinator.servicer import metered
-from specdec.config import ServerSecurity
-from specdec.security import BearerTokenAuth, read_tokens
-from specdec.serving import MAX_METADATA_BYTES
+from specdec.config.services import ServerSecurity
+from specdec.rpc.security import BearerTokenAuth, read_tokens
+from specdec.rpc.serving import MAX_METADATA_BYTES
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec.coordinator.http")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import RoundCosts
 from coordinator.config import CoordinatorConfig
-from specdec.calls import numerics
+from specdec.engine.calls import numerics
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class PairInfo:
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
     draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
     trees: bool = False  # both services serve token trees (ModelInfo.trees)
-    target_numerics: str = ""  # what computes the target's logits (specdec.calls.numerics)
+    target_numerics: str = ""  # what computes the target's logits (specdec.engine.calls.numerics)
 
     @property
     def draft_vocab_limit(self) -> int:

@@ -15,8 +15,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.probs import SamplingParams
-from specdec.tree_sampling import MAX_TREE_NODES, tree_size
+from specdec.sampling.probs import SamplingParams
+from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
 # such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded

@@ -23,11 +23,11 @@ from coordinator.adaptive import AdaptiveK
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
-from coordinator.sampling import RoundOutcome, decide_round
-from coordinator.seeds import RequestStreams, next_seed
 from coordinator.state import DraftRefusals, Round, SessionView, Source
 from coordinator.text import FINISH_LENGTH, TextAssembler
-from specdec.tree_sampling import TreeOutcome, decide_tree, tree_size
+from specdec.sampling.chain import RoundOutcome, decide_round
+from specdec.sampling.seeds import RequestStreams, next_seed
+from specdec.sampling.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import common_pb2, target_pb2
 
 
@@ -160,7 +160,7 @@ def plan_round(state: RequestState, pair: PairInfo, catch_up: bool, draft_allowe
 def decide(round_: Round, verification: target_pb2.VerifyResponse, uniforms: list[float]) -> RoundOutcome | TreeOutcome:
     """The round's accepted drafts and the token after them: chain or tree rejection sampling."""
     proposed = len(round_.draft_token_ids)
-    if round_.parents:  # multi-step speculative sampling (specdec.tree_sampling)
+    if round_.parents:  # multi-step speculative sampling (specdec.sampling.tree_sampling)
         return decide_tree(
             verification.draft_token_target_probs,
             round_.draft_token_draft_probs,

@@ -19,11 +19,11 @@ from coordinator.openai_api import start_http
 from coordinator.pair import pair_info
 from coordinator.requests import longest_token_bytes, request_limit_bytes
 from coordinator.servicer import CoordinatorServicer, add_to_server
-from specdec.calls import numerics
-from specdec.config import pin_cpus
-from specdec.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
-from specdec.security import load_client_security, load_server_security
-from specdec.serving import RunningServer, serve_forever, start_server
+from specdec.config.services import pin_cpus
+from specdec.engine.calls import numerics
+from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
+from specdec.rpc.security import load_client_security, load_server_security
+from specdec.rpc.serving import RunningServer, serve_forever, start_server
 from specdec.v1 import coordinator_pb2
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from specdec import wire
 from specdec.errors import SpecDecError
-from specdec.tree_sampling import check_parents
+from specdec.rpc import wire
+from specdec.sampling.tree_sampling import check_parents
 from specdec.v1 import draft_pb2
 
 

@@ -46,7 +46,7 @@ def service_setting(
     argv: Sequence[str], env: Mapping[str, str], flag: str, default: str | int | None = None
 ) -> str | int | None:
     """A setting of the service started by `argv` (`flag` is "port", "tls-cert", ...): flags win
-    over the environment, as in specdec.settings.parse_settings."""
+    over the environment, as in specdec.config.settings.parse_settings."""
     module = service_module(argv)
     if module is None:
         raise ValueError(f"not a specdec service command line: {' '.join(argv)!r}")

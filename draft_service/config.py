@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from draft_service.runner import PROPOSAL_MODES
-from specdec.config import ModelServiceConfig, metrics_port_setting, port_setting
-from specdec.settings import parse_settings, setting
+from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting
+from specdec.config.settings import parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161

@@ -9,9 +9,9 @@ from typing import Protocol
 
 import torch
 
-from specdec.calls import ModelDescription
-from specdec.probs import SamplingParams
-from specdec.sessions import SessionStore
+from specdec.engine.calls import ModelDescription
+from specdec.engine.sessions import SessionStore
+from specdec.sampling.probs import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ When the output repeats its input (summaries quote the source, code edits copy t
 the tokens after the most recent earlier occurrence of the sequence's last n tokens are a
 good guess for what comes next, and finding them costs microseconds instead of a forward pass.
 Proposals are deterministic, so they travel as one-hot distributions and the target accepts
-each with exactly its own probability of that token (see specdec.probs.verify_outputs).
+each with exactly its own probability of that token (see specdec.sampling.probs.verify_outputs).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.drafter import Proposal, ProposeCall
-from specdec.batching import result_or_error
-from specdec.calls import ModelDescription, Stopwatch, check_context, check_token_ids
+from specdec.engine.batching import result_or_error
+from specdec.engine.calls import ModelDescription, Stopwatch, check_context, check_token_ids
+from specdec.engine.modeling import TokenizerInfo
+from specdec.engine.sessions import KVSession, SessionStore
 from specdec.errors import InvalidArgument
-from specdec.modeling import TokenizerInfo
-from specdec.sessions import KVSession, SessionStore
 
 
 def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: bool) -> None:

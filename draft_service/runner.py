@@ -10,14 +10,14 @@ import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import check_call_sizes, copied_proposal, copy_tail
-from specdec.batching import batch_groups, call_waves, result_or_error, start_each
-from specdec.calls import ModelDescription, Stopwatch
+from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
+from specdec.engine.calls import ModelDescription, Stopwatch
+from specdec.engine.modeling import LoadedModel
+from specdec.engine.runner import ModelRunner
+from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
-from specdec.modeling import LoadedModel
-from specdec.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
-from specdec.runner import ModelRunner
-from specdec.sessions import KVSession
-from specdec.tree_sampling import MAX_TREE_NODES, tree_size
+from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
+from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 PROPOSAL_MODES = ("sample", "greedy")
 
@@ -159,9 +159,9 @@ class DraftRunner(ModelRunner):
     def propose_tree(self, call: ProposeCall) -> Proposal:
         """A token tree: every node at depth d gets tree_widths[d] children, grown a level per
         pass (the root's pass, then each level but the last on top of the cached levels above,
-        with a tree mask: specdec.tree_pass). Nodes come in level order.
+        with a tree mask: specdec.engine.tree_pass). Nodes come in level order.
 
-        Why the target can verify it exactly (specdec.tree_sampling): a node's children are
+        Why the target can verify it exactly (specdec.sampling.tree_sampling): a node's children are
         independent draws, each sent with the distribution it was drawn from. Sampled, they
         are i.i.d. from the node's distribution (with replacement, so siblings may repeat);
         deterministic (greedy), they are the node's top tokens, each sent one-hot. The levels

@@ -12,16 +12,15 @@ from draft_service.config import DraftConfig, parse_config
 from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
-from specdec.config import pin_cpus
-from specdec.modeling import (
-    leave_torch_to_the_model_thread,
+from specdec.config.services import pin_cpus
+from specdec.engine.modeling import (
     load_causal_lm,
     load_tokenizer_info,
     restrict_output_head,
 )
-from specdec.quantize import INT8_LABEL, quantize_int8
-from specdec.security import load_server_security
-from specdec.serving import RunningServer, serve_forever, start_model_server
+from specdec.engine.quantize import INT8_LABEL, quantize_int8
+from specdec.rpc.security import load_server_security
+from specdec.rpc.serving import RunningServer, leave_torch_to_the_model_thread, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -9,15 +9,17 @@ from collections.abc import AsyncIterator
 import grpc
 
 from draft_service.drafter import Drafter, ProposeCall
-from specdec import wire
 from specdec.errors import InvalidArgument, error_fields, grpc_errors
-from specdec.servicer_base import SessionServicerMixin, answer_each
-from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
-from specdec.telemetry import ModelServiceMetrics, context_of, tracer
+from specdec.rpc import wire
+from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
+from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
+from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
+    _runner: Drafter
+
     def __init__(
         self,
         runner: Drafter,

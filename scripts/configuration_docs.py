@@ -1,6 +1,6 @@
 """Writes (or, with --check, checks) the flag tables in docs/configuration.md.
 
-The tables come from the services' config dataclasses (specdec.settings), so a flag, its
+The tables come from the services' config dataclasses (specdec.config.settings), so a flag, its
 variable, its default and its help are written once, in the config; `make docs` runs this
 and a test fails when the committed tables differ from what it would write.
 """
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.config import CoordinatorConfig  # noqa: E402
 from draft_service.config import DraftConfig  # noqa: E402
-from specdec.settings import Service, render_tables  # noqa: E402
+from specdec.config.settings import Service, render_tables  # noqa: E402
 from target_service.config import TargetConfig  # noqa: E402
 
 DOC = ROOT / "docs" / "configuration.md"

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specdec.launch import ServiceProcess, local_stack  # noqa: E402
+from specdec.tools.launch import ServiceProcess, local_stack  # noqa: E402
 from specdec.v1 import (  # noqa: E402
     common_pb2,
     coordinator_pb2_grpc,  # noqa: E402
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         if draft_model is None:
             from transformers.utils import logging as hf_logging
 
-            from specdec.testing import build_pair, byte_level_tokenizer
+            from specdec.tools.testing import build_pair, byte_level_tokenizer
 
             hf_logging.disable_progress_bar()
             pair = build_pair(Path(scratch), byte_level_tokenizer(), logit_scale=3.0, noise=0.3, eos=True)

@@ -16,10 +16,10 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specdec.calls import numerics  # noqa: E402
-from specdec.costs import cpu_flags, cpu_model  # noqa: E402
-from specdec.launch import local_stack  # noqa: E402
-from specdec.real_models import DRAFT, TARGET  # noqa: E402
+from specdec.engine.calls import numerics  # noqa: E402
+from specdec.engine.costs import cpu_flags, cpu_model  # noqa: E402
+from specdec.tools.launch import local_stack  # noqa: E402
+from specdec.tools.real_models import DRAFT, TARGET  # noqa: E402
 from specdec.v1 import (  # noqa: E402
     common_pb2,
     coordinator_pb2_grpc,  # noqa: E402

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specdec.config import ModelServiceConfig, metrics_port_setting, port_setting, quantize_setting
-from specdec.settings import parse_settings, setting
+from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting, quantize_setting
+from specdec.config.settings import parse_settings, setting
 
 DEFAULT_PORT = 50062
 DEFAULT_METRICS_PORT = 9162

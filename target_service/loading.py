@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from specdec import attention
-from specdec.modeling import load_causal_lm
-from specdec.quantize import INT8_LABEL, quantize_int8
+from specdec.engine import attention
+from specdec.engine.modeling import load_causal_lm
+from specdec.engine.quantize import INT8_LABEL, quantize_int8
 from target_service import tensor_parallel
 from target_service.config import TargetConfig
 from target_service.runner import TargetRunner
@@ -36,7 +36,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         logger.info("target Linear layers quantised to int8 (per-token activation scales)")
     if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
         # Per-row attention: a token's logits are the same in a verify pass as in a one-token
-        # pass (specdec.attention); on a GPU, a Python loop over rows would cost more than it saves.
+        # pass (specdec.engine.attention); on a GPU, a Python loop over rows would cost more than it saves.
         loaded.model.set_attn_implementation(attention.NAME)
     runner = TargetRunner(
         loaded,

@@ -4,7 +4,7 @@ Whether bf16 or int8 pays depends on the CPU (AVX512-BF16 runs bf16 passes flat 
 number of tokens; an AVX2-only CPU runs them 3x dearer at 5 tokens, while its int8 GEMM stays
 flat), so `make run` and the benchmark measure instead of assuming. Each setting is loaded as
 the target service loads it and timed with the service's own start-up calibration
-(specdec.costs) over 1..K+1 new tokens; the score is the mean of a 1-token pass (a
+(specdec.engine.costs) over 1..K+1 new tokens; the score is the mean of a 1-token pass (a
 target-only step) and a K+1-token pass (a verify), the two the K chooser trades between.
 Ties within 5% go to the more precise setting.
 
@@ -22,11 +22,12 @@ import gc
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from specdec.modeling import load_causal_lm
-from specdec.quantize import INT8_LABEL, int8_supported, quantize_int8
+from specdec.engine.modeling import load_causal_lm
+from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
 from target_service.runner import TargetRunner
 
 # (label, dtype, quantize), most precise first: the tie-break order.
@@ -45,7 +46,7 @@ OUTPUT = {
 }
 
 
-def pick_in_subprocess(model: str, threads: int, cwd=None) -> dict:
+def pick_in_subprocess(model: str | Path, threads: int, cwd=None) -> dict:
     """Runs this module in a process of its own (the three loads' memory is freed after) and
     returns its choice, with its printed table under "table"."""
     command = [sys.executable, "-m", "target_service.pick", "--model", str(model), "--threads", str(threads)]

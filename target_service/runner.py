@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.batching import batch_groups, call_waves, start_each
-from specdec.calls import Stopwatch
+from specdec.engine.batching import batch_groups, call_waves, start_each
+from specdec.engine.calls import Stopwatch
+from specdec.engine.runner import ModelRunner
+from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
-from specdec.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
-from specdec.runner import ModelRunner
-from specdec.sessions import KVSession
-from specdec.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
+from specdec.sampling.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
+from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,11 @@ class VerifyCall:
     draft_token_ids: list[int]  # [K]
     draft_probs: (
         torch.Tensor
-    )  # [K, V] float32 (CPU), from specdec.wire.decode_distributions; unused (any shape) on the greedy fast path
+    )  # [K, V] float32 (CPU), from specdec.rpc.wire.decode_distributions; unused (any shape) on the greedy fast path
     params: SamplingParams
     seed: int
     return_distributions: bool = False
-    parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.tree_sampling numbering); empty: a chain
+    parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.sampling.tree_sampling numbering); empty: a chain
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class TargetRunner(ModelRunner):
 
     def _forward_tree_round(self, admitted: _Admitted) -> torch.Tensor:
         """Logits [N + 1, V] of the last committed token (the root) and the N tree nodes, in
-        one pass with a tree mask (specdec.tree_pass); committed tokens before the root run
+        one pass with a tree mask (specdec.engine.tree_pass); committed tokens before the root run
         first, as in a chain round. The nodes stay cached behind the committed sequence until
         the next call keeps the accepted path (KVSession.tree)."""
         call, pending = admitted.call, admitted.pending
@@ -89,7 +89,7 @@ class TargetRunner(ModelRunner):
         Committed tokens before those (a prompt, a re-prefill) run first in a pass of their
         own, which is then the same pass whatever K is; the scored pass holds only the last
         committed token and the drafts, which the per-row attention computes exactly as
-        one-token passes would (specdec.attention). So a K = 4 run and a K = 0 run of the same
+        one-token passes would (specdec.engine.attention). So a K = 4 run and a K = 0 run of the same
         request see bitwise the same logits on CPU.
         """
         scored = len(admitted.call.draft_token_ids) + 1
@@ -231,7 +231,7 @@ class TargetRunner(ModelRunner):
     def _conclude_tree(
         self, admitted: _Admitted, logits: torch.Tensor, draft_ids: torch.Tensor, batch_size: int
     ) -> Verification:
-        """A tree round's outputs (specdec.tree_sampling). logits: [N + 1, V], root first."""
+        """A tree round's outputs (specdec.sampling.tree_sampling). logits: [N + 1, V], root first."""
         call = admitted.call
         parents = torch.tensor(call.parents, dtype=torch.int64)  # [N]
         if self._greedy_fast_path(call):

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 from transformers import AutoConfig
 
-from specdec.config import pin_cpus
-from specdec.modeling import check_tensor_parallel, leave_torch_to_the_model_thread
-from specdec.ports import free_port
-from specdec.security import load_server_security
-from specdec.serving import RunningServer, configure_logging, serve_forever, start_model_server
+from specdec.config.services import pin_cpus
+from specdec.engine.modeling import check_tensor_parallel
+from specdec.rpc.ports import free_port
+from specdec.rpc.security import load_server_security
+from specdec.rpc.serving import (
+    RunningServer,
+    configure_logging,
+    leave_torch_to_the_model_thread,
+    serve_forever,
+    start_model_server,
+)
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service import tensor_parallel
 from target_service.config import TargetConfig, parse_config
@@ -83,7 +90,8 @@ def main_tensor_parallel(config: TargetConfig) -> None:
 
     async def build() -> RunningServer:
         runners.append(tensor_parallel.TensorParallelRunner(load_runner(config), control, config.tensor_parallel))
-        return await build_server(config, runners[0])
+        # A TensorParallelRunner serves as a TargetRunner: it forwards every call to rank 0's runner.
+        return await build_server(config, cast(TargetRunner, runners[0]))
 
     try:
         asyncio.run(serve_forever(build, config.log_level, "specdec-target", config.shutdown_grace_s))

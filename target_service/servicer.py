@@ -6,16 +6,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec import wire
 from specdec.errors import grpc_errors
-from specdec.servicer_base import SessionServicerMixin, answer_each
-from specdec.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
-from specdec.telemetry import ModelServiceMetrics, context_of, tracer
+from specdec.rpc import wire
+from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
+from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
+from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, VerifyCall
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
+    _runner: TargetRunner
+
     def __init__(
         self,
         runner: TargetRunner,

@@ -107,7 +107,7 @@ class TensorParallelRunner:
 
 def serve_worker(runner: TargetRunner, control: dist.ProcessGroup, rank: int) -> None:
     """Ranks 1..N-1: replay rank 0's calls until it says stop or is gone."""
-    handlers = {
+    handlers: dict[str, Callable[..., Any]] = {
         "verify_one": runner.verify_one,
         "verify_batch": runner.verify_batch,
         "end_session": runner.end_session,
@@ -132,11 +132,11 @@ def serve_worker(runner: TargetRunner, control: dist.ProcessGroup, rank: int) ->
 
 def spawn_workers(
     config, init_method: str, load_runner: Callable[[Any], TargetRunner]
-) -> list[multiprocessing.Process]:
+) -> list[multiprocessing.process.BaseProcess]:
     """Starts ranks 1..N-1 as children of this process (rank 0). `load_runner(config)` loads a
     rank's shard: a module-level function, so the spawned ranks can import it by name."""
     context = multiprocessing.get_context("spawn")
-    workers = []
+    workers: list[multiprocessing.process.BaseProcess] = []
     for rank in range(1, config.tensor_parallel):
         process = context.Process(
             target=worker_main,
@@ -153,7 +153,7 @@ def worker_main(
     config, rank: int, init_method: str, parent_pid: int, load_runner: Callable[[Any], TargetRunner]
 ) -> None:
     """Entry point of a spawned rank: load the shard, replay rank 0's calls."""
-    from specdec.serving import configure_logging
+    from specdec.rpc.serving import configure_logging
 
     configure_logging(config.log_level)
     _exit_when_parent_dies(parent_pid)
@@ -172,7 +172,7 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def exit_when_a_worker_dies(workers: list[multiprocessing.Process]) -> threading.Event:
+def exit_when_a_worker_dies(workers: list[multiprocessing.process.BaseProcess]) -> threading.Event:
     """Rank 0 cannot run a pass without every rank: a dead worker ends the service (exit 3)
     so that the orchestrator restarts it whole, instead of hanging every call. Set the returned
     event before stopping the workers on purpose."""

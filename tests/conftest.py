@@ -17,7 +17,7 @@ import pytest
 from hypothesis import settings
 from transformers.utils import logging as hf_logging
 
-from specdec.testing import TinyPair, build_pair, byte_level_tokenizer, word_tokenizer
+from specdec.tools.testing import TinyPair, build_pair, byte_level_tokenizer, word_tokenizer
 
 hf_logging.disable_progress_bar()
 

@@ -21,13 +21,13 @@ from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
-from specdec.config import ClientSecurity
-from specdec.launch import ServiceProcess, spawn
-from specdec.local import LocalChannel
-from specdec.ports import free_port
-from specdec.security import aio_channel, load_client_security
-from specdec.serving import RunningServer, build_model_servicer
-from specdec.testing import TinyPair
+from specdec.config.services import ClientSecurity
+from specdec.rpc.local import LocalChannel
+from specdec.rpc.ports import free_port
+from specdec.rpc.security import aio_channel, load_client_security
+from specdec.rpc.serving import RunningServer, build_model_servicer
+from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.testing import TinyPair
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from target_service import server as target_server
 from target_service.config import TargetConfig
@@ -84,7 +84,7 @@ async def local_stack(
     prepare_runners: Callable[[DraftRunner, TargetRunner], None] | None = None,
 ) -> AsyncIterator[Stack]:
     """The same coordinator, servicers and runners as `inprocess_stack`, joined by in-process
-    channels (specdec.local) instead of loopback gRPC: every message is still serialised and
+    channels (specdec.rpc.local) instead of loopback gRPC: every message is still serialised and
     parsed, and errors still travel as status codes, but no socket, HTTP/2 or interceptor is
     involved. For tests that need thousands of generations and test the math, not the wire."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))

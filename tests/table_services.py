@@ -8,13 +8,13 @@ channels). These doubles keep what the coordinator's exactness rests on and noth
 
 - each "model" gives every context a fixed next-token distribution over a few tokens, so the
   target's distribution over whole continuations is known exactly;
-- the draft answers Propose and ProposeBranches with the real session rules (specdec.sessions:
+- the draft answers Propose and ProposeBranches with the real session rules (specdec.engine.sessions:
   keep_tokens, forks, epochs), draws each token by inverse CDF from a generator seeded
   with the call's seed (Python's Mersenne Twister: seeding numpy's generator cost a tenth of
   these tests' time), sends the distribution it drew from (dense, on the wire), the runner-up
   the hedges plan from, and stops on confidence with the real rule (draft_service.runner's
   `stops_on_confidence`);
-- the target answers Verify as the real one does (specdec.probs.verify_outputs's contract):
+- the target answers Verify as the real one does (specdec.sampling.probs.verify_outputs's contract):
   the probability of each draft token, a recovered sample from the residual at every
   position and the bonus sample, all from the call's seed.
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from draft_service.runner import stops_on_confidence
-from specdec import wire
-from specdec.costs import CALIBRATION_CONTEXT
-from specdec.probs import SamplingParams
-from specdec.sessions import SessionStore
+from specdec.engine.costs import CALIBRATION_CONTEXT
+from specdec.engine.sessions import SessionStore
+from specdec.rpc import wire
+from specdec.sampling.probs import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 MAX_SPECULATIVE_TOKENS = 8
@@ -90,7 +90,7 @@ class TableModel:
 
 
 def draw(cdf: np.ndarray, generator: random.Random) -> int:
-    """Inverse CDF, as specdec.probs.sample draws: token i when cdf[i-1] <= u < cdf[i], so a
+    """Inverse CDF, as specdec.sampling.probs.sample draws: token i when cdf[i-1] <= u < cdf[i], so a
     token of probability 0 (an empty interval) is never drawn. cdf: [V], ending at 1."""
     return min(int(cdf.searchsorted(generator.random() * cdf[-1], side="right")), cdf.size - 1)
 
@@ -221,7 +221,7 @@ class TableTarget(TableService):
         base = len(session.tokens) - len(draft_ids)
         generator = random.Random(request.seed)
         response = target_pb2.VerifyResponse(sequence_length=len(session.tokens))
-        # As specdec.probs.verify_outputs: a recovered sample at every position, then the bonus,
+        # As specdec.sampling.probs.verify_outputs: a recovered sample at every position, then the bonus,
         # so the target's draws do not depend on the coordinator's coins.
         for position, (token, sent) in enumerate(zip(draft_ids, request.draft_distributions)):
             context = tuple(session.tokens[: base + position])
@@ -233,7 +233,7 @@ class TableTarget(TableService):
 
     def _residual_cdf(self, context: tuple[int, ...], dense: common_pb2.DenseProbs) -> np.ndarray:
         """cdf of norm(max(0, target_probs - draft_probs)), or of target_probs where that is
-        empty (specdec.probs.residual_probs), for the draft distribution sent as `dense`."""
+        empty (specdec.sampling.probs.residual_probs), for the draft distribution sent as `dense`."""
         key = (context, dense.float32_le)
         cdf = self._residuals.get(key)
         if cdf is None:

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from specdec import wire
-from specdec.costs import PassCosts
-from specdec.probs import SamplingParams
+from specdec.engine.costs import PassCosts
+from specdec.rpc import wire
+from specdec.sampling.probs import SamplingParams
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from tests.stack import inprocess_stack, slow_down

@@ -21,10 +21,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import tree_sampling
-from specdec.costs import PassCosts
-from specdec.probs import SamplingParams, logits_to_probs
-from specdec.quantize import quantize_int8
+from specdec.engine.costs import PassCosts
+from specdec.engine.quantize import quantize_int8
+from specdec.sampling import tree_sampling
+from specdec.sampling.probs import SamplingParams, logits_to_probs
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack, local_stack
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value

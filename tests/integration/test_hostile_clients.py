@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.launch import local_stack
-from specdec.ports import free_port
+from specdec.rpc.ports import free_port
+from specdec.tools.launch import local_stack
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 

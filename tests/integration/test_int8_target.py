@@ -1,10 +1,10 @@
 """An int8 target through the real servers: speculative greedy output is the int8 target's
 own one-token-at-a-time output, for every K and with confidence stops, because a token's
-logits do not depend on the other tokens in its verify pass (specdec.quantize)."""
+logits do not depend on the other tokens in its verify pass (specdec.engine.quantize)."""
 
 from __future__ import annotations
 
-from specdec.security import aio_channel
+from specdec.rpc.security import aio_channel
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import target_pb2_grpc
 from specdec.v1.common_pb2 import InfoRequest

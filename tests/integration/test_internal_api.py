@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from specdec import client as client_cli
-from specdec.probs import SamplingParams, logits_to_probs
+from specdec.sampling.probs import SamplingParams, logits_to_probs
+from specdec.tools import client as client_cli
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.stack import inprocess_stack
 

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from specdec.costs import PassCosts
+from specdec.engine.costs import PassCosts
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 

@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 
+from specdec.engine.modeling import load_causal_lm
+from specdec.engine.runner import kv_bytes_per_token
 from specdec.errors import ResourceExhausted
-from specdec.modeling import load_causal_lm
-from specdec.runner import kv_bytes_per_token
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 

@@ -40,11 +40,11 @@ from coordinator import server as coordinator_server
 from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
-from coordinator.sampling import RoundOutcome
 from coordinator.state import Round
 from coordinator.upstream import Upstream
-from specdec import wire
-from specdec.modeling import tokenizer_fingerprint
+from specdec.engine.modeling import tokenizer_fingerprint
+from specdec.rpc import wire
+from specdec.sampling.chain import RoundOutcome
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 from tests.table_services import TableDraft, TableModel, TableTarget
 

@@ -1,7 +1,7 @@
 """A model service loads, calibrates and serves its model on one thread: with torch's CPU
 kernels on OpenMP, a second thread running parallel work starts a second thread team, the
 process then runs more OpenMP threads than cores and every pass slows down (measured ~1.35×
-on a 0.5B int8 draft; specdec.serving.start_model_server)."""
+on a 0.5B int8 draft; specdec.rpc.serving.start_model_server)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
-from specdec.modeling import leave_torch_to_the_model_thread
+from specdec.rpc.serving import leave_torch_to_the_model_thread
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from target_service import server as target_server
 from target_service.config import TargetConfig

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec import telemetry
-from specdec.launch import local_stack
+from specdec.rpc import telemetry
+from specdec.tools.launch import local_stack
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 from tests.integration.test_coordinator_modes import (

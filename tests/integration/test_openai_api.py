@@ -24,11 +24,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.openai_schema import api_error, parse_body
-from specdec.config import ClientSecurity, ServerSecurity
+from specdec.config.services import ClientSecurity, ServerSecurity
 from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
-from specdec.launch import local_stack
-from specdec.ports import free_port
-from specdec.security import read_tokens
+from specdec.rpc.ports import free_port
+from specdec.rpc.security import read_tokens
+from specdec.tools.launch import local_stack
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.otlp_receiver import OtlpTraceReceiver

@@ -12,9 +12,9 @@ import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.launch import ServiceProcess, spawn
-from specdec.ports import free_port
-from specdec.testing import build_model, word_tokenizer
+from specdec.rpc.ports import free_port
+from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.testing import build_model, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 

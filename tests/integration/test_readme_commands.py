@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.launch import ServiceProcess, spawn
-from specdec.ports import free_port
-from specdec.probs import SamplingParams
-from specdec.testing import TinyPair
+from specdec.rpc.ports import free_port
+from specdec.sampling.probs import SamplingParams
+from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.testing import TinyPair
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.integration.test_distribution import PROMPT, SAMPLES, exact_target_distribution

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.launch import local_stack
-from specdec.real_models import DRAFT, TARGET
+from specdec.tools.launch import local_stack
+from specdec.tools.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 

@@ -13,11 +13,11 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import draft_service.server
-from specdec import client as client_cli
-from specdec.client import CoordinatorClient
-from specdec.config import ClientSecurity, ServerSecurity
+from specdec.config.services import ClientSecurity, ServerSecurity
 from specdec.errors import ServiceRefused
-from specdec.security import ChannelSecurity, aio_channel, load_client_security
+from specdec.rpc.security import ChannelSecurity, aio_channel, load_client_security
+from specdec.tools import client as client_cli
+from specdec.tools.client import CoordinatorClient
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack

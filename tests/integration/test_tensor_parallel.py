@@ -118,8 +118,8 @@ def test_a_dead_tensor_parallel_rank_stops_the_target_which_comes_back_whole(tin
 
 
 def test_tensor_parallel_that_does_not_divide_the_heads_refuses_to_start(tiny_pair, tmp_path):
-    from specdec.launch import spawn
-    from specdec.ports import free_port
+    from specdec.rpc.ports import free_port
+    from specdec.tools.launch import spawn
 
     process = spawn(
         "target",

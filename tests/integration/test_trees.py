@@ -19,11 +19,12 @@ from coordinator import rounds
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
-from specdec import sessions, wire
-from specdec.costs import PassCosts
-from specdec.modeling import with_cache
-from specdec.probs import SamplingParams
-from specdec.tree_sampling import TreeOutcome, decide_tree
+from specdec.engine import sessions
+from specdec.engine.costs import PassCosts
+from specdec.engine.modeling import with_cache
+from specdec.rpc import wire
+from specdec.sampling.probs import SamplingParams
+from specdec.sampling.tree_sampling import TreeOutcome, decide_tree
 from specdec.v1 import coordinator_pb2 as pb
 from target_service import server as target_server
 from target_service.config import TargetConfig

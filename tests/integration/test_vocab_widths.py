@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.probs import SamplingParams
-from specdec.testing import build_pair, word_tokenizer
+from specdec.sampling.probs import SamplingParams
+from specdec.tools.testing import build_pair, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
 from tests.integration.test_distribution import (
     LOCAL_BATCH,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from draft_service.runner import DraftRunner, ProposeCall
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, SessionNotFound
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import attention
-from specdec.batching import batch_groups, call_waves
+from specdec.engine import attention
+from specdec.engine.batching import batch_groups, call_waves
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()

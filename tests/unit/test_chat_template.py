@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from coordinator.requests import chat_prompt_ids
 from specdec.errors import InvalidArgument
-from specdec.real_models import TARGET
-from specdec.testing import byte_level_tokenizer, word_tokenizer
+from specdec.tools.real_models import TARGET
+from specdec.tools.testing import byte_level_tokenizer, word_tokenizer
 
 MODELS_DIR = Path(os.environ.get("SPECDEC_MODELS_DIR", Path(__file__).resolve().parents[2] / ".cache/models"))
 CONVERSATIONS = [

@@ -69,7 +69,7 @@ def test_target_batching_flags_environment_and_limits():
 
 
 def test_cpus_pin_each_service_and_set_its_threads():
-    from specdec.config import parse_cpu_list
+    from specdec.config.services import parse_cpu_list
 
     assert parse_cpu_list("0") == (0,) and parse_cpu_list("3,0-1") == (0, 1, 3) and parse_cpu_list("") == ()
     for bad in ("a", "1-0", "0;1"):
@@ -89,7 +89,7 @@ def test_cpus_pin_each_service_and_set_its_threads():
 def test_pinning_to_a_core_the_process_may_not_use_fails_at_start_up():
     import os
 
-    from specdec.config import pin_cpus
+    from specdec.config.services import pin_cpus
 
     allowed = os.sched_getaffinity(0)
     pin_cpus(())  # nothing to pin: untouched

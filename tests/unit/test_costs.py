@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.costs import CALIBRATION_MAX_TOKENS, PassCosts, calibrate, cost_at
-from specdec.probs import SamplingParams
+from specdec.engine.costs import CALIBRATION_MAX_TOKENS, PassCosts, calibrate, cost_at
+from specdec.sampling.probs import SamplingParams
 from target_service import server as target_server
 from target_service.config import TargetConfig
 from target_service.runner import TargetRunner, VerifyCall
@@ -13,7 +13,7 @@ from tests.stack import model_service_config
 
 
 def test_calibrate_times_every_size_keeps_the_fastest_run_and_times_slow_passes_once(monkeypatch):
-    import specdec.costs as costs_module
+    import specdec.engine.costs as costs_module
 
     now = [0.0]
     # Two warm-ups, then size 1 twice (5 ms, 3 ms), size 2 twice (7, 6), size 3 once (a 400 ms

@@ -15,8 +15,8 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams
+from specdec.engine.modeling import load_causal_lm
+from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()

@@ -14,10 +14,10 @@ from draft_service.config import parse_config as draft_config
 from draft_service.drafter import ProposeCall
 from draft_service.ngram import NgramDrafter, lookup
 from draft_service.runner import DraftRunner, frequent_token_ids
+from specdec.engine.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
+from specdec.engine.quantize import RowwiseInt8Linear
 from specdec.errors import InvalidArgument, SessionNotFound
-from specdec.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
-from specdec.probs import SamplingParams
-from specdec.quantize import RowwiseInt8Linear
+from specdec.sampling.probs import SamplingParams
 from tests.stack import model_service_config
 
 GREEDY = SamplingParams()

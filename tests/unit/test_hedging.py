@@ -10,9 +10,9 @@ from coordinator.config import parse_config
 from coordinator.hedging import acceptance_estimate, plan_hedges
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, SessionNotFound, StaleRequest
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams
 
 GREEDY = SamplingParams()
 

@@ -85,3 +85,59 @@ def test_the_project_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# specdec's layers, lowest first. A module may import its own layer and those before it, never
+# one after: the sampling math knows nothing of torch models, the engine nothing of gRPC, and
+# the developer tools (client, launcher, real models, tiny test models) sit outside the
+# runtime. The generated stubs (specdec.v1) belong with the gRPC side.
+LAYERS = ("specdec.errors", "specdec.sampling", "specdec.engine", "specdec.config", "specdec.rpc", "specdec.tools")
+LAYER_OF_PREFIX = {"specdec.v1": "specdec.rpc"}
+# Runtime packages above specdec: they may use every layer but the tools.
+RUNTIME = ("coordinator", "draft_service", "target_service")
+
+
+def layer(module: str) -> int | None:
+    for prefix, owner in LAYER_OF_PREFIX.items():
+        if module == prefix or module.startswith(prefix + "."):
+            module = owner
+    for index, name in enumerate(LAYERS):
+        if module == name or module.startswith(name + "."):
+            return index
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up a layer, and runtime modules that import the tools."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        own = layer(module)
+        for other in sorted(imported):
+            theirs = layer(other)
+            if own is not None and theirs is not None and theirs > own:
+                found.append(f"{module} ({LAYERS[own]}) imports {other} ({LAYERS[theirs]})")
+            elif module.startswith(RUNTIME) and theirs == LAYERS.index("specdec.tools"):
+                found.append(f"{module} (runtime) imports {other} (a developer tool)")
+    return found
+
+
+def test_specdec_layers_import_only_downwards():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) for name, path in modules.items()}
+    unplaced = [name for name in modules if name.startswith("specdec.") and layer(name) is None]
+    assert unplaced == [], f"specdec modules outside every layer: {unplaced}"
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_check_finds_a_planted_violation():
+    planted = {
+        "specdec.sampling.probs": {"specdec.engine.runner"},
+        "specdec.engine.runner": {"specdec.rpc.wire", "specdec.errors"},
+        "coordinator.engine": {"specdec.tools.launch", "specdec.rpc.serving"},
+        "specdec.rpc.wire": {"specdec.v1.common_pb2", "specdec.sampling.probs"},
+    }
+    assert layer_violations(planted) == [
+        "coordinator.engine (runtime) imports specdec.tools.launch (a developer tool)",
+        "specdec.engine.runner (specdec.engine) imports specdec.rpc.wire (specdec.rpc)",
+        "specdec.sampling.probs (specdec.sampling) imports specdec.engine.runner (specdec.engine)",
+    ]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.config import parse_bytes
+from specdec.config.services import parse_bytes
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import ResourceExhausted, SessionNotFound
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()

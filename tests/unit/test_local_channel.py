@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec.local import LocalChannel
+from specdec.rpc.local import LocalChannel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.openmp import SPIN_COUNT, limit_spinning
+from specdec.engine.openmp import SPIN_COUNT, limit_spinning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,5 +22,7 @@ def test_limit_spinning_sets_a_short_spin_count_unless_the_operator_chose_one():
 def test_each_service_limits_spinning_before_it_imports_anything_that_loads_torch(service):
     body = ast.parse((ROOT / service / "__main__.py").read_text()).body
     calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and "limit_spinning" in ast.unparse(node)]
-    imports = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "specdec.openmp"]
+    imports = [
+        i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "specdec.engine.openmp"
+    ]
     assert calls and imports and calls[0] < min(imports)

@@ -1,8 +1,8 @@
 import random
 import socket
 
-from specdec import ports
-from specdec.ports import free_port
+from specdec.rpc import ports
+from specdec.rpc.ports import free_port
 
 
 def test_free_port_is_below_the_kernels_ephemeral_range_and_bindable():

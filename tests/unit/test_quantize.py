@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdec import attention, quantize
-from specdec.modeling import with_cache
-from specdec.quantize import RowwiseInt8Linear, SharedInputInt8, SharedInputSlice, int8_supported, quantize_int8
+from specdec.engine import attention, quantize
+from specdec.engine.modeling import with_cache
+from specdec.engine.quantize import RowwiseInt8Linear, SharedInputInt8, SharedInputSlice, int8_supported, quantize_int8
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch build has no CPU int8 engine")
 

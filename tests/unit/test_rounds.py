@@ -12,14 +12,14 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.rounds import RequestState, RoundKind, commit_round, k_limit, plan_round
-from coordinator.sampling import RoundOutcome
-from coordinator.seeds import RequestStreams
 from coordinator.state import DraftRefusals, Round, SessionView, Source
 from coordinator.text import TextAssembler
-from specdec import wire
-from specdec.probs import SamplingParams
-from specdec.testing import byte_level_tokenizer
-from specdec.tree_sampling import TreeOutcome, tree_size
+from specdec.rpc import wire
+from specdec.sampling.chain import RoundOutcome
+from specdec.sampling.probs import SamplingParams
+from specdec.sampling.seeds import RequestStreams
+from specdec.sampling.tree_sampling import TreeOutcome, tree_size
+from specdec.tools.testing import byte_level_tokenizer
 
 PAIR = PairInfo(
     vocab_size=320,

@@ -7,9 +7,9 @@ import torch
 
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
-from specdec.modeling import load_causal_lm
-from specdec.probs import SamplingParams, logits_to_probs
+from specdec.sampling.probs import SamplingParams, logits_to_probs
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()

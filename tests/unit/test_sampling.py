@@ -9,8 +9,15 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from coordinator.sampling import count_accepted, decide_round
-from specdec.probs import SamplingParams, logits_to_probs, residual_probs, sample, truncate_top_k, verify_outputs
+from specdec.sampling.chain import count_accepted, decide_round
+from specdec.sampling.probs import (
+    SamplingParams,
+    logits_to_probs,
+    residual_probs,
+    sample,
+    truncate_top_k,
+    verify_outputs,
+)
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
 # --- logits processing -------------------------------------------------------------------

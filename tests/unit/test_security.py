@@ -6,8 +6,8 @@ import pytest
 
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import parse_config as draft_config
-from specdec.config import ClientSecurity, ServerSecurity
-from specdec.security import BearerTokenAuth, load_client_security, load_server_security, read_tokens
+from specdec.config.services import ClientSecurity, ServerSecurity
+from specdec.rpc.security import BearerTokenAuth, load_client_security, load_server_security, read_tokens
 from target_service.config import parse_config as target_config
 
 COORDINATOR = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]

@@ -1,4 +1,4 @@
-"""A request's random streams (coordinator.seeds): distinct within a request, distinct across
+"""A request's random streams (specdec.sampling.seeds): distinct within a request, distinct across
 seeds that differ only above bit 32, and never a plain seed's stream."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from coordinator.seeds import RequestStreams
+from specdec.sampling.seeds import RequestStreams
 
 
 def first_draws(streams: RequestStreams) -> dict[str, tuple[float, ...]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.sessions import SessionStore
+from specdec.engine.sessions import SessionStore
 
 
 def test_active_counts_only_sessions_used_recently():

@@ -1,4 +1,4 @@
-"""Each setting is declared once (specdec.settings): the flag, its variable, its default, the
+"""Each setting is declared once (specdec.config.settings): the flag, its variable, its default, the
 config field and the docs table all come from that one declaration."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import DraftConfig
 from draft_service.config import parse_config as draft_config
-from specdec.settings import declared
+from specdec.config.settings import declared
 from target_service.config import TargetConfig
 from target_service.config import parse_config as target_config
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdec.quantize import RowwiseInt8Linear
+from specdec.engine.quantize import RowwiseInt8Linear
 from target_service import pick
 from target_service import server as target_server
 from target_service.config import TargetConfig, parse_config

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specdec.ports import free_port
-from specdec.probs import SamplingParams
+from specdec.rpc.ports import free_port
+from specdec.sampling.probs import SamplingParams
 from target_service.config import TargetConfig
 from target_service.runner import VerifyCall
 from target_service.server import load_runner

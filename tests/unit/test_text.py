@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.text import TextAssembler
-from specdec.testing import byte_level_tokenizer
+from specdec.tools.testing import byte_level_tokenizer
 
 TEXT = "Résumé: naïve café — 東京 🙂 and SELECT name FROM users;"
 

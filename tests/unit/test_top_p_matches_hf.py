@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.probs import SamplingParams, logits_to_probs
+from specdec.sampling.probs import SamplingParams, logits_to_probs
 
 
 def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

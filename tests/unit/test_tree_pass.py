@@ -1,5 +1,5 @@
 """One pass over a token tree scores every branch as a plain forward would, and keeping the
-accepted path leaves the cache of the committed sequence (specdec.tree_pass)."""
+accepted path leaves the cache of the committed sequence (specdec.engine.tree_pass)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from specdec import attention
-from specdec.modeling import with_cache
-from specdec.quantize import quantize_int8
-from specdec.sessions import CachedTree, KVSession
-from specdec.tree_pass import keep_tree_path, tree_forward
-from specdec.tree_sampling import ancestors
+from specdec.engine import attention
+from specdec.engine.modeling import with_cache
+from specdec.engine.quantize import quantize_int8
+from specdec.engine.sessions import CachedTree, KVSession
+from specdec.engine.tree_pass import keep_tree_path, tree_forward
+from specdec.sampling.tree_sampling import ancestors
 
 PROMPT = [3, 7, 11, 5, 2]
 NEW = [9, 4]  # committed tokens the cache has not seen yet; the last one is the tree's root
@@ -93,7 +93,7 @@ def test_a_tree_grown_a_level_per_pass_scores_as_one_pass(model):
 
 
 def test_the_row_wise_int8_pass_is_bitwise_one_token_decoding(model):
-    """The target's setting on CPU (int8 layers, specdec.attention): every node's logits are
+    """The target's setting on CPU (int8 layers, specdec.engine.attention): every node's logits are
     bitwise those of decoding its path one token at a time, so greedy trees stay identical
     to the target's own greedy output."""
     quantised = copy.deepcopy(model)

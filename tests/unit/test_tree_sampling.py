@@ -1,4 +1,4 @@
-"""Tree acceptance (specdec.tree_sampling) keeps the target's distribution, with power.
+"""Tree acceptance (specdec.sampling.tree_sampling) keeps the target's distribution, with power.
 
 Generations are simulated round by round with the pure functions alone: a draft and a target
 that are lookup tables over 3 tokens (tests/table_services.TableModel), a tree of i.i.d.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import tree_sampling
-from specdec.tree_sampling import children_of, decide_tree, tree_verify_outputs
+from specdec.sampling import tree_sampling
+from specdec.sampling.tree_sampling import children_of, decide_tree, tree_verify_outputs
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 from tests.table_services import TableModel
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import wire
 from specdec.errors import InvalidArgument
+from specdec.rpc import wire
 from specdec.v1 import common_pb2
 
 
@@ -66,7 +66,7 @@ def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
     """top_k_with_support keeps exactly what truncate_top_k keeps (bit for bit), names exactly
     the non-zero ids, and the encoder given those ids writes what its scan writes. Rows with
     fewer than k non-zero entries (after top-p, say) and ties at the k-th value included."""
-    from specdec.probs import SamplingParams, logits_to_probs, top_k_with_support, truncate_top_k
+    from specdec.sampling.probs import SamplingParams, logits_to_probs, top_k_with_support, truncate_top_k
 
     generator = torch.Generator().manual_seed(seed)
     vocab, top_k = 500, 16

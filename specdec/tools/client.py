@@ -1,8 +1,8 @@
 """A small Python client for the coordinator, and a CLI:
 
-python -m specdec.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
-python -m specdec.client --chat --system "You are terse." "Write a palindrome check in Python."
-python -m specdec.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
+python -m specdec.tools.client --address 127.0.0.1:50051 "def fib(n):" --max-new-tokens 64 --stream
+python -m specdec.tools.client --chat --system "You are terse." "Write a palindrome check in Python."
+python -m specdec.tools.client --address coordinator:50051 --tls-ca ca.crt --auth-token-file token "def fib(n):"
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from collections.abc import Iterator
 
 import grpc
 
-from specdec.config import DEFAULT_MAX_MESSAGE_BYTES, ClientSecurity, client_security
-from specdec.security import channel, load_client_security
-from specdec.serving import message_size_options
+from specdec.config.services import DEFAULT_MAX_MESSAGE_BYTES, ClientSecurity, client_security
+from specdec.rpc.security import channel, load_client_security
+from specdec.rpc.serving import message_size_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 class CoordinatorClient:
     """Blocking client; `grpc.aio` users can use `coordinator_pb2_grpc.CoordinatorStub` on
-    `specdec.security.aio_channel` directly. `security`: TLS files and a token file, when the
+    `specdec.rpc.security.aio_channel` directly. `security`: TLS files and a token file, when the
     coordinator runs with them."""
 
     def __init__(
@@ -78,7 +78,7 @@ def format_stats(stats: coordinator_pb2.GenerationStats) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specdec.client", description="Generate text through the coordinator"
+        prog="python -m specdec.tools.client", description="Generate text through the coordinator"
     )
     parser.add_argument(
         "prompt", help="raw prompt text (no chat template is applied), or with --chat the user's message"

@@ -7,7 +7,7 @@ rounding. With an int8 target such differences can cross a quantisation step, an
 speculative run then drifts from the target's own one-token decoding (seen on real prompts).
 Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced and copied to
 the layout a one-token pass at that position has, with the same operations; per-token Linear
-layers (specdec.quantize) and per-token norms, rotary embeddings and activations then make
+layers (specdec.engine.quantize) and per-token norms, rotary embeddings and activations then make
 the whole pass per-token exact. Passes with more than MAX_ROWS rows (a prompt prefill) and
 padded batches use transformers' SDPA: the target runs a prompt's prefill as a pass of its own
 (TargetRunner), the same pass whatever K is.
@@ -50,7 +50,7 @@ def rowwise_attention_forward(
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     past = length - rows
-    # A float mask is a token tree's (specdec.tree_pass): row j sees exactly the keys its
+    # A float mask is a token tree's (specdec.engine.tree_pass): row j sees exactly the keys its
     # mask row allows (the committed past and its ancestors), gathered into the layout a
     # one-token pass over that path has. Causal passes get a boolean mask or none.
     tree = attention_mask if attention_mask is not None and attention_mask.dtype.is_floating_point else None

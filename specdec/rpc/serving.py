@@ -4,19 +4,24 @@ metrics, shutdown, and the single model thread that every runner call goes throu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec import telemetry
+from specdec.rpc import telemetry
+
+if TYPE_CHECKING:
+    from specdec.config.services import ModelServiceConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -278,7 +283,7 @@ async def start_server(
 ) -> RunningServer:
     """Creates, binds and starts a server with health (SERVING once started), reflection,
     and `metrics` = (registry, port) served over HTTP on the same host; `credentials` and
-    `interceptors` come from `specdec.security.load_server_security`."""
+    `interceptors` come from `specdec.rpc.security.load_server_security`."""
     server = create_server(max_message_bytes, interceptors, max_receive_bytes)
     register(server)
     health_servicer = add_health_and_reflection(server, service_names)
@@ -313,8 +318,8 @@ def build_model_servicer(
 
 
 async def start_model_server(
-    config,  # a specdec.config.ModelServiceConfig
-    runner,  # a specdec.runner.ModelRunner, or None to load one with `load`
+    config,  # a specdec.config.services.ModelServiceConfig
+    runner,  # a specdec.engine.runner.ModelRunner, or None to load one with `load`
     load: Callable[[], Any],
     make_servicer: Callable[..., Any],  # (runner, model thread, metrics, batch window s, max batch size)
     add_servicer: Callable[[Any, grpc.aio.Server], None],
@@ -368,3 +373,16 @@ async def serve_forever(
         logger.error("cannot start: %s", exc)
         raise SystemExit(2) from None
     await running.serve_until_signal(shutdown_grace_s)
+
+
+ServiceConfig = TypeVar("ServiceConfig", bound="ModelServiceConfig")
+
+
+def leave_torch_to_the_model_thread(config: ServiceConfig) -> ServiceConfig:
+    """Called first thing in a model service's process: the calling (event loop) thread keeps
+    one torch thread for its own small tensor work, so only the model thread, which loads
+    and serves the model with `config.threads` threads (torch's default when unset), ever starts an
+    OpenMP team (see start_model_server)."""
+    threads = config.torch_threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    return dataclasses.replace(config, threads=threads)

@@ -12,14 +12,14 @@ from typing import TypeVar
 import torch
 from transformers import DynamicCache
 
-from specdec.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
-from specdec.calls import ModelDescription, check_context, check_token_ids
-from specdec.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
+from specdec.engine.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
+from specdec.engine.calls import ModelDescription, check_context, check_token_ids
+from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
+from specdec.engine.modeling import LoadedModel, with_cache
+from specdec.engine.sessions import CachedTree, KVSession, SessionStore
+from specdec.engine.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
 from specdec.errors import ModelOutputError
-from specdec.modeling import LoadedModel, with_cache
-from specdec.sessions import CachedTree, KVSession, SessionStore
-from specdec.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
-from specdec.tree_sampling import ancestors
+from specdec.sampling.tree_sampling import ancestors
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ class ModelRunner:
     def calibrate_costs(self, keep_all_logits: bool, context_tokens: int = CALIBRATION_CONTEXT) -> PassCosts:
         """Times passes over 1..max_speculative_tokens + 1 new tokens (at most
         CALIBRATION_MAX_TOKENS) on top of a cached context, on this process's own hardware, dtype
-        and threads (see specdec.costs).
+        and threads (see specdec.engine.costs).
 
         `keep_all_logits`: the target scores every new token (K + 1 logits); the draft only
         needs the last one. The scratch session lives outside the store and no counter moves.
@@ -172,7 +172,7 @@ class ModelRunner:
         parents: list[int],
         first_node: int = 1,
     ) -> torch.Tensor:
-        """specdec.tree_pass.tree_forward on the session's cache, admitted to the KV budget as
+        """specdec.engine.tree_pass.tree_forward on the session's cache, admitted to the KV budget as
         `forward` admits a pass; records the nodes it leaves cached (KVSession.tree).
 
         → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32
@@ -327,7 +327,7 @@ class ModelRunner:
     ) -> list[torch.Tensor]:
         """One pass over B sessions' token trees. Row b is laid out as in `_forward_padded`,
         its new tokens followed by its N_b nodes; the 4D mask gives each row its left pad, its
-        past, its new tokens (causal) and, for a node, its ancestors (specdec.tree_pass). Each
+        past, its new tokens (causal) and, for a node, its ancestors (specdec.engine.tree_pass). Each
         session keeps its past, new tokens and every node, as `forward_tree` leaves it."""
         device = self.loaded.device
         past = [session.cached_tokens for session in sessions]  # [B]

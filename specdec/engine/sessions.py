@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
+from specdec.engine.tree_pass import keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
-from specdec.tree_pass import keep_tree_path
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ conditionally on its siblings (sampling without replacement, yet sent with the n
 breaks the step's premise. Distinct top-b candidates are fine when each is sent one-hot: the
 rule then tries c_1 with probability p(c_1), else c_2 with p(c_2) / (1 − p(c_1)), and so on.
 
-The split across processes mirrors the chain (specdec.probs.verify_outputs): r_i depends on
+The split across processes mirrors the chain (specdec.sampling.probs.verify_outputs): r_i depends on
 p, q and the number of rejections only, never on which tokens were rejected, so the target
 computes every child's r_{i-1}(c_i) and every node's recovered sample from r_m in advance,
 from its own generator; the coordinator then walks the tree with its own uniforms.
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.probs import residual_probs, sample
+from specdec.sampling.probs import residual_probs, sample
 
-MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.attention.MAX_ROWS
+MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.engine.attention.MAX_ROWS
 
 
 def tree_size(widths: Sequence[int]) -> int:
@@ -119,7 +119,7 @@ class TreeOutcome:
         return len(self.path)
 
     def is_bonus(self, num_draft: int = 0) -> bool:
-        """As coordinator.sampling.RoundOutcome.is_bonus (the tree size does not matter)."""
+        """As specdec.sampling.chain.RoundOutcome.is_bonus (the tree size does not matter)."""
         return self.at_leaf
 
     def committed(self, token_ids: Sequence[int]) -> list[int]:

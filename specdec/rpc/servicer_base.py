@@ -4,21 +4,29 @@ stream."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from specdec import wire
+from specdec.engine.calls import ModelDescription
 from specdec.errors import error_fields, grpc_errors
-from specdec.runner import ModelRunner
-from specdec.serving import ModelThread
+from specdec.rpc import wire
+from specdec.rpc.serving import ModelThread
 from specdec.v1 import common_pb2
 
 
-class SessionServicerMixin:
-    """Expects `_runner` (a ModelRunner) and `_model_thread` on the servicer."""
+class SessionRunner(Protocol):
+    """What EndSession and Info need of a service's runner (a model runner or a drafter)."""
 
-    _runner: ModelRunner
+    def end_session(self, session_id: str) -> bool: ...
+
+    def describe(self) -> ModelDescription: ...
+
+
+class SessionServicerMixin:
+    """Expects `_runner` and `_model_thread` on the servicer."""
+
+    _runner: SessionRunner
     _model_thread: ModelThread
 
     @grpc_errors

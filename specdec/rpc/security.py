@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from specdec.config import ClientSecurity, ServerSecurity
+from specdec.config.services import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def load_server_security(
     settings: ServerSecurity,
 ) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
     """Server credentials (None = plaintext) and interceptors (the token check) for
-    `specdec.serving.start_server`. Raises ValueError naming the flag of a bad file."""
+    `specdec.rpc.serving.start_server`. Raises ValueError naming the flag of a bad file."""
     credentials = None
     if settings.tls_cert:
         cert_flag, key_flag, ca_flag = "--tls-cert", "--tls-key", "--tls-client-ca"

@@ -1,6 +1,6 @@
 """Settings both model services share, the TLS settings, and the parsers they use.
 
-Each field is declared once with `specdec.settings.setting` (its flag, variable, default and
+Each field is declared once with `specdec.config.settings.setting` (its flag, variable, default and
 help); each service builds its frozen config from them, once, in its `__main__`.
 """
 
@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from specdec.quantize import int8_supported
-from specdec.settings import group, setting
+from specdec.config.settings import group, setting
+from specdec.engine.quantize import int8_supported
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -72,7 +72,7 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
-# --- TLS and token settings (loaded and enforced by specdec.security) ---------------------
+# --- TLS and token settings (loaded and enforced by specdec.rpc.security) ---------------------
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What every runner call shares, model or not: argument checks, timing, and the runner-side
-view of the Info RPC. No torch here, so the protobuf codec (specdec.wire) can import it."""
+view of the Info RPC. No torch here, so the protobuf codec (specdec.rpc.wire) can import it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ModelDescription:
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
     trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
-    quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.quantize.INT8_LABEL
+    quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
 
     @property
     def numerics(self) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.ports import free_port
+from specdec.rpc.ports import free_port
 
 
 @dataclass

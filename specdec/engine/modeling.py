@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from transformers import (
@@ -20,9 +18,6 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-
-if TYPE_CHECKING:
-    from specdec.config import ModelServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -229,16 +224,3 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),
     }
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
-
-
-ServiceConfig = TypeVar("ServiceConfig", bound="ModelServiceConfig")
-
-
-def leave_torch_to_the_model_thread(config: ServiceConfig) -> ServiceConfig:
-    """Called first thing in a model service's process: the calling (event loop) thread keeps
-    one torch thread for its own small tensor work, so only the model thread, which loads
-    and serves the model with `config.threads` threads (torch's default when unset), ever starts an
-    OpenMP team (see specdec.serving.start_model_server)."""
-    threads = config.torch_threads or torch.get_num_threads()
-    torch.set_num_threads(1)
-    return dataclasses.replace(config, threads=threads)

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from specdec.calls import ModelDescription
+from specdec.engine.calls import ModelDescription
 from specdec.errors import InvalidArgument
-from specdec.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams
 from specdec.v1 import common_pb2
 
 # Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.

@@ -5,7 +5,7 @@ into part packages (see shared/MODELS.md). This module concatenates the parts, c
 SHA-256 of the result (the chunks come from a third party), dequantises the GGUF once with
 transformers and saves a safetensors folder, which later loads in seconds instead of a minute.
 
-    python -m specdec.real_models prepare --out .cache/models
+    python -m specdec.tools.real_models prepare --out .cache/models
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def prepare(model: GgufPackageModel, cache_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.real_models", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec.tools.real_models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="build the safetensors folders of the draft/target pair")
     prep.add_argument("--out", type=Path, default=Path(".cache/models"))

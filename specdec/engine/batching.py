@@ -3,13 +3,13 @@ their KV caches are padded into a batch and split back (used by both runners).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdec.sessions import KVSession
+from specdec.engine.sessions import KVSession
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]
     return groups
 
 
-def call_waves(keys: list[tuple[str, ...]], reads: list[tuple[str, ...]] | None = None) -> list[list[int]]:
+def call_waves(keys: Sequence[tuple[str, ...]], reads: Sequence[tuple[str, ...]] | None = None) -> list[list[int]]:
     """Indices of calls split into waves that may share passes. keys[i]: the session ids call
     i writes; reads[i]: ids it only reads at its start (a fork copies its parent then).
 

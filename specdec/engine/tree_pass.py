@@ -2,14 +2,14 @@
 accepted path afterwards (the target verifies a tree in one such pass; the draft grows one a
 level per pass).
 
-Numbering as in specdec.tree_sampling: node 0 is the last committed token, nodes 1..N the
+Numbering as in specdec.sampling.tree_sampling: node 0 is the last committed token, nodes 1..N the
 draft tree, `parents[i-1]` < i, and node i's cache entry sits at (committed length) + i − 1.
 The pass feeds the committed tokens the cache has not seen (`new_tokens`, causal among
 themselves, the last one being node 0) followed by the nodes not cached yet; each node
 attends to the committed past and its own ancestors and itself, through a 4D additive mask,
 at position (committed length) + depth − 1. Its logits are then those of a plain forward
 over the committed sequence plus its root-to-node path (float32: to ~1e-7; tested; with the
-row-wise attention of specdec.attention, bitwise those of one-token passes), so one pass
+row-wise attention of specdec.engine.attention, bitwise those of one-token passes), so one pass
 scores every branch.
 
 After the decision the cache holds the nodes; `keep_tree_path` gathers the entries of the
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from specdec.modeling import with_cache
-from specdec.tree_sampling import ancestors
+from specdec.engine.modeling import with_cache
+from specdec.sampling.tree_sampling import ancestors
 
 
 def tree_attention_mask(
@@ -35,7 +35,7 @@ def tree_attention_mask(
     (causal), then nodes first_node..N (R of them); columns: the committed past, the new
     tokens and nodes 1..N; 0 where a row may attend, the dtype's minimum
     elsewhere. Each node sees the committed tokens and its root-to-node path (`paths`, from
-    specdec.tree_sampling.ancestors). `past` counts committed entries only."""
+    specdec.sampling.tree_sampling.ancestors). `past` counts committed entries only."""
     num_nodes, ran = len(paths), len(paths) - first_node + 1
     base = past + num_new  # node i's column: base + i − 1
     rows, columns = num_new + ran, base + num_nodes
@@ -83,7 +83,7 @@ def tree_forward(
     mask = tree_attention_mask(
         paths, past, len(new_tokens), dtype if dtype.is_floating_point else torch.float32, first_node
     )
-    # The row-wise attention (specdec.attention) reads a float mask as a tree's visibility.
+    # The row-wise attention (specdec.engine.attention) reads a float mask as a tree's visibility.
     device = next(model.parameters()).device
     positions = tree_position_ids(paths, past, len(new_tokens), first_node).to(device)
     input_ids = torch.tensor([[*new_tokens, *token_ids[first_node - 1 :]]], device=device)

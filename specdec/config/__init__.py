@@ -1,0 +1,1 @@
+"""Settings declared once (settings) and the ones both model services share (services)."""
