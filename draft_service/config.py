@@ -64,8 +64,11 @@ class DraftConfig(ModelServiceConfig):
         if self.drafter == "ngram":
             if not 1 <= self.ngram_min <= self.ngram_max:
                 return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
-            if self.quantize == "int8" or self.draft_vocab:
-                return "--quantize int8 and --draft-vocab apply to --drafter model; the ngram drafter has no weights"
+            if self.quantize == "int8" or self.draft_vocab or self.pass_cost_profile:
+                return (
+                    "--quantize int8, --draft-vocab and --pass-cost-profile apply to a drafter with a model; the "
+                    "ngram drafter has no weights and runs no pass"
+                )
             return super().problem()
         if problem := super().problem():
             return problem

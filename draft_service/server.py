@@ -18,6 +18,7 @@ from specdec.engine.modeling import (
     load_tokenizer_info,
     restrict_output_head,
 )
+from specdec.engine.pace import Pacer, load_profile
 from specdec.engine.quantize import INT8_LABEL, quantize_int8
 from specdec.rpc.security import load_server_security
 from specdec.rpc.serving import RunningServer, leave_torch_to_the_model_thread, serve_forever, start_model_server
@@ -63,6 +64,8 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         min_confidence=config.min_confidence,
         lookup=(config.ngram_min, config.ngram_max) if config.drafter == "hybrid" else None,
     )
+    if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
+        runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:
         runner.calibrate_costs(keep_all_logits=False)
     return runner

@@ -11,6 +11,7 @@ import torch
 
 from specdec.engine import attention
 from specdec.engine.modeling import load_causal_lm
+from specdec.engine.pace import Pacer, load_profile
 from specdec.engine.quantize import INT8_LABEL, quantize_int8
 from target_service import tensor_parallel
 from target_service.config import TargetConfig
@@ -45,6 +46,8 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         max_speculative_tokens=config.max_speculative_tokens,
         max_kv_bytes=config.max_kv_bytes,
     )
+    if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
+        runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:
         # Under --tensor-parallel every rank runs this, so the passes' collectives line up.
         runner.calibrate_costs(keep_all_logits=True)

@@ -48,6 +48,7 @@ HEAVY_MODULES = {
     "integration/test_openai_api.py": "the services as processes, driven over HTTP by the openai client",
     "integration/test_readme_commands.py": "the services as processes, started by README's commands",
     "integration/test_hostile_clients.py": "the services as processes, flooded with 40 MB requests",
+    "integration/test_pass_cost_profile.py": "emulated passes timed against a busy core; a service process",
     "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
     "unit/test_tree_sampling.py": "40,000 simulated tree generations",
 }
@@ -65,6 +66,7 @@ SERIAL_MODULES = {
     "integration/test_k_chooser.py": "start-up calibration measures pass times (contention moved it once)",
     "integration/test_real_pair.py": "the real Qwen pair: memory and time",
     "integration/test_hostile_clients.py": "a stream's largest gap between chunks while others are refused",
+    "integration/test_pass_cost_profile.py": "passes timed to the profile's ms while another core is busy",
 }
 
 

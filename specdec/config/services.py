@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specdec.config.settings import group, setting
+from specdec.engine.pace import load_profile
 from specdec.engine.quantize import int8_supported
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
@@ -254,6 +255,15 @@ class ModelServiceConfig:
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
     quantize: str = quantize_setting("auto")  # the draft's: its numerics change only speed
+    pass_cost_profile: str = setting(
+        "",
+        "--pass-cost-profile",
+        "emulate an accelerator: hold every forward pass until this JSON profile's time for it has passed "
+        "(sleeping, as a host does beside a GPU); empty = run at this host's own speed",
+        more="The profile gives ms by new tokens and per 1k cached tokens; `bench/profiles/` holds published ones "
+        "and the format is in `specdec/engine/pace.py`. Calibration, `Info` and the K chooser see the emulated "
+        "costs; a pass whose real compute overruns the profile is counted (`Info.emulation_overruns`).",
+    )
     calibrate: bool = setting(
         True,
         "--calibrate",
@@ -279,10 +289,19 @@ class ModelServiceConfig:
             return f"--quantize int8 needs --device cpu and --dtype float32; got {self.device} and {self.dtype}"
         return None
 
+    def profile_problem(self) -> str | None:
+        if not self.pass_cost_profile:
+            return None
+        try:
+            load_profile(self.pass_cost_profile)
+        except ValueError as exc:
+            return f"--pass-cost-profile {self.pass_cost_profile}: {exc}"
+        return None
+
     def problem(self) -> str | None:
         """A contradiction between settings, in words; None if the config is consistent."""
         if self.batch_window_ms < 0:
             return f"--batch-window-ms must be >= 0 (0 turns batching off); got {self.batch_window_ms}"
         if self.max_batch_size < 1:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
-        return self.security.problem() or self.quantize_problem()
+        return self.security.problem() or self.quantize_problem() or self.profile_problem()

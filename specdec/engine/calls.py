@@ -33,6 +33,8 @@ class ModelDescription:
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
     trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
+    pass_cost_profile: str = ""  # the accelerator the passes are held to (--pass-cost-profile), "" = none
+    emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
 
     @property
     def numerics(self) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -16,6 +17,7 @@ from specdec.engine.batching import MAX_PADDING_RATIO, batchable_cache, padded_c
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
 from specdec.engine.modeling import LoadedModel, with_cache
+from specdec.engine.pace import Pacer
 from specdec.engine.sessions import CachedTree, KVSession, SessionStore
 from specdec.engine.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
 from specdec.errors import ModelOutputError
@@ -55,6 +57,8 @@ class ModelRunner:
         self.batched_sessions_total = 0
         self.max_batch_size_seen = 0
         self.pass_costs: PassCosts | None = None  # set by calibrate_costs
+        # --pass-cost-profile: every pass is held to an accelerator's time (specdec.engine.pace).
+        self.pacer: Pacer | None = None
 
     def calibrate_costs(self, keep_all_logits: bool, context_tokens: int = CALIBRATION_CONTEXT) -> PassCosts:
         """Times passes over 1..max_speculative_tokens + 1 new tokens (at most
@@ -105,9 +109,15 @@ class ModelRunner:
             evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
             quantization=self.loaded.quantization,
+            pass_cost_profile=self.pacer.profile.name if self.pacer else "",
+            emulation_overruns=self.pacer.overruns if self.pacer else 0,
             trees=True,  # both model runners score token trees (forward_tree)
             **self._cost_fields(),
         )
+
+    def _paced(self, new_tokens: int, context_tokens: int) -> AbstractContextManager:
+        """Around every forward pass: holds it to the profile's time when one is set."""
+        return self.pacer.hold(new_tokens, context_tokens) if self.pacer is not None else nullcontext()
 
     def _synchronize(self) -> None:
         """Waits for queued GPU work, so a timing covers the pass and not only its launch."""
@@ -180,7 +190,9 @@ class ModelRunner:
         ran = len(token_ids) - first_node + 1
         try:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
-            logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
+            with self._paced(len(new_tokens) + ran, session.cached_tokens):
+                logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
+                self._synchronize()
         except BaseException:
             self.sessions.end(session.session_id)  # as in `forward`: a half-updated cache is not kept
             raise
@@ -193,17 +205,18 @@ class ModelRunner:
         start = session.cached_tokens
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
         cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
-        out = self.model(
-            input_ids=input_ids,
-            **with_cache(self.model, session.cache),
-            cache_position=cache_position,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        with self._paced(len(token_ids), start):
+            out = self.model(
+                input_ids=input_ids,
+                **with_cache(self.model, session.cache),
+                cache_position=cache_position,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+            self._synchronize()
         self.processed_tokens_total += len(token_ids)
         logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
         if self.pass_costs is not None:
-            self._synchronize()  # the caller reads the logits next anyway
             self.pass_costs.observe(len(token_ids), (time.perf_counter() - started) * 1e3)
         return logits
 
@@ -304,15 +317,17 @@ class ModelRunner:
             (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)
         )  # [B, width]
         cache = padded_cache(sessions, past, max_past, self.model.config)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **with_cache(self.model, cache),
-            cache_position=torch.arange(max_past, max_past + max_new, device=device),
-            use_cache=True,
-            logits_to_keep=logit_positions,
-        )
+        with self._paced(sum(new), sum(past)):  # an accelerator's batched pass: its sessions' real tokens
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **with_cache(self.model, cache),
+                cache_position=torch.arange(max_past, max_past + max_new, device=device),
+                use_cache=True,
+                logits_to_keep=logit_positions,
+            )
+            self._synchronize()
         for row, session in enumerate(sessions):
             session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row], self.model.config)
         self.processed_tokens_total += sum(new)
@@ -329,7 +344,6 @@ class ModelRunner:
         its new tokens followed by its N_b nodes; the 4D mask gives each row its left pad, its
         past, its new tokens (causal) and, for a node, its ancestors (specdec.engine.tree_pass). Each
         session keeps its past, new tokens and every node, as `forward_tree` leaves it."""
-        device = self.loaded.device
         past = [session.cached_tokens for session in sessions]  # [B]
         runs = [tokens + nodes for tokens, (nodes, _) in zip(token_ids, trees)]
         batch, max_past, width = len(sessions), max(past), max(len(run) for run in runs)
@@ -351,14 +365,8 @@ class ModelRunner:
             rows = torch.arange(len(tokens) - 1, length)  # the root and the nodes: [1 + N_b]
             logit_positions[row, : len(rows)] = rows
         cache = padded_cache(sessions, past, max_past, self.model.config)
-        out = self.model(
-            input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            **with_cache(self.model, cache),
-            use_cache=True,
-            logits_to_keep=logit_positions.to(device),
-        )
+        with self._paced(sum(len(run) for run in runs), sum(past)):
+            out = self._tree_pass(input_ids, mask, positions, cache, logit_positions)
         results = []
         for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
             length = len(runs[row])
@@ -370,6 +378,20 @@ class ModelRunner:
         self.batched_sessions_total += batch
         self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
         return results
+
+    def _tree_pass(self, input_ids, mask, positions, cache, logit_positions):
+        """The model over a batch of token trees (laid out by `_forward_padded_tree`)."""
+        device = self.loaded.device
+        out = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            **with_cache(self.model, cache),
+            use_cache=True,
+            logits_to_keep=logit_positions.to(device),
+        )
+        self._synchronize()
+        return out
 
 
 def kv_bytes_per_token(model) -> int:

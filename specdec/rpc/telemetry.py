@@ -204,6 +204,12 @@ class ModelServiceMetrics:
         kv_bytes.set_function(runner.sessions.kv_bytes)
         budget = Gauge("specdec_kv_cache_budget_bytes", "KV cache budget (--max-kv-bytes); 0 = none", registry=registry)
         budget.set_function(lambda: runner.sessions.max_kv_bytes)
+        overruns = Gauge(
+            "specdec_emulation_overruns",
+            "Passes whose real compute took longer than --pass-cost-profile allows (0 without a profile)",
+            registry=registry,
+        )
+        overruns.set_function(lambda: getattr(getattr(runner, "pacer", None), "overruns", 0))
         registry.register(_EvictionCollector(runner.sessions))
 
     def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int, batch_size: int = 1) -> None:

@@ -183,4 +183,6 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         copies=description.copies,
         trees=description.trees,
         quantization=description.quantization,
+        pass_cost_profile=description.pass_cost_profile,
+        emulation_overruns=description.emulation_overruns,
     )
