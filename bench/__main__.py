@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench import concurrency, overhead
+from bench import accelerator, concurrency, overhead
 from bench.harness import load_prompts, machine_info, parse_args, run_bench
 from bench.report import by_kind, markdown_table, plot, summarise
 
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     if config.suite == "overhead":
         results = overhead.run_overhead(config, load_prompts(config), machine_info(config))
+    elif config.suite == "accelerator":
+        results = accelerator.run_accelerator(config, machine_info(config), quick=config.quick)
     elif config.suite == "concurrency":
         torch.set_num_threads(config.threads)
         results = concurrency.run_concurrency(config, load_prompts(config), machine_info(config))
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 def _write(results: dict, out_dir: Path) -> int:
     if results.get("suite") == "overhead":
         return overhead.write(results, out_dir)
+    if results.get("suite") == "accelerator":
+        return accelerator.write(results, out_dir)
     if results.get("suite") == "concurrency":
         return _write_concurrency(results, out_dir)
     summary = summarise(results)

@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--suite",
-        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes", "trees"],
+        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes", "trees", "accelerator"],
         default="k-sweep",
         help=(
             "k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's "
@@ -178,7 +178,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "three in one interleaved run, sharing their services; "
             "concurrency: aggregate tokens/s with --sessions generations at once, the target batching Verify calls "
             "or not (int8 draft, greedy); nodes: each service on its own core (pinned) sequential, pipelined and "
-            "hedged, against HF assisted with the same int8 pair on all cores"
+            "hedged, against HF assisted with the same int8 pair on all cores; accelerator: tiny pairs of chosen "
+            "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds"
         ),
     )
     parser.add_argument(
@@ -209,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
     # The overhead suite runs a tiny model of its own: no target to pick.
-    setting = "float32" if args.suite == "overhead" else args.target_setting
+    setting = "float32" if args.suite in ("overhead", "accelerator") else args.target_setting
     target_dtype, target_quantize, target_pick = resolve_target_setting(
         setting, args.target_model, args.threads, args.device
     )
@@ -238,6 +239,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         sessions=tuple(args.sessions),
         batch_window_ms=args.batch_window_ms,
         requests=args.requests,
+        quick=args.quick,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

@@ -102,6 +102,7 @@ class BenchConfig:
     requests: int = 0  # concurrency suite: requests per sample (0 = the largest --sessions)
     target_quantize: str = "none"  # the target service's --quantize; "int8" also for the HF baselines' target
     target_pick: str = ""  # why this target setting: target_service.pick's table and reason (--target-setting auto)
+    quick: bool = False  # --quick: a few minutes
 
 
 @dataclass(frozen=True)

@@ -135,3 +135,18 @@ def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_
         "sessions per verify pass" in table and "sessions per propose pass" in table and "the same 3 requests" in table
     )
     assert (out / "tokens_per_s_vs_sessions.png").stat().st_size > 0
+
+
+def test_the_accelerator_suite_runs_emulated_and_reports_its_bounds(tmp_path):
+    """`--suite accelerator --quick`: one profile pair at α ≈ 0.8, services held to the H100
+    profiles; every mode reports tok/s against target-only and the bounds. No speed asserted."""
+    out = tmp_path / "accelerator"
+    assert bench_main(["--suite", "accelerator", "--quick", "--max-new-tokens", "16", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    (cell,) = results["cells"]
+    assert cell["target_profile"] == "h100-70b-tp4" and cell["draft_profile"] == "h100-1b"
+    assert 0.0 < cell["alpha_run"] <= 1.0 and cell["bounds"]["overlapped"] >= cell["bounds"]["sequential"] > 1.0
+    modes = {sample["mode"] for sample in cell["samples"]}
+    assert {"target-only (K=0)", "sequential K=4", "pipelined, K chooser", "tree (2,1,1,1)"} <= modes
+    assert all(sample["tokens_per_s"] > 0 for sample in cell["samples"])
+    assert "EMULATED" in (out / "table.md").read_text()
