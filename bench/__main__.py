@@ -38,31 +38,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(results: dict, out_dir: Path) -> int:
     if results.get("suite") == "overhead":
-        return overhead.write(results, out_dir)
+        rows = overhead.summarise(results)
+        results["summary"] = rows
+        return _save(results, overhead.markdown_table(rows, results["machine"], results.get("floor_ms")), out_dir)
     if results.get("suite") == "accelerator":
-        return accelerator.write(results, out_dir)
+        return _save(results, accelerator.markdown(results), out_dir, accelerator.plot(results, out_dir))
     if results.get("suite") == "concurrency":
-        return _write_concurrency(results, out_dir)
+        rows = concurrency.summarise(results)
+        results["summary"] = rows
+        table = concurrency.markdown_table(rows, results["machine"], results["config"])
+        return _save(results, table, out_dir, *concurrency.plot(rows, out_dir))
     summary = summarise(results)
     results["summary"] = {str(t): rows for t, rows in summary.items()}
     table = markdown_table(summary, results["machine"], by_kind(results))
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "table.md").write_text(table + "\n")
-    plots = plot(summary, out_dir)
-    print("\n" + table)
-    print(f"results: {out_dir}/results.json, table.md, {', '.join(plots)}")
-    return 0
+    return _save(results, table, out_dir, *plot(summary, out_dir))
 
 
-def _write_concurrency(results: dict, out_dir: Path) -> int:
-    rows = concurrency.summarise(results)
-    results["summary"] = rows
-    table = concurrency.markdown_table(rows, results["machine"], results["config"])
+def _save(results: dict, table: str, out_dir: Path, *plots: str | None) -> int:
+    """Every suite's output: results.json, table.md and its plots, the table printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "table.md").write_text(table)
-    plots = concurrency.plot(rows, out_dir)
+    (out_dir / "table.md").write_text(table.rstrip("\n") + "\n")
     print("\n" + table)
-    print(f"results: {out_dir}/results.json, table.md, {', '.join(plots)}")
+    print(f"results: {out_dir}/results.json, table.md" + "".join(f", {name}" for name in plots if name))
     return 0
 
 

@@ -21,7 +21,7 @@ and any network beyond loopback.
 
 from __future__ import annotations
 
-import json
+import functools
 import statistics
 import time
 from contextlib import ExitStack
@@ -85,6 +85,12 @@ MODES = [
     Mode("K chooser with trees", "tree-chooser", None),
 ]
 QUICK_MODES = [MODES[0], MODES[2], MODES[5], MODES[7], MODES[9]]
+
+
+@functools.cache
+def profile(name: str) -> PassCostProfile:
+    """A profile of bench/profiles/ by name, read once."""
+    return load_profile(str(PROFILES / f"{name}.json"))
 
 
 def bounds(target: PassCostProfile, draft: PassCostProfile, alpha: float, context: int) -> dict:
@@ -191,7 +197,7 @@ def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
             "draft_profile": draft_name,
             "alpha_target": alpha,
             "alpha_measured": measured,
-            "bounds": bounds(load_profile(str(target_path)), load_profile(str(draft_path)), measured, 128),
+            "bounds": bounds(profile(target_name), profile(draft_name), measured, 128),
             "samples": samples,
         }
         with ExitStack() as stack:
@@ -222,7 +228,7 @@ def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
         if chains:
             alpha_run = sum(s["first_accepted"] for s in chains) / max(1, sum(s["drafted_rounds"] for s in chains))
             cell["alpha_run"] = alpha_run
-            cell["bounds"] = bounds(load_profile(str(target_path)), load_profile(str(draft_path)), alpha_run, 128)
+            cell["bounds"] = bounds(profile(target_name), profile(draft_name), alpha_run, 128)
         results["cells"].append(cell)
     return results
 
@@ -233,8 +239,7 @@ def ideal(cell: dict, mode_name: str, tokens_per_round: float) -> float | None:
     k = next((m.k for m in MODES if m.name == mode_name and m.coordinator == "sequential" and not m.tree), None)
     if k is None:
         return None
-    target = load_profile(str(PROFILES / f"{cell['target_profile']}.json"))
-    draft = load_profile(str(PROFILES / f"{cell['draft_profile']}.json"))
+    target, draft = profile(cell["target_profile"]), profile(cell["draft_profile"])
     return tokens_per_round * target.ms(1, 128) / (k * draft.ms(1, 128) + target.ms(k + 1, 128))
 
 
@@ -308,8 +313,7 @@ def plot(results: dict, out_dir: Path) -> str | None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for pair_name in dict.fromkeys(cell["pair"] for cell in results["cells"]):
         cells = [c for c in results["cells"] if c["pair"] == pair_name]
-        target = load_profile(str(PROFILES / f"{cells[0]['target_profile']}.json"))
-        draft = load_profile(str(PROFILES / f"{cells[0]['draft_profile']}.json"))
+        target, draft = profile(cells[0]["target_profile"]), profile(cells[0]["draft_profile"])
         alphas = [0.5 + 0.45 * i / 40 for i in range(41)]
         curves = [bounds(target, draft, a, 128) for a in alphas]
         (line,) = axis.plot(alphas, [c["sequential"] for c in curves], "--", label=f"{pair_name} sequential bound")
@@ -336,14 +340,3 @@ def plot(results: dict, out_dir: Path) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return path.name
-
-
-def write(results: dict, out_dir: Path) -> int:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown(results)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "table.md").write_text(table + "\n")
-    plotted = plot(results, out_dir)
-    print("\n" + table)
-    print(f"results: {out_dir}/results.json, table.md{', ' + plotted if plotted else ''}")
-    return 0

@@ -19,7 +19,6 @@ twice the last.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from contextlib import ExitStack
@@ -217,14 +216,3 @@ def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float
                 f"({len(times)} calls)"
             )
     return "\n".join(lines) + "\n"
-
-
-def write(results: dict, out_dir: Path) -> int:
-    rows = summarise(results)
-    results["summary"] = rows
-    table = markdown_table(rows, results["machine"], results.get("floor_ms"))
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "table.md").write_text(table)
-    print("\n" + table)
-    print(f"results: {out_dir}/results.json, table.md")
-    return 0
