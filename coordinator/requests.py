@@ -179,7 +179,7 @@ def prompt_ids_of(request: GenerationRequest, pair: PairInfo, tokenizer: PreTrai
                 f"prompt_token_ids[{i}] = {ids[i]} is outside the vocabulary; ids must be in [0, {pair.vocab_size})",
                 field="prompt_token_ids",
             )
-        prompt_ids = ids.tolist()
+        return ids.tolist()  # its length was checked above, before any id was read
     else:
         raise InvalidArgument("prompt is empty: set prompt (text), prompt_token_ids or messages")
     check_prompt_length(len(prompt_ids), pair, given[0])

@@ -54,11 +54,6 @@ class RoundPlan:
     draft_allowed: bool  # the breaker lets rounds call the draft (asked once a round)
     ready: Round | None = None  # READY: the drafts, cut to K
 
-    @property
-    def drafts(self) -> bool:
-        """Whether the round asks the draft for anything (a chain, a copy or a tree)."""
-        return bool(self.k or self.copy_limit or self.widths)
-
 
 @dataclass
 class RequestState:
