@@ -5,35 +5,39 @@ where verification is cheap, and a seed gives the same output either way."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from specdec.engine.costs import PassCosts
+from specdec.engine.costs import CALIBRATION_MAX_TOKENS, PassCosts
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 
 
-def slow_passes(runner, fixed_s: float, per_token_s: float) -> None:
-    """Every pass of `runner` (calibration's too) takes fixed_s + per_token_s × new tokens longer."""
+def slow_passes(runner, extra_s: Callable[[int], float]) -> None:
+    """Every pass of `runner` over n new tokens (calibration's too) takes extra_s(n) longer.
+    Prefill passes (more new tokens than calibration times) run at the model's own speed:
+    the chooser never reads their cost, and slowing them would only make the tests long."""
     plain = runner._forward_admitted
 
     def slow(session, token_ids, logits_to_keep):
-        time.sleep(fixed_s + per_token_s * len(token_ids))
+        if len(token_ids) <= CALIBRATION_MAX_TOKENS:
+            time.sleep(extra_s(len(token_ids)))
         return plain(session, token_ids, logits_to_keep)
 
     runner._forward_admitted = slow
 
 
-def calibrated(target_fixed_s: float, target_per_token_s: float):
+def calibrated(target_extra_s: Callable[[int], float]):
     """Both runners calibrated three times, keeping the fastest figure per size: beside other
     test workers, three disturbed one-token passes once made the one-token figure as dear as
     the two-token one (calibration then flattens the curve) and the chooser never chose K = 0."""
 
     def prepare(draft_runner, target_runner) -> None:
-        slow_passes(target_runner, target_fixed_s, target_per_token_s)
+        slow_passes(target_runner, target_extra_s)
         for runner, keep_all_logits in ((draft_runner, False), (target_runner, True)):
             runs = [runner.calibrate_costs(keep_all_logits=keep_all_logits) for _ in range(3)]
             runner.pass_costs = PassCosts(
@@ -43,15 +47,28 @@ def calibrated(target_fixed_s: float, target_per_token_s: float):
     return prepare
 
 
+def steep(n: int) -> float:
+    """32 ms for one token, 60 ms for each further one. A verify over K + 1 tokens then costs
+    more than K + 1 target-only steps, whatever the fixed cost of a call: speculation cannot
+    pay even if every draft is accepted. (A linear 2 + 30n ms could: with all drafts accepted,
+    K = 1 commits two tokens for 62 ms + x against one for 32 ms + x, and a CI run whose
+    per-call overhead x was a few ms probed every third round at a plausible acceptance
+    near 1.)"""
+    return 0.032 + 0.060 * (n - 1)
+
+
+def flat(seconds: float) -> Callable[[int], float]:
+    return lambda n: seconds
+
+
 async def generate(stack, prompt: str, **fields) -> pb.GenerateResponse:
     return await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, **fields), timeout=120)
 
 
 async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair, reference):
-    # A target pass over n tokens costs 2 + 30n ms: a pass over two tokens costs nearly two
-    # target-only steps, so speculation cannot pay.
+    # steep(): a verify over K + 1 tokens costs more than K + 1 target-only steps.
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(steep)
     ) as stack:
         for prompt in PROMPTS:
             chosen = await generate(stack, prompt)
@@ -74,7 +91,7 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
     # settled at K = 2 for 45 rounds. At acceptance 0.3, K = 3 beats K = 2 while a draft step
     # costs under 2% of the verify: up to 10 ms here.
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.500, 0.0)
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(flat(0.500))
     ) as stack:
         ks: list[int] = []
         for prompt in PROMPTS:
@@ -89,7 +106,7 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
 
 async def test_a_request_that_fixes_k_gets_it(tiny_pair):
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(0.002, 0.030)
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(steep)
     ) as stack:
         fixed = await generate(stack, PROMPTS[0], num_speculative_tokens=3)
         assert set(list(fixed.stats.k_per_round)[:-1]) == {3}
@@ -119,8 +136,8 @@ async def test_confidence_stop_shortens_proposals_and_keeps_greedy_output(tiny_p
 def dear_draft_flat_verify(draft_runner, target_runner) -> None:
     """A model draft step of 40 ms against a flat 45 ms verify: drafting with the model does
     not pay, but a copy (no pass) does."""
-    slow_passes(draft_runner, 0.040, 0.0)
-    slow_passes(target_runner, 0.045, 0.0)
+    slow_passes(draft_runner, flat(0.040))
+    slow_passes(target_runner, flat(0.045))
     draft_runner.calibrate_costs(keep_all_logits=False)
     target_runner.calibrate_costs(keep_all_logits=True)
 
