@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
 	@echo "make test   - install test dependencies and run the test suite"
-	@echo "make test-fast - the quick tier of the tests (about 3 minutes; CI runs make test)"
+	@echo "make test-fast - the quick tier of the tests (about a minute; CI runs make test)"
 	@echo "make lint   - ruff (rules, import order, formatting) and mypy on every package, bench/ and scripts/"
 	@echo "make bench  - benchmark vs target-only and HF assisted generation (BENCH_ARGS=... for more)"
 	@echo "make bench-quick - the same in a few minutes"
@@ -64,18 +64,19 @@ bench-quick: install models
 loadtest: install
 	$(PY) scripts/loadtest.py $(LOADTEST_ARGS)
 
-# Two parts: the tests that check results, not time, three at a time (pytest-xdist; many wait
-# on processes part of the time, so a third worker keeps both cores busy); then the ones that
-# check deadlines or measured times, one at a time (tests/conftest.py lists them and says why).
+# The tiers are folders (each one's __init__.py says what it holds). `make test`: unit/,
+# integration/ and heavy/ three tests at a time (pytest-xdist; many wait on processes part of
+# the time, so a third worker keeps both cores busy), then serial/ one test at a time: its
+# tests check deadlines or measured times that a test beside them would stretch.
 TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15
-	$(PY) -m pytest -q -m serial --durations=5
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests/unit tests/integration tests/heavy
+	$(PY) -m pytest -q --durations=5 tests/serial
 
-# The quick tier for the edit-test loop (about 3 minutes on 2 cores): no processes, no benchmarks,
-# no over-the-wire χ² runs (tests/conftest.py lists what it skips). CI runs `make test`.
+# The quick tier for the edit-test loop (about a minute on 2 cores): no processes, no benchmarks,
+# no over-the-wire χ² runs. CI runs `make test`.
 test-fast: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/unit tests/integration
 
 # The flag tables in docs/configuration.md come from the config dataclasses (specdec.config.settings);
 # tests/unit/test_docs.py fails when the committed tables are not what this writes.

@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Services the tests start as processes: no start-up calibration, unless a test's flags say
-# otherwise (tests/integration/test_readme_commands.py runs every default) ...
+# otherwise (tests/heavy/test_readme_commands.py runs every default) ...
 os.environ.setdefault("SPECDEC_TARGET_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
 # ... and drafts of exactly K (confidence stops have tests of their own).
@@ -26,61 +26,6 @@ hf_logging.disable_progress_bar()
 settings.register_profile("ci", max_examples=300)
 settings.register_profile("dev", max_examples=30)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-# The full suite (`make test`, what CI runs) runs everything. `make test-fast` skips the
-# modules below, which start processes, run benchmarks or sample thousands of generations
-# over gRPC; what it keeps (the sampling math and its χ² tests, the runners, and the three
-# services in process: greedy identity in every mode and drafter, errors, batching) runs in
-# about 3 minutes on 2 cores.
-HEAVY_MODULES = {
-    "integration/test_distribution.py": "3,000 seeded generations per case over gRPC",
-    "integration/test_vocab_widths.py": "3,000 seeded generations per pair of widths",
-    "integration/test_mode_distributions.py": "30,000-40,000 seeded generations per coordinator mode",
-    "integration/test_bench_smoke.py": "every benchmark suite end to end, with processes",
-    "integration/test_faults.py": "killed and restarted processes",
-    "integration/test_tensor_parallel.py": "gloo ranks as processes",
-    "integration/test_observability.py": "traces across processes",
-    "integration/test_loadtest.py": "15 s of load",
-    "integration/test_k_chooser.py": "calibrated services settling over many rounds",
-    "integration/test_processes.py": "services as processes",
-    "integration/test_fuzz_public_api.py": "hundreds of hypothesis examples over gRPC",
-    "integration/test_real_pair.py": "the real Qwen pair",
-    "integration/test_openai_api.py": "the services as processes, driven over HTTP by the openai client",
-    "integration/test_readme_commands.py": "the services as processes, started by README's commands",
-    "integration/test_hostile_clients.py": "the services as processes, flooded with 40 MB requests",
-    "integration/test_pass_cost_profile.py": "emulated passes timed against a busy core; a service process",
-    "unit/test_tensor_parallel_ranks.py": "gloo ranks as processes",
-    "unit/test_tree_sampling.py": "40,000 simulated tree generations",
-}
-
-
-# `make test` runs the suite in two parts: everything else three tests at a time (pytest-xdist;
-# three workers on two cores, since many tests wait on processes or sleeps part of the time,
-# and those tests check results, not time), then these modules one test at a time, because
-# they check deadlines or measured times that a test beside them would stretch: a killed node
-# noticed within its deadline, a cancelled request freeing its sessions within a second, the
-# K chooser settling from pass times the services measure on themselves.
-SERIAL_MODULES = {
-    "integration/test_faults.py": "deadlines after killing and restarting processes",
-    "integration/test_processes.py": "services as processes, with deadlines",
-    "integration/test_k_chooser.py": "start-up calibration measures pass times (contention moved it once)",
-    "integration/test_real_pair.py": "the real Qwen pair: memory and time",
-    "integration/test_hostile_clients.py": "a stream's largest gap between chunks while others are refused",
-    "integration/test_pass_cost_profile.py": "passes timed to the profile's ms while another core is busy",
-}
-
-
-def module_of(item) -> str:
-    return os.path.relpath(str(item.path), os.path.dirname(__file__)).replace(os.sep, "/")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        relative = module_of(item)
-        if relative in HEAVY_MODULES:
-            item.add_marker(pytest.mark.heavy)
-        if relative in SERIAL_MODULES:
-            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """In-process draft and target services whose models are lookup tables, for the coordinator's
-high-power distribution tests (tests/integration/test_mode_distributions.py).
+high-power distribution tests (tests/heavy/test_mode_distributions.py).
 
 Why not the real services: a χ² test that detects a total-variation distance of 0.02 at
 p < 1e-4 needs tens of thousands of generations per case, and the real services cost about

@@ -2,7 +2,7 @@
 with a float32 and an int8 target, and after every round both services hold exactly the
 committed sequence's KV cache, as a fresh prefill would build it. Sampled trees' χ² cases
 are in test_distribution.py; the acceptance rule's own power checks in
-tests/unit/test_tree_sampling.py."""
+tests/heavy/test_tree_sampling.py."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ CASES = {
 # (dense, sparse, one-hot); the rest, the coordinator's modes included, run over in-process
 # channels (tests/stack.py's local_stack: the same coordinator, servicers and runners, messages
 # serialised and parsed, no sockets), which is twice as fast and tests the same math.
-# tests/integration/test_processes.py runs pipelining with hedges across real processes.
+# tests/serial/test_processes.py runs pipelining with hedges across real processes.
 OVER_THE_WIRE = frozenset({"dense_full_draft_distribution", "sparse_draft_top_k", "one_hot_ngram_prompt_lookup"})
 
 

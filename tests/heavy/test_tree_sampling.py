@@ -5,7 +5,7 @@ that are lookup tables over 3 tokens (tests/table_services.TableModel), a tree o
 children drawn from the draft at each node, the target's side (`tree_verify_outputs`) and the
 coordinator's walk (`decide_tree`), each from its own random stream. 40,000 generations of 3
 tokens (27 outcomes) detect any bias of total variation 0.02 with probability 0.96 at
-p < 1e-4 (see tests/integration/test_mode_distributions.py), and two inexact variants fail.
+p < 1e-4 (see tests/heavy/test_mode_distributions.py), and two inexact variants fail.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.sampling.probs import SamplingParams
 from specdec.tools.testing import build_pair, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
-from tests.integration.test_distribution import (
+from tests.heavy.test_distribution import (
     LOCAL_BATCH,
     LOCAL_CONCURRENCY,
     SAMPLES,

@@ -27,7 +27,7 @@ from specdec.tools.launch import ServiceProcess, spawn
 from specdec.tools.testing import TinyPair
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from tests.integration.test_distribution import PROMPT, SAMPLES, exact_target_distribution
+from tests.heavy.test_distribution import PROMPT, SAMPLES, exact_target_distribution
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
 ROOT = Path(__file__).resolve().parents[2]
