@@ -12,7 +12,7 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install protos models run test test-fast lint docs bench bench-quick loadtest deploy-check clean
+.PHONY: help install netbed protos models run test test-fast lint docs bench bench-quick loadtest deploy-check clean
 
 help:
 	@echo "make run    - install, prepare the real Qwen2.5-Coder pair, start draft/target/coordinator, generate"
@@ -35,7 +35,14 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed protos
+install: $(VENV)/.installed protos netbed
+
+# The network testbed (specdec.tools.testbed, tests/heavy/test_testbed.py) needs iproute2's `ip`;
+# as root on a Debian-like system without it, install it.
+netbed:
+	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get update -q >/dev/null 2>&1; apt-get install -y -q iproute2 >/dev/null 2>&1; }; } ; \
+		command -v ip >/dev/null || echo "note: no iproute2 here; the network testbed is unavailable"
 
 # Stubs are generated, never edited; the proto path mirrors the import path (specdec.v1).
 specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed

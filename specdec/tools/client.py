@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 
 import grpc
+from google.protobuf import json_format
 
 from specdec.config.services import DEFAULT_MAX_MESSAGE_BYTES, ClientSecurity, client_security
 from specdec.rpc.security import channel, load_client_security
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (0 = target only)")
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument(
+        "--json", action="store_true", help="print the whole response (ids, text, stats) as JSON, not the text"
+    )
     parser.add_argument("--tls-ca", help="PEM CA bundle to verify the coordinator's certificate with (turns TLS on)")
     parser.add_argument(
         "--tls-cert", help="PEM client certificate, for a coordinator that requires one (with --tls-key)"
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None:
             fields[name] = value
+    if args.json and args.stream:
+        parser.error("--json prints one response: leave out --stream")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     prompt: str | list[dict[str, str]] = args.prompt
@@ -128,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt.append({"role": "user", "content": args.prompt})
     try:
         with CoordinatorClient(args.address, security=security) as client:
-            if args.stream:
+            if args.json:
+                final = client.generate(prompt, **fields)
+                print(json_format.MessageToJson(final, preserving_proto_field_name=True))
+            elif args.stream:
                 for chunk in client.generate_stream(prompt, **fields):
                     print(chunk.text, end="", flush=True)
                     final = chunk

@@ -72,10 +72,12 @@ def spawn(
     log: Path,
     env: Mapping[str, str | None] | None = None,
     cwd: Path | None = None,
+    prefix: Sequence[str] = (),
 ) -> ServiceProcess:
     """`python -m module args --port port --metrics-port 0`, output to `log`. Metrics take a free
     port, so several local stacks never collide (the log names the port). `env` adds to this
-    process's environment; a variable given as None is left out."""
+    process's environment; a variable given as None is left out. `prefix` goes before the
+    command (`ip netns exec NAME` runs it on a testbed's host: specdec.tools.testbed)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     given: dict[str, str | None] = {
         **os.environ,
@@ -86,7 +88,7 @@ def spawn(
     }
     full_env = {name: value for name, value in given.items() if value is not None}
     process = subprocess.Popen(
-        [sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
+        [*prefix, sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
         cwd=cwd,
         env=full_env,
         stdout=log.open("w"),

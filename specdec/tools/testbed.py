@@ -1,0 +1,235 @@
+"""Separate network hosts on one machine: a network namespace per host, each joined to one
+bridge by a veth link, with the link's latency added by a user-space forwarder
+(specdec.tools.delay_link; this kernel has no `netem`).
+
+    with Testbed({"client": LinkDelay(0.5), "coordinator": LinkDelay(0.5),
+                  "draft": LinkDelay(2.0), "target": LinkDelay(0.05)}) as bed:
+        draft = bed.serve("draft", "draft_service", ["--model", ...], logs / "draft.log")
+        ...
+        bed.run("client", [sys.executable, "-m", "specdec.tools.client", ...])
+
+A host's delay is its link's one-way latency: the forwarder in front of each service holds
+every byte for it in both directions, so a call from the coordinator to the draft takes the
+draft link's delay each way (the coordinator's own link carries the client's calls). Services
+run by their documented commands inside their host's namespace, listening on the namespace's
+loopback behind the forwarder; the forwarder listens on the host's address. The machine's own
+namespace reaches every host through the bridge's address, as a management network would.
+
+Everything is torn down on exit or error: processes, namespaces (which takes their veth
+links), the bridge. A testbed whose process was killed is swept by the next one (names carry
+the owner's pid), or by `python -m specdec.tools.testbed --sweep`. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.rpc.ports import free_port
+from specdec.tools.delay_link import LinkDelay
+from specdec.tools.launch import ServiceProcess, spawn
+
+PREFIX = "sdtb"  # names: sdtb<pid>-<host> (namespaces), sdtb<pid> (bridge), sdtb<pid>h<i> (veths)
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def available() -> str | None:
+    """None when a testbed can be built here, else why not."""
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    made = ip("netns", "add", probe, check=False)
+    if made.returncode:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    ip("netns", "delete", probe, check=False)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(name: str) -> int | None:
+    digits = name[len(PREFIX) :].split("-")[0].split("h")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def sweep(everything: bool = False) -> list[str]:
+    """Removes testbeds whose owning process is gone (all of them with `everything`): their
+    namespaces' processes, the namespaces and the bridges. Returns what it removed."""
+    removed = []
+    namespaces = ip("netns", "list", check=False).stdout.split()
+    for name in (n for n in namespaces if n.startswith(PREFIX)):
+        owner = _owner(name)
+        if everything or owner is None or not _alive(owner):
+            for pid in ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            ip("netns", "delete", name, check=False)
+            removed.append(name)
+    for line in ip("-o", "link", "show", check=False).stdout.splitlines():
+        link = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        owner = _owner(link) if link.startswith(PREFIX) else None
+        if link.startswith(PREFIX) and (everything or owner is None or not _alive(owner)):
+            ip("link", "delete", link, check=False)
+            removed.append(link)
+    return removed
+
+
+@dataclass
+class Host:
+    name: str
+    namespace: str
+    address: str  # on the bridge's subnet
+    delay: LinkDelay
+    veth: str  # the link's end on the bridge
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+@dataclass
+class Testbed:
+    """Hosts by name, each with its link's delay; a context manager that builds and removes them."""
+
+    __test__ = False  # not a pytest class, whatever its name
+
+    links: Mapping[str, LinkDelay]
+    subnet: int = field(default_factory=lambda: 10 + os.getpid() % 240)  # 10.251.<subnet>.0/24
+    hosts: dict[str, Host] = field(default_factory=dict)
+    processes: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def tag(self) -> str:
+        return f"{PREFIX}{os.getpid()}"
+
+    @property
+    def gateway(self) -> str:
+        return f"10.251.{self.subnet}.1"
+
+    def __enter__(self) -> Testbed:
+        sweep()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        bridge = self.tag
+        ip("link", "add", bridge, "type", "bridge")
+        ip("addr", "add", f"{self.gateway}/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for index, (name, delay) in enumerate(self.links.items(), start=2):
+            namespace, veth = f"{self.tag}-{name}", f"{self.tag}h{index}"
+            ip("netns", "add", namespace)
+            self.hosts[name] = Host(name, namespace, "", delay, veth)  # to remove, should the rest fail
+            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            ip("link", "set", veth, "master", bridge, "up")
+            address = f"10.251.{self.subnet}.{index}"
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", namespace, "link", "set", "eth0", "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+            self.hosts[name] = Host(name, namespace, address, delay, veth)
+
+    def serve(
+        self,
+        host: str,
+        module: str,
+        args: Sequence[str],
+        log: Path,
+        env: Mapping[str, str | None] | None = None,
+        cwd: Path | None = None,
+    ) -> ServiceProcess:
+        """`python -m module args` in `host`'s namespace on its loopback, behind a forwarder on
+        the host's address that adds the link's delay. The returned address is the forwarder's,
+        reachable from every host and from this namespace."""
+        where = self.hosts[host]
+        inner, public = free_port(), free_port()
+        link_log = log.with_name(f"{log.stem}-link.log")
+        link_log.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "specdec.tools.delay_link", "--listen", f"{where.address}:{public}",
+            "--to", f"127.0.0.1:{inner}", "--delay-ms", str(where.delay.delay_ms),
+            "--jitter-ms", str(where.delay.jitter_ms),
+        ]  # fmt: skip
+        process = subprocess.Popen(where.command(command), cwd=cwd, stdout=link_log.open("w"), stderr=subprocess.STDOUT)
+        link = ServiceProcess(f"{host}-link", f"{where.address}:{public}", process, link_log)
+        self.processes.append(link)
+        service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]))
+        service.address = f"{where.address}:{public}"
+        self.processes.append(service)
+        return service
+
+    def run(self, host: str, argv: Sequence[str], timeout_s: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
+        """Runs a command on `host` to completion (stdout and stderr captured as text)."""
+        return subprocess.run(
+            self.hosts[host].command(argv), capture_output=True, text=True, timeout=timeout_s, **kwargs
+        )
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop(timeout_s=10)
+        self.processes.clear()
+        for host in self.hosts.values():
+            for pid in ip("netns", "pids", host.namespace, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            # The link first: a namespace's own end goes with it, but only once the kernel
+            # frees the namespace, which can be after `ip netns delete` returns.
+            ip("link", "delete", host.veth, check=False)
+            ip("netns", "delete", host.namespace, check=False)
+        self.hosts.clear()
+        ip("link", "delete", self.tag, check=False)
+
+    def leftovers(self) -> list[str]:
+        """This testbed's namespaces and links that still exist (none once closed)."""
+        names = ip("netns", "list", check=False).stdout.split()
+        links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()]
+        return [name for name in (*names, *links) if name.startswith(self.tag)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec.tools.testbed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="remove the testbeds left behind by killed processes")
+    parser.add_argument("--check", action="store_true", help="say whether a testbed can be built here")
+    args = parser.parse_args(argv)
+    if args.check:
+        problem = available()
+        print(problem or "a testbed can be built here")
+        return 1 if problem else 0
+    if args.sweep:
+        removed = sweep()
+        print("removed: " + (", ".join(removed) if removed else "nothing"))
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
