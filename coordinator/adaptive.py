@@ -160,12 +160,11 @@ class AdaptiveK:
     def probe_interval(self) -> int:
         """K = 0 rounds before a probe: QUICK_PROBE_EVERY while speculating would pay (by
         PROBE_GAIN) for an α PLAUSIBLE_ERRORS standard errors above the estimate, else
-        `probe_every`. Why: a K = 0
-        round teaches nothing, so one rejection in the first round (α 0.6 → 0.4 with the
-        prior's weight of 2) parked a request for `probe_every` rounds whatever its drafts
-        were (bench --suite nodes, AVX-512 machine: "1000000001111111…" on a prompt that
-        then accepted 19 drafts of 21). Where nothing plausible pays (a steep verify cost, or
-        many rejections), probes stay rare."""
+        `probe_every`. Why: a K = 0 round teaches nothing, and early in a request the estimate
+        rests on a few positions, so one rejection in the first round (α 0.6 → 0.4 with the
+        prior's weight of 2) would park a request for `probe_every` rounds whatever its drafts
+        are. Where nothing plausible pays (a steep verify cost, or many rejections), probes
+        stay rare. Evidence: docs/design.md, "The K chooser"."""
         alpha = self._alpha_above(PLAUSIBLE_ERRORS)
         k = best_k(alpha, self.costs, self.k_max, self.pipelined)
         gain = self.costs.tokens_per_ms(k, alpha, self.pipelined) / self.costs.tokens_per_ms(0, alpha, self.pipelined)
@@ -176,12 +175,11 @@ class AdaptiveK:
     def choose(self) -> int:
         """The best K for the estimated α; but K = 1, not 0, while K > 0 would pay for an α
         one standard error higher. Why: a K = 0 round teaches nothing about α, so choosing for
-        the estimate alone let an early rejection (or the prior) park a request at K = 0
-        between probes although its drafts were good (make run with the real int8 pair, AVX-512
-        machine: a prompt at acceptance 0.89 spent 0.5 drafts a round, most rounds at K = 0,
-        0.97x target-only). A one-draft round costs little where K = 0 and K = 1 are close in
-        value, and the uncertainty shrinks as drafts are evaluated, so a draft that is truly
-        poor still settles at K = 0 with probes."""
+        the estimate alone lets an early rejection (or the prior) park a request at K = 0
+        between probes although its drafts are good, which costs most where acceptance is
+        high. A one-draft round costs little where K = 0 and K = 1 are close in value, and the
+        uncertainty shrinks as drafts are evaluated, so a draft that is truly poor still
+        settles at K = 0 with probes. Evidence: docs/design.md, "The K chooser"."""
         k = best_k(self.alpha, self.costs, self.k_max, self.pipelined)
         if k == 0 and self.k_max and best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined):
             k = 1

@@ -60,7 +60,7 @@ class CoordinatorConfig:
         False,
         "--pipeline",
         "on: the draft pre-drafts the next round while the target verifies",
-        more="See [Architecture](design.md#architecture).",
+        more="See [Pipelining](design.md#pipelining).",
     )
     catch_up: bool = setting(
         True,
@@ -68,7 +68,7 @@ class CoordinatorConfig:
         "with --pipeline: a round whose drafts are not ready (the first, and any after a pre-draft or "
         "hedge missed) runs as one target-only step while the draft drafts the round after it, so the "
         "target never waits for the draft; off: the round waits for fresh drafts",
-        more="See [Architecture](design.md#architecture).",
+        more="See [Catch-up steps](design.md#catch-up-steps).",
     )
     adaptive_k: bool = setting(
         True,

@@ -15,7 +15,7 @@ DRAFTERS = ("model", "ngram", "hybrid")
 # A sampled proposal is drawn from the draft's own top-k and shipped as (id, prob) pairs:
 # 2 KiB per token instead of 0.6 MB of dense float32 over a 152k vocabulary. Exact, since
 # it is the distribution the token was drawn from; what it costs in acceptance is measured
-# by `python -m bench.draft_truncation` (docs/design.md: Speculation that adapts to the machine).
+# by `python -m bench.draft_truncation` (docs/design.md: Drafters).
 DEFAULT_PROPOSAL_TOP_K = 256
 # HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
 DEFAULT_MIN_CONFIDENCE = 0.4

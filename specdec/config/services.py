@@ -202,7 +202,7 @@ def quantize_setting(default: str) -> str:
         more="The target's output is its numerics' distribution: with int8 (or auto on CPU) that is the int8 "
         "model's, not the checkpoint's, which is why the target never quantises unless asked; its `Info` and every "
         "response's `stats.target_numerics` say which. The draft's setting changes only speed. See "
-        "[Speculation that adapts to the machine](design.md#speculation-that-adapts-to-the-machine).",
+        "[An int8 target](design.md#an-int8-target).",
     )
 
 

@@ -3,8 +3,9 @@ the same in a K + 1-token verify pass as in a one-token decode pass.
 
 A fused attention kernel tiles its work by the number of query rows, so row i of a 5-row pass
 and the single row of a 1-row pass at the same position sum in different orders: float32
-rounding. With an int8 target such differences can cross a quantisation step, and a greedy
-speculative run then drifts from the target's own one-token decoding (seen on real prompts).
+rounding. With an int8 target such differences can cross a quantisation step now and then,
+and a greedy speculative run then drifts from the target's own one-token decoding
+(docs/design.md, "An int8 target").
 Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced and copied to
 the layout a one-token pass at that position has, with the same operations; per-token Linear
 layers (specdec.engine.quantize) and per-token norms, rotary embeddings and activations then make

@@ -6,11 +6,11 @@ spins, milliseconds with a slow `pause` instruction (AMD). Within one forward pa
 what we want: the regions follow each other tens of microseconds apart. Between passes it is
 not. Speculation alternates two processes on the same cores (draft pass, target pass, draft
 pass...), and a pass that starts while the other process's worker still spins waits for the
-scheduler to hand it the core: measured on the 2-core AVX-512 machine, the draft's first pass
-after a target pass lost 2.7-5 ms in one or two stalled GEMMs (a 21 ms pass), the target's
-first pass after the draft's 5-14 ms. 10,000 spins keep a pass's regions back to back (a
-steady pass costs the same) and end the spinning within a fraction of a millisecond; 1,000
-made a steady 0.5B pass 3 ms slower, OMP_WAIT_POLICY=PASSIVE 5 ms.
+scheduler to hand it the core, so the first pass after the other model's loses milliseconds
+in a stalled GEMM or two. 10,000 spins are enough to keep one pass's regions back to back (a
+steady pass costs the same) and end the spinning within a fraction of a millisecond; far
+fewer spins, or OMP_WAIT_POLICY=PASSIVE, slow every pass instead. The measurements:
+docs/design.md, "Services sharing cores".
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ every token (row) is scaled to absmax 1 before the int8 GEMM and scaled back aft
 sentinel row pins the tensor's range to [-1, 1], so fbgemm's per-tensor quantiser maps every
 row with the same affine map in every pass. Integer accumulation is exact, so each row's
 output is bitwise the same whatever else is in the pass (tested), and per-token scales are
-also more accurate than per-tensor ones. Cost: one extra row per GEMM (measured on the 1.5B
-target, 2 threads, AVX2: 115 ms per 1-token pass against 111 ms for `quantize_dynamic`).
-Quality: see WEIGHT_LEVELS, and `python -m bench.quality` for perplexity against float32.
+also more accurate than per-tensor ones. Cost: at most one extra row per GEMM (the sentinel,
+where the engine cannot take the fixed map), a few percent of a pass whose time goes into
+reading the weights. Quality: see WEIGHT_LEVELS, and `python -m bench.quality` for perplexity
+against float32. Measured cost, memory and quality: docs/design.md, "An int8 target".
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ INT8_ENGINES = ("fbgemm", "x86", "qnnpack")
 INT8_LABEL = "int8 (per-channel weights, per-token activations)"  # what Info reports as the quantization
 # fbgemm's AVX2 kernel multiplies uint8 activations by int8 weights and adds pairs of
 # products in int16 (vpmaddubsw), which saturates past 32767. torch's own dynamic
-# quantisation avoids that by using 7-bit activations (reduce_range); measured on the 1.5B
-# target, that costs 3.6% perplexity, 7-bit weights with 8-bit activations 1.6% (255 · 63 · 2
-# < 32767, so no pair can saturate), so weights use the range [-63, 63].
+# quantisation avoids that by using 7-bit activations (reduce_range), but halving the
+# activations' range costs more perplexity than halving the weights' (each choice measured
+# in docs/design.md, "An int8 target"), and 7-bit weights with 8-bit activations cannot
+# saturate either (255 · 63 · 2 < 32767), so weights use the range [-63, 63].
 WEIGHT_LEVELS = 63
 
 
@@ -152,11 +154,11 @@ def _own_float_tensors(model: torch.nn.Module) -> None:
 
     transformers maps the safetensors file and a loaded tensor is a view of its pages, so a
     single surviving view (the float32 embeddings) keeps the whole file mapped and the pages
-    read while loading resident: measured on the 1.5B target loaded by `load_runner` in one
-    process, 7,974 MiB RSS after int8 quantisation, 5,888 MiB of it the float32 file, against
-    2,975 MiB once the remaining float tensors own their memory (the copy takes about 2 s; a
-    healthy service process: 8,981 against 3,869 MiB). Identity is kept (`.data` is replaced),
-    so tensors shared between modules stay shared.
+    read while loading resident: after int8 quantisation most of a process's memory would be
+    the float32 checkpoint it no longer uses. Copying the few float tensors left costs a
+    moment at start-up and releases the mapping (the measured RSS: docs/design.md, "An int8
+    target"). Identity is kept (`.data` is replaced), so tensors shared between modules stay
+    shared.
     """
     copied: dict[tuple, torch.Tensor] = {}  # distinct objects viewing the same memory stay one
     with torch.no_grad():

@@ -24,8 +24,8 @@ def free_port() -> int:
     The port is bound seconds later by another process (a service that first loads its model).
     Ports the kernel hands out itself (every outgoing connection, gloo's pairs between
     tensor-parallel ranks, any bind to port 0) come from the ephemeral range, so one of those
-    could take a port that bind(0) had picked for us in the meantime; CI lost a target's gRPC
-    port to its own ranks' connections that way. Below the range only another picker can
+    could take a port that bind(0) had picked for us in the meantime, a tensor-parallel
+    target's own ranks' connections included. Below the range only another picker can
     collide, and a port in use now is skipped."""
     floor = _ephemeral_floor()
     if floor - _LOWEST >= 1_000:

@@ -335,8 +335,8 @@ async def start_model_server(
     kernels use OpenMP, which gives every thread that starts parallel work a thread team of
     its own; with a second team (the event loop's, from loading there) the process runs more
     OpenMP threads than it has cores, libgomp then stops spinning between parallel regions,
-    and each forward pass of a small model became about 1.35 times slower (measured: a 0.5B
-    int8 draft's 4-token proposal 141 ms with one team, 190 ms with two)."""
+    and every forward pass of a small model, made of many short parallel regions, pays for
+    it (measured: docs/design.md, "Services sharing cores")."""
     model_thread = model_thread_for(service_name)
     if runner is None:
         runner = await model_thread.run(load)
