@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         results = overhead.run_overhead(config, load_prompts(config), machine_info(config))
     elif config.suite == "accelerator":
         results = accelerator.run_accelerator(config, machine_info(config), quick=config.quick)
+    elif config.suite == "links":
+        results = accelerator.run_links(config, machine_info(config), config.link_ms)
     elif config.suite == "concurrency":
         torch.set_num_threads(config.threads)
         results = concurrency.run_concurrency(config, load_prompts(config), machine_info(config))
@@ -43,6 +45,8 @@ def _write(results: dict, out_dir: Path) -> int:
         return _save(results, overhead.markdown_table(rows, results["machine"], results.get("floor_ms")), out_dir)
     if results.get("suite") == "accelerator":
         return _save(results, accelerator.markdown(results), out_dir, accelerator.plot(results, out_dir))
+    if results.get("suite") == "links":
+        return _save(results, accelerator.links_markdown(results), out_dir)
     if results.get("suite") == "concurrency":
         rows = concurrency.summarise(results)
         results["summary"] = rows

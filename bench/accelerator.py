@@ -33,7 +33,9 @@ import grpc
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
+from specdec.tools.delay_link import LinkDelay
 from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator
+from specdec.tools.testbed import Testbed
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 
@@ -114,28 +116,47 @@ def bounds(target: PassCostProfile, draft: PassCostProfile, alpha: float, contex
     }
 
 
-def start_services(pair, target_profile: Path, draft_profile: Path, logs: Path, stack: ExitStack) -> tuple:
+def start_services(
+    pair, target_profile: Path, draft_profile: Path, logs: Path, stack: ExitStack, bed: Testbed | None = None
+) -> tuple:
+    """The draft and the target, each on its own host of `bed` (separate network namespaces
+    with their links' delays) or, without one, on loopback."""
     common = ["--threads", "1", "--max-speculative-tokens", "16"]
     # The draft as its α was measured: float32 (int8 rounding moves a tiny random model's argmax),
     # and no confidence stops (its probabilities say little about whether it is right: it
     # stopped at 1.5 drafts a round of K = 4 at α 0.78), so K means K.
     draft_only = ["--min-confidence", "0", "--quantize", "none"]
     env = {"OMP_NUM_THREADS": "1"}
-    draft = spawn(
-        "draft", "draft_service",
-        ["--model", str(pair.draft), "--pass-cost-profile", str(draft_profile), "--cpus", "0", *common, *draft_only],
-        free_port(), logs / "draft.log", env, ROOT,
-    )  # fmt: skip
-    stack.callback(draft.stop)
-    target = spawn(
-        "target", "target_service",
-        ["--model", str(pair.target), "--pass-cost-profile", str(target_profile), "--cpus", "1", *common],
-        free_port(), logs / "target.log", env, ROOT,
-    )  # fmt: skip
-    stack.callback(target.stop)
+    draft_args = ["--model", str(pair.draft), "--pass-cost-profile", str(draft_profile), "--cpus", "0"]
+    target_args = ["--model", str(pair.target), "--pass-cost-profile", str(target_profile), "--cpus", "1"]
+    if bed is None:
+        draft = spawn(
+            "draft", "draft_service", [*draft_args, *common, *draft_only], free_port(), logs / "draft.log", env, ROOT
+        )
+        stack.callback(draft.stop)
+        target = spawn("target", "target_service", [*target_args, *common], free_port(), logs / "target.log", env, ROOT)
+        stack.callback(target.stop)
+    else:
+        draft = bed.serve("draft", "draft_service", [*draft_args, *common, *draft_only], logs / "draft.log", env, ROOT)
+        target = bed.serve("target", "target_service", [*target_args, *common], logs / "target.log", env, ROOT)
     draft.wait_healthy(300)
     target.wait_healthy(300)
     return draft, target
+
+
+def start_coordinator(
+    draft, target, pair, variant: str, logs: Path, bed: Testbed | None, host: str = "coordinator"
+) -> ServiceProcess:
+    """A coordinator for this variant: on loopback, or on a testbed host (on the target's own
+    host it reaches the target without a link)."""
+    log = logs / f"coordinator-{variant}.log"
+    if bed is None:
+        return spawn_coordinator(draft, target, pair.target, log, COORDINATORS[variant], ROOT)
+    target_address = target.local_address if host == "target" else target.address
+    args = ["--draft", draft.address, "--target", target_address, "--tokenizer", str(pair.target)]
+    coordinator = bed.serve(host, "coordinator", [*args, *COORDINATORS[variant]], log, cwd=ROOT)
+    coordinator.wait_healthy(120)
+    return coordinator
 
 
 def overruns(draft: ServiceProcess, target: ServiceProcess) -> dict[str, int]:
@@ -179,6 +200,40 @@ def run_mode(stub, mode: Mode, temperature: float, max_new_tokens: int, seed: in
     }
 
 
+def run_modes(
+    draft,
+    target,
+    pair,
+    modes: list[Mode],
+    config,
+    logs: Path,
+    samples: list[dict],
+    label: str,
+    bed: Testbed | None = None,
+    coordinator_host: str = "coordinator",
+) -> None:
+    """Every mode, greedy and (where it says so) at T = 0.7, each coordinator variant started
+    once for the modes that use it; samples are appended as they finish."""
+    for variant in dict.fromkeys(mode.coordinator for mode in modes):
+        coordinator = start_coordinator(draft, target, pair, variant, logs, bed, coordinator_host)
+        try:
+            with grpc.insecure_channel(coordinator.address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=8), timeout=120)
+                for mode in (m for m in modes if m.coordinator == variant):
+                    for temperature in (0.0, SAMPLED) if mode.sampled else (0.0,):
+                        started = time.monotonic()
+                        sample = run_mode(stub, mode, temperature, config.max_new_tokens, config.seed)
+                        samples.append(sample)
+                        print(
+                            f"{label} {mode.name:28s} T={temperature}: "
+                            f"{sample['tokens_per_s']:7.1f} tok/s ({time.monotonic() - started:.0f} s)",
+                            flush=True,
+                        )
+        finally:
+            coordinator.stop()
+
+
 def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
     cells = QUICK_CELLS if quick else CELLS
     modes = QUICK_MODES if quick else MODES
@@ -202,26 +257,7 @@ def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
         }
         with ExitStack() as stack:
             draft, target = start_services(pair, target_path, draft_path, cell_logs, stack)
-            for variant in dict.fromkeys(mode.coordinator for mode in modes):
-                coordinator = spawn_coordinator(
-                    draft, target, pair.target, cell_logs / f"coordinator-{variant}.log", COORDINATORS[variant], ROOT
-                )
-                try:
-                    with grpc.insecure_channel(coordinator.address) as channel:
-                        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                        stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=8), timeout=120)
-                        for mode in (m for m in modes if m.coordinator == variant):
-                            for temperature in (0.0, SAMPLED) if mode.sampled else (0.0,):
-                                started = time.monotonic()
-                                sample = run_mode(stub, mode, temperature, config.max_new_tokens, config.seed)
-                                samples.append(sample)
-                                print(
-                                    f"{pair_name} α {measured:.2f} {mode.name:28s} T={temperature}: "
-                                    f"{sample['tokens_per_s']:7.1f} tok/s ({time.monotonic() - started:.0f} s)",
-                                    flush=True,
-                                )
-                finally:
-                    coordinator.stop()
+            run_modes(draft, target, pair, modes, config, cell_logs, samples, f"{pair_name} α {measured:.2f}")
             cell["overruns"] = overruns(draft, target)
         # α as the run met it: how often a chain round's first draft was accepted (greedy, fixed K).
         chains = [s for s in samples if s["mode"].startswith("sequential K=") and s["temperature"] == 0.0]
@@ -340,3 +376,103 @@ def plot(results: dict, out_dir: Path) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return path.name
+
+
+LINK_CELL = ("70b+1b", 0.8)
+LINK_MODES = [
+    m
+    for m in MODES
+    if m.name
+    in (
+        "target-only (K=0)",
+        "sequential K=6",
+        "sequential, K chooser",
+        "pipelined, K chooser",
+        "pipelined+2 hedges K=4",
+    )
+]
+
+
+# Where the coordinator runs: on a host of its own (every round crosses two links), or on the
+# target's host (the usual deployment: only the draft's calls cross a link).
+TOPOLOGIES = {"three hosts": "coordinator", "coordinator on the target's host": "target"}
+
+
+def run_links(config, machine: dict, delays_ms: tuple[float, ...]) -> dict:
+    """`--suite links`: the 70B/1B profile at α ≈ 0.8 with the services on separate network
+    hosts (specdec.tools.testbed), in each topology, every link at each one-way delay in turn.
+    The figures are the coordinator's own (GenerationStats.total_ms), so the benchmark's link
+    to the coordinator does not enter them."""
+    pair_name, alpha = LINK_CELL
+    pair, measured = pair_with_acceptance(ROOT / ".cache/bench-accelerator", alpha)
+    target_name, draft_name = PAIRS[pair_name]
+    results: dict = {
+        "suite": "links",
+        "machine": machine,
+        "pair": pair_name,
+        "target_profile": target_name,
+        "draft_profile": draft_name,
+        "alpha_measured": measured,
+        "links": [],
+    }
+    for delay_ms in delays_ms:
+        for topology, coordinator_host in TOPOLOGIES.items():
+            samples: list[dict] = []
+            logs = config.out_dir / "logs" / f"link-{delay_ms:g}ms-{coordinator_host}"
+            delay = LinkDelay(delay_ms)
+            hosts = dict.fromkeys(("draft", "target", coordinator_host), delay)
+            with ExitStack() as stack, Testbed(hosts) as bed:
+                draft, target = start_services(
+                    pair, PROFILES / f"{target_name}.json", PROFILES / f"{draft_name}.json", logs, stack, bed
+                )
+                label = f"{delay_ms:g} ms links, {topology}:"
+                run_modes(draft, target, pair, LINK_MODES, config, logs, samples, label, bed, coordinator_host)
+                results["links"].append(
+                    {
+                        "delay_ms": delay_ms,
+                        "topology": topology,
+                        "samples": samples,
+                        "overruns": overruns(draft, target),
+                    }
+                )
+    return results
+
+
+def links_markdown(results: dict) -> str:
+    machine = results["machine"]
+    delays = list(dict.fromkeys(link["delay_ms"] for link in results["links"]))
+    first, last = delays[0], delays[-1]
+    lines = [
+        f"Separate network hosts (`--suite links`), {machine['date']}: {machine['cpu']} ({machine['cpu_flags']}), "
+        f"{machine['cores']} cores, torch {machine['torch']}. EMULATED accelerators: the {results['target_profile']} "
+        f"target and the {results['draft_profile']} draft profiles (bench/profiles/) on a tiny pair of α "
+        f"{results['alpha_measured']:.2f} (teacher-forced). Each service runs in its own network namespace (the "
+        "coordinator in its own, or on the target's host); every link holds each byte for the one-way delay given, "
+        "in each direction (a user-space forwarder, which adds about 0.1 ms of its own each way). tok/s from the "
+        "coordinator's own request times. Emulation overruns (draft/target): "
+        + ", ".join(
+            f"{link['delay_ms']:g} ms {link['topology']} {link['overruns']['draft']}/{link['overruns']['target']}"
+            for link in results["links"]
+        )
+        + ".",
+        "",
+    ]
+    for topology in dict.fromkeys(link["topology"] for link in results["links"]):
+        by_delay = {
+            link["delay_ms"]: {(s["mode"], s["temperature"]): s["tokens_per_s"] for s in link["samples"]}
+            for link in results["links"]
+            if link["topology"] == topology
+        }
+        lines += [
+            f"### {topology}",
+            "",
+            "| mode | T | " + " | ".join(f"{d:g} ms links, tok/s" for d in delays) + f" | {last:g} ms ÷ {first:g} ms |",
+            "|---|---|" + "---|" * len(delays) + "---|",
+        ]
+        for (mode, temperature), rate in by_delay[first].items():
+            rates = [by_delay.get(d, {}).get((mode, temperature)) for d in delays]
+            cells = " | ".join(f"{r:.1f}" if r is not None else "" for r in rates)
+            ratio = f"{rates[-1] / rate:.2f}" if rates[-1] else ""
+            lines.append(f"| {mode} | {temperature:g} | {cells} | {ratio} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -170,7 +170,18 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--suite",
-        choices=["k-sweep", "drafters", "modes", "all", "concurrency", "overhead", "nodes", "trees", "accelerator"],
+        choices=[
+            "k-sweep",
+            "drafters",
+            "modes",
+            "all",
+            "concurrency",
+            "overhead",
+            "nodes",
+            "trees",
+            "accelerator",
+            "links",
+        ],
         default="k-sweep",
         help=(
             "k-sweep: our K sweep vs HF (draft at --draft-dtype); drafters: each draft-service drafter vs HF's "
@@ -179,8 +190,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "concurrency: aggregate tokens/s with --sessions generations at once, the target batching Verify calls "
             "or not (int8 draft, greedy); nodes: each service on its own core (pinned) sequential, pipelined and "
             "hedged, against HF assisted with the same int8 pair on all cores; accelerator: tiny pairs of chosen "
-            "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds"
+            "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds; "
+            "links: the 70B/1B accelerator cell with each service on its own network host (namespaces, as root) at "
+            "each --link-ms"
         ),
+    )
+    parser.add_argument(
+        "--link-ms", type=float, nargs="+", default=[0.05, 0.5, 2.0], help="links suite: one-way link delays to run"
     )
     parser.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once"
@@ -210,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
     # The overhead suite runs a tiny model of its own: no target to pick.
-    setting = "float32" if args.suite in ("overhead", "accelerator") else args.target_setting
+    setting = "float32" if args.suite in ("overhead", "accelerator", "links") else args.target_setting
     target_dtype, target_quantize, target_pick = resolve_target_setting(
         setting, args.target_model, args.threads, args.device
     )
@@ -240,6 +256,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         batch_window_ms=args.batch_window_ms,
         requests=args.requests,
         quick=args.quick,
+        link_ms=tuple(args.link_ms),
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

@@ -103,6 +103,7 @@ class BenchConfig:
     target_quantize: str = "none"  # the target service's --quantize; "int8" also for the HF baselines' target
     target_pick: str = ""  # why this target setting: target_service.pick's table and reason (--target-setting auto)
     quick: bool = False  # --quick: a few minutes
+    link_ms: tuple[float, ...] = (0.05, 0.5, 2.0)  # links suite: one-way link delays
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class ServiceProcess:
     address: str
     process: subprocess.Popen
     log: Path
+    local_address: str | None = None  # on a testbed host: the service itself, behind its link
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Blocks until the gRPC health service says SERVING; raises with the log if it exits."""

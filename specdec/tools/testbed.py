@@ -181,6 +181,7 @@ class Testbed:
         self.processes.append(link)
         service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]))
         service.address = f"{where.address}:{public}"
+        service.local_address = f"127.0.0.1:{inner}"  # for a service on the same host: no link
         self.processes.append(service)
         return service
 

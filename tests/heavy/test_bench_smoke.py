@@ -4,8 +4,13 @@ works and reports every figure; it asserts no speed."""
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from bench.__main__ import main as bench_main
+from bench.accelerator import TOPOLOGIES
+from specdec.tools.testbed import PREFIX, ip
 
 # One mode per feature the tables report, from each of the three suites `--suite all` merges
 # (substrings of mode names, as --only takes them).
@@ -150,3 +155,19 @@ def test_the_accelerator_suite_runs_emulated_and_reports_its_bounds(tmp_path):
     assert {"target-only (K=0)", "sequential K=4", "pipelined, K chooser", "tree (2,1,1,1)"} <= modes
     assert all(sample["tokens_per_s"] > 0 for sample in cell["samples"])
     assert "EMULATED" in (out / "table.md").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_the_links_suite_runs_on_separate_hosts_and_leaves_nothing(tmp_path):
+    """`--suite links` at one delay: both topologies on testbed hosts, every mode reported,
+    no namespace left behind. No speed asserted."""
+    out = tmp_path / "links"
+    argv = ["--suite", "links", "--link-ms", "0.5", "--max-new-tokens", "8", "--out", str(out)]
+    assert bench_main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [link["topology"] for link in results["links"]] == list(TOPOLOGIES)
+    for link in results["links"]:
+        assert link["delay_ms"] == 0.5 and len(link["samples"]) == 9
+        assert all(sample["tokens_per_s"] > 0 for sample in link["samples"])
+    assert "EMULATED" in (out / "table.md").read_text()
+    assert not [name for name in ip("netns", "list").stdout.split() if name.startswith(f"{PREFIX}{os.getpid()}")]
