@@ -131,8 +131,8 @@ class Engine:
                 ) as span:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
-                    pair = self.pair  # read once a round
-                    plan = plan_round(state, pair, self.config.catch_up, self.upstream.breaker.allow())
+                    pair = state.pair
+                    plan = plan_round(state, self.config.catch_up, self.upstream.breaker.allow())
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms)
                     base = len(state.sequence)
@@ -167,6 +167,7 @@ class Engine:
         stats.pipelined = pipelined
         return RequestState(
             job=job,
+            pair=pair,
             stats=stats,
             streams=RequestStreams.of(job.seed),
             sampling=wire.params_to_pb(job.params),
@@ -234,6 +235,7 @@ class Engine:
                 state.sampling,
                 plan.draft_seed,
                 state.stats,
+                pair,
                 max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
                 tree_widths=plan.widths,
             )
@@ -244,6 +246,11 @@ class Engine:
             # DraftRefusals), and the draft only ever speeds a request up. A broken draft (NaN
             # logits: INTERNAL) still fails the request, loudly (tests/integration/test_guards.py).
             self.upstream.draft_failed(exc, state.draft_view, state.stats)
+            if isinstance(exc, CallRejected):
+                # The one point where a request's pair may change: a draft restarted with other
+                # capabilities (no trees, no copies, a lower K) rejects what this request's
+                # snapshot allowed, so the request takes the Info read after the rejection.
+                state.pair = await self.upstream.reread_pair()
             if isinstance(exc, ResourceExhausted):
                 state.refusals.refused(state.stats.rounds)
             return Round(Source.FALLBACK)

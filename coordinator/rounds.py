@@ -60,6 +60,7 @@ class RequestState:
     """One request between its rounds: what `plan_round` reads and `commit_round` advances."""
 
     job: Job
+    pair: PairInfo  # the pair's Info as the request began; re-read only when the draft rejects a call
     stats: GenerationStats
     streams: RequestStreams
     sampling: common_pb2.SamplingParams
@@ -104,10 +105,11 @@ def copy_limit(state: RequestState, pair: PairInfo, k: int, limit: int) -> int:
     return min(state.copy_chooser.choose(), limit)
 
 
-def plan_round(state: RequestState, pair: PairInfo, catch_up: bool, draft_allowed: bool) -> RoundPlan:
-    """The round's kind, K, copy cap, tree and random draws, from the request's state alone.
-    `pair` is read once for the round (a restarted draft may change it between rounds);
-    `catch_up` is --catch-up; `draft_allowed`: the breaker lets rounds call the draft."""
+def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool) -> RoundPlan:
+    """The round's kind, K, copy cap, tree and random draws, from the request's state alone
+    (its pair too: `RequestState.pair`). `catch_up` is --catch-up; `draft_allowed`: the
+    breaker lets rounds call the draft."""
+    pair = state.pair
     limit = k_limit(pair, len(state.sequence), state.remaining)
     if state.k_chooser is not None:
         k, shape = state.k_chooser.choose_shape()  # shape: a tree's widths, or () for a chain of K

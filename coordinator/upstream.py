@@ -63,7 +63,8 @@ class Upstream:
         self.config = config
         self.draft = draft
         self.target = target
-        self.pair = pair  # replaced (never changed in place) when a restarted draft's Info differs
+        self.pair = pair  # replaced (never changed in place) when a restarted draft's Info differs;
+        # a request keeps the one it began with (RequestState.pair) until the draft rejects a call
         self._target_info = target_info  # to rebuild the pair when the draft changes
         # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
         self.breaker = CircuitBreaker(config.breaker_failures)
@@ -89,11 +90,13 @@ class Upstream:
         sampling,
         seed: int,
         stats: GenerationStats,
+        pair: PairInfo,
         max_copied: int | None = None,
         tree_widths: tuple[int, ...] = (),
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
         connection) but never on a missed deadline: a slow draft is skipped, not waited for.
+        `pair`: the request's snapshot of the pair (the draft's vocabulary width).
         `max_copied`: ProposeRequest.max_copied_tokens for a draft that copies (k may then be
         0); None leaves it unset. `tree_widths`: propose a tree instead (k 0)."""
 
@@ -102,7 +105,7 @@ class Upstream:
             request = draft_pb2.ProposeRequest(
                 session_id=view.session_id,
                 keep_tokens=keep,
-                new_tokens=self.pair.for_draft(new_tokens),
+                new_tokens=pair.for_draft(new_tokens),
                 num_tokens=k,
                 sampling=sampling,
                 seed=seed,
@@ -145,6 +148,13 @@ class Upstream:
             )
             if self._probe is None or self._probe.done():
                 self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
+
+    async def reread_pair(self) -> PairInfo:
+        """The pair once the Info read that a rejected call started has finished (the pair as
+        it was, where the draft is unreachable or no longer pairs)."""
+        if self._refresh is not None and not self._refresh.done():
+            await asyncio.shield(self._refresh)
+        return self.pair
 
     async def _refresh_pair(self) -> None:
         """Rebuilds the pair from the draft's Info as it is now; keeps it where the draft is

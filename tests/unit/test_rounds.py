@@ -37,6 +37,7 @@ def state(k: int = 4, max_new_tokens: int = 32, pipelined: bool = False, **chang
     job = Job(PROMPT, max_new_tokens, SamplingParams(temperature=1.0), 7, (), k, tree_widths=changes.pop("tree", ()))
     made = RequestState(
         job=job,
+        pair=PAIR,
         stats=GenerationStats(prompt_tokens=len(PROMPT)),
         streams=RequestStreams.of(job.seed),
         sampling=wire.params_to_pb(job.params),
@@ -87,7 +88,7 @@ PLANS = {
 @pytest.mark.parametrize("case", PLANS)
 def test_plan_round(case):
     request, pair, catch_up, draft_allowed, (kind, k, copy, widths) = PLANS[case]
-    plan = plan_round(request, pair, catch_up, draft_allowed)
+    plan = plan_round(dataclasses.replace(request, pair=pair), catch_up, draft_allowed)
     assert (plan.kind, plan.k, plan.copy_limit, plan.widths) == (kind, k, copy, widths)
     assert len(plan.uniforms) == (tree_size(widths) or max(k, copy))
     assert (plan.ready is not None) == (kind is RoundKind.READY)
@@ -100,9 +101,9 @@ def test_the_random_draws_do_not_depend_on_the_rounds_kind():
     """The same request at the same round draws the same seeds and coins whether its drafts are
     ready, come from a call, or the round is a catch-up step: the kind never shifts a stream."""
     plans = [
-        plan_round(state(), PAIR, True, True),
-        plan_round(state(ready=READY), PAIR, True, True),
-        plan_round(state(pipelined=True), PAIR, True, True),
+        plan_round(state(), True, True),
+        plan_round(state(ready=READY), True, True),
+        plan_round(state(pipelined=True), True, True),
     ]
     assert [p.kind for p in plans] == [RoundKind.DRAFT_CALL, RoundKind.READY, RoundKind.CATCH_UP]
     draws = {(p.draft_seed, p.target_seed, p.predraft_seed, tuple(p.uniforms[:3])) for p in plans}
@@ -113,7 +114,7 @@ def test_the_k_chooser_decides_k_and_the_context_caps_it():
     costs = RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(50.0,) * 9, draft_rpc_ms=0.1, target_rpc_ms=0.1)
     chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
     near_the_end = state(sequence=list(range(60)), k_chooser=chooser)
-    plan = plan_round(near_the_end, PAIR, True, True)
+    plan = plan_round(near_the_end, True, True)
     assert chooser.history and plan.k == min(chooser.history[-1], k_limit(PAIR, 60, near_the_end.remaining)) == 3
 
 
@@ -151,7 +152,7 @@ COMMITS = {
 def test_commit_round(case):
     round_, outcome, (committed, synced, counters) = COMMITS[case]
     request = state(ready=READY)
-    plan = plan_round(request, PAIR, True, True)
+    plan = plan_round(request, True, True)
     commit_round(request, plan, round_, outcome, PAIR.max_context)
     assert request.sequence == PROMPT + committed
     assert (request.draft_view.synced, request.target_view.synced) == synced
@@ -164,10 +165,10 @@ def test_commit_round(case):
 
 def test_commit_round_finishes_at_the_context_and_at_max_new_tokens():
     at_context = state(sequence=list(range(60)))
-    commit_round(at_context, plan_round(at_context, PAIR, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    commit_round(at_context, plan_round(at_context, True, True), chain_round(), RoundOutcome(3, 80), 64)
     assert at_context.text.finish_reason == "length" and len(at_context.sequence) == 64
     short = state(max_new_tokens=2)
-    commit_round(short, plan_round(short, PAIR, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    commit_round(short, plan_round(short, True, True), chain_round(), RoundOutcome(3, 80), 64)
     assert short.text.finish_reason == "length" and short.sequence == PROMPT + [70, 71]
 
 
@@ -176,7 +177,7 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
     k_chooser, copy_chooser = (AdaptiveK(k_max=8, pipelined=False, costs=costs) for _ in range(2))
     request = state(k_chooser=k_chooser, copy_chooser=copy_chooser)
     before = (k_chooser.reached, copy_chooser.reached)
-    plan = plan_round(request, PAIR, True, True)
+    plan = plan_round(request, True, True)
     commit_round(request, plan, chain_round(copied=True), RoundOutcome(3, 80), 64)
     assert (k_chooser.reached, copy_chooser.reached) == (before[0], before[1] + 3)
     commit_round(request, plan, chain_round(), RoundOutcome(1, 81), 64)
