@@ -35,7 +35,7 @@ from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
 from specdec.tools.delay_link import LinkDelay
 from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator
-from specdec.tools.testbed import Testbed
+from specdec.tools.testbed import Testbed, available
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 
@@ -403,6 +403,9 @@ def run_links(config, machine: dict, delays_ms: tuple[float, ...]) -> dict:
     hosts (specdec.tools.testbed), in each topology, every link at each one-way delay in turn.
     The figures are the coordinator's own (GenerationStats.total_ms), so the benchmark's link
     to the coordinator does not enter them."""
+    problem = available()
+    if problem:
+        raise SystemExit(f"--suite links needs separate network hosts, and none can be built here: {problem}")
     pair_name, alpha = LINK_CELL
     pair, measured = pair_with_acceptance(ROOT / ".cache/bench-accelerator", alpha)
     target_name, draft_name = PAIRS[pair_name]

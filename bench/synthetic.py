@@ -12,7 +12,10 @@ positions where the two argmaxes agree).
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -52,13 +55,28 @@ def greedy_agreement(target_dir: Path, draft_dir: Path) -> float:
 
 
 def pair_with_acceptance(root: Path, alpha: float, tolerance: float = 0.03) -> tuple[TinyPair, float]:
-    """The pair under `root/alpha-<α>` (built once, then reused) and its measured α."""
+    """The pair under `root/alpha-<α>` (built once, then reused) and its measured α. Processes
+    that ask at once (test workers) wait for one build: it runs under a lock, in a folder of
+    its own that is renamed into place whole, so no reader sees a draft being rebuilt."""
     folder = root / f"alpha-{alpha:.2f}"
-    record = folder / "alpha.json"
     tokenizer = byte_level_tokenizer()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".alpha-{alpha:.2f}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "alpha.json").exists():
+            building = root / f".building-{alpha:.2f}-{os.getpid()}"
+            shutil.rmtree(building, ignore_errors=True)
+            _build(building, tokenizer, alpha, tolerance)
+            shutil.rmtree(folder, ignore_errors=True)  # a build that died before its record
+            os.rename(building, folder)
     pair = TinyPair(folder / "target", folder / "draft", len(tokenizer), None)
-    if record.exists():
-        return pair, json.loads(record.read_text())["measured"]
+    return pair, json.loads((folder / "alpha.json").read_text())["measured"]
+
+
+def _build(folder: Path, tokenizer, alpha: float, tolerance: float) -> None:
+    """A target and a draft whose noise is bisected until the draft's greedy agreement is α."""
+    record = folder / "alpha.json"
+    pair = TinyPair(folder / "target", folder / "draft", len(tokenizer), None)
     target = build_model(
         folder / "target", tokenizer, seed=0, logit_scale=3.0, eos_token_id=None, max_context=MAX_CONTEXT
     )
@@ -75,4 +93,3 @@ def pair_with_acceptance(root: Path, alpha: float, tolerance: float = 0.03) -> t
             break
         low, high = (noise, high) if measured > alpha else (low, noise)
     record.write_text(json.dumps({"target": alpha, "measured": measured, "noise": noise}))
-    return pair, measured

@@ -81,9 +81,9 @@ class Engine:
         """The pair as last read from both services' Info (a restarted draft may change it)."""
         return self.upstream.pair
 
-    def prepare(self, request: GenerationRequest) -> Job:
-        """Validates a request (coordinator.requests)."""
-        return prepare_job(request, self.config, self.pair, self.tokenizer)
+    def prepare(self, request: GenerationRequest, pair: PairInfo | None = None) -> Job:
+        """Validates a request (coordinator.requests) against `pair` (the current one if None)."""
+        return prepare_job(request, self.config, pair or self.pair, self.tokenizer)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the requests thread: request handling that grows with the request's size."""
@@ -122,7 +122,8 @@ class Engine:
         Which kind a round is depends on earlier outcomes alone (`plan_round`), never on
         timing, so a seed maps to one output.
         """
-        state = self._start(await self.off_loop(self.prepare, request), time_remaining_s)
+        pair = self.pair  # the request's snapshot, from validation to its last round
+        state = self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s)
         branches: BranchCall | None = None  # drafted during the verify, until the outcome settles them
         try:
             while True:
@@ -153,9 +154,8 @@ class Engine:
                 self.branches.drop(branches)
             self.upstream.end_sessions(state.draft_view, state.target_view)
 
-    def _start(self, job: Job, time_remaining_s: float | None) -> RequestState:
+    def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
         """A request's state before its first round."""
-        pair = self.pair
         # Give up on an unavailable target in time to tell the client so before its own deadline.
         retry_for = self.config.target_retry_s
         if time_remaining_s is not None:
@@ -251,6 +251,7 @@ class Engine:
                 # capabilities (no trees, no copies, a lower K) rejects what this request's
                 # snapshot allowed, so the request takes the Info read after the rejection.
                 state.pair = await self.upstream.reread_pair()
+                state.draft_view.vocab_limit = state.pair.draft_vocab_limit
             if isinstance(exc, ResourceExhausted):
                 state.refusals.refused(state.stats.rounds)
             return Round(Source.FALLBACK)

@@ -48,6 +48,9 @@ async def retry_unavailable(
             on_retry()
 
 
+REREAD_WAIT_S = 0.5  # how long a request whose draft call was rejected waits for the draft's Info
+
+
 class Upstream:
     """The draft and target as the round loop sees them: one object shared by every request,
     holding the clients, the draft's circuit breaker and the pair's current Info."""
@@ -150,10 +153,15 @@ class Upstream:
                 self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
 
     async def reread_pair(self) -> PairInfo:
-        """The pair once the Info read that a rejected call started has finished (the pair as
-        it was, where the draft is unreachable or no longer pairs)."""
+        """The pair once the Info read that a rejected call started has finished; the pair as
+        it was where the draft is unreachable, no longer pairs, or has not answered within
+        REREAD_WAIT_S (the read goes on, and a later rejection takes its result): the round
+        that waits runs target-only anyway, and a draft must never hold a request up."""
         if self._refresh is not None and not self._refresh.done():
-            await asyncio.shield(self._refresh)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._refresh), REREAD_WAIT_S)
+            except TimeoutError:
+                pass
         return self.pair
 
     async def _refresh_pair(self) -> None:

@@ -5,7 +5,7 @@ This kernel has no `netem` qdisc, so the delay cannot come from `tc`. The forwar
 on the link's address, connects to the service behind it, and runs one thread per direction
 that reads, and one that writes each chunk once `delay + jitter` has passed since it was read.
 Chunks leave in the order they came (a chunk never overtakes the one before it, as on one TCP
-stream), and jitter is drawn per chunk from a normal distribution, clipped at zero. Threads and
+stream); jitter adds |N(0, σ)| per chunk (a half-normal: mean 0.8σ), never less than none. Threads and
 `time.sleep` rather than an event loop: epoll's timeout has millisecond resolution, which
 would turn a 0.05 ms link into a 1 ms one.
 
@@ -29,7 +29,7 @@ CHUNK = 1 << 16
 
 @dataclass(frozen=True)
 class LinkDelay:
-    """A link's one-way delay and jitter (the standard deviation of each chunk's extra delay)."""
+    """A link's one-way delay and jitter (σ: each chunk waits |N(0, σ)| more, in order)."""
 
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
@@ -137,6 +137,10 @@ class DelayLink:
         return self
 
     def close(self) -> None:
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; close alone does not
+        except OSError:
+            pass
         self.server.close()
 
 
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", help="HOST:PORT to accept on")
     parser.add_argument("--to", help="HOST:PORT of the service behind the link")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="standard deviation of each chunk's extra delay")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="σ: each chunk waits |N(0, σ)| ms more, in order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure", action="store_true", help="time round trips through forwarders against direct")
     args = parser.parse_args(argv)

@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,26 @@ PREFIX = "sdtb"  # names: sdtb<pid>-<host> (namespaces), sdtb<pid> (bridge), sdt
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+    """`ip args`; with `check`, a failure raises with what `ip` said."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and done.returncode:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+def _ours(name: str, tag: str) -> bool:
+    """Whether an interface or namespace name is the testbed `tag`'s (pid 12's, not pid 123's)."""
+    return name == tag or name.startswith((f"{tag}-", f"{tag}h"))
+
+
+def _free_subnet(preferred: int) -> int:
+    """The third octet of a 10.251.x.0/24 no interface here uses, starting at `preferred`."""
+    used = ip("-4", "-o", "addr", "show", check=False).stdout
+    for offset in range(240):
+        candidate = 10 + (preferred - 10 + offset) % 240
+        if f" 10.251.{candidate}." not in used:
+            return candidate
+    raise RuntimeError("no free 10.251.x.0/24 subnet for a testbed")
 
 
 def available() -> str | None:
@@ -95,6 +116,23 @@ def sweep(everything: bool = False) -> list[str]:
     return removed
 
 
+def _wait_listening(link: ServiceProcess, timeout_s: float) -> None:
+    """Until the forwarder accepts connections; raises with its log if it exits or never does."""
+    host, port = link.address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if link.process.poll() is not None:
+            raise RuntimeError(f"{link.name} exited with {link.process.returncode}:\n{link.log.read_text()[-2000:]}")
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(
+        f"{link.name} not listening on {link.address} after {timeout_s:.0f} s:\n{link.log.read_text()[-2000:]}"
+    )
+
+
 @dataclass
 class Host:
     name: str
@@ -114,9 +152,10 @@ class Testbed:
     __test__ = False  # not a pytest class, whatever its name
 
     links: Mapping[str, LinkDelay]
-    subnet: int = field(default_factory=lambda: 10 + os.getpid() % 240)  # 10.251.<subnet>.0/24
+    subnet: int = 0  # 10.251.<subnet>.0/24, picked free on entry
     hosts: dict[str, Host] = field(default_factory=dict)
     processes: list[ServiceProcess] = field(default_factory=list)
+    bridge_made: bool = False
 
     @property
     def tag(self) -> str:
@@ -128,6 +167,9 @@ class Testbed:
 
     def __enter__(self) -> Testbed:
         sweep()
+        if ip("link", "show", self.tag, check=False).returncode == 0:
+            raise RuntimeError(f"a testbed of this process ({self.tag}) is already up: one at a time per process")
+        self.subnet = _free_subnet(10 + os.getpid() % 240)
         try:
             self._build()
         except BaseException:
@@ -141,6 +183,7 @@ class Testbed:
     def _build(self) -> None:
         bridge = self.tag
         ip("link", "add", bridge, "type", "bridge")
+        self.bridge_made = True
         ip("addr", "add", f"{self.gateway}/24", "dev", bridge)
         ip("link", "set", bridge, "up")
         for index, (name, delay) in enumerate(self.links.items(), start=2):
@@ -179,6 +222,7 @@ class Testbed:
         process = subprocess.Popen(where.command(command), cwd=cwd, stdout=link_log.open("w"), stderr=subprocess.STDOUT)
         link = ServiceProcess(f"{host}-link", f"{where.address}:{public}", process, link_log)
         self.processes.append(link)
+        _wait_listening(link, timeout_s=30)
         service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]))
         service.address = f"{where.address}:{public}"
         service.local_address = f"127.0.0.1:{inner}"  # for a service on the same host: no link
@@ -206,13 +250,15 @@ class Testbed:
             ip("link", "delete", host.veth, check=False)
             ip("netns", "delete", host.namespace, check=False)
         self.hosts.clear()
-        ip("link", "delete", self.tag, check=False)
+        if self.bridge_made:
+            ip("link", "delete", self.tag, check=False)
+            self.bridge_made = False
 
     def leftovers(self) -> list[str]:
         """This testbed's namespaces and links that still exist (none once closed)."""
         names = ip("netns", "list", check=False).stdout.split()
         links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()]
-        return [name for name in (*names, *links) if name.startswith(self.tag)]
+        return [name for name in (*names, *links) if _ours(name, self.tag)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,13 @@ def test_a_draft_restarted_without_trees_degrades_a_tree_request_and_the_pair_fo
         assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 120)
         stats = chunks[-1].stats
         assert stats.draft_failures >= 1 and stats.fallback_rounds > 0
+        # Where the draft came back before the request ended, the request took the pair read
+        # after the draft rejected its tree: it asked once (twice if that read took longer than
+        # the request waits for it: Upstream.reread_pair), not every round until the breaker
+        # opened at its 3 failures. (A request that ends while the breaker is open meets no
+        # rejection at all.)
+        log = "".join(path.read_text() for path in stack.logs.glob("coordinator*.log"))
+        assert log.count("rejected an internal call") <= 2, log[-3000:]
 
         deadline = time.monotonic() + 10
         while True:  # the Info refresh runs beside the request

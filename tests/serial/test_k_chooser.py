@@ -49,8 +49,8 @@ def calibrated(target_extra_s: Callable[[int], float]):
 
 def steep(n: int) -> float:
     """32 ms for one token, 60 ms for each further one. A verify over K + 1 tokens then costs
-    more than K + 1 target-only steps, whatever the fixed cost of a call: speculation cannot
-    pay even if every draft is accepted. (A linear 2 + 30n ms could: with all drafts accepted,
+    more than K + 1 target-only steps unless a call's fixed cost passes 28 ms (here it is a few
+    ms): speculation cannot pay even if every draft is accepted. (A linear 2 + 30n ms could: with all drafts accepted,
     K = 1 commits two tokens for 62 ms + x against one for 32 ms + x, and a CI run whose
     per-call overhead x was a few ms probed every third round at a plausible acceptance
     near 1.)"""

@@ -12,18 +12,22 @@ import pytest
 from specdec.tools.delay_link import DelayLink, LinkDelay, _echo_server, round_trip_ms
 
 
-def test_a_round_trip_takes_at_least_twice_the_delay():
+def test_a_round_trip_takes_at_least_twice_the_delay_and_jitter_adds_to_it():
     server, echo = _echo_server()
     link = DelayLink(("127.0.0.1", 0), echo, LinkDelay(3.0)).start()
+    # Jitter alone: |N(0, 2 ms)| each way, 1.6 ms on average, so a round trip's median is
+    # near 3 ms and far above the fraction of a millisecond a link without jitter takes.
+    jittery = DelayLink(("127.0.0.1", 0), echo, LinkDelay(0.0, jitter_ms=2.0), seed=1).start()
     try:
-        assert round_trip_ms(echo, 64, 5) < 3.0
         assert 6.0 <= round_trip_ms(link.address, 64, 5) < 60.0
+        assert round_trip_ms(jittery.address, 64, 30) > 1.5
     finally:
         link.close()
+        jittery.close()
         server.close()
 
 
-def test_jitter_never_reorders_a_stream_and_the_end_is_passed_on():
+def test_a_stream_keeps_its_order_under_jitter_and_its_end_is_passed_on():
     server, echo = _echo_server()
     link = DelayLink(("127.0.0.1", 0), echo, LinkDelay(0.2, jitter_ms=1.0), seed=3).start()
     sent = b"".join(i.to_bytes(4, "big") for i in range(5000))

@@ -15,8 +15,14 @@ FAST = ("unit", "integration")
 ALL = (*FAST, "heavy", "serial")
 # What starts a process: the service launcher, the process stack, subprocess, multiprocessing
 # (torch.distributed's gloo ranks are spawned through it).
-PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "specdec.tools.launch")
-PROCESS_NAMES = {"ProcessStack", "spawn", "ServiceProcess"}
+PROCESS_MODULES = (
+    "subprocess",
+    "multiprocessing",
+    "torch.multiprocessing",
+    "specdec.tools.launch",
+    "specdec.tools.testbed",
+)
+PROCESS_NAMES = {"ProcessStack", "spawn", "ServiceProcess", "launch", "testbed", "Testbed"}
 
 
 def imports_of(path: Path) -> set[str]:
