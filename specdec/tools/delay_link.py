@@ -20,6 +20,7 @@ import collections
 import random
 import socket
 import statistics
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -41,11 +42,13 @@ class LinkDelay:
 
 class _Direction:
     """One direction of one connection: a reader thread stamps chunks, a writer thread sends
-    each at its stamp. End of stream is passed on as a half-close."""
+    each at its stamp. The end of the stream is passed on as it came: a half-close as a
+    half-close, a reset as a reset. A writer whose far side has gone stops its reader, so
+    nothing queues up that could no longer be delivered."""
 
     def __init__(self, source: socket.socket, sink: socket.socket, delay: LinkDelay, rng: random.Random, done):
         self.source, self.sink, self.delay, self.rng, self.done = source, sink, delay, rng, done
-        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.queue: collections.deque[tuple[float, bytes, bool]] = collections.deque()  # (release, data, reset)
         self.ready = threading.Condition()
         self.last_release = 0.0
         for target in (self._read, self._write):
@@ -59,12 +62,13 @@ class _Direction:
 
     def _read(self) -> None:
         while True:
+            reset = False
             try:
                 data = self.source.recv(CHUNK)
             except OSError:
-                data = b""
+                data, reset = b"", True  # the source reset the connection
             with self.ready:
-                self.queue.append((self._release_time(), data))
+                self.queue.append((self._release_time(), data, reset))
                 self.ready.notify()
             if not data:
                 return
@@ -75,16 +79,25 @@ class _Direction:
                 with self.ready:
                     while not self.queue:
                         self.ready.wait()
-                    release, data = self.queue.popleft()
+                    release, data, reset = self.queue.popleft()
                 wait = release - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
                 if not data:
-                    self.sink.shutdown(socket.SHUT_WR)
+                    if reset:
+                        # Closed without lingering, the sink sends a reset, not a FIN; shutting
+                        # its reading side wakes the other direction's reader to end it.
+                        self.sink.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.sink.shutdown(socket.SHUT_RD)
+                    else:
+                        self.sink.shutdown(socket.SHUT_WR)
                     return
                 self.sink.sendall(data)
         except OSError:
-            pass
+            try:  # the far side is gone: stop reading what could no longer be delivered
+                self.source.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
         finally:
             self.done()
 

@@ -4,6 +4,7 @@ were sent even with jitter, and the end of a stream is passed on."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -48,6 +49,29 @@ def test_a_stream_keeps_its_order_under_jitter_and_its_end_is_passed_on():
             reader.join(timeout=30)
             assert not reader.is_alive()
         assert bytes(received) == sent
+    finally:
+        link.close()
+        server.close()
+
+
+def test_a_reset_is_passed_on_as_a_reset():
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def accept_and_reset() -> None:
+        conn, _ = server.accept()
+        conn.recv(16)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # no lingering: a reset
+
+    threading.Thread(target=accept_and_reset, daemon=True).start()
+    link = DelayLink(("127.0.0.1", 0), server.getsockname()[:2], LinkDelay(0.5)).start()
+    try:
+        with socket.create_connection(link.address) as sock:
+            sock.settimeout(10)
+            sock.sendall(b"hello")
+            with pytest.raises(ConnectionResetError):
+                while sock.recv(16):
+                    pass
     finally:
         link.close()
         server.close()
