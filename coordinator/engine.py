@@ -81,9 +81,9 @@ class Engine:
         """The pair as last read from both services' Info (a restarted draft may change it)."""
         return self.upstream.pair
 
-    def prepare(self, request: GenerationRequest, pair: PairInfo | None = None) -> Job:
-        """Validates a request (coordinator.requests) against `pair` (the current one if None)."""
-        return prepare_job(request, self.config, pair or self.pair, self.tokenizer)
+    def prepare(self, request: GenerationRequest, pair: PairInfo) -> Job:
+        """Validates a request (coordinator.requests) against the request's snapshot of the pair."""
+        return prepare_job(request, self.config, pair, self.tokenizer)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the requests thread: request handling that grows with the request's size."""

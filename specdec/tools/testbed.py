@@ -92,25 +92,44 @@ def _owner(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+def _namespaces() -> list[str]:
+    return ip("netns", "list", check=False).stdout.split()
+
+
+def _links() -> list[str]:
+    """Every interface's name here (a veth's without its peer's `@…`)."""
+    lines = ip("-o", "link", "show", check=False).stdout.splitlines()
+    return [line.split(":")[1].strip().split("@")[0] for line in lines if ":" in line]
+
+
+def _kill_inside(namespace: str) -> None:
+    """Kills whatever still runs in `namespace`, so that deleting it frees it."""
+    for pid in ip("netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def leftovers(tag: str | None = None) -> list[str]:
+    """The namespaces and links of the testbed `tag` (this process's by default) that exist."""
+    tag = tag or f"{PREFIX}{os.getpid()}"
+    return [name for name in (*_namespaces(), *_links()) if _ours(name, tag)]
+
+
 def sweep(everything: bool = False) -> list[str]:
     """Removes testbeds whose owning process is gone (all of them with `everything`): their
     namespaces' processes, the namespaces and the bridges. Returns what it removed."""
     removed = []
-    namespaces = ip("netns", "list", check=False).stdout.split()
-    for name in (n for n in namespaces if n.startswith(PREFIX)):
+    for name in (n for n in _namespaces() if n.startswith(PREFIX)):
         owner = _owner(name)
         if everything or owner is None or not _alive(owner):
-            for pid in ip("netns", "pids", name, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(name)
             ip("netns", "delete", name, check=False)
             removed.append(name)
-    for line in ip("-o", "link", "show", check=False).stdout.splitlines():
-        link = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        owner = _owner(link) if link.startswith(PREFIX) else None
-        if link.startswith(PREFIX) and (everything or owner is None or not _alive(owner)):
+    for link in (n for n in _links() if n.startswith(PREFIX)):
+        owner = _owner(link)
+        if everything or owner is None or not _alive(owner):
             ip("link", "delete", link, check=False)
             removed.append(link)
     return removed
@@ -240,11 +259,7 @@ class Testbed:
             process.stop(timeout_s=10)
         self.processes.clear()
         for host in self.hosts.values():
-            for pid in ip("netns", "pids", host.namespace, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(host.namespace)
             # The link first: a namespace's own end goes with it, but only once the kernel
             # frees the namespace, which can be after `ip netns delete` returns.
             ip("link", "delete", host.veth, check=False)
@@ -256,9 +271,7 @@ class Testbed:
 
     def leftovers(self) -> list[str]:
         """This testbed's namespaces and links that still exist (none once closed)."""
-        names = ip("netns", "list", check=False).stdout.split()
-        links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()]
-        return [name for name in (*names, *links) if _ours(name, self.tag)]
+        return leftovers(self.tag)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from bench.__main__ import main as bench_main
 from bench.accelerator import TOPOLOGIES
-from specdec.tools.testbed import PREFIX, ip
+from specdec.tools.testbed import leftovers
 
 # One mode per feature the tables report, from each of the three suites `--suite all` merges
 # (substrings of mode names, as --only takes them).
@@ -170,4 +170,4 @@ def test_the_links_suite_runs_on_separate_hosts_and_leaves_nothing(tmp_path):
         assert link["delay_ms"] == 0.5 and len(link["samples"]) == 9
         assert all(sample["tokens_per_s"] > 0 for sample in link["samples"])
     assert "EMULATED" in (out / "table.md").read_text()
-    assert not [name for name in ip("netns", "list").stdout.split() if name.startswith(f"{PREFIX}{os.getpid()}-")]
+    assert not leftovers()  # this process's testbed: the suite ran in it

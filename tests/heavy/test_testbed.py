@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.tools.delay_link import LinkDelay
-from specdec.tools.testbed import PREFIX, Testbed, _ours, available, ip, sweep
+from specdec.tools.testbed import PREFIX, Testbed, available, ip, leftovers, sweep
 from tests.heavy.test_readme_commands import as_run_here, readme_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,9 +86,7 @@ def test_greedy_output_across_hosts_equals_the_target_and_nothing_is_left(tiny_p
             if k != 0:
                 assert int(response["stats"].get("proposed_tokens", 0)) > 0, "the draft host was never used"
         assert len(bed.leftovers()) == len(LINKS) + 1 + len(LINKS)  # namespaces, the bridge, veths
-    assert not [name for name in ip("netns", "list").stdout.split() if _ours(name, tag)]
-    links = [line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link", "show").stdout.splitlines()]
-    assert not [name for name in links if _ours(name, tag)]
+    assert not leftovers(tag)
 
 
 def test_a_testbed_left_by_a_killed_process_is_swept():
