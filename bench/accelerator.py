@@ -129,16 +129,16 @@ def start_services(
     env = {"OMP_NUM_THREADS": "1"}
     draft_args = ["--model", str(pair.draft), "--pass-cost-profile", str(draft_profile), "--cpus", "0"]
     target_args = ["--model", str(pair.target), "--pass-cost-profile", str(target_profile), "--cpus", "1"]
-    if bed is None:
-        draft = spawn(
-            "draft", "draft_service", [*draft_args, *common, *draft_only], free_port(), logs / "draft.log", env, ROOT
-        )
-        stack.callback(draft.stop)
-        target = spawn("target", "target_service", [*target_args, *common], free_port(), logs / "target.log", env, ROOT)
-        stack.callback(target.stop)
-    else:
-        draft = bed.serve("draft", "draft_service", [*draft_args, *common, *draft_only], logs / "draft.log", env, ROOT)
-        target = bed.serve("target", "target_service", [*target_args, *common], logs / "target.log", env, ROOT)
+
+    def start(name: str, module: str, args: list[str]) -> ServiceProcess:
+        if bed is not None:  # the testbed stops what it started
+            return bed.serve(name, module, args, logs / f"{name}.log", env, ROOT)
+        service = spawn(name, module, args, free_port(), logs / f"{name}.log", env, ROOT)
+        stack.callback(service.stop)
+        return service
+
+    draft = start("draft", "draft_service", [*draft_args, *common, *draft_only])
+    target = start("target", "target_service", [*target_args, *common])
     draft.wait_healthy(300)
     target.wait_healthy(300)
     return draft, target
