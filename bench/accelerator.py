@@ -7,7 +7,7 @@ each, one torch thread, on loopback (same-host links). The pairs come from bench
 the draft's greedy agreement α set to about 0.6, 0.8 or 0.9.
 
 For each profile pair × α it runs target-only, sequential speculation at fixed K and with the K
-chooser, pipelined rounds (catch-up steps), pipelined with hedges, and trees, and reports tok/s,
+chooser, pipelined rounds, pipelined with 2 hedges and with a hedge at every position, and trees, and reports tok/s,
 × target-only, × the best sequential fixed K, the framework's overhead as a share of a round,
 and two bounds from the profiles and the measured α (Leviathan et al.):
 
@@ -49,6 +49,7 @@ COORDINATORS = {
     "sequential": [],
     "pipelined": ["--pipeline", "on"],
     "hedged": ["--pipeline", "on", "--hedges", "2"],
+    "hedged-all": ["--pipeline", "on", "--hedges", "8"],  # a hedge at every position of K ≤ 8
     "tree-chooser": ["--tree-chooser", "on"],
 }
 PROMPTS = [[5, 17, 99], [40, 41, 42, 43], [250, 3], [120, 77, 77, 1]]
@@ -85,6 +86,8 @@ MODES = [
     Mode("tree (2,1,1,1)", "sequential", None, tree=(2, 1, 1, 1)),
     Mode("tree (3,1,1)", "sequential", None, tree=(3, 1, 1)),
     Mode("K chooser with trees", "tree-chooser", None),
+    Mode("pipelined, all hedged K=6", "hedged-all", 6, sampled=True),
+    Mode("pipelined, all hedged, K chooser", "hedged-all", None, sampled=True),
 ]
 QUICK_MODES = [MODES[0], MODES[2], MODES[5], MODES[7], MODES[9]]
 

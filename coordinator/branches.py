@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from coordinator.config import CoordinatorConfig
-from coordinator.hedging import Hedge, acceptance_estimate, plan_hedges
+from coordinator.hedging import Hedge, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.rounds import RequestState, k_limit
@@ -111,9 +111,12 @@ class Branches:
         requests: list[draft_pb2.ProposeRequest] = []
         base = len(sequence)
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
-            alpha = acceptance_estimate(*stats.drafted_acceptance())  # the model's drafts: copies apart
             for hedge in plan_hedges(
-                round_.runner_up_ids, round_.runner_up_probs, alpha, self.config.hedges, pair.eos_token_ids
+                round_.runner_up_ids,
+                round_.runner_up_probs,
+                state.acceptance.alpha,
+                self.config.hedges,
+                pair.eos_token_ids,
             ):
                 limit = k_limit(pair, base + hedge.position + 1, state.remaining - hedge.position - 1)
                 if not limit:

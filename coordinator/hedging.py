@@ -49,6 +49,24 @@ def plan_hedges(
     return hedges[:limit]
 
 
-def acceptance_estimate(accepted: int, proposed: int, prior: float = 0.75, weight: float = 2.0) -> float:
-    """Per-token acceptance so far, pulled toward `prior` by `weight` pseudo-drafts."""
-    return (accepted + weight * prior) / (proposed + weight)
+@dataclass
+class Acceptance:
+    """The per-position acceptance α of a request's model drafts so far (copies apart, which
+    accept at rates of their own): accepted drafts over the positions the rounds reached (a
+    round reaches its accepted drafts and the one rejected), pulled toward `prior` by `weight`
+    pseudo-positions. Per position, as E(K) = (1 − α^(K+1)) / (1 − α) needs it: accepted over
+    proposed would read α 0.81 as 0.59 at K = 6."""
+
+    prior: float = 0.75
+    weight: float = 2.0
+    accepted: int = 0
+    reached: int = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.accepted += accepted
+            self.reached += min(accepted + 1, proposed)
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.weight * self.prior) / (self.reached + self.weight)

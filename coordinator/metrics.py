@@ -95,11 +95,6 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
-    def drafted_acceptance(self) -> tuple[int, int]:
-        """(accepted, proposed) over the drafts the draft model drew: copied rounds (prompt
-        lookup) accept at rates of their own and would skew an estimate of the model's."""
-        return self.accepted_tokens - self.copied_accepted, self.proposed_tokens - self.copied_tokens
-
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per round, the recovered/bonus token included (as vLLM counts it)."""

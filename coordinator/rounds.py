@@ -7,8 +7,9 @@ A round's kind is chosen from the request's earlier outcomes alone, never from t
 seed maps to one output:
 
     READY       drafts a kept pre-draft or hedge already holds
-    CATCH_UP    a pipelined round with none ready: one target-only step while the draft
-                catches its session up and drafts the round after it
+    CATCH_UP    a pipelined round with none ready, where a step pays (`catch_up_pays`): one
+                target-only step while the draft catches its session up and drafts the round
+                after it
     DRAFT_CALL  a Propose call: a chain of K, a copy (prompt lookup) or a tree
     FALLBACK    the draft is skipped (breaker open, or it refused this request lately)
     TARGET_ONLY K = 0: the target samples one token
@@ -20,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
+from coordinator.hedging import Acceptance
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
@@ -74,6 +76,7 @@ class RequestState:
     k_chooser: AdaptiveK | None = None  # K per round, when the request left K to the coordinator
     copy_chooser: AdaptiveK | None = None  # a copy's length, chosen apart (copies cost no pass)
     refusals: DraftRefusals = field(default_factory=DraftRefusals)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # of the model's chain drafts, copies apart
     ready: Round | None = None  # the next round's drafts, from a kept pre-draft or hedge
     branch_failed: bool = False  # the last branch call failed: the next round drafts afresh, never a catch-up
 
@@ -105,6 +108,23 @@ def copy_limit(state: RequestState, pair: PairInfo, k: int, limit: int) -> int:
     return min(state.copy_chooser.choose(), limit)
 
 
+def catch_up_pays(state: RequestState, k: int) -> bool:
+    """Whether a round with no drafts ready should be a catch-up step rather than wait for K
+    fresh drafts. A step commits one token in a target pass; a fresh round commits E(K) in K
+    draft steps and a verify. Either starts the next round's branches, so the next round is
+    about as likely to find drafts ready after both; the step pays where it commits tokens
+    faster: 1 / V(0) > E(K) / (D(K) + V(K)), from the calibrated costs and the request's own
+    acceptance (never from timing, so a seed still maps to one output). Where a draft step is
+    a small share of a target pass (a GPU), a fresh round wins by far; where the draft is
+    nearly as slow as the target (these CPUs), the step does. A request's first round is
+    always a step: it prefills both models at once. Without measured costs, always a step."""
+    costs = state.pair.costs
+    if costs is None or not state.draft_view.opened:
+        return True
+    alpha = state.k_chooser.alpha if state.k_chooser is not None else state.acceptance.alpha
+    return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
+
+
 def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool) -> RoundPlan:
     """The round's kind, K, copy cap, tree and random draws, from the request's state alone
     (its pair too: `RequestState.pair`). `catch_up` is --catch-up; `draft_allowed`: the
@@ -134,6 +154,7 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool) -> Roun
         and not (copy or widths)  # a copy costs no pass; a tree is not pipelined
         and not state.branch_failed
         and draft_allowed
+        and catch_up_pays(state, k)
     ):
         kind = RoundKind.CATCH_UP  # rather than leave the target idle while the draft drafts
     elif k or copy or widths:
@@ -196,6 +217,8 @@ def commit_round(
         state.k_chooser.observe_tree(plan.widths, outcome.path)
     elif state.k_chooser is not None:
         state.k_chooser.observe_round(proposed, outcome.num_accepted)
+    if not (round_.copied or round_.parents):
+        state.acceptance.observe(proposed, outcome.num_accepted)
     # Both services hold sequence + drafts; only the accepted drafts stay valid. After a tree
     # both hold the committed sequence, the nodes cached behind it: the next call's new tokens
     # (the accepted path first) tell them which nodes to keep.

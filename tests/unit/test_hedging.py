@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from coordinator.config import parse_config
-from coordinator.hedging import acceptance_estimate, plan_hedges
+from coordinator.hedging import Acceptance, plan_hedges
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.engine.modeling import load_causal_lm
@@ -32,9 +32,14 @@ def test_hedges_skip_end_of_sequence_and_impossible_tokens():
     assert plan_hedges([], [], alpha=0.8, limit=2) == []
 
 
-def test_acceptance_estimate_starts_at_the_prior_and_follows_the_counts():
-    assert acceptance_estimate(0, 0) == pytest.approx(0.75)
-    assert acceptance_estimate(90, 100) == pytest.approx((90 + 1.5) / 102)
+def test_acceptance_starts_at_the_prior_and_counts_positions_reached():
+    acceptance = Acceptance()
+    assert acceptance.alpha == pytest.approx(0.75)
+    acceptance.observe(6, 6)  # every position reached and accepted
+    acceptance.observe(6, 2)  # positions 1-3 reached, the third rejected
+    acceptance.observe(0, 0)  # a target-only round reaches none
+    assert (acceptance.accepted, acceptance.reached) == (8, 9)
+    assert acceptance.alpha == pytest.approx((8 + 1.5) / 11)
 
 
 def test_hedges_flag_is_bounded():

@@ -59,6 +59,14 @@ def refused_just_now() -> DraftRefusals:
 
 
 READY = Round(Source.PREDRAFT, [5, 6, 7], [0.5, 0.5, 0.5], [None] * 3, [], [])
+# A draft step a tenth of a target pass (an accelerator) and one nearly as slow (these CPUs).
+CHEAP_DRAFT = dataclasses.replace(
+    PAIR, costs=RoundCosts(draft_pass_ms=(2.0,) * 9, target_pass_ms=(20.0,) * 9, draft_rpc_ms=1, target_rpc_ms=1)
+)
+DEAR_DRAFT = dataclasses.replace(
+    PAIR, costs=RoundCosts(draft_pass_ms=(15.0,) * 9, target_pass_ms=(20.0,) * 9, draft_rpc_ms=1, target_rpc_ms=1)
+)
+OPENED = SessionView("s", synced=3, opened=True)  # a round after the first
 
 # (case, state, pair, --catch-up, breaker allows) -> (kind, K, copy cap, tree widths)
 PLANS = {
@@ -70,6 +78,15 @@ PLANS = {
     "ready drafts, K = 0: unused": (state(k=0, ready=READY), PAIR, True, True, (RoundKind.TARGET_ONLY, 0, 0, ())),
     "pipelined, none ready: a catch-up step": (state(pipelined=True), PAIR, True, True, (RoundKind.CATCH_UP, 4, 0, ())),
     "pipelined, --catch-up off": (state(pipelined=True), PAIR, False, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
+    "pipelined, a cheap draft: fresh drafts after a miss": (
+        state(pipelined=True, draft_view=OPENED), CHEAP_DRAFT, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
+    ),
+    "pipelined, a dear draft: a catch-up step after a miss": (
+        state(pipelined=True, draft_view=OPENED), DEAR_DRAFT, True, True, (RoundKind.CATCH_UP, 4, 0, ()),
+    ),
+    "pipelined, a cheap draft: the first round is a catch-up step": (
+        state(pipelined=True), CHEAP_DRAFT, True, True, (RoundKind.CATCH_UP, 4, 0, ()),
+    ),
     "pipelined, the last branch call failed": (
         state(pipelined=True, branch_failed=True), PAIR, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
     ),
