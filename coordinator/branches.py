@@ -150,6 +150,7 @@ class Branches:
                     num_tokens=plans[-1].k,
                     sampling=state.sampling,
                     seed=predraft_seed,
+                    guess_first=True,  # the bonus guess: only compared with the bonus token
                     **draft_view.draft_fields(),
                 )
             )

@@ -52,6 +52,7 @@ class ProposeCall:
     vocab_limit: int = 0  # propose only ids below this (the target's width); 0: no limit
     max_copied_tokens: int | None = None  # a copying drafter copies at most this many (None: num_tokens)
     tree_widths: tuple[int, ...] = ()  # propose a tree: children per node at each depth (num_tokens 0)
+    guess_first: bool = False  # the first token is the argmax, a guess (ProposeRequest.guess_first)
 
     @property
     def copy_limit(self) -> int:

@@ -273,10 +273,12 @@ class DraftRunner(ModelRunner):
             logits = self._below(logits, drafting.call.vocab_limit)
         drafting.processed += len(drafting.feed)
         drafting.batch_size = max(drafting.batch_size, batch_size)
-        if drafting.deterministic:
+        guess = drafting.call.guess_first and not drafting.token_ids  # ProposeRequest.guess_first
+        if drafting.deterministic or guess:
             head_probs = one_hot_argmax(logits)  # [N]
             row = int(logits.argmax())
             belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
+            support = torch.tensor([row])  # [1] the one-hot row's only id
         else:
             head_probs, support = top_k_with_support(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
             row = int(sample(head_probs[None], drafting.generator)[0])

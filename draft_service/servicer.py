@@ -151,6 +151,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.vocab_limit,
         request.max_copied_tokens if request.HasField("max_copied_tokens") else None,
         tuple(request.tree_widths),
+        request.guess_first,
     )
 
 

@@ -109,3 +109,20 @@ def test_runner_up_is_the_likeliest_other_token(draft_runner, params):
             others[token] = 0.0
             assert float(row[runner_up]) == pytest.approx(float(others.max()))
     draft_runner.end_session("r")
+
+
+def test_a_guessed_first_token_is_the_argmax_and_the_rest_are_drawn_as_usual(draft_runner):
+    """ProposeRequest.guess_first (a pre-draft's bonus guess): the first token is the draft's
+    argmax, sent one-hot, even when the request samples; the tokens after it are drawn as a
+    call that was sent the guess would draw them, with the same seed and distributions."""
+    sampled, prompt = SamplingParams(temperature=1.0), [5, 6, 7, 8, 9]
+    argmax = draft_runner.propose_one(ProposeCall("a", 0, prompt, 1, GREEDY, 0)).token_ids[0]
+    guessed = draft_runner.propose_one(ProposeCall("g", 0, prompt, 4, sampled, 3, guess_first=True))
+    assert guessed.token_ids[0] == argmax and not guessed.deterministic
+    assert float(guessed.probs[0][argmax]) == 1.0 and float(guessed.probs[0].sum()) == 1.0
+    assert [ids.tolist() for ids in guessed.supports[:1]] == [[argmax]]
+    after = draft_runner.propose_one(ProposeCall("f", 0, [*prompt, argmax], 3, sampled, 3))
+    assert guessed.token_ids[1:] == after.token_ids
+    torch.testing.assert_close(guessed.probs[1:], after.probs, atol=1e-5, rtol=1e-4)
+    for session in ("a", "g", "f"):
+        draft_runner.end_session(session)
