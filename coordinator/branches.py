@@ -27,6 +27,10 @@ from specdec.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
 
+# Unused forks one ProposeBranches call ends (the draft takes up to 64); any more are ended
+# by EndSession calls at once.
+ENDED_PER_CALL = 32
+
 
 @dataclass(frozen=True)
 class BranchPlan:
@@ -47,6 +51,7 @@ class BranchCall:
     round_index: int
     branches: list[BranchPlan]
     task: asyncio.Future  # the ProposeBranches call
+    ending: tuple[str, ...] = ()  # the unused forks of earlier calls that this call ends
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -162,9 +167,14 @@ class Branches:
             request.epoch = next(draft_view.calls)
         stats.predrafts += predraft_k > 0
         stats.hedges += len(plans) - (predraft_k > 0)
-        call = draft_pb2.ProposeBranchesRequest(branches=requests)
+        # Earlier rounds' unused forks end in this call, not in an EndSession call each.
+        for session_id in state.unused_forks[ENDED_PER_CALL:]:
+            self.upstream.end_later(self.upstream.draft, session_id)
+        ending = tuple(state.unused_forks[:ENDED_PER_CALL])
+        state.unused_forks[:] = ending
+        call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
         task = asyncio.ensure_future(self.upstream.draft.propose_branches(call))
-        return BranchCall(round_index=stats.rounds, branches=plans, task=task)
+        return BranchCall(round_index=stats.rounds, branches=plans, task=task, ending=ending)
 
     async def pick(
         self, call: BranchCall, outcome: RoundOutcome | TreeOutcome, proposed: int, live: bool
@@ -193,18 +203,21 @@ class Branches:
         draft_view: SessionView,
         base: int,
         stats: GenerationStats,
+        unused: list[str],
     ) -> Settled:
         """The next round's drafts, if a branch assumed the outcome that happened (`pick`), and
         the draft session to use from now on. A branch so chosen holds the committed prefix
         and drafts drawn from the draft given exactly that prefix, before the next round's
         coins exist; the next round verifies them against the distributions they came from.
-        Unused forks are freed; when a hedge is used, its fork becomes the request's draft
-        session and the old one is freed."""
+        Unused forks join `unused`, which the next branch call ends; when a hedge is used, its
+        fork becomes the request's draft session and the old one joins them. The forks this
+        call ended leave `unused` once its reply is read; a call cancelled or failed may not
+        have ended them, so they stay and go again with the next (ending is idempotent)."""
         if call.round_index != stats.rounds - 1:
             raise AssertionError(f"branches of round {call.round_index} offered to round {stats.rounds - 1}")
         hit = await self.pick(call, outcome, proposed, live)
         if hit is None:
-            self.drop(call)
+            self.drop(call, unused)
             return Settled(None, draft_view)
         waited_from = stats.elapsed_ms()
         try:
@@ -212,12 +225,13 @@ class Branches:
         except SpecDecError as exc:
             # A failed call only means the next round drafts afresh (or falls back).
             logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
-            self.drop(call)
+            self.drop(call, unused)
             return Settled(None, draft_view, failed=True, refused=isinstance(exc, ResourceExhausted))
         finally:
             stats.branch_wait_ms += stats.elapsed_ms() - waited_from
         check_reply(self.upstream.draft.address, "branch results", len(reply.results), len(call.branches))
-        return self._take(call, reply, hit, outcome, proposed, draft_view, base, stats)
+        unused[:] = [session_id for session_id in unused if session_id not in call.ending]
+        return self._take(call, reply, hit, outcome, proposed, draft_view, base, stats, unused)
 
     def _take(
         self,
@@ -229,9 +243,10 @@ class Branches:
         draft_view: SessionView,
         base: int,
         stats: GenerationStats,
+        unused: list[str],
     ) -> Settled:
         """Reads every branch's reply: the hit's drafts become the next round's, the rest are
-        counted and their forks freed."""
+        counted and their forks join `unused`."""
         taken: Round | None = None
         failed = refused = False
         for plan, result in zip(call.branches, reply.results):
@@ -254,7 +269,7 @@ class Branches:
                 stats.hedge_hits += 1
                 stats.hedged_tokens += len(branch.draft_token_ids)
                 taken = branch
-                self.upstream.end_later(self.upstream.draft, draft_view.session_id)
+                unused.append(draft_view.session_id)
                 draft_view = SessionView(
                     plan.session_id,
                     synced=base + outcome.num_accepted + 1,
@@ -265,7 +280,7 @@ class Branches:
                 )
             else:
                 stats.hedge_wasted_tokens += len(branch.draft_token_ids)
-                self.upstream.end_later(self.upstream.draft, plan.session_id)
+                unused.append(plan.session_id)
         return Settled(taken, draft_view, failed, refused)
 
     @staticmethod
@@ -298,8 +313,14 @@ class Branches:
             draft_view.synced = max(draft_view.synced, base + proposed)
         return None
 
-    def drop(self, call: BranchCall) -> None:
-        """Cancels the branches' call and frees their forks (the pre-draft's session is the request's)."""
+    def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
+        """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
+        `unused`, or without one (the request is over) are ended now with the forks the call
+        was to end."""
         call.cancel()
-        for plan in call.forks:
-            self.upstream.end_later(self.upstream.draft, plan.session_id)
+        forks = [plan.session_id for plan in call.forks]
+        if unused is not None:
+            unused.extend(forks)
+            return
+        for session_id in (*forks, *call.ending):
+            self.upstream.end_later(self.upstream.draft, session_id)

@@ -152,6 +152,8 @@ class Engine:
         finally:
             if branches is not None:
                 self.branches.drop(branches)
+            for session_id in state.unused_forks:
+                self.upstream.end_later(self.upstream.draft, session_id)
             self.upstream.end_sessions(state.draft_view, state.target_view)
 
     def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
@@ -280,7 +282,7 @@ class Engine:
     async def _settle(self, state: RequestState, call: BranchCall, outcome, proposed: int, base: int) -> None:
         """Takes the branch the outcome selected (if any) as the next round's drafts."""
         settled = await self.branches.settle(
-            call, outcome, proposed, not state.finished, state.draft_view, base, state.stats
+            call, outcome, proposed, not state.finished, state.draft_view, base, state.stats, state.unused_forks
         )
         state.draft_view = settled.draft_view
         # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:

@@ -79,6 +79,7 @@ class RequestState:
     acceptance: Acceptance = field(default_factory=Acceptance)  # of the model's chain drafts, copies apart
     ready: Round | None = None  # the next round's drafts, from a kept pre-draft or hedge
     branch_failed: bool = False  # the last branch call failed: the next round drafts afresh, never a catch-up
+    unused_forks: list[str] = field(default_factory=list)  # draft sessions to end with the next branch call
 
     @property
     def remaining(self) -> int:

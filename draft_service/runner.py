@@ -274,6 +274,7 @@ class DraftRunner(ModelRunner):
         drafting.processed += len(drafting.feed)
         drafting.batch_size = max(drafting.batch_size, batch_size)
         guess = drafting.call.guess_first and not drafting.token_ids  # ProposeRequest.guess_first
+        support: torch.Tensor | None
         if drafting.deterministic or guess:
             head_probs = one_hot_argmax(logits)  # [N]
             row = int(logits.argmax())

@@ -96,6 +96,12 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         never wait behind them for a window."""
         if not 1 <= len(request.branches) <= MAX_BRANCHES:
             raise InvalidArgument(f"ProposeBranches takes 1 to {MAX_BRANCHES} branches; got {len(request.branches)}")
+        ending = list(request.end_session_ids)
+        if len(ending) > MAX_ENDED:
+            raise InvalidArgument(f"ProposeBranches ends at most {MAX_ENDED} sessions; got {len(ending)}")
+        named = {b.session_id for b in request.branches} | {b.fork_from for b in request.branches}
+        if clash := next((session for session in ending if session in named), None):
+            raise InvalidArgument(f"end_session_ids names {clash!r}, which a branch of the same call uses")
         with tracer.start_as_current_span("draft.propose_branches") as span:
             span.set_attributes(
                 {
@@ -107,7 +113,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             stop = threading.Event()
             calls = [_call(branch, stop.is_set) for branch in request.branches]
             try:
-                results = await self._model_thread.run(self._runner.propose_batch, calls)
+                results = await self._model_thread.run(self._end_then_propose, ending, calls)
             except asyncio.CancelledError:
                 stop.set()  # the verify went another way: stop every branch at its next step
                 raise
@@ -120,6 +126,12 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
                     self._metrics.observe_call("propose", result.compute_ms, result.processed_tokens, result.batch_size)
                 reply.results.add(proposal=_response(result))
         return reply
+
+    def _end_then_propose(self, ending: list[str], calls: list[ProposeCall]) -> list:
+        """On the model thread: ends the sessions the caller is done with, then drafts the branches."""
+        for session_id in ending:
+            self._runner.end_session(session_id)
+        return self._runner.propose_batch(calls)
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
         stop = threading.Event()
@@ -134,6 +146,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 
 
 MAX_BRANCHES = 16
+MAX_ENDED = 64  # ProposeBranchesRequest.end_session_ids
 
 
 def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:

@@ -138,8 +138,9 @@ async def test_a_call_older_than_one_served_is_refused_and_changes_nothing(tiny_
 
 async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_branch_alone(tiny_pair):
     """The draft's ProposeBranches over gRPC: the pre-draft and its hedges share passes, a
-    branch that cannot run carries its own status while the others answer, and a call with
-    no branches (or too many) is INVALID_ARGUMENT."""
+    branch that cannot run carries its own status while the others answer, a call ends the
+    sessions it is asked to end first, and a call with no branches (or too many), or asked to
+    end one of its own sessions (or too many), is INVALID_ARGUMENT."""
     async with inprocess_stack(tiny_pair, draft_overrides={"quantize": "none"}) as stack:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
             draft = draft_pb2_grpc.DraftStub(channel)
@@ -188,6 +189,28 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
             assert runner.sessions.open("h0", 5).tokens[:5] == [5, 6, 7, 8, 9], (
                 "the fork copied the session as it was before the pre-draft"
             )
+            # The next call ends the fork the verify did not pick, and skips an id not held.
+            reply = await draft.ProposeBranches(
+                draft_pb2.ProposeBranchesRequest(
+                    branches=[
+                        draft_pb2.ProposeRequest(
+                            session_id="s", keep_tokens=held + 4, num_tokens=1, sampling=sampling, epoch=5
+                        )
+                    ],
+                    end_session_ids=["h0", "never-held"],
+                )
+            )
+            assert [r.error_code for r in reply.results] == [0] and "h0" not in runner.sessions.ids()
+            for ending in (["s"], [f"e{i}" for i in range(65)]):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await draft.ProposeBranches(
+                        draft_pb2.ProposeBranchesRequest(
+                            branches=[draft_pb2.ProposeRequest(session_id="s", num_tokens=1, sampling=sampling)],
+                            end_session_ids=ending,
+                        )
+                    )
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "end" in refused.value.details()
+            assert "s" in runner.sessions.ids(), "a refused call ends nothing"
             for branches in (
                 [],
                 [
