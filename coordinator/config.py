@@ -66,8 +66,9 @@ class CoordinatorConfig:
         True,
         "--catch-up",
         "with --pipeline: a round whose drafts are not ready (the first, and any after a pre-draft or "
-        "hedge missed) runs as one target-only step while the draft drafts the round after it, so the "
-        "target never waits for the draft; off: the round waits for fresh drafts",
+        "hedge missed where the calibrated costs say a step commits tokens faster than a fresh round) "
+        "runs as one target-only step while the draft drafts the round after it; off: such rounds "
+        "wait for fresh drafts",
         more="See [Catch-up steps](design.md#catch-up-steps).",
     )
     adaptive_k: bool = setting(
