@@ -21,6 +21,7 @@ from specdec.config.settings import group, parse_settings, setting
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
 MAX_HEDGES = 8
+MAX_TARGET_ONLY_STEPS = 65  # one Verify call's steps: its own and the target's 64 step_seeds
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,14 @@ class CoordinatorConfig:
         "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
         f"(0 = off; at most {MAX_HEDGES})",
     )
+    target_only_steps: int = setting(
+        4,
+        "--target-only-steps",
+        "a request with K = 0 samples up to this many tokens per Verify call, each with its own seed, "
+        "so a seed gives the same output whatever this is; fewer calls cost less, and the tokens "
+        f"stream in groups this long (1 = a call per token; at most {MAX_TARGET_ONLY_STEPS})",
+        more="See [The round loop](design.md#the-round-loop).",
+    )
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     http_port: int = setting(
         -1,
@@ -156,6 +165,8 @@ class CoordinatorConfig:
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"
+        if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
+            return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
         return self.security.problem() or self.upstream.problem("--upstream-")
 
 

@@ -133,11 +133,13 @@ class Engine:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
                     pair = state.pair
-                    plan = plan_round(state, self.config.catch_up, self.upstream.breaker.allow())
+                    plan = plan_round(
+                        state, self.config.catch_up, self.upstream.breaker.allow(), self.config.target_only_steps
+                    )
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms)
                     base = len(state.sequence)
-                    commit_round(state, plan, round_, outcome, pair.max_context)
+                    commit_round(state, plan, round_, outcome, pair.max_context, verification.step_token_ids)
                     if branches is not None:
                         await self._settle(state, branches, outcome, len(round_.draft_token_ids), base)
                         branches = None
@@ -202,6 +204,8 @@ class Engine:
                 plan.target_seed,
                 state.stats,
                 state.retry_until,
+                plan.step_seeds,
+                pair.eos_token_ids if plan.step_seeds else (),
             )  # fmt: skip
         )
         branches = None
@@ -213,6 +217,8 @@ class Engine:
             # A tree's: one recovered token per node and the root.
             expected_recovered = proposed + 1 if round_.parents else proposed
             check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
+            if len(verification.step_token_ids) > len(plan.step_seeds):
+                check_reply(address, "step_token_ids", len(verification.step_token_ids), len(plan.step_seeds))
         except BaseException:
             if branches is not None:
                 self.branches.drop(branches)

@@ -12,12 +12,14 @@ seed maps to one output:
                 after it
     DRAFT_CALL  a Propose call: a chain of K, a copy (prompt lookup) or a tree
     FALLBACK    the draft is skipped (breaker open, or it refused this request lately)
-    TARGET_ONLY K = 0: the target samples one token
+    TARGET_ONLY K = 0: the target samples one token (a request that fixes K = 0: up to
+                --target-only-steps, one seed each, in one Verify call)
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
@@ -55,6 +57,7 @@ class RoundPlan:
     uniforms: list[float]  # one per position a proposal may fill (a tree's: one per node), drawn whatever it is
     draft_allowed: bool  # the breaker lets rounds call the draft (asked once a round)
     ready: Round | None = None  # READY: the drafts, cut to K
+    step_seeds: tuple[int, ...] = ()  # TARGET_ONLY with K fixed at 0: the Verify call's further steps
 
 
 @dataclass
@@ -126,10 +129,10 @@ def catch_up_pays(state: RequestState, k: int) -> bool:
     return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
 
 
-def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool) -> RoundPlan:
+def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_steps: int = 1) -> RoundPlan:
     """The round's kind, K, copy cap, tree and random draws, from the request's state alone
     (its pair too: `RequestState.pair`). `catch_up` is --catch-up; `draft_allowed`: the
-    breaker lets rounds call the draft."""
+    breaker lets rounds call the draft; `target_steps`: --target-only-steps."""
     pair = state.pair
     limit = k_limit(pair, len(state.sequence), state.remaining)
     if state.k_chooser is not None:
@@ -173,7 +176,23 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool) -> Roun
         uniforms,
         draft_allowed,
         ready.truncated(k) if kind is RoundKind.READY and ready is not None else None,
+        step_seeds(state, kind, target_steps),
     )
+
+
+def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple[int, ...]:
+    """A request that fixes K = 0 runs up to `target_steps` target-only steps per Verify call:
+    the seeds of the steps after the first, drawn from the target's stream as the rounds they
+    replace would draw them (a K = 0 request reads no other stream), so the output does not
+    depend on `target_steps`. Room is left for the last step's token in the length and the
+    context; a request whose K is chosen, or a tree request served target-only, steps once
+    (its next round may speculate)."""
+    if kind is not RoundKind.TARGET_ONLY or state.k_chooser is not None:
+        return ()
+    if state.job.num_speculative_tokens or state.job.tree_widths:
+        return ()
+    more = min(target_steps - 1, state.remaining - 1, state.pair.max_context - len(state.sequence) - 1)
+    return tuple(next_seed(state.streams.target) for _ in range(max(0, more)))
 
 
 def decide(round_: Round, verification: target_pb2.VerifyResponse, uniforms: list[float]) -> RoundOutcome | TreeOutcome:
@@ -197,13 +216,21 @@ def decide(round_: Round, verification: target_pb2.VerifyResponse, uniforms: lis
 
 
 def commit_round(
-    state: RequestState, plan: RoundPlan, round_: Round, outcome: RoundOutcome | TreeOutcome, max_context: int
+    state: RequestState,
+    plan: RoundPlan,
+    round_: Round,
+    outcome: RoundOutcome | TreeOutcome,
+    max_context: int,
+    steps: Sequence[int] = (),
 ) -> None:
     """Applies a verified round: the stats, the choosers, both session views, and the committed
-    tokens (the generation may finish on any of them)."""
+    tokens (the generation may finish on any of them). `steps`: the tokens of a target-only
+    call's further steps (VerifyResponse.step_token_ids), each counted as a round of its own."""
     stats, proposed = state.stats, len(round_.draft_token_ids)
     base = len(state.sequence)
     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
+    for _ in steps:
+        stats.record_round(0, 0)
     stats.ready_rounds += round_.source in (Source.PREDRAFT, Source.HEDGE)
     stats.catch_up_rounds += round_.source is Source.CATCH_UP
     stats.fallback_rounds += round_.source is Source.FALLBACK
@@ -224,11 +251,11 @@ def commit_round(
     # both hold the committed sequence, the nodes cached behind it: the next call's new tokens
     # (the accepted path first) tell them which nodes to keep.
     held = base + (0 if round_.parents else outcome.num_accepted)
-    state.target_view.synced = held
+    state.target_view.synced = held + len(steps)  # a step feeds the token before it
     if round_.source.in_draft_session:
         state.draft_view.synced = held
     state.ready = None
-    for token in outcome.committed(round_.draft_token_ids):
+    for token in (*outcome.committed(round_.draft_token_ids), *steps):
         state.sequence.append(token)
         if state.text.push(token):
             return

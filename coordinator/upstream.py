@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
 from opentelemetry import trace
@@ -212,10 +212,13 @@ class Upstream:
         seed: int,
         stats: GenerationStats,
         retry_until: float,
+        step_seeds: Sequence[int] = (),
+        stop_token_ids: Collection[int] = (),
     ) -> target_pb2.VerifyResponse:
-        """The round's verify. A target that is UNAVAILABLE (restarting) is retried until
-        `retry_until` (loop time); back up, it has lost the session, answers NOT_FOUND and is
-        re-sent the committed sequence, so the output does not change."""
+        """The round's verify (a target-only one with `step_seeds`: its further steps, stopping
+        after a token in `stop_token_ids`). A target that is UNAVAILABLE (restarting) is
+        retried until `retry_until` (loop time); back up, it has lost the session, answers
+        NOT_FOUND and is re-sent the committed sequence, so the output does not change."""
 
         def send(keep: int, new_tokens: list[int]):
             return self.target.verify(
@@ -228,6 +231,8 @@ class Upstream:
                     draft_parents=round_.parents,
                     sampling=sampling,
                     seed=seed,
+                    step_seeds=step_seeds,
+                    stop_token_ids=sorted(stop_token_ids),
                 )
             )
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec.errors import grpc_errors
+from specdec.errors import InvalidArgument, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
-from target_service.runner import TargetRunner, VerifyCall
+from target_service.runner import TargetRunner, Verification, VerifyCall
+
+MAX_STEPS = 64  # VerifyRequest.step_seeds
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
@@ -61,6 +64,10 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
 
     async def _answer(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         draft_token_ids = list(request.draft_token_ids)
+        if request.step_seeds and (draft_token_ids or request.return_distributions):
+            raise InvalidArgument("step_seeds need a target-only call: no draft tokens, no return_distributions")
+        if len(request.step_seeds) > MAX_STEPS:
+            raise InvalidArgument(f"at most {MAX_STEPS} step_seeds; got {len(request.step_seeds)}")
         params = wire.params_from_pb(request.sampling)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
@@ -86,10 +93,8 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 request.return_distributions,
                 tuple(request.draft_parents),
             )
-            if self._batcher is not None:
-                result = await self._batcher.submit(call)
-            else:
-                result = await self._model_thread.run(self._runner.verify_one, call)
+            result = await self._verify(call)
+            steps, result = await self._steps(request, call, result)
             span.set_attributes(
                 {
                     "specdec.processed_tokens": result.processed_tokens,
@@ -110,4 +115,35 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             processed_tokens=result.processed_tokens,
             sequence_length=result.sequence_length,
             compute_ms=result.compute_ms,
+            step_token_ids=steps,
+        )
+
+    async def _verify(self, call: VerifyCall) -> Verification:
+        if self._batcher is not None:
+            return await self._batcher.submit(call)
+        return await self._model_thread.run(self._runner.verify_one, call)
+
+    async def _steps(
+        self, request: target_pb2.VerifyRequest, first: VerifyCall, result: Verification
+    ) -> tuple[list[int], Verification]:
+        """VerifyRequest.step_seeds: each step a target-only call of its own after the one
+        before (through the batcher, so other sessions' calls share its passes), feeding the
+        last token and drawing the next with its seed. Returns the steps' tokens and the
+        first call's result (its bonus token) with their work and the session's length added."""
+        tokens: list[int] = []
+        stops = set(request.stop_token_ids)
+        first_result = result
+        token, compute_ms, processed = result.bonus_token_id, result.compute_ms, result.processed_tokens
+        for seed in request.step_seeds:
+            if token in stops:
+                break
+            step = await self._verify(
+                dataclasses.replace(first, keep_tokens=result.sequence_length, new_tokens=[token], seed=seed)
+            )
+            token, result = step.bonus_token_id, step
+            tokens.append(token)
+            compute_ms += step.compute_ms
+            processed += step.processed_tokens
+        return tokens, dataclasses.replace(
+            first_result, sequence_length=result.sequence_length, compute_ms=compute_ms, processed_tokens=processed
         )

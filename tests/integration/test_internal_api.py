@@ -106,6 +106,16 @@ async def test_unknown_session_is_not_found(stack):
             ),
             "finite, non-negative",
         ),
+        (
+            dict(
+                draft_token_ids=[5],
+                draft_distributions=[common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())],
+                step_seeds=[1],
+            ),
+            "step_seeds need a target-only call",
+        ),
+        (dict(step_seeds=[1], return_distributions=True), "step_seeds need a target-only call"),
+        (dict(step_seeds=list(range(65))), "at most 64 step_seeds"),
     ],
 )
 async def test_malformed_verify_is_invalid_argument(stack, request_fields, message):
@@ -115,6 +125,38 @@ async def test_malformed_verify_is_invalid_argument(stack, request_fields, messa
         await stack.target_stub.Verify(target_pb2.VerifyRequest(**fields))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, error.value.details()), error.value.details()
+
+
+async def test_a_target_only_verify_steps_on_with_each_seed_and_stops_after_a_stop_token(stack):
+    """VerifyRequest.step_seeds: the tokens N + 1 single calls with those seeds would give,
+    the session holding all but the last; a stop token ends the steps."""
+    prompt, seeds = [10, 20, 30, 40], [11, 12, 13]
+    stepped = await stack.target_stub.Verify(
+        target_pb2.VerifyRequest(
+            session_id="steps", new_tokens=prompt, sampling=SAMPLED, seed=10, step_seeds=seeds, stop_token_ids=[-1]
+        )
+    )
+    tokens = [stepped.bonus_token_id, *stepped.step_token_ids]
+    assert len(tokens) == 4 and stepped.sequence_length == len(prompt) + 3
+    assert stepped.processed_tokens == len(prompt) + 3
+    single, sent = [], prompt
+    for seed in (10, *seeds):
+        reply = await stack.target_stub.Verify(
+            target_pb2.VerifyRequest(
+                session_id="single", keep_tokens=len(prompt) + len(single) - len(sent), new_tokens=sent,
+                sampling=SAMPLED, seed=seed,
+            )
+        )  # fmt: skip
+        single.append(reply.bonus_token_id)
+        sent = [reply.bonus_token_id]
+    assert single == tokens
+    stopped = await stack.target_stub.Verify(
+        target_pb2.VerifyRequest(
+            session_id="stops", new_tokens=prompt, sampling=SAMPLED, seed=10, step_seeds=seeds,
+            stop_token_ids=[tokens[1]],
+        )
+    )  # fmt: skip
+    assert [stopped.bonus_token_id, *stopped.step_token_ids] == tokens[: tokens.index(tokens[1]) + 1]
 
 
 async def test_propose_then_verify_with_full_distributions(stack):

@@ -199,3 +199,31 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
     assert (k_chooser.reached, copy_chooser.reached) == (before[0], before[1] + 3)
     commit_round(request, plan, chain_round(), RoundOutcome(1, 81), 64)
     assert k_chooser.reached == before[0] + 2
+
+
+def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_seeds_of_single_steps():
+    """--target-only-steps: a K = 0 request's Verify call carries the seeds of the steps after
+    its first, drawn from the target's stream as that many single-step rounds would draw them,
+    so the output does not depend on the setting; room is left for the last token."""
+    single = state(k=0)
+    seeds = [plan_round(single, True, True).target_seed for _ in range(4)]
+    plan = plan_round(state(k=0), True, True, target_steps=4)
+    assert plan.kind is RoundKind.TARGET_ONLY and [plan.target_seed, *plan.step_seeds] == seeds
+    assert len(plan_round(state(k=0, max_new_tokens=2), True, True, target_steps=4).step_seeds) == 1
+    assert len(plan_round(state(k=0, sequence=list(range(62))), True, True, target_steps=4).step_seeds) == 1
+    costs = RoundCosts(draft_pass_ms=(40.0,) * 9, target_pass_ms=(1.0,) * 9)
+    chosen = state(k=4, k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.1, probe_every=0))
+    assert plan_round(chosen, True, True, target_steps=4).step_seeds == (), "a chosen K = 0 may speculate next"
+    assert plan_round(state(), True, True, target_steps=4).step_seeds == ()
+
+
+def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
+    request = state(k=0)
+    plan = plan_round(request, True, True, target_steps=3)
+    commit_round(request, plan, Round(Source.NONE), RoundOutcome(0, 80), PAIR.max_context, steps=[81, 82])
+    assert request.sequence == PROMPT + [80, 81, 82]
+    assert request.target_view.synced == len(PROMPT) + 2, "the target fed every token but the last"
+    assert (request.stats.rounds, request.stats.k_per_round, request.stats.bonus_tokens) == (3, [0, 0, 0], 3)
+    ending = state(k=0)
+    commit_round(ending, plan, Round(Source.NONE), RoundOutcome(0, 80), PAIR.max_context, steps=[0])
+    assert ending.sequence == PROMPT + [80, 0] and ending.finished
