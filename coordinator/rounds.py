@@ -185,9 +185,10 @@ def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple
     the seeds of the steps after the first, drawn from the target's stream as the rounds they
     replace would draw them (a K = 0 request reads no other stream), so the output does not
     depend on `target_steps`. Room is left for the last step's token in the length and the
-    context; a request whose K is chosen, or a tree request served target-only, steps once
-    (its next round may speculate)."""
-    if kind is not RoundKind.TARGET_ONLY or state.k_chooser is not None:
+    context. A request's first round steps once, so its first token comes as soon as the
+    prompt's pass ends; so does a request whose K is chosen, or a tree request served
+    target-only (its next round may speculate)."""
+    if kind is not RoundKind.TARGET_ONLY or state.k_chooser is not None or not state.stats.rounds:
         return ()
     if state.job.num_speculative_tokens or state.job.tree_widths:
         return ()

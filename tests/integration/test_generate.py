@@ -85,8 +85,8 @@ async def test_stream_matches_unary(stack):
 async def test_k_zero_runs_several_steps_per_verify_call_and_a_seed_gives_the_same_output(stack, tiny_pair):
     """--target-only-steps (4 here): a K = 0 request's Verify call samples up to 4 tokens, each
     with the seed a call of its own would use, so sampled output is the same as with one step a
-    call (and greedy output the target's, above); its tokens stream 4 a chunk, and the target
-    still runs each token once."""
+    call (and greedy output the target's, above); its tokens stream 4 a chunk after the first
+    token, and the target still runs each token once."""
     requests = [
         dict(prompt=prompt, max_new_tokens=23, num_speculative_tokens=0, temperature=1.0, seed=seed)
         for seed, prompt in enumerate(PROMPTS)
@@ -96,7 +96,7 @@ async def test_k_zero_runs_several_steps_per_verify_call_and_a_seed_gives_the_sa
     processed = stack.target_runner.processed_tokens_total - before
     assert processed == sum(r.stats.prompt_tokens + len(r.token_ids) - 1 for r in stepped)
     chunks = [len(c.token_ids) async for c in stack.stub.GenerateStream(pb.GenerateRequest(**requests[0]), timeout=60)]
-    assert sum(chunks) == len(stepped[0].token_ids) and max(chunks) == 4, chunks
+    assert sum(chunks) == len(stepped[0].token_ids) and chunks[0] == 1 and max(chunks) == 4, chunks
     async with inprocess_stack(tiny_pair, coordinator_overrides={"target_only_steps": 1}) as single:
         for request, response in zip(requests, stepped):
             alone = await single.stub.Generate(pb.GenerateRequest(**request), timeout=60)

@@ -205,16 +205,24 @@ def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_se
     """--target-only-steps: a K = 0 request's Verify call carries the seeds of the steps after
     its first, drawn from the target's stream as that many single-step rounds would draw them,
     so the output does not depend on the setting; room is left for the last token."""
-    single = state(k=0)
+
+    def after_a_round(k: int = 0, **changes) -> RequestState:
+        request = state(k=k, **changes)
+        request.stats.rounds = 1  # a request's first round steps once: its first token comes first
+        return request
+
+    assert plan_round(state(k=0), True, True, target_steps=4).step_seeds == ()
+    single = after_a_round()
     seeds = [plan_round(single, True, True).target_seed for _ in range(4)]
-    plan = plan_round(state(k=0), True, True, target_steps=4)
+    plan = plan_round(after_a_round(), True, True, target_steps=4)
     assert plan.kind is RoundKind.TARGET_ONLY and [plan.target_seed, *plan.step_seeds] == seeds
-    assert len(plan_round(state(k=0, max_new_tokens=2), True, True, target_steps=4).step_seeds) == 1
-    assert len(plan_round(state(k=0, sequence=list(range(62))), True, True, target_steps=4).step_seeds) == 1
+    assert len(plan_round(after_a_round(max_new_tokens=2), True, True, target_steps=4).step_seeds) == 1
+    assert len(plan_round(after_a_round(sequence=list(range(62))), True, True, target_steps=4).step_seeds) == 1
     costs = RoundCosts(draft_pass_ms=(40.0,) * 9, target_pass_ms=(1.0,) * 9)
     chosen = state(k=4, k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.1, probe_every=0))
+    chosen.stats.rounds = 1
     assert plan_round(chosen, True, True, target_steps=4).step_seeds == (), "a chosen K = 0 may speculate next"
-    assert plan_round(state(), True, True, target_steps=4).step_seeds == ()
+    assert plan_round(after_a_round(k=4), True, True, target_steps=4).step_seeds == ()
 
 
 def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
