@@ -392,6 +392,7 @@ LINK_MODES = [
         "sequential, K chooser",
         "pipelined, K chooser",
         "pipelined+2 hedges K=4",
+        "pipelined, all hedged K=6",
     )
 ]
 
