@@ -4,8 +4,12 @@ Leviathan et al.: with per-token acceptance α, a round of K drafts commits on a
 E(K) = (1 − α^(K+1)) / (1 − α) tokens (E(0) = 1: a target-only step). A sequential round
 costs T(K) = D(K) + V(K): the draft call, K one-token draft passes plus an RPC, and the
 verify call, one target pass over K + 1 new tokens plus an RPC. Pipelined, the next round's
-draft runs during this round's verify and is only kept when every draft is accepted and its
-first token equals the bonus token (probability ≈ α^(K+1)), so T(K) = V(K) + (1 − α^(K+1))·D(K).
+drafts (K + 1 steps: the bonus guess, then K) run during this round's verify, on the critical
+path only past its end, and are kept when every draft is accepted and the guess equals the
+bonus token (probability ≈ α^(K+1)) or, with hedges, when a hedge assumed the rejection that
+happened (probability ρ given a rejection, learned from the request's rounds); otherwise the
+next round drafts afresh. So T(K) = max(V(K), D(K + 1)) + m(K)·D(K), with the miss
+probability m(K) = 1 − α^(K+1) − (1 − α^K)·ρ.
 K maximises E(K) / T(K). Where verifying K + 1 tokens costs several times one token (bf16 on
 an AVX2-only CPU), or the draft is nearly as slow as the target, that maximum is K = 0.
 
@@ -34,6 +38,7 @@ PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above th
 PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
 
 
+DEFAULT_RESCUE_PRIOR = 0.5  # a hedge at the rejected position guessed the recovered token
 DEFAULT_BETA_PRIOR = 0.3  # a runner-up child accepted after the first child's rejection
 TREE_WIDTHS = (2, 3)  # tree shapes the chooser weighs: w children at the root, then chains
 
@@ -74,13 +79,15 @@ class RoundCosts:
     def verify_ms(self, k: int) -> float:
         return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
 
-    def round_ms(self, k: int, alpha: float, pipelined: bool) -> float:
+    def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
+        """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened."""
         if pipelined and k:
-            return self.verify_ms(k) + (1.0 - alpha ** (k + 1)) * self.draft_ms(k)
+            miss = 1.0 - alpha ** (k + 1) - (1.0 - alpha**k) * rescue
+            return max(self.verify_ms(k), self.draft_ms(k + 1)) + miss * self.draft_ms(k)
         return self.verify_ms(k) + self.draft_ms(k)
 
-    def tokens_per_ms(self, k: int, alpha: float, pipelined: bool) -> float:
-        return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined), 1e-9)
+    def tokens_per_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
+        return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined, rescue), 1e-9)
 
     def tree_round_ms(self, width: int, depth: int) -> float:
         """A sequential round of the tree (width, 1, …, 1): the root's pass, then depth − 1
@@ -90,9 +97,9 @@ class RoundCosts:
         return draft + self.target_rpc_ms + cost_at(self.target_pass_ms, width * depth + 1)
 
 
-def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0) -> int:
+def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0, rescue: float = 0.0) -> int:
     """argmax over K in [k_min, k_max] of expected tokens per millisecond (ties: smaller K)."""
-    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined), -k))
+    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined, rescue), -k))
 
 
 def best_tree(alpha: float, beta: float, costs: RoundCosts, k_max: int) -> tuple[tuple[int, ...], float]:
@@ -132,12 +139,29 @@ class AdaptiveK:
     beta_prior: float = DEFAULT_BETA_PRIOR
     beta_accepted: float = 0.0
     beta_reached: float = 0.0
+    # Pipelined with hedges (`hedged`): ρ, how often a hedge assumed the rejection that
+    # happened, learned from the rounds that ended in one.
+    hedged: bool = False
+    rescue_hits: float = 0.0
+    rescue_tries: float = 0.0
 
     def __post_init__(self) -> None:
         self.accepted += PRIOR_WEIGHT * self.alpha_prior
         self.reached += PRIOR_WEIGHT
         self.beta_accepted += PRIOR_WEIGHT * self.beta_prior
         self.beta_reached += PRIOR_WEIGHT
+        self.rescue_hits += PRIOR_WEIGHT * DEFAULT_RESCUE_PRIOR
+        self.rescue_tries += PRIOR_WEIGHT
+
+    @property
+    def rescue(self) -> float:
+        """ρ, or 0 without hedges."""
+        return self.rescue_hits / self.rescue_tries if self.hedged and self.pipelined else 0.0
+
+    def observe_rescue(self, hit: bool) -> None:
+        """A hedged round that ended in a rejection: whether a hedge had assumed it."""
+        self.rescue_tries += 1.0
+        self.rescue_hits += hit
 
     @property
     def beta(self) -> float:
@@ -166,8 +190,9 @@ class AdaptiveK:
         are. Where nothing plausible pays (a steep verify cost, or many rejections), probes
         stay rare. Evidence: docs/design.md, "The K chooser"."""
         alpha = self._alpha_above(PLAUSIBLE_ERRORS)
-        k = best_k(alpha, self.costs, self.k_max, self.pipelined)
-        gain = self.costs.tokens_per_ms(k, alpha, self.pipelined) / self.costs.tokens_per_ms(0, alpha, self.pipelined)
+        k = best_k(alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+        rate = self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue)
+        gain = rate / self.costs.tokens_per_ms(0, alpha, False)
         if gain >= PROBE_GAIN:
             return min(self.probe_every, QUICK_PROBE_EVERY)
         return self.probe_every
@@ -180,11 +205,12 @@ class AdaptiveK:
         high. A one-draft round costs little where K = 0 and K = 1 are close in value, and the
         uncertainty shrinks as drafts are evaluated, so a draft that is truly poor still
         settles at K = 0 with probes. Evidence: docs/design.md, "The K chooser"."""
-        k = best_k(self.alpha, self.costs, self.k_max, self.pipelined)
-        if k == 0 and self.k_max and best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined):
+        k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+        plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+        if k == 0 and self.k_max and plausible:
             k = 1
         if k == 0 and self.k_max and self.probe_every and self.zero_streak >= self.probe_interval:
-            k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1)
+            k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
         self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)
         return k

@@ -20,16 +20,13 @@ from coordinator.rounds import RequestState, k_limit
 from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, SpecDecError
+from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
 from specdec.sampling.seeds import next_seed
 from specdec.sampling.tree_sampling import TreeOutcome
 from specdec.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
-
-# Unused forks one ProposeBranches call ends (the draft takes up to 64); any more are ended
-# by EndSession calls at once.
-ENDED_PER_CALL = 32
 
 
 @dataclass(frozen=True)
@@ -168,9 +165,9 @@ class Branches:
         stats.predrafts += predraft_k > 0
         stats.hedges += len(plans) - (predraft_k > 0)
         # Earlier rounds' unused forks end in this call, not in an EndSession call each.
-        for session_id in state.unused_forks[ENDED_PER_CALL:]:
+        for session_id in state.unused_forks[wire.MAX_ENDED_SESSIONS :]:  # any more: EndSession calls
             self.upstream.end_later(self.upstream.draft, session_id)
-        ending = tuple(state.unused_forks[:ENDED_PER_CALL])
+        ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
         state.unused_forks[:] = ending
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
         task = asyncio.ensure_future(self.upstream.draft.propose_branches(call))
@@ -315,12 +312,11 @@ class Branches:
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
-        `unused`, or without one (the request is over) are ended now with the forks the call
-        was to end."""
+        `unused`, or without one (the request is over: it ends its `unused` itself) are ended now."""
         call.cancel()
         forks = [plan.session_id for plan in call.forks]
         if unused is not None:
             unused.extend(forks)
             return
-        for session_id in (*forks, *call.ending):
+        for session_id in forks:
             self.upstream.end_later(self.upstream.draft, session_id)

@@ -17,11 +17,12 @@ from specdec.config.services import (
     shutdown_grace_setting,
 )
 from specdec.config.settings import group, parse_settings, setting
+from specdec.rpc import wire
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
 MAX_HEDGES = 8
-MAX_TARGET_ONLY_STEPS = 65  # one Verify call's steps: its own and the target's 64 step_seeds
+MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its own and its step_seeds
 
 
 @dataclass(frozen=True)

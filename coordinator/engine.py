@@ -211,14 +211,22 @@ class Engine:
         branches = None
         try:
             branches = self._start_branches(state, pair, plan, round_)
+            if branches is None:  # no branch call to carry the unused forks: end them now
+                for session_id in state.unused_forks:
+                    self.upstream.end_later(self.upstream.draft, session_id)
+                state.unused_forks.clear()
             verification = await verify
             address = self.upstream.target.address
             check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
             # A tree's: one recovered token per node and the root.
             expected_recovered = proposed + 1 if round_.parents else proposed
             check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
-            if len(verification.step_token_ids) > len(plan.step_seeds):
-                check_reply(address, "step_token_ids", len(verification.step_token_ids), len(plan.step_seeds))
+            # Fewer steps only after a stop token: a target that ignored the seeds would shift
+            # the seed stream, and a seed would no longer give one output.
+            steps, asked = verification.step_token_ids, len(plan.step_seeds)
+            last = [verification.bonus_token_id, *steps][-1]
+            if len(steps) > asked or (len(steps) < asked and last not in pair.eos_token_ids):
+                check_reply(address, "step_token_ids", len(steps), asked)
         except BaseException:
             if branches is not None:
                 self.branches.drop(branches)
@@ -291,6 +299,13 @@ class Engine:
             call, outcome, proposed, not state.finished, state.draft_view, base, state.stats, state.unused_forks
         )
         state.draft_view = settled.draft_view
+        if state.k_chooser is not None and call.forks and outcome.num_accepted < proposed:
+            # A rejection: whether a hedge assumed it (the outcome and the plan alone decide,
+            # as for K), for the chooser's ρ.
+            happened = (outcome.num_accepted, outcome.next_token_id)
+            state.k_chooser.observe_rescue(
+                any((b.hedge.position, b.hedge.recovered_token_id) == happened for b in call.forks if b.hedge)
+            )
         # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
         # the regular draft call re-prefills and counts failures.
         state.branch_failed = settled.failed
@@ -335,6 +350,7 @@ class Engine:
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
             trees=self.config.tree_chooser and pair.trees and not self.config.hedges,
+            hedged=self.config.hedges > 0,
         )
 
     def _copy_chooser(self, k_chooser: AdaptiveK | None, pair: PairInfo) -> AdaptiveK | None:

@@ -3,8 +3,9 @@ round will do before anything is sent, and `commit_round` applies the verified o
 the request's state. Neither does I/O or reads a clock; the engine (coordinator.engine) runs
 the calls between them.
 
-A round's kind is chosen from the request's earlier outcomes alone, never from timing, so a
-seed maps to one output:
+A round's kind is chosen from the request's earlier outcomes and the costs the services
+calibrated at start-up, never from a time measured during the request, so a seed maps to one
+output on one running deployment:
 
     READY       drafts a kept pre-draft or hedge already holds
     CATCH_UP    a pipelined round with none ready, where a step pays (`catch_up_pays`): one
@@ -230,8 +231,6 @@ def commit_round(
     stats, proposed = state.stats, len(round_.draft_token_ids)
     base = len(state.sequence)
     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
-    for _ in steps:
-        stats.record_round(0, 0)
     stats.ready_rounds += round_.source in (Source.PREDRAFT, Source.HEDGE)
     stats.catch_up_rounds += round_.source is Source.CATCH_UP
     stats.fallback_rounds += round_.source is Source.FALLBACK
@@ -256,7 +255,12 @@ def commit_round(
     if round_.source.in_draft_session:
         state.draft_view.synced = held
     state.ready = None
-    for token in (*outcome.committed(round_.draft_token_ids), *steps):
+    for token in outcome.committed(round_.draft_token_ids):
+        state.sequence.append(token)
+        if state.text.push(token):
+            return
+    for token in steps:
+        stats.record_round(0, 0)
         state.sequence.append(token)
         if state.text.push(token):
             return

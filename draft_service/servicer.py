@@ -97,8 +97,8 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         if not 1 <= len(request.branches) <= MAX_BRANCHES:
             raise InvalidArgument(f"ProposeBranches takes 1 to {MAX_BRANCHES} branches; got {len(request.branches)}")
         ending = list(request.end_session_ids)
-        if len(ending) > MAX_ENDED:
-            raise InvalidArgument(f"ProposeBranches ends at most {MAX_ENDED} sessions; got {len(ending)}")
+        if len(ending) > wire.MAX_ENDED_SESSIONS:
+            raise InvalidArgument(f"ProposeBranches ends at most {wire.MAX_ENDED_SESSIONS} sessions; got {len(ending)}")
         named = {b.session_id for b in request.branches} | {b.fork_from for b in request.branches}
         if clash := next((session for session in ending if session in named), None):
             raise InvalidArgument(f"end_session_ids names {clash!r}, which a branch of the same call uses")
@@ -146,7 +146,6 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 
 
 MAX_BRANCHES = 16
-MAX_ENDED = 64  # ProposeBranchesRequest.end_session_ids
 
 
 def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:

@@ -15,8 +15,6 @@ from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, Verification, VerifyCall
 
-MAX_STEPS = 64  # VerifyRequest.step_seeds
-
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
     _runner: TargetRunner
@@ -66,8 +64,10 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         draft_token_ids = list(request.draft_token_ids)
         if request.step_seeds and (draft_token_ids or request.return_distributions):
             raise InvalidArgument("step_seeds need a target-only call: no draft tokens, no return_distributions")
-        if len(request.step_seeds) > MAX_STEPS:
-            raise InvalidArgument(f"at most {MAX_STEPS} step_seeds; got {len(request.step_seeds)}")
+        if len(request.step_seeds) > wire.MAX_STEP_SEEDS:
+            raise InvalidArgument(f"at most {wire.MAX_STEP_SEEDS} step_seeds; got {len(request.step_seeds)}")
+        if request.step_seeds:  # every step's token must fit, or none runs
+            self._runner.check_length(request.keep_tokens + len(request.new_tokens) + len(request.step_seeds))
         params = wire.params_from_pb(request.sampling)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)

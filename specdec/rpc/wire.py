@@ -19,6 +19,9 @@ from specdec.v1 import common_pb2
 
 # Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.
 _SPARSE_MAX_FRACTION = 0.5
+# Protocol limits both sides read: VerifyRequest.step_seeds, ProposeBranchesRequest.end_session_ids.
+MAX_STEP_SEEDS = 64
+MAX_ENDED_SESSIONS = 64
 
 
 def encode_distributions(

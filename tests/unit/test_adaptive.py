@@ -143,3 +143,28 @@ def test_tree_rounds_teach_alpha_and_beta():
     for _ in range(20):  # every candidate rejected: β trials fail
         chooser.observe_tree((3, 1), [])
     assert chooser.beta < 0.6
+
+
+def test_a_pipelined_round_waits_for_drafts_that_outlast_the_verify_and_hedges_cut_misses():
+    """Pipelined, the next round's K + 1 draft steps run during the verify and are on the
+    critical path only past its end; a miss (probability 1 − α^(K+1) − (1 − α^K)·ρ, ρ the hedges'
+    hit rate given a rejection) pays a fresh draft."""
+    costs = RoundCosts(CHEAP_DRAFT, FLAT_TARGET, draft_rpc_ms=2.0, target_rpc_ms=3.0)
+    verify, draft = costs.verify_ms(4), costs.draft_ms(4)
+    assert costs.round_ms(4, 0.8, pipelined=True) == pytest.approx(verify + (1 - 0.8**5) * draft)
+    rescued = costs.round_ms(4, 0.8, pipelined=True, rescue=0.6)
+    assert rescued == pytest.approx(verify + (1 - 0.8**5 - (1 - 0.8**4) * 0.6) * draft)
+    slow = RoundCosts(tuple(60.0 for _ in range(9)), FLAT_TARGET)  # 5 steps: 300 ms against a 150 ms verify
+    assert slow.round_ms(4, 1.0, pipelined=True) == pytest.approx(slow.draft_ms(5))
+    assert best_k(0.8, slow, 8, pipelined=True) <= 2, "drafts past the verify's end are not hidden"
+    assert best_k(0.8, costs, 8, pipelined=True, rescue=0.8) >= best_k(0.8, costs, 8, pipelined=True)
+
+
+def test_the_chooser_learns_how_often_hedges_rescue_a_rejection():
+    costs = RoundCosts(CHEAP_DRAFT, FLAT_TARGET)
+    assert AdaptiveK(k_max=8, pipelined=True, costs=costs).rescue == 0.0, "no hedges, no rescue"
+    chooser = AdaptiveK(k_max=8, pipelined=True, costs=costs, hedged=True)
+    assert chooser.rescue == pytest.approx(0.5)
+    for hit in (True, True, True, False):
+        chooser.observe_rescue(hit)
+    assert chooser.rescue == pytest.approx((1 + 3) / (2 + 4))
