@@ -39,6 +39,7 @@ from specdec.sampling.probs import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 MAX_SPECULATIVE_TOKENS = 8
+ONE_HOT = common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())  # a guess: compared, never verified
 
 
 @dataclass
@@ -174,6 +175,10 @@ class TableDraft(TableService):
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         await asyncio.sleep(0)
+        named = {b.session_id for b in request.branches} | {b.fork_from for b in request.branches}
+        assert not named & set(request.end_session_ids), "a call may not end a session its branches use"
+        for session_id in request.end_session_ids:  # ended first, as the real service does
+            self.sessions.end(session_id)
         results = []
         for branch in request.branches:
             try:
@@ -190,12 +195,13 @@ class TableDraft(TableService):
         min_confidence = request.min_confidence if request.HasField("min_confidence") else self.min_confidence
         generator = random.Random(request.seed)
         response = draft_pb2.ProposeResponse()
-        for _ in range(request.num_tokens):
+        for step in range(request.num_tokens):
             row = self.model.row(tuple(session.tokens))
-            token = draw(row.cdf, generator)
+            guess = request.guess_first and not step  # the argmax, sent one-hot, no draw
+            token = row.argmax if guess else draw(row.cdf, generator)
             runner_up = row.second if token == row.argmax else row.argmax
             response.token_ids.append(token)
-            response.distributions.append(row.wire)
+            response.distributions.append(ONE_HOT if guess else row.wire)
             response.runner_up_token_ids.append(runner_up)
             response.runner_up_probs.append(float(row.probs[runner_up]))
             session.tokens.append(token)

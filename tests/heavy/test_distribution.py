@@ -94,14 +94,16 @@ CASES = {
     # high-power test, with a mutation check, is in test_mode_distributions.py.
     # Without catch-up steps (the next case has them), so rounds after a miss draft afresh
     # and stale pre-drafts are cancelled within the 4 tokens.
+    # K = 2: a pre-draft's first token is the draft's argmax (a guess, rarely unsure), so a
+    # confidence stop comes after a drawn token, which K = 1 calls never reach.
     "pipelined_hedged_confidence_stops": Case(
         {"quantize": "none", "min_confidence": 0.3},
         coordinator={"pipeline": True, "hedges": 1, "catch_up": False},
         length=4,
-        k=1,
+        k=2,
     ),
     # Catch-up steps: target-only rounds while the pre-draft catches the draft session up.
-    "pipelined_catch_up_steps": Case({"quantize": "none", "min_confidence": 0.3}, coordinator=PIPELINED, length=4, k=1),
+    "pipelined_catch_up_steps": Case({"quantize": "none", "min_confidence": 0.3}, coordinator=PIPELINED, length=4, k=2),
     "adaptive_pipelined_top_k_top_p": Case(
         {"proposal_top_k": 4},
         SamplingParams(temperature=0.8, top_k=4, top_p=0.9),

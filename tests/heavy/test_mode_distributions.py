@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
@@ -45,6 +46,7 @@ from coordinator.upstream import Upstream
 from specdec.engine.modeling import tokenizer_fingerprint
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
+from specdec.v1 import common_pb2
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 from tests.table_services import TableDraft, TableModel, TableTarget
 
@@ -187,20 +189,23 @@ def recovered_one_late(monkeypatch) -> None:
     monkeypatch.setattr(rounds, "decide_round", late)
 
 
-def pre_draft_off_by_one(monkeypatch) -> None:
-    """Pipelined: a kept pre-draft's drafts (from position 1, after the bonus guess) are sent
-    with the distributions of the position before each: the branch's start is off by one."""
+def pre_draft_rows_flattened(monkeypatch) -> None:
+    """Pipelined: a kept pre-draft's drafts (after its guess) go to the verify with a flat
+    distribution instead of the one each was drawn from: drafts paired with the wrong
+    distribution. (Keeping a pre-draft whose guess missed would not do: its drafts still come
+    with their own distributions, so only acceptance suffers; docs/design.md, Hedges.)"""
     plain = Round.truncated
 
-    def shifted(self: Round, k: int, start: int = 0) -> Round:
+    def flattened(self: Round, k: int, start: int = 0) -> Round:
         kept = plain(self, k, start)
         if not start:
             return kept
-        early = plain(self, len(kept.draft_token_ids), start - 1)
-        probs = [wire.token_probability(d, t) for d, t in zip(early.distributions, kept.draft_token_ids)]
-        return dataclasses.replace(kept, draft_token_draft_probs=probs, distributions=early.distributions)
+        width = len(kept.distributions[0].dense.float32_le) // 4 if kept.distributions else 0
+        flat = common_pb2.ProposalDistribution(dense=wire.encode_dense(torch.full((width,), 1.0 / width)))
+        count = len(kept.draft_token_ids)
+        return dataclasses.replace(kept, draft_token_draft_probs=[1.0 / width] * count, distributions=[flat] * count)
 
-    monkeypatch.setattr(Round, "truncated", shifted)
+    monkeypatch.setattr(Round, "truncated", flattened)
 
 
 def hedge_picked_by_its_drafts(monkeypatch) -> None:
@@ -232,11 +237,14 @@ def branch_rows_mixed_up(monkeypatch) -> None:
     async def mixed_up(self, request):
         reply = await plain(self, request)
         proposals = [result.proposal for result in reply.results]
-        rows = [[type(row)(dense=row.dense) for row in proposal.distributions] for proposal in proposals]
+        # The drafts' rows only: a pre-draft's guess (one-hot) is compared, never verified.
+        rows = [[type(row)(dense=row.dense) for row in p.distributions if row.HasField("dense")] for p in proposals]
         for proposal, own, other in zip(proposals, rows, rows[1:] + rows[:1]):
             count = min(len(own), len(other))
+            mixed = iter(other[:count] + own[count:])
+            kept = [next(mixed) if row.HasField("dense") else row for row in proposal.distributions]
             del proposal.distributions[:]
-            proposal.distributions.extend(other[:count] + own[count:])
+            proposal.distributions.extend(kept)
         return reply
 
     monkeypatch.setattr(TableDraft, "propose_branches", mixed_up)
@@ -272,8 +280,8 @@ def k_cut_after_drafting(monkeypatch) -> None:
 
 MUTANTS = {
     "sequential": recovered_one_late,
-    "pipelined": pre_draft_off_by_one,
-    "pipelined_waiting": pre_draft_off_by_one,
+    "pipelined": pre_draft_rows_flattened,
+    "pipelined_waiting": pre_draft_rows_flattened,
     "hedged": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
     "confidence_stopped": unsure_draft_dropped,
