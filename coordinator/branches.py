@@ -58,6 +58,14 @@ class BranchCall:
     def forks(self) -> list[BranchPlan]:
         return [b for b in self.branches if b.hedge is not None]
 
+    def hedge_for(self, num_accepted: int, next_token_id: int) -> BranchPlan | None:
+        """The fork that assumed exactly this rejection: draft `num_accepted` rejected and
+        `next_token_id` recovered."""
+        assumed = (num_accepted, next_token_id)
+        return next(
+            (b for b in self.forks if b.hedge and (b.hedge.position, b.hedge.recovered_token_id) == assumed), None
+        )
+
     def cancel(self) -> None:
         """Cancels the RPC (the draft stops every branch at its next step); a reply that
         already arrived is dropped unread."""
@@ -165,8 +173,7 @@ class Branches:
         stats.predrafts += predraft_k > 0
         stats.hedges += len(plans) - (predraft_k > 0)
         # Earlier rounds' unused forks end in this call, not in an EndSession call each.
-        for session_id in state.unused_forks[wire.MAX_ENDED_SESSIONS :]:  # any more: EndSession calls
-            self.upstream.end_later(self.upstream.draft, session_id)
+        self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :])  # any more: EndSession calls
         ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
         state.unused_forks[:] = ending
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
@@ -186,10 +193,7 @@ class Branches:
             return None
         if outcome.num_accepted == proposed:
             return call.predraft
-        assumed = (outcome.num_accepted, outcome.next_token_id)
-        return next(
-            (b for b in call.forks if b.hedge and (b.hedge.position, b.hedge.recovered_token_id) == assumed), None
-        )
+        return call.hedge_for(outcome.num_accepted, outcome.next_token_id)
 
     async def settle(
         self,
@@ -317,6 +321,12 @@ class Branches:
         forks = [plan.session_id for plan in call.forks]
         if unused is not None:
             unused.extend(forks)
-            return
-        for session_id in forks:
+        else:
+            self.end_now(forks)
+
+    def end_now(self, session_ids: list[str]) -> None:
+        """Ends draft sessions by EndSession calls (in the background) and empties the list:
+        forks no branch call will carry."""
+        for session_id in session_ids:
             self.upstream.end_later(self.upstream.draft, session_id)
+        session_ids.clear()

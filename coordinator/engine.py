@@ -119,8 +119,9 @@ class Engine:
         token and drafts on; the same rule keeps it. Hedged mode (`--hedges N`) also forks the
         draft session for the N likeliest rejection outcomes (coordinator.hedging); a fork is
         used only when the round ended exactly as it assumed, so the same argument applies.
-        Which kind a round is depends on earlier outcomes alone (`plan_round`), never on
-        timing, so a seed maps to one output.
+        Which kind a round is depends on earlier outcomes and the costs calibrated at start-up
+        (`plan_round`), never on a time measured during the request, so a seed maps to one
+        output on one running deployment.
         """
         pair = self.pair  # the request's snapshot, from validation to its last round
         state = self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s)
@@ -154,8 +155,7 @@ class Engine:
         finally:
             if branches is not None:
                 self.branches.drop(branches)
-            for session_id in state.unused_forks:
-                self.upstream.end_later(self.upstream.draft, session_id)
+            self.branches.end_now(state.unused_forks)
             self.upstream.end_sessions(state.draft_view, state.target_view)
 
     def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
@@ -212,9 +212,7 @@ class Engine:
         try:
             branches = self._start_branches(state, pair, plan, round_)
             if branches is None:  # no branch call to carry the unused forks: end them now
-                for session_id in state.unused_forks:
-                    self.upstream.end_later(self.upstream.draft, session_id)
-                state.unused_forks.clear()
+                self.branches.end_now(state.unused_forks)
             verification = await verify
             address = self.upstream.target.address
             check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
@@ -302,10 +300,7 @@ class Engine:
         if state.k_chooser is not None and call.forks and outcome.num_accepted < proposed:
             # A rejection: whether a hedge assumed it (the outcome and the plan alone decide,
             # as for K), for the chooser's ρ.
-            happened = (outcome.num_accepted, outcome.next_token_id)
-            state.k_chooser.observe_rescue(
-                any((b.hedge.position, b.hedge.recovered_token_id) == happened for b in call.forks if b.hedge)
-            )
+            state.k_chooser.observe_rescue(call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None)
         # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
         # the regular draft call re-prefills and counts failures.
         state.branch_failed = settled.failed

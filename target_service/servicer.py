@@ -130,20 +130,21 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         before (through the batcher, so other sessions' calls share its passes), feeding the
         last token and drawing the next with its seed. Returns the steps' tokens and the
         first call's result (its bonus token) with their work and the session's length added."""
+        if not request.step_seeds:
+            return [], result
         tokens: list[int] = []
         stops = set(request.stop_token_ids)
-        first_result = result
-        token, compute_ms, processed = result.bonus_token_id, result.compute_ms, result.processed_tokens
+        last, compute_ms, processed = result, result.compute_ms, result.processed_tokens
         for seed in request.step_seeds:
+            token = tokens[-1] if tokens else result.bonus_token_id
             if token in stops:
                 break
-            step = await self._verify(
-                dataclasses.replace(first, keep_tokens=result.sequence_length, new_tokens=[token], seed=seed)
+            last = await self._verify(
+                dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[token], seed=seed)
             )
-            token, result = step.bonus_token_id, step
-            tokens.append(token)
-            compute_ms += step.compute_ms
-            processed += step.processed_tokens
+            tokens.append(last.bonus_token_id)
+            compute_ms += last.compute_ms
+            processed += last.processed_tokens
         return tokens, dataclasses.replace(
-            first_result, sequence_length=result.sequence_length, compute_ms=compute_ms, processed_tokens=processed
+            result, sequence_length=last.sequence_length, compute_ms=compute_ms, processed_tokens=processed
         )
