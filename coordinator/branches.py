@@ -8,14 +8,17 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 from opentelemetry import trace
 
+from coordinator.clients import DraftClient
 from coordinator.config import CoordinatorConfig
 from coordinator.hedging import Hedge, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
+from coordinator.pools import Replica
 from coordinator.rounds import RequestState, k_limit
 from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.upstream import Upstream
@@ -48,6 +51,7 @@ class BranchCall:
     round_index: int
     branches: list[BranchPlan]
     task: asyncio.Future  # the ProposeBranches call
+    replica: Replica  # the draft replica the call went to, where its forks live
     ending: tuple[str, ...] = ()  # the unused forks of earlier calls that this call ends
 
     @property
@@ -173,12 +177,13 @@ class Branches:
         stats.predrafts += predraft_k > 0
         stats.hedges += len(plans) - (predraft_k > 0)
         # Earlier rounds' unused forks end in this call, not in an EndSession call each.
-        self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :])  # any more: EndSession calls
+        self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :], draft_view)  # any more: EndSession calls
         ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
         state.unused_forks[:] = ending
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
-        task = asyncio.ensure_future(self.upstream.draft.propose_branches(call))
-        return BranchCall(round_index=stats.rounds, branches=plans, task=task, ending=ending)
+        task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
+        assert draft_view.replica is not None
+        return BranchCall(stats.rounds, plans, task, draft_view.replica, ending)
 
     async def pick(
         self, call: BranchCall, outcome: RoundOutcome | TreeOutcome, proposed: int, live: bool
@@ -230,7 +235,7 @@ class Branches:
             return Settled(None, draft_view, failed=True, refused=isinstance(exc, ResourceExhausted))
         finally:
             stats.branch_wait_ms += stats.elapsed_ms() - waited_from
-        check_reply(self.upstream.draft.address, "branch results", len(reply.results), len(call.branches))
+        check_reply(call.replica.address, "branch results", len(reply.results), len(call.branches))
         unused[:] = [session_id for session_id in unused if session_id not in call.ending]
         return self._take(call, reply, hit, outcome, proposed, draft_view, base, stats, unused)
 
@@ -256,7 +261,11 @@ class Branches:
                     "branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message
                 )
             source = Source.PREDRAFT if plan.hedge is None else Source.HEDGE
-            branch = Round(source) if result.error_code else self.upstream.round_from(result.proposal, plan.k, source)
+            branch = (
+                Round(source)
+                if result.error_code
+                else self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
+            )
             if plan.hedge is None:
                 failed = result.error_code != 0
                 refused = result.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -278,6 +287,8 @@ class Branches:
                     calls=draft_view.calls,
                     min_confidence=draft_view.min_confidence,
                     vocab_limit=draft_view.vocab_limit,
+                    replica=draft_view.replica,  # a fork lives where it was forked
+                    moves=draft_view.moves,
                 )
             else:
                 stats.hedge_wasted_tokens += len(branch.draft_token_ids)
@@ -322,11 +333,13 @@ class Branches:
         if unused is not None:
             unused.extend(forks)
         else:
-            self.end_now(forks)
+            for session_id in forks:
+                self.upstream.end_later(call.replica.client, session_id)
 
-    def end_now(self, session_ids: list[str]) -> None:
-        """Ends draft sessions by EndSession calls (in the background) and empties the list:
-        forks no branch call will carry."""
-        for session_id in session_ids:
-            self.upstream.end_later(self.upstream.draft, session_id)
+    def end_now(self, session_ids: list[str], draft_view: SessionView) -> None:
+        """Ends draft sessions on the request's draft replica by EndSession calls (in the
+        background) and empties the list: forks no branch call will carry."""
+        if draft_view.replica is not None:
+            for session_id in session_ids:
+                self.upstream.end_later(draft_view.replica.client, session_id)
         session_ids.clear()

@@ -114,6 +114,17 @@ class ServiceClient:
         except SpecDecError as exc:
             logger.debug("could not end %s session %s: %s", self.role, session_id, exc)
 
+    async def serving(self, timeout_s: float = 1.0) -> bool:
+        """The standard health check: is the service up and SERVING (a draining one, after
+        SIGTERM, answers NOT_SERVING)?"""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def wait_info(self, total_timeout_s: float) -> common_pb2.ModelInfo:
         """Info, retried until the service answers or `total_timeout_s` passes (start-up)."""
         loop = asyncio.get_running_loop()
@@ -233,16 +244,6 @@ class DraftClient(ServiceClient):
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         return await self.call(self._stub.ProposeBranches, request)
-
-    async def serving(self, timeout_s: float = 1.0) -> bool:
-        """The standard health check: is the draft up and SERVING (the breaker's probe)?"""
-        try:
-            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class TargetClient(ServiceClient):

@@ -18,6 +18,7 @@ from specdec.config.services import (
 )
 from specdec.config.settings import group, parse_settings, setting
 from specdec.rpc import wire
+from specdec.rpc.dns import parse_pool
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -27,8 +28,22 @@ MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    draft_address: str = setting("", "--draft", "draft service address HOST:PORT", required=True)
-    target_address: str = setting("", "--target", "target service address HOST:PORT", required=True)
+    draft_address: str = setting(
+        "",
+        "--draft",
+        "the draft pool: HOST:PORT, several (comma-separated, or the flag repeated), or dns:///NAME:PORT "
+        "(every address record, re-read each --pool-refresh; dns://SERVER/NAME:PORT asks that DNS server)",
+        required=True,
+        repeated=True,
+        more="See [Replica pools](operations.md#replica-pools).",
+    )
+    target_address: str = setting(
+        "",
+        "--target",
+        "the target pool, spelled as --draft's; a session stays on the replica it was placed on",
+        required=True,
+        repeated=True,
+    )
     tokenizer: str = setting(
         "",
         "--tokenizer",
@@ -134,8 +149,11 @@ class CoordinatorConfig:
     breaker_failures: int = setting(
         3, "--breaker-failures", "consecutive failed draft calls after which rounds skip the draft (target-only)"
     )
-    breaker_probe_interval_s: float = setting(
-        2.0, "--breaker-probe-interval", "seconds between health probes of the draft while it is skipped"
+    pool_refresh_s: float = setting(
+        2.0,
+        "--pool-refresh",
+        "seconds between refreshes of both pools: DNS names resolved again, and every replica asked its "
+        "health and Info (a replica joins, leaves, or closes its breaker at a refresh)",
     )
     shutdown_grace_s: float = shutdown_grace_setting()
     target_retry_s: float = setting(
@@ -157,17 +175,21 @@ class CoordinatorConfig:
         if (
             self.draft_attempts < 1
             or self.breaker_failures < 1
-            or self.breaker_probe_interval_s <= 0
+            or self.pool_refresh_s <= 0
             or self.draft_retry_backoff_s < 0
         ):
             return (
-                "--draft-attempts and --breaker-failures must be >= 1, --breaker-probe-interval > 0, "
-                "--draft-retry-backoff >= 0"
+                "--draft-attempts and --breaker-failures must be >= 1, --pool-refresh > 0, --draft-retry-backoff >= 0"
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
             return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
+        for flag, spec in (("--draft", self.draft_address), ("--target", self.target_address)):
+            try:
+                parse_pool(spec)
+            except ValueError as exc:
+                return f"{flag}: {exc}"
         return self.security.problem() or self.upstream.problem("--upstream-")
 
 

@@ -26,10 +26,11 @@ from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.branches import BranchCall, Branches
-from coordinator.clients import CallRejected, DraftClient, TargetClient
+from coordinator.clients import CallRejected
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
+from coordinator.pools import Pool
 from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
 from coordinator.rounds import RequestState, RoundKind, RoundPlan, commit_round, decide, k_limit, plan_round
 from coordinator.state import Round, SessionView, Source, check_reply
@@ -58,15 +59,15 @@ class Engine:
     def __init__(
         self,
         config: CoordinatorConfig,
-        draft: DraftClient,
-        target: TargetClient,
+        drafts: Pool,
+        targets: Pool,
         tokenizer: PreTrainedTokenizerBase,
         pair: PairInfo,
         target_info: common_pb2.ModelInfo,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.upstream = Upstream(config, draft, target, pair, target_info)
+        self.upstream = Upstream(config, drafts, targets, pair, target_info)
         self.branches = Branches(config, self.upstream)
         # The K chooser's acceptance prior, learned from finished requests (seeded sampled
         # requests start from the fixed default, so their K depends only on themselves).
@@ -134,9 +135,8 @@ class Engine:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
                     pair = state.pair
-                    plan = plan_round(
-                        state, self.config.catch_up, self.upstream.breaker.allow(), self.config.target_only_steps
-                    )
+                    draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
+                    plan = plan_round(state, self.config.catch_up, draft_allowed, self.config.target_only_steps)
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms)
                     base = len(state.sequence)
@@ -155,7 +155,7 @@ class Engine:
         finally:
             if branches is not None:
                 self.branches.drop(branches)
-            self.branches.end_now(state.unused_forks)
+            self.branches.end_now(state.unused_forks, state.draft_view)
             self.upstream.end_sessions(state.draft_view, state.target_view)
 
     def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
@@ -169,6 +169,11 @@ class Engine:
         k_chooser = self._k_chooser(job, pair, pipelined)
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=pair.target_numerics)
         stats.pipelined = pipelined
+        draft_view = SessionView(
+            session_id, min_confidence=job.draft_min_confidence, vocab_limit=pair.draft_vocab_limit
+        )
+        target_view = SessionView(session_id)
+        self.upstream.place(draft_view, target_view)
         return RequestState(
             job=job,
             pair=pair,
@@ -177,10 +182,8 @@ class Engine:
             sampling=wire.params_to_pb(job.params),
             sequence=list(job.prompt_ids),
             text=TextAssembler(self.tokenizer, job.prompt_ids, set(pair.eos_token_ids), job.stop, job.max_new_tokens),
-            draft_view=SessionView(
-                session_id, min_confidence=job.draft_min_confidence, vocab_limit=pair.draft_vocab_limit
-            ),
-            target_view=SessionView(session_id),
+            draft_view=draft_view,
+            target_view=target_view,
             pipelined=pipelined,
             hedging=self.config.hedges > 0 and job.num_speculative_tokens != 0,
             retry_until=asyncio.get_running_loop().time() + retry_for,
@@ -212,9 +215,9 @@ class Engine:
         try:
             branches = self._start_branches(state, pair, plan, round_)
             if branches is None:  # no branch call to carry the unused forks: end them now
-                self.branches.end_now(state.unused_forks)
+                self.branches.end_now(state.unused_forks, state.draft_view)
             verification = await verify
-            address = self.upstream.target.address
+            address = state.target_view.address
             check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
             # A tree's: one recovered token per node and the root.
             expected_recovered = proposed + 1 if round_.parents else proposed
@@ -269,11 +272,14 @@ class Engine:
             if isinstance(exc, ResourceExhausted):
                 state.refusals.refused(state.stats.rounds)
             return Round(Source.FALLBACK)
-        self.upstream.breaker.record_success()
+        assert state.draft_view.replica is not None  # it answered the call
+        state.draft_view.replica.breaker.record_success()
         state.refusals.accepted()
         state.stats.draft_compute_ms += proposal.compute_ms
         return self.upstream.round_from(
-            proposal, tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k)
+            proposal,
+            tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k),
+            state.draft_view.address,
         )
 
     def _start_branches(self, state: RequestState, pair: PairInfo, plan: RoundPlan, round_: Round) -> BranchCall | None:
@@ -315,6 +321,9 @@ class Engine:
     ) -> None:
         """The round's timings and its span's attributes."""
         stats, proposed = state.stats, len(round_.draft_token_ids)
+        stats.target_replica = state.target_view.address
+        stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
+        stats.replica_moves = state.target_view.moves + state.draft_view.moves
         stats.mark_first_token()
         stats.round_ms.append(stats.elapsed_ms() - started)
         stats.round_overhead_ms.append(
@@ -328,6 +337,8 @@ class Engine:
                 "specdec.round.drafts_from": round_.source.value,
                 "specdec.round.epoch": state.draft_view.last_epoch,
                 "specdec.round.pipelined": state.pipelined,
+                "specdec.round.target_replica": state.target_view.address,
+                "specdec.round.draft_replica": state.draft_view.address,
             }
         )
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 @dataclass
@@ -51,6 +52,9 @@ class GenerationStats:
     copied_tokens: int = 0  # drafts in them
     copied_accepted: int = 0  # of those, accepted
     target_numerics: str = ""  # what computed the target's logits: the output is that model's distribution
+    target_replica: str = ""  # the replica that served the request's last round
+    draft_replica: str = ""  # the draft replica its session was on then ("" : none)
+    replica_moves: int = 0  # times its sessions moved to another replica after a failed call
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -175,11 +179,17 @@ class CoordinatorMetrics:
             "specdec_degraded_requests", "Finished requests with at least one fallback round"
         )
         self.draft_breaker_open = Gauge(
-            "specdec_draft_breaker_open", "1 while rounds skip the draft (circuit breaker open)", registry=registry
+            "specdec_draft_breaker_open",
+            "1 while rounds skip the draft (every draft replica's circuit breaker open, or none serving)",
+            registry=registry,
         )
 
-    def watch_breaker(self, breaker) -> None:
-        self.draft_breaker_open.set_function(lambda: float(breaker.is_open))
+        self._registry = registry
+
+    def watch_pools(self, upstream) -> None:
+        """The pools' replicas, read at each scrape (coordinator.upstream.Upstream)."""
+        self.draft_breaker_open.set_function(lambda: float(upstream.draft_skipped))
+        self._registry.register(PoolCollector((upstream.drafts, upstream.targets)))
 
     def observe_finished(self, stats: GenerationStats, finish_reason: str) -> None:
         self.requests.labels(finish_reason, "OK").inc()
@@ -214,3 +224,37 @@ class CoordinatorMetrics:
 
     def observe_failed(self, code: str) -> None:
         self.requests.labels("", code).inc()
+
+
+class PoolCollector:
+    """Per-replica gauges and counters, labelled by pool and address; replicas come and go with
+    DNS, so they are read from the pools at each scrape rather than kept as labelled children."""
+
+    def __init__(self, pools) -> None:
+        self._pools = pools
+
+    def collect(self):
+        serving = GaugeMetricFamily(
+            "specdec_replica_serving", "1 while a replica takes new sessions", labels=["pool", "address"]
+        )
+        sessions = GaugeMetricFamily(
+            "specdec_replica_sessions", "This coordinator's requests placed on a replica", labels=["pool", "address"]
+        )
+        refused = GaugeMetricFamily(
+            "specdec_replica_refused",
+            "1 while a replica serves another model than its pool",
+            labels=["pool", "address"],
+        )
+        moves = CounterMetricFamily(
+            "specdec_replica_moves", "Sessions moved off a replica after a failed call", labels=["pool", "address"]
+        )
+        lookups = CounterMetricFamily("specdec_pool_dns_failures", "Failed DNS lookups of a pool", labels=["pool"])
+        for pool in self._pools:
+            lookups.add_metric([pool.role], pool.resolve_failures)
+            for replica in list(pool.replicas.values()):
+                labels = [pool.role, replica.address]
+                serving.add_metric(labels, float(replica.usable))
+                sessions.add_metric(labels, replica.sessions)
+                refused.add_metric(labels, float(bool(replica.refused)))
+                moves.add_metric(labels, replica.moves)
+        yield from (serving, sessions, refused, moves, lookups)

@@ -11,19 +11,21 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from coordinator.adaptive import RoundCosts
-from coordinator.clients import DraftClient, TargetClient, check_pair
+from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api import start_http
 from coordinator.pair import pair_info
+from coordinator.pools import Pool
 from coordinator.requests import longest_token_bytes, request_limit_bytes
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.config.services import pin_cpus
 from specdec.engine.calls import numerics
 from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
+from specdec.rpc.dns import PoolSpec, parse_pool
 from specdec.rpc.security import load_client_security, load_server_security
-from specdec.rpc.serving import RunningServer, serve_forever, start_server
+from specdec.rpc.serving import RunningServer, serve_forever, set_serving, start_server
 from specdec.v1 import coordinator_pb2
 
 logger = logging.getLogger(__name__)
@@ -34,29 +36,44 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 async def connect(
     config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None
 ) -> Engine:
-    """Waits for both services, checks they form a pair, and builds the coordinator. `draft`
-    and `target` replace the clients the config describes (in-process services)."""
+    """Waits for a replica of each pool, checks they form a pair, and builds the coordinator.
+    `draft` and `target` replace the pools the config describes with one client each
+    (in-process services)."""
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
-    draft = draft or DraftClient(config.draft_address, config.draft_timeout_s, config.max_message_bytes, upstream)
-    target = target or TargetClient(config.target_address, config.target_timeout_s, config.max_message_bytes, upstream)
-    draft_info, target_info = await asyncio.gather(
-        draft.wait_info(config.connect_timeout_s), target.wait_info(config.connect_timeout_s)
+    drafts = Pool(
+        "draft",
+        PoolSpec(draft.address, (draft.address,)) if draft else parse_pool(config.draft_address),
+        lambda address: DraftClient(address, config.draft_timeout_s, config.max_message_bytes, upstream),
+        config.breaker_failures,
     )
-    check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), config.draft_address, config.target_address)
-    costs = await measure_round_costs(draft, target, draft_info, target_info)
+    targets = Pool(
+        "target",
+        PoolSpec(target.address, (target.address,)) if target else parse_pool(config.target_address),
+        lambda address: TargetClient(address, config.target_timeout_s, config.max_message_bytes, upstream),
+    )
+    for pool, client in ((drafts, draft), (targets, target)):
+        if client is not None:
+            pool.add(client.address, client)
+    first_draft, first_target = await asyncio.gather(
+        drafts.start(config.connect_timeout_s), targets.start(config.connect_timeout_s)
+    )
+    draft_info, target_info = drafts.reference, targets.reference
+    assert draft_info is not None and target_info is not None
+    check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), first_draft.address, first_target.address)
+    costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)
     pair = pair_info(config, draft_info, target_info, costs)
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
         draft_info.model_id,
         numerics(draft_info.dtype, draft_info.quantization),
         draft_info.device,
-        config.draft_address,
+        drafts.describe(),
         target_info.model_id,
         pair.target_numerics,
         target_info.device,
-        config.target_address,
+        targets.describe(),
         pair.max_num_speculative_tokens,
     )
     if target_info.quantization:
@@ -66,11 +83,11 @@ async def connect(
             pair.target_numerics,
             target_info.model_id,
         )
-    return Engine(config, draft, target, tokenizer, pair, target_info)
+    return Engine(config, drafts, targets, tokenizer, pair, target_info)
 
 
 async def measure_round_costs(
-    draft: DraftClient, target: TargetClient, draft_info, target_info, round_trips: int = RPC_ROUND_TRIPS
+    draft: ServiceClient, target: ServiceClient, draft_info, target_info, round_trips: int = RPC_ROUND_TRIPS
 ) -> RoundCosts | None:
     """The K chooser's inputs: both services' calibrated pass costs, and what one call costs
     outside the model, timed here as the fastest of a few Info round trips (the least disturbed
@@ -114,7 +131,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     coordinator = await connect(config)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry)
-    metrics.watch_breaker(coordinator.upstream.breaker)
+    metrics.watch_pools(coordinator.upstream)
     servicer = CoordinatorServicer(coordinator, metrics)
 
     # The public API reads no request larger than a valid one can be (coordinator.requests).
@@ -137,7 +154,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         if http is not None:
             await http.cleanup()
         coordinator.close()
-        await asyncio.gather(*(client.close() for client in (coordinator.upstream.draft, coordinator.upstream.target)))
+        await coordinator.upstream.close_clients()
 
     running = await start_server(
         lambda server: add_to_server(servicer, server),
@@ -152,6 +169,14 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
         max_receive_bytes=request_limit,
     )
     running.http_port = http_port if http is not None else None
+
+    async def report_health() -> None:
+        """The coordinator serves while its target pool has a replica serving (or one to
+        retry: a lone restarting target), and never again once it is shutting down."""
+        if not running.stopping:
+            await set_serving(running.health, [SERVICE_NAME], bool(coordinator.upstream.targets.serving))
+
+    coordinator.upstream.on_refresh = report_health
     return running
 
 

@@ -8,11 +8,16 @@ import enum
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec.errors import SpecDecError
 from specdec.rpc import wire
 from specdec.sampling.tree_sampling import check_parents
 from specdec.v1 import draft_pb2
+
+if TYPE_CHECKING:
+    from coordinator.clients import ServiceClient
+    from coordinator.pools import Replica
 
 
 @dataclass
@@ -26,6 +31,18 @@ class SessionView:
     last_epoch: int = 0  # of the newest regular call sent
     min_confidence: float | None = None  # the request's draft confidence stop (None: the service's)
     vocab_limit: int = 0  # the draft proposes only ids below this (0: no limit; see PairInfo)
+    replica: Replica | None = None  # where the session lives (coordinator.pools); None: nowhere yet
+    lost: bool = False  # its replica failed a call: the session moves at the next round if it can
+    moves: int = 0  # times it moved to another replica
+
+    @property
+    def client(self) -> ServiceClient:
+        assert self.replica is not None, "a session on no replica makes no call"
+        return self.replica.client
+
+    @property
+    def address(self) -> str:
+        return self.replica.address if self.replica is not None else "no replica"
 
     def draft_fields(self) -> dict:
         """ProposeRequest keywords every call on this session carries (min_confidence is

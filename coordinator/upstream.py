@@ -1,22 +1,22 @@
-"""The coordinator's calls to the draft and target services: deadlines and retries, the
-circuit breaker with its health probe, re-sending the sequence to a service that lost the
-session, the pair's Info read again when a restarted draft refuses a call, and ending
-sessions without delaying the request."""
+"""The coordinator's calls to the draft and target pools: deadlines and retries, each draft
+replica's circuit breaker, re-sending the sequence to a service that lost the session, moving
+a session to another replica when its own fails, the pair's Info read again when a restarted
+draft refuses a call, and ending sessions without delaying the request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from opentelemetry import trace
 
-from coordinator.breaker import CircuitBreaker
-from coordinator.clients import CallRejected, DraftClient, TargetClient, check_pair
+from coordinator.clients import CallRejected, DraftClient, ServiceClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo, pair_info
+from coordinator.pools import Pool, Replica, watch
 from coordinator.state import Round, SessionView, Source, round_from
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
@@ -29,12 +29,13 @@ async def retry_unavailable(
     call: Callable[[], Awaitable[T]],
     give_up: Callable[[int], bool],
     backoff_s: float,
-    on_retry: Callable[[], None] | None = None,
+    on_failure: Callable[[], bool] | None = None,
 ) -> T:
     """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s) each time it
     raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never retried.
-    A plain loop: it runs on every round, where a retry library's per-call set-up cost a
-    tenth of the coordinator's own time per round."""
+    `on_failure()` runs after each failure that is retried; True: the next try goes elsewhere
+    (another replica), at once. A plain loop: it runs on every round, where a retry
+    library's per-call set-up cost a tenth of the coordinator's own time per round."""
     attempts = 0
     while True:
         attempts += 1
@@ -43,47 +44,110 @@ async def retry_unavailable(
         except Unavailable as exc:
             if isinstance(exc, DeadlineExceeded) or give_up(attempts):
                 raise
+        if on_failure is not None and on_failure():
+            continue
         await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0))
-        if on_retry is not None:
-            on_retry()
 
 
 REREAD_WAIT_S = 0.5  # how long a request whose draft call was rejected waits for the draft's Info
 
 
 class Upstream:
-    """The draft and target as the round loop sees them: one object shared by every request,
-    holding the clients, the draft's circuit breaker and the pair's current Info."""
+    """The draft and target pools as the round loop sees them: one object shared by every
+    request, holding the pools (their replicas, each draft replica's breaker), the watcher that
+    refreshes them, and the pair's current Info."""
 
     def __init__(
         self,
         config: CoordinatorConfig,
-        draft: DraftClient,
-        target: TargetClient,
+        drafts: Pool,
+        targets: Pool,
         pair: PairInfo,
         target_info: common_pb2.ModelInfo,
     ) -> None:
         self.config = config
-        self.draft = draft
-        self.target = target
+        self.drafts = drafts
+        self.targets = targets
         self.pair = pair  # replaced (never changed in place) when a restarted draft's Info differs;
         # a request keeps the one it began with (RequestState.pair) until the draft rejects a call
         self._target_info = target_info  # to rebuild the pair when the draft changes
-        # Shared by all requests: a dead draft costs one request its retries, not every round of every request.
-        self.breaker = CircuitBreaker(config.breaker_failures)
         self._cleanup: set[asyncio.Task] = set()
-        self._probe: asyncio.Task | None = None
         self._refresh: asyncio.Task | None = None
+        self.on_refresh: Callable[[], Awaitable[None]] | None = None  # after each pool refresh (health)
+        self._watcher = asyncio.get_running_loop().create_task(
+            watch((drafts, targets), config.pool_refresh_s, self._refreshed)
+        )
+
+    async def _refreshed(self) -> None:
+        if self.on_refresh is not None:
+            await self.on_refresh()
 
     def close(self) -> None:
-        for task in (self._probe, self._refresh):
+        for task in (self._watcher, self._refresh):
             if task is not None:
                 task.cancel()
 
-    def round_from(self, proposal: draft_pb2.ProposeResponse, k: int, source: Source = Source.DRAFT) -> Round:
+    async def close_clients(self) -> None:
+        await asyncio.gather(self.drafts.close(), self.targets.close())
+
+    @property
+    def draft_skipped(self) -> bool:
+        """No draft replica takes calls: every breaker open, or none serving."""
+        return not self.drafts.serving
+
+    def round_from(
+        self, proposal: draft_pb2.ProposeResponse, k: int, address: str, source: Source = Source.DRAFT
+    ) -> Round:
         """The drafts of a Propose reply, or a branch's, checked against what was asked: the one
         place a draft's reply becomes a round's drafts."""
-        return round_from(proposal, k, self.draft.address, self.pair.vocab_size, source)
+        return round_from(proposal, k, address, self.pair.vocab_size, source)
+
+    def place(self, draft_view: SessionView, target_view: SessionView) -> None:
+        """A new request's sessions: each on the least-loaded serving replica of its pool (the
+        target's on one that may come back when none serves; the draft's on none, so rounds
+        run target-only until one serves)."""
+        target_view.replica = self.targets.place_anywhere()
+        draft_view.replica = self.drafts.place()
+
+    def draft_allowed(self, draft_view: SessionView, unused_forks: list[str]) -> bool:
+        """Whether this round may call the draft: the request's draft replica takes calls (its
+        breaker is closed) and did not just fail, or the session moves to one that serves, or
+        (no other serving) the one that failed is asked again while its breaker allows. A
+        session on no replica (none served when it was placed) is placed now."""
+        replica = draft_view.replica
+        if replica is not None and replica.breaker.allow() and not draft_view.lost:
+            return True
+        if self.move(self.drafts, draft_view, unused_forks):
+            return True
+        # No other replica serves: the failed one is asked again while its breaker allows.
+        draft_view.lost = False
+        return replica is not None and replica.breaker.allow()
+
+    def move(self, pool: Pool, view: SessionView, unused_forks: list[str] | None = None) -> bool:
+        """Moves a session off its replica to the least-loaded other one that serves, which is
+        re-sent the committed sequence on its next call; False (the session stays) when there
+        is none. The old replica's session, and the request's unused forks there, are ended in
+        the background (a dead replica's expire by TTL)."""
+        old = view.replica
+        new = pool.place(avoid=old)
+        if new is None:
+            return False
+        if old is not None:
+            if view.opened:
+                self.end_later(old.client, view.session_id)
+            for session_id in unused_forks or ():
+                self.end_later(old.client, session_id)
+            old.moves += 1
+            pool.release(old)
+            logger.info("%s session %s moves from %s to %s", pool.role, view.session_id, old.address, new.address)
+            trace.get_current_span().add_event(
+                "replica.moved", {"specdec.service": pool.role, "specdec.from": old.address, "specdec.to": new.address}
+            )
+        if unused_forks:
+            unused_forks.clear()
+        view.replica, view.synced, view.opened, view.lost = new, 0, False, False
+        view.moves += 1
+        return True
 
     async def propose(
         self,
@@ -118,7 +182,7 @@ class Upstream:
             )
             if max_copied is not None:  # unset means num_tokens
                 request.max_copied_tokens = max_copied
-            return self.draft.propose(request)
+            return cast(DraftClient, view.client).propose(request)
 
         return await retry_unavailable(
             lambda: self._with_reprefill("draft", view, sequence, stats, send),
@@ -127,13 +191,17 @@ class Upstream:
         )
 
     def draft_failed(self, exc: SpecDecError, draft_view: SessionView, stats: GenerationStats) -> None:
-        """Counts a failed draft call, opens the breaker after enough of them, and forgets what
-        the draft held: if it comes back, the next call re-sends the whole sequence. A draft
-        that rejected the call may have restarted with other capabilities (no copies, no
-        trees, a lower K): its Info is read again. One that cannot hold the request
-        (RESOURCE_EXHAUSTED) counts for this request only, not for the breaker."""
+        """Counts a failed draft call, opens the replica's breaker after enough of them, and
+        forgets what the draft held: if it comes back, the next call re-sends the whole
+        sequence; an UNAVAILABLE replica's session moves to another draft replica, where the
+        pool has one, at the next round. A draft that rejected the call may have restarted with
+        other capabilities (no copies, no trees, a lower K): its Info is read again. One that
+        cannot hold the request (RESOURCE_EXHAUSTED) counts for this request only, not for the
+        breaker."""
+        replica = draft_view.replica
+        assert replica is not None  # a session on no replica makes no call
         if isinstance(exc, CallRejected) and (self._refresh is None or self._refresh.done()):
-            self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair())
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair(replica))
         stats.draft_failures += 1
         draft_view.synced = 0
         trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
@@ -143,14 +211,13 @@ class Upstream:
             logger.info("draft refused the request, which runs target-only rounds before asking again: %s", exc)
             return
         logger.warning("draft call failed, round runs target-only: %s", exc)
-        if self.breaker.record_failure():
+        draft_view.lost = isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+        if replica.breaker.record_failure():
             logger.warning(
-                "draft at %s failed %d times in a row: rounds run target-only until a health probe finds it serving",
-                self.draft.address,
-                self.breaker.failure_threshold,
+                "draft at %s failed %d times in a row: no round calls it until a pool refresh finds it serving",
+                replica.address,
+                replica.breaker.failure_threshold,
             )
-            if self._probe is None or self._probe.done():
-                self._probe = asyncio.get_running_loop().create_task(self._probe_draft())
 
     async def reread_pair(self) -> PairInfo:
         """The pair once the Info read that a rejected call started has finished; the pair as
@@ -164,28 +231,28 @@ class Upstream:
                 pass
         return self.pair
 
-    async def _refresh_pair(self) -> None:
-        """Rebuilds the pair from the draft's Info as it is now; keeps it where the draft is
-        unreachable or no longer pairs with the target (the breaker then keeps rounds
-        target-only). The chooser's costs stay as measured at start-up (a seed's output does
+    async def _refresh_pair(self, replica: Replica) -> None:
+        """Rebuilds the pair from the draft replica's Info as it is now; keeps it where the
+        replica is unreachable or no longer pairs with the target (its breaker then keeps
+        rounds off it). The chooser's costs stay as measured at start-up (a seed's output does
         not move with a draft restart; a coordinator restart re-measures)."""
         try:
-            draft_info = await self.draft.info()
+            draft_info = await replica.client.info()
             check_pair(
                 draft_info,
                 self._target_info,
                 self._target_info.tokenizer_fingerprint,
-                self.draft.address,
-                self.target.address,
+                replica.address,
+                self.targets.spec.text,
             )
         except SpecDecError as exc:
-            logger.warning("draft at %s refused a call and its Info does not pair: %s", self.draft.address, exc)
+            logger.warning("draft at %s refused a call and its Info does not pair: %s", replica.address, exc)
             return
         refreshed = pair_info(self.config, draft_info, self._target_info, self.pair.costs)
         if refreshed != self.pair:
             logger.warning(
                 "draft at %s changed (copies %s -> %s, trees %s -> %s, max K %d -> %d): rounds follow its new Info",
-                self.draft.address,
+                replica.address,
                 self.pair.draft_copies,
                 refreshed.draft_copies,
                 self.pair.trees,
@@ -194,14 +261,6 @@ class Upstream:
                 refreshed.max_num_speculative_tokens,
             )
             self.pair = refreshed
-
-    async def _probe_draft(self) -> None:
-        """While the breaker is open, asks the draft's health service until it is SERVING."""
-        while self.breaker.is_open:
-            await asyncio.sleep(self.config.breaker_probe_interval_s)
-            if await self.draft.serving():
-                logger.info("draft at %s is serving again: speculation resumes", self.draft.address)
-                self.breaker.close()
 
     async def verify(
         self,
@@ -216,12 +275,14 @@ class Upstream:
         stop_token_ids: Collection[int] = (),
     ) -> target_pb2.VerifyResponse:
         """The round's verify (a target-only one with `step_seeds`: its further steps, stopping
-        after a token in `stop_token_ids`). A target that is UNAVAILABLE (restarting) is
-        retried until `retry_until` (loop time); back up, it has lost the session, answers
-        NOT_FOUND and is re-sent the committed sequence, so the output does not change."""
+        after a token in `stop_token_ids`). A target replica that is UNAVAILABLE (gone,
+        restarting) is left for another that serves, where the pool has one, which is re-sent
+        the committed sequence; otherwise it is retried until `retry_until` (loop time): back
+        up, it has lost the session, answers NOT_FOUND and is re-sent the sequence. Either way
+        the call, and the output, are the same."""
 
         def send(keep: int, new_tokens: list[int]):
-            return self.target.verify(
+            return cast(TargetClient, view.client).verify(
                 target_pb2.VerifyRequest(
                     session_id=view.session_id,
                     keep_tokens=keep,
@@ -238,15 +299,24 @@ class Upstream:
 
         loop = asyncio.get_running_loop()
 
-        def retried() -> None:
+        def failed() -> bool:
             stats.target_retries += 1
+            replica = view.replica
+            assert replica is not None
+            replica.serving = False  # no new sessions until a refresh finds it serving
+            return self.move(self.targets, view)
 
-        return await retry_unavailable(
-            lambda: self._with_reprefill("target", view, sequence, stats, send),
-            give_up=lambda attempts: loop.time() >= retry_until,
-            backoff_s=0.1,
-            on_retry=retried,
-        )
+        try:
+            return await retry_unavailable(
+                lambda: self._with_reprefill("target", view, sequence, stats, send),
+                give_up=lambda attempts: loop.time() >= retry_until,
+                backoff_s=0.1,
+                on_failure=failed,
+            )
+        except Unavailable as exc:
+            if isinstance(exc, DeadlineExceeded) or len(self.targets.replicas) == 1:
+                raise
+            raise Unavailable(f"no replica of {self.targets.describe()} answered: {exc}") from exc
 
     async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
@@ -275,16 +345,20 @@ class Upstream:
         raise AssertionError("unreachable")
 
     def end_sessions(self, draft_view: SessionView, target_view: SessionView) -> None:
-        for client, view in ((self.draft, draft_view), (self.target, target_view)):
+        """Ends a finished request's sessions (in the background) and frees their places."""
+        for pool, view in ((self.drafts, draft_view), (self.targets, target_view)):
+            if view.replica is None:
+                continue
             if view.opened:
-                self.end_later(client, view.session_id)
+                self.end_later(view.replica.client, view.session_id)
+            pool.release(view.replica)
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""
         while self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
-    def end_later(self, client: DraftClient | TargetClient, session_id: str) -> None:
+    def end_later(self, client: ServiceClient, session_id: str) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request."""
         task = asyncio.get_running_loop().create_task(client.end_session(session_id))
         self._cleanup.add(task)

@@ -34,6 +34,7 @@ class Flag:
     required: bool = False  # the default ("" or None) is refused after parsing
     shown: str | None = None  # the default as --help and the docs show it, where the value reads badly
     more: str = ""  # docs only: detail and links beyond --help
+    repeated: bool = False  # the flag may be given several times: its values joined by commas
 
 
 def setting(default: Any, flag: str, help: str, **options: Any) -> Any:
@@ -153,20 +154,27 @@ def parse_settings(
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog=prog, description=description)
     settings = list(declared(cls))
+    fallback: dict[str, Any] = {}
     for item in settings:
         flag, variable = item.flag, item.env_name(env_prefix)
         parse = _parser_for(flag, item.default)
         default = env_value(env, variable, parse, flag.choices) if variable in env else item.default
+        fallback[item.dest] = default
         parser.add_argument(
             flag.name,
             dest=item.dest,
             type=parse,
-            default=default,
+            action="append" if flag.repeated else "store",
+            default=None if flag.repeated else default,
             choices=list(flag.choices) if flag.choices else None,
             metavar="{on,off}" if parse is on_off else None,
             help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]",
         )
     ns = parser.parse_args(argv)
+    for item in settings:  # a repeated flag's values, joined; its environment value or default when not given
+        if item.flag.repeated:
+            given = getattr(ns, item.dest)
+            setattr(ns, item.dest, ",".join(given) if given else fallback[item.dest])
     for item in settings:
         if item.flag.required and not getattr(ns, item.dest):
             parser.error(f"{item.flag.name} is required {REQUIRED_HINT}")

@@ -232,12 +232,14 @@ class RunningServer:
         self._on_stop = on_stop
         self.metrics_http = metrics_http  # None when metrics are off
         self.http_port: int | None = None  # the coordinator's HTTP API, when it serves one
+        self.stopping = False  # health stays NOT_SERVING from the first signal on
 
     @property
     def metrics_port(self) -> int | None:
         return None if self.metrics_http is None else self.metrics_http.server_port
 
     async def stop(self, grace_s: float | None = None) -> None:
+        self.stopping = True
         await set_serving(self.health, self.service_names, False)
         for task in self._background:
             task.cancel()
@@ -262,6 +264,7 @@ class RunningServer:
         logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
         await stop.wait()
         logger.info("shutting down: NOT_SERVING now, then draining in-flight requests for up to %.1fs", grace_s)
+        self.stopping = True
         await set_serving(self.health, self.service_names, False)
         await asyncio.sleep(min(notice_s, grace_s))
         await self.stop(grace_s)

@@ -221,7 +221,7 @@ def hedge_picked_by_its_drafts(monkeypatch) -> None:
         for plan, result in zip(call.branches, reply.results):
             proposal = result.proposal
             if plan.hedge is not None and not result.error_code and proposal.token_ids:
-                branch = self.upstream.round_from(proposal, plan.k)
+                branch = self.upstream.round_from(proposal, plan.k, call.replica.address)
                 if branch.draft_token_draft_probs[0] >= proposal.runner_up_probs[0]:  # its first draft is the argmax
                     return plan
         return None

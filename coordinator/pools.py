@@ -1,0 +1,266 @@
+"""Replica pools: every replica serving the draft, or the target, as the coordinator sees it.
+
+A pool is the addresses --draft or --target name, or a DNS name's records, read again at
+every refresh (specdec.rpc.dns). Every --pool-refresh seconds each replica is asked its health
+(a draining replica, after SIGTERM, answers NOT_SERVING) and its Info: its load, and that it
+serves the pool's model. A replica joins when both answer and leaves when either fails; one
+serving another model (another checkpoint, tokenizer or numerics) is refused and named.
+
+A request's session is placed on the least-loaded serving replica and stays there, since the
+replica holds the session's KV cache: a gRPC channel over several replicas would balance
+calls, not sessions, and a call landing on a replica that never saw the session costs a
+re-prefill. A session moves only when a call to its replica fails (`Upstream.move`): it is
+re-sent its committed sequence on another replica, which is what a restarted replica gets
+too, so the output does not change.
+
+No gRPC here beyond the clients' calls; pure bookkeeping and a watcher loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from coordinator.breaker import CircuitBreaker
+from coordinator.clients import ServiceClient
+from specdec.errors import ServiceRefused, SpecDecError, Unavailable
+from specdec.rpc.dns import PoolSpec, resolve
+from specdec.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 2.0
+# What every replica of a pool must report as the first one did. A target replica that
+# differs in any of these would give another output. A draft replica must speak the same
+# token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
+# with a round following the Info of the replica that rejected a call), since any draft keeps
+# the output exact and only the speed changes: a different model is logged, not refused.
+IDENTITY = {
+    "target": ("model_id", "tokenizer_fingerprint", "vocab_size", "max_context", "dtype", "quantization"),
+    "draft": ("tokenizer_fingerprint", "vocab_size"),
+}
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica of a pool, and what the coordinator knows of it."""
+
+    address: str
+    client: ServiceClient
+    breaker: CircuitBreaker  # consecutive failed calls (the draft's: rounds skip it while open)
+    info: common_pb2.ModelInfo | None = None  # its last Info
+    serving: bool = False  # serves the pool's model and its health says SERVING
+    refused: str = ""  # why it serves no session: another model
+    gone: bool = False  # no longer among the pool's DNS records: no new sessions
+    sessions: int = 0  # this coordinator's requests placed on it now
+    moves: int = 0  # sessions moved off it after a failed call
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """Sessions on it (this coordinator's, or the replica's own count where other
+        coordinators use it too), then KV bytes held."""
+        if self.info is None:
+            return (self.sessions, 0)
+        return (max(self.sessions, self.info.open_sessions), self.info.kv_cache_bytes)
+
+    @property
+    def usable(self) -> bool:
+        """May take new sessions."""
+        return self.serving and not self.gone and self.breaker.allow()
+
+
+@dataclass(eq=False)
+class Pool:
+    """One role's replicas, placement and the refresh that keeps them current."""
+
+    role: str  # "draft" / "target"
+    spec: PoolSpec
+    make_client: Callable[[str], ServiceClient]
+    breaker_failures: int = 3
+    replicas: dict[str, Replica] = field(default_factory=dict)  # by address, in the order found
+    reference: common_pb2.ModelInfo | None = None  # the first replica's Info: what every replica must match
+    resolve_error: str = ""  # the last DNS failure, until a lookup succeeds
+    resolve_failures: int = 0
+    _turn: int = 0
+
+    def describe(self) -> str:
+        if not self.spec.dynamic:
+            return f"the {self.role} pool {self.spec.text}"
+        return f"the {self.role} pool {self.spec.text} ({', '.join(self.replicas) or 'none resolved'})"
+
+    @property
+    def serving(self) -> list[Replica]:
+        return [replica for replica in self.replicas.values() if replica.usable]
+
+    def add(self, address: str, client: ServiceClient | None = None) -> Replica:
+        replica = Replica(address, client or self.make_client(address), CircuitBreaker(self.breaker_failures))
+        self.replicas[address] = replica
+        return replica
+
+    async def start(self, timeout_s: float) -> Replica:
+        """Refreshes until at least one replica serves (the first in the pool's order sets what
+        every replica must match), or UNAVAILABLE naming the pool after `timeout_s`. Replicas
+        not up yet join at a later refresh."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.refresh()
+            if first := next((replica for replica in self.replicas.values() if replica.serving), None):
+                break
+            if refusals := [replica.refused for replica in self.replicas.values() if replica.refused]:
+                raise ServiceRefused(refusals[0])  # a token or a model the operator must change
+            if loop.time() >= deadline:
+                reasons = "; ".join(f"{r.address}: {r.refused or 'no answer'}" for r in self.replicas.values())
+                raise Unavailable(
+                    f"no replica of {self.describe()} served within {timeout_s:.0f} s"
+                    + (f" ({reasons})" if reasons else f" ({self.resolve_error})")
+                )
+            await asyncio.sleep(0.5)
+        for replica in self.replicas.values():
+            if not replica.serving:
+                logger.warning(
+                    "%s replica %s is not serving (%s); it joins when it is",
+                    self.role,
+                    replica.address,
+                    replica.refused or "no answer",
+                )
+        return first
+
+    async def refresh(self) -> None:
+        """Resolves the pool's addresses (a DNS name's records) and asks every replica its
+        health and Info. A lookup that fails keeps the replicas known."""
+        try:
+            addresses = await resolve(self.spec)
+        except OSError as exc:
+            self.resolve_failures += 1
+            if str(exc) != self.resolve_error:
+                logger.warning("%s: DNS lookup failed, retried every refresh: %s", self.describe(), exc)
+            self.resolve_error = str(exc) or type(exc).__name__
+        else:
+            if self.resolve_error:
+                logger.info("%s resolves again", self.describe())
+            self.resolve_error = ""
+            self._update(addresses)
+        live = [replica for replica in self.replicas.values() if not replica.gone]
+        answers = await asyncio.gather(*(self._ask(replica) for replica in live))
+        for replica, info in zip(live, answers):  # in the pool's order: the first sets the reference
+            self._apply(replica, info)
+
+    def _update(self, addresses: Iterable[str]) -> None:
+        current = set(addresses)
+        for address in current:
+            replica = self.replicas.get(address)
+            if replica is None:
+                logger.info("%s: found replica %s", self.describe(), address)
+                self.add(address)
+            elif replica.gone:
+                replica.gone = False
+        for replica in self.replicas.values():
+            if replica.address not in current and not replica.gone:
+                logger.info("%s: replica %s left the DNS records; it takes no new sessions", self.role, replica.address)
+                replica.gone = True
+                replica.serving = False
+
+    async def _ask(self, replica: Replica) -> common_pb2.ModelInfo | None:
+        """The replica's Info when its health says SERVING; None when it does not answer so.
+        One that refuses the coordinator (its token) is refused: waiting will not mend that."""
+        try:
+            info = await replica.client.info(PROBE_TIMEOUT_S)
+        except ServiceRefused as exc:
+            replica.refused = str(exc)
+            return None
+        except SpecDecError:
+            return None
+        return info if await replica.client.serving(PROBE_TIMEOUT_S) else None
+
+    def _apply(self, replica: Replica, info: common_pb2.ModelInfo | None) -> None:
+        if info is None:
+            if replica.serving:
+                logger.warning("%s replica %s stopped serving: no new sessions go there", self.role, replica.address)
+            replica.serving = False
+            return
+        if self.reference is None:
+            self.reference = info
+        refused = self.mismatch(info)
+        if refused != replica.refused and refused:
+            logger.error("%s replica %s refused: %s", self.role, replica.address, refused)
+        elif info.model_id != self.reference.model_id and (
+            replica.info is None or replica.info.model_id != info.model_id
+        ):
+            logger.warning(
+                "%s replica %s serves %s where the pool's first served %s: outputs stay exact, speeds may differ",
+                self.role,
+                replica.address,
+                info.model_id,
+                self.reference.model_id,
+            )
+        replica.refused = refused
+        replica.info = info
+        if refused:
+            replica.serving = False
+            return
+        if not replica.serving and self.reference is not info:
+            logger.info("%s replica %s joins %s", self.role, replica.address, self.describe())
+        replica.serving = True
+        if replica.breaker.is_open:
+            logger.info("%s replica %s is serving again: rounds call it again", self.role, replica.address)
+            replica.breaker.close()
+
+    def mismatch(self, info: common_pb2.ModelInfo) -> str:
+        """What makes `info` another model than the pool's, in words; empty if none."""
+        assert self.reference is not None
+        for name in IDENTITY[self.role]:
+            theirs, ours = getattr(info, name), getattr(self.reference, name)
+            if theirs != ours:
+                return f"it serves {name} {str(theirs)[:64]!r} where the pool serves {str(ours)[:64]!r}"
+        return ""
+
+    def place(self, avoid: Replica | None = None) -> Replica | None:
+        """A new session's replica: the least loaded of those serving (ties in turn); None
+        when none is but `avoid`."""
+        candidates = [replica for replica in self.serving if replica is not avoid]
+        if not candidates:
+            return None
+        least = min(replica.load for replica in candidates)
+        tied = [replica for replica in candidates if replica.load == least]
+        self._turn += 1
+        chosen = tied[self._turn % len(tied)]
+        chosen.sessions += 1
+        return chosen
+
+    def place_anywhere(self) -> Replica:
+        """A target session's replica when none serves: one that may come back (a restarting
+        target is retried until the request's retry time), or UNAVAILABLE naming the pool."""
+        if placed := self.place():
+            return placed
+        waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
+        if not waiting:
+            raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
+        self._turn += 1
+        chosen = waiting[self._turn % len(waiting)]
+        chosen.sessions += 1
+        return chosen
+
+    def release(self, replica: Replica) -> None:
+        """A request's session left `replica` (ended or moved)."""
+        replica.sessions -= 1
+        if replica.gone and replica.sessions <= 0:
+            self.replicas.pop(replica.address, None)
+            task = asyncio.get_running_loop().create_task(replica.client.close())
+            task.add_done_callback(lambda _: None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
+
+
+async def watch(pools: Iterable[Pool], interval_s: float, on_refresh: Callable[[], Awaitable[None]]) -> None:
+    """Refreshes every pool each `interval_s` until cancelled; `on_refresh` after each."""
+    pools = list(pools)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.gather(*(pool.refresh() for pool in pools))
+            await on_refresh()
+        except Exception:  # noqa: BLE001 - a watcher that dies silently would freeze the pools
+            logger.exception("refreshing the replica pools failed; trying again in %.1f s", interval_s)

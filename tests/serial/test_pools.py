@@ -1,0 +1,134 @@
+"""Replica pools with real processes: sessions spread over target replicas and stay put; a
+replica killed mid-request hands its sessions over with the output unchanged; a draining
+replica gets no new sessions; a replica that is missing, serves another model, or is found
+by DNS; and every target replica down."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+
+from specdec.tools.launch import free_port
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+from tests.pool_helpers import (
+    PROMPT,
+    DnsServer,
+    Processes,
+    generate,
+    kill,
+    metric,
+    open_sessions,
+    until_placed_on,
+    wait_all,
+)
+
+
+def test_sessions_spread_stay_put_and_fail_over_and_a_draining_replica_gets_none(tiny_pair, reference, tmp_path):
+    with Processes(tiny_pair, tmp_path) as processes:
+        draft = processes.draft()
+        port_a = free_port()
+        a, b = processes.target(port_a), processes.target(args=["--shutdown-grace", "30"])
+        wait_all(draft, a, b)
+        coordinator = processes.coordinator(draft.address, f"{a.address},{b.address}", "--target-retry-timeout", "20")
+        wait_all(coordinator)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
+            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
+            chunks = [[next(stream)] for stream in streams]  # all four are running
+            # Placed by least load: two sessions on each replica.
+            assert open_sessions(a) >= 1 and open_sessions(b) >= 1
+            kill(a)  # mid-generation: its sessions move to b and are re-sent their sequences
+            for stream, got in zip(streams, chunks):
+                got += list(stream)
+            stats = [got[-1].stats for got in chunks]
+            for got in chunks:
+                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+            assert all(s.target_replica == b.address for s in stats)
+            moved = [s for s in stats if s.replica_moves]
+            assert len(moved) == 2 and all(s.replica_moves == 1 for s in moved)
+            # Every session stayed on its replica between moves: a call landing on a replica
+            # that never saw the session would have cost a re-prefill.
+            assert all(s.reprefills == 0 for s in stats)
+
+            # a comes back on its address and takes sessions again.
+            a = processes.target(port_a)
+            wait_all(a)
+            until_placed_on(stub, a.address, reference)
+            # b drains (SIGTERM: NOT_SERVING, then 30 s of grace): no new session goes there.
+            b.process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # a refresh (0.3 s) sees it
+            for _ in range(4):
+                response = generate(stub)
+                assert list(response.token_ids) == reference(PROMPT, 24)
+                assert response.stats.target_replica == a.address and response.stats.replica_moves == 0
+
+
+def test_a_pool_starts_without_a_missing_replica_refuses_another_model_and_names_the_pool_when_all_are_down(
+    tiny_pair, reference, tmp_path
+):
+    with Processes(tiny_pair, tmp_path) as processes:
+        draft, a = processes.draft(), processes.target()
+        other = processes.target(model=tiny_pair.draft)  # same tokenizer, another model
+        wait_all(draft, a, other)
+        port_c = free_port()  # nothing there yet
+        c_address = f"127.0.0.1:{port_c}"
+        pool = f"{a.address},{other.address},{c_address}"
+        coordinator = processes.coordinator(draft.address, pool, "--target-retry-timeout", "2")
+        wait_all(coordinator)
+        log = coordinator.log.read_text()
+        assert f"target replica {c_address} is not serving" in log, log[-3000:]
+        assert f"target replica {other.address} refused: it serves model_id" in log, log[-3000:]
+        assert metric(coordinator, "specdec_replica_refused", {"pool": "target", "address": other.address}) == 1
+        assert metric(coordinator, "specdec_replica_serving", {"pool": "target", "address": a.address}) == 1
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for _ in range(3):
+                response = generate(stub)
+                assert list(response.token_ids) == reference(PROMPT, 24)
+                assert response.stats.target_replica == a.address
+            c = processes.target(port_c)  # the missing replica comes up and joins
+            wait_all(c)
+            until_placed_on(stub, c_address, reference)
+            kill(a)
+            kill(c)
+            try:
+                generate(stub)
+                raise AssertionError("a request with every target replica down succeeded")
+            except grpc.RpcError as down:
+                assert down.code() == grpc.StatusCode.UNAVAILABLE, down.details()
+                assert f"target pool {pool}" in down.details(), down.details()
+
+
+def test_a_dns_pool_follows_its_records(tiny_pair, reference, tmp_path):
+    """Two targets on one port of two loopback addresses, found through a DNS server the test
+    controls: start-up waits for the name to resolve, a new record joins, a removed one gets
+    no new sessions, and a lookup that fails keeps the replicas known."""
+    with Processes(tiny_pair, tmp_path) as processes, DnsServer("targets.pool.test") as dns:
+        port = free_port()
+        draft = processes.draft()
+        a, b = processes.target(port, "127.0.0.1"), processes.target(port, "127.0.0.2")
+        wait_all(draft, a, b)
+        coordinator = processes.coordinator(draft.address, f"dns://127.0.0.1:{dns.port}/targets.pool.test:{port}")
+        time.sleep(1.0)  # it asks, and the name does not resolve yet
+        assert coordinator.process.poll() is None, coordinator.log.read_text()[-3000:]
+        dns.records = ["127.0.0.1"]
+        wait_all(coordinator)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            assert generate(stub).stats.target_replica == a.address
+            dns.records = ["127.0.0.1", "127.0.0.2"]
+            until_placed_on(stub, b.address, reference)
+            dns.records = ["127.0.0.2"]
+            time.sleep(1.0)
+            for _ in range(3):
+                assert generate(stub).stats.target_replica == b.address
+            dns.records = []  # NXDOMAIN: the replicas known stay in use
+            time.sleep(1.0)
+            response = generate(stub)
+            assert list(response.token_ids) == reference(PROMPT, 24) and response.stats.target_replica == b.address
+            assert metric(coordinator, "specdec_pool_dns_failures_total", {"pool": "target"}) >= 1
+        assert "DNS lookup failed" in coordinator.log.read_text()

@@ -1,0 +1,82 @@
+"""Pool specs, DNS lookups over UDP, and placement: least load, ties in turn, a replica that
+fails or serves another model gets no session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.pools import Pool
+from specdec.rpc.dns import parse_pool, query_a, resolve
+from specdec.v1 import common_pb2
+from tests.pool_helpers import DnsServer
+
+
+def test_pool_specs():
+    assert parse_pool("a:1, b:2").addresses == ("a:1", "b:2")
+    spec = parse_pool("dns:///target.svc:50062")
+    assert spec.dynamic and (spec.name, spec.port, spec.server) == ("target.svc", 50062, None)
+    assert parse_pool("dns://10.0.0.2:5353/t.svc:1").server == ("10.0.0.2", 5353)
+    assert parse_pool("dns://10.0.0.2/t.svc:1").server == ("10.0.0.2", 53)
+    for bad in ("", "a:1,a:1", "dns:target:1", "dns:///target", "dns:///target:0"):
+        with pytest.raises(ValueError):
+            parse_pool(bad)
+
+
+def test_a_dns_pool_reads_its_records_from_the_server_named():
+    async def lookups(dns: DnsServer):
+        spec = parse_pool(f"dns://127.0.0.1:{dns.port}/targets.pool.test:7")
+        with pytest.raises(OSError, match="rcode 3"):
+            await resolve(spec)
+        dns.records = ["127.0.0.2", "127.0.0.1"]
+        assert await resolve(spec) == ("127.0.0.1:7", "127.0.0.2:7")
+        assert await query_a(("127.0.0.1", dns.port), "other.test") == []  # NXDOMAIN is an error...
+
+    with DnsServer("targets.pool.test") as dns:
+        with pytest.raises(OSError):  # ...for any name it does not know
+            asyncio.run(lookups(dns))
+        assert dns.queries == 3
+
+
+class FakeClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+
+def pool_of(*addresses: str) -> Pool:
+    pool = Pool("target", parse_pool(",".join(addresses)), FakeClient)  # type: ignore[arg-type]
+    info = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
+    pool.reference = info
+    for address in addresses:
+        replica = pool.add(address)
+        replica.serving, replica.info = True, common_pb2.ModelInfo()
+        replica.info.CopyFrom(info)
+    return pool
+
+
+def test_placement_takes_the_least_loaded_replica_and_spreads_ties():
+    pool = pool_of("a:1", "b:1", "c:1")
+    a, b, c = pool.replicas.values()
+    placed = [pool.place() for _ in range(6)]
+    assert [r.sessions for r in (a, b, c)] == [2, 2, 2] and len(set(map(id, placed))) == 3
+    a.info.open_sessions = 5  # another coordinator's sessions count too
+    assert pool.place() in (b, c)
+    assert pool.place(avoid=b) is c
+    b.serving = False
+    c.breaker.record_failure(), c.breaker.record_failure(), c.breaker.record_failure()
+    assert pool.place(avoid=a) is None and pool.place() is a
+    pool.release(a)
+    assert a.sessions == 2
+
+
+def test_a_replica_serving_another_model_is_refused():
+    pool = pool_of("a:1")
+    other = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8, quantization="int8")
+    assert "quantization" in pool.mismatch(other)
+    replica = pool.add("b:1")
+    pool._apply(replica, other)
+    assert replica.refused and not replica.serving
+    same = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
+    pool._apply(replica, same)
+    assert not replica.refused and replica.serving
