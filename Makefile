@@ -126,7 +126,7 @@ deploy-check: install $(VENV)/.deploy-installed
 	  if [ $$rc -ne 0 ] || grep -q WARN <<<"$$out"; then exit 1; fi; \
 	  echo "kubernetes-validate --strict: $$rendered: $$(grep -c '^kind:' $$rendered) resources valid for Kubernetes $(K8S_VERSIONS)"; \
 	done
-	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml deploy/compose.tls.yaml
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml deploy/compose.tls.yaml deploy/compose.pools.yaml
 	$(VENV)/bin/hadolint --failure-threshold style deploy/docker/Dockerfile
 	@echo "hadolint: deploy/docker/Dockerfile clean"
 	$(PY) -m pytest -q tests/unit/test_deploy_files.py

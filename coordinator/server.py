@@ -42,16 +42,20 @@ async def connect(
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    draft_spec = PoolSpec(draft.address, (draft.address,)) if draft else parse_pool(config.draft_address)
+    target_spec = PoolSpec(target.address, (target.address,)) if target else parse_pool(config.target_address)
+    draft_security = upstream.for_name(draft_spec.name) if draft_spec.dynamic else upstream
+    target_security = upstream.for_name(target_spec.name) if target_spec.dynamic else upstream
     drafts = Pool(
         "draft",
-        PoolSpec(draft.address, (draft.address,)) if draft else parse_pool(config.draft_address),
-        lambda address: DraftClient(address, config.draft_timeout_s, config.max_message_bytes, upstream),
+        draft_spec,
+        lambda address: DraftClient(address, config.draft_timeout_s, config.max_message_bytes, draft_security),
         config.breaker_failures,
     )
     targets = Pool(
         "target",
-        PoolSpec(target.address, (target.address,)) if target else parse_pool(config.target_address),
-        lambda address: TargetClient(address, config.target_timeout_s, config.max_message_bytes, upstream),
+        target_spec,
+        lambda address: TargetClient(address, config.target_timeout_s, config.max_message_bytes, target_security),
     )
     for pool, client in ((drafts, draft), (targets, target)):
         if client is not None:

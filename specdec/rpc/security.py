@@ -7,6 +7,7 @@ Files are read once at start-up; rotating a certificate or a token means restart
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import ssl
@@ -198,6 +199,13 @@ class ChannelSecurity:
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def for_name(self, name: str) -> ChannelSecurity:
+        """For a replica found by DNS (reached at its IP address): TLS checks the certificate
+        for the name that was resolved, unless a server name was set."""
+        if self.credentials is None or any(key == "grpc.ssl_target_name_override" for key, _ in self.options):
+            return self
+        return dataclasses.replace(self, options=(*self.options, ("grpc.ssl_target_name_override", name)))
 
 
 def load_client_security(settings: ClientSecurity, flag_prefix: str = "--") -> ChannelSecurity:

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import coordinator.config
 import draft_service.config
 import target_service.config
+from specdec.rpc.dns import parse_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -246,6 +247,9 @@ COMPOSE_TLS_RAW = yaml.safe_load((DEPLOY / "compose.tls.yaml").read_text())
 COMPOSE = with_defaults(COMPOSE_RAW)["services"]
 COMPOSE_TLS_FILE = with_defaults(merge_compose(COMPOSE_RAW, COMPOSE_TLS_RAW))
 COMPOSE_TLS = COMPOSE_TLS_FILE["services"]
+COMPOSE_POOLS = with_defaults(merge_compose(COMPOSE_RAW, yaml.safe_load((DEPLOY / "compose.pools.yaml").read_text())))[
+    "services"
+]
 
 
 def compose_containers(
@@ -447,6 +451,24 @@ def test_compose_coordinator_reaches_the_services_it_waits_for(role):
     assert COMPOSE[coordinator_name]["depends_on"][host] == {"condition": "service_healthy"}
 
 
+def test_compose_pools_coordinator_reaches_every_target_replica_of_one_model():
+    containers = compose_containers(COMPOSE_POOLS, label="compose+pools")
+    coordinator_name, coordinator_container = by_module(containers, "coordinator")
+    pool = parse_pool(coordinator_container.config().target_address)
+    assert len(pool.addresses) == 2
+    replicas = []
+    for address in pool.addresses:
+        host, port = split_address(address)
+        assert containers[host].module == "target_service" and containers[host].config().port == port
+        assert COMPOSE_POOLS[coordinator_name]["depends_on"][host] == {"condition": "service_healthy"}
+        replicas.append(containers[host].config())
+    first, second = replicas
+    assert (first.model, first.dtype, first.quantize) == (second.model, second.dtype, second.quantize)
+    gpus = [gpu_ids(COMPOSE_POOLS[name]) for name in containers if containers[name].module != "coordinator"]
+    flat = [gpu for ids in gpus for gpu in ids]
+    assert len(gpus) == 3 and len(flat) == len(set(flat)) == 5, f"GPUs reserved twice: {gpus}"
+
+
 def gpu_ids(service: dict) -> list[str]:
     devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     return [gpu for device in devices if "gpu" in device["capabilities"] for gpu in device["device_ids"]]
@@ -540,14 +562,18 @@ def test_k8s_service_links_cannot_override_settings(name):
 
 def resolve_k8s_address(address: str) -> tuple[dict, int]:
     """The Deployment a cluster address reaches (Service name, optionally namespaced), and
-    the container port it lands on."""
-    host, port = split_address(address)
+    the container port it lands on. A pool found by DNS (dns:///NAME:PORT) must name a
+    headless Service: a ClusterIP would resolve to one address, and the pool to one replica."""
+    pool = parse_pool(address)
+    host, port = (pool.name, pool.port) if pool.dynamic else split_address(address)
     service_name, *domain = host.split(".")
     if domain:
         assert domain[0] == NAMESPACE, f"{address} is in another namespace"
     services = k8s("Service")
     assert service_name in services, f"{address}: no Service {service_name}"
     service = services[service_name]
+    if pool.dynamic:
+        assert service["spec"].get("clusterIP") == "None", f"{address}: Service {service_name} is not headless"
     [service_port] = [p for p in service["spec"]["ports"] if p["port"] == port]
     [deployment] = [
         d
@@ -803,7 +829,8 @@ def test_tls_coordinator_reaches_draft_and_target_by_a_name_in_their_certificate
     config = coordinator_container.config()
     assert config.upstream.tls_server_name is None
     for address, component in ((config.draft_address, "draft"), (config.target_address, "target")):
-        host, _ = split_address(address)
+        pool = parse_pool(address)
+        host = pool.name if pool.dynamic else split_address(address)[0]  # a DNS pool's TLS checks its name
         assert host in make_certs.service_hosts(component, NAMESPACE), (
             f"{address} is not a name make_certs.py puts in {component}.crt"
         )

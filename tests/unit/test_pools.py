@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from coordinator.pools import Pool
 from specdec.rpc.dns import parse_pool, query_a, resolve
+from specdec.rpc.security import ChannelSecurity
 from specdec.v1 import common_pb2
 from tests.pool_helpers import DnsServer
 
@@ -80,3 +82,13 @@ def test_a_replica_serving_another_model_is_refused():
     same = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
     pool._apply(replica, same)
     assert not replica.refused and replica.serving
+
+
+def test_a_dns_pool_checks_tls_certificates_for_its_name():
+    """A replica found by DNS is reached at its IP address; its certificate names the Service."""
+    plain = ChannelSecurity()
+    assert plain.for_name("target.svc") is plain
+    tls = ChannelSecurity(credentials=grpc.ssl_channel_credentials())
+    assert ("grpc.ssl_target_name_override", "target.svc") in tls.for_name("target.svc").options
+    named = ChannelSecurity(tls.credentials, (("grpc.ssl_target_name_override", "set"),))
+    assert named.for_name("target.svc") is named
