@@ -19,11 +19,22 @@ the acceptance estimate is built from the request's own rounds, from a prior tha
 seeded requests. So K never depends on wall times measured during a request, and the same
 seed on the same running deployment gives the same output.
 
+Under load, C sessions share a service. In lockstep, a round's verify is then one batched
+pass over every session's K + 1 tokens (in ⌈C / max batch⌉ passes where C is larger), and
+each draft step one batched pass over every session's token: `RoundCosts.at_load` costs
+both from the services' batched calibration (Info.calibrated_batch_ms). The sessions all
+commit E(K) per round, so the K that maximises one session's E(K) / T(K) maximises the
+aggregate too, and K = 0 wins where a batch of C·(K + 1) tokens costs more than E(K) batches
+of C. A request whose K may follow the load (greedy, or unseeded) is costed at the sessions
+its replicas hold as each round starts, recorded in its stats (`sessions_per_round`); a
+seeded sampled request is costed as if alone, so that its seed keeps one output.
+
 Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -64,20 +75,76 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass(frozen=True)
+class BatchCosts:
+    """A service's passes over several sessions at once, as its Info reports them."""
+
+    single_ms: tuple[float, ...]  # [n - 1]: one session, n new tokens
+    batch_ms: tuple[tuple[int, int, float], ...] = ()  # (sessions, new tokens each, ms); empty: not measured
+    max_batch: int = 1
+
+    def pass_ms(self, sessions: int, new_tokens: int) -> float:
+        """One pass over `sessions` sessions with `new_tokens` new tokens each: interpolated
+        linearly in sessions between the measured sizes (one session: the single-session
+        costs), and in new tokens between those measured. Unmeasured: one session's pass over
+        all the tokens, as an accelerator's cost depends mostly on the tokens in a pass."""
+        if sessions <= 1:
+            return cost_at(self.single_ms, new_tokens)
+        if not self.batch_ms:
+            return cost_at(self.single_ms, sessions * new_tokens)
+        sizes = sorted({b for b, _, _ in self.batch_ms})
+        upper = next((b for b in sizes if b >= sessions), sizes[-1])
+        lower = max((b for b in sizes if b < upper), default=1)
+        low, high = self._at(lower, new_tokens), self._at(upper, new_tokens)
+        return low + (high - low) * (sessions - lower) / (upper - lower)
+
+    def _at(self, sessions: int, new_tokens: int) -> float:
+        if sessions == 1:
+            return cost_at(self.single_ms, new_tokens)
+        points = sorted((n, ms) for b, n, ms in self.batch_ms if b == sessions)
+        (n0, ms0), (n1, ms1) = points[0], points[-1]
+        if n1 == n0:
+            return ms0
+        return ms0 + (ms1 - ms0) * (new_tokens - n0) / (n1 - n0)
+
+    def load_ms(self, sessions: int, new_tokens: int) -> float:
+        """Serving `sessions` sessions' calls, `new_tokens` each, in passes of at most
+        max_batch sessions."""
+        passes = math.ceil(max(sessions, 1) / max(self.max_batch, 1))
+        return passes * self.pass_ms(math.ceil(max(sessions, 1) / passes), new_tokens)
+
+
+@dataclass(frozen=True)
 class RoundCosts:
-    """Milliseconds of the calls a round makes, from measured figures."""
+    """Milliseconds of the calls a round makes, from measured figures, for a request alone or
+    sharing the services with others (`at_load`)."""
 
     draft_pass_ms: tuple[float, ...]  # [n - 1]: a draft pass over n new tokens
     target_pass_ms: tuple[float, ...]  # [n - 1]: a target pass over n new tokens
     draft_rpc_ms: float = 0.0  # one call's cost outside the model (network, serialisation)
     target_rpc_ms: float = 0.0
+    draft_batch: BatchCosts | None = None  # batched passes (None: costed as one pass over their tokens)
+    target_batch: BatchCosts | None = None
+    draft_sessions: int = 1  # sessions sharing each service in the rounds costed
+    target_sessions: int = 1
+
+    def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
+        return dataclasses.replace(self, target_sessions=max(target_sessions, 1), draft_sessions=max(draft_sessions, 1))
+
+    def draft_step_ms(self) -> float:
+        if self.draft_sessions == 1:
+            return cost_at(self.draft_pass_ms, 1)
+        batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
+        return batch.load_ms(self.draft_sessions, 1)
 
     def draft_ms(self, k: int) -> float:
         """K one-token steps (the first also feeds the committed token, counted as one)."""
-        return self.draft_rpc_ms + k * cost_at(self.draft_pass_ms, 1) if k else 0.0
+        return self.draft_rpc_ms + k * self.draft_step_ms() if k else 0.0
 
     def verify_ms(self, k: int) -> float:
-        return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
+        if self.target_sessions == 1:
+            return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
+        batch = self.target_batch or BatchCosts(self.target_pass_ms)
+        return self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
 
     def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
         """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened."""

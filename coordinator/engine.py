@@ -136,6 +136,7 @@ class Engine:
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
                     pair = state.pair
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
+                    self._cost_at_load(state)
                     plan = plan_round(state, self.config.catch_up, draft_allowed, self.config.target_only_steps)
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms)
@@ -189,6 +190,9 @@ class Engine:
             retry_until=asyncio.get_running_loop().time() + retry_for,
             k_chooser=k_chooser,
             copy_chooser=self._copy_chooser(k_chooser, pair),
+            # A seeded sampled request's K may depend on nothing but itself (its seed's output
+            # depends on K); greedy output is the target's whatever K is.
+            load_aware=not (job.seeded and not job.params.greedy),
         )
 
     async def _run_round(
@@ -341,6 +345,17 @@ class Engine:
                 "specdec.round.draft_replica": state.draft_view.address,
             }
         )
+
+    def _cost_at_load(self, state: RequestState) -> None:
+        """The K chooser's costs for this round: at the sessions the request's replicas hold now
+        (its own included), recorded in its stats; alone for a seeded sampled request."""
+        if state.k_chooser is None or state.pair.costs is None:
+            return
+        target, draft = state.target_view.replica, state.draft_view.replica
+        sessions = target.load[0] if state.load_aware and target is not None else 1
+        draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
+        state.k_chooser.costs = state.pair.costs.at_load(sessions, draft_sessions)
+        state.stats.sessions_per_round.append(sessions)
 
     def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
         """A per-request K chooser when the request left K to the coordinator and it adapts."""

@@ -55,6 +55,7 @@ class GenerationStats:
     target_replica: str = ""  # the replica that served the request's last round
     draft_replica: str = ""  # the draft replica its session was on then ("" : none)
     replica_moves: int = 0  # times its sessions moved to another replica after a failed call
+    sessions_per_round: list[int] = field(default_factory=list)  # load each round's K was costed at
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property

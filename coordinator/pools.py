@@ -54,15 +54,19 @@ class Replica:
     refused: str = ""  # why it serves no session: another model
     gone: bool = False  # no longer among the pool's DNS records: no new sessions
     sessions: int = 0  # this coordinator's requests placed on it now
+    sessions_at_info: int = 0  # ... when its last Info answered
     moves: int = 0  # sessions moved off it after a failed call
 
     @property
+    def others(self) -> int:
+        """Sessions other coordinators held on it at its last Info (the replica's count beyond
+        this coordinator's then; a draft's includes forks)."""
+        return max(0, self.info.open_sessions - self.sessions_at_info) if self.info is not None else 0
+
+    @property
     def load(self) -> tuple[int, int]:
-        """Sessions on it (this coordinator's, or the replica's own count where other
-        coordinators use it too), then KV bytes held."""
-        if self.info is None:
-            return (self.sessions, 0)
-        return (max(self.sessions, self.info.open_sessions), self.info.kv_cache_bytes)
+        """Sessions on it, this coordinator's now and others' at the last Info, then KV bytes."""
+        return (self.sessions + self.others, self.info.kv_cache_bytes if self.info is not None else 0)
 
     @property
     def usable(self) -> bool:
@@ -196,7 +200,7 @@ class Pool:
                 self.reference.model_id,
             )
         replica.refused = refused
-        replica.info = info
+        replica.info, replica.sessions_at_info = info, replica.sessions
         if refused:
             replica.serving = False
             return

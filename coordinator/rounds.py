@@ -78,6 +78,7 @@ class RequestState:
     hedging: bool
     retry_until: float  # loop time after which an unavailable target fails the request
     k_chooser: AdaptiveK | None = None  # K per round, when the request left K to the coordinator
+    load_aware: bool = False  # the chooser costs rounds at the sessions sharing the services
     copy_chooser: AdaptiveK | None = None  # a copy's length, chosen apart (copies cost no pass)
     refusals: DraftRefusals = field(default_factory=DraftRefusals)
     acceptance: Acceptance = field(default_factory=Acceptance)  # of the model's chain drafts, copies apart

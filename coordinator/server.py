@@ -10,7 +10,7 @@ from pathlib import PurePath
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from coordinator.adaptive import RoundCosts
+from coordinator.adaptive import BatchCosts, RoundCosts
 from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.engine import Engine
@@ -117,6 +117,8 @@ async def measure_round_costs(
         target_pass_ms=tuple(target_info.calibrated_pass_ms),
         draft_rpc_ms=rpc_ms["draft"],
         target_rpc_ms=rpc_ms["target"],
+        draft_batch=batch_costs(draft_info),
+        target_batch=batch_costs(target_info),
     )
     logger.info(
         "K chooser costs: draft step %.1f ms, target pass %s ms (1..%d tokens), RPC %.2f / %.2f ms",
@@ -127,6 +129,15 @@ async def measure_round_costs(
         costs.target_rpc_ms,
     )
     return costs
+
+
+def batch_costs(info) -> BatchCosts:
+    """A service's batched pass costs, from its Info."""
+    return BatchCosts(
+        tuple(info.calibrated_pass_ms),
+        tuple((cost.sessions, cost.new_tokens, cost.ms) for cost in info.calibrated_batch_ms),
+        max(info.max_batch_size, 1),
+    )
 
 
 async def build_server(config: CoordinatorConfig) -> RunningServer:

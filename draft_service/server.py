@@ -64,6 +64,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         min_confidence=config.min_confidence,
         lookup=(config.ngram_min, config.ngram_max) if config.drafter == "hybrid" else None,
     )
+    runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:

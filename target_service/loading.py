@@ -46,6 +46,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         max_speculative_tokens=config.max_speculative_tokens,
         max_kv_bytes=config.max_kv_bytes,
     )
+    runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:

@@ -30,6 +30,8 @@ class ModelDescription:
     calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
     live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
+    calibrated_batch_ms: tuple[tuple[int, int, float], ...] = ()  # (sessions, new tokens each, ms)
+    max_batch_size: int = 1
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
     trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL

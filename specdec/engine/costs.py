@@ -9,6 +9,7 @@ moving average of its live passes beside them (for monitoring).
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ class PassCosts:
     calibrated_ms: tuple[float, ...]
     context_tokens: int
     live_ms: list[float] = field(default_factory=list)
+    batch_ms: tuple[tuple[int, int, float], ...] = ()  # (sessions, new tokens each, ms) of batched passes
 
     def __post_init__(self) -> None:
         if not self.live_ms:
@@ -47,21 +49,32 @@ def calibrate(
     size (the least disturbed by whatever else the machine is doing)."""
     for _ in range(warmup):
         run_pass(1)
-    costs = []
-    for n in range(1, max_new_tokens + 1):
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            run_pass(n)
-            best = min(best, (time.perf_counter() - started) * 1e3)
-            if best > REPEAT_BELOW_MS:
-                break
-        costs.append(best)
+    costs = [fastest(functools.partial(run_pass, n), repeats) for n in range(1, max_new_tokens + 1)]
     # A pass over fewer tokens never costs more than one over more: a size that came out
     # dearer than a larger one was disturbed, and takes the larger one's figure.
     for i in range(len(costs) - 2, -1, -1):
         costs[i] = min(costs[i], costs[i + 1])
     return tuple(costs)
+
+
+def fastest(run: Callable[[], None], repeats: int = 3) -> float:
+    """ms of the fastest of up to `repeats` runs (one, for a pass slower than REPEAT_BELOW_MS)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, (time.perf_counter() - started) * 1e3)
+        if best > REPEAT_BELOW_MS:
+            break
+    return best
+
+
+def batch_grid(max_batch_size: int, max_new_tokens: int) -> list[tuple[int, int]]:
+    """The batched passes calibration times: 2, 4, 8, ... sessions up to `max_batch_size` (it
+    included), each with 1 and with `max_new_tokens` new tokens (a target-only step, and a
+    verify at the largest K); between them the coordinator interpolates."""
+    sizes = sorted({*(2**i for i in range(1, max_batch_size.bit_length()) if 2**i < max_batch_size), max_batch_size})
+    return [(b, n) for b in sizes if b > 1 for n in sorted({1, max_new_tokens})]
 
 
 def cost_at(costs: tuple[float, ...] | list[float], new_tokens: int) -> float:

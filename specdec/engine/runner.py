@@ -3,6 +3,7 @@ forward pass that runs only the tokens the session's KV cache has not seen."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -15,7 +16,14 @@ from transformers import DynamicCache
 
 from specdec.engine.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
-from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, calibrate
+from specdec.engine.costs import (
+    CALIBRATION_CONTEXT,
+    CALIBRATION_MAX_TOKENS,
+    PassCosts,
+    batch_grid,
+    calibrate,
+    fastest,
+)
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.sessions import CachedTree, KVSession, SessionStore
@@ -57,6 +65,7 @@ class ModelRunner:
         self.batched_sessions_total = 0
         self.max_batch_size_seen = 0
         self.pass_costs: PassCosts | None = None  # set by calibrate_costs
+        self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
         # --pass-cost-profile: every pass is held to an accelerator's time (specdec.engine.pace).
         self.pacer: Pacer | None = None
 
@@ -87,14 +96,42 @@ class ModelRunner:
 
             self.pass_costs = None  # the timed passes are not live traffic
             costs = calibrate(run_pass, min(self.max_speculative_tokens + 1, CALIBRATION_MAX_TOKENS))
+            batch_ms = self._calibrate_batches(session, ids[context_tokens:], len(costs), keep_all_logits)
         self.processed_tokens_total = processed
-        self.pass_costs = PassCosts(costs, context_tokens)
+        self.pass_costs = PassCosts(costs, context_tokens, batch_ms=batch_ms)
         logger.info(
             "forward pass cost over a %d-token context, by new tokens: %s",
             context_tokens,
             ", ".join(f"{n + 1}: {ms:.1f} ms" for n, ms in enumerate(costs)),
         )
+        if batch_ms:
+            logger.info(
+                "batched pass cost, sessions x new tokens: %s",
+                ", ".join(f"{b}x{n}: {ms:.1f} ms" for b, n, ms in batch_ms),
+            )
         return self.pass_costs
+
+    def _calibrate_batches(
+        self, session: KVSession, new_ids: list[int], max_new_tokens: int, keep_all_logits: bool
+    ) -> tuple[tuple[int, int, float], ...]:
+        """Times batched passes (costs.batch_grid) of copies of the calibration session, each
+        on the same cached context. None under tensor parallelism or for caches that cannot be
+        batched: the coordinator then costs a batch as one pass over all its tokens."""
+        if self.max_batch_size < 2 or self.loaded.tensor_parallel_size > 1 or not batchable_cache(session.cache):
+            return ()
+        timed = []
+        for sessions, n in batch_grid(self.max_batch_size, max_new_tokens):
+            rows = [KVSession(f"calibration-{i}", cache=copy.deepcopy(session.cache)) for i in range(sessions)]
+
+            def run_batch(rows=rows, n=n) -> None:
+                self._forward_padded(rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
+                self._synchronize()
+                for row in rows:
+                    row.model_cache().crop(-n)
+
+            run_batch()  # warm-up: the first pass of a new shape
+            timed.append((sessions, n, fastest(run_batch)))
+        return tuple(timed)
 
     def describe(self) -> ModelDescription:
         dtype = str(self.model.dtype).removeprefix("torch.")
@@ -112,6 +149,7 @@ class ModelRunner:
             pass_cost_profile=self.pacer.profile.name if self.pacer else "",
             emulation_overruns=self.pacer.overruns if self.pacer else 0,
             trees=True,  # both model runners score token trees (forward_tree)
+            max_batch_size=self.max_batch_size,
             **self._cost_fields(),
         )
 
@@ -131,6 +169,7 @@ class ModelRunner:
             calibrated_pass_ms=self.pass_costs.calibrated_ms,
             live_pass_ms=tuple(self.pass_costs.live_ms),
             cost_context_tokens=self.pass_costs.context_tokens,
+            calibrated_batch_ms=self.pass_costs.batch_ms,
         )
 
     def end_session(self, session_id: str) -> bool:

@@ -188,4 +188,9 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         quantization=description.quantization,
         pass_cost_profile=description.pass_cost_profile,
         emulation_overruns=description.emulation_overruns,
+        calibrated_batch_ms=[
+            common_pb2.BatchCost(sessions=sessions, new_tokens=new_tokens, ms=ms)
+            for sessions, new_tokens, ms in description.calibrated_batch_ms
+        ],
+        max_batch_size=description.max_batch_size,
     )

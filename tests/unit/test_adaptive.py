@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, RoundCosts, best_k, expected_tokens, expected_tree_tokens
+from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts, best_k, expected_tokens, expected_tree_tokens
 
 # Shapes of the cost curves measured on real machines (ms per pass over 1..9 new tokens).
 FLAT_TARGET = tuple(150.0 + 5.0 * n for n in range(9))  # int8 1.5B on 2 AVX2 cores: ~flat to 5
@@ -35,6 +35,31 @@ def test_best_k_is_zero_when_verifying_more_tokens_costs_several_times_one():
     costs = RoundCosts(CHEAP_DRAFT, STEEP_TARGET)
     for alpha in (0.3, 0.6, 0.8):
         assert best_k(alpha, costs, 8, pipelined=False) == 0
+
+
+def test_batched_passes_interpolate_between_measured_sizes_and_split_past_the_largest():
+    batch = BatchCosts((10.0, 11.0, 12.0), ((2, 1, 14.0), (2, 3, 20.0), (4, 1, 18.0), (4, 3, 30.0)), max_batch=4)
+    assert batch.pass_ms(1, 2) == 11.0  # one session: its own curve
+    assert batch.pass_ms(2, 2) == pytest.approx(17.0)  # between 1 and 3 new tokens
+    assert batch.pass_ms(3, 1) == pytest.approx(16.0)  # between 2 and 4 sessions
+    assert batch.load_ms(8, 1) == pytest.approx(2 * 18.0)  # two passes of four
+    assert BatchCosts((10.0, 20.0, 30.0)).pass_ms(3, 1) == 30.0  # unmeasured: one pass over all tokens
+
+
+def test_under_load_speculation_stops_where_a_batch_of_every_sessions_drafts_costs_more_than_it_commits():
+    """A CPU-like target whose batched passes cost by the token: K > 0 alone, K = 0 at eight
+    sessions. An accelerator-like one, flat in the batch: speculation still pays at eight."""
+    single = tuple(50.0 + 10.0 * n for n in range(9))
+    cpu = BatchCosts(single, tuple((b, n, 40.0 + 12.0 * b * n) for b in (2, 4, 8) for n in (1, 9)), max_batch=8)
+    gpu = BatchCosts(single, tuple((b, n, 55.0 + 0.2 * b * n) for b in (2, 4, 8) for n in (1, 9)), max_batch=8)
+    draft = BatchCosts((5.0,) * 9, tuple((b, n, 5.0 + b) for b in (2, 4, 8) for n in (1, 9)), max_batch=8)
+    for target, at_eight in ((cpu, 0), (gpu, None)):
+        costs = RoundCosts((5.0,) * 9, single, draft_batch=draft, target_batch=target)
+        assert best_k(0.7, costs, 8, pipelined=False) > 0
+        loaded = best_k(0.7, costs.at_load(8, 8), 8, pipelined=False)
+        assert loaded == at_eight if at_eight is not None else loaded > 0
+        # The K chosen never commits fewer tokens per millisecond than target-only steps.
+        assert costs.at_load(8, 8).tokens_per_ms(loaded, 0.7, False) >= costs.at_load(8, 8).tokens_per_ms(0, 0.7, False)
 
 
 def test_best_k_is_zero_when_the_draft_is_dear_and_acceptance_is_low():

@@ -53,6 +53,10 @@ def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny
     assert len(info.calibrated_pass_ms) == 5 and all(ms > 0 for ms in info.calibrated_pass_ms)
     assert info.cost_context_tokens > 0 and info.live_pass_ms == info.calibrated_pass_ms
     assert runner.processed_tokens_total == 0 and len(runner.sessions) == 0
+    # Batched passes of 2, 4 and 8 sessions (--max-batch-size 8) with 1 and K + 1 tokens each.
+    assert info.max_batch_size == 8
+    assert [(b, n) for b, n, _ in info.calibrated_batch_ms] == [(b, n) for b in (2, 4, 8) for n in (1, 5)]
+    assert all(ms > 0 for _, _, ms in info.calibrated_batch_ms)
     # A live pass moves the live figure of its size only.
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
     runner.verify_one(VerifyCall("s", 0, [1, 2, 3], [], None, greedy, 0))
