@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench import accelerator, concurrency, overhead
+from bench import accelerator, concurrency, overhead, pools
 from bench.harness import load_prompts, machine_info, parse_args, run_bench
 from bench.report import by_kind, markdown_table, plot, summarise
 
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         results = accelerator.run_accelerator(config, machine_info(config), quick=config.quick)
     elif config.suite == "links":
         results = accelerator.run_links(config, machine_info(config), config.link_ms)
+    elif config.suite == "pools":
+        results = pools.run_pools(config, machine_info(config), tuple(config.pools_parts))
     elif config.suite == "concurrency":
         torch.set_num_threads(config.threads)
         results = concurrency.run_concurrency(config, load_prompts(config), machine_info(config))
@@ -47,6 +49,8 @@ def _write(results: dict, out_dir: Path) -> int:
         return _save(results, accelerator.markdown(results), out_dir, accelerator.plot(results, out_dir))
     if results.get("suite") == "links":
         return _save(results, accelerator.links_markdown(results), out_dir)
+    if results.get("suite") == "pools":
+        return _save(results, pools.markdown(results), out_dir)
     if results.get("suite") == "concurrency":
         rows = concurrency.summarise(results)
         results["summary"] = rows

@@ -181,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "trees",
             "accelerator",
             "links",
+            "pools",
         ],
         default="k-sweep",
         help=(
@@ -192,8 +193,17 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "hedged, against HF assisted with the same int8 pair on all cores; accelerator: tiny pairs of chosen "
             "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds; "
             "links: the 70B/1B accelerator cell with each service on its own network host (namespaces, as root) at "
-            "each --link-ms"
+            "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
+            "4 target replicas, a replica killed mid-load) and with the real pair at 1, 4 and 8 clients "
+            "(--pools-parts picks)"
         ),
+    )
+    parser.add_argument(
+        "--pools-parts",
+        nargs="+",
+        choices=["sweep", "scale", "failover", "real"],
+        default=["sweep", "scale", "failover", "real"],
+        help="pools suite: the parts to run",
     )
     parser.add_argument(
         "--link-ms", type=float, nargs="+", default=[0.05, 0.5, 2.0], help="links suite: one-way link delays to run"
@@ -257,6 +267,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         requests=args.requests,
         quick=args.quick,
         link_ms=tuple(args.link_ms),
+        pools_parts=tuple(args.pools_parts),
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

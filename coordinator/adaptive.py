@@ -47,6 +47,12 @@ PROBE_EVERY = 8  # after this many K = 0 rounds in a row, one round speculates t
 QUICK_PROBE_EVERY = 2  # ... or this many, while speculation would still pay at a plausible α
 PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above the estimate
 PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
+# Under load (other sessions on the target), K > 0 only where it beats target-only by this
+# factor. The lockstep model leaves out what sharing costs beyond the batched passes: passes
+# split between sessions drafting and sessions stepping, and, where draft and target share
+# cores, each slowing the other. On 2 shared cores, 4 sessions at K = 1 ran at 0.3x target-only
+# where the model put them at 0.99x (docs/design.md, "The K chooser", under load).
+LOAD_GAIN = 1.1
 
 
 DEFAULT_RESCUE_PRIOR = 0.5  # a hedge at the rejected position guessed the recovered token
@@ -264,6 +270,17 @@ class AdaptiveK:
             return min(self.probe_every, QUICK_PROBE_EVERY)
         return self.probe_every
 
+    @property
+    def loaded(self) -> bool:
+        """Costed with other sessions sharing the target (`RoundCosts.at_load`)."""
+        return self.costs.target_sessions > 1
+
+    def gain(self, k: int, alpha: float) -> float:
+        """Tokens per millisecond at K over those of target-only steps."""
+        return self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue) / self.costs.tokens_per_ms(
+            0, alpha, False
+        )
+
     def choose(self) -> int:
         """The best K for the estimated α; but K = 1, not 0, while K > 0 would pay for an α
         one standard error higher. Why: a K = 0 round teaches nothing about α, so choosing for
@@ -273,10 +290,20 @@ class AdaptiveK:
         uncertainty shrinks as drafts are evaluated, so a draft that is truly poor still
         settles at K = 0 with probes. Evidence: docs/design.md, "The K chooser"."""
         k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
-        plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
-        if k == 0 and self.k_max and plausible:
-            k = 1
-        if k == 0 and self.k_max and self.probe_every and self.zero_streak >= self.probe_interval:
+        if self.loaded:
+            # Shared services: speculate only for a clear gain, never on a hunch (no one-draft
+            # rounds, probes only where a plausible α would clear the bar).
+            if k and self.gain(k, self.alpha) < LOAD_GAIN:
+                k = 0
+            plausible_alpha = self._alpha_above(PLAUSIBLE_ERRORS)
+            plausible = best_k(plausible_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+            may_probe = bool(plausible) and self.gain(plausible, plausible_alpha) >= LOAD_GAIN
+        else:
+            plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+            if k == 0 and self.k_max and plausible:
+                k = 1
+            may_probe = True
+        if k == 0 and self.k_max and self.probe_every and may_probe and self.zero_streak >= self.probe_interval:
             k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
         self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)

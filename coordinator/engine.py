@@ -349,12 +349,14 @@ class Engine:
     def _cost_at_load(self, state: RequestState) -> None:
         """The K chooser's costs for this round: at the sessions the request's replicas hold now
         (its own included), recorded in its stats; alone for a seeded sampled request."""
-        if state.k_chooser is None or state.pair.costs is None:
+        if state.k_chooser is None:
             return
         target, draft = state.target_view.replica, state.draft_view.replica
         sessions = target.load[0] if state.load_aware and target is not None else 1
         draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
-        state.k_chooser.costs = state.pair.costs.at_load(sessions, draft_sessions)
+        for chooser in (state.k_chooser, state.copy_chooser):  # copies lengthen every batched verify too
+            if chooser is not None:
+                chooser.costs = chooser.costs.at_load(sessions, draft_sessions)
         state.stats.sessions_per_round.append(sessions)
 
     def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
@@ -382,7 +384,9 @@ class Engine:
         copied token lengthens the verify."""
         if k_chooser is None or not pair.draft_copies or pair.costs is None:
             return None
-        free_drafts = dataclasses.replace(pair.costs, draft_pass_ms=(0.0,) * len(pair.costs.draft_pass_ms))
+        free_drafts = dataclasses.replace(
+            pair.costs, draft_pass_ms=(0.0,) * len(pair.costs.draft_pass_ms), draft_batch=None
+        )
         return AdaptiveK(
             k_max=pair.max_num_speculative_tokens, pipelined=False, costs=free_drafts, alpha_prior=DEFAULT_ALPHA_PRIOR
         )

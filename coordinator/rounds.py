@@ -188,11 +188,16 @@ def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple
     replace would draw them (a K = 0 request reads no other stream), so the output does not
     depend on `target_steps`. Room is left for the last step's token in the length and the
     context. A request's first round steps once, so its first token comes as soon as the
-    prompt's pass ends; so does a request whose K is chosen, or a tree request served
-    target-only (its next round may speculate)."""
-    if kind is not RoundKind.TARGET_ONLY or state.k_chooser is not None or not state.stats.rounds:
+    prompt's pass ends; so does a tree request served target-only (its next round may
+    speculate). A request whose K is chosen steps once too where its seed must keep one output
+    (its rounds also read the draft's streams); where its K follows the load (greedy, or
+    unseeded) a round the chooser made K = 0 runs the steps as well: under load the calls
+    saved are the coordinator's CPU, which a shared machine's target needs."""
+    if kind is not RoundKind.TARGET_ONLY or not state.stats.rounds:
         return ()
-    if state.job.num_speculative_tokens or state.job.tree_widths:
+    if state.k_chooser is not None and not state.load_aware:
+        return ()
+    if state.k_chooser is None and (state.job.num_speculative_tokens or state.job.tree_widths):
         return ()
     more = min(target_steps - 1, state.remaining - 1, state.pair.max_context - len(state.sequence) - 1)
     return tuple(next_seed(state.streams.target) for _ in range(max(0, more)))

@@ -89,7 +89,8 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
     # 100 ms, a draft step calibrated at 2 ms on a noisy machine tied K = 2 with K = 3 there
     # (a CI run settled at K = 2 for 28 rounds); at 300 ms a run beside other test workers
     # settled at K = 2 for 45 rounds. At acceptance 0.3, K = 3 beats K = 2 while a draft step
-    # costs under 2% of the verify: up to 10 ms here.
+    # costs under 2% of the verify: up to 10 ms here. (A seed giving one output is checked
+    # where passes are cheap, above: here each sampled request took 10 s of 500 ms passes.)
     async with inprocess_stack(
         tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(flat(0.500))
     ) as stack:
@@ -98,8 +99,6 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
             chosen = await generate(stack, prompt)
             assert list(chosen.token_ids) == reference(prompt)
             ks += list(chosen.stats.k_per_round)[:-1]  # the last round is cut to the tokens left
-            sampled = [await generate(stack, prompt, temperature=0.8, seed=5) for _ in range(2)]
-            assert sampled[0].token_ids == sampled[1].token_ids, "the same seed must give the same output"
         ks.sort()
         assert ks[len(ks) // 2] >= 3, f"{ks}"
 

@@ -193,3 +193,22 @@ def test_the_chooser_learns_how_often_hedges_rescue_a_rejection():
     for hit in (True, True, True, False):
         chooser.observe_rescue(hit)
     assert chooser.rescue == pytest.approx((1 + 3) / (2 + 4))
+
+
+def test_under_load_a_near_tie_stays_target_only_without_one_draft_rounds_or_probes():
+    """Alone, the chooser drafts one token where K > 0 would pay at a plausibly higher α, and
+    probes after K = 0 rounds. Sharing the target, it speculates only for a clear gain
+    (LOAD_GAIN): a near tie in the lockstep model was 0.3x target-only on 2 shared cores."""
+    single = tuple(50.0 + 2.0 * n for n in range(9))
+    target = BatchCosts(single, tuple((b, n, 40.0 + 12.0 * b * n) for b in (2, 4, 8) for n in (1, 9)), max_batch=8)
+    draft = BatchCosts((20.0,) * 9, tuple((b, n, 20.0 + 3.0 * b) for b in (2, 4, 8) for n in (1, 9)), max_batch=8)
+    costs = RoundCosts((20.0,) * 9, single, draft_batch=draft, target_batch=target)
+    loaded = AdaptiveK(k_max=8, pipelined=False, costs=costs.at_load(4, 4), alpha_prior=0.75)
+    assert 0.95 < max(loaded.gain(k, 0.999) for k in range(1, 9)) < 1.1  # a near tie at the best acceptance
+    ks = []
+    for _ in range(30):
+        ks.append(loaded.choose())
+        loaded.observe_round(ks[-1], ks[-1])
+    assert ks == [0] * 30
+    alone = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.75)
+    assert alone.choose() > 0

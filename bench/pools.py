@@ -1,0 +1,411 @@
+"""`--suite pools`: replica pools, and speculation against target-only under load.
+
+Emulated part (the synthetic pair at α ≈ 0.8 held to the 70B-TP4 / 1B H100 profiles, as the
+accelerator suite; a batched pass costs what the profile gives for all its tokens, so batching
+is nearly free up to 64 tokens, as on an H100). Every service on loopback, unpinned, with
+`--max-batch-size 32`; greedy requests of 64 tokens from the accelerator suite's prompts, each
+client sending its next request when the last returns:
+
+- sweep: one target and one draft, 1 to 32 clients, the coordinator's defaults (the K chooser)
+  against K = 0, aggregate tok/s over the same requests;
+- scale: 32 clients against 1 target + 1 draft, 4 targets + 1 draft, 4 targets + 2 drafts;
+- failover: 4 targets + 1 draft, 16 clients streaming; one target replica is killed once a
+  third of the requests are done; failed requests, outputs against target-only, and the longest
+  stall a moved request saw (the time to recover).
+
+Real part: the Qwen2.5-Coder pair on this CPU (int8 draft, the bench's target setting), 1, 4 and
+8 clients, defaults against K = 0, interleaved, `--repeats` times.
+
+Everything here is one machine's CPU standing in for the cluster: the emulated figures leave out
+the accelerators' own variance and any network beyond loopback, and six processes and 32 clients
+share its two cores (the services report passes whose real compute overran the profile).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+
+from bench.accelerator import PROFILES, PROMPTS, overruns
+from bench.modes import drafter_args, target_service_args
+from bench.synthetic import pair_with_acceptance
+from specdec.rpc.ports import free_port
+from specdec.tools.launch import ServiceProcess, model_service_args, spawn
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP_CLIENTS = (1, 2, 4, 8, 16, 32)
+SCALE = ((1, 1), (4, 1), (4, 2))  # (target replicas, draft replicas)
+SCALE_CLIENTS = 32
+FAILOVER_CLIENTS = 16
+REAL_CLIENTS = (1, 4, 8)
+NEW_TOKENS = 64
+CHOSEN = None  # a request that leaves K to the coordinator
+
+
+class Stack:
+    """Draft and target replicas and a coordinator over them, stopped on exit."""
+
+    def __init__(self, logs: Path, stack: ExitStack) -> None:
+        self.logs, self._stack = logs, stack
+        self.drafts: list[ServiceProcess] = []
+        self.targets: list[ServiceProcess] = []
+        self.processes: list[ServiceProcess] = []  # every one started, the coordinator too
+
+    def spawn(self, role: str, args: list[str], env: dict[str, str]) -> ServiceProcess:
+        module = f"{role}_service" if role != "coordinator" else role
+        name = f"{role}-{len(self.drafts) + len(self.targets)}"
+        process = spawn(name, module, args, free_port(), self.logs / f"{name}.log", env, ROOT)
+        self._stack.callback(process.stop)
+        self.processes.append(process)
+        return process
+
+    def coordinator(self, tokenizer: Path, *args: str) -> grpc.Channel:
+        coordinator = self.spawn(
+            "coordinator",
+            [
+                "--draft",
+                ",".join(d.address for d in self.drafts),
+                "--target",
+                ",".join(t.address for t in self.targets),
+                "--tokenizer",
+                str(tokenizer),
+                "--max-new-tokens-limit",
+                "4096",
+                *args,
+            ],
+            {},
+        )
+        coordinator.wait_healthy(300)
+        self._stack.callback(coordinator.stop)
+        channel = grpc.insecure_channel(coordinator.address)
+        self._stack.callback(channel.close)
+        return channel
+
+
+def emulated_stack(pair, targets: int, drafts: int, logs: Path, stack: ExitStack) -> tuple[Stack, grpc.Channel]:
+    services = Stack(logs, stack)
+    common = ["--threads", "1", "--max-speculative-tokens", "16", "--max-batch-size", "32", "--max-sessions", "256"]
+    env = {"OMP_NUM_THREADS": "1"}
+    # One after the other: a service calibrates its passes at start-up, and must not time them
+    # while a neighbour loads.
+    for _ in range(drafts):
+        profile = PROFILES / "h100-1b.json"
+        services.drafts.append(
+            services.spawn(
+                "draft",
+                ["--model", str(pair.draft), "--pass-cost-profile", str(profile), *common]
+                + ["--min-confidence", "0", "--quantize", "none"],
+                env,
+            )
+        )
+        services.drafts[-1].wait_healthy(300)
+    for _ in range(targets):
+        profile = PROFILES / "h100-70b-tp4.json"
+        services.targets.append(
+            services.spawn("target", ["--model", str(pair.target), "--pass-cost-profile", str(profile), *common], env)
+        )
+        services.targets[-1].wait_healthy(300)
+    return services, services.coordinator(pair.target)
+
+
+def request(prompt: list[int] | str, k: int | None, new_tokens: int = NEW_TOKENS) -> pb.GenerateRequest:
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(prompt=prompt, max_new_tokens=new_tokens, num_speculative_tokens=k)
+    return pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens, num_speculative_tokens=k)
+
+
+def load(stub, clients: int, requests: list[pb.GenerateRequest]) -> dict:
+    """Every request, at most `clients` in flight; aggregate tok/s = tokens / wall time."""
+    failed = []
+
+    def one(item: pb.GenerateRequest):
+        try:
+            return stub.Generate(item, timeout=900)
+        except grpc.RpcError as exc:
+            failed.append(f"{exc.code().name}: {exc.details()}")
+            return None
+
+    with ThreadPoolExecutor(clients) as pool:
+        started = time.perf_counter()
+        responses = list(pool.map(one, requests))
+        wall = time.perf_counter() - started
+    done = [r for r in responses if r is not None]
+    tokens = sum(r.stats.generated_tokens for r in done)
+    proposed = sum(r.stats.proposed_tokens for r in done)
+    loads = [n for r in done for n in r.stats.sessions_per_round]
+    return {
+        "clients": clients,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "failed": failed,
+        "acceptance": sum(r.stats.accepted_tokens for r in done) / proposed if proposed else None,
+        "k_mean": proposed / max(1, sum(r.stats.rounds for r in done)),
+        "sessions_mean": statistics.mean(loads) if loads else None,
+        "targets_used": sorted({r.stats.target_replica for r in done}),
+    }
+
+
+def sweep(pair, logs: Path, requests: int) -> list[dict]:
+    rows = []
+    with ExitStack() as stack:
+        services, channel = emulated_stack(pair, 1, 1, logs / "sweep", stack)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        load(stub, 2, [request(PROMPTS[0], CHOSEN, 8)] * 2)  # warm-up
+        for clients in SWEEP_CLIENTS:
+            work = {k: [request(PROMPTS[i % len(PROMPTS)], k) for i in range(requests)] for k in (CHOSEN, 0)}
+            order = (CHOSEN, 0) if clients % 2 else (0, CHOSEN)
+            result = {k: load(stub, clients, work[k]) for k in order}
+            row = {"clients": clients, "chosen": result[CHOSEN], "target_only": result[0]}
+            row["ratio"] = result[CHOSEN]["tokens_per_s"] / result[0]["tokens_per_s"]
+            print(
+                f"sweep N={clients:2d}: defaults {result[CHOSEN]['tokens_per_s']:7.1f} tok/s, "
+                f"K=0 {result[0]['tokens_per_s']:7.1f} tok/s, {row['ratio']:.2f}x",
+                flush=True,
+            )
+            rows.append(row)
+        rows[0]["overruns"] = overruns(services.drafts[0], services.targets[0])
+    return rows
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used so far (/proc/PID/stat)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def scale(pair, logs: Path, requests: int) -> list[dict]:
+    rows = []
+    for targets, drafts in SCALE:
+        with ExitStack() as stack:
+            services, channel = emulated_stack(pair, targets, drafts, logs / f"scale-{targets}t{drafts}d", stack)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            load(stub, 2, [request(PROMPTS[0], CHOSEN, 8)] * 2)
+            work = [request(PROMPTS[i % len(PROMPTS)], CHOSEN) for i in range(requests)]
+            pids = [p.process.pid for p in services.processes] + [os.getpid()]  # the clients run here
+            cpu_before = cpu_seconds(pids)
+            result = load(stub, SCALE_CLIENTS, work)
+            # How busy the host was: CPU seconds of every service, the coordinator and the clients
+            # over the wall time times the cores.
+            result["host_busy"] = (cpu_seconds(pids) - cpu_before) / (result["wall_s"] * (os.cpu_count() or 1))
+            result.update(
+                targets=targets, drafts=drafts, overruns=[overruns(services.drafts[0], t) for t in services.targets]
+            )
+            print(
+                f"scale {targets} targets, {drafts} drafts, {SCALE_CLIENTS} clients: "
+                f"{result['tokens_per_s']:7.1f} tok/s",
+                flush=True,
+            )
+            rows.append(result)
+    return rows
+
+
+def failover(pair, logs: Path, requests: int) -> dict:
+    """16 clients streaming over 4 target replicas; one replica killed a third of the way."""
+    with ExitStack() as stack:
+        services, channel = emulated_stack(pair, 4, 1, logs / "failover", stack)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        reference = {
+            tuple(p): list(stub.Generate(request(p, 0), timeout=300).token_ids) for p in PROMPTS
+        }  # target-only, greedy
+        work = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+        done = threading.Event()
+        finished: list[dict] = []
+        lock = threading.Lock()
+
+        def stream(prompt: list[int]) -> None:
+            times, tokens, stats, error = [], [], None, None
+            try:
+                for chunk in stub.GenerateStream(request(prompt, CHOSEN), timeout=900):
+                    times.append(time.perf_counter())
+                    tokens += chunk.token_ids
+                    if chunk.HasField("stats"):
+                        stats = chunk.stats
+            except grpc.RpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            with lock:
+                finished.append(
+                    {
+                        "same": tokens == reference[tuple(prompt)],
+                        "error": error,
+                        "moves": stats.replica_moves if stats else 0,
+                        "longest_gap_s": max(gaps, default=0.0),
+                        "median_gap_s": statistics.median(gaps) if gaps else 0.0,
+                    }
+                )
+                if len(finished) >= requests // 3:
+                    done.set()
+
+        with ThreadPoolExecutor(FAILOVER_CLIENTS) as pool:
+            started = time.perf_counter()
+            futures = [pool.submit(stream, prompt) for prompt in work]
+            done.wait()
+            killed_at = time.perf_counter() - started
+            victim = services.targets[1]
+            victim.process.kill()
+            victim.process.wait()
+            for future in futures:
+                future.result()
+            wall = time.perf_counter() - started
+    moved = [r for r in finished if r["moves"]]
+    result = {
+        "clients": FAILOVER_CLIENTS,
+        "requests": requests,
+        "killed_at_s": killed_at,
+        "wall_s": wall,
+        "failed": [r["error"] for r in finished if r["error"]],
+        "outputs_differing": sum(not r["same"] for r in finished if not r["error"]),
+        "moved": len(moved),
+        "recover_s_max": max((r["longest_gap_s"] for r in moved), default=None),
+        "recover_s_median": statistics.median([r["longest_gap_s"] for r in moved]) if moved else None,
+        "chunk_gap_s_median": statistics.median([r["median_gap_s"] for r in finished]),
+    }
+    print(
+        f"failover: {len(result['failed'])} failed, {result['outputs_differing']} outputs differ, "
+        f"{len(moved)} moved, longest stall {result['recover_s_max']}",
+        flush=True,
+    )
+    return result
+
+
+def real_pair(config, logs: Path) -> list[dict]:
+    """The Qwen pair on this CPU: defaults against K = 0 at 1, 4 and 8 clients."""
+    model_args, env = model_service_args(config.device, config.threads)
+    with ExitStack() as stack:
+        services = Stack(logs / "real", stack)
+        batch = ["--max-batch-size", str(max(REAL_CLIENTS))]
+        draft_model = ["--model", str(config.draft_model), *drafter_args("int8", config)]
+        services.drafts.append(services.spawn("draft", [*draft_model, *model_args, *batch], env))
+        services.drafts[0].wait_healthy(900)  # before the target loads: calibration times the passes
+        services.targets.append(services.spawn("target", [*target_service_args(config), *model_args, *batch], env))
+        services.targets[0].wait_healthy(900)
+        stub = coordinator_pb2_grpc.CoordinatorStub(services.coordinator(config.target_model))
+        texts = [
+            "Write a Python function that checks whether a string is a palindrome.",
+            "Explain what a hash map is in two sentences.",
+            "def fibonacci(n):",
+            "List three uses of a queue in operating systems.",
+        ] * 2
+        load(stub, 2, [request(texts[0], CHOSEN, 4)] * 2)
+        samples = []
+        for repeat in range(config.repeats):
+            for clients in REAL_CLIENTS:
+                order = (CHOSEN, 0) if (repeat + clients) % 2 else (0, CHOSEN)
+                for k in order:
+                    result = load(stub, clients, [request(text, k, config.max_new_tokens) for text in texts])
+                    result.update(k=k, repeat=repeat)
+                    print(
+                        f"real pair N={clients}, K={'chosen' if k is None else k}: {result['tokens_per_s']:.1f} tok/s",
+                        flush=True,
+                    )
+                    samples.append(result)
+    rows = []
+    for clients in REAL_CLIENTS:
+        rates = {
+            k: [s["tokens_per_s"] for s in samples if s["clients"] == clients and s["k"] == k] for k in (CHOSEN, 0)
+        }
+        ratios = [a / b for a, b in zip(rates[CHOSEN], rates[0])]
+        k_means = [s["k_mean"] for s in samples if s["clients"] == clients and s["k"] is CHOSEN]
+        rows.append(
+            {
+                "clients": clients,
+                "chosen": rates[CHOSEN],
+                "target_only": rates[0],
+                "ratios": ratios,
+                "k_mean": statistics.mean(k_means),
+            }
+        )
+    return rows
+
+
+def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale", "failover", "real")) -> dict:
+    logs = config.out_dir / "logs"
+    pair, alpha = pair_with_acceptance(ROOT / ".cache/bench-accelerator", 0.8)
+    results: dict = {"suite": "pools", "machine": machine, "alpha_measured": alpha}
+    if "sweep" in parts:
+        results["sweep"] = sweep(pair, logs, 32)
+    if "scale" in parts:
+        results["scale"] = scale(pair, logs, 96)
+    if "failover" in parts:
+        results["failover"] = failover(pair, logs, 48)
+    if "real" in parts:
+        results["real"] = real_pair(config, logs)
+    return results
+
+
+def markdown(results: dict) -> str:
+    machine = results["machine"]
+    lines = [
+        f"Replica pools (`--suite pools`), {machine['date']}: {machine['cpu']} ({machine['cpu_flags']}), "
+        f"{machine['cores']} cores, no GPU; torch {machine['torch']}. Emulated rows: the synthetic pair at "
+        f"α {results['alpha_measured']:.2f} held to the h100-70b-tp4 / h100-1b profiles, greedy, {NEW_TOKENS} "
+        "tokens a request, loopback, every process sharing the two cores.",
+        "",
+    ]
+    if "sweep" in results:
+        lines += [
+            "**Concurrency sweep, one target and one draft (emulated).** Aggregate tok/s over the same 32 requests.",
+            "",
+            "| clients | defaults (K chooser) | K = 0 | defaults ÷ K = 0 | mean K | sessions costed |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in results["sweep"]:
+            chosen, zero = row["chosen"], row["target_only"]
+            lines.append(
+                f"| {row['clients']} | {chosen['tokens_per_s']:.1f} | {zero['tokens_per_s']:.1f} | "
+                f"{row['ratio']:.2f}× | {chosen['k_mean']:.2f} | {chosen['sessions_mean'] or 0:.1f} |"
+            )
+        lines.append("")
+    if "scale" in results:
+        base = results["scale"][0]["tokens_per_s"]
+        lines += [
+            f"**Scaling, {SCALE_CLIENTS} clients, defaults (emulated).**",
+            "",
+            "| target replicas | draft replicas | tok/s | × one target | targets used | failed | host CPU busy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in results["scale"]:
+            busy = f"{row['host_busy']:.0%}" if "host_busy" in row else "—"
+            lines.append(
+                f"| {row['targets']} | {row['drafts']} | {row['tokens_per_s']:.1f} | "
+                f"{row['tokens_per_s'] / base:.2f}× | {len(row['targets_used'])} | {len(row['failed'])} | {busy} |"
+            )
+        lines.append("")
+    if "failover" in results:
+        f = results["failover"]
+        lines += [
+            f"**A target replica killed mid-load (emulated).** 4 targets, 1 draft, {f['clients']} streaming clients, "
+            f"{f['requests']} requests; one replica killed at {f['killed_at_s']:.1f} s: {len(f['failed'])} failed, "
+            f"{f['outputs_differing']} outputs differing from target-only, {f['moved']} requests moved; the longest "
+            f"stall a moved request saw {f['recover_s_max'] or 0:.2f} s (median {f['recover_s_median'] or 0:.2f} s; "
+            f"a chunk every {f['chunk_gap_s_median'] * 1e3:.0f} ms otherwise).",
+            "",
+        ]
+    if "real" in results:
+        lines += [
+            "**The real pair on this CPU** (int8 Qwen2.5-Coder 0.5B draft, 1.5B target; 8 chat prompts per sample). "
+            "Aggregate tok/s, each repeat's defaults and K = 0 run back to back.",
+            "",
+            "| clients | defaults tok/s | K = 0 tok/s | defaults ÷ K = 0 per repeat | mean K |",
+            "|---|---|---|---|---|",
+        ]
+        for row in results["real"]:
+            lines.append(
+                f"| {row['clients']} | {' / '.join(f'{r:.1f}' for r in row['chosen'])} | "
+                f"{' / '.join(f'{r:.1f}' for r in row['target_only'])} | "
+                f"{' / '.join(f'{r:.2f}×' for r in row['ratios'])} | {row['k_mean']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
