@@ -152,8 +152,11 @@ class Pool:
             self._apply(replica, info)
 
     def _update(self, addresses: Iterable[str]) -> None:
-        current = set(addresses)
-        for address in current:
+        """Adds new addresses in the pool's order (its first replica to answer sets the model
+        every other must serve), and marks those gone from it."""
+        ordered = list(dict.fromkeys(addresses))
+        current = set(ordered)
+        for address in ordered:
             replica = self.replicas.get(address)
             if replica is None:
                 logger.info("%s: found replica %s", self.describe(), address)

@@ -125,7 +125,8 @@ def test_an_unreachable_draft_degrades_and_an_unreachable_target_is_unavailable(
             pb.GenerateRequest(prompt="hello", max_new_tokens=8, num_speculative_tokens=2), timeout=30
         )
         assert time.monotonic() - started < 10, "an unreachable draft must be given up on fast, not waited for"
-        assert response.stats.degraded and response.stats.draft_failures >= 1 and len(response.token_ids) == 8
+        # Its calls fail, or a pool refresh has found it gone and rounds skip it without calling.
+        assert response.stats.degraded and response.stats.fallback_rounds > 0 and len(response.token_ids) == 8
         processes["target"].stop()
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as error:

@@ -28,28 +28,30 @@ from tests.pool_helpers import (
 
 def test_sessions_spread_stay_put_and_fail_over_and_a_draining_replica_gets_none(tiny_pair, reference, tmp_path):
     with Processes(tiny_pair, tmp_path) as processes:
-        draft = processes.draft()
+        drafts = [processes.draft(), processes.draft()]
         port_a = free_port()
         a, b = processes.target(port_a), processes.target(args=["--shutdown-grace", "30"])
-        wait_all(draft, a, b)
-        coordinator = processes.coordinator(draft.address, f"{a.address},{b.address}", "--target-retry-timeout", "20")
+        wait_all(*drafts, a, b)
+        coordinator = processes.coordinator(
+            f"{drafts[0].address},{drafts[1].address}", f"{a.address},{b.address}", "--target-retry-timeout", "20"
+        )
         wait_all(coordinator)
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
             streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
             chunks = [[next(stream)] for stream in streams]  # all four are running
-            # Placed by least load: two sessions on each replica.
+            # Placed by least load: two sessions on each replica of each pool.
             assert open_sessions(a) >= 1 and open_sessions(b) >= 1
             kill(a)  # mid-generation: its sessions move to b and are re-sent their sequences
+            kill(drafts[0])  # and the draft's to the other draft replica
             for stream, got in zip(streams, chunks):
                 got += list(stream)
             stats = [got[-1].stats for got in chunks]
             for got in chunks:
                 assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
-            assert all(s.target_replica == b.address for s in stats)
-            moved = [s for s in stats if s.replica_moves]
-            assert len(moved) == 2 and all(s.replica_moves == 1 for s in moved)
+            assert all(s.target_replica == b.address and s.draft_replica == drafts[1].address for s in stats)
+            assert sum(s.replica_moves for s in stats) == 4  # two target sessions, two draft sessions
             # Every session stayed on its replica between moves: a call landing on a replica
             # that never saw the session would have cost a re-prefill.
             assert all(s.reprefills == 0 for s in stats)
