@@ -137,7 +137,14 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
     breaker lets rounds call the draft; `target_steps`: --target-only-steps."""
     pair = state.pair
     limit = k_limit(pair, len(state.sequence), state.remaining)
-    if state.k_chooser is not None:
+    shape: tuple[int, ...]
+    if state.k_chooser is not None and state.load_aware and not state.pipelined and not state.stats.rounds:
+        # A request whose K follows the load starts with a target-only step: its first token
+        # then comes after the target's prompt pass alone, never behind the draft's, and its
+        # first choice of K sees the requests that arrived with it (a burst's first would see
+        # itself alone, draft, and slow every prompt pass beside it on a shared machine).
+        k, shape = 0, ()
+    elif state.k_chooser is not None:
         k, shape = state.k_chooser.choose_shape()  # shape: a tree's widths, or () for a chain of K
     else:
         k, shape = state.job.num_speculative_tokens, state.job.tree_widths
