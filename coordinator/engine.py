@@ -149,6 +149,9 @@ class Engine:
                 delta = state.text.take_delta()  # spans end before yielding: the caller runs between rounds
                 if state.finished:
                     state.stats.close(len(state.text.token_ids))
+                    state.stats.target_replica = state.target_view.address
+                    state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
+                    state.stats.replica_moves = state.target_view.moves + state.draft_view.moves
                     self._learn(state.k_chooser)
                     yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats)
                     return
@@ -325,9 +328,6 @@ class Engine:
     ) -> None:
         """The round's timings and its span's attributes."""
         stats, proposed = state.stats, len(round_.draft_token_ids)
-        stats.target_replica = state.target_view.address
-        stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
-        stats.replica_moves = state.target_view.moves + state.draft_view.moves
         stats.mark_first_token()
         stats.round_ms.append(stats.elapsed_ms() - started)
         stats.round_overhead_ms.append(

@@ -87,6 +87,7 @@ class Pool:
     resolve_error: str = ""  # the last DNS failure, until a lookup succeeds
     resolve_failures: int = 0
     _turn: int = 0
+    _closing: set[asyncio.Task] = field(default_factory=set)  # closes of replicas gone from the records
 
     def describe(self) -> str:
         if not self.spec.dynamic:
@@ -230,11 +231,7 @@ class Pool:
         if not candidates:
             return None
         least = min(replica.load for replica in candidates)
-        tied = [replica for replica in candidates if replica.load == least]
-        self._turn += 1
-        chosen = tied[self._turn % len(tied)]
-        chosen.sessions += 1
-        return chosen
+        return self._take([replica for replica in candidates if replica.load == least])
 
     def place_anywhere(self) -> Replica:
         """A target session's replica when none serves: one that may come back (a restarting
@@ -244,8 +241,12 @@ class Pool:
         waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
         if not waiting:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
+        return self._take(waiting)
+
+    def _take(self, choices: list[Replica]) -> Replica:
+        """One of `choices`, in turn, counted as holding one more session."""
         self._turn += 1
-        chosen = waiting[self._turn % len(waiting)]
+        chosen = choices[self._turn % len(choices)]
         chosen.sessions += 1
         return chosen
 
@@ -255,7 +256,8 @@ class Pool:
         if replica.gone and replica.sessions <= 0:
             self.replicas.pop(replica.address, None)
             task = asyncio.get_running_loop().create_task(replica.client.close())
-            task.add_done_callback(lambda _: None)
+            self._closing.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
