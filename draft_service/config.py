@@ -11,7 +11,7 @@ from specdec.config.settings import parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
-DRAFTERS = ("model", "ngram", "hybrid")
+DRAFTERS = ("model", "ngram", "hybrid", "suffix")
 # A sampled proposal is drawn from the draft's own top-k and shipped as (id, prob) pairs:
 # 2 KiB per token instead of 0.6 MB of dense float32 over a 152k vocabulary. Exact, since
 # it is the distribution the token was drawn from; what it costs in acceptance is measured
@@ -19,6 +19,9 @@ DRAFTERS = ("model", "ngram", "hybrid")
 DEFAULT_PROPOSAL_TOP_K = 256
 # HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
 DEFAULT_MIN_CONFIDENCE = 0.4
+# About 40 MB with its index; many times the text of a day's repeated agent runs at a few
+# hundred tokens each.
+DEFAULT_SUFFIX_CACHE_TOKENS = 262_144
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class DraftConfig(ModelServiceConfig):
         "model",
         "--drafter",
         "how to propose: model (a causal LM), ngram (prompt lookup, no weights; the tokenizer comes from --model) "
-        "or hybrid (prompt lookup where the sequence's last n-gram recurs, the model otherwise)",
+        "hybrid (prompt lookup where the sequence's last n-gram recurs, the model otherwise) or suffix (as hybrid, "
+        "also looking in earlier requests' prompts and outputs)",
         choices=DRAFTERS,
         more="See [Drafters](design.md#drafters).",
     )
@@ -38,8 +42,15 @@ class DraftConfig(ModelServiceConfig):
         "--draft-vocab",
         "restrict the draft's output head to the N lowest (most frequent BPE) ids plus special tokens (0 = full)",
     )
-    ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid): shortest suffix n-gram to match")
+    ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid, suffix): shortest suffix n-gram to match")
     ngram_max: int = setting(4, "--ngram-max", "prompt lookup (ngram, hybrid): longest suffix n-gram, tried first")
+    suffix_cache_tokens: int = setting(
+        DEFAULT_SUFFIX_CACHE_TOKENS,
+        "--suffix-cache-tokens",
+        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from, oldest dropped first",
+        more="Kept per cache namespace (a request's `cache_salt` and bearer token); see "
+        "[Suffix drafter](design.md#suffix-drafter).",
+    )
     proposal_mode: str = setting(
         "sample",
         "--proposal-mode",
@@ -72,7 +83,9 @@ class DraftConfig(ModelServiceConfig):
             return super().problem()
         if problem := super().problem():
             return problem
-        if self.drafter == "hybrid" and not 1 <= self.ngram_min <= self.ngram_max:
+        if self.drafter == "suffix" and self.suffix_cache_tokens < 1:
+            return f"--suffix-cache-tokens must be >= 1; got {self.suffix_cache_tokens}"
+        if self.drafter in ("hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
             return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
         if self.draft_vocab < 0:
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"

@@ -53,6 +53,8 @@ class ProposeCall:
     max_copied_tokens: int | None = None  # a copying drafter copies at most this many (None: num_tokens)
     tree_widths: tuple[int, ...] = ()  # propose a tree: children per node at each depth (num_tokens 0)
     guess_first: bool = False  # the first token is the argmax, a guess (ProposeRequest.guess_first)
+    cache_namespace: str = ""  # whose earlier text the session may reuse (ProposeRequest.cache_namespace)
+    own_sequence_only: bool = False  # copy from the session's own sequence alone (ProposeRequest)
 
     @property
     def copy_limit(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -39,13 +40,41 @@ def check_call_sizes(call: ProposeCall, max_speculative_tokens: int, copies: boo
         raise InvalidArgument(f"num_tokens must be in [1, {max_speculative_tokens}]{hint}; got {call.num_tokens}")
 
 
-def copy_tail(session: KVSession, call: ProposeCall, min_n: int, max_n: int) -> tuple[list[int], Stopwatch]:
-    """Prompt lookup for `call` on its rolled-back session: up to `call.copy_limit` tokens,
+class Lookup(Protocol):
+    """Where a copying drafter finds tokens to copy: PromptLookup (the session's own sequence)
+    or draft_service.suffix.SuffixLookup (that and earlier sessions' sequences)."""
+
+    @property
+    def label(self) -> str: ...
+
+    def propose(self, session: KVSession, limit: int, own_sequence_only: bool = False) -> list[int]: ...
+
+    def learn(self, session: KVSession) -> None: ...
+
+
+class PromptLookup:
+    """The session's own sequence: `lookup`, longest suffix n-gram first."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max; got min {min_n}, max {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.label = f"lookup[{min_n}..{max_n}]"
+
+    def propose(self, session: KVSession, limit: int, own_sequence_only: bool = False) -> list[int]:
+        return lookup(np.asarray(session.tokens, dtype=np.int64), self.min_n, self.max_n, limit)
+
+    def learn(self, session: KVSession) -> None:
+        """Keeps nothing across sessions."""
+
+
+def copy_tail(session: KVSession, call: ProposeCall, source: Lookup) -> tuple[list[int], Stopwatch]:
+    """A lookup for `call` on its rolled-back session: up to `call.copy_limit` tokens,
     cut before the first id at or above the call's vocab_limit (the target could not embed
     it), appended to the session's sequence (ahead of any KV cache). Returns them and the
     call's clock, started here."""
     clock = Stopwatch()
-    token_ids = lookup(np.asarray(session.tokens, dtype=np.int64), min_n, max_n, call.copy_limit)
+    token_ids = source.propose(session, call.copy_limit, call.own_sequence_only)
     if call.vocab_limit:
         token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
     session.tokens.extend(token_ids)
@@ -96,11 +125,8 @@ class NgramDrafter:
         min_n: int = 2,
         max_n: int = 4,
     ):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes need 1 <= min <= max; got min {min_n}, max {max_n}")
         self.info = info
-        self.min_n = min_n
-        self.max_n = max_n
+        self.source = PromptLookup(min_n, max_n)
         self.max_speculative_tokens = max_speculative_tokens
         self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
 
@@ -121,13 +147,15 @@ class NgramDrafter:
         session.rollback(call.keep_tokens, call.new_tokens)
         if not session.tokens:
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
-        token_ids, clock = copy_tail(session, call, self.min_n, self.max_n)
+        token_ids, clock = copy_tail(session, call, self.source)
         return copied_proposal(token_ids, session, clock.ms())
 
     def describe(self) -> ModelDescription:
         description = ModelDescription.of(self.info, "none", "cpu", len(self.sessions), self.max_speculative_tokens)
         return dataclasses.replace(
-            description, model_id=f"ngram[{self.min_n}..{self.max_n}]:{self.info.model_id}", copies=True
+            description,
+            model_id=f"ngram[{self.source.min_n}..{self.source.max_n}]:{self.info.model_id}",
+            copies=True,
         )
 
     def end_session(self, session_id: str) -> bool:

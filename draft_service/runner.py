@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
-from draft_service.ngram import check_call_sizes, copied_proposal, copy_tail
+from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
+from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
@@ -77,11 +78,19 @@ class DraftRunner(ModelRunner):
         head_ids: torch.Tensor | None = None,
         max_kv_bytes: int = 0,
         min_confidence: float = 0.0,
-        lookup: tuple[int, int] | None = None,
+        lookup: Lookup | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
     ):
-        super().__init__(loaded, max_sessions, session_ttl_s, max_speculative_tokens, max_kv_bytes)
-        if lookup is not None and not 1 <= lookup[0] <= lookup[1]:
-            raise ValueError(f"lookup n-gram sizes need 1 <= min <= max; got {lookup}")
+        super().__init__(
+            loaded,
+            max_sessions,
+            session_ttl_s,
+            max_speculative_tokens,
+            max_kv_bytes,
+            prefix_cache_bytes,
+            prefix_block_tokens,
+        )
         self.lookup = lookup
         self.looked_up_proposals = 0  # hybrid: proposals copied by prompt lookup
         check_confidence(min_confidence)
@@ -98,9 +107,14 @@ class DraftRunner(ModelRunner):
         description = super().describe()
         if self.lookup is None:
             return description
-        return dataclasses.replace(
-            description, model_id=f"{description.model_id}+lookup[{self.lookup[0]}..{self.lookup[1]}]", copies=True
-        )
+        return dataclasses.replace(description, model_id=f"{description.model_id}+{self.lookup.label}", copies=True)
+
+    def end_session(self, session_id: str) -> bool:
+        """The caller is done with the session: a lookup that keeps sequences learns it."""
+        session = self.sessions.peek(session_id)
+        if session is not None and self.lookup is not None:
+            self.lookup.learn(session)
+        return super().end_session(session_id)
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""
@@ -219,8 +233,10 @@ class DraftRunner(ModelRunner):
         self.check_tokens(call.new_tokens, "new_tokens")
         self.check_length(call.keep_tokens + len(call.new_tokens) + drafts)
         clock = Stopwatch()
-        session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
-        pending = session.extend(call.keep_tokens, call.new_tokens)
+        session = self.sessions.for_call(
+            call.session_id, call.keep_tokens, call.epoch, call.fork_from, call.cache_namespace
+        )
+        pending = self.sessions.extend(session, call.keep_tokens, call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         return session, pending, deterministic, np.random.default_rng(call.seed), clock
 
@@ -234,7 +250,7 @@ class DraftRunner(ModelRunner):
         if self.lookup is not None and call.copy_limit:
             # The cache lags the sequence by the pending tokens and any copied ones; the
             # session's next call runs whichever of them it keeps.
-            copied, _ = copy_tail(session, call, *self.lookup)
+            copied, _ = copy_tail(session, call, self.lookup)
             if copied or not call.num_tokens:  # a copy-only call that found none proposes nothing
                 drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
                 self.looked_up_proposals += bool(copied)

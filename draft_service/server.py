@@ -9,9 +9,10 @@ import logging
 import torch
 
 from draft_service.config import DraftConfig, parse_config
-from draft_service.ngram import NgramDrafter
+from draft_service.ngram import Lookup, NgramDrafter, PromptLookup
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
+from draft_service.suffix import SuffixLookup
 from specdec.config.services import pin_cpus
 from specdec.engine.modeling import (
     load_causal_lm,
@@ -61,8 +62,10 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         proposal_top_k=config.proposal_top_k,
         head_ids=head_ids,
         max_kv_bytes=config.max_kv_bytes,
+        prefix_cache_bytes=config.prefix_cache_bytes,
+        prefix_block_tokens=config.prefix_block_tokens,
         min_confidence=config.min_confidence,
-        lookup=(config.ngram_min, config.ngram_max) if config.drafter == "hybrid" else None,
+        lookup=lookup_of(config),
     )
     runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
@@ -70,6 +73,15 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
     if config.calibrate:
         runner.calibrate_costs(keep_all_logits=False)
     return runner
+
+
+def lookup_of(config: DraftConfig) -> Lookup | None:
+    """Where a copying model drafter looks: its session (hybrid), earlier sessions too (suffix)."""
+    if config.drafter == "hybrid":
+        return PromptLookup(config.ngram_min, config.ngram_max)
+    if config.drafter == "suffix":
+        return SuffixLookup(config.suffix_cache_tokens, min_match=config.ngram_min)
+    return None
 
 
 async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:

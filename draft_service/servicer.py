@@ -129,8 +129,8 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 
     def _end_then_propose(self, ending: list[str], calls: list[ProposeCall]) -> list:
         """On the model thread: ends the sessions the caller is done with, then drafts the branches."""
-        for session_id in ending:
-            self._runner.end_session(session_id)
+        for session_id in ending:  # unused branches: their sequences are no output to learn from
+            self._runner.sessions.end(session_id)
         return self._runner.propose_batch(calls)
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
@@ -164,6 +164,8 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.max_copied_tokens if request.HasField("max_copied_tokens") else None,
         tuple(request.tree_widths),
         request.guess_first,
+        request.cache_namespace,
+        request.own_sequence_only,
     )
 
 

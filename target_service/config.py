@@ -45,6 +45,8 @@ class TargetConfig(ModelServiceConfig):
             return f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {self.device!r}"
         if problem := super().problem():
             return problem
+        if self.prefix_cache_bytes and self.tensor_parallel > 1:
+            return "--prefix-cache-bytes is not supported with --tensor-parallel yet (each rank would keep its own)"
         if self.quantize == "int8" and (self.tensor_parallel > 1 or self.device_map):
             return (
                 "--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or "

@@ -45,6 +45,8 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         session_ttl_s=config.session_ttl_s,
         max_speculative_tokens=config.max_speculative_tokens,
         max_kv_bytes=config.max_kv_bytes,
+        prefix_cache_bytes=config.prefix_cache_bytes,
+        prefix_block_tokens=config.prefix_block_tokens,
     )
     runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes

@@ -32,6 +32,7 @@ class VerifyCall:
     seed: int
     return_distributions: bool = False
     parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.sampling.tree_sampling numbering); empty: a chain
+    cache_namespace: str = ""  # the prefix cache namespace a new session starts in (VerifyRequest)
 
 
 @dataclass(frozen=True)
@@ -170,11 +171,14 @@ class TargetRunner(ModelRunner):
         self.check_tokens(call.draft_token_ids, "draft tokens")
         self.check_length(call.keep_tokens + len(call.new_tokens) + depth)
         clock = Stopwatch()
-        session = self.sessions.open(call.session_id, call.keep_tokens)
+        session = self.sessions.open(call.session_id, call.keep_tokens, call.cache_namespace)
         # A tree's nodes never join the sequence: the pass caches them behind it (KVSession.tree).
-        pending = session.extend(
-            call.keep_tokens, call.new_tokens if call.parents else call.new_tokens + call.draft_token_ids
-        )
+        if call.parents:
+            pending = self.sessions.extend(session, call.keep_tokens, call.new_tokens)
+        else:
+            pending = self.sessions.extend(
+                session, call.keep_tokens, call.new_tokens + call.draft_token_ids, scored=num_draft + 1
+            )
         return _Admitted(call, session, pending, clock)
 
     @staticmethod

@@ -92,6 +92,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 request.seed,
                 request.return_distributions,
                 tuple(request.draft_parents),
+                request.cache_namespace,
             )
             result = await self._verify(call)
             steps, result = await self._steps(request, call, result)

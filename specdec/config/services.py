@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from specdec.config.settings import group, setting
 from specdec.engine.pace import load_profile
+from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
@@ -243,6 +244,21 @@ class ModelServiceConfig:
         more="A session that cannot fit alone gets RESOURCE_EXHAUSTED with the numbers; `Info` and the metrics "
         "report bytes held, the budget, bytes per token and evictions.",
     )
+    prefix_cache_bytes: int = setting(
+        0,
+        "--prefix-cache-bytes",
+        "keep the KV of finished and idle sessions' prompts, up to this many bytes (e.g. 1GiB), so a session "
+        "that starts the same way prefills only the rest; 0 = off",
+        parse=parse_bytes,
+        more="Counted in --max-kv-bytes and given up, least recently used first, before any session is evicted. "
+        "With it on, prompts are prefilled in aligned blocks of --prefix-block-tokens, so a cached block holds "
+        "exactly what a fresh prefill computes. See [Prefix cache](design.md#prefix-cache).",
+    )
+    prefix_block_tokens: int = setting(
+        DEFAULT_PREFIX_BLOCK_TOKENS,
+        "--prefix-block-tokens",
+        "prefix cache: tokens per cached block (and per prefill pass while it is on)",
+    )
     trust_remote_code: bool = setting(
         False, "--trust-remote-code", "on: run Python code that comes with the model folder (only for models you trust)"
     )
@@ -304,4 +320,11 @@ class ModelServiceConfig:
             return f"--batch-window-ms must be >= 0 (0 turns batching off); got {self.batch_window_ms}"
         if self.max_batch_size < 1:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
+        if self.prefix_block_tokens < 1:
+            return f"--prefix-block-tokens must be >= 1; got {self.prefix_block_tokens}"
+        if self.max_kv_bytes and self.prefix_cache_bytes > self.max_kv_bytes:
+            return (
+                f"--prefix-cache-bytes ({self.prefix_cache_bytes}) is counted in --max-kv-bytes "
+                f"({self.max_kv_bytes}) and cannot exceed it"
+            )
         return self.security.problem() or self.quantize_problem() or self.profile_problem()

@@ -37,6 +37,9 @@ class ModelDescription:
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
     pass_cost_profile: str = ""  # the accelerator the passes are held to (--pass-cost-profile), "" = none
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
+    # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,
+    # hits, tokens_saved; () when it is off.
+    prefix_cache: tuple[int, ...] = ()
 
     @property
     def numerics(self) -> str:

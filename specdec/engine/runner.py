@@ -26,6 +26,7 @@ from specdec.engine.costs import (
 )
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
+from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import CachedTree, KVSession, SessionStore
 from specdec.engine.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
 from specdec.errors import ModelOutputError
@@ -49,12 +50,15 @@ class ModelRunner:
         session_ttl_s: float,
         max_speculative_tokens: int,
         max_kv_bytes: int = 0,
+        prefix_cache_bytes: int = 0,
+        prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
     ):
         self.loaded = loaded
         self.model = loaded.model
         self.max_speculative_tokens = max_speculative_tokens
+        prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes, self.model.config) if prefix_cache_bytes else None
         self.sessions = SessionStore(
-            max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes
+            max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes, prefix
         )
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
@@ -150,6 +154,7 @@ class ModelRunner:
             emulation_overruns=self.pacer.overruns if self.pacer else 0,
             trees=True,  # both model runners score token trees (forward_tree)
             max_batch_size=self.max_batch_size,
+            prefix_cache=self.sessions.prefix.figures() if self.sessions.prefix is not None else (),
             **self._cost_fields(),
         )
 
@@ -173,7 +178,8 @@ class ModelRunner:
         )
 
     def end_session(self, session_id: str) -> bool:
-        return self.sessions.end(session_id)
+        """The caller is done with the session: its prompt blocks stay in the prefix cache."""
+        return self.sessions.finish(session_id)
 
     def expire_sessions(self) -> int:
         return self.sessions.expire()
@@ -205,7 +211,12 @@ class ModelRunner:
         """
         try:
             self.sessions.make_room(session, len(token_ids) * self.kv_bytes_per_token, self.kv_bytes_per_token)
-            return self._forward_admitted(session, token_ids, logits_to_keep)
+            # With one logit to keep, the last whole block's pass gives it: no pass is left over.
+            rest, logits = self._prefill_blocks(session, token_ids, 0 if logits_to_keep == 1 else logits_to_keep)
+            if rest:
+                return self._forward_admitted(session, rest, logits_to_keep)
+            assert logits is not None, "no tokens left and no block ran"
+            return logits
         except BaseException:
             # A half-updated cache cannot be trusted (nor a session that does not fit the KV
             # budget be kept); the caller re-prefills on NOT_FOUND.
@@ -229,6 +240,7 @@ class ModelRunner:
         ran = len(token_ids) - first_node + 1
         try:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
+            new_tokens = self._prefill_blocks(session, new_tokens, 1)[0] if new_tokens else new_tokens
             with self._paced(len(new_tokens) + ran, session.cached_tokens):
                 logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
                 self._synchronize()
@@ -238,6 +250,29 @@ class ModelRunner:
         self.processed_tokens_total += len(new_tokens) + ran
         session.tree = CachedTree(len(session.tokens), tuple(token_ids), tuple(parents), len(token_ids))
         return logits.float()
+
+    def _prefill_blocks(
+        self, session: KVSession, token_ids: list[int], tail: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """With a prefix cache: runs the leading whole blocks of `token_ids` (the tokens after
+        the session's cache) one block-aligned pass each, leaving at least `tail` tokens, and
+        returns those left for the caller's pass and the last block's last logits [1, V].
+
+        Every block a session prefills is then computed exactly as any other session computes
+        it, so a cached block equals a fresh prefill's, bit for bit
+        (specdec.engine.prefix_cache). Only a session whose whole cache is such blocks goes on
+        in blocks; any other runs `token_ids` as given."""
+        prefix = self.sessions.prefix
+        start = session.cached_tokens
+        if prefix is None or session.aligned_tokens != start or start % prefix.block_tokens:
+            return token_ids, None
+        size = prefix.block_tokens
+        end = (start + len(token_ids) - tail) // size * size
+        logits = None
+        for block_start in range(start, end, size):
+            logits = self._forward_admitted(session, token_ids[block_start - start : block_start - start + size], 1)
+            session.aligned_tokens = block_start + size
+        return token_ids[max(end - start, 0) :], logits
 
     def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         started = time.perf_counter()
@@ -288,6 +323,7 @@ class ModelRunner:
                 ]
             return [result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
         results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
+        token_ids = list(token_ids)  # the blocks run ahead (_prefill_blocks) shorten an item
         admitted: list[int] = []
         pending_bytes = 0
         for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
@@ -299,6 +335,14 @@ class ModelRunner:
                 results[index] = exc
                 continue
             pending_bytes += extra_bytes
+            try:  # a session's whole blocks run alone first, as `forward` runs them
+                token_ids[index] = self._prefill_blocks(
+                    session, token_ids[index], 1 if trees is not None else logits_to_keep[index]
+                )[0]
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                self.sessions.end(session.session_id)
+                results[index] = exc
+                continue
             admitted.append(index)
         if not admitted:
             return results  # type: ignore[return-value]

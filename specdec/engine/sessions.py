@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
+from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
 
@@ -58,6 +59,10 @@ class KVSession:
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # newest call number served (ProposeRequest.epoch)
     tree: CachedTree | None = None  # tree nodes cached behind `tokens`, until the next call
+    namespace: str = ""  # the prefix cache's namespace for this session's blocks (cache_namespace)
+    # Leading cache entries computed by block-aligned prefill passes (or taken from the prefix
+    # cache): the only ones a prefix cache may keep (specdec.engine.prefix_cache).
+    aligned_tokens: int = 0
 
     def model_cache(self) -> DynamicCache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""
@@ -108,7 +113,14 @@ class KVSession:
             # Every token is cached (a pre-draft continues from a kept prefix that ends on a
             # cached token): re-run the last one, since its logits are what the caller needs.
             self.model_cache().crop(-1)
+        self.aligned_tokens = min(self.aligned_tokens, self.cached_tokens)
         return self.tokens[self.cached_tokens :]
+
+    @property
+    def cacheable_tokens(self) -> int:
+        """Leading tokens whose cache entries a prefix cache may keep: aligned, still cached,
+        and still the session's sequence (a rollback crops the cache only at the next call)."""
+        return min(self.aligned_tokens, self.cached_tokens, len(self.tokens))
 
     def _reuse_tree(self, tree: CachedTree, keep_tokens: int, new_tokens: list[int]) -> tuple[int, list[int]]:
         """Keeps the cached tree nodes on the path `new_tokens` spells (a gather: the path's
@@ -155,6 +167,7 @@ class SessionStore:
         ttl_s: float,
         cache_factory: Callable[[], DynamicCache | None] = DynamicCache,
         max_kv_bytes: int = 0,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
@@ -162,6 +175,9 @@ class SessionStore:
         self.evicted = 0  # sessions dropped to make room (not counting TTL expiry)
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
+        # Finished and idle sessions' prompt blocks; its bytes count in the KV budget and are
+        # given up before any live session is evicted.
+        self.prefix = prefix
 
     def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int = 0) -> None:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
@@ -180,6 +196,8 @@ class SessionStore:
                 f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
         total = self.kv_bytes() + extra_bytes + pending_bytes
+        if total > self.max_kv_bytes and self.prefix is not None:
+            total -= self.prefix.evict(total - self.max_kv_bytes)
         for session_id in list(self._sessions):  # least recently used first
             if total <= self.max_kv_bytes:
                 break
@@ -191,9 +209,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str, keep_tokens: int) -> KVSession:
+    def open(self, session_id: str, keep_tokens: int, namespace: str = "") -> KVSession:
         """The session for a call: known ids are resumed; unknown ids start empty, which is
-        only valid when the call keeps nothing (keep_tokens == 0)."""
+        only valid when the call keeps nothing (keep_tokens == 0), in prefix cache `namespace`."""
         if not session_id:
             raise InvalidArgument("session_id is empty; pass a unique id per generation")
         session = self._sessions.get(session_id)
@@ -211,17 +229,37 @@ class SessionStore:
                 f"{len(self._sessions)} sessions are open, the configured maximum is {self.max_sessions}; "
                 "retry later or raise --max-sessions"
             )
-        session = KVSession(session_id, cache=self._cache_factory())
+        session = KVSession(session_id, cache=self._cache_factory(), namespace=namespace)
         self._sessions[session_id] = session
         return session
 
-    def for_call(self, session_id: str, keep_tokens: int, epoch: int, fork_from: str = "") -> KVSession:
+    def extend(self, session: KVSession, keep_tokens: int, new_tokens: list[int], scored: int = 1) -> list[int]:
+        """KVSession.extend, starting an empty session from the longest prefix of its tokens
+        that the prefix cache holds, short of the last `scored` (whose logits the call needs);
+        returns the tokens to run."""
+        if (
+            self.prefix is not None
+            and session.cache is not None
+            and keep_tokens == 0
+            and session.cached_tokens == 0
+            and session.tree is None
+        ):
+            cache = self.prefix.lookup(session.namespace, new_tokens, len(new_tokens) - scored)
+            if cache is not None:
+                hit = cache.get_seq_length()
+                session.cache, session.aligned_tokens, session.tokens = cache, hit, list(new_tokens[:hit])
+                return session.extend(hit, new_tokens[hit:])
+        return session.extend(keep_tokens, new_tokens)
+
+    def for_call(
+        self, session_id: str, keep_tokens: int, epoch: int, fork_from: str = "", namespace: str = ""
+    ) -> KVSession:
         """The session a numbered Propose call works on: resumed, opened, or forked from
         `fork_from`; a call older than one already served is refused."""
         if fork_from:
             session = self.fork(fork_from, session_id, keep_tokens, epoch)
         else:
-            session = self.open(session_id, keep_tokens)
+            session = self.open(session_id, keep_tokens, namespace)
         session.advance_epoch(epoch)
         return session
 
@@ -250,19 +288,21 @@ class SessionStore:
                 "tokens; "
                 f"a fork keeps between 1 and {len(parent.tokens)}"
             )
-        session = self.open(session_id, 0)
+        session = self.open(session_id, 0, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
         if parent.cache is not None:
             session.cache = copy.deepcopy(parent.cache)
             surplus = session.cached_tokens - keep_tokens
             if surplus > 0:
                 session.cache.crop(-surplus)
+            session.aligned_tokens = min(parent.aligned_tokens, session.cached_tokens)
         return session
 
     def kv_bytes(self) -> int:
-        """KV bytes over all sessions. Safe to call from another thread (the metrics server):
-        it reads a snapshot of the sessions and only sizes of tensors."""
-        return sum(session.kv_bytes for session in list(self._sessions.values()))
+        """KV bytes over all sessions and the prefix cache. Safe to call from another thread
+        (the metrics server): it reads a snapshot of the sessions and only sizes of tensors."""
+        held = sum(session.kv_bytes for session in list(self._sessions.values()))
+        return held + (self.prefix.bytes if self.prefix is not None else 0)
 
     def active(self, within_s: float, now: float | None = None) -> int:
         """Sessions used within the last `within_s` seconds: those whose next call is likely
@@ -274,13 +314,31 @@ class SessionStore:
         """Open session ids, least recently used first."""
         return list(self._sessions)
 
+    def peek(self, session_id: str) -> KVSession | None:
+        """The session, if held, without touching its recency."""
+        return self._sessions.get(session_id)
+
     def end(self, session_id: str) -> bool:
+        """Drops a session and its cache (a failed pass's cache is not to be trusted)."""
         return self._sessions.pop(session_id, None) is not None
 
+    def finish(self, session_id: str) -> bool:
+        """Ends a session its caller is done with, keeping its prompt blocks in the prefix cache."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._keep_prefix(session)
+        return True
+
+    def _keep_prefix(self, session: KVSession) -> None:
+        if self.prefix is not None and session.cache is not None and session.cacheable_tokens:
+            self.prefix.insert(session.namespace, session.tokens, session.cache, session.cacheable_tokens)
+
     def expire(self, now: float | None = None) -> int:
-        """Drops sessions idle longer than the TTL; returns how many."""
+        """Drops sessions idle longer than the TTL (keeping their prompt blocks in the prefix
+        cache); returns how many."""
         now = time.monotonic() if now is None else now
         stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
         for sid in stale:
-            del self._sessions[sid]
+            self._keep_prefix(self._sessions.pop(sid))
         return len(stale)

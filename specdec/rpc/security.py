@@ -134,6 +134,14 @@ class RefusalLog:
         self._unlogged, self._logged_at = 0, now
 
 
+def bearer_token(authorization: str | bytes | None) -> str:
+    """The token of `authorization: Bearer <token>` metadata or header; "" if there is none."""
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Refuses every call without `authorization: Bearer <token>` metadata for one of `tokens`
     (UNAUTHENTICATED), except the health and reflection services. A refused call is answered

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 import grpc
 from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec")
@@ -211,11 +211,36 @@ class ModelServiceMetrics:
         )
         overruns.set_function(lambda: getattr(getattr(runner, "pacer", None), "overruns", 0))
         registry.register(_EvictionCollector(runner.sessions))
+        if runner.sessions.prefix is not None:
+            registry.register(_PrefixCacheCollector(runner.sessions.prefix))
 
     def observe_call(self, rpc: str, compute_ms: float, processed_tokens: int, batch_size: int = 1) -> None:
         self.forward_seconds.labels(rpc).observe(compute_ms / 1e3)
         self.processed_tokens.inc(processed_tokens)
         self.batch_size.labels(rpc).observe(batch_size)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's figures (specdec.engine.prefix_cache), read from its own counters."""
+
+    def __init__(self, prefix) -> None:
+        self._prefix = prefix
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            "specdec_prefix_cache_bytes", "Bytes of KV held by the prefix cache", value=self._prefix.bytes
+        )
+        yield CounterMetricFamily(
+            "specdec_prefix_cache_lookups", "New sessions that looked a cached prefix up", value=self._prefix.lookups
+        )
+        yield CounterMetricFamily(
+            "specdec_prefix_cache_hits", "New sessions that started from a cached prefix", value=self._prefix.hits
+        )
+        yield CounterMetricFamily(
+            "specdec_prefix_cache_saved_tokens",
+            "Prefill tokens that cached prefixes spared",
+            value=self._prefix.tokens_saved,
+        )
 
 
 class _EvictionCollector:

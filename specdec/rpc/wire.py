@@ -193,4 +193,9 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
             for sessions, new_tokens, ms in description.calibrated_batch_ms
         ],
         max_batch_size=description.max_batch_size,
+        prefix_cache=common_pb2.PrefixCacheInfo(
+            **dict(
+                zip(("bytes", "max_bytes", "block_tokens", "lookups", "hits", "tokens_saved"), description.prefix_cache)
+            )
+        ),
     )

@@ -59,11 +59,15 @@ class Case:
     # K chooser has figures to choose from: a cheap draft and a flat verify make it speculate.
     costs: tuple[float, float] | None = None
     tree: tuple[int, ...] = ()  # tree speculation with these widths (k must then be None)
+    seeded: bool = True  # False: requests leave their seed unset (a seeded sampled one copies only from itself)
 
 
 # Drafts half as dear as a verify: the pipelined cases settle at K = 1, so rounds continue
 # from pre-drafts.
 PIPELINED_CHOOSER_COSTS = (20.0, 40.0)
+# Both services keep prompt blocks of 2 tokens: every request after the first starts from
+# 2 cached blocks of REPEATING_PROMPT.
+PREFIX_CACHE = {"prefix_cache_bytes": 1 << 22, "prefix_block_tokens": 2}
 
 CASES = {
     "dense_full_draft_distribution": Case({"quantize": "none", "proposal_top_k": 0}),
@@ -87,6 +91,15 @@ CASES = {
         coordinator={"adaptive_k": True},
         k=None,
         costs=PIPELINED_CHOOSER_COSTS,
+    ),
+    # Issue 37: cache hits on both services, and the suffix drafter copying from earlier
+    # requests' outputs as well as from the request itself. Unseeded, so proposals come from
+    # the store: a seeded sampled request copies only from its own sequence.
+    "suffix_store_and_prefix_cache_hits": Case(
+        {"drafter": "suffix", "quantize": "none", "ngram_min": 1, **PREFIX_CACHE},
+        prompt=tuple(REPEATING_PROMPT),
+        target=PREFIX_CACHE,
+        seeded=False,
     ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # The coordinator's modes through the real services: branches forked and stepped together
@@ -185,6 +198,7 @@ async def sample_continuations(
     stats=None,
     concurrency: int = CONCURRENCY,
     tree: tuple[int, ...] = (),
+    seeded: bool = True,
 ):
     """Seeded generations of `length` tokens; `stats`, if given, collects each response's stats."""
     semaphore = asyncio.Semaphore(concurrency)
@@ -199,7 +213,7 @@ async def sample_continuations(
                     temperature=params.temperature,
                     top_k=params.top_k,
                     top_p=params.top_p,
-                    seed=seed,
+                    seed=seed if seeded else None,
                     tree_widths=tree,
                 ),
                 timeout=60,
@@ -241,16 +255,22 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     ) as stack:
         stats: list = []
         samples = await sample_continuations(
-            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, LOCAL_CONCURRENCY, c.tree
+            stack.stub, c.params, range(SAMPLES), c.prompt, c.length, c.k, stats, LOCAL_CONCURRENCY, c.tree, c.seeded
         )
         repeat = await sample_continuations(stack.stub, c.params, range(20), c.prompt, c.length, c.k, tree=c.tree)
+        prefix_hits = stack.target_runner.sessions.prefix.hits if c.target.get("prefix_cache_bytes") else 0
     # The K chooser works from figures fixed at start-up, so a seed reproduces with it too.
-    if batch_invariant(c.draft):
+    if batch_invariant(c.draft) and c.seeded:
         assert repeat == samples[:20], "the same seed must give the same output"
+    if c.target.get("prefix_cache_bytes"):
+        assert prefix_hits > SAMPLES // 2, f"only {prefix_hits} target sessions started from cached blocks"
     if c.costs is not None:
         assert any(len(set(s.k_per_round)) > 1 or 0 < s.proposed_tokens for s in stats), "the chooser never speculated"
     if c.draft.get("min_confidence"):
         assert stack.draft_runner.confidence_stops > 0, "no proposal stopped on confidence; the case tests nothing new"
+    if c.draft.get("drafter") == "suffix":
+        # Over 12 tokens the store of earlier outputs nearly always holds a continuation.
+        assert sum(s.copied_rounds for s in stats) > SAMPLES // 2, "the suffix drafter rarely copied"
     if c.draft.get("drafter") == "hybrid":
         # Both kinds of row in the sample: copies and model drafts.
         copied = sum(s.copied_rounds for s in stats)

@@ -86,11 +86,11 @@ def refusing_twice(refusals: list[str]):
     def prepare(draft_runner, _target_runner) -> None:
         open_session = draft_runner.sessions.open
 
-        def open_or_refuse(session_id: str, keep_tokens: int):
+        def open_or_refuse(session_id: str, keep_tokens: int, namespace: str = ""):
             if len(refusals) < 2:
                 refusals.append(session_id)
                 raise ResourceExhausted("1 sessions are open, the configured maximum is 1; retry later")
-            return open_session(session_id, keep_tokens)
+            return open_session(session_id, keep_tokens, namespace)
 
         draft_runner.sessions.open = open_or_refuse
 

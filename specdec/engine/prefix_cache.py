@@ -1,0 +1,170 @@
+"""KV blocks of earlier sessions' prompts, kept for the next session that starts the same way.
+
+A multi-turn chat re-sends its whole conversation every turn, and requests share system
+prompts; without this cache both model services prefill all of it every time. Blocks are
+`block_tokens` long and keyed by a hash chain over the namespace and every token up to the
+block's end, so a block is found only after every block before it (as vLLM's automatic prefix
+caching keys them). Each block also keeps its tokens and its parent's key, and a lookup
+compares them: a hash collision can never hand a session another sequence's entries.
+
+Exactness. A cached block must hold exactly what a fresh prefill would compute, or a cache hit
+could change an output. A pass's float results depend on its shape (a 300-token prefill's
+first 256 entries differ in the last bits from a 256-token prefill's on these CPUs), so a
+service with this cache on prefills every session in passes of exactly one block, aligned to
+absolute positions (ModelRunner._prefill_blocks): block j is then always computed the same way,
+on top of the same blocks 0..j-1, whether they came from this cache or not. Only such blocks
+are cached (`KVSession.aligned_tokens`); tokens a session ran in verify or draft passes are not.
+
+Not thread-safe: the owning SessionStore is driven by one model thread (the metrics thread
+only reads counters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+# Tokens per block (--prefix-block-tokens). Prefilling in aligned blocks costs extra passes: a
+# 512-token int8 1.5B prefill took 1.46 s in 256-token passes, 1.53 s in 128, 1.60-1.72 s in
+# 64 and 1.92-1.94 s in 32 (1.96 s in one pass), on a 2-core AVX-512 EPYC.
+DEFAULT_PREFIX_BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Block:
+    parent: bytes  # the previous block's key (b"" for a namespace's first block)
+    token_ids: tuple[int, ...]  # [block_tokens]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values): [1, H, block_tokens, D]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(keys.nbytes + values.nbytes for keys, values in self.layers)
+
+
+def block_key(parent: bytes, namespace: str, token_ids: tuple[int, ...]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(namespace.encode())
+    digest.update(b"\0")
+    digest.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    return digest.digest()
+
+
+class PrefixCache:
+    """Blocks by key, least recently used first, within `max_bytes`.
+
+    A lookup or insert touches a chain's blocks last-to-first, so a parent is always more
+    recent than its children and eviction takes leaves first: no cached block is ever
+    unreachable behind an evicted parent for long.
+    """
+
+    def __init__(self, block_tokens: int, max_bytes: int, config) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.config = config  # the model's, for the caches a lookup builds
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.bytes = 0
+        self.lookups = 0  # sessions that asked
+        self.hits = 0  # of those, sessions that found at least one block
+        self.tokens_saved = 0  # tokens a hit spared a prefill
+        self.evicted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def figures(self) -> tuple[int, int, int, int, int, int]:
+        """(bytes, max_bytes, block_tokens, lookups, hits, tokens_saved): ModelInfo.prefix_cache."""
+        return (self.bytes, self.max_bytes, self.block_tokens, self.lookups, self.hits, self.tokens_saved)
+
+    def _chain(self, namespace: str, token_ids: list[int], blocks: int):
+        """(key, parent, block tokens) for the first `blocks` full blocks of `token_ids`."""
+        parent = b""
+        size = self.block_tokens
+        for start in range(0, blocks * size, size):
+            chunk = tuple(token_ids[start : start + size])
+            key = block_key(parent, namespace, chunk)
+            yield key, parent, chunk
+            parent = key
+
+    def lookup(self, namespace: str, token_ids: list[int], max_tokens: int) -> DynamicCache | None:
+        """A cache of the longest run of cached blocks that `token_ids` starts with, covering
+        at most `max_tokens` tokens (the caller needs logits of the rest), or None."""
+        self.lookups += 1
+        found: list[bytes] = []
+        for key, parent, chunk in self._chain(namespace, token_ids, max(max_tokens, 0) // self.block_tokens):
+            block = self._blocks.get(key)
+            if block is None or block.parent != parent or block.token_ids != chunk:
+                break
+            found.append(key)
+        if not found:
+            return None
+        self._touch(found)
+        blocks = [self._blocks[key] for key in found]
+        layers = [
+            (
+                torch.cat([block.layers[index][0] for block in blocks], dim=2),  # [1, H, n · block_tokens, D]
+                torch.cat([block.layers[index][1] for block in blocks], dim=2),
+            )
+            for index in range(len(blocks[0].layers))
+        ]
+        self.hits += 1
+        self.tokens_saved += len(found) * self.block_tokens
+        return DynamicCache(layers, config=self.config)
+
+    def insert(self, namespace: str, token_ids: list[int], cache: DynamicCache, aligned_tokens: int) -> int:
+        """Copies the full blocks among the first `aligned_tokens` entries of `cache` (which
+        hold `token_ids`' KV) that are not held yet; returns how many it added. Stops at the
+        first block that will not fit `max_bytes` after evicting older blocks."""
+        added, chain = 0, []
+        for index, (key, parent, chunk) in enumerate(
+            self._chain(namespace, token_ids, aligned_tokens // self.block_tokens)
+        ):
+            chain.append(key)
+            if key in self._blocks:
+                continue
+            start = index * self.block_tokens
+            end = start + self.block_tokens
+            layers: list = cache.layers  # full-attention layers: see SessionStore.caches_prefixes
+            block = Block(
+                parent,
+                chunk,
+                tuple((layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in layers),
+            )
+            short = block.nbytes - (self.max_bytes - self.bytes)
+            if short > 0 and self.evict(short, keep=set(chain)) < short:
+                chain.pop()
+                break
+            self._blocks[key] = block
+            self.bytes += block.nbytes
+            added += 1
+        self._touch(chain)
+        return added
+
+    def evict(self, needed_bytes: int, keep: frozenset[bytes] | set[bytes] = frozenset()) -> int:
+        """Drops least recently used blocks (not in `keep`) until `needed_bytes` are freed or
+        none is left; returns the bytes freed."""
+        freed = 0
+        for key in list(self._blocks):
+            if freed >= needed_bytes:
+                break
+            if key in keep:
+                continue
+            block = self._blocks.pop(key)
+            self.bytes -= block.nbytes
+            freed += block.nbytes
+            self.evicted_blocks += 1
+        return freed
+
+    def _touch(self, chain: list[bytes]) -> None:
+        for key in reversed(chain):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.bytes = 0

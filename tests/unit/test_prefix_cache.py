@@ -1,0 +1,164 @@
+"""The prefix cache: a session that starts the way a finished one did takes its prompt blocks
+instead of prefilling them, and what it takes is bitwise what a fresh prefill computes (float32
+and int8 targets). Namespaces never share blocks; the bytes count in the KV budget and go
+before any live session does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specdec.engine import prefix_cache
+from specdec.engine.modeling import load_causal_lm
+from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
+from specdec.sampling.probs import SamplingParams
+from target_service.runner import TargetRunner, VerifyCall
+
+GREEDY = SamplingParams()
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def loaded(request, tiny_pair):
+    loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    if request.param == "int8":
+        if not int8_supported():
+            pytest.skip("this torch build has no fbgemm int8 kernels")
+        quantize_int8(loaded.model)
+        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
+    return loaded
+
+
+def runner_for(loaded, prefix_bytes=1 << 24, **kwargs) -> TargetRunner:
+    return TargetRunner(
+        loaded,
+        max_sessions=8,
+        session_ttl_s=60,
+        max_speculative_tokens=4,
+        prefix_cache_bytes=prefix_bytes,
+        prefix_block_tokens=BLOCK,
+        **kwargs,
+    )
+
+
+def verify(runner, session_id, keep, new_tokens, drafts=(), namespace=""):
+    vocab = runner.loaded.vocab_size
+    call = VerifyCall(
+        session_id, keep, list(new_tokens), list(drafts), torch.zeros(0, vocab), GREEDY, 0, cache_namespace=namespace
+    )
+    admitted = runner._admit(call)
+    return runner._forward_round(admitted), admitted
+
+
+def kv(runner, session_id):
+    session = runner.sessions.open(session_id, 1)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in session.model_cache().layers]
+
+
+PROMPT = [(7 * i + 3) % 50 + 1 for i in range(37)]  # 4 whole blocks and 5 tokens
+OTHER = PROMPT[:32] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]  # shares the 4 blocks, then differs
+
+
+def test_a_hit_holds_bitwise_what_a_fresh_prefill_computes(loaded):
+    warm = runner_for(loaded)
+    verify(warm, "first", 0, PROMPT)
+    assert warm.end_session("first") and len(warm.sessions.prefix) == 4
+    before = warm.processed_tokens_total
+    logits, admitted = verify(warm, "second", 0, OTHER, drafts=[4, 5])
+    assert warm.processed_tokens_total - before == len(OTHER) + 2 - 32, "the 4 cached blocks ran again"
+    assert warm.describe().prefix_cache[3:] == (2, 1, 32)  # lookups, hits, tokens saved
+
+    cold = runner_for(loaded)  # the same service, nothing cached: prefills every block itself
+    fresh_logits, _ = verify(cold, "second", 0, OTHER, drafts=[4, 5])
+    assert cold.sessions.prefix.hits == 0
+    for (keys, values), (fresh_keys, fresh_values) in zip(kv(warm, "second"), kv(cold, "second"), strict=True):
+        assert torch.equal(keys, fresh_keys) and torch.equal(values, fresh_values)
+    assert torch.equal(logits, fresh_logits)
+
+
+def test_the_bitwise_check_catches_a_block_keyed_by_its_own_tokens(loaded, monkeypatch):
+    """Mutation check: keyed by its own tokens instead of everything before it, a block is
+    found at another position (here "1 2 … 8" twice) and hands over entries computed there.
+    The check above must see it; a χ² test over the tiny models would not (the change moves
+    their next-token distribution by about 0.02 in total variation)."""
+
+    def parentless(self, namespace, token_ids, blocks):
+        size = self.block_tokens
+        for start in range(0, blocks * size, size):
+            chunk = tuple(token_ids[start : start + size])
+            yield prefix_cache.block_key(b"", namespace, chunk), b"", chunk
+
+    monkeypatch.setattr(prefix_cache.PrefixCache, "_chain", parentless)
+    repeated = list(range(1, 9)) * 2 + [20, 21, 22]
+    warm = runner_for(loaded)
+    verify(warm, "first", 0, repeated)
+    warm.end_session("first")
+    verify(warm, "second", 0, repeated)
+    assert warm.sessions.prefix.tokens_saved == 16
+    cold = runner_for(loaded)
+    verify(cold, "second", 0, repeated)
+    assert not all(
+        torch.equal(keys, fresh_keys) and torch.equal(values, fresh_values)
+        for (keys, values), (fresh_keys, fresh_values) in zip(kv(warm, "second"), kv(cold, "second"))
+    )
+
+
+def test_only_block_aligned_prefill_is_cached(loaded):
+    runner = runner_for(loaded)
+    verify(runner, "s", 0, PROMPT)
+    # Decode steps (verify passes) extend the session past more whole blocks: not cacheable.
+    verify(runner, "s", len(PROMPT), [1, 2, 3, 4, 5, 6, 7, 8])
+    verify(runner, "s", len(PROMPT) + 8, [9, 10, 11, 12])
+    assert runner.sessions.open("s", 1).aligned_tokens == 32
+    runner.end_session("s")
+    assert len(runner.sessions.prefix) == 4
+
+
+def test_namespaces_never_share_blocks(loaded):
+    runner = runner_for(loaded)
+    verify(runner, "a", 0, PROMPT, namespace="tenant-a")
+    runner.end_session("a")
+    before = runner.processed_tokens_total
+    verify(runner, "b", 0, PROMPT, namespace="tenant-b")
+    assert runner.processed_tokens_total - before == len(PROMPT) and runner.sessions.prefix.hits == 0
+    verify(runner, "a2", 0, PROMPT, namespace="tenant-a")
+    assert runner.sessions.prefix.hits == 1
+
+
+def test_a_failed_or_evicted_session_leaves_nothing(loaded):
+    runner = runner_for(loaded)
+    verify(runner, "s", 0, PROMPT)
+    runner.sessions.end("s")  # the path a failed pass takes: its cache is not trusted
+    assert len(runner.sessions.prefix) == 0
+
+
+def test_cached_bytes_count_in_the_budget_and_go_before_sessions(loaded):
+    per_token = runner_for(loaded).kv_bytes_per_token
+    runner = runner_for(loaded, prefix_bytes=40 * per_token, max_kv_bytes=80 * per_token)
+    verify(runner, "done", 0, PROMPT)
+    runner.end_session("done")
+    assert runner.sessions.prefix.bytes == 32 * per_token
+    assert runner.describe().kv_cache_bytes == 32 * per_token
+    verify(runner, "live", 0, OTHER[:8] + [40] * 30)  # 38 tokens: 70 > 80 - 32 leaves
+    verify(runner, "big", 0, [41] * 30)  # 68 + 30 > 80: the cache gives up blocks, no session goes
+    assert runner.sessions.evicted == 0 and runner.sessions.prefix.evicted_blocks > 0
+    assert runner.sessions.kv_bytes() <= 80 * per_token
+
+
+def test_the_cache_keeps_within_its_bytes_evicting_leaves_first(loaded):
+    per_token = runner_for(loaded).kv_bytes_per_token
+    runner = runner_for(loaded, prefix_bytes=3 * BLOCK * per_token)
+    verify(runner, "s", 0, PROMPT)
+    runner.end_session("s")
+    assert len(runner.sessions.prefix) == 3  # the 4th block did not fit
+    before = runner.processed_tokens_total
+    verify(runner, "t", 0, PROMPT)
+    assert runner.processed_tokens_total - before == len(PROMPT) - 24  # the chain's 3 blocks serve
+    # A new prompt's block needs room: the least recently used leaf goes, never a parent first.
+    runner.end_session("t")
+    verify(runner, "u", 0, [45] * 12)
+    runner.end_session("u")
+    verify(runner, "v", 0, PROMPT)
+    assert runner.sessions.prefix.tokens_saved == 24 + 16
