@@ -289,6 +289,8 @@ class Branches:
                     vocab_limit=draft_view.vocab_limit,
                     replica=draft_view.replica,  # a fork lives where it was forked
                     moves=draft_view.moves,
+                    namespace=draft_view.namespace,
+                    own_sequence_only=draft_view.own_sequence_only,
                 )
             else:
                 stats.hedge_wasted_tokens += len(branch.draft_token_ids)

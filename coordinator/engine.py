@@ -174,9 +174,14 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=pair.target_numerics)
         stats.pipelined = pipelined
         draft_view = SessionView(
-            session_id, min_confidence=job.draft_min_confidence, vocab_limit=pair.draft_vocab_limit
+            session_id,
+            min_confidence=job.draft_min_confidence,
+            vocab_limit=pair.draft_vocab_limit,
+            namespace=job.cache_namespace,
+            # A seeded sampled request's proposals, like its K, may depend on nothing but itself.
+            own_sequence_only=job.seeded and not job.params.greedy,
         )
-        target_view = SessionView(session_id)
+        target_view = SessionView(session_id, namespace=job.cache_namespace)
         self.upstream.place(draft_view, target_view)
         return RequestState(
             job=job,

@@ -16,6 +16,7 @@ per round, rounds, draft tokens proposed and accepted).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -41,7 +42,7 @@ from coordinator.openai_schema import (
 from coordinator.requests import Chunk
 from coordinator.servicer import metered
 from specdec.config.services import ServerSecurity
-from specdec.rpc.security import BearerTokenAuth, read_tokens
+from specdec.rpc.security import BearerTokenAuth, bearer_token, read_tokens
 from specdec.rpc.serving import MAX_METADATA_BYTES
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,11 @@ class OpenAIApi:
                 "invalid_request_error",
             ) from None
         parsed = await self.coordinator.off_loop(parse_request_body, raw, chat, self.model_name)
+        if self.auth is not None:  # each checked token is its own cache namespace
+            parsed = dataclasses.replace(
+                parsed,
+                request=dataclasses.replace(parsed.request, tenant=bearer_token(request.headers.get("Authorization"))),
+            )
         # Counted and logged as a gRPC request's are.
         chunks = metered(self.coordinator.generate(parsed.request), self.metrics)
         if parsed.stream:

@@ -46,7 +46,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
-EXTRAS = {"num_speculative_tokens", "draft_min_confidence", "tree_widths"}
+EXTRAS = {"num_speculative_tokens", "draft_min_confidence", "tree_widths", "cache_salt"}
 
 
 class ApiError(Exception):
@@ -97,6 +97,15 @@ def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {shown(value)}", name)
     return kind(value)
+
+
+def _string(body: dict, name: str) -> str:
+    value = body.get(name, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise bad_request(f"{name} must be a string; got {shown(value)}", name)
+    return value
 
 
 def _tree_widths(body: dict) -> tuple[int, ...]:
@@ -217,6 +226,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         num_speculative_tokens=_number(body, "num_speculative_tokens", int),
         draft_min_confidence=_number(body, "draft_min_confidence", float),
         tree_widths=_tree_widths(body),
+        cache_salt=_string(body, "cache_salt"),
     )
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")

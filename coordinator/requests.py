@@ -3,6 +3,7 @@ says what was wrong and what is accepted."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Sequence
@@ -42,9 +43,12 @@ class GenerationRequest:
     draft_min_confidence: float | None = None
     messages: Sequence[tuple[str, str]] = ()  # (role, content): rendered with the chat template
     tree_widths: Sequence[int] = ()  # tree speculation: children per node at each depth
+    cache_salt: str = ""  # the request's own cache namespace (GenerateRequest.cache_salt)
+    tenant: str = ""  # the caller's bearer token, where the coordinator checks tokens; "" otherwise
 
 
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Job:
     seeded: bool = False  # the request set its seed: K may not depend on other requests
     draft_min_confidence: float | None = None  # None: the draft service's default
     tree_widths: tuple[int, ...] = ()  # each round proposes and verifies this tree (K is then 0)
+    cache_namespace: str = ""  # whose cached prompts and outputs the services may reuse (cache_namespace())
 
 
 @dataclass
@@ -236,6 +241,10 @@ def prepare_job(
             f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}",
             field="draft_min_confidence",
         )
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(
+            f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
+        )
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if request.tree_widths:
         check_tree_request(request, pair)
@@ -251,7 +260,17 @@ def prepare_job(
         seeded=request.seed is not None,
         draft_min_confidence=confidence,
         tree_widths=tuple(request.tree_widths),
+        cache_namespace=cache_namespace(request.cache_salt, request.tenant),
     )
+
+
+def cache_namespace(salt: str, tenant: str) -> str:
+    """The services' cache namespace for a request: "" (shared) with neither a salt nor a
+    checked bearer token, else a hash of both, so no token travels to the model services and
+    no two tenants, or salts, share one."""
+    if not salt and not tenant:
+        return ""
+    return hashlib.blake2b(f"{tenant}\0{salt}".encode(), digest_size=16).hexdigest()
 
 
 def check_tree_request(request: GenerationRequest, pair: PairInfo) -> None:

@@ -147,7 +147,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry)
     metrics.watch_pools(coordinator.upstream)
-    servicer = CoordinatorServicer(coordinator, metrics)
+    servicer = CoordinatorServicer(coordinator, metrics, tokens_checked=bool(config.security.auth_token_file))
 
     # The public API reads no request larger than a valid one can be (coordinator.requests).
     request_limit = request_limit_bytes(config, coordinator.pair, longest_token_bytes(coordinator.tokenizer))

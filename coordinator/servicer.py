@@ -14,6 +14,7 @@ from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.requests import Chunk, GenerationRequest
 from specdec.errors import InvalidArgument, grpc_errors, status_of
+from specdec.rpc.security import bearer_token
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class ChatTurns(Sequence[tuple[str, str]]):
         return message.role, message.content
 
 
-def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationRequest:
+def request_from_pb(request: coordinator_pb2.GenerateRequest, tenant: str = "") -> GenerationRequest:
     """The request as the domain sees it, copying nothing: its repeated fields are handed over
     as they arrived, so a request refused for its size costs no per-entry work."""
 
@@ -92,6 +93,8 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest) -> GenerationReque
         draft_min_confidence=optional("draft_min_confidence"),
         messages=ChatTurns(request.messages),
         tree_widths=request.tree_widths,
+        cache_salt=request.cache_salt,
+        tenant=tenant,
     )
 
 
@@ -151,9 +154,11 @@ def log_finished(s: GenerationStats, finish_reason: str) -> None:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, engine: Engine, metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: CoordinatorMetrics | None = None, tokens_checked: bool = False) -> None:
         self._engine = engine
         self._metrics = metrics
+        # Bearer tokens are checked (--auth-token-file): each caller's token is its cache namespace.
+        self._tokens_checked = tokens_checked
 
     async def _generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -168,7 +173,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     "send a serialized GenerateRequest whose strings are UTF-8"
                 )
             remaining = context.time_remaining()  # seconds, or None without a client deadline
-            async for chunk in self._engine.generate(request_from_pb(request), remaining):
+            tenant = bearer_token(dict(context.invocation_metadata() or ()).get("authorization"))
+            generation = request_from_pb(request, tenant if self._tokens_checked else "")
+            async for chunk in self._engine.generate(generation, remaining):
                 yield chunk
 
         async for chunk in metered(chunks(), self._metrics):

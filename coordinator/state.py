@@ -34,6 +34,8 @@ class SessionView:
     replica: Replica | None = None  # where the session lives (coordinator.pools); None: nowhere yet
     lost: bool = False  # its replica failed a call: the session moves at the next round if it can
     moves: int = 0  # times it moved to another replica
+    namespace: str = ""  # the request's cache namespace (Job.cache_namespace), sent with every call
+    own_sequence_only: bool = False  # the draft copies from this request's text alone (a seeded sampled one)
 
     @property
     def client(self) -> ServiceClient:
@@ -47,7 +49,11 @@ class SessionView:
     def draft_fields(self) -> dict:
         """ProposeRequest keywords every call on this session carries (min_confidence is
         optional, and unset means the service's default)."""
-        fields: dict = {"vocab_limit": self.vocab_limit}
+        fields: dict = {
+            "vocab_limit": self.vocab_limit,
+            "cache_namespace": self.namespace,
+            "own_sequence_only": self.own_sequence_only,
+        }
         if self.min_confidence is not None:
             fields["min_confidence"] = self.min_confidence
         return fields

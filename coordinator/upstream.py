@@ -294,6 +294,7 @@ class Upstream:
                     seed=seed,
                     step_seeds=step_seeds,
                     stop_token_ids=sorted(stop_token_ids),
+                    cache_namespace=view.namespace,
                 )
             )
 

@@ -182,6 +182,7 @@ def test_stop_seed_and_max_tokens(served, client):
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"role is 'robot'"),
         ({"max_tokens": 0}, r"max_tokens must be in \[1"),
         ({"logprobs": True}, r"logprobs=True is not supported"),
+        ({"extra_body": {"cache_salt": 5}}, r"cache_salt must be a string"),
     ],
 )
 def test_bad_input_is_a_400_that_says_why(client, fields, message):
