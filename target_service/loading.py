@@ -38,7 +38,8 @@ def load_runner(config: TargetConfig) -> TargetRunner:
     if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
         # Per-row attention: a token's logits are the same in a verify pass as in a one-token
         # pass (specdec.engine.attention); on a GPU, a Python loop over rows would cost more than it saves.
-        loaded.model.set_attn_implementation(attention.NAME)
+        # With int8's per-token Linear layers, prefills too: every solo pass is then per-token exact.
+        loaded.model.set_attn_implementation(attention.EVERY_ROW if loaded.quantization else attention.NAME)
     runner = TargetRunner(
         loaded,
         max_sessions=config.max_sessions,

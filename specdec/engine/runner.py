@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 from transformers import DynamicCache
 
+from specdec.engine import attention
 from specdec.engine.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
@@ -251,6 +252,14 @@ class ModelRunner:
         session.tree = CachedTree(len(session.tokens), tuple(token_ids), tuple(parents), len(token_ids))
         return logits.float()
 
+    @property
+    def per_token_exact(self) -> bool:
+        """Every solo pass computes each token exactly as any other pass would: per-row
+        attention over every row and per-token (int8) Linear layers (specdec.engine.attention).
+        Then every entry such a pass leaves is one a prefix cache may keep, and no prefill
+        needs cutting into blocks."""
+        return bool(self.loaded.quantization) and self.model.config._attn_implementation == attention.EVERY_ROW
+
     def _prefill_blocks(
         self, session: KVSession, token_ids: list[int], tail: int
     ) -> tuple[list[int], torch.Tensor | None]:
@@ -264,7 +273,7 @@ class ModelRunner:
         in blocks; any other runs `token_ids` as given."""
         prefix = self.sessions.prefix
         start = session.cached_tokens
-        if prefix is None or session.aligned_tokens != start or start % prefix.block_tokens:
+        if prefix is None or self.per_token_exact or session.aligned_tokens != start or start % prefix.block_tokens:
             return token_ids, None
         size = prefix.block_tokens
         end = (start + len(token_ids) - tail) // size * size
@@ -289,6 +298,8 @@ class ModelRunner:
             )
             self._synchronize()
         self.processed_tokens_total += len(token_ids)
+        if self.per_token_exact and session.aligned_tokens == start:
+            session.aligned_tokens = start + len(token_ids)  # a solo pass: exact, however it was cut
         logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
         if self.pass_costs is not None:
             self.pass_costs.observe(len(token_ids), (time.perf_counter() - started) * 1e3)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from specdec.engine import prefix_cache
+from specdec.engine import attention, prefix_cache
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
 from specdec.sampling.probs import SamplingParams
@@ -114,6 +114,36 @@ def test_only_block_aligned_prefill_is_cached(loaded):
     assert runner.sessions.open("s", 1).aligned_tokens == 32
     runner.end_session("s")
     assert len(runner.sessions.prefix) == 4
+
+
+def test_a_per_token_exact_target_keeps_its_decoded_tokens_too(tiny_pair):
+    """An int8 target with per-row attention over every row computes each token's entries
+    alike in any pass, so what a session decoded (verify passes) is kept as well, and a next
+    turn that starts with the whole conversation finds it: bitwise what one fresh prefill of
+    that conversation computes, in a service with no prefix cache at all."""
+    if not int8_supported():
+        pytest.skip("this torch build has no fbgemm int8 kernels")
+    loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    quantize_int8(loaded.model)
+    loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
+    loaded.model.set_attn_implementation(attention.EVERY_ROW)
+    warm = runner_for(loaded)
+    assert warm.per_token_exact
+    verify(warm, "turn-1", 0, PROMPT)  # 37 tokens
+    verify(warm, "turn-1", len(PROMPT), [1, 2, 3, 4, 5])  # decoding: 5 more, 42 in all
+    verify(warm, "turn-1", len(PROMPT) + 5, [6])
+    warm.end_session("turn-1")
+    assert len(warm.sessions.prefix) == 5  # every whole block of 43 tokens, decoded ones too
+    turn = PROMPT + [1, 2, 3, 4, 5, 6] + [30, 31, 32]
+    before = warm.processed_tokens_total
+    logits, _ = verify(warm, "turn-2", 0, turn, drafts=[4])
+    assert warm.processed_tokens_total - before == len(turn) + 1 - 40
+
+    plain = TargetRunner(loaded, max_sessions=2, session_ttl_s=60, max_speculative_tokens=4)  # no prefix cache
+    fresh_logits, _ = verify(plain, "turn-2", 0, turn, drafts=[4])
+    for (keys, values), (fresh_keys, fresh_values) in zip(kv(warm, "turn-2"), kv(plain, "turn-2"), strict=True):
+        assert torch.equal(keys, fresh_keys) and torch.equal(values, fresh_values)
+    assert torch.equal(logits, fresh_logits)
 
 
 def test_namespaces_never_share_blocks(loaded):
