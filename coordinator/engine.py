@@ -182,7 +182,7 @@ class Engine:
             own_sequence_only=job.seeded and not job.params.greedy,
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
-        self.upstream.place(draft_view, target_view)
+        self.upstream.place(draft_view, target_view, job.prompt_ids)
         return RequestState(
             job=job,
             pair=pair,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,11 @@ PROBE_TIMEOUT_S = 2.0
 # token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
 # with a round following the Info of the replica that rejected a call), since any draft keeps
 # the output exact and only the speed changes: a different model is logged, not refused.
+# A replica that holds a new session's prompt prefix takes it while it has at most this many
+# sessions more than the least loaded (llm-d's and SGLang's routers weigh cache hits against
+# load the same way): a cached prefix saves a prefill, a crowded replica costs every round.
+PREFIX_AFFINITY_SLACK = 2
+PREFIX_INDEX_ENTRIES = 1 << 16  # prompt prefixes remembered per pool (least recently used go)
 IDENTITY = {
     "target": ("model_id", "tokenizer_fingerprint", "vocab_size", "max_context", "dtype", "quantization"),
     "draft": ("tokenizer_fingerprint", "vocab_size"),
@@ -65,8 +71,11 @@ class Replica:
 
     @property
     def load(self) -> tuple[int, int]:
-        """Sessions on it, this coordinator's now and others' at the last Info, then KV bytes."""
-        return (self.sessions + self.others, self.info.kv_cache_bytes if self.info is not None else 0)
+        """Sessions on it, this coordinator's now and others' at the last Info, then the KV
+        bytes its sessions hold (not its prefix cache's: those wait to be reused)."""
+        if self.info is None:
+            return (self.sessions, 0)
+        return (self.sessions + self.others, self.info.kv_cache_bytes - self.info.prefix_cache.bytes)
 
     @property
     def usable(self) -> bool:
@@ -88,6 +97,9 @@ class Pool:
     resolve_failures: int = 0
     _turn: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)  # closes of replicas gone from the records
+    # Which replica last took a session starting with each prompt prefix (block chain keys):
+    # where that prefix's blocks most likely sit in a prefix cache (--prefix-cache-bytes).
+    _prefixes: OrderedDict[int, str] = field(default_factory=OrderedDict)
 
     def describe(self) -> str:
         if not self.spec.dynamic:
@@ -224,19 +236,58 @@ class Pool:
                 return f"it serves {name} {str(theirs)[:64]!r} where the pool serves {str(ours)[:64]!r}"
         return ""
 
-    def place(self, avoid: Replica | None = None) -> Replica | None:
+    def place(self, avoid: Replica | None = None, prompt: tuple[str, list[int]] | None = None) -> Replica | None:
         """A new session's replica: the least loaded of those serving (ties in turn); None
-        when none is but `avoid`."""
+        when none is but `avoid`. `prompt` (namespace, token ids): a replica that took a
+        session starting with the longest run of its blocks takes this one too, unless it
+        has more than PREFIX_AFFINITY_SLACK sessions beyond the least loaded."""
         candidates = [replica for replica in self.serving if replica is not avoid]
         if not candidates:
             return None
         least = min(replica.load for replica in candidates)
-        return self._take([replica for replica in candidates if replica.load == least])
+        keys = self._prefix_keys(prompt) if prompt is not None else []
+        holder = self._holder(keys, candidates)
+        if holder is not None and holder.load[0] <= least[0] + PREFIX_AFFINITY_SLACK:
+            chosen = self._take([holder])
+        else:
+            chosen = self._take([replica for replica in candidates if replica.load == least])
+        self._remember(keys, chosen)
+        return chosen
 
-    def place_anywhere(self) -> Replica:
+    def _prefix_keys(self, prompt: tuple[str, list[int]]) -> list[int]:
+        """Chain keys of the prompt's whole blocks (the replicas' --prefix-block-tokens); none
+        where the pool's replicas keep no prefix cache."""
+        cache = self.reference.prefix_cache if self.reference is not None else None
+        size = cache.block_tokens if cache is not None and cache.max_bytes else 0
+        if not size:
+            return []
+        namespace, token_ids = prompt
+        keys, key = [], hash(namespace)
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            key = hash((key, tuple(token_ids[start : start + size])))
+            keys.append(key)
+        return keys
+
+    def _holder(self, keys: list[int], candidates: list[Replica]) -> Replica | None:
+        """The candidate that last took the longest of these prefixes, if any."""
+        by_address = {replica.address: replica for replica in candidates}
+        for key in reversed(keys):
+            address = self._prefixes.get(key)
+            if address in by_address:
+                return by_address[address]
+        return None
+
+    def _remember(self, keys: list[int], replica: Replica) -> None:
+        for key in keys:
+            self._prefixes[key] = replica.address
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > PREFIX_INDEX_ENTRIES:
+            self._prefixes.popitem(last=False)
+
+    def place_anywhere(self, prompt: tuple[str, list[int]] | None = None) -> Replica:
         """A target session's replica when none serves: one that may come back (a restarting
         target is retried until the request's retry time), or UNAVAILABLE naming the pool."""
-        if placed := self.place():
+        if placed := self.place(prompt=prompt):
             return placed
         waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
         if not waiting:

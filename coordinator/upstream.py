@@ -102,12 +102,13 @@ class Upstream:
         place a draft's reply becomes a round's drafts."""
         return round_from(proposal, k, address, self.pair.vocab_size, source)
 
-    def place(self, draft_view: SessionView, target_view: SessionView) -> None:
-        """A new request's sessions: each on the least-loaded serving replica of its pool (the
-        target's on one that may come back when none serves; the draft's on none, so rounds
-        run target-only until one serves)."""
-        target_view.replica = self.targets.place_anywhere()
-        draft_view.replica = self.drafts.place()
+    def place(self, draft_view: SessionView, target_view: SessionView, prompt_ids: list[int]) -> None:
+        """A new request's sessions: each on the least-loaded serving replica of its pool, or
+        on the one that took its prompt's prefix before (Pool.place); the target's on one
+        that may come back when none serves, the draft's on none, so rounds run target-only
+        until one serves."""
+        target_view.replica = self.targets.place_anywhere((target_view.namespace, prompt_ids))
+        draft_view.replica = self.drafts.place(prompt=(draft_view.namespace, prompt_ids))
 
     def draft_allowed(self, draft_view: SessionView, unused_forks: list[str]) -> bool:
         """Whether this round may call the draft: the request's draft replica takes calls (its

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.pools import Pool
+from coordinator.pools import PREFIX_AFFINITY_SLACK, Pool
 from specdec.rpc.dns import parse_pool, query_a, resolve
 from specdec.rpc.security import ChannelSecurity
 from specdec.v1 import common_pb2
@@ -70,6 +70,27 @@ def test_placement_takes_the_least_loaded_replica_and_spreads_ties():
     assert pool.place(avoid=a) is None and pool.place() is a
     pool.release(a)
     assert a.sessions == 2
+
+
+def test_a_replica_that_took_a_prompt_prefix_takes_the_next_session_that_starts_with_it():
+    pool = pool_of("a:1", "b:1", "c:1")
+    a, b, c = pool.replicas.values()
+    for info in [pool.reference, *(replica.info for replica in (a, b, c))]:
+        info.prefix_cache.block_tokens, info.prefix_cache.max_bytes = 4, 1 << 20
+    conversation = list(range(1, 14))  # 3 whole blocks, then a token
+    first = pool.place(prompt=("", conversation))
+    # The next turn starts with the first: its replica takes it, though others are as loaded.
+    assert pool.place(prompt=("", conversation + [20, 21, 22, 23])) is first
+    # Another namespace's prompt has no holder, however alike its tokens.
+    assert pool._holder(pool._prefix_keys(("other tenant", conversation)), [a, b, c]) is None
+    others = [replica for replica in (a, b, c) if replica is not first]
+    # Affinity yields to load: PREFIX_AFFINITY_SLACK sessions beyond the least loaded, no more.
+    first.sessions = min(r.sessions for r in others) + PREFIX_AFFINITY_SLACK + 1
+    assert pool.place(prompt=("", conversation)) is not first
+    # Without a prefix cache on the replicas, placement is by load alone.
+    plain = pool_of("a:1", "b:1")
+    placed = {id(plain.place(prompt=("", conversation))) for _ in range(2)}
+    assert len(placed) == 2
 
 
 def test_a_replica_serving_another_model_is_refused():
