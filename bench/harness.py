@@ -182,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "accelerator",
             "links",
             "pools",
+            "multiturn",
         ],
         default="k-sweep",
         help=(
@@ -195,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "links: the 70B/1B accelerator cell with each service on its own network host (namespaces, as root) at "
             "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
             "4 target replicas, a replica killed mid-load) and with the real pair at 1, 4 and 8 clients "
-            "(--pools-parts picks)"
+            "(--pools-parts picks); multiturn: multi-turn edits, an agent loop and make run's prompts with and "
+            "without the prefix cache and the suffix drafter (real pair)"
         ),
     )
     parser.add_argument(

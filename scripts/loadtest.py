@@ -111,6 +111,8 @@ async def client_loop(index: int, address: str, prompts: list[str], args: argpar
         while time.monotonic() < phase.stop_at:
             streamed = rng.random() < args.stream_fraction
             request = pb.GenerateRequest(prompt=rng.choice(prompts), max_new_tokens=args.max_new_tokens)
+            if args.cache_salts:  # many namespaces: the services' caches fill as many tenants' would
+                request.cache_salt = f"tenant-{rng.randrange(args.cache_salts)}"
             if rng.random() < args.sampled_fraction:
                 request.temperature = SAMPLED_TEMPERATURE
                 request.seed = rng.getrandbits(63)
@@ -168,13 +170,30 @@ async def run_load(
     return phase, memory, time.monotonic() - phase.measured_from
 
 
-async def open_sessions(services: dict[str, ServiceProcess]) -> dict[str, int]:
-    counts = {}
+async def infos(services: dict[str, ServiceProcess]) -> dict[str, common_pb2.ModelInfo]:
+    found = {}
     for name, stub_class in (("draft", draft_pb2_grpc.DraftStub), ("target", target_pb2_grpc.TargetStub)):
         async with grpc.aio.insecure_channel(services[name].address) as channel:
-            info = await stub_class(channel).Info(common_pb2.InfoRequest(), timeout=10)
-            counts[name] = info.open_sessions
-    return counts
+            found[name] = await stub_class(channel).Info(common_pb2.InfoRequest(), timeout=10)
+    return found
+
+
+async def open_sessions(services: dict[str, ServiceProcess]) -> dict[str, int]:
+    return {name: info.open_sessions for name, info in (await infos(services)).items()}
+
+
+def prefix_caches(services: dict[str, ServiceProcess]) -> dict[str, dict]:
+    """Each model service's prefix cache at the end (--prefix-cache-bytes): bytes held, limit, hits."""
+    return {
+        name: {
+            "bytes": info.prefix_cache.bytes,
+            "max_bytes": info.prefix_cache.max_bytes,
+            "lookups": info.prefix_cache.lookups,
+            "hits": info.prefix_cache.hits,
+            "tokens_saved": info.prefix_cache.tokens_saved,
+        }
+        for name, info in asyncio.run(infos(services)).items()
+    }
 
 
 async def wait_sessions_closed(services: dict[str, ServiceProcess], timeout_s: float) -> tuple[dict[str, int], float]:
@@ -209,6 +228,9 @@ def summarise(phase: Phase, memory: dict, measured_s: float, sessions: dict, ses
             "stream_fraction": args.stream_fraction,
             "threads": args.threads,
             "coordinator_args": args.coordinator_args,
+            "draft_args": args.draft_args,
+            "target_args": args.target_args,
+            "cache_salts": args.cache_salts,
             "draft_model": str(args.draft_model or "tiny"),
             "target_model": str(args.target_model or "tiny"),
             "rss_tolerance": args.rss_tolerance,
@@ -267,6 +289,12 @@ def print_report(report: dict) -> None:
             f"({report['rss_growth'][service]:+.1%})"
         )
     print(f"open sessions after: {report['open_sessions_after']} (waited {report['sessions_closed_after_s']}s)")
+    for service, cache in report.get("prefix_caches", {}).items():
+        if cache["max_bytes"]:
+            print(
+                f"prefix cache {service:>6}: {cache['bytes'] / mib:.1f} of {cache['max_bytes'] / mib:.1f} MiB, "
+                f"{cache['hits']} hits in {cache['lookups']} lookups, {cache['tokens_saved']} tokens saved"
+            )
     print(
         f"machine: {report['machine']['cores']} cores, load average at the end "
         f"{report['machine']['load_average_at_end']}"
@@ -306,6 +334,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     parser.add_argument("--coordinator-args", default="", help="extra coordinator flags, e.g. '--pipeline on'")
     parser.add_argument(
+        "--draft-args", default="", help="extra draft service flags, e.g. '--drafter suffix --prefix-cache-bytes 16MiB'"
+    )
+    parser.add_argument(
+        "--target-args", default="", help="extra target service flags, e.g. '--prefix-cache-bytes 16MiB'"
+    )
+    parser.add_argument(
+        "--cache-salts",
+        type=int,
+        default=0,
+        help="each request sends one of N cache_salt values at random (0 = none), so the caches fill",
+    )
+    parser.add_argument(
         "--report", type=Path, default=ROOT / ".cache/loadtest/report.json", help="where the JSON report goes"
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: beside the report)")
@@ -343,13 +383,17 @@ def main(argv: list[str] | None = None) -> int:
             draft_dtype=args.dtype,
             target_dtype=args.dtype,
             threads=args.threads,
+            draft_args=shlex.split(args.draft_args),
+            target_args=shlex.split(args.target_args),
             coordinator_args=shlex.split(args.coordinator_args),
             cwd=ROOT,
         ) as services:
             print(f"{args.clients} clients: {args.warmup:.0f}s warm-up, then {args.duration:.0f}s measured", flush=True)
             phase, memory, measured_s = asyncio.run(run_load(services, prompts, args))
             sessions, waited = asyncio.run(wait_sessions_closed(services, args.sessions_timeout))
+            caches = prefix_caches(services)
     report = summarise(phase, memory, measured_s, sessions, waited, args)
+    report["prefix_caches"] = caches
     failures = verdict(report, args.rss_tolerance)
     report["passed"], report["failures"] = not failures, failures
     args.report.parent.mkdir(parents=True, exist_ok=True)

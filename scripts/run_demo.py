@@ -16,6 +16,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.demo_prompts import QUESTIONS, SYSTEM  # noqa: E402
 from specdec.engine.calls import numerics  # noqa: E402
 from specdec.engine.costs import cpu_flags, cpu_model  # noqa: E402
 from specdec.tools.launch import local_stack  # noqa: E402
@@ -28,19 +29,7 @@ from specdec.v1 import (  # noqa: E402
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess  # noqa: E402
 
-SYSTEM = "You are a helpful coding assistant."
 TARGET_SETTINGS = FLAGS  # --target-setting: the target service's --dtype and --quantize
-SUMMARY_SOURCE = (
-    "The draft model proposes several tokens, and the target model checks all of them in one forward "
-    "pass. Accepted tokens are kept; the first rejected token is replaced with a sample from the "
-    "residual distribution, so the output has exactly the target model's distribution. Because the "
-    "target is memory-bound, scoring five tokens costs about as much as scoring one."
-)
-QUESTIONS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a Python list comprehension is, with one short example.",
-    f"Summarise in two sentences:\n\n{SUMMARY_SOURCE}",
-]
 
 
 def chat(question: str) -> list[pb.ChatMessage]:

@@ -1,0 +1,318 @@
+"""`--suite multiturn`: what the services have already seen (issue 37), with the real pair.
+
+Workloads, all chat requests through the coordinator, greedy:
+- edits: code conversations of three turns, each turn asking to change the previous answer
+  (the whole conversation is re-sent every turn, as chat clients do);
+- agent: one task repeated on new inputs (a fixed system prompt of instructions, a new record
+  each time), as an agent loop runs it;
+- demo: `make run`'s three prompts.
+
+Stacks, one after another on this machine (each service calibrates alone at start-up):
+- hybrid: `--drafter hybrid`, no prefix cache (today's `make run`). Each request runs twice,
+  with K = 0 (target-only) and with the coordinator's defaults, interleaved.
+- hybrid+prefix: the same with `--prefix-cache-bytes` on both services: time to first token
+  against hybrid's, outputs compared.
+- suffix+prefix: `--drafter suffix` with both prefix caches.
+
+A conversation's next turn holds the previous answer the hybrid stack's default run gave, so
+every stack sees the same prompts; each stack's outputs are compared with that one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.demo_prompts import QUESTIONS, SYSTEM
+from specdec.tools.launch import local_stack
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX_CACHE = ["--prefix-cache-bytes", "2GiB"]
+STACKS = {  # name: (draft service flags, target service flags)
+    "hybrid": (["--drafter", "hybrid"], []),
+    "hybrid+prefix": (["--drafter", "hybrid", *PREFIX_CACHE], PREFIX_CACHE),
+    "suffix+prefix": (["--drafter", "suffix", *PREFIX_CACHE], PREFIX_CACHE),
+}
+
+MODULES = [
+    """import json
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    return data
+
+
+def total_price(data):
+    total = 0
+    for item in data:
+        total += item["price"] * item["quantity"]
+    return total
+
+
+def cheapest(data):
+    best = None
+    for item in data:
+        if best is None or item["price"] < best["price"]:
+            best = item
+    return best
+
+
+def save(data, path):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+""",
+    """import re
+from collections import Counter
+
+
+def words(text):
+    return re.findall(r"[a-z']+", text.lower())
+
+
+def top_words(text, n):
+    counts = Counter(words(text))
+    return counts.most_common(n)
+
+
+def average_length(text):
+    found = words(text)
+    if not found:
+        return 0
+    return sum(len(w) for w in found) / len(found)
+
+
+def longest_line(text):
+    lines = text.splitlines()
+    return max(lines, key=len) if lines else ""
+""",
+    """class Account:
+    def __init__(self, owner, balance):
+        self.owner = owner
+        self.balance = balance
+        self.history = []
+
+    def deposit(self, amount):
+        self.balance += amount
+        self.history.append(("deposit", amount))
+
+    def withdraw(self, amount):
+        if amount > self.balance:
+            raise ValueError("insufficient funds")
+        self.balance -= amount
+        self.history.append(("withdraw", amount))
+
+    def statement(self):
+        return [f"{kind}: {amount}" for kind, amount in self.history]
+""",
+]
+EDITS = [
+    "Add type hints to every function in this module. Reply with the whole module only.\n\n```python\n{code}```",
+    "Now add a one-line docstring to each function. Reply with the whole module only.",
+    "Now rename the variable `data` (or `text`, or `amount`) to something clearer everywhere. Reply with the "
+    "whole module only.",
+]
+AGENT_SYSTEM = (
+    "You are a data-cleaning agent in a pipeline. For each customer record you receive, reply with one JSON "
+    'object and nothing else. The object has exactly these keys, in this order: "name" (the full name with '
+    'each part capitalised), "email" (lower case, or null when missing or malformed), "phone" (digits only, '
+    'with the country code 44 when the number is British, or null), "city" (capitalised), "country" (an '
+    'ISO 3166 alpha-2 code), "vip" (true when the record mentions more than 10 orders, else false) and '
+    '"notes" (a short English summary of anything else in the record, or an empty string). Do not explain.'
+)
+RECORDS = [
+    "name: jane  DOE; mail: Jane.Doe@Example.com; tel 07700 900123; lives in leeds, uk; 14 orders so far",
+    "JOHN smith, john.smith@@mail; phone +1 (212) 555-0143; new york usa; 2 orders; prefers email contact",
+    "name=maria garcia lopez | email=MGARCIA@correo.es | city=sevilla | country=spain | orders=31",
+    "Ahmed Khan — ahmed.khan@example.co.uk — 020 7946 0321 — London, United Kingdom — asked for a refund",
+    "li wei; no email; mobile 138 0013 8000; shanghai china; 11 orders; wants invoices in English",
+    "Sophie Martin, sophie.martin@exemple.fr, Lyon France, 0 orders, signed up at the Paris fair",
+]
+
+
+def chat(*turns: tuple[str, str], system: str = SYSTEM) -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(role="system", content=system)] + [
+        pb.ChatMessage(role=role, content=content) for role, content in turns
+    ]
+
+
+def generate(stub, messages: list[pb.ChatMessage], k: int | None, max_new_tokens: int) -> dict:
+    started = time.perf_counter()
+    response = stub.Generate(
+        pb.GenerateRequest(messages=messages, max_new_tokens=max_new_tokens, num_speculative_tokens=k), timeout=600
+    )
+    s = response.stats
+    return {
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "tokens": s.generated_tokens,
+        "ttft_ms": s.time_to_first_token_ms,
+        "total_ms": s.total_ms,
+        "wall_ms": (time.perf_counter() - started) * 1e3,
+        "copied_rounds": s.copied_rounds,
+        "rounds": s.rounds,
+        "prompt_tokens": s.prompt_tokens,
+    }
+
+
+def run_stack(name: str, config, logs: Path, answers: dict | None) -> tuple[list[dict], dict]:
+    """Every workload through one stack. `answers`: conversation answers to build later turns
+    from (None: this stack's own default run gives them, and they are returned)."""
+    draft_extra, target_extra = STACKS[name]
+    own: dict = {}
+    samples: list[dict] = []
+    with local_stack(
+        config.draft_model,
+        config.target_model,
+        logs / name,
+        draft_dtype="float32",
+        target_dtype=config.target_dtype,
+        device=config.device,
+        threads=config.threads,
+        draft_args=["--quantize", "int8", *draft_extra],
+        target_args=["--quantize", config.target_quantize, *target_extra],
+        cwd=ROOT,
+    ) as services:
+        with grpc.insecure_channel(services["coordinator"].address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up
+            modes: tuple[int | None, ...] = (0, None) if name == "hybrid" else (None,)
+
+            def run(workload: str, index: int, turn: int, messages: list[pb.ChatMessage]) -> dict:
+                result = {}
+                for k in modes:
+                    sample = generate(stub, messages, k, config.max_new_tokens)
+                    sample.update(stack=name, workload=workload, index=index, turn=turn, k=k)
+                    samples.append(sample)
+                    result[k] = sample
+                    print(
+                        f"{name} {workload}[{index}] turn {turn} K={'chosen' if k is None else k}: "
+                        f"{sample['tokens']} tokens, ttft {sample['ttft_ms']:.0f} ms, "
+                        f"{sample['tokens'] / sample['total_ms'] * 1e3:.1f} tok/s",
+                        flush=True,
+                    )
+                return result[None]
+
+            for index, code in enumerate(MODULES):
+                turns: list[tuple[str, str]] = []
+                for turn, edit in enumerate(EDITS):
+                    turns.append(("user", edit.format(code=code)))
+                    reply = run("edits", index, turn, chat(*turns))
+                    own[(index, turn)] = reply["text"]
+                    answer = (answers or own)[(index, turn)]
+                    turns.append(("assistant", answer))
+            for index, record in enumerate(RECORDS):
+                run("agent", index, 0, chat(("user", record), system=AGENT_SYSTEM))
+            for index, question in enumerate(QUESTIONS):
+                run("demo", index, 0, chat(("user", question)))
+    return samples, own
+
+
+def run_multiturn(config, machine: dict) -> dict:
+    logs = config.out_dir / "logs"
+    samples, answers = run_stack("hybrid", config, logs, None)
+    for name in ("hybrid+prefix", "suffix+prefix"):
+        samples += run_stack(name, config, logs, answers)[0]
+    return {"suite": "multiturn", "machine": machine, "max_new_tokens": config.max_new_tokens, "samples": samples}
+
+
+def _rate(samples: list[dict]) -> float:
+    return sum(s["tokens"] for s in samples) / sum(s["total_ms"] for s in samples) * 1e3
+
+
+def summarise(results: dict) -> dict:
+    samples = results["samples"]
+
+    def pick(stack: str, workload: str, k=None, later: bool | None = None) -> list[dict]:
+        return [
+            s
+            for s in samples
+            if s["stack"] == stack
+            and s["workload"] == workload
+            and s["k"] == k
+            and (later is None or (s["turn"] > 0) == later)
+        ]
+
+    reference = {(s["workload"], s["index"], s["turn"]): s["token_ids"] for s in pick_all(samples, "hybrid", None)}
+    rows = {}
+    for workload in ("edits", "agent", "demo"):
+        base = pick("hybrid", workload, 0)
+        row = {"target_only": _rate(base)}
+        for stack in STACKS:
+            chosen = pick(stack, workload)
+            row[stack] = _rate(chosen)
+            row[f"{stack} identical"] = sum(
+                s["token_ids"] == reference[(s["workload"], s["index"], s["turn"])] for s in chosen
+            )
+            row[f"{stack} copied rounds"] = sum(s["copied_rounds"] for s in chosen)
+            row["requests"] = len(chosen)
+        rows[workload] = row
+    ttft = {}
+    for stack in STACKS:
+        for later in (False, True):
+            chosen = pick(stack, "edits", later=later)
+            ttft[f"{stack} {'later' if later else 'first'}"] = statistics.mean(s["ttft_ms"] for s in chosen)
+    ttft["target_only later"] = statistics.mean(s["ttft_ms"] for s in pick("hybrid", "edits", 0, later=True))
+    demo = {
+        stack: [s["tokens"] / s["total_ms"] * 1e3 for s in sorted(pick(stack, "demo"), key=lambda s: s["index"])]
+        for stack in STACKS
+    }
+    return {"rates": rows, "ttft": ttft, "demo": demo}
+
+
+def pick_all(samples: list[dict], stack: str, k) -> list[dict]:
+    return [s for s in samples if s["stack"] == stack and s["k"] == k]
+
+
+def markdown(results: dict) -> str:
+    summary = results.setdefault("summary", summarise(results))
+    machine = results["machine"]
+    rates, ttft = summary["rates"], summary["ttft"]
+    lines = [
+        f"What the services have already seen (`--suite multiturn`), {machine['date']}: {machine['cpu']} "
+        f"({machine['cpu_flags']}), {machine['cores']} cores, no GPU; torch {machine['torch']}. The Qwen2.5-Coder "
+        f"pair (int8 draft; target {machine.get('target_setting', 'as --target-setting')}), greedy chat requests of "
+        f"at most {results['max_new_tokens']} tokens, one at a time, one stack after another.",
+        "",
+        "**Time to first token, the edit conversations** (mean over requests; turns ≥ 2 re-send the whole "
+        "conversation):",
+        "",
+        "| stack | turn 1 | turns 2-3 | turns 2-3 vs hybrid |",
+        "|---|---|---|---|",
+    ]
+    for stack in STACKS:
+        first, later = ttft[f"{stack} first"], ttft[f"{stack} later"]
+        lines.append(f"| {stack} | {first:.0f} ms | {later:.0f} ms | {ttft['hybrid later'] / later:.2f}× |")
+    lines += [
+        "",
+        "**Tokens per second** (generated tokens over the requests' total time) and outputs identical to the "
+        "hybrid stack's:",
+        "",
+        "| workload | target-only | hybrid | hybrid+prefix | suffix+prefix | suffix+prefix vs target-only | "
+        "vs hybrid | identical | copied rounds (hybrid / suffix) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, row in rates.items():
+        lines.append(
+            f"| {workload} | {row['target_only']:.2f} | {row['hybrid']:.2f} | {row['hybrid+prefix']:.2f} | "
+            f"{row['suffix+prefix']:.2f} | {row['suffix+prefix'] / row['target_only']:.2f}× | "
+            f"{row['suffix+prefix'] / row['hybrid']:.2f}× | "
+            f"{row['hybrid+prefix identical']}, {row['suffix+prefix identical']} of {row['requests']} | "
+            f"{row['hybrid copied rounds']} / {row['suffix+prefix copied rounds']} |"
+        )
+    lines += [
+        "",
+        "**`make run`'s three prompts**, tok/s each:",
+        "",
+        "| stack | " + " | ".join(f"prompt {i + 1}" for i in range(len(summary["demo"]["hybrid"]))) + " |",
+        "|---|" + "---|" * len(summary["demo"]["hybrid"]),
+    ]
+    for stack, values in summary["demo"].items():
+        lines.append(f"| {stack} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
