@@ -38,8 +38,10 @@ def load_runner(config: TargetConfig) -> TargetRunner:
     if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
         # Per-row attention: a token's logits are the same in a verify pass as in a one-token
         # pass (specdec.engine.attention); on a GPU, a Python loop over rows would cost more than it saves.
-        # With int8's per-token Linear layers, prefills too: every solo pass is then per-token exact.
-        loaded.model.set_attn_implementation(attention.EVERY_ROW if loaded.quantization else attention.NAME)
+        # With int8's per-token Linear layers and a prefix cache, prefills too: every solo pass is
+        # then per-token exact, so the cache keeps decoded tokens (it costs prefills without one).
+        every_row = loaded.quantization and config.prefix_cache_bytes
+        loaded.model.set_attn_implementation(attention.EVERY_ROW if every_row else attention.NAME)
     runner = TargetRunner(
         loaded,
         max_sessions=config.max_sessions,
