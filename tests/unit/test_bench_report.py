@@ -135,3 +135,46 @@ def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     assert "bare unary call" in table and "0.70 ms p50" in table
     assert "after 10 ms idle" in table and "0.80 ms p50" in table
     assert "Floor" not in markdown_table(rows, machine)
+
+
+def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
+    """`--suite multiturn`'s summary: first-token time of later turns against the uncached
+    stack, tok/s against target-only and the hybrid drafter, outputs compared request by
+    request."""
+    from bench import multiturn
+
+    samples = []
+    for stack in multiturn.STACKS:
+        for workload, requests, turns in (("edits", 2, 3), ("agent", 2, 1), ("demo", 3, 1)):
+            for index in range(requests):
+                for turn in range(turns):
+                    for k in (0, None) if stack == "hybrid" else (None,):
+                        cached = stack != "hybrid" and turn > 0
+                        samples.append(
+                            dict(
+                                stack=stack,
+                                workload=workload,
+                                index=index,
+                                turn=turn,
+                                k=k,
+                                tokens=48,
+                                total_ms=4000.0 if k == 0 else 2000.0 if stack == "suffix+prefix" else 3000.0,
+                                ttft_ms=300.0 if cached else 900.0,
+                                copied_rounds=1,
+                                token_ids=[1, 2, index] if stack != "suffix+prefix" or index else [9],
+                            )
+                        )
+    results = {
+        "suite": "multiturn",
+        "machine": {"date": "d", "cpu": "c", "cpu_flags": "f", "cores": 2, "torch": "t"},
+        "max_new_tokens": 48,
+        "samples": samples,
+    }
+    summary = multiturn.summarise(results)
+    assert summary["ttft"]["hybrid later"] / summary["ttft"]["suffix+prefix later"] == pytest.approx(3.0)
+    edits = summary["rates"]["edits"]
+    assert edits["suffix+prefix"] / edits["target_only"] == pytest.approx(2.0)
+    assert edits["suffix+prefix"] / edits["hybrid"] == pytest.approx(1.5)
+    assert edits["suffix+prefix identical"] == 3 and edits["hybrid+prefix identical"] == 6  # index 0 differs
+    table = multiturn.markdown(results)
+    assert "| suffix+prefix | 900 ms | 300 ms | 3.00× |" in table and "| edits | 12.00 | 16.00 |" in table
