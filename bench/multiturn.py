@@ -10,7 +10,8 @@ Workloads, all chat requests through the coordinator, greedy:
 Stacks, one after another on this machine (each service calibrates alone at start-up):
 - hybrid: `--drafter hybrid`, no prefix cache (today's `make run`). Each request runs twice,
   with K = 0 (target-only) and with the coordinator's defaults, interleaved.
-- hybrid+prefix: the same with `--prefix-cache-bytes` on both services: time to first token
+- suffix: `--drafter suffix`, no prefix cache: the drafter's own effect.
+- hybrid+prefix: the hybrid with `--prefix-cache-bytes` on both services: time to first token
   against hybrid's, outputs compared.
 - suffix+prefix: `--drafter suffix` with both prefix caches.
 
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX_CACHE = ["--prefix-cache-bytes", "2GiB"]
 STACKS = {  # name: (draft service flags, target service flags)
     "hybrid": (["--drafter", "hybrid"], []),
+    "suffix": (["--drafter", "suffix"], []),
     "hybrid+prefix": (["--drafter", "hybrid", *PREFIX_CACHE], PREFIX_CACHE),
     "suffix+prefix": (["--drafter", "suffix", *PREFIX_CACHE], PREFIX_CACHE),
 }
@@ -217,7 +219,7 @@ def run_stack(name: str, config, logs: Path, answers: dict | None) -> tuple[list
 def run_multiturn(config, machine: dict) -> dict:
     logs = config.out_dir / "logs"
     samples, answers = run_stack("hybrid", config, logs, None)
-    for name in ("hybrid+prefix", "suffix+prefix"):
+    for name in list(STACKS)[1:]:
         samples += run_stack(name, config, logs, answers)[0]
     return {"suite": "multiturn", "machine": machine, "max_new_tokens": config.max_new_tokens, "samples": samples}
 
@@ -289,23 +291,24 @@ def markdown(results: dict) -> str:
     for stack in STACKS:
         first, later = ttft[f"{stack} first"], ttft[f"{stack} later"]
         lines.append(f"| {stack} | {first:.0f} ms | {later:.0f} ms | {ttft['hybrid later'] / later:.2f}× |")
+    others = list(STACKS)[1:]
     lines += [
         "",
-        "**Tokens per second** (generated tokens over the requests' total time) and outputs identical to the "
-        "hybrid stack's:",
+        "**Tokens per second** (generated tokens over the requests' total time; each stack ÷ target-only and ÷ "
+        "hybrid), outputs identical to the hybrid stack's, and rounds that copied:",
         "",
-        "| workload | target-only | hybrid | hybrid+prefix | suffix+prefix | suffix+prefix vs target-only | "
-        "vs hybrid | identical | copied rounds (hybrid / suffix) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | target-only | " + " | ".join(STACKS) + " | identical (" + ", ".join(others) + ") | "
+        "copied rounds (" + ", ".join(STACKS) + ") |",
+        "|---|---|" + "---|" * len(STACKS) + "---|---|",
     ]
     for workload, row in rates.items():
-        lines.append(
-            f"| {workload} | {row['target_only']:.2f} | {row['hybrid']:.2f} | {row['hybrid+prefix']:.2f} | "
-            f"{row['suffix+prefix']:.2f} | {row['suffix+prefix'] / row['target_only']:.2f}× | "
-            f"{row['suffix+prefix'] / row['hybrid']:.2f}× | "
-            f"{row['hybrid+prefix identical']}, {row['suffix+prefix identical']} of {row['requests']} | "
-            f"{row['hybrid copied rounds']} / {row['suffix+prefix copied rounds']} |"
-        )
+        cells = [f"{row['target_only']:.2f}"] + [
+            f"{row[stack]:.2f} ({row[stack] / row['target_only']:.2f}×, {row[stack] / row['hybrid']:.2f}×)"
+            for stack in STACKS
+        ]
+        identical = ", ".join(str(row[f"{stack} identical"]) for stack in others) + f" of {row['requests']}"
+        copied = " / ".join(str(row[f"{stack} copied rounds"]) for stack in STACKS)
+        lines.append(f"| {workload} | " + " | ".join(cells) + f" | {identical} | {copied} |")
     lines += [
         "",
         "**`make run`'s three prompts**, tok/s each:",

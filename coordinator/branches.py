@@ -343,5 +343,5 @@ class Branches:
         background) and empties the list: forks no branch call will carry."""
         if draft_view.replica is not None:
             for session_id in session_ids:
-                self.upstream.end_later(draft_view.replica.client, session_id)
+                self.upstream.end_later(draft_view.replica.client, session_id, discard=True)
         session_ids.clear()

@@ -107,10 +107,12 @@ class ServiceClient:
     async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:
         return await self.call(self._stub.Info, common_pb2.InfoRequest(), timeout_s)
 
-    async def end_session(self, session_id: str) -> None:
-        """Best effort: a session that cannot be ended expires by TTL on the service."""
+    async def end_session(self, session_id: str, discard: bool = False) -> None:
+        """Best effort: a session that cannot be ended expires by TTL on the service.
+        `discard`: its sequence is no request's output (EndSessionRequest.discard)."""
         try:
-            await self.call(self._stub.EndSession, common_pb2.EndSessionRequest(session_id=session_id), 2.0)
+            request = common_pb2.EndSessionRequest(session_id=session_id, discard=discard)
+            await self.call(self._stub.EndSession, request, 2.0)
         except SpecDecError as exc:
             logger.debug("could not end %s session %s: %s", self.role, session_id, exc)
 

@@ -135,9 +135,9 @@ class Upstream:
             return False
         if old is not None:
             if view.opened:
-                self.end_later(old.client, view.session_id)
+                self.end_later(old.client, view.session_id, discard=True)
             for session_id in unused_forks or ():
-                self.end_later(old.client, session_id)
+                self.end_later(old.client, session_id, discard=True)
             old.moves += 1
             pool.release(old)
             logger.info("%s session %s moves from %s to %s", pool.role, view.session_id, old.address, new.address)
@@ -360,8 +360,9 @@ class Upstream:
         while self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
-    def end_later(self, client: ServiceClient, session_id: str) -> None:
-        """Frees a service's session without delaying (or being cancelled with) the request."""
-        task = asyncio.get_running_loop().create_task(client.end_session(session_id))
+    def end_later(self, client: ServiceClient, session_id: str, discard: bool = False) -> None:
+        """Frees a service's session without delaying (or being cancelled with) the request;
+        `discard`: its sequence is not the request's output, so the service keeps nothing of it."""
+        task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard))
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from draft_service.runner import PROPOSAL_MODES
+from draft_service.suffix import DEFAULT_MAX_MATCH
 from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting
 from specdec.config.settings import parse_settings, setting
 
@@ -85,6 +86,8 @@ class DraftConfig(ModelServiceConfig):
             return problem
         if self.drafter == "suffix" and self.suffix_cache_tokens < 1:
             return f"--suffix-cache-tokens must be >= 1; got {self.suffix_cache_tokens}"
+        if self.drafter == "suffix" and self.ngram_min > DEFAULT_MAX_MATCH:
+            return f"--ngram-min is the suffix drafter's shortest match; it must be <= {DEFAULT_MAX_MATCH}"
         if self.drafter in ("hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
             return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
         if self.draft_vocab < 0:

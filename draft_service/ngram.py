@@ -158,7 +158,7 @@ class NgramDrafter:
             copies=True,
         )
 
-    def end_session(self, session_id: str) -> bool:
+    def end_session(self, session_id: str, keep: bool = True) -> bool:
         return self.sessions.end(session_id)
 
     def expire_sessions(self) -> int:

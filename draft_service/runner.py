@@ -109,12 +109,13 @@ class DraftRunner(ModelRunner):
             return description
         return dataclasses.replace(description, model_id=f"{description.model_id}+{self.lookup.label}", copies=True)
 
-    def end_session(self, session_id: str) -> bool:
-        """The caller is done with the session: a lookup that keeps sequences learns it."""
+    def end_session(self, session_id: str, keep: bool = True) -> bool:
+        """The caller is done with the session: a lookup that keeps sequences learns it,
+        unless `keep` is False (an unused branch: no output)."""
         session = self.sessions.peek(session_id)
-        if session is not None and self.lookup is not None:
+        if session is not None and self.lookup is not None and keep:
             self.lookup.learn(session)
-        return super().end_session(session_id)
+        return super().end_session(session_id, keep)
 
     def propose_one(self, call: ProposeCall) -> Proposal:
         """One session's proposal, in forward passes of its own."""
@@ -237,6 +238,7 @@ class DraftRunner(ModelRunner):
             call.session_id, call.keep_tokens, call.epoch, call.fork_from, call.cache_namespace
         )
         pending = self.sessions.extend(session, call.keep_tokens, call.new_tokens)
+        session.committed_tokens = call.keep_tokens + len(call.new_tokens)
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         return session, pending, deterministic, np.random.default_rng(call.seed), clock
 

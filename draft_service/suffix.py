@@ -27,7 +27,7 @@ ever proposed text of its own namespace. Not thread-safe: the model thread drive
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -45,19 +45,28 @@ MAX_CANDIDATES = 64  # the most recent occurrences of an n-gram a lookup weighs 
 
 class SuffixStore:
     """Earlier sessions' sequences by namespace, at most `max_tokens` tokens over all of them
-    (the oldest sequence goes first), with an index from each `key_tokens`-gram to where it
-    ends: (sequence number, position)."""
+    (the oldest sequence goes first), with an index from each `key_tokens`-gram (by its hash)
+    to where it ends, newest last, at most MAX_CANDIDATES each. A dropped sequence leaves the
+    index with it, so the index stays within a bound set by `max_tokens`."""
 
     def __init__(self, max_tokens: int, key_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.key_tokens = key_tokens
         self.tokens = 0
         self._sequences: OrderedDict[int, tuple[str, np.ndarray]] = OrderedDict()  # number → (namespace, [L])
-        self._index: dict[str, defaultdict[tuple[int, ...], deque[tuple[int, int]]]] = {}
+        # namespace → n-gram hash → (number << 32 | end) of its occurrences: a hash collision
+        # only adds a candidate, which the caller's match check drops.
+        self._index: dict[str, dict[int, list[int]]] = {}
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._sequences)
+
+    def _keys(self, sequence: np.ndarray):
+        """(n-gram hash, end) for every n-gram a token follows in `sequence`."""
+        n = self.key_tokens
+        for end, key in enumerate(map(tuple, sliding_window_view(sequence[:-1], n).tolist()), start=n - 1):
+            yield hash(key), end
 
     def add(self, namespace: str, token_ids: list[int]) -> None:
         """Keeps a finished session's sequence (too long a one keeps its last `max_tokens`)."""
@@ -65,27 +74,36 @@ class SuffixStore:
         if len(sequence) <= self.key_tokens:
             return
         while self._sequences and self.tokens + len(sequence) > self.max_tokens:
-            _, (_, dropped) = self._sequences.popitem(last=False)
-            self.tokens -= len(dropped)
+            self._drop()
         number, self._next = self._next, self._next + 1
         self._sequences[number] = (namespace, sequence)
         self.tokens += len(sequence)
-        index = self._index.setdefault(namespace, defaultdict(lambda: deque(maxlen=MAX_CANDIDATES)))
-        n = self.key_tokens
-        for end, key in enumerate(map(tuple, sliding_window_view(sequence[:-1], n).tolist()), start=n - 1):
-            index[key].append((number, end))  # a continuation follows: end + 1 < L
+        index = self._index.setdefault(namespace, {})
+        for key, end in self._keys(sequence):
+            entries = index.setdefault(key, [])
+            entries.append(number << 32 | end)
+            if len(entries) > MAX_CANDIDATES:
+                del entries[0]
+
+    def _drop(self) -> None:
+        """Drops the oldest sequence and its index entries."""
+        number, (namespace, sequence) = self._sequences.popitem(last=False)
+        self.tokens -= len(sequence)
+        index = self._index[namespace]
+        for key in {key for key, _ in self._keys(sequence)}:
+            entries = index.get(key)
+            if entries is None:
+                continue
+            entries[:] = [entry for entry in entries if entry >> 32 != number]
+            if not entries:
+                del index[key]
+        if not index:
+            del self._index[namespace]
 
     def occurrences(self, namespace: str, key: tuple[int, ...]) -> list[tuple[np.ndarray, int]]:
-        """(sequence, end) for the held occurrences of `key` in `namespace`, newest last."""
-        index = self._index.get(namespace)
-        if index is None or key not in index:
-            return []
-        found = []
-        for number, end in index[key]:
-            held = self._sequences.get(number)
-            if held is not None:  # dropped sequences leave stale entries; they age out of the deque
-                found.append((held[1], end))
-        return found
+        """(sequence, end) for the held occurrences of `key`'s hash in `namespace`, newest last."""
+        entries = self._index.get(namespace, {}).get(hash(key), ())
+        return [(self._sequences[entry >> 32][1], entry & 0xFFFFFFFF) for entry in entries]
 
     def clear(self) -> None:
         self._sequences.clear()
@@ -117,8 +135,9 @@ class SuffixLookup:
         return f"suffix[{self.store.max_tokens}]"
 
     def learn(self, session: KVSession) -> None:
-        """A session its caller is done with: its sequence joins the store."""
-        self.store.add(session.namespace, session.tokens)
+        """A session its caller is done with: its committed sequence joins the store (not the
+        proposals of its last call, which may have been rejected)."""
+        self.store.add(session.namespace, session.tokens[: session.committed_tokens])
 
     def propose(self, session: KVSession, limit: int, own_sequence_only: bool = False) -> list[int]:
         """Up to `limit` tokens continuing the session's sequence; [] without a candidate.
@@ -135,6 +154,8 @@ class SuffixLookup:
             return []
         reach = [self._reach(tokens, sequence, end) for sequence, end in candidates]
         longest = max(reach)
+        if longest < n:  # only hash collisions: no real match
+            return []
         chosen = [candidate for candidate, length in zip(candidates, reach) if length == longest]
         return self._walk(chosen, min(limit, max(1, int(self.max_factor * longest))))
 

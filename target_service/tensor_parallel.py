@@ -88,9 +88,9 @@ class TensorParallelRunner:
         self._send("verify_batch", calls)
         return self._runner.verify_batch(calls)
 
-    def end_session(self, session_id: str) -> bool:
+    def end_session(self, session_id: str, keep: bool = True) -> bool:
         self._send("end_session", session_id)
-        return self._runner.end_session(session_id)
+        return self._runner.end_session(session_id, keep)
 
     def expire_sessions(self) -> int:
         """Rank 0's clock decides; the other ranks drop the same sessions."""

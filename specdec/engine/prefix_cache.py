@@ -129,7 +129,7 @@ class PrefixCache:
                 continue
             start = index * self.block_tokens
             end = start + self.block_tokens
-            layers: list = cache.layers  # full-attention layers: see SessionStore.caches_prefixes
+            layers: list = cache.layers  # full-attention layers: ModelRunner refuses a cache of any other kind
             block = Block(
                 parent,
                 chunk,

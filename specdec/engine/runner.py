@@ -57,7 +57,14 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.max_speculative_tokens = max_speculative_tokens
-        prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes, self.model.config) if prefix_cache_bytes else None
+        prefix = None
+        if prefix_cache_bytes:
+            if not batchable_cache(DynamicCache(config=self.model.config)):
+                raise ValueError(
+                    f"--prefix-cache-bytes needs a model whose KV cache is plain full attention; {loaded.model_id} "
+                    "has sliding-window or other layers, whose entries a block cannot be cut from"
+                )
+            prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes, self.model.config)
         self.sessions = SessionStore(
             max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes, prefix
         )
@@ -178,9 +185,10 @@ class ModelRunner:
             calibrated_batch_ms=self.pass_costs.batch_ms,
         )
 
-    def end_session(self, session_id: str) -> bool:
-        """The caller is done with the session: its prompt blocks stay in the prefix cache."""
-        return self.sessions.finish(session_id)
+    def end_session(self, session_id: str, keep: bool = True) -> bool:
+        """The caller is done with the session: its blocks stay in the prefix cache unless
+        `keep` is False (its sequence is no request's output)."""
+        return self.sessions.finish(session_id) if keep else self.sessions.end(session_id)
 
     def expire_sessions(self) -> int:
         return self.sessions.expire()
@@ -273,7 +281,15 @@ class ModelRunner:
         in blocks; any other runs `token_ids` as given."""
         prefix = self.sessions.prefix
         start = session.cached_tokens
-        if prefix is None or self.per_token_exact or session.aligned_tokens != start or start % prefix.block_tokens:
+        if prefix is None or session.aligned_tokens != start:
+            return token_ids, None
+        if self.per_token_exact:
+            # Any solo pass is exact: the tokens before the tail run in one (a batched pass's
+            # entries would not be kept), and a lone caller's whole run is one pass anyway.
+            if not tail or len(token_ids) <= tail:
+                return token_ids, None
+            return token_ids[-tail:], self._forward_admitted(session, token_ids[:-tail], 1)
+        if start % prefix.block_tokens:
             return token_ids, None
         size = prefix.block_tokens
         end = (start + len(token_ids) - tail) // size * size
@@ -347,9 +363,11 @@ class ModelRunner:
                 continue
             pending_bytes += extra_bytes
             try:  # a session's whole blocks run alone first, as `forward` runs them
+                before = len(token_ids[index])
                 token_ids[index] = self._prefill_blocks(
                     session, token_ids[index], 1 if trees is not None else logits_to_keep[index]
                 )[0]
+                pending_bytes -= (before - len(token_ids[index])) * self.kv_bytes_per_token  # now in the cache
             except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
                 self.sessions.end(session.session_id)
                 results[index] = exc

@@ -63,6 +63,9 @@ class KVSession:
     # Leading cache entries computed by block-aligned prefill passes (or taken from the prefix
     # cache): the only ones a prefix cache may keep (specdec.engine.prefix_cache).
     aligned_tokens: int = 0
+    # A draft session's tokens its caller sent (keep_tokens + new_tokens of its last call); the
+    # rest are its own proposals. None: all of them.
+    committed_tokens: int | None = None
 
     def model_cache(self) -> DynamicCache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""

@@ -18,7 +18,7 @@ from specdec.v1 import common_pb2
 class SessionRunner(Protocol):
     """What EndSession and Info need of a service's runner (a model runner or a drafter)."""
 
-    def end_session(self, session_id: str) -> bool: ...
+    def end_session(self, session_id: str, keep: bool = True) -> bool: ...
 
     def describe(self) -> ModelDescription: ...
 
@@ -33,7 +33,7 @@ class SessionServicerMixin:
     async def EndSession(
         self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EndSessionResponse:
-        existed = await self._model_thread.run(self._runner.end_session, request.session_id)
+        existed = await self._model_thread.run(self._runner.end_session, request.session_id, not request.discard)
         return common_pb2.EndSessionResponse(existed=existed)
 
     @grpc_errors

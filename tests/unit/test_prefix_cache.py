@@ -116,17 +116,39 @@ def test_only_block_aligned_prefill_is_cached(loaded):
     assert len(runner.sessions.prefix) == 4
 
 
-def test_a_per_token_exact_target_keeps_its_decoded_tokens_too(tiny_pair):
-    """An int8 target with per-row attention over every row computes each token's entries
-    alike in any pass, so what a session decoded (verify passes) is kept as well, and a next
-    turn that starts with the whole conversation finds it: bitwise what one fresh prefill of
-    that conversation computes, in a service with no prefix cache at all."""
+@pytest.fixture(scope="module")
+def per_token_exact(tiny_pair):
+    """The int8 tiny target with per-row attention over every row, as the target service
+    loads an int8 target with a prefix cache."""
     if not int8_supported():
         pytest.skip("this torch build has no fbgemm int8 kernels")
     loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
     quantize_int8(loaded.model)
-    loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
     loaded.model.set_attn_implementation(attention.EVERY_ROW)
+    return dataclasses.replace(loaded, quantization=INT8_LABEL)
+
+
+def test_a_per_token_exact_target_keeps_prompts_it_ran_in_batched_passes(per_token_exact):
+    """A batched (padded) pass's entries are not kept, so a prompt that arrives beside
+    another runs alone up to its scored tokens first."""
+    runner = runner_for(per_token_exact)
+    vocab = runner.loaded.vocab_size
+    calls = [
+        VerifyCall(name, 0, list(prompt), [3], torch.zeros(0, vocab), GREEDY, 0)
+        for name, prompt in (("a", PROMPT), ("b", OTHER))
+    ]
+    assert all(not isinstance(result, Exception) for result in runner.verify_batch(calls))
+    runner.end_session("a")
+    runner.end_session("b")
+    assert len(runner.sessions.prefix) == 4 + 1  # PROMPT's 4 blocks, and OTHER's fifth (its first 4 are PROMPT's)
+
+
+def test_a_per_token_exact_target_keeps_its_decoded_tokens_too(per_token_exact):
+    """An int8 target with per-row attention over every row computes each token's entries
+    alike in any pass, so what a session decoded (verify passes) is kept as well, and a next
+    turn that starts with the whole conversation finds it: bitwise what one fresh prefill of
+    that conversation computes, in a service with no prefix cache at all."""
+    loaded = per_token_exact
     warm = runner_for(loaded)
     assert warm.per_token_exact
     verify(warm, "turn-1", 0, PROMPT)  # 37 tokens
@@ -157,10 +179,12 @@ def test_namespaces_never_share_blocks(loaded):
     assert runner.sessions.prefix.hits == 1
 
 
-def test_a_failed_or_evicted_session_leaves_nothing(loaded):
+def test_a_failed_or_discarded_session_leaves_nothing(loaded):
     runner = runner_for(loaded)
     verify(runner, "s", 0, PROMPT)
     runner.sessions.end("s")  # the path a failed pass takes: its cache is not trusted
+    verify(runner, "branch", 0, PROMPT)
+    runner.end_session("branch", keep=False)  # EndSessionRequest.discard: no request's output
     assert len(runner.sessions.prefix) == 0
 
 

@@ -70,13 +70,18 @@ def test_a_seeded_sampled_request_copies_only_from_itself():
     assert lookup.propose(session([7, 43, 44]), limit=8, own_sequence_only=True) == []
 
 
-def test_the_store_keeps_its_newest_tokens_within_its_bound():
+def test_the_store_keeps_its_newest_tokens_within_its_bound_and_its_index_with_them():
     store = SuffixStore(max_tokens=25, key_tokens=2)
     for start in range(0, 50, 10):
-        store.add("", list(range(start, start + 10)))
+        store.add(f"tenant-{start % 20}", list(range(start, start + 10)))
     assert store.tokens <= 25 and len(store) == 2
-    assert store.occurrences("", (1, 2)) == []  # dropped with its sequence
-    assert [end for _, end in store.occurrences("", (41, 42))] == [2]
+    assert store.occurrences("tenant-0", (1, 2)) == []  # dropped with its sequence
+    assert [end for _, end in store.occurrences("tenant-0", (41, 42))] == [2]
+    # The index holds the two sequences' n-grams and nothing of the dropped ones'.
+    assert sum(len(keys) for keys in store._index.values()) == 2 * 8
+    for start in range(100, 200, 10):  # every namespace's old text leaves, namespaces too
+        store.add("other", list(range(start, start + 10)))
+    assert set(store._index) == {"other"}
 
 
 def test_the_suffix_drafter_learns_from_ended_sessions_and_copies_across_requests(tiny_pair):
@@ -91,6 +96,12 @@ def test_the_suffix_drafter_learns_from_ended_sessions_and_copies_across_request
     assert again.copied and again.token_ids == [40, 41, 42] and again.processed_tokens == 0
     other = suffix.propose_one(ProposeCall("c", 0, [1, 2, 99, 200, 31], 4, GREEDY, 0, cache_namespace="u"))
     assert not other.copied
-    # An unused branch's sequence is no output: ending it through the store teaches nothing.
-    suffix.sessions.end("c")
+    # An unused branch's sequence is no output: ending it so teaches nothing.
+    suffix.end_session("c", keep=False)
     assert len(suffix.lookup.store) == 1
+    # What a session learns stops at what its caller sent: not its own last proposals.
+    suffix.propose_one(ProposeCall("d", 0, [7, 8, 9, 10, 11], 3, GREEDY, 0, cache_namespace="v"))
+    suffix.end_session("d")
+    assert [tokens.tolist() for namespace, tokens in suffix.lookup.store._sequences.values() if namespace == "v"] == [
+        [7, 8, 9, 10, 11]
+    ]
