@@ -25,6 +25,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -49,7 +50,7 @@ def block_key(parent: bytes, namespace: str, token_ids: tuple[int, ...]) -> byte
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(namespace.encode())
     digest.update(b"\0")
-    digest.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.digest()
 
 

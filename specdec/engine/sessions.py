@@ -60,8 +60,9 @@ class KVSession:
     epoch: int = 0  # newest call number served (ProposeRequest.epoch)
     tree: CachedTree | None = None  # tree nodes cached behind `tokens`, until the next call
     namespace: str = ""  # the prefix cache's namespace for this session's blocks (cache_namespace)
-    # Leading cache entries computed by block-aligned prefill passes (or taken from the prefix
-    # cache): the only ones a prefix cache may keep (specdec.engine.prefix_cache).
+    # Leading cache entries known to be exactly what a fresh prefill computes: taken from the
+    # prefix cache, run in block-aligned prefill passes, or run in any solo pass of a per-token
+    # exact runner (ModelRunner.per_token_exact). The only ones a prefix cache may keep.
     aligned_tokens: int = 0
     # A draft session's tokens its caller sent (keep_tokens + new_tokens of its last call); the
     # rest are its own proposals. None: all of them.
