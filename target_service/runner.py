@@ -3,7 +3,7 @@ coordinator needs for exact rejection sampling; concurrent sessions can share th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
+from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_accepts
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
 
@@ -33,6 +34,7 @@ class VerifyCall:
     return_distributions: bool = False
     parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.sampling.tree_sampling numbering); empty: a chain
     cache_namespace: str = ""  # the prefix cache namespace a new session starts in (VerifyRequest)
+    relaxed: RelaxedAcceptance | None = None  # VerifyRequest.relaxed: also test each draft (lossy); None exact
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Verification:
     sequence_length: int
     compute_ms: float  # in a batch, the shared pass counts in full for every call in it
     batch_size: int = 1  # sessions that shared the forward pass
+    relaxed_accepts: list[bool] = field(default_factory=list)  # [K] with VerifyCall.relaxed; empty otherwise
 
 
 @dataclass
@@ -155,6 +158,11 @@ class TargetRunner(ModelRunner):
         num_draft = len(call.draft_token_ids)
         depth = num_draft
         if call.parents:
+            if call.relaxed is not None:
+                raise InvalidArgument(
+                    "relaxed is set with draft_parents: token trees are verified exactly only; send a chain, or "
+                    "leave relaxed unset"
+                )
             depth = self._check_tree(call)
         elif num_draft > self.max_speculative_tokens:
             raise InvalidArgument(
@@ -230,7 +238,29 @@ class TargetRunner(ModelRunner):
             sequence_length=len(admitted.session.tokens),
             compute_ms=admitted.clock.ms(),
             batch_size=batch_size,
+            relaxed_accepts=[]
+            if call.relaxed is None
+            else self._relaxed_accepts(call.relaxed, call.params, logits, draft_ids, outputs),
         )
+
+    @staticmethod
+    def _relaxed_accepts(
+        relaxed: RelaxedAcceptance,
+        params: SamplingParams,
+        logits: torch.Tensor,  # [K + 1, V]
+        draft_ids: torch.Tensor,  # [K] int64
+        outputs: VerifyOutputs,
+    ) -> list[bool]:
+        """The relaxed test of each draft (specdec.sampling.relaxed), on the raw distribution:
+        softmax of the logits at temperature 1, never the request's processed one (one-hot when
+        greedy). A sampled request's draft must also keep mass under the request's own top-k /
+        top-p, so relaxed never emits a token the request's truncation excludes. [K]"""
+        num_draft = draft_ids.shape[0]
+        raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]
+        passes = relaxed_accepts(raw_probs, draft_ids.to(raw_probs.device), relaxed.top_n, relaxed.delta).cpu()  # [K]
+        if not params.greedy:
+            passes &= outputs.draft_token_target_probs.cpu() > 0
+        return passes.tolist()
 
     def _conclude_tree(
         self, admitted: _Admitted, logits: torch.Tensor, draft_ids: torch.Tensor, batch_size: int

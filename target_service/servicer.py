@@ -69,6 +69,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         if request.step_seeds:  # every step's token must fit, or none runs
             self._runner.check_length(request.keep_tokens + len(request.new_tokens) + len(request.step_seeds))
         params = wire.params_from_pb(request.sampling)
+        relaxed = wire.relaxed_from_pb(request)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
@@ -93,6 +94,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 request.return_distributions,
                 tuple(request.draft_parents),
                 request.cache_namespace,
+                relaxed,
             )
             result = await self._verify(call)
             steps, result = await self._steps(request, call, result)
@@ -117,6 +119,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             sequence_length=result.sequence_length,
             compute_ms=result.compute_ms,
             step_token_ids=steps,
+            relaxed_accepts=result.relaxed_accepts,
         )
 
     async def _verify(self, call: VerifyCall) -> Verification:

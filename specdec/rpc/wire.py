@@ -15,7 +15,8 @@ import torch
 from specdec.engine.calls import ModelDescription
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import SamplingParams
-from specdec.v1 import common_pb2
+from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed
+from specdec.v1 import common_pb2, target_pb2
 
 # Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.
 _SPARSE_MAX_FRACTION = 0.5
@@ -162,6 +163,17 @@ def params_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
 
 def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+
+def relaxed_from_pb(request: target_pb2.VerifyRequest) -> RelaxedAcceptance | None:
+    """VerifyRequest.relaxed, validated; None (exact) when unset."""
+    if not request.HasField("relaxed"):
+        return None
+    return check_relaxed(request.relaxed.top_n, request.relaxed.delta, "relaxed.top_n", "relaxed.delta")
+
+
+def relaxed_to_pb(relaxed: RelaxedAcceptance) -> target_pb2.RelaxedAcceptance:
+    return target_pb2.RelaxedAcceptance(top_n=relaxed.top_n, delta=relaxed.delta)
 
 
 def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:

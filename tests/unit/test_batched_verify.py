@@ -7,6 +7,8 @@ exactly, target probabilities within float32 rounding, and the KV caches left be
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from specdec.engine.batching import batch_groups, call_waves
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec.sampling.probs import SamplingParams
+from specdec.sampling.relaxed import RelaxedAcceptance
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
@@ -155,6 +158,28 @@ def test_sampled_target_probs_equal_unbatched_within_float32_rounding(loaded):
         # Same seed, probabilities equal to a few ulps: the inverse-CDF draws land on the same tokens.
         assert got.recovered_token_ids == want.recovered_token_ids and got.bonus_token_id == want.bonus_token_id
     assert_same_caches(solo, batched, [call.session_id for call in calls])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_relaxed_flags_in_a_batch_equal_each_call_alone(loaded, params):
+    """Relaxed calls (every other one) share the pass with exact ones: each gets the flags it
+    gets alone, and the exact ones none."""
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    batched.max_padding_ratio = float("inf")
+    relaxed = RelaxedAcceptance(top_n=16, delta=1.0)
+    calls = [
+        dataclasses.replace(call, relaxed=relaxed if i % 2 == 0 else None)
+        for i, call in enumerate(mixed_calls([solo, batched], params, return_distributions=False))
+    ]
+    expected = alone(solo, calls)
+    results = batched.verify_batch(calls)
+    flags = []
+    for call, want, got in zip(calls, expected, results):
+        assert got.batch_size == len(calls)
+        assert got.relaxed_accepts == want.relaxed_accepts, call.session_id
+        assert len(got.relaxed_accepts) == (len(call.draft_token_ids) if call.relaxed else 0), call.session_id
+        flags += got.relaxed_accepts
+    assert True in flags and False in flags, "the calls should hold drafts on both sides of the rule"
 
 
 def greedy_continuation(loaded, prompt: list[int], count: int) -> list[int]:
