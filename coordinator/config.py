@@ -17,8 +17,19 @@ from specdec.config.services import (
     shutdown_grace_setting,
 )
 from specdec.config.settings import group, parse_settings, setting
+from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
+from specdec.sampling.relaxed import (
+    DEFAULT_DELTA,
+    DEFAULT_TOP_N,
+    MAX_DELTA,
+    MAX_TOP_N,
+    MIN_DELTA,
+    MIN_TOP_N,
+    AcceptanceMode,
+    check_relaxed,
+)
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
@@ -117,6 +128,28 @@ class CoordinatorConfig:
         f"stream in groups this long (1 = a call per token; at most {MAX_TARGET_ONLY_STEPS})",
         more="See [The round loop](design.md#the-round-loop).",
     )
+    acceptance: str = setting(
+        AcceptanceMode.EXACT.value,
+        "--acceptance",
+        "acceptance rule for requests that leave acceptance_mode unset: exact (lossless: the output is the "
+        "target's distribution) or relaxed (lossy: a draft token is also kept when the target ranks it among its "
+        "--relaxed-top-n likeliest within --relaxed-delta of its first; the output is not the target's). Tree "
+        "requests stay exact",
+        choices=AcceptanceMode.names(),
+        more="See [Relaxed acceptance](design.md#relaxed-acceptance).",
+    )
+    relaxed_top_n: int = setting(
+        DEFAULT_TOP_N,
+        "--relaxed-top-n",
+        f"relaxed requests that leave relaxed_top_n unset: the target's top-N rank a draft token must be within "
+        f"(in [{MIN_TOP_N}, {MAX_TOP_N}])",
+    )
+    relaxed_delta: float = setting(
+        DEFAULT_DELTA,
+        "--relaxed-delta",
+        "relaxed requests that leave relaxed_delta unset: how far below the target's top-1 probability a draft "
+        f"token's may be (a probability gap in [{MIN_DELTA:g}, {MAX_DELTA:g}])",
+    )
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     http_port: int = setting(
         -1,
@@ -185,6 +218,10 @@ class CoordinatorConfig:
             return f"--hedges must be in [0, {MAX_HEDGES}]"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
             return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
+        try:
+            check_relaxed(self.relaxed_top_n, self.relaxed_delta, "--relaxed-top-n", "--relaxed-delta")
+        except InvalidArgument as exc:
+            return str(exc)
         for flag, spec in (("--draft", self.draft_address), ("--target", self.target_address)):
             try:
                 parse_pool(spec)

@@ -32,7 +32,16 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.pools import Pool
 from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
-from coordinator.rounds import RequestState, RoundKind, RoundPlan, commit_round, decide, k_limit, plan_round
+from coordinator.rounds import (
+    RequestState,
+    RoundKind,
+    RoundPlan,
+    commit_round,
+    decide,
+    k_limit,
+    plan_round,
+    relaxed_round,
+)
 from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream
@@ -139,7 +148,7 @@ class Engine:
                     self._cost_at_load(state)
                     plan = plan_round(state, self.config.catch_up, draft_allowed, self.config.target_only_steps)
                     round_, verification, branches = await self._run_round(state, pair, plan)
-                    outcome = decide(round_, verification, plan.uniforms)
+                    outcome = decide(round_, verification, plan.uniforms, relaxed_round(state, round_))
                     base = len(state.sequence)
                     commit_round(state, plan, round_, outcome, pair.max_context, verification.step_token_ids)
                     if branches is not None:
@@ -152,7 +161,7 @@ class Engine:
                     state.stats.target_replica = state.target_view.address
                     state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
                     state.stats.replica_moves = state.target_view.moves + state.draft_view.moves
-                    self._learn(state.k_chooser)
+                    self._learn(state.k_chooser, state.job)
                     yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats)
                     return
                 yield Chunk(delta.token_ids, delta.text)
@@ -171,7 +180,13 @@ class Engine:
         session_id = uuid.uuid4().hex
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
         k_chooser = self._k_chooser(job, pair, pipelined)
-        stats = GenerationStats(prompt_tokens=len(job.prompt_ids), target_numerics=pair.target_numerics)
+        stats = GenerationStats(
+            prompt_tokens=len(job.prompt_ids),
+            target_numerics=pair.target_numerics,
+            acceptance_mode=job.acceptance_mode.value,
+            relaxed_top_n=job.relaxed.top_n if job.relaxed is not None else 0,
+            relaxed_delta=job.relaxed.delta if job.relaxed is not None else 0.0,
+        )
         stats.pipelined = pipelined
         draft_view = SessionView(
             session_id,
@@ -221,6 +236,7 @@ class Engine:
                 state.retry_until,
                 plan.step_seeds,
                 pair.eos_token_ids if plan.step_seeds else (),
+                state.job.relaxed if relaxed_round(state, round_) else None,
             )  # fmt: skip
         )
         branches = None
@@ -234,6 +250,8 @@ class Engine:
             # A tree's: one recovered token per node and the root.
             expected_recovered = proposed + 1 if round_.parents else proposed
             check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
+            if relaxed_round(state, round_):  # a target that ignored VerifyRequest.relaxed sends none
+                check_reply(address, "relaxed_accepts", len(verification.relaxed_accepts), proposed)
             # Fewer steps only after a stop token: a target that ignored the seeds would shift
             # the seed stream, and a seed would no longer give one output.
             steps, asked = verification.step_token_ids, len(plan.step_seeds)
@@ -377,7 +395,8 @@ class Engine:
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
-            trees=self.config.tree_chooser and pair.trees and not self.config.hedges,
+            # Trees are verified exactly only: a relaxed request's chooser weighs chains alone.
+            trees=self.config.tree_chooser and pair.trees and not self.config.hedges and job.relaxed is None,
             hedged=self.config.hedges > 0,
         )
 
@@ -396,7 +415,8 @@ class Engine:
             k_max=pair.max_num_speculative_tokens, pipelined=False, costs=free_drafts, alpha_prior=DEFAULT_ALPHA_PRIOR
         )
 
-    def _learn(self, k_chooser: AdaptiveK | None) -> None:
-        """Carries the finished request's acceptance into the next request's prior."""
-        if k_chooser is not None and k_chooser.reached > PRIOR_WEIGHT:
+    def _learn(self, k_chooser: AdaptiveK | None, job: Job) -> None:
+        """Carries the finished request's acceptance into the next request's prior; a relaxed
+        request's, higher than exact acceptance, would mislead the exact requests after it."""
+        if k_chooser is not None and k_chooser.reached > PRIOR_WEIGHT and job.relaxed is None:
             self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * k_chooser.alpha

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from specdec.sampling.relaxed import AcceptanceMode
+
 
 @dataclass
 class GenerationStats:
@@ -56,6 +58,10 @@ class GenerationStats:
     draft_replica: str = ""  # the draft replica its session was on then ("" : none)
     replica_moves: int = 0  # times its sessions moved to another replica after a failed call
     sessions_per_round: list[int] = field(default_factory=list)  # load each round's K was costed at
+    acceptance_mode: str = "exact"  # the rule that produced the output (AcceptanceMode's value); relaxed is lossy
+    relaxed_top_n: int = 0  # the relaxed parameters (0 when exact)
+    relaxed_delta: float = 0.0
+    relaxed_accepted_tokens: int = 0  # accepted drafts the exact rule rejected (relaxed rounds only)
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -117,7 +123,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class CoordinatorMetrics:
     """Prometheus counters for speculation, in vLLM's spec-decode shape under `specdec_`
     (accepted tokens / draft tokens is the acceptance rate operators watch), plus requests by
-    finish reason and status, latency histograms, re-prefills and pre-draft/hedge outcomes."""
+    finish reason and status, latency histograms, re-prefills, pre-draft/hedge outcomes, and
+    relaxed (lossy) requests, rounds and tokens apart."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def counter(name: str, doc: str, labels=()):
@@ -179,6 +186,17 @@ class CoordinatorMetrics:
         self.degraded_requests = counter(
             "specdec_degraded_requests", "Finished requests with at least one fallback round"
         )
+        self.relaxed_requests = counter(
+            "specdec_relaxed_requests", "Finished requests in relaxed acceptance mode (lossy: not the target's output)"
+        )
+        self.relaxed_rounds = counter(
+            "specdec_relaxed_rounds", "Rounds of relaxed requests that verified at least one draft token"
+        )
+        self.relaxed_accepted_tokens = counter(
+            "specdec_relaxed_accepted_tokens",
+            "Draft tokens only the relaxed rule accepted (the exact rule rejected them); "
+            "they are in specdec_spec_decode_num_accepted_tokens too",
+        )
         self.draft_breaker_open = Gauge(
             "specdec_draft_breaker_open",
             "1 while rounds skip the draft (every draft replica's circuit breaker open, or none serving)",
@@ -213,6 +231,10 @@ class CoordinatorMetrics:
         self.fallback_rounds.inc(stats.fallback_rounds)
         self.draft_failures.inc(stats.draft_failures)
         self.degraded_requests.inc(stats.degraded)
+        if stats.acceptance_mode == AcceptanceMode.RELAXED.value:
+            self.relaxed_requests.inc()
+            self.relaxed_rounds.inc(sum(1 for k in stats.k_per_round if k))
+            self.relaxed_accepted_tokens.inc(stats.relaxed_accepted_tokens)
         self.hedges.labels("hit").inc(stats.hedge_hits)
         self.hedges.labels("unused").inc(stats.hedges - stats.hedge_hits)
         self.time_to_first_token.observe(stats.time_to_first_token_ms / 1e3)

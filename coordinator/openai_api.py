@@ -9,8 +9,10 @@ tokens and TLS files as the gRPC API apply, a W3C `traceparent` header joins the
 trace, and finished requests feed the same metrics.
 
 Extras beyond OpenAI's fields: a request may set `num_speculative_tokens`,
-`draft_min_confidence`, `tree_widths` and `top_k`; every response carries `speculation` (acceptance, tokens
-per round, rounds, draft tokens proposed and accepted).
+`draft_min_confidence`, `tree_widths`, `cache_salt`, `top_k` and the acceptance rule
+(`acceptance_mode`, `relaxed_top_n`, `relaxed_delta`); every response carries `speculation`
+(acceptance, tokens per round, rounds, draft tokens proposed and accepted, and the acceptance
+mode that produced it).
 """
 
 from __future__ import annotations

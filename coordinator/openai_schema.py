@@ -15,6 +15,7 @@ from typing import Any
 from coordinator.metrics import GenerationStats
 from coordinator.requests import CHAT_ROLES, GenerationRequest
 from specdec.errors import shown, status_of
+from specdec.sampling.relaxed import AcceptanceMode
 
 # gRPC status (as specdec.errors.status_of names it) -> HTTP status and OpenAI error type.
 HTTP_STATUS = {
@@ -46,7 +47,15 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
-EXTRAS = {"num_speculative_tokens", "draft_min_confidence", "tree_widths", "cache_salt"}
+EXTRAS = {
+    "num_speculative_tokens",
+    "draft_min_confidence",
+    "tree_widths",
+    "cache_salt",
+    "acceptance_mode",
+    "relaxed_top_n",
+    "relaxed_delta",
+}
 
 
 class ApiError(Exception):
@@ -227,6 +236,9 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         draft_min_confidence=_number(body, "draft_min_confidence", float),
         tree_widths=_tree_widths(body),
         cache_salt=_string(body, "cache_salt"),
+        acceptance_mode=_string(body, "acceptance_mode"),
+        relaxed_top_n=_number(body, "relaxed_top_n", int),
+        relaxed_delta=_number(body, "relaxed_delta", float),
     )
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
@@ -234,14 +246,23 @@ def parse_body(body: Any, chat: bool) -> Parsed:
 
 
 def speculation(stats: GenerationStats) -> dict:
-    return {
+    """The response's `speculation` extras; `acceptance_mode` says which rule produced the text
+    (relaxed output is not the target's), and a relaxed response adds its parameters and the
+    tokens only the relaxed rule accepted."""
+    figures = {
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "tokens_per_round": round(stats.mean_accepted_length, 4),
         "rounds": stats.rounds,
         "proposed_tokens": stats.proposed_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "target_numerics": stats.target_numerics,
+        "acceptance_mode": stats.acceptance_mode,
     }
+    if stats.acceptance_mode == AcceptanceMode.RELAXED.value:
+        figures["relaxed_top_n"] = stats.relaxed_top_n
+        figures["relaxed_delta"] = round(stats.relaxed_delta, 4)
+        figures["relaxed_accepted_tokens"] = stats.relaxed_accepted_tokens
+    return figures
 
 
 def usage(stats: GenerationStats) -> dict:

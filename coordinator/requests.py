@@ -17,6 +17,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
 from specdec.sampling.probs import SamplingParams
+from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
@@ -44,6 +45,9 @@ class GenerationRequest:
     messages: Sequence[tuple[str, str]] = ()  # (role, content): rendered with the chat template
     tree_widths: Sequence[int] = ()  # tree speculation: children per node at each depth
     cache_salt: str = ""  # the request's own cache namespace (GenerateRequest.cache_salt)
+    acceptance_mode: str = ""  # "exact" or "relaxed"; "" the server's default (GenerateRequest.acceptance_mode)
+    relaxed_top_n: int | None = None
+    relaxed_delta: float | None = None
     tenant: str = ""  # the caller's bearer token, where the coordinator checks tokens; "" otherwise
 
 
@@ -66,6 +70,11 @@ class Job:
     draft_min_confidence: float | None = None  # None: the draft service's default
     tree_widths: tuple[int, ...] = ()  # each round proposes and verifies this tree (K is then 0)
     cache_namespace: str = ""  # whose cached prompts and outputs the services may reuse (cache_namespace())
+    relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (lossy); None: exact
+
+    @property
+    def acceptance_mode(self) -> AcceptanceMode:
+        return AcceptanceMode.EXACT if self.relaxed is None else AcceptanceMode.RELAXED
 
 
 @dataclass
@@ -245,6 +254,7 @@ def prepare_job(
         raise InvalidArgument(
             f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
         )
+    relaxed = acceptance_of(request, config)
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if request.tree_widths:
         check_tree_request(request, pair)
@@ -261,7 +271,43 @@ def prepare_job(
         draft_min_confidence=confidence,
         tree_widths=tuple(request.tree_widths),
         cache_namespace=cache_namespace(request.cache_salt, request.tenant),
+        relaxed=relaxed,
     )
+
+
+def acceptance_of(request: GenerationRequest, config: CoordinatorConfig) -> RelaxedAcceptance | None:
+    """The request's relaxed parameters, or None for exact acceptance. An unset mode takes the
+    server's default (--acceptance), except for a tree request: trees are verified exactly only.
+    Relaxed parameters in an exact request are refused rather than ignored: the client asked
+    for something it would not get."""
+    mode = request.acceptance_mode
+    if mode and mode not in AcceptanceMode.names():
+        raise InvalidArgument(
+            f"acceptance_mode must be one of {', '.join(AcceptanceMode.names())} (unset: the server's default, "
+            f"{config.acceptance}); got {shown(mode)}",
+            field="acceptance_mode",
+        )
+    if mode == AcceptanceMode.RELAXED.value and request.tree_widths:
+        raise InvalidArgument(
+            "acceptance_mode relaxed does not apply to token trees (tree_widths), which are verified exactly only; "
+            "send a chain (num_speculative_tokens) or acceptance_mode exact",
+            field="acceptance_mode",
+        )
+    if not mode:
+        mode = AcceptanceMode.EXACT.value if request.tree_widths else config.acceptance
+    if mode == AcceptanceMode.EXACT.value:
+        for name in ("relaxed_top_n", "relaxed_delta"):
+            if getattr(request, name) is not None:
+                raise InvalidArgument(
+                    f"{name} applies only to acceptance_mode relaxed, and this request's mode is exact "
+                    f"({'as sent' if request.acceptance_mode else 'the default for this request'}); "
+                    f"set acceptance_mode to relaxed, or leave {name} out",
+                    field=name,
+                )
+        return None
+    top_n = config.relaxed_top_n if request.relaxed_top_n is None else request.relaxed_top_n
+    delta = config.relaxed_delta if request.relaxed_delta is None else request.relaxed_delta
+    return check_relaxed(top_n, delta)
 
 
 def cache_namespace(salt: str, tenant: str) -> str:

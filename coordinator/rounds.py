@@ -210,8 +210,14 @@ def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple
     return tuple(next_seed(state.streams.target) for _ in range(max(0, more)))
 
 
-def decide(round_: Round, verification: target_pb2.VerifyResponse, uniforms: list[float]) -> RoundOutcome | TreeOutcome:
-    """The round's accepted drafts and the token after them: chain or tree rejection sampling."""
+def decide(
+    round_: Round,
+    verification: target_pb2.VerifyResponse,
+    uniforms: list[float],
+    relaxed: bool = False,
+) -> RoundOutcome | TreeOutcome:
+    """The round's accepted drafts and the token after them: chain or tree rejection sampling;
+    `relaxed` (`relaxed_round`): the target's relaxed test may keep a chain's drafts too (lossy)."""
     proposed = len(round_.draft_token_ids)
     if round_.parents:  # multi-step speculative sampling (specdec.sampling.tree_sampling)
         return decide_tree(
@@ -221,13 +227,22 @@ def decide(round_: Round, verification: target_pb2.VerifyResponse, uniforms: lis
             round_.parents,
             verification.recovered_token_ids,
         )
-    return decide_round(
+    exact = (
         verification.draft_token_target_probs,
         round_.draft_token_draft_probs,
         uniforms[:proposed],
         verification.recovered_token_ids,
         verification.bonus_token_id,
     )
+    if relaxed:
+        return decide_round(*exact, relaxed_accepts=verification.relaxed_accepts)
+    return decide_round(*exact)
+
+
+def relaxed_round(state: RequestState, round_: Round) -> bool:
+    """Whether the round's drafts are verified under the relaxed rule: a relaxed request's
+    chain with drafts. A round without drafts (K = 0) has nothing to relax."""
+    return state.job.relaxed is not None and bool(round_.draft_token_ids) and not round_.parents
 
 
 def commit_round(
@@ -248,6 +263,8 @@ def commit_round(
     stats.catch_up_rounds += round_.source is Source.CATCH_UP
     stats.fallback_rounds += round_.source is Source.FALLBACK
     stats.tree_rounds += bool(round_.parents)
+    if isinstance(outcome, RoundOutcome):
+        stats.relaxed_accepted_tokens += outcome.relaxed_accepted
     if round_.copied:  # from a draft call, a pre-draft or a hedge alike
         stats.copied_rounds += 1
         stats.copied_tokens += proposed

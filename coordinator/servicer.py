@@ -94,6 +94,9 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest, tenant: str = "") 
         messages=ChatTurns(request.messages),
         tree_widths=request.tree_widths,
         cache_salt=request.cache_salt,
+        acceptance_mode=request.acceptance_mode,
+        relaxed_top_n=optional("relaxed_top_n"),
+        relaxed_delta=optional("relaxed_delta"),
         tenant=tenant,
     )
 
@@ -143,11 +146,12 @@ async def metered(
 
 def log_finished(s: GenerationStats, finish_reason: str) -> None:
     logger.info(
-        "generated %d tokens (%s) in %.0f ms: %d rounds, acceptance %.2f, %.2f tokens/round",
+        "generated %d tokens (%s) in %.0f ms: %d rounds, %s acceptance %.2f, %.2f tokens/round",
         s.generated_tokens,
         finish_reason,
         s.total_ms,
         s.rounds,
+        s.acceptance_mode,
         s.acceptance_rate,
         s.mean_accepted_length,
     )

@@ -19,6 +19,8 @@ from coordinator.pair import PairInfo, pair_info
 from coordinator.pools import Pool, Replica, watch
 from coordinator.state import Round, SessionView, Source, round_from
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
+from specdec.rpc import wire
+from specdec.sampling.relaxed import RelaxedAcceptance
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -274,13 +276,15 @@ class Upstream:
         retry_until: float,
         step_seeds: Sequence[int] = (),
         stop_token_ids: Collection[int] = (),
+        relaxed: RelaxedAcceptance | None = None,
     ) -> target_pb2.VerifyResponse:
         """The round's verify (a target-only one with `step_seeds`: its further steps, stopping
-        after a token in `stop_token_ids`). A target replica that is UNAVAILABLE (gone,
-        restarting) is left for another that serves, where the pool has one, which is re-sent
-        the committed sequence; otherwise it is retried until `retry_until` (loop time): back
-        up, it has lost the session, answers NOT_FOUND and is re-sent the sequence. Either way
-        the call, and the output, are the same."""
+        after a token in `stop_token_ids`; `relaxed`: the target also runs the relaxed test on
+        each draft, and an exact round's call carries nothing of it). A target replica that is
+        UNAVAILABLE (gone, restarting) is left for another that serves, where the pool has one,
+        which is re-sent the committed sequence; otherwise it is retried until `retry_until`
+        (loop time): back up, it has lost the session, answers NOT_FOUND and is re-sent the
+        sequence. Either way the call, and the output, are the same."""
 
         def send(keep: int, new_tokens: list[int]):
             return cast(TargetClient, view.client).verify(
@@ -296,6 +300,7 @@ class Upstream:
                     step_seeds=step_seeds,
                     stop_token_ids=sorted(stop_token_ids),
                     cache_namespace=view.namespace,
+                    relaxed=wire.relaxed_to_pb(relaxed) if relaxed is not None else None,
                 )
             )
 

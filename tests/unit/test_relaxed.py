@@ -1,16 +1,27 @@
-"""Relaxed acceptance (a lossy opt-in): the pure rule, the chain's OR and the target runner's
-flags."""
+"""Relaxed acceptance (a lossy opt-in): the pure rule, the chain's OR, the target runner's
+flags, and how a request's mode and parameters are validated and defaulted."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+from coordinator.config import CoordinatorConfig, parse_config
+from coordinator.requests import GenerationRequest, acceptance_of
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.sampling.chain import count_accepted, decide_round
 from specdec.sampling.probs import SamplingParams
-from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed, relaxed_accepts
+from specdec.sampling.relaxed import (
+    DEFAULT_DELTA,
+    DEFAULT_TOP_N,
+    AcceptanceMode,
+    RelaxedAcceptance,
+    check_relaxed,
+    relaxed_accepts,
+)
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
@@ -194,3 +205,70 @@ def test_a_tree_call_with_relaxed_parameters_is_refused(target_runner):
     )
     with pytest.raises(InvalidArgument, match="relaxed is set with draft_parents"):
         target_runner.verify_one(call)
+
+
+# --- a request's mode ----------------------------------------------------------------------
+
+EXACT_DEFAULT = CoordinatorConfig()
+RELAXED_DEFAULT = dataclasses.replace(CoordinatorConfig(), acceptance="relaxed", relaxed_top_n=5, relaxed_delta=0.25)
+
+
+def test_an_unset_mode_takes_the_servers_default():
+    assert acceptance_of(GenerationRequest(prompt="x"), EXACT_DEFAULT) is None
+    assert acceptance_of(GenerationRequest(prompt="x"), RELAXED_DEFAULT) == RelaxedAcceptance(5, 0.25)
+
+
+def test_a_relaxed_request_takes_the_servers_parameters_where_it_leaves_them_unset():
+    request = GenerationRequest(prompt="x", acceptance_mode="relaxed", relaxed_delta=0.5)
+    assert acceptance_of(request, EXACT_DEFAULT) == RelaxedAcceptance(DEFAULT_TOP_N, 0.5)
+    assert acceptance_of(request, RELAXED_DEFAULT) == RelaxedAcceptance(5, 0.5)
+    assert acceptance_of(GenerationRequest(prompt="x", acceptance_mode="relaxed"), EXACT_DEFAULT) == (
+        RelaxedAcceptance(DEFAULT_TOP_N, DEFAULT_DELTA)
+    )
+
+
+def test_an_explicit_exact_request_is_exact_under_a_relaxed_default():
+    assert acceptance_of(GenerationRequest(prompt="x", acceptance_mode="exact"), RELAXED_DEFAULT) is None
+
+
+def test_a_tree_request_stays_exact_under_a_relaxed_default_and_may_not_ask_for_relaxed():
+    assert acceptance_of(GenerationRequest(prompt="x", tree_widths=(2, 1)), RELAXED_DEFAULT) is None
+    with pytest.raises(InvalidArgument, match=r"relaxed does not apply to token trees \(tree_widths\)") as refused:
+        acceptance_of(GenerationRequest(prompt="x", tree_widths=(2, 1), acceptance_mode="relaxed"), EXACT_DEFAULT)
+    assert refused.value.field == "acceptance_mode"
+
+
+@pytest.mark.parametrize("name", ["relaxed_top_n", "relaxed_delta"])
+@pytest.mark.parametrize("mode", ["exact", ""])
+def test_relaxed_parameters_in_an_exact_request_are_refused(name, mode):
+    request = GenerationRequest(prompt="x", acceptance_mode=mode, **{name: 1})
+    with pytest.raises(InvalidArgument, match=f"{name} applies only to acceptance_mode relaxed") as refused:
+        acceptance_of(request, EXACT_DEFAULT)
+    assert refused.value.field == name
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes():
+    with pytest.raises(
+        InvalidArgument, match=r"acceptance_mode must be one of exact, relaxed .*got 'lossy'"
+    ) as refused:
+        acceptance_of(GenerationRequest(prompt="x", acceptance_mode="lossy"), EXACT_DEFAULT)
+    assert refused.value.field == "acceptance_mode"
+
+
+def test_a_requests_parameters_out_of_range_are_refused_by_name():
+    request = GenerationRequest(prompt="x", acceptance_mode="relaxed", relaxed_top_n=40)
+    with pytest.raises(InvalidArgument, match=r"relaxed_top_n must be an integer in \[1, 16\]; got 40"):
+        acceptance_of(request, EXACT_DEFAULT)
+
+
+def test_the_coordinator_flags_set_the_default_and_are_checked(capsys):
+    config = parse_config(
+        ["--draft", "d:1", "--target", "t:1", "--tokenizer", "x", "--acceptance", "relaxed", "--relaxed-top-n", "4"],
+        env={"SPECDEC_COORDINATOR_RELAXED_DELTA": "0.1"},
+    )
+    assert (config.acceptance, config.relaxed_top_n, config.relaxed_delta) == ("relaxed", 4, 0.1)
+    assert AcceptanceMode(config.acceptance) is AcceptanceMode.RELAXED
+    for bad, said in ((["--relaxed-top-n", "0"], "--relaxed-top-n must be"), (["--acceptance", "lossy"], "lossy")):
+        with pytest.raises(SystemExit):
+            parse_config(["--draft", "d:1", "--target", "t:1", "--tokenizer", "x", *bad], env={})
+        assert said in capsys.readouterr().err
