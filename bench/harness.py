@@ -159,7 +159,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
-        "--ks", type=int, nargs="+", default=None, help="our K sweep (default 1 2 3 4 6 8; concurrency suite: 4)"
+        "--ks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="our K sweep (default 1 2 3 4 6 8; concurrency and relaxed suites: 4)",
     )
     parser.add_argument(
         "--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K"
@@ -183,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "links",
             "pools",
             "multiturn",
+            "relaxed",
         ],
         default="k-sweep",
         help=(
@@ -197,7 +202,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
             "4 target replicas, a replica killed mid-load) and with the real pair at 1, 4 and 8 clients "
             "(--pools-parts picks); multiturn: multi-turn edits, an agent loop and make run's prompts with and "
-            "without the prefix cache and the suffix drafter (real pair)"
+            "without the prefix cache and the suffix drafter (real pair); relaxed: exact against relaxed acceptance "
+            "at a few (top_n, delta) settings, greedy at the last of --ks: speed, agreement with the exact output "
+            "and perplexity under the target"
         ),
     )
     parser.add_argument(
@@ -233,7 +240,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     args = parser.parse_args(argv)
     if args.ks is None:
-        args.ks = [4] if args.suite == "concurrency" else [1, 2, 3, 4, 6, 8]
+        args.ks = [4] if args.suite in ("concurrency", "relaxed") else [1, 2, 3, 4, 6, 8]
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from bench import relaxed
 from bench.__main__ import main as bench_main
 from bench.accelerator import LINK_MODES, TOPOLOGIES
 from specdec.tools.testbed import leftovers
@@ -140,6 +141,41 @@ def test_bench_concurrency_suite_reports_scaling_with_and_without_batching(tiny_
         "sessions per verify pass" in table and "sessions per propose pass" in table and "the same 3 requests" in table
     )
     assert (out / "tokens_per_s_vs_sessions.png").stat().st_size > 0
+
+
+def test_the_relaxed_suite_compares_exact_and_relaxed_on_one_stack(tiny_pair, tmp_path):
+    """`--suite relaxed` on the tiny pair: every mode on every prompt, exact output equal to the
+    target-only output, relaxed responses labelled relaxed, and every row with its speed,
+    agreement and perplexity. No speed asserted."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(
+        json.dumps(
+            {"prompts": [{"kind": "code", "text": "def add(a, b):"}, {"kind": "prose", "text": "The quick brown fox"}]}
+        )
+    )
+    out = tmp_path / "out"
+    code = bench_main(
+        [
+            *("--suite", "relaxed", "--draft-model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target)),
+            *("--target-setting", "float32", "--threads", "1", "--max-new-tokens", "16", "--repeats", "1"),
+            *("--prompts-file", str(prompts), "--out", str(out)),
+        ]
+    )
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    modes = results["modes"]
+    assert modes[:2] == ["target-only (K=0)", "exact K=4"] and len(modes) == 2 + len(relaxed.SETTINGS)
+    assert len(results["samples"]) == len(modes) * 2 and len(results["scores"]) == len(modes) * 2
+    for sample in results["samples"]:
+        assert sample["acceptance_mode"] == ("relaxed" if sample["mode"].startswith("relaxed") else "exact")
+    rows = {row["mode"]: row for row in results["summary"]}
+    assert rows["target-only (K=0)"]["identical"] == rows["exact K=4"]["identical"] == 2, "exact is the target's"
+    assert rows["exact K=4"]["vs_exact"] == 1.0 and rows["exact K=4"]["relaxed_only_share"] == 0.0
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["perplexity"] > 1.0 and 0.0 <= row["prefix_agreement"] <= 1.0
+    assert sum(rows[mode]["relaxed_only_share"] for mode in modes[2:]) > 0, "no setting kept a draft by relaxing"
+    table = (out / "table.md").read_text()
+    assert "perplexity under the target" in table and "Relaxed output is not the target's" in table
 
 
 def test_the_accelerator_suite_runs_emulated_and_reports_its_bounds(tmp_path):
