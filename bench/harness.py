@@ -183,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "links",
             "pools",
             "multiturn",
+            "drafts",
         ],
         default="k-sweep",
         help=(
@@ -197,7 +198,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
             "4 target replicas, a replica killed mid-load) and with the real pair at 1, 4 and 8 clients "
             "(--pools-parts picks); multiturn: multi-turn edits, an agent loop and make run's prompts with and "
-            "without the prefix cache and the suffix drafter (real pair)"
+            "without the prefix cache and the suffix drafter (real pair); drafts: the 0.5B draft against "
+            "SmolLM2-135M, a draft of another family (make models MODELS_EXTRA=smollm2), through the services and in HF"
         ),
     )
     parser.add_argument(

@@ -22,6 +22,8 @@ DRAFTERS = {
     "model_int8": {"quantize": "int8"},
     "hybrid": {"drafter": "hybrid", "quantize": "none", "ngram_min": 1},
     "suffix": {"drafter": "suffix", "quantize": "none", "ngram_min": 1},
+    # Prompt blocks cached in the draft's own tokens: every request after the first hits.
+    "model_prefix_cache": {"quantize": "none", "prefix_cache_bytes": 1 << 22, "prefix_block_tokens": 4},
 }
 
 
@@ -45,6 +47,8 @@ async def test_greedy_output_is_the_targets_and_unshared_tokens_are_emitted(brid
                 accepted += response.stats.accepted_tokens
                 unshared += sum(token not in shared for token in response.token_ids)
     assert accepted > 0, "no draft token was accepted"
+    if "prefix_cache_bytes" in DRAFTERS[drafter]:
+        assert stack.draft_runner.sessions.prefix.hits > 0, "no draft session started from cached blocks"
     assert unshared > 0, "the target never emitted a token the draft cannot propose; the test misses that path"
 
 
