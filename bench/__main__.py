@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench import accelerator, concurrency, multiturn, overhead, pools, relaxed
+from bench import accelerator, concurrency, drafts, multiturn, overhead, pools, relaxed
 from bench.harness import load_prompts, machine_info, parse_args, run_bench
 from bench.report import by_kind, markdown_table, plot, summarise
 
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         results = multiturn.run_multiturn(config, machine_info(config))
     elif config.suite == "relaxed":
         results = relaxed.run_relaxed(config, machine_info(config))
+    elif config.suite == "drafts":
+        results = drafts.run_drafts(config, machine_info(config))
     elif config.suite == "concurrency":
         torch.set_num_threads(config.threads)
         results = concurrency.run_concurrency(config, load_prompts(config), machine_info(config))
@@ -55,6 +57,8 @@ def _write(results: dict, out_dir: Path) -> int:
         return _save(results, accelerator.links_markdown(results), out_dir)
     if results.get("suite") == "multiturn":
         return _save(results, multiturn.markdown(results), out_dir)
+    if results.get("suite") == "drafts":
+        return _save(results, drafts.markdown(results), out_dir)
     if results.get("suite") == "pools":
         return _save(results, pools.markdown(results), out_dir)
     if results.get("suite") == "relaxed":

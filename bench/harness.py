@@ -188,6 +188,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "pools",
             "multiturn",
             "relaxed",
+            "drafts",
         ],
         default="k-sweep",
         help=(
@@ -204,7 +205,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "(--pools-parts picks); multiturn: multi-turn edits, an agent loop and make run's prompts with and "
             "without the prefix cache and the suffix drafter (real pair); relaxed: exact against relaxed acceptance "
             "at a few (top_n, delta) settings, greedy at the last of --ks: speed, agreement with the exact output "
-            "and perplexity under the target"
+            "and perplexity under the target; "
+            "drafts: the 0.5B draft against "
+            "SmolLM2-135M, a draft of another family (make models MODELS_EXTRA=smollm2), through the services and in HF"
         ),
     )
     parser.add_argument(

@@ -20,7 +20,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.pools import Replica
 from coordinator.rounds import RequestState, k_limit
-from coordinator.state import Round, SessionView, Source, check_reply
+from coordinator.state import ForeignProposal, Round, SessionView, Source, check_reply
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, SpecDecError
 from specdec.rpc import wire
@@ -256,16 +256,17 @@ class Branches:
         taken: Round | None = None
         failed = refused = False
         for plan, result in zip(call.branches, reply.results):
+            source = Source.PREDRAFT if plan.hedge is None else Source.HEDGE
+            branch = Round(source)
+            if not result.error_code:
+                try:
+                    branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
+                except ForeignProposal as exc:  # as a failed branch
+                    result = draft_pb2.BranchResult(error_code=exc.code.value[0], error_message=str(exc))
             if result.error_code:
                 logger.info(
                     "branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message
                 )
-            source = Source.PREDRAFT if plan.hedge is None else Source.HEDGE
-            branch = (
-                Round(source)
-                if result.error_code
-                else self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
-            )
             if plan.hedge is None:
                 failed = result.error_code != 0
                 refused = result.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

@@ -268,14 +268,26 @@ def check_pair(
     tokenizer_fingerprint: str,
     draft_address: str,
     target_address: str,
+    min_vocab_overlap: float = 0.0,
 ) -> None:
-    """Refuses a pair that would not speak the same token ids."""
+    """Refuses a pair that would not speak the same token ids, or whose draft, drafting for
+    another tokenizer (ModelInfo.vocab_bridge), shares less than `min_vocab_overlap` of it."""
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(
             f"draft and target tokenizers differ: draft {draft.model_id!r} at {draft_address} has tokenizer "
             f"{draft.tokenizer_fingerprint[:16]}, target {target.model_id!r} at {target_address} has "
-            f"{target.tokenizer_fingerprint[:16]}; speculative decoding needs the same tokenizer"
+            f"{target.tokenizer_fingerprint[:16]}; start the draft with --target-tokenizer set to the target's "
+            "model folder to draft within the tokens both share"
         )
+    if draft.HasField("vocab_bridge"):
+        bridge = draft.vocab_bridge
+        share = bridge.shared_tokens / max(1, bridge.target_vocab_tokens)
+        if share < min_vocab_overlap:
+            raise InvalidArgument(
+                f"draft {bridge.draft_model_id!r} at {draft_address} shares {bridge.shared_tokens} tokens with "
+                f"target {target.model_id!r}'s tokenizer, {share:.1%} of its {bridge.target_vocab_tokens}; "
+                f"--min-vocab-overlap asks for at least {min_vocab_overlap:.1%}"
+            )
     if tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(
             f"the coordinator's --tokenizer (fingerprint {tokenizer_fingerprint[:16]}) differs from target "

@@ -61,6 +61,14 @@ class CoordinatorConfig:
         "tokenizer folder or id (the pair's), for text in and out; checked against the target's fingerprint",
         required=True,
     )
+    min_vocab_overlap: float = setting(
+        0.1,
+        "--min-vocab-overlap",
+        "a draft with its own tokenizer (draft --target-tokenizer) must share at least this share of the target "
+        "tokenizer's tokens, or the pair is refused at start-up",
+        more="Qwen2.5 and SmolLM2 share 25.8% of Qwen's 151,936; see "
+        "[Drafts with another tokenizer](design.md#drafts-with-another-tokenizer).",
+    )
     host: str = host_setting()
     port: int = port_setting(DEFAULT_PORT)
     default_num_speculative_tokens: int = setting(
@@ -216,6 +224,8 @@ class CoordinatorConfig:
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"
+        if not 0.0 <= self.min_vocab_overlap <= 1.0:  # NaN fails too
+            return f"--min-vocab-overlap must be in [0, 1]; got {self.min_vocab_overlap}"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
             return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
         try:

@@ -25,6 +25,9 @@ class PairInfo:
     draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
     trees: bool = False  # both services serve token trees (ModelInfo.trees)
     target_numerics: str = ""  # what computes the target's logits (specdec.engine.calls.numerics)
+    # A draft with its own tokenizer: the target ids it may propose, one bit each
+    # (VocabBridgeInfo.proposable); empty: any id in the vocabulary.
+    draft_proposable: bytes = b""
 
     @property
     def draft_vocab_limit(self) -> int:
@@ -60,4 +63,5 @@ def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCo
         draft_copies=draft_info.copies,
         trees=draft_info.trees and target_info.trees,
         target_numerics=numerics(target_info.dtype, target_info.quantization),
+        draft_proposable=draft_info.vocab_bridge.proposable if draft_info.HasField("vocab_bridge") else b"",
     )

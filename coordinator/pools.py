@@ -44,7 +44,14 @@ PREFIX_AFFINITY_SLACK = 2
 PREFIX_INDEX_ENTRIES = 1 << 16  # prompt prefixes remembered per pool (least recently used go)
 IDENTITY = {
     "target": ("model_id", "tokenizer_fingerprint", "vocab_size", "max_context", "dtype", "quantization"),
-    "draft": ("tokenizer_fingerprint", "vocab_size"),
+    # A draft of another family drafts within the tokens it shares with the target: replicas
+    # must share the same ones (ModelInfo.vocab_bridge; empty for a draft of the target's).
+    "draft": (
+        "tokenizer_fingerprint",
+        "vocab_size",
+        "vocab_bridge.draft_tokenizer_fingerprint",
+        "vocab_bridge.proposable",
+    ),
 }
 
 
@@ -231,7 +238,7 @@ class Pool:
         """What makes `info` another model than the pool's, in words; empty if none."""
         assert self.reference is not None
         for name in IDENTITY[self.role]:
-            theirs, ours = getattr(info, name), getattr(self.reference, name)
+            theirs, ours = _field(info, name), _field(self.reference, name)
             if theirs != ours:
                 return f"it serves {name} {str(theirs)[:64]!r} where the pool serves {str(ours)[:64]!r}"
         return ""
@@ -324,3 +331,11 @@ async def watch(pools: Iterable[Pool], interval_s: float, on_refresh: Callable[[
             await on_refresh()
         except Exception:  # noqa: BLE001 - a watcher that dies silently would freeze the pools
             logger.exception("refreshing the replica pools failed; trying again in %.1f s", interval_s)
+
+
+def _field(info: common_pb2.ModelInfo, dotted: str):
+    """A field of ModelInfo by its dotted path (an unset message reads as its defaults)."""
+    value = info
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value

@@ -65,7 +65,24 @@ async def connect(
     )
     draft_info, target_info = drafts.reference, targets.reference
     assert draft_info is not None and target_info is not None
-    check_pair(draft_info, target_info, tokenizer_fingerprint(tokenizer), first_draft.address, first_target.address)
+    check_pair(
+        draft_info,
+        target_info,
+        tokenizer_fingerprint(tokenizer),
+        first_draft.address,
+        first_target.address,
+        config.min_vocab_overlap,
+    )
+    if draft_info.HasField("vocab_bridge"):
+        bridge = draft_info.vocab_bridge
+        logger.info(
+            "draft %s has its own tokenizer and drafts within the %d tokens it shares with the target's, %.1f%% "
+            "of its %d (token-level intersection: exact)",
+            bridge.draft_model_id,
+            bridge.shared_tokens,
+            100 * bridge.shared_tokens / max(1, bridge.target_vocab_tokens),
+            bridge.target_vocab_tokens,
+        )
     costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)
     pair = pair_info(config, draft_info, target_info, costs)
     logger.info(

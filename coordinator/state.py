@@ -132,9 +132,15 @@ class Round:
 
 
 def round_from(
-    proposal: draft_pb2.ProposeResponse, k: int, address: str, vocab_size: int, source: Source = Source.DRAFT
+    proposal: draft_pb2.ProposeResponse,
+    k: int,
+    address: str,
+    vocab_size: int,
+    source: Source = Source.DRAFT,
+    proposable: bytes = b"",
 ) -> Round:
-    """The drafts of a Propose reply (or a branch's: `source`), checked against what was asked."""
+    """The drafts of a Propose reply (or a branch's: `source`), checked against what was asked.
+    `proposable`: PairInfo.draft_proposable, the ids a draft with its own tokenizer shares."""
     if len(proposal.token_ids) > k:
         raise SpecDecError(
             f"service at {address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
@@ -151,6 +157,11 @@ def round_from(
             raise SpecDecError(
                 f"draft service at {address} proposed token {token} at position {position}, outside the target's "
                 f"vocabulary [0, {vocab_size}); the reply is malformed"
+            )
+        if proposable and not (token >> 3 < len(proposable) and proposable[token >> 3] >> (token & 7) & 1):
+            raise ForeignProposal(
+                f"draft service at {address} proposed token {token} at position {position}, which its vocabulary "
+                "does not share with the target's (VocabBridgeInfo.proposable); the reply is malformed"
             )
         if not 0.0 < prob <= 1.0 + 1e-5:
             raise SpecDecError(
@@ -174,6 +185,11 @@ def round_from(
         proposal.copied,
         list(proposal.parents),
     )
+
+
+class ForeignProposal(SpecDecError):
+    """A draft with its own tokenizer proposed a target id it does not share: a buggy or
+    hostile draft. The round runs target-only, as after any failed draft call."""
 
 
 def check_reply(address: str, field_name: str, got: int, expected: int) -> None:

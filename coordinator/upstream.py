@@ -102,7 +102,7 @@ class Upstream:
     ) -> Round:
         """The drafts of a Propose reply, or a branch's, checked against what was asked: the one
         place a draft's reply becomes a round's drafts."""
-        return round_from(proposal, k, address, self.pair.vocab_size, source)
+        return round_from(proposal, k, address, self.pair.vocab_size, source, self.pair.draft_proposable)
 
     def place(self, draft_view: SessionView, target_view: SessionView, prompt_ids: list[int]) -> None:
         """A new request's sessions: each on the least-loaded serving replica of its pool, or
@@ -247,6 +247,7 @@ class Upstream:
                 self._target_info.tokenizer_fingerprint,
                 replica.address,
                 self.targets.spec.text,
+                self.config.min_vocab_overlap,
             )
         except SpecDecError as exc:
             logger.warning("draft at %s refused a call and its Info does not pair: %s", replica.address, exc)

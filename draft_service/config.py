@@ -43,6 +43,13 @@ class DraftConfig(ModelServiceConfig):
         "--draft-vocab",
         "restrict the draft's output head to the N lowest (most frequent BPE) ids plus special tokens (0 = full)",
     )
+    target_tokenizer: str = setting(
+        "",
+        "--target-tokenizer",
+        "the target's model (or tokenizer) folder when its tokenizer differs from the draft's: the draft reads the "
+        "target's ids and proposes only tokens both vocabularies share (token-level intersection; exact)",
+        more="See [Drafts with another tokenizer](design.md#drafts-with-another-tokenizer).",
+    )
     ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid, suffix): shortest suffix n-gram to match")
     ngram_max: int = setting(4, "--ngram-max", "prompt lookup (ngram, hybrid): longest suffix n-gram, tried first")
     suffix_cache_tokens: int = setting(
@@ -76,10 +83,10 @@ class DraftConfig(ModelServiceConfig):
         if self.drafter == "ngram":
             if not 1 <= self.ngram_min <= self.ngram_max:
                 return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
-            if self.quantize == "int8" or self.draft_vocab or self.pass_cost_profile:
+            if self.quantize == "int8" or self.draft_vocab or self.pass_cost_profile or self.target_tokenizer:
                 return (
-                    "--quantize int8, --draft-vocab and --pass-cost-profile apply to a drafter with a model; the "
-                    "ngram drafter has no weights and runs no pass"
+                    "--quantize int8, --draft-vocab, --pass-cost-profile and --target-tokenizer apply to a drafter "
+                    "with a model; the ngram drafter has no weights, runs no pass and speaks its --model's ids"
                 )
             return super().problem()
         if problem := super().problem():
@@ -92,6 +99,8 @@ class DraftConfig(ModelServiceConfig):
             return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
         if self.draft_vocab < 0:
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"
+        if self.draft_vocab and self.target_tokenizer:
+            return "--draft-vocab and --target-tokenizer both cut the output head (the latter to the shared tokens)"
         if not 0.0 <= self.min_confidence <= 1.0:
             return f"--min-confidence must be in [0, 1] (0 = never stop early); got {self.min_confidence}"
         if self.proposal_top_k < 0:

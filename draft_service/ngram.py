@@ -10,7 +10,7 @@ each with exactly its own probability of that token (see specdec.sampling.probs.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -68,16 +68,24 @@ class PromptLookup:
         """Keeps nothing across sessions."""
 
 
-def copy_tail(session: KVSession, call: ProposeCall, source: Lookup) -> tuple[list[int], Stopwatch]:
+def copy_tail(
+    session: KVSession, call: ProposeCall, source: Lookup, caller_id: Callable[[int], int | None] | None = None
+) -> tuple[list[int], Stopwatch]:
     """A lookup for `call` on its rolled-back session: up to `call.copy_limit` tokens,
     cut before the first id at or above the call's vocab_limit (the target could not embed
     it), appended to the session's sequence (ahead of any KV cache). Returns them and the
-    call's clock, started here."""
+    call's clock, started here. `caller_id`: a bridged draft's map from its own ids to its
+    caller's (draft_service.vocab_bridge), None for a token the caller cannot be proposed;
+    the copy stops before such a token, and the ids returned are the caller's."""
     clock = Stopwatch()
-    token_ids = source.propose(session, call.copy_limit, call.own_sequence_only)
-    if call.vocab_limit:
-        token_ids = list(itertools.takewhile(lambda token: token < call.vocab_limit, token_ids))
-    session.tokens.extend(token_ids)
+    found = source.propose(session, call.copy_limit, call.own_sequence_only)
+    token_ids: list[int] = []
+    for token in found:
+        proposed = token if caller_id is None else caller_id(token)
+        if proposed is None or (call.vocab_limit and proposed >= call.vocab_limit):
+            break
+        token_ids.append(proposed)
+    session.tokens.extend(found[: len(token_ids)])
     return token_ids, clock
 
 

@@ -10,6 +10,7 @@ import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
+from draft_service.vocab_bridge import VocabBridge
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
@@ -56,6 +57,10 @@ class DraftRunner(ModelRunner):
     token ids (see `modeling.restrict_output_head`): its logits are [N], and every proposal
     distribution is zero outside `head_ids`, which the sparse wire form carries exactly.
 
+    `bridge` (draft_service.vocab_bridge) makes it a draft for a target with another
+    tokenizer: calls and proposals speak the target's ids, the model its own; `head_ids` are
+    then the shared tokens, and each head row proposes the target id `bridge.caller_ids` gives.
+
     `lookup` = (min_n, max_n) makes it a hybrid drafter: a call whose sequence ends in an
     n-gram (n from max_n down to min_n) that occurred earlier proposes the tokens that followed
     it (draft_service.ngram.lookup), at the cost of a search instead of K forward passes; any
@@ -81,6 +86,7 @@ class DraftRunner(ModelRunner):
         lookup: Lookup | None = None,
         prefix_cache_bytes: int = 0,
         prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
+        bridge: VocabBridge | None = None,
     ):
         super().__init__(
             loaded,
@@ -97,6 +103,11 @@ class DraftRunner(ModelRunner):
         self.min_confidence = min_confidence
         self.confidence_stops = 0  # proposals cut short by a low-confidence token
         self.head_ids = None if head_ids is None else head_ids.to(loaded.device)  # [N]
+        self.bridge = bridge
+        if bridge is not None and (head_ids is None or not torch.equal(head_ids.cpu(), bridge.draft_ids)):
+            raise ValueError("a bridged draft's output head must be cut to the shared tokens (bridge.draft_ids)")
+        # What each head row proposes, in the caller's ids: [N], or None (row i proposes id i).
+        self.head_caller_ids = self.head_ids if bridge is None else bridge.caller_ids.to(loaded.device)
         self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
@@ -105,9 +116,23 @@ class DraftRunner(ModelRunner):
 
     def describe(self) -> ModelDescription:
         description = super().describe()
+        if self.bridge is not None:  # it speaks the target's ids
+            caller = self.bridge.caller
+            description = dataclasses.replace(
+                description,
+                vocab_size=caller.vocab_size,
+                tokenizer_fingerprint=caller.tokenizer_fingerprint,
+                eos_token_ids=caller.eos_token_ids,
+                vocab_bridge=self.bridge.figures,
+            )
         if self.lookup is None:
             return description
         return dataclasses.replace(description, model_id=f"{description.model_id}+{self.lookup.label}", copies=True)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the distributions proposals ship: the caller's vocabulary when bridged."""
+        return self.loaded.vocab_size if self.bridge is None else self.bridge.caller_vocab_size
 
     def end_session(self, session_id: str, keep: bool = True) -> bool:
         """The caller is done with the session: a lookup that keeps sequences learns it,
@@ -188,7 +213,8 @@ class DraftRunner(ModelRunner):
         session, pending, deterministic, generator, clock = self._open(call, len(widths))
         frontier = [(0, self.forward(session, pending, logits_to_keep=1)[-1])]  # (node, logits [N_head])
         processed = len(pending)
-        token_ids: list[int] = []
+        token_ids: list[int] = []  # the model's ids (what the tree pass runs)
+        proposed: list[int] = []  # the caller's
         parents: list[int] = []
         rows: list[torch.Tensor] = []  # per node, the distribution it was drawn from: [V]
         supports: list[torch.Tensor | None] = []
@@ -205,9 +231,10 @@ class DraftRunner(ModelRunner):
                     head_probs, support = top_k_with_support(logits_to_probs(logits, call.params), self.proposal_top_k)
                     chosen = sample(head_probs.expand(width, -1), generator).tolist()  # i.i.d.
                     row = self._over_vocab(head_probs)  # [V]
-                    mapped = support if support is None or self.head_ids is None else self.head_ids[support]
+                    mapped = self._caller_support(support)
                 for head_row in chosen:
                     token_ids.append(head_row if self.head_ids is None else int(self.head_ids[head_row]))
+                    proposed.append(self._caller_id(head_row))
                     parents.append(node)
                     if not deterministic:
                         rows.append(row)
@@ -217,11 +244,11 @@ class DraftRunner(ModelRunner):
                 frontier = list(zip(range(first, len(token_ids) + 1), logits_by_node))
                 processed += len(logits_by_node)
         return Proposal(
-            token_ids=token_ids,
+            token_ids=proposed,
             probs=None if deterministic else torch.stack(rows),  # [N, V]
             deterministic=deterministic,
             processed_tokens=processed,
-            sequence_length=len(session.tokens),
+            sequence_length=self._caller_length(session),
             compute_ms=clock.ms(),
             supports=None if deterministic else supports,
             parents=parents,
@@ -231,16 +258,52 @@ class DraftRunner(ModelRunner):
         """Checks the call's tokens and length (with `drafts` more to come), rolls its session
         back to `keep_tokens` plus the new tokens, and returns (session, the tokens its cache
         lacks, whether proposals are deterministic, the call's generator, its stopwatch)."""
-        self.check_tokens(call.new_tokens, "new_tokens")
-        self.check_length(call.keep_tokens + len(call.new_tokens) + drafts)
         clock = Stopwatch()
-        session = self.sessions.for_call(
-            call.session_id, call.keep_tokens, call.epoch, call.fork_from, call.cache_namespace
-        )
-        pending = self.sessions.extend(session, call.keep_tokens, call.new_tokens)
-        session.committed_tokens = call.keep_tokens + len(call.new_tokens)
+        keep, new_tokens, positions = self._own_ids(call)
+        self.check_tokens(new_tokens, "new_tokens")
+        self.check_length(keep + len(new_tokens) + drafts)
+        session = self.sessions.for_call(call.session_id, keep, call.epoch, call.fork_from, call.cache_namespace)
+        pending = self.sessions.extend(session, keep, new_tokens)
+        session.committed_tokens = keep + len(new_tokens)
+        session.caller_positions = positions
         deterministic = call.params.greedy or self.proposal_mode == "greedy"
         return session, pending, deterministic, np.random.default_rng(call.seed), clock
+
+    def _own_ids(self, call: ProposeCall) -> tuple[int, list[int], list[int] | None]:
+        """The call's keep_tokens and new_tokens in the model's ids, and the session's caller
+        positions after it (KVSession.caller_positions; None unless bridged)."""
+        if self.bridge is None:
+            return call.keep_tokens, call.new_tokens, None
+        source = self.sessions.peek(call.fork_from or call.session_id)
+        if source is None or source.caller_positions is None:
+            # Unknown: opened afresh (keep_tokens 0), or refused by the store (NOT_FOUND).
+            new_tokens, after = self.bridge.to_draft(call.new_tokens, call.keep_tokens)
+            return call.keep_tokens, new_tokens, [0, *after]
+        held = source.caller_positions  # the caller's tokens; the proposals after them are one each
+        length = len(held) - 1 + len(source.tokens) - held[-1]
+        if not 0 <= call.keep_tokens <= length:
+            raise InvalidArgument(
+                f"keep_tokens={call.keep_tokens} is outside the session's sequence of {length} tokens; "
+                f"it must be in [0, {length}]"
+            )
+        kept = held[: call.keep_tokens + 1]
+        kept += [held[-1] + step for step in range(1, call.keep_tokens + 2 - len(kept))]  # kept proposals
+        new_tokens, after = self.bridge.to_draft(call.new_tokens, kept[-1])
+        return kept[-1], new_tokens, kept + after
+
+    def _caller_id(self, head_row: int) -> int:
+        """The id a head row proposes, as the caller names it."""
+        return head_row if self.head_caller_ids is None else int(self.head_caller_ids[head_row])
+
+    def _caller_support(self, support: torch.Tensor | None) -> torch.Tensor | None:
+        """A row's non-zero head rows ([n], or None: unknown) as the caller's ids."""
+        return support if support is None or self.head_caller_ids is None else self.head_caller_ids[support]
+
+    def _caller_length(self, session: KVSession) -> int:
+        """The session's sequence length as its caller counts it (proposals included)."""
+        if session.caller_positions is None:
+            return len(session.tokens)
+        return len(session.caller_positions) - 1 + len(session.tokens) - session.caller_positions[-1]
 
     def _begin(self, call: ProposeCall) -> _Drafting:
         """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
@@ -252,7 +315,7 @@ class DraftRunner(ModelRunner):
         if self.lookup is not None and call.copy_limit:
             # The cache lags the sequence by the pending tokens and any copied ones; the
             # session's next call runs whichever of them it keeps.
-            copied, _ = copy_tail(session, call, self.lookup)
+            copied, _ = copy_tail(session, call, self.lookup, None if self.bridge is None else self.bridge.to_caller)
             if copied or not call.num_tokens:  # a copy-only call that found none proposes nothing
                 drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
                 self.looked_up_proposals += bool(copied)
@@ -306,14 +369,14 @@ class DraftRunner(ModelRunner):
         # The draft's probability of what it proposes: its belief in its own argmax when
         # greedy, the drawn token's probability when sampling.
         drafting.unsure = stops_on_confidence(float(belief[row]), drafting.min_confidence)
-        drafting.token_ids.append(token)
+        drafting.token_ids.append(self._caller_id(row))
         runner_up = self._runner_up(belief, row)
         if runner_up is not None:
             drafting.runner_up_ids.append(runner_up[0])
             drafting.runner_up_probs.append(runner_up[1])
         drafting.rows.append(self._over_vocab(head_probs))  # [V]
         if not drafting.deterministic:
-            drafting.supports.append(support if support is None or self.head_ids is None else self.head_ids[support])
+            drafting.supports.append(self._caller_support(support))
         drafting.session.tokens.append(token)
         drafting.feed = [token]
 
@@ -321,13 +384,14 @@ class DraftRunner(ModelRunner):
         # The last proposal is in the sequence but not yet in the cache; the next call runs it
         # if it is kept, or crops it away for free if it is not.
         if drafting.looked_up:
-            return copied_proposal(drafting.token_ids, drafting.session, drafting.clock.ms())
+            proposal = copied_proposal(drafting.token_ids, drafting.session, drafting.clock.ms())
+            return dataclasses.replace(proposal, sequence_length=self._caller_length(drafting.session))
         return Proposal(
             token_ids=drafting.token_ids,
             probs=torch.stack(drafting.rows),
             deterministic=drafting.deterministic,
             processed_tokens=drafting.processed,
-            sequence_length=len(drafting.session.tokens),
+            sequence_length=self._caller_length(drafting.session),
             compute_ms=drafting.clock.ms(),
             runner_up_ids=drafting.runner_up_ids,  # empty for a one-token head
             runner_up_probs=drafting.runner_up_probs,
@@ -338,8 +402,9 @@ class DraftRunner(ModelRunner):
     def _below(self, logits: torch.Tensor, limit: int) -> torch.Tensor:
         """logits: [N] with the rows of ids >= `limit` masked: the draft's distribution gives
         them probability 0, and that distribution is what it samples from and sends."""
-        ids = torch.arange(logits.shape[-1], device=logits.device) if self.head_ids is None else self.head_ids
-        outside = ids >= limit  # [N]
+        ids = self.head_caller_ids
+        ids = torch.arange(logits.shape[-1], device=logits.device) if ids is None else ids
+        outside = ids >= limit  # [N] (the caller's ids: the limit is its vocabulary's)
         if not bool(outside.any()):
             return logits
         if bool(outside.all()):
@@ -353,15 +418,14 @@ class DraftRunner(ModelRunner):
             return None
         top = belief.topk(2)
         other = int(top.indices[1]) if int(top.indices[0]) == row else int(top.indices[0])
-        token = other if self.head_ids is None else int(self.head_ids[other])
-        return token, float(belief[other])
+        return self._caller_id(other), float(belief[other])
 
     def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
-        """[N] over the head's ids → [V] over the whole vocabulary (zeros elsewhere)."""
-        if self.head_ids is None:
+        """[N] over the head's ids → [V] over the whole (caller's) vocabulary, zeros elsewhere."""
+        if self.head_caller_ids is None:
             return head_probs
-        probs = torch.zeros(self.loaded.vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
-        return probs.index_copy_(0, self.head_ids, head_probs)
+        probs = torch.zeros(self.output_vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
+        return probs.index_copy_(0, self.head_caller_ids, head_probs)
 
 
 def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from draft_service.ngram import Lookup, NgramDrafter, PromptLookup
 from draft_service.runner import DraftRunner, frequent_token_ids
 from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
+from draft_service.vocab_bridge import VocabBridge
 from specdec.config.services import pin_cpus
 from specdec.engine.modeling import (
     load_causal_lm,
@@ -43,8 +44,27 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
             min_n=config.ngram_min,
             max_n=config.ngram_max,
         )
+    # The target's tokenizer first: a wrong folder fails in seconds, before the weights load.
+    caller = load_tokenizer_info(config.target_tokenizer, config.trust_remote_code) if config.target_tokenizer else None
     loaded = load_causal_lm(config.model, config.dtype, config.device, trust_remote_code=config.trust_remote_code)
-    head_ids = None
+    head_ids, bridge = None, None
+    if caller is not None and caller.tokenizer_fingerprint == loaded.tokenizer_fingerprint:
+        logger.info("--target-tokenizer %s is the draft's own tokenizer: no bridge needed", config.target_tokenizer)
+    elif caller is not None:
+        bridge = VocabBridge(loaded, caller)
+        head_ids = bridge.draft_ids
+        restrict_output_head(loaded.model, head_ids)
+        figures = bridge.figures
+        logger.info(
+            "drafting for the tokenizer of %s: %d shared tokens, %.1f%% of its %d (%.1f%% of the draft's %d); "
+            "the output head is cut to them",
+            config.target_tokenizer,
+            figures.shared_tokens,
+            100 * figures.share,
+            figures.caller_vocab_tokens,
+            100 * figures.shared_tokens / loaded.vocab_size,
+            loaded.vocab_size,
+        )
     if config.draft_vocab:
         head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, config.draft_vocab, loaded.eos_token_ids)
         restrict_output_head(loaded.model, head_ids)
@@ -66,6 +86,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         prefix_block_tokens=config.prefix_block_tokens,
         min_confidence=config.min_confidence,
         lookup=lookup_of(config),
+        bridge=bridge,
     )
     runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes

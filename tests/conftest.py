@@ -17,7 +17,15 @@ import pytest
 from hypothesis import settings
 from transformers.utils import logging as hf_logging
 
-from specdec.tools.testing import TinyPair, build_pair, byte_level_tokenizer, word_tokenizer
+from specdec.tools.testing import (
+    DRAFT_CORPUS,
+    EOS,
+    TinyPair,
+    build_bridged_draft,
+    build_pair,
+    byte_level_tokenizer,
+    word_tokenizer,
+)
 
 hf_logging.disable_progress_bar()
 
@@ -42,6 +50,27 @@ def word_pair(tmp_path_factory) -> TinyPair:
     """A 12-token pair without EOS and with spread-out distributions, for exact
     distribution tests over whole sequences."""
     return build_pair(tmp_path_factory.mktemp("word"), word_tokenizer(12), logit_scale=1.5, noise=0.6, eos=False)
+
+
+@pytest.fixture(scope="session")
+def bridged_pair(tiny_pair, tmp_path_factory) -> TinyPair:
+    """tiny_pair's target with a draft of another tokenizer (other merges, other ids, an extra
+    special token), whose rows of shared tokens copy the target's: started with
+    --target-tokenizer, it drafts within the tokens both vocabularies hold."""
+    folder = tmp_path_factory.mktemp("bridged") / "draft"
+    tokenizer = byte_level_tokenizer(300, DRAFT_CORPUS, ("<pad>", EOS))
+    build_bridged_draft(folder, tokenizer, tiny_pair.target, noise=0.3)
+    return TinyPair(tiny_pair.target, folder, tiny_pair.vocab_size, tiny_pair.eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def word_bridged_pair(word_pair, tmp_path_factory) -> TinyPair:
+    """word_pair's target (w0..w11) with a draft whose vocabulary holds w3..w11 in reverse
+    order and two words of its own: w0..w2 are the target's alone."""
+    folder = tmp_path_factory.mktemp("word-bridged") / "draft"
+    words = ["x0", *(f"w{i}" for i in range(11, 2, -1)), "x1"]
+    build_bridged_draft(folder, word_tokenizer(len(words), words), word_pair.target, noise=0.6)
+    return TinyPair(word_pair.target, folder, word_pair.vocab_size, None)
 
 
 @pytest.fixture(scope="session")

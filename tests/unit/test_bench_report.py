@@ -179,3 +179,55 @@ def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
     table = multiturn.markdown(results)
     assert "| suffix+prefix | 900 ms | 300 ms | 3.00× |" in table
     assert "| edits | 12.00 | 16.00 (1.33×, 1.00×) | 16.00 (1.33×, 1.00×) |" in table
+
+
+def test_the_drafts_table_compares_each_draft_with_target_only_through_its_own_stack():
+    """`--suite drafts`: c from the services' calibrated passes, acceptance at K = 4, tok/s
+    against the same stack's K = 0, greedy outputs compared, and HF's modes against its own
+    target-only; a peer that failed is reported, not dropped."""
+    from bench import drafts
+
+    samples = []
+    for stack in drafts.DRAFTS:
+        for index, kind in enumerate(("demo", "demo", "code")):
+            for temperature in drafts.TEMPERATURES:
+                for k in drafts.KS:
+                    fast = stack == "smollm2-135m" and k is None
+                    samples.append(
+                        dict(
+                            stack=stack,
+                            kind=kind,
+                            index=index,
+                            temperature=temperature,
+                            k=k,
+                            token_ids=[1, 2] if k == 0 or index else [3],
+                            tokens=48,
+                            total_ms=4000.0 if k == 0 else 2000.0 if fast else 3000.0,
+                            proposed=40 if k else 0,
+                            accepted=30 if k else 0,
+                            rounds=24 if k else 48,
+                        )
+                    )
+        for temperature in drafts.TEMPERATURES:
+            for mode, ms in (("hf target-only", 4000.0), ("hf-assisted qwen2.5-0.5b", 2500.0)):
+                samples.append(dict(stack=mode, kind="code", index=0, temperature=temperature, tokens=48, total_ms=ms))
+    samples.append(dict(stack="hf-universal smollm2-135m", index=0, temperature=0.7, error="not supported"))
+    info = {"draft_pass_ms": [10.0], "target_pass_ms": [50.0], "shared_tokens": 39237, "target_vocab_tokens": 151665}
+    results = {
+        "suite": "drafts",
+        "machine": {"date": "d", "cpu": "c", "cpu_flags": "f", "cores": 2, "torch": "t"},
+        "max_new_tokens": 48,
+        "drafter": "model",
+        "info": {name: info for name in drafts.DRAFTS},
+        "samples": samples,
+    }
+    rows = drafts.summarise(results)["rows"]
+    smol = rows["smollm2-135m T=0.0"]
+    assert smol["c"] == pytest.approx(0.2) and smol["k4 acceptance"] == pytest.approx(0.75)
+    assert smol["chosen tok/s"] / smol["target_only"] == pytest.approx(2.0)
+    assert smol["k4 identical"] == 2 and smol["requests"] == 3  # index 0 differs from K = 0
+    assert rows["hf T=0.0"]["hf-assisted qwen2.5-0.5b"] == pytest.approx(1.6)
+    table = drafts.markdown(results)
+    row = "| smollm2-135m | 0.0 | 10.0 ms | 0.20 | 0.75 | 2.00 | 12.0 tok/s | 1.33× | 2.00× | 2/3, 2/3 | 2.00×, 2.00× |"
+    assert row in table
+    assert "39,237 tokens it shares" in table and "hf-universal smollm2-135m at T = 0.7 failed: not supported" in table

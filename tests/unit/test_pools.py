@@ -113,3 +113,22 @@ def test_a_dns_pool_checks_tls_certificates_for_its_name():
     assert ("grpc.ssl_target_name_override", "target.svc") in tls.for_name("target.svc").options
     named = ChannelSecurity(tls.credentials, (("grpc.ssl_target_name_override", "set"),))
     assert named.for_name("target.svc") is named
+
+
+def test_draft_replicas_must_share_the_same_tokens_with_the_target():
+    """Drafts of another family (ModelInfo.vocab_bridge): a replica that may propose other
+    target ids than the pool's reference is refused; one of the same draft is not."""
+    bridge = common_pb2.VocabBridgeInfo(draft_tokenizer_fingerprint="d", shared_tokens=3, proposable=b"\x07")
+    reference = common_pb2.ModelInfo(model_id="small", tokenizer_fingerprint="f", vocab_size=8, vocab_bridge=bridge)
+    pool = Pool("draft", parse_pool("a:1"), FakeClient)  # type: ignore[arg-type]
+    pool.reference = reference
+    same = common_pb2.ModelInfo()
+    same.CopyFrom(reference)
+    same.model_id = "small+lookup[2..4]"  # another drafter of the same draft: logged, not refused
+    assert pool.mismatch(same) == ""
+    other = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)  # the target's own family
+    assert "vocab_bridge.draft_tokenizer_fingerprint" in pool.mismatch(other)
+    fewer = common_pb2.ModelInfo()
+    fewer.CopyFrom(reference)
+    fewer.vocab_bridge.proposable = b"\x03"
+    assert "vocab_bridge.proposable" in pool.mismatch(fewer)
