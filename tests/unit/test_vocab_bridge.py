@@ -188,3 +188,11 @@ def test_a_proposal_outside_the_shared_ids_is_refused():
     bad = draft_pb2.ProposeResponse(token_ids=[2, 1], distributions=[one_hot, one_hot])
     with pytest.raises(ForeignProposal, match="proposed token 1 at position 1, which its vocabulary does not share"):
         round_from(bad, 2, "d:1", 8, proposable=proposable)
+
+
+def test_a_target_tokenizer_that_cannot_be_read_stops_the_draft_at_start_up(bridged_pair, tmp_path):
+    config = model_service_config(
+        draft_server.DraftConfig, bridged_pair.draft, quantize="none", target_tokenizer=str(tmp_path / "missing")
+    )
+    with pytest.raises((OSError, ValueError), match="missing"):
+        draft_server.load_runner(config)
