@@ -45,7 +45,13 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
             max_n=config.ngram_max,
         )
     # The target's tokenizer first: a wrong folder fails in seconds, before the weights load.
-    caller = load_tokenizer_info(config.target_tokenizer, config.trust_remote_code) if config.target_tokenizer else None
+    caller = None
+    if config.target_tokenizer:
+        try:
+            caller = load_tokenizer_info(config.target_tokenizer, config.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            problem = f"--target-tokenizer {config.target_tokenizer}: the tokenizer cannot be read: {exc}"
+            raise ValueError(problem) from exc
     loaded = load_causal_lm(config.model, config.dtype, config.device, trust_remote_code=config.trust_remote_code)
     head_ids, bridge = None, None
     if caller is not None and caller.tokenizer_fingerprint == loaded.tokenizer_fingerprint:

@@ -194,5 +194,5 @@ def test_a_target_tokenizer_that_cannot_be_read_stops_the_draft_at_start_up(brid
     config = model_service_config(
         draft_server.DraftConfig, bridged_pair.draft, quantize="none", target_tokenizer=str(tmp_path / "missing")
     )
-    with pytest.raises((OSError, ValueError), match="missing"):
+    with pytest.raises(ValueError, match="--target-tokenizer .*missing: the tokenizer cannot be read"):
         draft_server.load_runner(config)
