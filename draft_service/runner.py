@@ -17,7 +17,7 @@ from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
@@ -261,6 +261,14 @@ class DraftRunner(ModelRunner):
         clock = Stopwatch()
         keep, new_tokens, positions = self._own_ids(call)
         self.check_tokens(new_tokens, "new_tokens")
+        if self.bridge is not None and keep + len(new_tokens) + drafts > self.loaded.max_context:
+            # The caller counts its own tokens, which this draft spells with more: a request near
+            # the draft's context is this request's limit, not a fault of the node (the caller runs
+            # its rounds target-only, and other requests keep this draft).
+            raise ResourceExhausted(
+                f"the sequence is {keep + len(new_tokens)} tokens in the draft's own vocabulary, and with {drafts} "
+                f"drafts exceeds its context of {self.loaded.max_context}"
+            )
         self.check_length(keep + len(new_tokens) + drafts)
         session = self.sessions.for_call(call.session_id, keep, call.epoch, call.fork_from, call.cache_namespace)
         pending = self.sessions.extend(session, keep, new_tokens)

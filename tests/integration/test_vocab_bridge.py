@@ -104,3 +104,28 @@ async def test_a_proposal_outside_the_intersection_runs_the_round_target_only(br
     # The coordinator refused every reply (ForeignProposal) before the probability-0 guard,
     # which would have failed the request: the rows give the foreign id no mass.
     assert response.stats.draft_failures > 0 and response.stats.accepted_tokens == 0
+
+
+async def test_a_sequence_too_long_in_the_drafts_own_tokens_runs_target_only_for_that_request(bridged_pair, reference):
+    """The draft spells some target tokens with several of its own, so a request can reach the
+    draft's context before the target's: the draft refuses that request (RESOURCE_EXHAUSTED),
+    its rounds run target-only with the same output, and the next request drafts as before
+    (the breaker other requests share is untouched)."""
+    line = "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC; "  # 37 target tokens, 62 draft
+    draft = bridged(bridged_pair, quantize="none")
+    async with local_stack(bridged_pair, draft_overrides=draft, coordinator_overrides={"breaker_failures": 1}) as stack:
+        bridge: VocabBridge = stack.draft_runner.bridge
+        tokenizer = bridge.caller.tokenizer
+        prompt = line * 5
+        ids = tokenizer.encode(prompt)
+        assert len(ids) + 40 < 256 < len(bridge.to_draft(ids, 0)[0]) + 40, "the prompt must overflow only the draft"
+        long = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=4), timeout=60
+        )
+        short = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, num_speculative_tokens=4), timeout=60
+        )
+    assert list(long.token_ids) == reference(prompt)
+    assert long.stats.draft_failures > 0 and long.stats.fallback_rounds > 0
+    assert list(short.token_ids) == reference(PROMPTS[0], 24)
+    assert short.stats.draft_failures == 0 and short.stats.proposed_tokens > 0
