@@ -262,6 +262,11 @@ class TargetClient(ServiceClient):
         return await self._verifies.call(request, "/specdec.v1.Target/Verify", self.timeout_s)
 
 
+def shared_share(bridge: common_pb2.VocabBridgeInfo) -> float:
+    """The share of the target tokenizer's tokens a draft of another family shares with it."""
+    return bridge.shared_tokens / max(1, bridge.target_vocab_tokens)
+
+
 def check_pair(
     draft: common_pb2.ModelInfo,
     target: common_pb2.ModelInfo,
@@ -281,7 +286,7 @@ def check_pair(
         )
     if draft.HasField("vocab_bridge"):
         bridge = draft.vocab_bridge
-        share = bridge.shared_tokens / max(1, bridge.target_vocab_tokens)
+        share = shared_share(bridge)
         if share < min_vocab_overlap:
             raise InvalidArgument(
                 f"draft {bridge.draft_model_id!r} at {draft_address} shares {bridge.shared_tokens} tokens with "

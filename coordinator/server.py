@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from coordinator.adaptive import BatchCosts, RoundCosts
-from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair
+from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair, shared_share
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
@@ -80,7 +80,7 @@ async def connect(
             "of its %d (token-level intersection: exact)",
             bridge.draft_model_id,
             bridge.shared_tokens,
-            100 * bridge.shared_tokens / max(1, bridge.target_vocab_tokens),
+            100 * shared_share(bridge),
             bridge.target_vocab_tokens,
         )
     costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)

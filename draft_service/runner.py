@@ -233,7 +233,7 @@ class DraftRunner(ModelRunner):
                     row = self._over_vocab(head_probs)  # [V]
                     mapped = self._caller_support(support)
                 for head_row in chosen:
-                    token_ids.append(head_row if self.head_ids is None else int(self.head_ids[head_row]))
+                    token_ids.append(self._model_id(head_row))
                     proposed.append(self._caller_id(head_row))
                     parents.append(node)
                     if not deterministic:
@@ -288,7 +288,7 @@ class DraftRunner(ModelRunner):
             new_tokens, after = self.bridge.to_draft(call.new_tokens, call.keep_tokens)
             return call.keep_tokens, new_tokens, [0, *after]
         held = source.caller_positions  # the caller's tokens; the proposals after them are one each
-        length = len(held) - 1 + len(source.tokens) - held[-1]
+        length = self._caller_length(source)
         if not 0 <= call.keep_tokens <= length:
             raise InvalidArgument(
                 f"keep_tokens={call.keep_tokens} is outside the session's sequence of {length} tokens; "
@@ -298,6 +298,10 @@ class DraftRunner(ModelRunner):
         kept += [held[-1] + step for step in range(1, call.keep_tokens + 2 - len(kept))]  # kept proposals
         new_tokens, after = self.bridge.to_draft(call.new_tokens, kept[-1])
         return kept[-1], new_tokens, kept + after
+
+    def _model_id(self, head_row: int) -> int:
+        """The id a head row stands for in the model's own vocabulary (what the next pass runs)."""
+        return head_row if self.head_ids is None else int(self.head_ids[head_row])
 
     def _caller_id(self, head_row: int) -> int:
         """The id a head row proposes, as the caller names it."""
@@ -373,7 +377,7 @@ class DraftRunner(ModelRunner):
             head_probs, support = top_k_with_support(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
             row = int(sample(head_probs[None], drafting.generator)[0])
             belief = head_probs
-        token = row if self.head_ids is None else int(self.head_ids[row])
+        token = self._model_id(row)
         # The draft's probability of what it proposes: its belief in its own argmax when
         # greedy, the drawn token's probability when sampling.
         drafting.unsure = stops_on_confidence(float(belief[row]), drafting.min_confidence)

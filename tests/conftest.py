@@ -73,6 +73,20 @@ def word_bridged_pair(word_pair, tmp_path_factory) -> TinyPair:
     return TinyPair(word_pair.target, folder, word_pair.vocab_size, None)
 
 
+@pytest.fixture(scope="module")
+def target_runner(tiny_pair):
+    """The tiny target's runner in float32, one per test module (its sessions are the module's)."""
+    from specdec.engine.modeling import load_causal_lm
+    from target_service.runner import TargetRunner
+
+    return TargetRunner(
+        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
+        max_sessions=4,
+        session_ttl_s=60,
+        max_speculative_tokens=8,
+    )
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_pair):
     """Plain transformers greedy decoding with the tiny target in float32: the ground truth

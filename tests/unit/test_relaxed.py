@@ -10,7 +10,6 @@ import torch
 
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.requests import GenerationRequest, acceptance_of
-from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.sampling.chain import count_accepted, decide_round
 from specdec.sampling.probs import SamplingParams
@@ -130,16 +129,6 @@ def test_without_relaxed_flags_the_round_is_exact():
 
 
 # --- the target runner -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target_runner(tiny_pair) -> TargetRunner:
-    return TargetRunner(
-        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
-        max_sessions=4,
-        session_ttl_s=60,
-        max_speculative_tokens=8,
-    )
 
 
 def raw_rows(runner: TargetRunner, tokens: list[int]) -> torch.Tensor:

@@ -16,16 +16,6 @@ GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def target_runner(tiny_pair) -> TargetRunner:
-    return TargetRunner(
-        load_causal_lm(str(tiny_pair.target), "float32", "cpu"),
-        max_sessions=4,
-        session_ttl_s=60,
-        max_speculative_tokens=8,
-    )
-
-
-@pytest.fixture(scope="module")
 def draft_runner(tiny_pair) -> DraftRunner:
     return DraftRunner(
         load_causal_lm(str(tiny_pair.draft), "float32", "cpu"),
