@@ -29,6 +29,20 @@ of C. A request whose K may follow the load (greedy, or unseeded) is costed at t
 its replicas hold as each round starts, recorded in its stats (`sessions_per_round`); a
 seeded sampled request is costed as if alone, so that its seed keeps one output.
 
+Lockstep holds where each model has its own processors. Where both compute on the CPU of
+one machine (`shared_host`: the same ModelInfo.host_id, no pass-cost profile), they take
+turns on its cores, so whatever one session's round computes is time every other session's
+pass waits for. The host is then costed as one server. At K = 0 its C sessions step in one
+batched pass of S_C, committing C tokens. A session that drafts leaves that batch: while it
+calls the draft the others' pass goes without it, and its verify comes back to a pass of its
+own. So the host spends S_{C−1} + V(K) + D(K) to commit C − 1 + E(K) tokens, and K > 0 pays
+only where that rate beats C / S_C. At C = 1 this is the sequential round above. Measured
+on 2 shared cores with 4 sessions: the lockstep model let a session whose drafts were all
+accepted draft 8 tokens a round, and the others probe, and the host ran at 0.3-0.4×
+target-only; with prompt lookup, calls that copied nothing cost each session's verify a pass
+of its own, 15% more target CPU for the same tokens. This model drafts and copies nothing
+there unless the copies are nearly always right.
+
 Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
 
@@ -48,10 +62,8 @@ QUICK_PROBE_EVERY = 2  # ... or this many, while speculation would still pay at 
 PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above the estimate
 PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
 # Under load (other sessions on the target), K > 0 only where it beats target-only by this
-# factor. The lockstep model leaves out what sharing costs beyond the batched passes: passes
-# split between sessions drafting and sessions stepping, and, where draft and target share
-# cores, each slowing the other. On 2 shared cores, 4 sessions at K = 1 ran at 0.3x target-only
-# where the model put them at 0.99x (docs/design.md, "The K chooser", under load).
+# factor. The models leave out what sharing costs beyond the batched passes: passes split
+# between sessions drafting and sessions stepping (docs/design.md, "The K chooser", under load).
 LOAD_GAIN = 1.1
 
 
@@ -132,6 +144,7 @@ class RoundCosts:
     target_batch: BatchCosts | None = None
     draft_sessions: int = 1  # sessions sharing each service in the rounds costed
     target_sessions: int = 1
+    shared_host: bool = False  # both models compute on one machine's CPU, taking turns on its cores
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
         return dataclasses.replace(self, target_sessions=max(target_sessions, 1), draft_sessions=max(draft_sessions, 1))
@@ -160,7 +173,24 @@ class RoundCosts:
         return self.verify_ms(k) + self.draft_ms(k)
 
     def tokens_per_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
+        """This session's rate; on a shared host under load, the host's (module docstring)."""
+        if self.shared_host and self.target_sessions > 1:
+            return self.host_tokens_per_ms(k, alpha)
         return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined, rescue), 1e-9)
+
+    def host_tokens_per_ms(self, k: int, alpha: float) -> float:
+        """Tokens the shared host commits per millisecond while the other sessions step and this
+        one drafts K (module docstring): C / S_C at K = 0, else (C − 1 + E(K)) / (S_{C−1} +
+        V(K) + D(K)), its draft call and its verify alone, pipelined or not: on shared cores
+        nothing overlaps."""
+        sessions = self.target_sessions
+        batch = self.target_batch or BatchCosts(self.target_pass_ms)
+        if not k:
+            return sessions / max(self.target_rpc_ms + batch.load_ms(sessions, 1), 1e-9)
+        others_ms = self.target_rpc_ms + batch.load_ms(sessions - 1, 1)
+        drafting_ms = self.draft_rpc_ms + k * cost_at(self.draft_pass_ms, 1)  # the others are not drafting
+        own_ms = self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1) + drafting_ms
+        return (sessions - 1 + expected_tokens(alpha, k)) / max(others_ms + own_ms, 1e-9)
 
     def tree_round_ms(self, width: int, depth: int) -> float:
         """A sequential round of the tree (width, 1, …, 1): the root's pass, then depth − 1
@@ -261,7 +291,10 @@ class AdaptiveK:
         rests on a few positions, so one rejection in the first round (α 0.6 → 0.4 with the
         prior's weight of 2) would park a request for `probe_every` rounds whatever its drafts
         are. Where nothing plausible pays (a steep verify cost, or many rejections), probes
-        stay rare. Evidence: docs/design.md, "The K chooser"."""
+        stay rare, and on a shared host under load too, where a probe's call takes its session
+        out of the others' batch (module docstring). Evidence: docs/design.md, "The K chooser"."""
+        if self.loaded and self.costs.shared_host:
+            return self.probe_every
         alpha = self._alpha_above(PLAUSIBLE_ERRORS)
         k = best_k(alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
         rate = self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue)

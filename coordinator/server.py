@@ -136,16 +136,33 @@ async def measure_round_costs(
         target_rpc_ms=rpc_ms["target"],
         draft_batch=batch_costs(draft_info),
         target_batch=batch_costs(target_info),
+        shared_host=shares_cores(draft_info, target_info),
     )
     logger.info(
-        "K chooser costs: draft step %.1f ms, target pass %s ms (1..%d tokens), RPC %.2f / %.2f ms",
+        "K chooser costs: draft step %.1f ms, target pass %s ms (1..%d tokens), RPC %.2f / %.2f ms%s",
         costs.draft_ms(1) - costs.draft_rpc_ms,
         "/".join(f"{ms:.0f}" for ms in costs.target_pass_ms),
         len(costs.target_pass_ms),
         costs.draft_rpc_ms,
         costs.target_rpc_ms,
+        "; draft and target share this host's CPU: under load a draft step is costed as time taken "
+        "from every session's target pass"
+        if costs.shared_host
+        else "",
     )
     return costs
+
+
+def shares_cores(draft_info, target_info) -> bool:
+    """Whether both services compute on the CPU of one machine (ModelInfo.host_id), so that a
+    draft pass and a target pass take turns on the same cores. Not where either runs on an
+    accelerator, or is held to an emulated one's timing (--pass-cost-profile)."""
+    return (
+        draft_info.device.split(":")[0] == target_info.device.split(":")[0] == "cpu"
+        and bool(draft_info.host_id)
+        and draft_info.host_id == target_info.host_id
+        and not (draft_info.pass_cost_profile or target_info.pass_cost_profile)
+    )
 
 
 def batch_costs(info) -> BatchCosts:

@@ -3,10 +3,23 @@ view of the Info RPC. No torch here, so the protobuf codec (specdec.rpc.wire) ca
 
 from __future__ import annotations
 
+import functools
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from specdec.errors import InvalidArgument
+
+
+@functools.cache
+def this_host() -> str:
+    """ModelInfo.host_id: the kernel's boot id, which every process and container on this
+    machine shares (they share its processors too); the host name where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,7 @@ class ModelDescription:
     # draft_model_id, draft_tokenizer_fingerprint, shared_tokens, caller_vocab_tokens and
     # proposable (draft_service.vocab_bridge.BridgeFigures); None otherwise.
     vocab_bridge: object | None = None
+    host_id: str = field(default_factory=this_host)  # ModelInfo.host_id: whose processors run the passes
 
     @property
     def numerics(self) -> str:

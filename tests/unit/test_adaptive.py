@@ -3,9 +3,19 @@ costs, K = 0 included; pure functions."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts, best_k, expected_tokens, expected_tree_tokens
+from coordinator.adaptive import (
+    LOAD_GAIN,
+    AdaptiveK,
+    BatchCosts,
+    RoundCosts,
+    best_k,
+    expected_tokens,
+    expected_tree_tokens,
+)
 
 # Shapes of the cost curves measured on real machines (ms per pass over 1..9 new tokens).
 FLAT_TARGET = tuple(150.0 + 5.0 * n for n in range(9))  # int8 1.5B on 2 AVX2 cores: ~flat to 5
@@ -212,3 +222,79 @@ def test_under_load_a_near_tie_stays_target_only_without_one_draft_rounds_or_pro
     assert ks == [0] * 30
     alone = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.75)
     assert alone.choose() > 0
+
+
+# Passes measured on 2 shared AVX-512 cores (int8 Qwen2.5-Coder 1.5B target, 0.5B draft): one
+# session over 1..9 new tokens, and (sessions, new tokens each, ms) batched.
+HOST_TARGET = (46.3, 51.6, 51.6, 51.6, 54.5, 57.1, 59.3, 63.6, 69.9)
+HOST_DRAFT = (21.2, 24.1, 24.1, 24.1, 24.8, 25.8, 26.4, 26.7, 27.7)
+HOST_TARGET_BATCH = BatchCosts(
+    HOST_TARGET, ((2, 1, 58.5), (2, 9, 90.9), (4, 1, 60.8), (4, 9, 146.9), (8, 1, 79.4), (8, 9, 440.2)), 8
+)
+HOST_DRAFT_BATCH = BatchCosts(
+    HOST_DRAFT, ((2, 1, 26.4), (2, 9, 37.5), (4, 1, 30.1), (4, 9, 54.6), (8, 1, 39.3), (8, 9, 91.7)), 8
+)
+
+
+def host_costs(shared_host: bool) -> RoundCosts:
+    return RoundCosts(HOST_DRAFT, HOST_TARGET, 1.0, 1.0, HOST_DRAFT_BATCH, HOST_TARGET_BATCH, shared_host=shared_host)
+
+
+def test_on_a_shared_host_the_host_is_costed_as_one_server():
+    """C / S_C at K = 0; (C − 1 + E(K)) / (S_{C−1} + V(K) + D(K)) where one session drafts:
+    the others step without it, and its draft call and verify run alone. Alone, the
+    sequential round."""
+    costs = host_costs(shared_host=True)
+    loaded = costs.at_load(4, 4)
+    assert loaded.tokens_per_ms(0, 0.8, False) == pytest.approx(4 / (1.0 + 60.8))
+    others = 1.0 + HOST_TARGET_BATCH.pass_ms(3, 1)
+    own = 1.0 + HOST_TARGET[3] + 1.0 + 3 * 21.2
+    assert loaded.tokens_per_ms(3, 0.8, False) == pytest.approx((3 + expected_tokens(0.8, 3)) / (others + own))
+    assert loaded.tokens_per_ms(3, 0.8, True) == loaded.tokens_per_ms(3, 0.8, False), "nothing overlaps on one CPU"
+    alone, apart = costs, host_costs(shared_host=False)
+    for k in range(9):
+        assert alone.tokens_per_ms(k, 0.8, False) == apart.tokens_per_ms(k, 0.8, False)
+
+
+def test_on_a_shared_host_under_load_even_drafts_that_are_always_accepted_stay_target_only():
+    """What the lockstep model got wrong on 2 shared cores: at 4 sessions it let a session
+    whose drafts were all accepted draft 8 tokens a round (a 1.42x gain on paper), while the
+    host ran at 0.3-0.4x target-only. Counting the drafts as time taken from every other
+    session's pass, the draft pays nowhere near LOAD_GAIN from 2 sessions on. Copies, which
+    run no draft pass, still pay where they are nearly always right."""
+    apart, shared = host_costs(shared_host=False), host_costs(shared_host=True)
+    assert best_k(0.999, apart.at_load(4, 4), 8, pipelined=False) == 8
+    for sessions in (2, 4, 8):
+        for alpha in (0.7, 0.9, 0.999):
+            loaded = shared.at_load(sessions, sessions)
+            k = best_k(alpha, loaded, 8, pipelined=False)
+            assert loaded.tokens_per_ms(k, alpha, False) < LOAD_GAIN * loaded.tokens_per_ms(0, alpha, False)
+    copies = dataclasses.replace(shared, draft_pass_ms=(0.0,) * 9, draft_batch=None).at_load(4, 4)
+    assert best_k(0.6, copies, 8, pipelined=False) == 0
+    assert copies.tokens_per_ms(8, 0.999, False) > LOAD_GAIN * copies.tokens_per_ms(0, 0.999, False)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=shared.at_load(4, 4), alpha_prior=0.99)
+    ks = []
+    for _ in range(30):
+        ks.append(chooser.choose())
+        chooser.observe_round(ks[-1], ks[-1])
+    assert ks == [0] * 30, "no probes either"
+
+
+@pytest.mark.parametrize(
+    ("draft", "target", "shared"),
+    [
+        ({}, {}, True),
+        ({"host_id": "b"}, {}, False),  # another machine
+        ({"device": "cuda:0"}, {"device": "cuda:1"}, False),  # accelerators of one machine
+        ({}, {"pass_cost_profile": "70B TP4 on H100"}, False),  # emulating one
+        ({"host_id": ""}, {"host_id": ""}, False),  # an older service that does not say
+    ],
+)
+def test_the_pair_shares_cores_only_on_one_machines_cpu(draft, target, shared):
+    from coordinator.server import shares_cores
+    from specdec.v1 import common_pb2
+
+    def info(**fields):
+        return common_pb2.ModelInfo(**{"device": "cpu", "host_id": "a", **fields})
+
+    assert shares_cores(info(**draft), info(**target)) is shared
