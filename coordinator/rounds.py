@@ -35,6 +35,13 @@ from specdec.sampling.seeds import RequestStreams, next_seed
 from specdec.sampling.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import common_pb2, target_pb2
 
+# Where K is 0 and only a copy (prompt lookup) would make a draft call, a lookup that found
+# nothing is not repeated for this many rounds. Each such call is a round of one step where a
+# target-only round under load carries several, and its RPC waits on the draft: on 2 shared
+# cores, 4 concurrent requests with the hybrid drafter looked up every round and ran at
+# 0.58-0.82x target-only (docs/design.md, "The K chooser", under load).
+COPY_WAIT_ROUNDS = 2
+
 
 class RoundKind(enum.Enum):
     READY = "ready"
@@ -85,6 +92,7 @@ class RequestState:
     ready: Round | None = None  # the next round's drafts, from a kept pre-draft or hedge
     branch_failed: bool = False  # the last branch call failed: the next round drafts afresh, never a catch-up
     unused_forks: list[str] = field(default_factory=list)  # draft sessions to end with the next branch call
+    copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
 
     @property
     def remaining(self) -> int:
@@ -111,6 +119,8 @@ def copy_limit(state: RequestState, pair: PairInfo, k: int, limit: int) -> int:
         return 0
     if state.copy_chooser is None:
         return k
+    if not k and state.copy_wait:
+        return 0  # a copy alone costs a draft call, and the last one found nothing (COPY_WAIT_ROUNDS)
     return min(state.copy_chooser.choose(), limit)
 
 
@@ -138,18 +148,19 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
     pair = state.pair
     limit = k_limit(pair, len(state.sequence), state.remaining)
     shape: tuple[int, ...]
-    if state.k_chooser is not None and state.load_aware and not state.pipelined and not state.stats.rounds:
-        # A request whose K follows the load starts with a target-only step: its first token
-        # then comes after the target's prompt pass alone, never behind the draft's, and its
-        # first choice of K sees the requests that arrived with it (a burst's first would see
-        # itself alone, draft, and slow every prompt pass beside it on a shared machine).
+    # A request whose K follows the load starts with a target-only step, copying nothing: its
+    # first token then comes after the target's prompt pass alone, never behind the draft's,
+    # and its first choice of K sees the requests that arrived with it (a burst's first would
+    # see itself alone, draft, and slow every prompt pass beside it on a shared machine).
+    first_step = state.k_chooser is not None and state.load_aware and not state.pipelined and not state.stats.rounds
+    if first_step:
         k, shape = 0, ()
     elif state.k_chooser is not None:
         k, shape = state.k_chooser.choose_shape()  # shape: a tree's widths, or () for a chain of K
     else:
         k, shape = state.job.num_speculative_tokens, state.job.tree_widths
     k = min(k, limit)
-    copy = 0 if shape else copy_limit(state, pair, k, limit)  # a tree round copies none
+    copy = 0 if shape or first_step else copy_limit(state, pair, k, limit)  # a tree round copies none
     widths = tuple(shape[:limit]) if pair.trees else ()  # a draft restarted as another drafter serves no trees
     fallback = bool(k or copy or widths) and not (state.refusals.allow(state.stats.rounds) and draft_allowed)
     if fallback:
@@ -277,6 +288,10 @@ def commit_round(
         state.k_chooser.observe_round(proposed, outcome.num_accepted)
     if not (round_.copied or round_.parents):
         state.acceptance.observe(proposed, outcome.num_accepted)
+    if plan.kind is RoundKind.DRAFT_CALL and plan.copy_limit and not (plan.k or plan.widths or round_.copied):
+        state.copy_wait = COPY_WAIT_ROUNDS  # a draft call for a copy alone found none
+    elif not (plan.k or plan.copy_limit or plan.widths):
+        state.copy_wait = max(0, state.copy_wait - 1)
     # Both services hold sequence + drafts; only the accepted drafts stay valid. After a tree
     # both hold the committed sequence, the nodes cached behind it: the next call's new tokens
     # (the accepted path first) tell them which nodes to keep.

@@ -11,7 +11,7 @@ from coordinator.adaptive import AdaptiveK, RoundCosts
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
-from coordinator.rounds import RequestState, RoundKind, commit_round, k_limit, plan_round
+from coordinator.rounds import COPY_WAIT_ROUNDS, RequestState, RoundKind, commit_round, k_limit, plan_round
 from coordinator.state import DraftRefusals, Round, SessionView, Source
 from coordinator.text import TextAssembler
 from specdec.rpc import wire
@@ -237,3 +237,43 @@ def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
     ending = state(k=0)
     commit_round(ending, plan, Round(Source.NONE), RoundOutcome(0, 80), PAIR.max_context, steps=[0])
     assert ending.sequence == PROMPT + [80, 0] and ending.finished
+
+
+def test_a_lookup_that_found_nothing_is_not_repeated_for_a_few_target_only_rounds():
+    """K = 0 and a copy alone would call the draft: after a call that copied nothing, the next
+    COPY_WAIT_ROUNDS rounds are target-only (under load each carries several steps); a round
+    that drafts with the model is not held back."""
+    pair = dataclasses.replace(PAIR, draft_copies=True)
+    dear = RoundCosts(draft_pass_ms=(40.0,) * 9, target_pass_ms=(1.0,) * 9)
+    free = RoundCosts(draft_pass_ms=(0.0,) * 9, target_pass_ms=(1.0,) * 9)
+    request = state(
+        pair=pair,
+        k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=dear, alpha_prior=0.1, probe_every=0),
+        copy_chooser=AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.9),
+    )
+    kinds = []
+    for _ in range(2 * (COPY_WAIT_ROUNDS + 1)):
+        plan = plan_round(request, True, True)
+        kinds.append(plan.kind)
+        nothing = Round(Source.DRAFT if plan.kind is RoundKind.DRAFT_CALL else Source.NONE)
+        commit_round(request, plan, nothing, RoundOutcome(0, 82), 64)
+    looked_up = [RoundKind.DRAFT_CALL] + [RoundKind.TARGET_ONLY] * COPY_WAIT_ROUNDS
+    assert kinds == looked_up * 2
+    request.copy_wait = COPY_WAIT_ROUNDS
+    request.k_chooser = AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.9)
+    plan = plan_round(request, True, True)
+    assert plan.kind is RoundKind.DRAFT_CALL and plan.k and plan.copy_limit, "the model drafts, copies ride along"
+
+
+def test_a_request_whose_k_follows_the_load_starts_with_a_target_only_step_that_copies_nothing():
+    free = RoundCosts(draft_pass_ms=(0.0,) * 9, target_pass_ms=(1.0,) * 9)
+    request = state(
+        pair=dataclasses.replace(PAIR, draft_copies=True),
+        k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.9),
+        copy_chooser=AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.9),
+        load_aware=True,
+    )
+    first = plan_round(request, True, True)
+    assert (first.kind, first.k, first.copy_limit) == (RoundKind.TARGET_ONLY, 0, 0)
+    request.stats.rounds = 1
+    assert plan_round(request, True, True).kind is RoundKind.DRAFT_CALL
