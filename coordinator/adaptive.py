@@ -41,7 +41,9 @@ on 2 shared cores with 4 sessions: the lockstep model let a session whose drafts
 accepted draft 8 tokens a round, and the others probe, and the host ran at 0.3-0.4×
 target-only; with prompt lookup, calls that copied nothing cost each session's verify a pass
 of its own, 15% more target CPU for the same tokens. This model drafts and copies nothing
-there unless the copies are nearly always right.
+there unless the copies are nearly always right, and probes neither: one probe's call put
+its session out of step with the others', and its multi-step calls then missed their batch at
+every boundary (one draft call per request, 10% below target-only).
 
 Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
@@ -291,10 +293,7 @@ class AdaptiveK:
         rests on a few positions, so one rejection in the first round (α 0.6 → 0.4 with the
         prior's weight of 2) would park a request for `probe_every` rounds whatever its drafts
         are. Where nothing plausible pays (a steep verify cost, or many rejections), probes
-        stay rare, and on a shared host under load too, where a probe's call takes its session
-        out of the others' batch (module docstring). Evidence: docs/design.md, "The K chooser"."""
-        if self.loaded and self.costs.shared_host:
-            return self.probe_every
+        stay rare. Evidence: docs/design.md, "The K chooser"."""
         alpha = self._alpha_above(PLAUSIBLE_ERRORS)
         k = best_k(alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
         rate = self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue)
@@ -325,12 +324,16 @@ class AdaptiveK:
         k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
         if self.loaded:
             # Shared services: speculate only for a clear gain, never on a hunch (no one-draft
-            # rounds, probes only where a plausible α would clear the bar).
+            # rounds, probes only where a plausible α would clear the bar). On a shared host
+            # none at all: a probe's calls take its session out of the others' batch, and its
+            # multi-step calls then miss that batch at every boundary after (module docstring).
             if k and self.gain(k, self.alpha) < LOAD_GAIN:
                 k = 0
             plausible_alpha = self._alpha_above(PLAUSIBLE_ERRORS)
             plausible = best_k(plausible_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
-            may_probe = bool(plausible) and self.gain(plausible, plausible_alpha) >= LOAD_GAIN
+            may_probe = (
+                not self.costs.shared_host and bool(plausible) and self.gain(plausible, plausible_alpha) >= LOAD_GAIN
+            )
         else:
             plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
             if k == 0 and self.k_max and plausible:

@@ -278,6 +278,8 @@ def test_on_a_shared_host_under_load_even_drafts_that_are_always_accepted_stay_t
         ks.append(chooser.choose())
         chooser.observe_round(ks[-1], ks[-1])
     assert ks == [0] * 30, "no probes either"
+    copier = AdaptiveK(k_max=8, pipelined=False, costs=copies, alpha_prior=0.6)
+    assert [copier.choose() for _ in range(30)] == [0] * 30, "copies neither, until learned alone"
 
 
 @pytest.mark.parametrize(
