@@ -13,8 +13,9 @@ client sending its next request when the last returns:
   third of the requests are done; failed requests, outputs against target-only, and the longest
   stall a moved request saw (the time to recover).
 
-Real part: the Qwen2.5-Coder pair on this CPU (int8 draft, the bench's target setting), 1, 4 and
-8 clients, defaults against K = 0, interleaved, `--repeats` times.
+Real part: the Qwen2.5-Coder pair on this CPU (the bench's target setting; the int8 model
+drafter, then the hybrid in a stack of its own), 1, 4 and 8 clients, defaults against K = 0,
+interleaved, `--repeats` times.
 
 Everything here is one machine's CPU standing in for the cluster: the emulated figures leave out
 the accelerators' own variance and any network beyond loopback, and six processes and 32 clients
@@ -47,6 +48,7 @@ SCALE = ((1, 1), (4, 1), (4, 2))  # (target replicas, draft replicas)
 SCALE_CLIENTS = 32
 FAILOVER_CLIENTS = 16
 REAL_CLIENTS = (1, 4, 8)
+REAL_DRAFTERS = ("int8", "int8+lookup")  # bench.modes.drafter_args: the model drafter, and the hybrid
 NEW_TOKENS = 64
 CHOSEN = None  # a request that leaves K to the coordinator
 
@@ -282,12 +284,36 @@ def failover(pair, logs: Path, requests: int) -> dict:
 
 
 def real_pair(config, logs: Path) -> list[dict]:
-    """The Qwen pair on this CPU: defaults against K = 0 at 1, 4 and 8 clients."""
+    """The Qwen pair on this CPU: defaults against K = 0 at 1, 4 and 8 clients, for the int8
+    model drafter (the draft service's default drafter) and the hybrid (`make run`'s), each in
+    a stack of its own."""
+    rows = []
+    for drafter in REAL_DRAFTERS:
+        samples = real_samples(config, logs / drafter, drafter)
+        for clients in REAL_CLIENTS:
+            rates = {
+                k: [s["tokens_per_s"] for s in samples if s["clients"] == clients and s["k"] == k] for k in (CHOSEN, 0)
+            }
+            k_means = [s["k_mean"] for s in samples if s["clients"] == clients and s["k"] is CHOSEN]
+            rows.append(
+                {
+                    "drafter": drafter,
+                    "clients": clients,
+                    "chosen": rates[CHOSEN],
+                    "target_only": rates[0],
+                    "ratios": [a / b for a, b in zip(rates[CHOSEN], rates[0])],
+                    "k_mean": statistics.mean(k_means),
+                }
+            )
+    return rows
+
+
+def real_samples(config, logs: Path, drafter: str) -> list[dict]:
     model_args, env = model_service_args(config.device, config.threads)
     with ExitStack() as stack:
-        services = Stack(logs / "real", stack)
+        services = Stack(logs, stack)
         batch = ["--max-batch-size", str(max(REAL_CLIENTS))]
-        draft_model = ["--model", str(config.draft_model), *drafter_args("int8", config)]
+        draft_model = ["--model", str(config.draft_model), *drafter_args(drafter, config)]
         services.drafts.append(services.spawn("draft", [*draft_model, *model_args, *batch], env))
         services.drafts[0].wait_healthy(900)  # before the target loads: calibration times the passes
         services.targets.append(services.spawn("target", [*target_service_args(config), *model_args, *batch], env))
@@ -308,27 +334,12 @@ def real_pair(config, logs: Path) -> list[dict]:
                     result = load(stub, clients, [request(text, k, config.max_new_tokens) for text in texts])
                     result.update(k=k, repeat=repeat)
                     print(
-                        f"real pair N={clients}, K={'chosen' if k is None else k}: {result['tokens_per_s']:.1f} tok/s",
+                        f"real pair ({drafter}) N={clients}, K={'chosen' if k is None else k}: "
+                        f"{result['tokens_per_s']:.1f} tok/s",
                         flush=True,
                     )
                     samples.append(result)
-    rows = []
-    for clients in REAL_CLIENTS:
-        rates = {
-            k: [s["tokens_per_s"] for s in samples if s["clients"] == clients and s["k"] == k] for k in (CHOSEN, 0)
-        }
-        ratios = [a / b for a, b in zip(rates[CHOSEN], rates[0])]
-        k_means = [s["k_mean"] for s in samples if s["clients"] == clients and s["k"] is CHOSEN]
-        rows.append(
-            {
-                "clients": clients,
-                "chosen": rates[CHOSEN],
-                "target_only": rates[0],
-                "ratios": ratios,
-                "k_mean": statistics.mean(k_means),
-            }
-        )
-    return rows
+    return samples
 
 
 def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale", "failover", "real")) -> dict:
@@ -396,15 +407,17 @@ def markdown(results: dict) -> str:
         ]
     if "real" in results:
         lines += [
-            "**The real pair on this CPU** (int8 Qwen2.5-Coder 0.5B draft, 1.5B target; 8 chat prompts per sample). "
+            "**The real pair on this CPU** (int8 Qwen2.5-Coder 0.5B draft, 1.5B target; 8 chat prompts per sample; "
+            "drafter int8: the model, int8+lookup: the hybrid, prompt lookup where it finds a match). "
             "Aggregate tok/s, each repeat's defaults and K = 0 run back to back.",
             "",
-            "| clients | defaults tok/s | K = 0 tok/s | defaults ÷ K = 0 per repeat | mean K |",
-            "|---|---|---|---|---|",
+            "| drafter | clients | defaults tok/s | K = 0 tok/s | defaults ÷ K = 0 per repeat | mean K |",
+            "|---|---|---|---|---|---|",
         ]
         for row in results["real"]:
             lines.append(
-                f"| {row['clients']} | {' / '.join(f'{r:.1f}' for r in row['chosen'])} | "
+                f"| {row.get('drafter', 'int8')} | {row['clients']} | "
+                f"{' / '.join(f'{r:.1f}' for r in row['chosen'])} | "
                 f"{' / '.join(f'{r:.1f}' for r in row['target_only'])} | "
                 f"{' / '.join(f'{r:.2f}×' for r in row['ratios'])} | {row['k_mean']:.2f} |"
             )
