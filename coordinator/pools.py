@@ -67,14 +67,21 @@ class Replica:
     refused: str = ""  # why it serves no session: another model
     gone: bool = False  # no longer among the pool's DNS records: no new sessions
     sessions: int = 0  # this coordinator's requests placed on it now
-    sessions_at_info: int = 0  # ... when its last Info answered
+    others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
 
     @property
     def others(self) -> int:
-        """Sessions other coordinators held on it at its last Info (the replica's count beyond
-        this coordinator's then; a draft's includes forks)."""
-        return max(0, self.info.open_sessions - self.sessions_at_info) if self.info is not None else 0
+        """Sessions other coordinators held on it at both of its last two Infos (the replica's
+        count beyond this coordinator's; a draft's includes forks). Both: a neighbour's request
+        that ended just after an Info is not counted for another refresh, which would have
+        a request beside it costed at a load that is gone (on a shared host, no drafting)."""
+        return min(self.others_seen)
+
+    def seen(self, info: common_pb2.ModelInfo) -> None:
+        """Its Info has answered."""
+        self.info = info
+        self.others_seen = (self.others_seen[1], max(0, info.open_sessions - self.sessions))
 
     @property
     def load(self) -> tuple[int, int]:
@@ -223,7 +230,7 @@ class Pool:
                 self.reference.model_id,
             )
         replica.refused = refused
-        replica.info, replica.sessions_at_info = info, replica.sessions
+        replica.seen(info)
         if refused:
             replica.serving = False
             return

@@ -62,7 +62,8 @@ def test_placement_takes_the_least_loaded_replica_and_spreads_ties():
     a, b, c = pool.replicas.values()
     placed = [pool.place() for _ in range(6)]
     assert [r.sessions for r in (a, b, c)] == [2, 2, 2] and len(set(map(id, placed))) == 3
-    a.info.open_sessions = 5  # another coordinator's sessions count too
+    for _ in range(2):  # another coordinator's sessions count too, once two Infos have seen them
+        a.seen(common_pb2.ModelInfo(model_id="m", open_sessions=a.sessions + 3))
     assert pool.place() in (b, c)
     assert pool.place(avoid=b) is c
     b.serving = False
@@ -70,6 +71,18 @@ def test_placement_takes_the_least_loaded_replica_and_spreads_ties():
     assert pool.place(avoid=a) is None and pool.place() is a
     pool.release(a)
     assert a.sessions == 2
+
+
+def test_other_coordinators_sessions_count_where_two_infos_in_a_row_saw_them():
+    """A neighbour's request that ended after one Info must not load this coordinator's
+    requests for another refresh (on a shared host that would stop them drafting)."""
+    (replica,) = pool_of("a:1").replicas.values()
+    replica.sessions = 1
+    loads = []
+    for open_sessions in (1, 4, 4, 2, 1):  # a neighbour's 3 sessions, seen twice, then ending
+        replica.seen(common_pb2.ModelInfo(model_id="m", open_sessions=open_sessions))
+        loads.append(replica.load[0])
+    assert loads == [1, 1, 4, 2, 1]
 
 
 def test_a_replica_that_took_a_prompt_prefix_takes_the_next_session_that_starts_with_it():
