@@ -43,7 +43,8 @@ target-only; with prompt lookup, calls that copied nothing cost each session's v
 of its own, 15% more target CPU for the same tokens. This model drafts and copies nothing
 there unless the copies are nearly always right, and probes neither: one probe's call put
 its session out of step with the others', and its multi-step calls then missed their batch at
-every boundary (one draft call per request, 10% below target-only).
+every boundary (one lookup per request cost the hybrid drafter about 10%). So a request that
+starts under load never copies; one that learned its copies pay while alone keeps copying.
 
 Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
@@ -64,8 +65,9 @@ QUICK_PROBE_EVERY = 2  # ... or this many, while speculation would still pay at 
 PLAUSIBLE_ERRORS = 2.0  # "plausible": within this many standard errors above the estimate
 PROBE_GAIN = 1.05  # ... and would pay by this factor (a marginal gain is not worth dear probes)
 # Under load (other sessions on the target), K > 0 only where it beats target-only by this
-# factor. The models leave out what sharing costs beyond the batched passes: passes split
-# between sessions drafting and sessions stepping (docs/design.md, "The K chooser", under load).
+# factor: a margin for what the cost models leave out (the lockstep model, passes split between
+# sessions drafting and sessions stepping; both, calibration noise), docs/design.md, "The K
+# chooser", under load.
 LOAD_GAIN = 1.1
 
 
@@ -351,8 +353,8 @@ class AdaptiveK:
         rounds only (a tree is never pre-drafted), so trees are weighed only when not pipelined.
         Like K, the shape depends only on the request's own rounds and the fixed costs."""
         k = self.choose()
-        if not self.trees or self.pipelined or not k:
-            return k, ()
+        if not self.trees or self.pipelined or not k or (self.loaded and self.costs.shared_host):
+            return k, ()  # (a tree's rate is one session's; on a shared host under load K is the host's)
         widths, rate = best_tree(self.alpha, self.beta, self.costs, self.k_max)
         if widths and rate > self.costs.tokens_per_ms(k, self.alpha, False):
             return 0, widths

@@ -36,10 +36,11 @@ from specdec.sampling.tree_sampling import TreeOutcome, decide_tree, tree_size
 from specdec.v1 import common_pb2, target_pb2
 
 # Where K is 0 and only a copy (prompt lookup) would make a draft call, a lookup that found
-# nothing is not repeated for this many rounds. Each such call is a round of one step where a
-# target-only round under load carries several, and its RPC waits on the draft: on 2 shared
-# cores, 4 concurrent requests with the hybrid drafter looked up every round and ran at
-# 0.58-0.82x target-only (docs/design.md, "The K chooser", under load).
+# nothing is not repeated for this many rounds (calls: one K = 0 round may carry several
+# steps), on any deployment. Each such call is a round of one step where a target-only round
+# following the load carries several, and its RPC waits on the draft: on 2 shared cores, 4
+# concurrent requests with the hybrid drafter looked up every round and ran at 0.58-0.82x
+# target-only (docs/design.md, "The K chooser", under load).
 COPY_WAIT_ROUNDS = 2
 
 
@@ -288,7 +289,12 @@ def commit_round(
         state.k_chooser.observe_round(proposed, outcome.num_accepted)
     if not (round_.copied or round_.parents):
         state.acceptance.observe(proposed, outcome.num_accepted)
-    if plan.kind is RoundKind.DRAFT_CALL and plan.copy_limit and not (plan.k or plan.widths or round_.copied):
+    if (
+        plan.kind is RoundKind.DRAFT_CALL
+        and round_.source is Source.DRAFT  # the call answered (a failed one falls back)
+        and plan.copy_limit
+        and not (plan.k or plan.widths or round_.copied)
+    ):
         state.copy_wait = COPY_WAIT_ROUNDS  # a draft call for a copy alone found none
     elif not (plan.k or plan.copy_limit or plan.widths):
         state.copy_wait = max(0, state.copy_wait - 1)

@@ -145,7 +145,7 @@ async def measure_round_costs(
         len(costs.target_pass_ms),
         costs.draft_rpc_ms,
         costs.target_rpc_ms,
-        "; draft and target share this host's CPU: under load a draft step is costed as time taken "
+        "; draft and target share this host's cores: under load a draft step is costed as time taken "
         "from every session's target pass"
         if costs.shared_host
         else "",
@@ -154,13 +154,16 @@ async def measure_round_costs(
 
 
 def shares_cores(draft_info, target_info) -> bool:
-    """Whether both services compute on the CPU of one machine (ModelInfo.host_id), so that a
-    draft pass and a target pass take turns on the same cores. Not where either runs on an
-    accelerator, or is held to an emulated one's timing (--pass-cost-profile)."""
+    """Whether both services compute on the same cores of one machine (ModelInfo.host_id, and
+    CPUs that overlap where both say which), so that a draft pass and a target pass take turns
+    on them. Not where either runs on an accelerator, is pinned apart (--cpus), or is held to
+    an emulated accelerator's timing (--pass-cost-profile)."""
+    draft_cpus, target_cpus = set(draft_info.cpus), set(target_info.cpus)
     return (
         draft_info.device.split(":")[0] == target_info.device.split(":")[0] == "cpu"
         and bool(draft_info.host_id)
         and draft_info.host_id == target_info.host_id
+        and (not (draft_cpus and target_cpus) or bool(draft_cpus & target_cpus))
         and not (draft_info.pass_cost_profile or target_info.pass_cost_profile)
     )
 

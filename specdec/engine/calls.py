@@ -4,6 +4,7 @@ view of the Info RPC. No torch here, so the protobuf codec (specdec.rpc.wire) ca
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,15 @@ def this_host() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return socket.gethostname()
+
+
+def these_cpus() -> tuple[int, ...]:
+    """ModelInfo.cpus: the CPUs this process may run on (after --cpus pinned it); () where the
+    platform does not say."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class ModelDescription:
     # proposable (draft_service.vocab_bridge.BridgeFigures); None otherwise.
     vocab_bridge: object | None = None
     host_id: str = field(default_factory=this_host)  # ModelInfo.host_id: whose processors run the passes
+    cpus: tuple[int, ...] = field(default_factory=these_cpus)  # ModelInfo.cpus: the ones this process may use
 
     @property
     def numerics(self) -> str:

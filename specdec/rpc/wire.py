@@ -212,6 +212,7 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         ),
         vocab_bridge=_bridge_to_pb(description.vocab_bridge),
         host_id=description.host_id,
+        cpus=list(description.cpus),
     )
 
 

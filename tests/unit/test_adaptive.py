@@ -278,6 +278,18 @@ def test_on_a_shared_host_under_load_even_drafts_that_are_always_accepted_stay_t
         ks.append(chooser.choose())
         chooser.observe_round(ks[-1], ks[-1])
     assert ks == [0] * 30, "no probes either"
+    # A draft so cheap that a plausible α would clear the bar: the lockstep model probes, the
+    # shared host does not.
+    cheap = RoundCosts(
+        (1.0,) * 9,
+        (50.0,) * 9,
+        target_batch=BatchCosts((50.0,) * 9, ((2, 1, 55.0), (2, 9, 60.0)), 2),
+        target_sessions=2,
+    )
+    for shared_host, probes in ((False, True), (True, False)):
+        low = AdaptiveK(k_max=8, pipelined=False, costs=dataclasses.replace(cheap, shared_host=shared_host))
+        low.accepted, low.reached = 0.6, 2.0  # α 0.3 over two positions: K = 0 for now
+        assert any(low.choose() for _ in range(30)) is probes
     copier = AdaptiveK(k_max=8, pipelined=False, costs=copies, alpha_prior=0.6)
     assert [copier.choose() for _ in range(30)] == [0] * 30, "copies neither, until learned alone"
 
@@ -290,6 +302,9 @@ def test_on_a_shared_host_under_load_even_drafts_that_are_always_accepted_stay_t
         ({"device": "cuda:0"}, {"device": "cuda:1"}, False),  # accelerators of one machine
         ({}, {"pass_cost_profile": "70B TP4 on H100"}, False),  # emulating one
         ({"host_id": ""}, {"host_id": ""}, False),  # an older service that does not say
+        ({"cpus": [0]}, {"cpus": [1]}, False),  # pinned apart (--cpus)
+        ({"cpus": [0, 1]}, {"cpus": [1]}, True),
+        ({"cpus": [0]}, {}, True),  # one does not say which
     ],
 )
 def test_the_pair_shares_cores_only_on_one_machines_cpu(draft, target, shared):

@@ -90,3 +90,13 @@ def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
     # A row without a known support falls back to the scan.
     everything = torch.stack([top_k_with_support(row, top_k)[0] for row in rows])
     assert wire.encode_distributions(everything, 4, False, supports) == wire.encode_distributions(everything, 4, False)
+
+
+def test_info_says_which_machine_and_cpus_compute():
+    """ModelInfo.host_id and cpus reach the wire (the K chooser's shared-host costing reads them)."""
+    from specdec.engine.calls import ModelDescription, these_cpus, this_host
+
+    description = ModelDescription("m", 8, "f", (0,), 16, "float32", "cpu", 0, 4)
+    info = wire.description_to_pb(description)
+    assert info.host_id == this_host() != ""
+    assert tuple(info.cpus) == these_cpus() and info.cpus
