@@ -188,12 +188,10 @@ class RoundCosts:
         V(K) + D(K)), its draft call and its verify alone, pipelined or not: on shared cores
         nothing overlaps."""
         sessions = self.target_sessions
-        batch = self.target_batch or BatchCosts(self.target_pass_ms)
         if not k:
-            return sessions / max(self.target_rpc_ms + batch.load_ms(sessions, 1), 1e-9)
-        others_ms = self.target_rpc_ms + batch.load_ms(sessions - 1, 1)
-        drafting_ms = self.draft_rpc_ms + k * cost_at(self.draft_pass_ms, 1)  # the others are not drafting
-        own_ms = self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1) + drafting_ms
+            return sessions / max(self.verify_ms(0), 1e-9)
+        others_ms = self.at_load(sessions - 1, self.draft_sessions).verify_ms(0)
+        own_ms = self.at_load(1, 1).round_ms(k, alpha, pipelined=False)  # the others are not drafting
         return (sessions - 1 + expected_tokens(alpha, k)) / max(others_ms + own_ms, 1e-9)
 
     def tree_round_ms(self, width: int, depth: int) -> float:
