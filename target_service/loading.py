@@ -38,9 +38,11 @@ def load_runner(config: TargetConfig) -> TargetRunner:
     if loaded.device == "cpu" and config.tensor_parallel == 1 and not config.device_map:
         # Per-row attention: a token's logits are the same in a verify pass as in a one-token
         # pass (specdec.engine.attention); on a GPU, a Python loop over rows would cost more than it saves.
-        # With int8's per-token Linear layers and a prefix cache, prefills too: every solo pass is
-        # then per-token exact, so the cache keeps decoded tokens (it costs prefills without one).
-        every_row = loaded.quantization and config.prefix_cache_bytes
+        # With int8's per-token Linear layers, prefills too: every solo pass is then per-token
+        # exact, so a token's entries and logits depend on the tokens before it alone. A prefix
+        # cache hit, a re-prefill after an eviction or a replica failover, and an uninterrupted
+        # run then give bitwise the same output (docs/design.md, "An int8 target").
+        every_row = bool(loaded.quantization)
         loaded.model.set_attn_implementation(attention.EVERY_ROW if every_row else attention.NAME)
     runner = TargetRunner(
         loaded,

@@ -6,8 +6,8 @@ and the single row of a 1-row pass at the same position sum in different orders:
 rounding. With an int8 target such differences can cross a quantisation step now and then,
 and a greedy speculative run then drifts from the target's own one-token decoding
 (docs/design.md, "An int8 target").
-Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced and copied to
-the layout a one-token pass at that position has, with the same operations; per-token Linear
+Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced from the
+cache as a one-token pass at that position reads them, with the same operations; per-token Linear
 layers (specdec.engine.quantize) and per-token norms, rotary embeddings and activations then make
 the whole pass per-token exact. Padded batches use transformers' SDPA.
 
@@ -16,8 +16,10 @@ prefill) to SDPA, which the target runs as a pass of its own (TargetRunner), the
 whatever K is; EVERY_ROW takes every unpadded pass, prefills too. With per-token Linear layers
 (an int8 target) EVERY_ROW makes a token's cache entries and logits a function of the tokens
 before it alone, however the passes were cut: a prefill, a re-prefill after an eviction, a
-prefix cache hit (specdec.engine.prefix_cache) and decoding all agree bit for bit. It costs
-10-25% more on a 100-300-token prefill than SDPA (int8 1.5B, 2-core AVX-512 EPYC).
+prefix cache hit (specdec.engine.prefix_cache) and decoding all agree bit for bit. The target
+service uses it for every int8 target on CPU. It costs 9-20% more than one SDPA pass on a
+150-250-token prefill (int8 1.5B, 2-core AVX-512 EPYC); long prompts run in shorter passes
+(runner.EXACT_PASS_TOKENS), which gains that back from about 400 tokens on.
 """
 
 from __future__ import annotations
@@ -66,17 +68,22 @@ def rowwise_attention_forward(
     # one-token pass over that path has. Causal passes get a boolean mask or none.
     tree = attention_mask if attention_mask is not None and attention_mask.dtype.is_floating_point else None
     visible_ids = None if tree is None else _visible_keys(tree, length)
+    # Row j's query in a one-token pass's layout, for every row at once: [Q, 1, Hkv, G, D].
+    queries = query.permute(2, 0, 1, 3).reshape(rows, batch, kv_heads, groups, dim).contiguous()
     outputs = []
     for row in range(rows):
-        q = query[:, :, row, :].reshape(batch, kv_heads, groups, dim).contiguous()  # [1, Hkv, G, D]
+        q = queries[row]  # [1, Hkv, G, D]
         if visible_ids is not None:
             prefix, extra = visible_ids[row]  # a contiguous run from key 0, then the few ancestors
             k = torch.cat([key[:, :, :prefix], key.index_select(2, extra)], dim=2)  # [1, Hkv, S_row, D]
             v = torch.cat([value[:, :, :prefix], value.index_select(2, extra)], dim=2)
         else:
+            # A slice, not a copy: each head's [P + j + 1, D] block is the one a one-token pass
+            # reads (the same rows and row stride; only the step between heads differs, which
+            # a batched matmul takes as it is). Copying cost a prefill O(L²) in memory traffic.
             visible = past + row + 1
-            k = key[:, :, :visible, :].contiguous()  # [1, Hkv, P + j + 1, D]
-            v = value[:, :, :visible, :].contiguous()
+            k = key[:, :, :visible, :]  # [1, Hkv, P + j + 1, D]
+            v = value[:, :, :visible, :]
         weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(
             q.dtype
         )  # [1, Hkv, G, P + j + 1]

@@ -35,6 +35,12 @@ from specdec.sampling.tree_sampling import ancestors
 
 T = TypeVar("T")
 
+# A per-token exact runner's longest pass over tokens it only needs the last logits of (a
+# prompt, a re-prefill): the same entries however a run is cut, and shorter passes keep the
+# activations in cache. An int8 1.5B prefill on a 2-core AVX-512 EPYC, per-row attention:
+# 800 tokens took 3.64 s in passes of 256, 3.78 s in 128, 5.02 s in one pass (SDPA, one pass:
+# 4.54 s); 250 tokens 1.00-1.10 s in one pass (SDPA 0.91 s).
+EXACT_PASS_TOKENS = 256
 
 logger = logging.getLogger(__name__)
 
@@ -271,24 +277,32 @@ class ModelRunner:
     def _prefill_blocks(
         self, session: KVSession, token_ids: list[int], tail: int
     ) -> tuple[list[int], torch.Tensor | None]:
-        """With a prefix cache: runs the leading whole blocks of `token_ids` (the tokens after
-        the session's cache) one block-aligned pass each, leaving at least `tail` tokens, and
-        returns those left for the caller's pass and the last block's last logits [1, V].
+        """Runs the leading tokens of `token_ids` (the tokens after the session's cache) in
+        passes of their own, leaving at least `tail` tokens, and returns those left for the
+        caller's pass and the last such pass's last logits [1, V] (None when none ran).
 
-        Every block a session prefills is then computed exactly as any other session computes
-        it, so a cached block equals a fresh prefill's, bit for bit
-        (specdec.engine.prefix_cache). Only a session whose whole cache is such blocks goes on
-        in blocks; any other runs `token_ids` as given."""
-        prefix = self.sessions.prefix
+        - A per-token exact runner computes every token alike however its passes are cut, so
+          it cuts a long run into passes of EXACT_PASS_TOKENS: bitwise the same entries, and a
+          faster prefill on CPU than one long pass. Under an emulated profile the run stays
+          one pass, as the profile prices it.
+        - Any other runner, with a prefix cache, runs each whole block in a block-aligned pass
+          of its own, so every block a session prefills is computed exactly as any other
+          session computes it, and a cached block equals a fresh prefill's, bit for bit
+          (specdec.engine.prefix_cache). Only a session whose whole cache is such blocks goes
+          on in blocks; any other runs `token_ids` as given."""
         start = session.cached_tokens
+        if self.per_token_exact:
+            run = len(token_ids) - tail
+            size = EXACT_PASS_TOKENS if self.pacer is None else max(run, 1)
+            if run <= 0 or not tail and run <= size:
+                return token_ids, None  # the caller's pass is the whole run
+            logits = None
+            for begin in range(0, run, size):
+                logits = self._forward_admitted(session, token_ids[begin : min(begin + size, run)], 1)
+            return token_ids[run:], logits
+        prefix = self.sessions.prefix
         if prefix is None or session.aligned_tokens != start:
             return token_ids, None
-        if self.per_token_exact:
-            # Any solo pass is exact: the tokens before the tail run in one (a batched pass's
-            # entries would not be kept), and a lone caller's whole run is one pass anyway.
-            if not tail or len(token_ids) <= tail:
-                return token_ids, None
-            return token_ids[-tail:], self._forward_admitted(session, token_ids[:-tail], 1)
         if start % prefix.block_tokens:
             return token_ids, None
         size = prefix.block_tokens

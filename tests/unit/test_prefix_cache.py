@@ -216,3 +216,46 @@ def test_the_cache_keeps_within_its_bytes_evicting_leaves_first(loaded):
     runner.end_session("u")
     verify(runner, "v", 0, PROMPT)
     assert runner.sessions.prefix.tokens_saved == 24 + 16
+
+
+def test_an_int8_cpu_target_is_per_token_exact_without_a_prefix_cache(tiny_pair):
+    """The service loads an int8 CPU target with per-row attention over every row whether or
+    not a prefix cache is on, so a service without the cache computes what one with it does."""
+    if not int8_supported():
+        pytest.skip("this torch build has no fbgemm int8 kernels")
+    from target_service.config import TargetConfig
+    from target_service.loading import load_runner
+    from tests.stack import model_service_config
+
+    runner = load_runner(model_service_config(TargetConfig, tiny_pair.target, quantize="int8"))
+    assert runner.sessions.prefix is None and runner.per_token_exact
+
+
+def test_a_per_token_exact_target_cuts_a_long_prefill_into_passes_with_the_same_bits(per_token_exact, monkeypatch):
+    """A long prompt runs in passes of at most EXACT_PASS_TOKENS, and its entries and logits
+    are bitwise those of one pass over it; and a session re-prefilled after an eviction (its
+    prompt and what it decoded, in one run) has bitwise the entries of the one that decoded."""
+    from specdec.engine import runner as runner_module
+
+    prompt = PROMPT + OTHER  # 80 tokens
+    one = TargetRunner(per_token_exact, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
+    one_logits, _ = verify(one, "s", 0, prompt, drafts=[4])
+
+    monkeypatch.setattr(runner_module, "EXACT_PASS_TOKENS", 16)
+    cut = TargetRunner(per_token_exact, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
+    passes: list[int] = []
+    forward = cut._forward_admitted
+    monkeypatch.setattr(cut, "_forward_admitted", lambda s, ids, keep: passes.append(len(ids)) or forward(s, ids, keep))
+    cut_logits, _ = verify(cut, "s", 0, prompt, drafts=[4])
+    assert passes == [16, 16, 16, 16, 15, 2]  # the prompt but its last token, then the scored pass
+    assert torch.equal(cut_logits, one_logits)
+    for (keys, values), (one_keys, one_values) in zip(kv(cut, "s"), kv(one, "s"), strict=True):
+        assert torch.equal(keys, one_keys) and torch.equal(values, one_values)
+
+    # Decode on `one`, then re-prefill the whole sequence on `cut`, as after an eviction.
+    decoded = [4, 9, 12, 30]
+    verify(one, "s", len(prompt) + 1, decoded[1:])
+    cut.end_session("s")
+    verify(cut, "s", 0, prompt + decoded)
+    for (keys, values), (one_keys, one_values) in zip(kv(cut, "s"), kv(one, "s"), strict=True):
+        assert torch.equal(keys, one_keys) and torch.equal(values, one_values)
