@@ -7,22 +7,25 @@ Workloads, all chat requests through the coordinator, greedy:
   each time), as an agent loop runs it;
 - demo: `make run`'s three prompts.
 
-Stacks, one after another on this machine (each service calibrates alone at start-up):
+Stacks, all up at once on this machine (each service calibrates alone at start-up), every
+request sent to each stack in turn so that the machine's drift falls on all alike:
 - hybrid: `--drafter hybrid`, no prefix cache (today's `make run`). Each request runs twice,
-  with K = 0 (target-only) and with the coordinator's defaults, interleaved.
+  with K = 0 (target-only) and with the coordinator's defaults.
 - suffix: `--drafter suffix`, no prefix cache: the drafter's own effect.
 - hybrid+prefix: the hybrid with `--prefix-cache-bytes` on both services: time to first token
   against hybrid's, outputs compared.
 - suffix+prefix: `--drafter suffix` with both prefix caches.
 
 A conversation's next turn holds the previous answer the hybrid stack's default run gave, so
-every stack sees the same prompts; each stack's outputs are compared with that one.
+every stack sees the same prompts; each stack's outputs are compared with that one. Each stack
+keeps its own caches, so what one stack learned never reaches another.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -163,64 +166,69 @@ def generate(stub, messages: list[pb.ChatMessage], k: int | None, max_new_tokens
     }
 
 
-def run_stack(name: str, config, logs: Path, answers: dict | None) -> tuple[list[dict], dict]:
-    """Every workload through one stack. `answers`: conversation answers to build later turns
-    from (None: this stack's own default run gives them, and they are returned)."""
+def open_stack(name: str, config, logs: Path, stack: ExitStack) -> coordinator_pb2_grpc.CoordinatorStub:
+    """One stack's three services, up until `stack` closes, and a warmed-up stub to its coordinator."""
     draft_extra, target_extra = STACKS[name]
-    own: dict = {}
-    samples: list[dict] = []
-    with local_stack(
-        config.draft_model,
-        config.target_model,
-        logs / name,
-        draft_dtype="float32",
-        target_dtype=config.target_dtype,
-        device=config.device,
-        threads=config.threads,
-        draft_args=["--quantize", "int8", *draft_extra],
-        target_args=["--quantize", config.target_quantize, *target_extra],
-        cwd=ROOT,
-    ) as services:
-        with grpc.insecure_channel(services["coordinator"].address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up
-            modes: tuple[int | None, ...] = (0, None) if name == "hybrid" else (None,)
-
-            def run(workload: str, index: int, turn: int, messages: list[pb.ChatMessage]) -> dict:
-                result = {}
-                for k in modes:
-                    sample = generate(stub, messages, k, config.max_new_tokens)
-                    sample.update(stack=name, workload=workload, index=index, turn=turn, k=k)
-                    samples.append(sample)
-                    result[k] = sample
-                    print(
-                        f"{name} {workload}[{index}] turn {turn} K={'chosen' if k is None else k}: "
-                        f"{sample['tokens']} tokens, ttft {sample['ttft_ms']:.0f} ms, "
-                        f"{sample['tokens'] / sample['total_ms'] * 1e3:.1f} tok/s",
-                        flush=True,
-                    )
-                return result[None]
-
-            for index, code in enumerate(MODULES):
-                turns: list[tuple[str, str]] = []
-                for turn, edit in enumerate(EDITS):
-                    turns.append(("user", edit.format(code=code)))
-                    reply = run("edits", index, turn, chat(*turns))
-                    own[(index, turn)] = reply["text"]
-                    answer = (answers or own)[(index, turn)]
-                    turns.append(("assistant", answer))
-            for index, record in enumerate(RECORDS):
-                run("agent", index, 0, chat(("user", record), system=AGENT_SYSTEM))
-            for index, question in enumerate(QUESTIONS):
-                run("demo", index, 0, chat(("user", question)))
-    return samples, own
+    services = stack.enter_context(
+        local_stack(
+            config.draft_model,
+            config.target_model,
+            logs / name,
+            draft_dtype="float32",
+            target_dtype=config.target_dtype,
+            device=config.device,
+            threads=config.threads,
+            draft_args=["--quantize", "int8", *draft_extra],
+            target_args=["--quantize", config.target_quantize, *target_extra],
+            cwd=ROOT,
+        )
+    )
+    channel = stack.enter_context(grpc.insecure_channel(services["coordinator"].address))
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up
+    return stub
 
 
 def run_multiturn(config, machine: dict) -> dict:
+    """Every stack up at once (each started and calibrated alone), and every request sent to
+    each in turn, so the machine's drift falls on all stacks alike: the hybrid stack first
+    (K = 0, then the defaults; its answer builds the next turn), the others in an order that
+    rotates from request to request."""
     logs = config.out_dir / "logs"
-    samples, answers = run_stack("hybrid", config, logs, None)
-    for name in list(STACKS)[1:]:
-        samples += run_stack(name, config, logs, answers)[0]
+    samples: list[dict] = []
+    with ExitStack() as stack:
+        stubs = {name: open_stack(name, config, logs, stack) for name in STACKS}
+        others = list(STACKS)[1:]
+        sent = 0
+
+        def run(workload: str, index: int, turn: int, messages: list[pb.ChatMessage]) -> dict:
+            nonlocal sent
+            shift = sent % len(others)
+            order = [("hybrid", 0), ("hybrid", None)] + [(name, None) for name in others[shift:] + others[:shift]]
+            sent += 1
+            result = {}
+            for name, k in order:
+                sample = generate(stubs[name], messages, k, config.max_new_tokens)
+                sample.update(stack=name, workload=workload, index=index, turn=turn, k=k)
+                samples.append(sample)
+                result[(name, k)] = sample
+                print(
+                    f"{name} {workload}[{index}] turn {turn} K={'chosen' if k is None else k}: "
+                    f"{sample['tokens']} tokens, ttft {sample['ttft_ms']:.0f} ms, "
+                    f"{sample['tokens'] / sample['total_ms'] * 1e3:.1f} tok/s",
+                    flush=True,
+                )
+            return result[("hybrid", None)]
+
+        for index, code in enumerate(MODULES):
+            turns: list[tuple[str, str]] = []
+            for turn, edit in enumerate(EDITS):
+                turns.append(("user", edit.format(code=code)))
+                turns.append(("assistant", run("edits", index, turn, chat(*turns))["text"]))
+        for index, record in enumerate(RECORDS):
+            run("agent", index, 0, chat(("user", record), system=AGENT_SYSTEM))
+        for index, question in enumerate(QUESTIONS):
+            run("demo", index, 0, chat(("user", question)))
     return {"suite": "multiturn", "machine": machine, "max_new_tokens": config.max_new_tokens, "samples": samples}
 
 
@@ -280,7 +288,7 @@ def markdown(results: dict) -> str:
         f"What the services have already seen (`--suite multiturn`), {machine['date']}: {machine['cpu']} "
         f"({machine['cpu_flags']}), {machine['cores']} cores, no GPU; torch {machine['torch']}. The Qwen2.5-Coder "
         f"pair (int8 draft; target {machine.get('target_setting', 'as --target-setting')}), greedy chat requests of "
-        f"at most {results['max_new_tokens']} tokens, one at a time, one stack after another.",
+        f"at most {results['max_new_tokens']} tokens, one at a time, each sent to every stack in turn.",
         "",
         "**Time to first token, the edit conversations** (mean over requests; turns ≥ 2 re-send the whole "
         "conversation):",
