@@ -22,13 +22,12 @@ import grpc
 import torch
 
 from bench.demo_prompts import QUESTIONS, SYSTEM
+from bench.modes import ROOT, pair_stack
 from specdec.engine.quantize import quantize_int8
-from specdec.tools.launch import local_stack
 from specdec.tools.real_models import DRAFT, SMOLLM2
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[1]
 DRAFTS = {  # stack name: (model folder name, whether it needs --target-tokenizer)
     "qwen2.5-0.5b": (DRAFT.name, False),
     "smollm2-135m": (SMOLLM2.name, True),
@@ -67,17 +66,8 @@ def run_stack(name: str, config, logs: Path) -> tuple[list[dict], dict]:
         raise SystemExit(f"{draft_model} is missing: run `make models MODELS_EXTRA=smollm2` first")
     extra = ["--target-tokenizer", str(config.target_model)] if bridged else []
     samples: list[dict] = []
-    with local_stack(
-        draft_model,
-        config.target_model,
-        logs / name,
-        draft_dtype="float32",
-        target_dtype=config.target_dtype,
-        device=config.device,
-        threads=config.threads,
-        draft_args=["--quantize", "int8", "--drafter", DRAFTER, *extra],
-        target_args=["--quantize", config.target_quantize],
-        cwd=ROOT,
+    with pair_stack(
+        config, logs / name, draft_model=draft_model, draft_args=["--drafter", DRAFTER, *extra]
     ) as services:
         with grpc.insecure_channel(services["draft"].address) as channel:
             draft_info = draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest(), timeout=10)

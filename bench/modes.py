@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdec.tools.launch import ServiceProcess, local_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +43,31 @@ def target_service_args(config: BenchConfig) -> list[str]:
         "--quantize",
         config.target_quantize,
     ]
+
+
+def pair_stack(
+    config: BenchConfig,
+    log_dir: Path,
+    *,
+    draft_model: Path | None = None,
+    draft_args: Sequence[str] = (),
+    target_args: Sequence[str] = (),
+) -> AbstractContextManager[dict[str, ServiceProcess]]:
+    """The bench's pair as three local services (specdec.tools.launch.local_stack): the draft
+    (`draft_model`, by default the bench's) quantised to int8, and the target at the bench's
+    setting; `draft_args` and `target_args` follow those flags."""
+    return local_stack(
+        draft_model or config.draft_model,
+        config.target_model,
+        log_dir,
+        draft_dtype="float32",
+        target_dtype=config.target_dtype,
+        device=config.device,
+        threads=config.threads,
+        draft_args=["--quantize", "int8", *draft_args],
+        target_args=["--quantize", config.target_quantize, *target_args],
+        cwd=ROOT,
+    )
 
 
 # Where the services run. "shared": every service may use every core (torch --threads each).

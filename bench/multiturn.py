@@ -31,11 +31,10 @@ from pathlib import Path
 import grpc
 
 from bench.demo_prompts import QUESTIONS, SYSTEM
-from specdec.tools.launch import local_stack
+from bench.modes import pair_stack
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
 PREFIX_CACHE = ["--prefix-cache-bytes", "2GiB"]
 STACKS = {  # name: (draft service flags, target service flags)
     "hybrid": (["--drafter", "hybrid"], []),
@@ -169,20 +168,7 @@ def generate(stub, messages: list[pb.ChatMessage], k: int | None, max_new_tokens
 def open_stack(name: str, config, logs: Path, stack: ExitStack) -> coordinator_pb2_grpc.CoordinatorStub:
     """One stack's three services, up until `stack` closes, and a warmed-up stub to its coordinator."""
     draft_extra, target_extra = STACKS[name]
-    services = stack.enter_context(
-        local_stack(
-            config.draft_model,
-            config.target_model,
-            logs / name,
-            draft_dtype="float32",
-            target_dtype=config.target_dtype,
-            device=config.device,
-            threads=config.threads,
-            draft_args=["--quantize", "int8", *draft_extra],
-            target_args=["--quantize", config.target_quantize, *target_extra],
-            cwd=ROOT,
-        )
-    )
+    services = stack.enter_context(pair_stack(config, logs / name, draft_args=draft_extra, target_args=target_extra))
     channel = stack.enter_context(grpc.insecure_channel(services["coordinator"].address))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up

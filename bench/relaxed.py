@@ -34,9 +34,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.harness import load_prompts, machine_info, parse_args
-from bench.modes import ROOT, BenchConfig
+from bench.modes import BenchConfig, pair_stack
 from specdec.sampling.relaxed import DEFAULT_DELTA, DEFAULT_TOP_N
-from specdec.tools.launch import local_stack
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -104,18 +103,7 @@ def run_relaxed(config: BenchConfig, machine: dict) -> dict:
     k = config.ks[-1]
     modes = build_modes(k)
     samples: list[dict] = []
-    with local_stack(
-        config.draft_model,
-        config.target_model,
-        config.out_dir / "logs",
-        draft_dtype="float32",
-        target_dtype=config.target_dtype,
-        device=config.device,
-        threads=config.threads,
-        draft_args=["--quantize", "int8"],
-        target_args=["--quantize", config.target_quantize],
-        cwd=ROOT,
-    ) as services:
+    with pair_stack(config, config.out_dir / "logs") as services:
         with grpc.insecure_channel(services["coordinator"].address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for mode in modes:  # warm-up: first calls pay one-off costs
