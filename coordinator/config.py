@@ -79,6 +79,12 @@ class CoordinatorConfig:
     max_num_speculative_tokens: int = setting(
         8, "--max-num-speculative-tokens", "largest K a request may ask for (also capped by the services)"
     )
+    max_copied_tokens: int = setting(
+        32,
+        "--max-copied-tokens",
+        "most tokens a copy (prompt lookup, suffix drafter) may carry in a round whose K the chooser picks; a "
+        "copy runs no draft pass, so it may be longer than K (also capped by the services' --max-speculative-tokens)",
+    )
     default_max_new_tokens: int = setting(
         64, "--default-max-new-tokens", "max_new_tokens when a request leaves it unset"
     )
@@ -213,6 +219,8 @@ class CoordinatorConfig:
         """A contradiction between flags, said in words; None if the config is consistent."""
         if not 0 <= self.default_num_speculative_tokens <= self.max_num_speculative_tokens:
             return "--num-speculative-tokens must be in [0, --max-num-speculative-tokens]"
+        if self.max_copied_tokens < 0:
+            return f"--max-copied-tokens must be >= 0; got {self.max_copied_tokens}"
         if (
             self.draft_attempts < 1
             or self.breaker_failures < 1

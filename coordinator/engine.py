@@ -78,9 +78,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.upstream = Upstream(config, drafts, targets, pair, target_info)
         self.branches = Branches(config, self.upstream)
-        # The K chooser's acceptance prior, learned from finished requests (seeded sampled
-        # requests start from the fixed default, so their K depends only on themselves).
+        # The K chooser's acceptance prior, and the copy chooser's, learned from finished
+        # requests (seeded sampled requests start from the fixed default, so their K depends
+        # only on themselves).
         self._alpha_prior = DEFAULT_ALPHA_PRIOR
+        self._copy_alpha_prior = DEFAULT_ALPHA_PRIOR
         # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
         # tokenizer thread), never on the event loop: a large request costs its own latency, not
         # a stall of every stream in flight.
@@ -161,7 +163,7 @@ class Engine:
                     state.stats.target_replica = state.target_view.address
                     state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
                     state.stats.replica_moves = state.target_view.moves + state.draft_view.moves
-                    self._learn(state.k_chooser, state.job)
+                    self._learn(state)
                     yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats)
                     return
                 yield Chunk(delta.token_ids, delta.text)
@@ -212,7 +214,7 @@ class Engine:
             hedging=self.config.hedges > 0 and job.num_speculative_tokens != 0,
             retry_until=asyncio.get_running_loop().time() + retry_for,
             k_chooser=k_chooser,
-            copy_chooser=self._copy_chooser(k_chooser, pair),
+            copy_chooser=self._copy_chooser(k_chooser, job, pair),
             # A seeded sampled request's K may depend on nothing but itself (its seed's output
             # depends on K); greedy output is the target's whatever K is.
             load_aware=not (job.seeded and not job.params.greedy),
@@ -404,7 +406,7 @@ class Engine:
             hedged=self.config.hedges > 0,
         )
 
-    def _copy_chooser(self, k_chooser: AdaptiveK | None, pair: PairInfo) -> AdaptiveK | None:
+    def _copy_chooser(self, k_chooser: AdaptiveK | None, job: Job, pair: PairInfo) -> AdaptiveK | None:
         """How many tokens a copy may carry, when the draft copies by prompt lookup and K is
         left to the chooser: a second chooser over the same target costs with drafts that cost
         nothing (a copy runs no pass), learning from copied rounds only. Long copies pay where
@@ -416,11 +418,25 @@ class Engine:
             pair.costs, draft_pass_ms=(0.0,) * len(pair.costs.draft_pass_ms), draft_batch=None
         )
         return AdaptiveK(
-            k_max=pair.max_num_speculative_tokens, pipelined=False, costs=free_drafts, alpha_prior=DEFAULT_ALPHA_PRIOR
+            k_max=pair.max_copied_tokens,
+            pipelined=False,
+            costs=free_drafts,
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._copy_alpha_prior,
         )
 
-    def _learn(self, k_chooser: AdaptiveK | None, job: Job) -> None:
-        """Carries the finished request's acceptance into the next request's prior; a relaxed
-        request's, higher than exact acceptance, would mislead the exact requests after it."""
-        if k_chooser is not None and k_chooser.reached > PRIOR_WEIGHT and job.relaxed is None:
-            self._alpha_prior = 0.8 * self._alpha_prior + 0.2 * k_chooser.alpha
+    def _learn(self, state: RequestState) -> None:
+        """Carries the finished request's acceptance, of its drafts and of its copies, into the
+        next request's priors; a relaxed request's, higher than exact acceptance, would mislead
+        the exact requests after it. (A request whose copies were right ramps its copies up to
+        --max-copied-tokens within a few rounds; the next one starts nearer where it ended.)"""
+        if state.job.relaxed is None:
+            self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
+            self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)
+
+
+def learned_prior(prior: float, chooser: AdaptiveK | None) -> float:
+    """The next request's acceptance prior after a request whose chooser saw evidence beyond
+    its own prior: a moving average over requests."""
+    if chooser is None or chooser.reached <= PRIOR_WEIGHT:
+        return prior
+    return 0.8 * prior + 0.2 * chooser.alpha

@@ -20,6 +20,7 @@ class PairInfo:
     max_context: int  # the target's
     draft_max_context: int
     max_num_speculative_tokens: int  # the config's maximum, capped by both services'
+    max_copied_tokens: int = 0  # the longest copy a chosen round may carry, capped by both services'
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
     draft_copies: bool = False  # the draft copies by prompt lookup (ModelInfo.copies)
@@ -58,6 +59,11 @@ def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCo
         max_num_speculative_tokens=min(
             config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
         ),
+        max_copied_tokens=min(
+            config.max_copied_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
+        )
+        if draft_info.copies
+        else 0,
         costs=costs,
         target_model_id=target_info.model_id,
         draft_copies=draft_info.copies,

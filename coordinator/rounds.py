@@ -105,24 +105,28 @@ class RequestState:
         return self.text.finish_reason is not None
 
 
-def k_limit(pair: PairInfo, length: int, remaining: int) -> int:
+def k_limit(pair: PairInfo, length: int, remaining: int, most: int | None = None) -> int:
     """The most drafts a round may carry, from a sequence of `length` with `remaining` new
-    tokens allowed: room for the drafts plus the recovered/bonus token, in both models."""
+    tokens allowed: room for the drafts plus the recovered/bonus token, in both models, and at
+    most `most` (by default the pair's largest K)."""
     room = pair.max_context - length
-    return max(0, min(pair.max_num_speculative_tokens, remaining - 1, room - 1, pair.draft_max_context - length))
+    most = pair.max_num_speculative_tokens if most is None else most
+    return max(0, min(most, remaining - 1, room - 1, pair.draft_max_context - length))
 
 
-def copy_limit(state: RequestState, pair: PairInfo, k: int, limit: int) -> int:
+def copy_limit(state: RequestState, pair: PairInfo, k: int) -> int:
     """ProposeRequest.max_copied_tokens for this round, an exact cap (0: no copy; with K = 0
     too, no draft call). A request that fixes K copies at most K; target-only requests (K = 0)
-    never copy."""
+    never copy. A chosen copy may be longer than the largest K (--max-copied-tokens): it runs
+    no draft pass, so only the verify grows with it."""
     if not pair.draft_copies or state.job.num_speculative_tokens == 0:
         return 0
     if state.copy_chooser is None:
         return k
     if not k and state.copy_wait:
         return 0  # a copy alone costs a draft call, and the last one found nothing (COPY_WAIT_ROUNDS)
-    return min(state.copy_chooser.choose(), limit)
+    room = k_limit(pair, len(state.sequence), state.remaining, pair.max_copied_tokens)
+    return min(state.copy_chooser.choose(), room)
 
 
 def catch_up_pays(state: RequestState, k: int) -> bool:
@@ -161,7 +165,7 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
     else:
         k, shape = state.job.num_speculative_tokens, state.job.tree_widths
     k = min(k, limit)
-    copy = 0 if shape or first_step else copy_limit(state, pair, k, limit)  # a tree round copies none
+    copy = 0 if shape or first_step else copy_limit(state, pair, k)  # a tree round copies none
     widths = tuple(shape[:limit]) if pair.trees else ()  # a draft restarted as another drafter serves no trees
     fallback = bool(k or copy or widths) and not (state.refusals.allow(state.stats.rounds) and draft_allowed)
     if fallback:

@@ -86,7 +86,7 @@ async def connect(
     costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)
     pair = pair_info(config, draft_info, target_info, costs)
     logger.info(
-        "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d",
+        "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d%s",
         draft_info.model_id,
         numerics(draft_info.dtype, draft_info.quantization),
         draft_info.device,
@@ -96,6 +96,7 @@ async def connect(
         target_info.device,
         targets.describe(),
         pair.max_num_speculative_tokens,
+        f", copies up to {pair.max_copied_tokens} tokens" if pair.draft_copies else "",
     )
     if target_info.quantization:
         logger.warning(

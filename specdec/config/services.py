@@ -230,7 +230,7 @@ class ModelServiceConfig:
         256, "--max-sessions", "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED"
     )
     session_ttl_s: float = setting(300.0, "--session-ttl", "seconds an idle session is kept")
-    max_speculative_tokens: int = setting(16, "--max-speculative-tokens", "largest K accepted per call")
+    max_speculative_tokens: int = setting(32, "--max-speculative-tokens", "largest K accepted per call")
     max_message_bytes: int = max_message_bytes_setting()
     log_level: str = setting("INFO", "--log-level", "logging level")
     metrics_port: int = metrics_port_setting(-1)

@@ -100,7 +100,7 @@ def spawn(
 
 def model_service_args(device: str, threads: int) -> tuple[list[str], dict[str, str]]:
     """Flags and environment shared by a local draft or target service."""
-    args = ["--device", device, "--max-speculative-tokens", "16"] + (["--threads", str(threads)] if threads else [])
+    args = ["--device", device] + (["--threads", str(threads)] if threads else [])
     return args, ({"OMP_NUM_THREADS": str(threads)} if threads else {})
 
 

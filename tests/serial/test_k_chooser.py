@@ -144,21 +144,24 @@ def dear_draft_flat_verify(draft_runner, target_runner) -> None:
 
 async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
     """With a hybrid draft and the chooser, the model's K settles low where its drafts are dear,
-    while copies, which cost no pass, carry more tokens than the model's K; output unchanged
-    and seeds reproduce."""
+    while copies, which cost no pass, carry more tokens than the model's K, and more than the
+    largest K (--max-copied-tokens); output unchanged and seeds reproduce."""
     repeating = "x = x + 1\nx = x + 1\nx = x + 1\nx = x"
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 4},
+        coordinator_overrides={"max_num_speculative_tokens": 4, "max_copied_tokens": 12},
         prepare_runners=dear_draft_flat_verify,
     ) as stack:
         assert stack.draft_runner.describe().copies
-        longer_than_model_k = copied_rounds = copied_tokens = 0
+        longer_than_model_k = longer_than_k_max = copied_rounds = copied_tokens = 0
         for prompt in (repeating, *PROMPTS):
             chosen = await generate(stack, prompt)
             assert list(chosen.token_ids) == reference(prompt)
             ks = list(chosen.stats.k_per_round)
             longer_than_model_k += sum(1 for k in ks if k > 1)
+            longer_than_k_max += sum(1 for k in ks if k > 4)
+            assert max(ks) <= 12
             copied_rounds += chosen.stats.copied_rounds
             copied_tokens += chosen.stats.copied_tokens
             s = chosen.stats  # copies' acceptance apart from the model's, each within its own drafts
@@ -169,3 +172,4 @@ async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
         assert stack.draft_runner.looked_up_proposals > 0 and copied_rounds > 0
         # The model's K stays at 0-1 (its drafts are dear), so rounds of 2+ drafts were copies.
         assert longer_than_model_k > 0 and copied_tokens > copied_rounds, (copied_tokens, copied_rounds)
+        assert longer_than_k_max > 0, "copies longer than the largest K"

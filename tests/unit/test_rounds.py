@@ -11,7 +11,15 @@ from coordinator.adaptive import AdaptiveK, RoundCosts
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
-from coordinator.rounds import COPY_WAIT_ROUNDS, RequestState, RoundKind, commit_round, k_limit, plan_round
+from coordinator.rounds import (
+    COPY_WAIT_ROUNDS,
+    RequestState,
+    RoundKind,
+    RoundPlan,
+    commit_round,
+    k_limit,
+    plan_round,
+)
 from coordinator.state import DraftRefusals, Round, SessionView, Source
 from coordinator.text import TextAssembler
 from specdec.rpc import wire
@@ -28,6 +36,7 @@ PAIR = PairInfo(
     max_context=64,
     draft_max_context=64,
     max_num_speculative_tokens=8,
+    max_copied_tokens=16,
 )
 TOKENIZER = byte_level_tokenizer()
 PROMPT = [65, 66, 67]
@@ -263,6 +272,25 @@ def test_a_lookup_that_found_nothing_is_not_repeated_for_a_few_target_only_round
     request.k_chooser = AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.9)
     plan = plan_round(request, True, True)
     assert plan.kind is RoundKind.DRAFT_CALL and plan.k and plan.copy_limit, "the model drafts, copies ride along"
+
+
+def test_a_chosen_copy_may_be_longer_than_the_largest_k_within_the_room_left():
+    """A copy runs no draft pass, so the copy chooser may pick up to --max-copied-tokens (16
+    here, K at most 8), cut to the room the sequence and max_new_tokens leave; a request that
+    fixes K copies at most K."""
+    free = RoundCosts(draft_pass_ms=(0.0,) * 9, target_pass_ms=(1.0,) * 9)  # a verify costs the same at any size
+    pair = dataclasses.replace(PAIR, draft_copies=True)
+
+    def chosen(max_new_tokens: int, k=None) -> RoundPlan:
+        request = state(k=4 if k is None else k, max_new_tokens=max_new_tokens, pair=pair)
+        if k is None:
+            request.k_chooser = AdaptiveK(k_max=8, pipelined=False, costs=free, alpha_prior=0.99)
+            request.copy_chooser = AdaptiveK(k_max=16, pipelined=False, costs=free, alpha_prior=0.99)
+        return plan_round(request, True, True)
+
+    assert chosen(32).copy_limit == 16 and chosen(32).k == 8
+    assert chosen(10).copy_limit == 9, "room for the copy and the bonus token"
+    assert chosen(32, k=3).copy_limit == 3
 
 
 def test_a_request_whose_k_follows_the_load_starts_with_a_target_only_step_that_copies_nothing():
