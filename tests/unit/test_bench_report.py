@@ -145,7 +145,7 @@ def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
 
     samples = []
     for stack in multiturn.STACKS:
-        for workload, requests, turns in (("edits", 2, 3), ("agent", 2, 1), ("demo", 3, 1)):
+        for workload, requests, turns in (("edits", 2, 3), ("agent", 2, 1), ("demo", 3, 2)):
             for index in range(requests):
                 for turn in range(turns):
                     for k in (0, None) if stack == "hybrid" else (None,):
@@ -168,6 +168,7 @@ def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
         "suite": "multiturn",
         "machine": {"date": "d", "cpu": "c", "cpu_flags": "f", "cores": 2, "torch": "t"},
         "max_new_tokens": 48,
+        "demo_repeats": 2,
         "samples": samples,
     }
     summary = multiturn.summarise(results)
@@ -179,6 +180,7 @@ def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
     table = multiturn.markdown(results)
     assert "| suffix+prefix | 900 ms | 300 ms | 3.00× |" in table
     assert "| edits | 12.00 | 16.00 (1.33×, 1.00×) | 16.00 (1.33×, 1.00×) |" in table
+    assert "| suffix+prefix | 24.00 (1.50×) | 24.00 (1.50×) | 24.00 (1.50×) |" in table  # make run's, over repeats
 
 
 def test_the_drafts_table_compares_each_draft_with_target_only_through_its_own_stack():
