@@ -9,8 +9,8 @@ moving average of its live passes beside them (for monitoring).
 
 from __future__ import annotations
 
-import functools
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,13 +43,29 @@ class PassCosts:
 
 
 def calibrate(
-    run_pass: Callable[[int], None], max_new_tokens: int, repeats: int = 3, warmup: int = 2
+    run_pass: Callable[[int], None], max_new_tokens: int, sweeps: int = 4, warmup: int = 2
 ) -> tuple[float, ...]:
-    """Times `run_pass(n)` for n = 1..max_new_tokens; the fastest of up to `repeats` runs per
-    size (the least disturbed by whatever else the machine is doing)."""
+    """Times `run_pass(n)` for n = 1..max_new_tokens in `sweeps` sweeps over every size, up,
+    down, up, down, and keeps each size's median. Sweeping, rather than timing each size's runs
+    back to back, puts a drift in the machine's speed on every size alike; with sweeps in both
+    directions the middle of each size's times sits at the same point in time for all sizes, so
+    a steady drift cancels and a pass disturbed now and then is outvoted. Timed size by size, a
+    VM slowing through calibration read as a steep curve (39 ms for one token, 78 for nine,
+    against 50 and 66 for the same model calibrated beside it), and that deployment's K chooser
+    took 51 rounds where its neighbours took 31. A size whose first run takes longer than
+    REPEAT_BELOW_MS is timed once, so calibration stays within seconds."""
     for _ in range(warmup):
         run_pass(1)
-    costs = [fastest(functools.partial(run_pass, n), repeats) for n in range(1, max_new_tokens + 1)]
+    times: list[list[float]] = [[] for _ in range(max_new_tokens)]
+    for sweep in range(sweeps):
+        sizes = range(1, max_new_tokens + 1) if sweep % 2 == 0 else range(max_new_tokens, 0, -1)
+        for n in sizes:
+            if sweep and times[n - 1][0] > REPEAT_BELOW_MS:
+                continue
+            started = time.perf_counter()
+            run_pass(n)
+            times[n - 1].append((time.perf_counter() - started) * 1e3)
+    costs = [statistics.median(runs) for runs in times]
     # A pass over fewer tokens never costs more than one over more: a size that came out
     # dearer than a larger one was disturbed, and takes the larger one's figure.
     for i in range(len(costs) - 2, -1, -1):

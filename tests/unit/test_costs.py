@@ -12,14 +12,14 @@ from target_service.runner import TargetRunner, VerifyCall
 from tests.stack import model_service_config
 
 
-def test_calibrate_times_every_size_keeps_the_fastest_run_and_times_slow_passes_once(monkeypatch):
+def test_calibrate_sweeps_every_size_keeps_the_median_and_times_slow_passes_once(monkeypatch):
     import specdec.engine.costs as costs_module
 
     now = [0.0]
-    # Two warm-ups, then size 1 twice (5 ms, 3 ms), size 2 twice (7, 6), size 3 once (a 400 ms
-    # pass is not repeated), size 4 twice (200, 150: cheaper than size 3 came out, so size 3
-    # was disturbed and takes 150 too).
-    durations = iter([1.0, 1.0, 5.0, 3.0, 7.0, 6.0, 400.0, 200.0, 150.0])
+    # Two warm-ups; a sweep up (sizes 1-4: 5, 7, 400, 200 ms); a sweep down (4, 2, 1: 150, 6,
+    # 3; size 3's 400 ms pass is not repeated); a sweep up again (1, 2, 4: 4, 8, 160). Medians:
+    # 4, 7, 400, 160; size 3 came out dearer than size 4, so it was disturbed and takes 160.
+    durations = iter([1.0, 1.0, 5.0, 7.0, 400.0, 200.0, 150.0, 6.0, 3.0, 4.0, 8.0, 160.0])
     calls: list[int] = []
 
     def run_pass(n: int) -> None:
@@ -27,9 +27,26 @@ def test_calibrate_times_every_size_keeps_the_fastest_run_and_times_slow_passes_
         now[0] += next(durations) / 1e3
 
     monkeypatch.setattr(costs_module.time, "perf_counter", lambda: now[0])
-    measured = calibrate(run_pass, 4, repeats=2, warmup=2)
-    assert calls == [1, 1, 1, 1, 2, 2, 3, 4, 4]
-    assert measured == pytest.approx((3.0, 6.0, 150.0, 150.0))
+    measured = calibrate(run_pass, 4, sweeps=3, warmup=2)
+    assert calls == [1, 1, 1, 2, 3, 4, 4, 2, 1, 1, 2, 4]
+    assert measured == pytest.approx((4.0, 7.0, 160.0, 160.0))
+
+
+def test_calibration_cancels_a_machine_slowing_down_as_it_runs(monkeypatch):
+    """Every pass costs 40 ms plus 1 ms for each pass run before it (a VM slowing down).
+    Timed size by size, that drift reads as a curve rising 3 ms a token; swept up and down,
+    every size comes out the same."""
+    import specdec.engine.costs as costs_module
+
+    now, runs = [0.0], [0]
+
+    def run_pass(n: int) -> None:
+        now[0] += (40.0 + runs[0]) / 1e3
+        runs[0] += 1
+
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: now[0])
+    measured = calibrate(run_pass, 9, sweeps=4, warmup=0)
+    assert max(measured) - min(measured) == pytest.approx(0.0)
 
 
 def test_cost_at_extrapolates_past_the_measured_sizes():
