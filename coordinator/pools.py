@@ -43,7 +43,17 @@ PROBE_TIMEOUT_S = 2.0
 PREFIX_AFFINITY_SLACK = 2
 PREFIX_INDEX_ENTRIES = 1 << 16  # prompt prefixes remembered per pool (least recently used go)
 IDENTITY = {
-    "target": ("model_id", "tokenizer_fingerprint", "vocab_size", "max_context", "dtype", "quantization"),
+    # max_speculative_tokens too: copies run up to the first replica's cap (--max-copied-tokens),
+    # and a replica with a lower one (an older build's default of 16) would refuse such verifies.
+    "target": (
+        "model_id",
+        "tokenizer_fingerprint",
+        "vocab_size",
+        "max_context",
+        "dtype",
+        "quantization",
+        "max_speculative_tokens",
+    ),
     # A draft of another family drafts within the tokens it shares with the target: replicas
     # must share the same ones (ModelInfo.vocab_bridge; empty for a draft of the target's).
     "draft": (

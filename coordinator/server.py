@@ -113,7 +113,7 @@ async def measure_round_costs(
 ) -> RoundCosts | None:
     """The K chooser's inputs: both services' calibrated pass costs, and what one call costs
     outside the model, timed here as the fastest of a few Info round trips (the least disturbed
-    by whatever else the machine runs, as calibration takes the fastest pass). Measured once, so
+    by whatever else the machine runs). Measured once, so
     the choice of K (and a seed's output) stays put until a restart. None when either service
     did not calibrate (--calibrate off, or a drafter without a model)."""
     if not (draft_info.calibrated_pass_ms and target_info.calibrated_pass_ms):

@@ -255,7 +255,8 @@ class Upstream:
         refreshed = pair_info(self.config, draft_info, self._target_info, self.pair.costs)
         if refreshed != self.pair:
             logger.warning(
-                "draft at %s changed (copies %s -> %s, trees %s -> %s, max K %d -> %d): rounds follow its new Info",
+                "draft at %s changed (copies %s -> %s, trees %s -> %s, max K %d -> %d, copies up to %d -> %d): "
+                "rounds follow its new Info",
                 replica.address,
                 self.pair.draft_copies,
                 refreshed.draft_copies,
@@ -263,6 +264,8 @@ class Upstream:
                 refreshed.trees,
                 self.pair.max_num_speculative_tokens,
                 refreshed.max_num_speculative_tokens,
+                self.pair.max_copied_tokens,
+                refreshed.max_copied_tokens,
             )
             self.pair = refreshed
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 
 from specdec.config.settings import group, setting
+from specdec.engine.attention import MAX_ROWS
+from specdec.engine.costs import CALIBRATION_MAX_TOKENS
 from specdec.engine.pace import load_profile
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
@@ -230,7 +232,12 @@ class ModelServiceConfig:
         256, "--max-sessions", "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED"
     )
     session_ttl_s: float = setting(300.0, "--session-ttl", "seconds an idle session is kept")
-    max_speculative_tokens: int = setting(32, "--max-speculative-tokens", "largest K accepted per call")
+    max_speculative_tokens: int = setting(
+        32,
+        "--max-speculative-tokens",
+        f"largest K, or copy, accepted per call (at most {MAX_ROWS - 1}: a verify's passes attend row by row up to "
+        f"{MAX_ROWS} rows)",
+    )
     max_message_bytes: int = max_message_bytes_setting()
     log_level: str = setting("INFO", "--log-level", "logging level")
     metrics_port: int = metrics_port_setting(-1)
@@ -283,8 +290,9 @@ class ModelServiceConfig:
     calibrate: bool = setting(
         True,
         "--calibrate",
-        "on: measure what a forward pass costs for 1..max-speculative-tokens+1 new tokens at start-up "
-        "(a few seconds; reported in Info, used by the coordinator's K chooser)",
+        f"on: measure what a forward pass costs for 1..{CALIBRATION_MAX_TOKENS} new tokens (at most "
+        "max-speculative-tokens+1; larger passes are extrapolated) at start-up (a few seconds; reported in Info, "
+        "used by the coordinator's K chooser)",
         more="`off` reports no costs; the coordinator then uses its default K.",
     )
     security: ServerSecurity = group(ServerSecurity())
@@ -316,6 +324,8 @@ class ModelServiceConfig:
 
     def problem(self) -> str | None:
         """A contradiction between settings, in words; None if the config is consistent."""
+        if not 1 <= self.max_speculative_tokens < MAX_ROWS:
+            return f"--max-speculative-tokens must be in [1, {MAX_ROWS - 1}]; got {self.max_speculative_tokens}"
         if self.batch_window_ms < 0:
             return f"--batch-window-ms must be >= 0 (0 turns batching off); got {self.batch_window_ms}"
         if self.max_batch_size < 1:

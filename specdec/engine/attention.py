@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_rowwise"
 EVERY_ROW = "specdec_rowwise_every_row"
-MAX_ROWS = 32  # NAME: verify passes have K + 1 <= 17 rows; a longer pass is a prefill
+MAX_ROWS = 65  # NAME: a verify has K + 1 rows, and --max-speculative-tokens is at most 64; a longer pass is a prefill
 
 
 def rowwise_attention_forward(

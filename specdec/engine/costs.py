@@ -53,7 +53,9 @@ def calibrate(
     VM slowing through calibration read as a steep curve (39 ms for one token, 78 for nine,
     against 50 and 66 for the same model calibrated beside it), and that deployment's K chooser
     took 51 rounds where its neighbours took 31. A size whose first run takes longer than
-    REPEAT_BELOW_MS is timed once, so calibration stays within seconds."""
+    REPEAT_BELOW_MS is timed once, so calibration stays within seconds (and no drift cancels
+    for it: a float32 target on 2 cores). Batched passes (runner._calibrate_batches) are still
+    the fastest of three runs each."""
     for _ in range(warmup):
         run_pass(1)
     times: list[list[float]] = [[] for _ in range(max_new_tokens)]

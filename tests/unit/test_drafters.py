@@ -129,6 +129,8 @@ def test_auto_quantisation_and_contradictory_flags():
     assert dataclasses.replace(base, drafter="ngram", quantize="int8").problem() is not None
     assert dataclasses.replace(base, drafter="ngram", ngram_min=3, ngram_max=2).problem() is not None
     assert dataclasses.replace(base, drafter="ngram").problem() is None
+    assert dataclasses.replace(base, drafter="ngram", max_speculative_tokens=64).problem() is None
+    assert "must be in [1, 64]" in dataclasses.replace(base, drafter="ngram", max_speculative_tokens=65).problem()
     with pytest.raises(SystemExit):
         draft_config(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"], {})
     ngram = draft_config(["--model", "m", "--drafter", "ngram", "--ngram-min", "1"], {"SPECDEC_DRAFT_NGRAM_MAX": "6"})

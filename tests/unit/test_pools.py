@@ -116,6 +116,10 @@ def test_a_replica_serving_another_model_is_refused():
     same = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
     pool._apply(replica, same)
     assert not replica.refused and replica.serving
+    # A lower --max-speculative-tokens would refuse the pool's longest copies.
+    assert "max_speculative_tokens" in pool.mismatch(
+        common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8, max_speculative_tokens=16)
+    )
 
 
 def test_a_dns_pool_checks_tls_certificates_for_its_name():

@@ -108,6 +108,28 @@ def test_the_row_wise_int8_pass_is_bitwise_one_token_decoding(model):
         assert torch.equal(decoded, logits[node]), f"node {node}"
 
 
+def test_the_longest_verify_the_services_accept_is_attended_row_by_row(model):
+    """A verify of the longest copy (--max-speculative-tokens at its default, plus the last
+    committed token) stays within the bounded per-row form, so each row is bitwise one-token
+    decoding; with MAX_ROWS at 32 a 33-row verify fell back to SDPA."""
+    from specdec.config.services import ModelServiceConfig
+
+    rows = ModelServiceConfig.max_speculative_tokens + 1
+    assert rows <= attention.MAX_ROWS
+    quantised = copy.deepcopy(model)
+    quantize_int8(quantised)
+    quantised.set_attn_implementation(attention.NAME)
+    tokens = [(7 * i) % 50 for i in range(rows)]
+    cache = prefilled(quantised)
+    with torch.inference_mode():
+        logits = quantised(torch.tensor([tokens]), **with_cache(quantised, cache)).logits[0]
+    cache = prefilled(quantised)
+    with torch.inference_mode():
+        for i, token in enumerate(tokens):
+            decoded = quantised(torch.tensor([[token]]), **with_cache(quantised, cache)).logits[0, -1]
+            assert torch.equal(decoded, logits[i]), f"row {i}"
+
+
 def test_a_session_keeps_the_branch_its_next_call_spells_and_drops_the_rest(model):
     """KVSession.tree: the next call's new tokens (the accepted path, then the next token)
     reuse the path's cached nodes; a call that rolls back before the tree drops them all."""
