@@ -196,7 +196,7 @@ class Engine:
             vocab_limit=pair.draft_vocab_limit,
             namespace=job.cache_namespace,
             # A seeded sampled request's proposals, like its K, may depend on nothing but itself.
-            own_sequence_only=job.seeded and not job.params.greedy,
+            own_sequence_only=job.seeded_sampled,
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
         self.upstream.place(draft_view, target_view, job.prompt_ids)
@@ -217,7 +217,7 @@ class Engine:
             copy_chooser=self._copy_chooser(k_chooser, job, pair),
             # A seeded sampled request's K may depend on nothing but itself (its seed's output
             # depends on K); greedy output is the target's whatever K is.
-            load_aware=not (job.seeded and not job.params.greedy),
+            load_aware=not job.seeded_sampled,
         )
 
     async def _run_round(
@@ -400,7 +400,7 @@ class Engine:
             costs=pair.costs,
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
-            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._alpha_prior,
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,
             # Trees are verified exactly only: a relaxed request's chooser weighs chains alone.
             trees=self.config.tree_chooser and pair.trees and not self.config.hedges and job.relaxed is None,
             hedged=self.config.hedges > 0,
@@ -421,7 +421,7 @@ class Engine:
             k_max=pair.max_copied_tokens,
             pipelined=False,
             costs=free_drafts,
-            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded and not job.params.greedy else self._copy_alpha_prior,
+            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._copy_alpha_prior,
         )
 
     def _learn(self, state: RequestState) -> None:

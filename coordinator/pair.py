@@ -50,20 +50,15 @@ class PairInfo:
 def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCosts | None) -> PairInfo:
     """What the coordinator knows of the pair, from both services' Info (at start-up, and
     again from the draft's when a restarted draft refuses a call)."""
+    services_max = min(draft_info.max_speculative_tokens, target_info.max_speculative_tokens)
     return PairInfo(
         vocab_size=target_info.vocab_size,
         draft_vocab_size=draft_info.vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         max_context=target_info.max_context,
         draft_max_context=draft_info.max_context,
-        max_num_speculative_tokens=min(
-            config.max_num_speculative_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
-        ),
-        max_copied_tokens=min(
-            config.max_copied_tokens, draft_info.max_speculative_tokens, target_info.max_speculative_tokens
-        )
-        if draft_info.copies
-        else 0,
+        max_num_speculative_tokens=min(config.max_num_speculative_tokens, services_max),
+        max_copied_tokens=min(config.max_copied_tokens, services_max) if draft_info.copies else 0,
         costs=costs,
         target_model_id=target_info.model_id,
         draft_copies=draft_info.copies,

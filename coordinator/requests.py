@@ -73,6 +73,12 @@ class Job:
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (lossy); None: exact
 
     @property
+    def seeded_sampled(self) -> bool:
+        """A seeded sampled request: its output depends on K and copy lengths, so those may
+        depend on nothing but the request itself (greedy output is the target's whatever K is)."""
+        return self.seeded and not self.params.greedy
+
+    @property
     def acceptance_mode(self) -> AcceptanceMode:
         return AcceptanceMode.EXACT if self.relaxed is None else AcceptanceMode.RELAXED
 
