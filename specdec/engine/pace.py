@@ -4,7 +4,10 @@ A model service with a profile runs its real model (tiny in tests), then holds e
 pass until the profile's time for that pass has passed since the pass began. It sleeps while it
 holds, so the host CPU is as idle as it is while a GPU computes, and the draft and the target
 overlap as they would on accelerators of their own. Start-up calibration, `Info` and the
-coordinator's K chooser see the emulated costs, as they would see a GPU's.
+coordinator's K chooser see the emulated costs, as they would see a GPU's. What an accelerator
+does in device memory is part of its pass: a batched pass holds the padding of its sessions'
+caches into one batch and their splitting back (specdec.engine.batching) inside its time, as
+a GPU would copy them, rather than adding them after it as host work.
 
 A pass's time is the profile's `pass_ms` interpolated linearly at the pass's new tokens (summed
 over the sessions of a batched pass; past the last point, extrapolated from the last two), plus

@@ -442,8 +442,10 @@ class ModelRunner:
         logit_positions = (
             (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)
         )  # [B, width]
-        cache = padded_cache(sessions, past, max_past, self.model.config)
-        with self._paced(sum(new), sum(past)):  # an accelerator's batched pass: its sessions' real tokens
+        # An accelerator's batched pass, its sessions' real tokens; the caches' padding and
+        # splitting inside it, as device memory traffic (specdec.engine.pace).
+        with self._paced(sum(new), sum(past)):
+            cache = padded_cache(sessions, past, max_past, self.model.config)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -453,9 +455,9 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=logit_positions,
             )
+            for row, session in enumerate(sessions):
+                session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row], self.model.config)
             self._synchronize()
-        for row, session in enumerate(sessions):
-            session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row], self.model.config)
         self.processed_tokens_total += sum(new)
         self.batched_forwards += 1
         self.batched_sessions_total += batch
@@ -490,13 +492,14 @@ class ModelRunner:
             positions[row, :length] = tree_position_ids(paths, past[row], len(tokens))[0]
             rows = torch.arange(len(tokens) - 1, length)  # the root and the nodes: [1 + N_b]
             logit_positions[row, : len(rows)] = rows
-        cache = padded_cache(sessions, past, max_past, self.model.config)
-        with self._paced(sum(len(run) for run in runs), sum(past)):
+        with self._paced(sum(len(run) for run in runs), sum(past)):  # the caches' traffic inside, as above
+            cache = padded_cache(sessions, past, max_past, self.model.config)
             out = self._tree_pass(input_ids, mask, positions, cache, logit_positions)
+            for row, (session, run) in enumerate(zip(sessions, runs)):
+                session.cache = row_cache(cache, row, max_past - past[row], max_past + len(run), self.model.config)
         results = []
         for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
             length = len(runs[row])
-            session.cache = row_cache(cache, row, max_past - past[row], max_past + length, self.model.config)
             session.tree = CachedTree(len(session.tokens), tuple(nodes), tuple(parents), len(nodes))
             results.append(out.logits[row, : len(nodes) + 1].float())  # [1 + N_b, V]
         self.processed_tokens_total += sum(len(run) for run in runs)
