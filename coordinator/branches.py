@@ -5,6 +5,7 @@ outcome alone, which keeps the output exact)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -125,17 +126,18 @@ class Branches:
         requests: list[draft_pb2.ProposeRequest] = []
         base = len(sequence)
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
+            # Room for a next round after a rejection at j shrinks with j: hedge only the
+            # positions that leave some, so the best outcomes are chosen among those.
+            limits = [k_limit(pair, base + j + 1, state.remaining - j - 1) for j in range(len(round_.runner_up_ids))]
+            positions = next((j for j, limit in enumerate(limits) if not limit), len(limits))
             for hedge in plan_hedges(
-                round_.runner_up_ids,
-                round_.runner_up_probs,
+                round_.runner_up_ids[:positions],
+                round_.runner_up_probs[:positions],
                 state.acceptance.alpha,
                 self.config.hedges,
                 pair.eos_token_ids,
             ):
-                limit = k_limit(pair, base + hedge.position + 1, state.remaining - hedge.position - 1)
-                if not limit:
-                    continue
-                plans.append(BranchPlan(min(hedge_k, limit), uuid.uuid4().hex, hedge))
+                plans.append(BranchPlan(min(hedge_k, limits[hedge.position]), uuid.uuid4().hex, hedge))
                 requests.append(
                     draft_pb2.ProposeRequest(
                         session_id=plans[-1].session_id,
@@ -281,17 +283,15 @@ class Branches:
                 stats.hedged_tokens += len(branch.draft_token_ids)
                 taken = branch
                 unused.append(draft_view.session_id)
-                draft_view = SessionView(
-                    plan.session_id,
+                # The request's session from now on: the fork, where it was forked, with the
+                # request's settings and call numbers.
+                draft_view = dataclasses.replace(
+                    draft_view,
+                    session_id=plan.session_id,
                     synced=base + outcome.num_accepted + 1,
                     opened=True,
-                    calls=draft_view.calls,
-                    min_confidence=draft_view.min_confidence,
-                    vocab_limit=draft_view.vocab_limit,
-                    replica=draft_view.replica,  # a fork lives where it was forked
-                    moves=draft_view.moves,
-                    namespace=draft_view.namespace,
-                    own_sequence_only=draft_view.own_sequence_only,
+                    last_epoch=0,
+                    lost=False,
                 )
             else:
                 stats.hedge_wasted_tokens += len(branch.draft_token_ids)

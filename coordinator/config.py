@@ -33,7 +33,7 @@ from specdec.sampling.relaxed import (
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
-MAX_HEDGES = 8
+MAX_HEDGES = 24  # each position of K <= 8 with 3 recovered tokens; + the pre-draft <= wire.MAX_BRANCHES
 MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its own and its step_seeds
 
 
@@ -131,8 +131,9 @@ class CoordinatorConfig:
     hedges: int = setting(
         0,
         "--hedges",
-        "pre-draft this many likely rejection outcomes on forks of the draft session during each verify "
-        f"(0 = off; at most {MAX_HEDGES})",
+        "pre-draft this many likely rejection outcomes (a draft rejected and the token recovered in its "
+        "place: the draft's likeliest other tokens, up to 4 per position) on forks of the draft session "
+        f"during each verify (0 = off; at most {MAX_HEDGES})",
     )
     target_only_steps: int = setting(
         4,

@@ -28,6 +28,7 @@ from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.branches import BranchCall, Branches
 from coordinator.clients import CallRejected
 from coordinator.config import CoordinatorConfig
+from coordinator.hedging import runner_ups_for
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.pools import Pool
@@ -190,6 +191,7 @@ class Engine:
             relaxed_delta=job.relaxed.delta if job.relaxed is not None else 0.0,
         )
         stats.pipelined = pipelined
+        hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
         draft_view = SessionView(
             session_id,
             min_confidence=job.draft_min_confidence,
@@ -197,6 +199,7 @@ class Engine:
             namespace=job.cache_namespace,
             # A seeded sampled request's proposals, like its K, may depend on nothing but itself.
             own_sequence_only=job.seeded_sampled,
+            runner_ups=runner_ups_for(self.config.hedges) if hedging else 0,
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
         self.upstream.place(draft_view, target_view, job.prompt_ids)
@@ -211,7 +214,7 @@ class Engine:
             draft_view=draft_view,
             target_view=target_view,
             pipelined=pipelined,
-            hedging=self.config.hedges > 0 and job.num_speculative_tokens != 0,
+            hedging=hedging,
             retry_until=asyncio.get_running_loop().time() + retry_for,
             k_chooser=k_chooser,
             copy_chooser=self._copy_chooser(k_chooser, job, pair),

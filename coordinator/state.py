@@ -36,6 +36,7 @@ class SessionView:
     moves: int = 0  # times it moved to another replica
     namespace: str = ""  # the request's cache namespace (Job.cache_namespace), sent with every call
     own_sequence_only: bool = False  # the draft copies from this request's text alone (a seeded sampled one)
+    runner_ups: int = 0  # the draft's likeliest other tokens to send per position, to hedge on (0: one)
 
     @property
     def client(self) -> ServiceClient:
@@ -53,6 +54,7 @@ class SessionView:
             "vocab_limit": self.vocab_limit,
             "cache_namespace": self.namespace,
             "own_sequence_only": self.own_sequence_only,
+            "runner_ups": self.runner_ups,
         }
         if self.min_confidence is not None:
             fields["min_confidence"] = self.min_confidence
@@ -113,8 +115,10 @@ class Round:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_token_draft_probs: list[float] = field(default_factory=list)
     distributions: list = field(default_factory=list)
-    runner_up_ids: list[int] = field(default_factory=list)  # per draft, for hedging; may be empty
-    runner_up_probs: list[float] = field(default_factory=list)
+    # Per draft, the draft's likeliest other tokens and their probabilities, best first, for
+    # hedging: [K][R]; empty when the draft sent none.
+    runner_up_ids: list[list[int]] = field(default_factory=list)
+    runner_up_probs: list[list[float]] = field(default_factory=list)
     copied: bool = False  # copied by the draft's prompt lookup, not drafted by its model
     parents: list[int] = field(default_factory=list)  # a token tree's parent nodes; empty: a chain
 
@@ -146,9 +150,7 @@ def round_from(
             f"service at {address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
         )
     check_reply(address, "distributions", len(proposal.distributions), len(proposal.token_ids))
-    if proposal.runner_up_token_ids or proposal.runner_up_probs:  # optional, but whole if sent
-        check_reply(address, "runner_up_token_ids", len(proposal.runner_up_token_ids), len(proposal.token_ids))
-        check_reply(address, "runner_up_probs", len(proposal.runner_up_probs), len(proposal.token_ids))
+    runner_up_ids, runner_up_probs = _runner_ups(proposal, address)
     draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
     for position, (token, prob) in enumerate(zip(proposal.token_ids, draft_probs)):
         # u * 0 < target_prob would accept the token with probability 1, and NaN would never
@@ -180,10 +182,29 @@ def round_from(
         list(proposal.token_ids),
         draft_probs,
         list(proposal.distributions),
-        list(proposal.runner_up_token_ids),
-        list(proposal.runner_up_probs),
+        runner_up_ids,
+        runner_up_probs,
         proposal.copied,
         list(proposal.parents),
+    )
+
+
+def _runner_ups(proposal: draft_pb2.ProposeResponse, address: str) -> tuple[list[list[int]], list[list[float]]]:
+    """A reply's runner-ups per position ([K][R]): optional, but whole if sent, the same
+    number R for every position (an older draft sends one each, whatever was asked)."""
+    ids, probs, proposed = proposal.runner_up_token_ids, proposal.runner_up_probs, len(proposal.token_ids)
+    if not (ids or probs):
+        return [], []
+    each = len(ids) // proposed if proposed else 0
+    if not 1 <= each <= wire.MAX_RUNNER_UPS or len(ids) != each * proposed or len(probs) != len(ids):
+        raise SpecDecError(
+            f"service at {address} sent {len(ids)} runner_up_token_ids and {len(probs)} runner_up_probs for "
+            f"{proposed} proposed tokens; expected as many of each, 1 to {wire.MAX_RUNNER_UPS} per token; the "
+            "reply is malformed"
+        )
+    return (
+        [list(ids[i : i + each]) for i in range(0, len(ids), each)],
+        [list(probs[i : i + each]) for i in range(0, len(probs), each)],
     )
 
 

@@ -23,10 +23,11 @@ class Proposal:
     processed_tokens: int
     sequence_length: int
     compute_ms: float
-    # Per position, the draft's likeliest other token and its draft probability: where a
-    # hedge would guess the recovered token. Empty when the drafter has no distribution.
-    runner_up_ids: list[int] = field(default_factory=list)  # [K']
-    runner_up_probs: list[float] = field(default_factory=list)  # [K']
+    # Per position, the draft's likeliest other tokens (ProposeCall.runner_ups of them, best
+    # first) and their draft probabilities: where a hedge would guess the recovered token.
+    # Empty when the drafter has no distribution.
+    runner_up_ids: list[int] = field(default_factory=list)  # [K' · R], position after position
+    runner_up_probs: list[float] = field(default_factory=list)  # [K' · R]
     batch_size: int = 1  # most sessions that shared one of its forward passes
     # Per row, the ids of exactly its non-zero entries when the drafter knows them without a
     # scan (top-k truncation); None rows, or no list, are found by the wire encoder.
@@ -55,6 +56,7 @@ class ProposeCall:
     guess_first: bool = False  # the first token is the argmax, a guess (ProposeRequest.guess_first)
     cache_namespace: str = ""  # whose earlier text the session may reuse (ProposeRequest.cache_namespace)
     own_sequence_only: bool = False  # copy from the session's own sequence alone (ProposeRequest)
+    runner_ups: int = 1  # the likeliest other tokens to report per position (ProposeRequest.runner_ups)
 
     @property
     def copy_limit(self) -> int:

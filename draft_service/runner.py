@@ -382,10 +382,9 @@ class DraftRunner(ModelRunner):
         # greedy, the drawn token's probability when sampling.
         drafting.unsure = stops_on_confidence(float(belief[row]), drafting.min_confidence)
         drafting.token_ids.append(self._caller_id(row))
-        runner_up = self._runner_up(belief, row)
-        if runner_up is not None:
-            drafting.runner_up_ids.append(runner_up[0])
-            drafting.runner_up_probs.append(runner_up[1])
+        for other, prob in self._runner_ups(belief, row, drafting.call.runner_ups):
+            drafting.runner_up_ids.append(other)
+            drafting.runner_up_probs.append(prob)
         drafting.rows.append(self._over_vocab(head_probs))  # [V]
         if not drafting.deterministic:
             drafting.supports.append(self._caller_support(support))
@@ -423,14 +422,12 @@ class DraftRunner(ModelRunner):
             raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         return logits.masked_fill(outside, float("-inf"))
 
-    def _runner_up(self, belief: torch.Tensor, row: int) -> tuple[int, float] | None:
-        """The likeliest head row other than `row` as (token id, probability); None for a
-        one-token head. belief: [N]"""
-        if belief.numel() < 2:
-            return None
-        top = belief.topk(2)
-        other = int(top.indices[1]) if int(top.indices[0]) == row else int(top.indices[0])
-        return self._caller_id(other), float(belief[other])
+    def _runner_ups(self, belief: torch.Tensor, row: int, count: int) -> list[tuple[int, float]]:
+        """The `count` likeliest head rows other than `row`, best first, as (token id,
+        probability): fewer only where the head has fewer other rows. belief: [N]"""
+        top = belief.topk(min(count + 1, belief.numel()))
+        others = [int(index) for index in top.indices if int(index) != row][:count]
+        return [(self._caller_id(other), float(belief[other])) for other in others]
 
     def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
         """[N] over the head's ids → [V] over the whole (caller's) vocabulary, zeros elsewhere."""

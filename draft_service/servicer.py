@@ -94,8 +94,10 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         """All branches in one runner call, so their draft steps share forward passes. Not
         through the batcher: the branches already are the batch, and other sessions' calls
         never wait behind them for a window."""
-        if not 1 <= len(request.branches) <= MAX_BRANCHES:
-            raise InvalidArgument(f"ProposeBranches takes 1 to {MAX_BRANCHES} branches; got {len(request.branches)}")
+        if not 1 <= len(request.branches) <= wire.MAX_BRANCHES:
+            raise InvalidArgument(
+                f"ProposeBranches takes 1 to {wire.MAX_BRANCHES} branches; got {len(request.branches)}"
+            )
         ending = list(request.end_session_ids)
         if len(ending) > wire.MAX_ENDED_SESSIONS:
             raise InvalidArgument(f"ProposeBranches ends at most {wire.MAX_ENDED_SESSIONS} sessions; got {len(ending)}")
@@ -145,10 +147,9 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             raise
 
 
-MAX_BRANCHES = 16
-
-
 def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
+    if request.runner_ups > wire.MAX_RUNNER_UPS:
+        raise InvalidArgument(f"runner_ups must be in [0, {wire.MAX_RUNNER_UPS}] (0 means 1); got {request.runner_ups}")
     return ProposeCall(
         request.session_id,
         request.keep_tokens,
@@ -166,6 +167,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.guess_first,
         request.cache_namespace,
         request.own_sequence_only,
+        max(request.runner_ups, 1),
     )
 
 

@@ -103,8 +103,15 @@ class Row:
     probs: np.ndarray  # [V] float64
     cdf: np.ndarray  # [V]
     wire: common_pb2.ProposalDistribution  # dense float32, as the draft sends it
-    argmax: int
-    second: int  # the likeliest other token
+    order: tuple[int, ...]  # every token, likeliest first
+
+    @property
+    def argmax(self) -> int:
+        return self.order[0]
+
+    def runner_ups(self, token: int, count: int) -> list[int]:
+        """The `count` likeliest tokens other than `token`, best first (ProposeResponse)."""
+        return [other for other in self.order[: count + 1] if other != token][:count]
 
 
 def row_of(probs: np.ndarray) -> Row:
@@ -114,8 +121,7 @@ def row_of(probs: np.ndarray) -> Row:
         probs,
         np.cumsum(probs),
         common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=sent.tobytes())),
-        int(order[0]),
-        int(order[1]),
+        tuple(int(token) for token in order),
     )
 
 
@@ -199,11 +205,11 @@ class TableDraft(TableService):
             row = self.model.row(tuple(session.tokens))
             guess = request.guess_first and not step  # the argmax, sent one-hot, no draw
             token = row.argmax if guess else draw(row.cdf, generator)
-            runner_up = row.second if token == row.argmax else row.argmax
             response.token_ids.append(token)
             response.distributions.append(ONE_HOT if guess else row.wire)
-            response.runner_up_token_ids.append(runner_up)
-            response.runner_up_probs.append(float(row.probs[runner_up]))
+            for runner_up in row.runner_ups(token, max(request.runner_ups, 1)):
+                response.runner_up_token_ids.append(runner_up)
+                response.runner_up_probs.append(float(row.probs[runner_up]))
             session.tokens.append(token)
             if stops_on_confidence(float(row.probs[token]), min_confidence):
                 self.confidence_stops += 1

@@ -110,6 +110,14 @@ def hedges_used(stats, draft) -> str | None:
     return None if hits > len(stats) // 20 else f"only {hits} hedges were used"
 
 
+def fanned_hedges_used(stats, draft) -> str | None:
+    """Hedges were used, and several recovered tokens per position were hedged. A generation's
+    first round (K = 2 of 3 tokens) leaves room for a next round only after a rejection of its
+    first draft, so it hedges that position alone: one fork without fan-out, two with it."""
+    hedges = total(stats, "hedges")
+    return hedges_used(stats, draft) or (None if hedges > 1.5 * len(stats) else f"only {hedges} hedges: no fan-out")
+
+
 def hedges_and_pre_drafts_used(stats, draft) -> str | None:
     return hedges_used(stats, draft) or pre_drafts_used(stats, draft)
 
@@ -138,6 +146,9 @@ MODES = {
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
     # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%).
     "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.5, exercised=hedges_used),
+    # Three tokens, so a rejected draft leaves two candidates for its recovered token, and a
+    # hedge for each (the draft's two runner-ups): the fan-out.
+    "hedged_fanout": Mode({"hedges": 4}, vocab=3, length=3, k=2, draft_noise=1.5, exercised=fanned_hedges_used),
     # Pre-draft and hedges in one ProposeBranches call, stepped together.
     "batched_hedges": Mode(
         # Without catch-up steps, so that every round after the first batches its branches.
@@ -283,6 +294,7 @@ MUTANTS = {
     "pipelined": pre_draft_rows_flattened,
     "pipelined_waiting": pre_draft_rows_flattened,
     "hedged": hedge_picked_by_its_drafts,
+    "hedged_fanout": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
     "confidence_stopped": unsure_draft_dropped,
     "adaptive": k_cut_after_drafting,

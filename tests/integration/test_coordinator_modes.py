@@ -215,7 +215,7 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
                 [],
                 [
                     draft_pb2.ProposeRequest(session_id=f"x{i}", new_tokens=[1], num_tokens=1, sampling=sampling)
-                    for i in range(17)
+                    for i in range(wire.MAX_BRANCHES + 1)
                 ],
             ):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -223,6 +223,12 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
                 assert (
                     refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()
                 )
+            too_many = draft_pb2.ProposeRequest(
+                session_id="r", new_tokens=[1], num_tokens=1, sampling=sampling, runner_ups=wire.MAX_RUNNER_UPS + 1
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[too_many]))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "runner_ups" in refused.value.details()
 
 
 async def test_catch_up_steps_survive_lost_sessions_and_leave_none_behind(tiny_pair, reference):

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from coordinator.config import parse_config
-from coordinator.hedging import Acceptance, plan_hedges
+from coordinator.hedging import Acceptance, plan_hedges, runner_ups_for
+from coordinator.state import round_from
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.engine.modeling import load_causal_lm
-from specdec.errors import InvalidArgument, SessionNotFound, StaleRequest
+from specdec.errors import InvalidArgument, SessionNotFound, SpecDecError, StaleRequest
 from specdec.sampling.probs import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2
 
 GREEDY = SamplingParams()
 
@@ -20,14 +22,45 @@ GREEDY = SamplingParams()
 def test_hedges_rank_outcomes_by_reach_rejection_and_runner_up_probability():
     # alpha 0.5: position j is reached with 0.5^j, so a likely runner-up late can lose to a
     # less likely one early.
-    plan = plan_hedges([10, 11, 12], [0.2, 0.9, 0.3], alpha=0.5, limit=3)
+    plan = plan_hedges([[10], [11], [12]], [[0.2], [0.9], [0.3]], alpha=0.5, limit=3)
     assert [(h.position, h.recovered_token_id) for h in plan] == [(1, 11), (0, 10), (2, 12)]
     assert plan[0].score == pytest.approx(0.5 * 0.5 * 0.9)
-    assert [h.position for h in plan_hedges([10, 11, 12], [0.2, 0.9, 0.3], alpha=0.5, limit=1)] == [1]
+    assert [h.position for h in plan_hedges([[10], [11], [12]], [[0.2], [0.9], [0.3]], alpha=0.5, limit=1)] == [1]
+
+
+def test_hedges_fan_out_over_several_runner_ups_per_position():
+    # alpha 0.8: position 1 is reached with 0.8, so position 0's second runner-up (0.3)
+    # outranks position 1's first (0.8 · 0.35 = 0.28), and its third (0.1) ranks last.
+    ids, probs = [[10, 20, 30], [11, 21, 31]], [[0.5, 0.3, 0.1], [0.35, 0.2, 0.05]]
+    plan = plan_hedges(ids, probs, alpha=0.8, limit=4)
+    assert [(h.position, h.recovered_token_id) for h in plan] == [(0, 10), (0, 20), (1, 11), (1, 21)]
+    assert len(plan_hedges(ids, probs, alpha=0.8, limit=24)) == 6
+
+
+def test_runner_ups_asked_for_follow_the_hedges():
+    assert [runner_ups_for(hedges) for hedges in (0, 1, 2, 3, 8, 24)] == [0, 0, 2, 3, 4, 4]
+
+
+def test_a_reply_s_runner_ups_come_per_position_and_a_ragged_list_is_refused():
+    one_hot = common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())
+
+    def reply(ids: list[int], probs: list[float]) -> draft_pb2.ProposeResponse:
+        return draft_pb2.ProposeResponse(
+            token_ids=[2, 0], distributions=[one_hot, one_hot], runner_up_token_ids=ids, runner_up_probs=probs
+        )
+
+    fanned = round_from(reply([1, 3, 4, 5], [0.5, 0.25, 0.75, 0.5]), 2, "d:1", 8)  # exact in float32
+    assert (fanned.runner_up_ids, fanned.runner_up_probs) == ([[1, 3], [4, 5]], [[0.5, 0.25], [0.75, 0.5]])
+    assert fanned.truncated(1, start=1).runner_up_ids == [[4, 5]]
+    assert round_from(reply([1, 4], [0.5, 0.25]), 2, "d:1", 8).runner_up_ids == [[1], [4]]  # one each: older drafts
+    assert round_from(reply([], []), 2, "d:1", 8).runner_up_ids == []
+    for ids, probs in (([1, 3, 4], [0.1] * 3), ([1, 3], [0.1]), ([1] * 10, [0.1] * 10)):
+        with pytest.raises(SpecDecError, match="runner_up_token_ids .* malformed"):
+            round_from(reply(ids, probs), 2, "d:1", 8)
 
 
 def test_hedges_skip_end_of_sequence_and_impossible_tokens():
-    plan = plan_hedges([7, 8, 9], [0.5, 0.0, 0.4], alpha=0.8, limit=8, skip_token_ids={7})
+    plan = plan_hedges([[7], [8], [9]], [[0.5], [0.0], [0.4]], alpha=0.8, limit=8, skip_token_ids={7})
     assert [(h.position, h.recovered_token_id) for h in plan] == [(2, 9)]
     assert plan_hedges([], [], alpha=0.8, limit=2) == []
 
@@ -47,7 +80,7 @@ def test_hedges_flag_is_bounded():
     assert parse_config(base, env={}).hedges == 0
     assert parse_config([*base, "--hedges", "3"], env={}).hedges == 3
     with pytest.raises(SystemExit):
-        parse_config([*base, "--hedges", "9"], env={})
+        parse_config([*base, "--hedges", "25"], env={})
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +128,21 @@ def test_stale_unknown_or_clashing_forks_open_nothing(draft_runner):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
-def test_runner_up_is_the_likeliest_other_token(draft_runner, params):
-    proposal = draft_runner.propose_one(ProposeCall("r", 0, [5, 6, 7, 8], 4, params, 1))
-    assert len(proposal.runner_up_ids) == len(proposal.runner_up_probs) == len(proposal.token_ids)
-    for token, runner_up, prob in zip(proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs):
-        assert runner_up != token and 0.0 < prob <= 1.0
-    if not params.greedy:
-        for row, token, runner_up, prob in zip(
-            proposal.probs, proposal.token_ids, proposal.runner_up_ids, proposal.runner_up_probs
-        ):
-            assert prob == pytest.approx(float(row[runner_up]))
+@pytest.mark.parametrize("runner_ups", [1, 3])
+def test_runner_ups_are_the_likeliest_other_tokens(draft_runner, params, runner_ups):
+    proposal = draft_runner.propose_one(ProposeCall("r", 0, [5, 6, 7, 8], 4, params, 1, runner_ups=runner_ups))
+    assert len(proposal.runner_up_ids) == len(proposal.runner_up_probs) == runner_ups * len(proposal.token_ids)
+    for position, token in enumerate(proposal.token_ids):
+        ids = proposal.runner_up_ids[position * runner_ups : (position + 1) * runner_ups]
+        probs = proposal.runner_up_probs[position * runner_ups : (position + 1) * runner_ups]
+        assert token not in ids and len(set(ids)) == runner_ups
+        assert probs == sorted(probs, reverse=True) and all(0.0 <= prob <= 1.0 for prob in probs)
+        if not params.greedy:  # the rows sent are the beliefs ranked
+            row = proposal.probs[position]
+            assert probs == pytest.approx([float(row[other]) for other in ids])
             others = row.clone()
             others[token] = 0.0
-            assert float(row[runner_up]) == pytest.approx(float(others.max()))
+            assert probs == pytest.approx(others.topk(runner_ups).values.tolist())
     draft_runner.end_session("r")
 
 
