@@ -426,8 +426,8 @@ class DraftRunner(ModelRunner):
         """The `count` likeliest head rows other than `row`, best first, as (token id,
         probability): fewer only where the head has fewer other rows. belief: [N]"""
         top = belief.topk(min(count + 1, belief.numel()))
-        others = [int(index) for index in top.indices if int(index) != row][:count]
-        return [(self._caller_id(other), float(belief[other])) for other in others]
+        ranked = zip(top.indices.tolist(), top.values.tolist())
+        return [(self._caller_id(other), prob) for other, prob in ranked if other != row][:count]
 
     def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
         """[N] over the head's ids → [V] over the whole (caller's) vocabulary, zeros elsewhere."""

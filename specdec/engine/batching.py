@@ -49,16 +49,15 @@ def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, conf
                 keys[row, :, max_past - length :] = layer.keys[0]
                 values[row, :, max_past - length :] = layer.values[0]
         layers.append((keys, values))
-    return DynamicCache(layers, config=config)
+    return DynamicCache(layers)  # plain layers (batchable_cache): no config to read
 
 
-def row_cache(cache: DynamicCache, row: int, start: int, end: int, config) -> DynamicCache:
+def row_cache(cache: DynamicCache, row: int, start: int, end: int) -> DynamicCache:
     """Row `row`, columns [start, end) of a batched cache as a session's own cache; the layers
     copy the slice (DynamicLayer.update concatenates), so the batch's tensors are freed."""
     layers: list[Any] = cache.layers  # full-attention layers (see padded_cache)
     return DynamicCache(
-        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in layers),
-        config=config,
+        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in layers)
     )
 
 

@@ -456,7 +456,7 @@ class ModelRunner:
                 logits_to_keep=logit_positions,
             )
             for row, session in enumerate(sessions):
-                session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row], self.model.config)
+                session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row])
             self._synchronize()
         self.processed_tokens_total += sum(new)
         self.batched_forwards += 1
@@ -496,7 +496,7 @@ class ModelRunner:
             cache = padded_cache(sessions, past, max_past, self.model.config)
             out = self._tree_pass(input_ids, mask, positions, cache, logit_positions)
             for row, (session, run) in enumerate(zip(sessions, runs)):
-                session.cache = row_cache(cache, row, max_past - past[row], max_past + len(run), self.model.config)
+                session.cache = row_cache(cache, row, max_past - past[row], max_past + len(run))
         results = []
         for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
             length = len(runs[row])

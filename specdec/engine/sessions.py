@@ -12,8 +12,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import keep_tree_path
@@ -299,10 +302,7 @@ class SessionStore:
         session = self.open(session_id, 0, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
         if parent.cache is not None:
-            session.cache = copy.deepcopy(parent.cache)
-            surplus = session.cached_tokens - keep_tokens
-            if surplus > 0:
-                session.cache.crop(-surplus)
+            session.cache = cache_prefix(parent.cache, keep_tokens)
             session.aligned_tokens = min(parent.aligned_tokens, session.cached_tokens)
         return session
 
@@ -350,3 +350,23 @@ class SessionStore:
         for sid in stale:
             self._keep_prefix(self._sessions.pop(sid))
         return len(stale)
+
+
+@torch.inference_mode()  # the cache's tensors are inference tensors
+def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
+    """A cache of its own holding the first `tokens` entries of `cache` (all, if it has fewer).
+
+    Plain full-attention layers copy just that slice, per layer [1, H, P, D] → [1, H, tokens, D];
+    any other kind (sliding windows, quantised, offloaded) is deep-copied and cropped. The
+    slice copy is what makes a fork cheap: a deep copy walks every object of the cache and
+    copies the entries the crop then drops."""
+    layers: list[Any] = cache.layers  # checked below: plain DynamicLayers, or deep-copied
+    if not getattr(cache, "offloading", False) and all(
+        type(layer) is DynamicLayer and layer.is_initialized for layer in layers
+    ):
+        return DynamicCache(((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers))
+    copied = copy.deepcopy(cache)
+    surplus = copied.get_seq_length() - tokens
+    if surplus > 0:
+        copied.crop(-surplus)
+    return copied
