@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from draft_service.vocab_bridge import VocabBridge
-from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
+from specdec.engine.batching import batch_groups, batchable_cache, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
@@ -169,32 +170,99 @@ class DraftRunner(ModelRunner):
         reads = [(call.fork_from,) if call.fork_from else () for call in calls]
         for wave in call_waves([(call.session_id,) for call in calls], reads):
             active = start_each(wave, lambda index: self._begin(calls[index]), results)
-            while active:
-                running: list[tuple[int, _Drafting]] = []
-                for index, drafting in active:
-                    if self._done(drafting):
-                        results[index] = self._finish(drafting)
-                    else:
-                        running.append((index, drafting))
-                for group in batch_groups([len(drafting.feed) for _, drafting in running], self.max_padding_ratio):
-                    members = [running[position] for position in group]
+            while active := [item for item in active if not self._ended(*item, results)]:
+                if len(active) > 1 and all(
+                    len(drafting.feed) == 1 and batchable_cache(drafting.session.cache) for _, drafting in active
+                ):
+                    self._decode_together(active, results)  # every step left is one token a session
+                    break
+                for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
+                    members = [active[position] for position in group]
                     outputs = self.forward_batch(
                         [drafting.session for _, drafting in members],
                         [drafting.feed for _, drafting in members],
                         [1] * len(members),
                     )
+                    stepped = []
                     for (index, drafting), logits in zip(members, outputs):
                         if isinstance(logits, Exception):
                             results[index] = logits
                             drafting.failed = True
                         else:
-                            try:
-                                self._step(drafting, logits[-1], batch_size=len(members))
-                            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                                results[index] = exc
-                                drafting.failed = True
-                active = [(index, drafting) for index, drafting in running if not drafting.failed]
+                            stepped.append((index, drafting, logits[-1]))
+                    self._step_all(stepped, len(members), results)
         return results  # type: ignore[return-value]
+
+    def _ended(self, index: int, drafting: _Drafting, results: list) -> bool:
+        """Whether the call is over: failed, or done and its proposal in `results`."""
+        if drafting.failed:
+            return True
+        if self._done(drafting):
+            results[index] = self._finish(drafting)
+            return True
+        return False
+
+    def _decode_together(self, active: list[tuple[int, _Drafting]], results: list) -> None:
+        """The calls' remaining steps, each one token a session, in one DecodeBatch: their
+        caches are padded into a batch once and split back once, not at every step."""
+        batch, failures = self.decode_batch(
+            [drafting.session for _, drafting in active],
+            [drafting.call.num_tokens - len(drafting.token_ids) for _, drafting in active],
+        )
+        members = []
+        for (index, drafting), failure in zip(active, failures):
+            if failure is None:
+                members.append((index, drafting))
+            else:
+                results[index] = failure
+        rows = list(range(len(members)))  # the members still drafting
+        try:
+            while rows := [row for row in rows if not self._ended(*members[row], results)]:
+                tokens: list[int | None] = [None] * len(members)
+                for row in rows:
+                    tokens[row] = members[row][1].feed[0]
+                logits = batch.step(tokens)  # [B, N]
+                self._step_all([(*members[row], logits[row]) for row in rows], len(rows), results)
+        except Exception as exc:  # noqa: BLE001 - a failed pass ended every session of the batch
+            for index, _ in members:
+                results[index] = exc
+        finally:
+            batch.close()
+
+    def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
+        """`_step` for each (index, drafting, logits [N]) of one pass. Rows that take their
+        argmax (greedy, or a guessed first token) with no vocab limit are drawn together, a
+        few tensor ops for the whole pass instead of a few per row; a row whose step fails
+        gets its exception in `results` alone."""
+        together = [
+            item
+            for item in stepped
+            if (item[1].deterministic or item[1].call.guess_first and not item[1].token_ids)
+            and not item[1].call.vocab_limit
+        ]
+        if len(together) > 1:
+            logits = torch.stack([item[2] for item in together])  # [B, N]
+            if math.isfinite(float(logits.sum())):  # else each row's own check names the bad one
+                heads = logits.argmax(dim=-1)  # [B]
+                belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
+                one_hot = one_hot_argmax(logits)  # [B, N]
+                drawn = belief.gather(1, heads[:, None])[:, 0].tolist()  # [B]
+                count = max(drafting.call.runner_ups for _, drafting, _ in together)
+                top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
+                top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
+                for b, ((_, drafting, _), row) in enumerate(zip(together, heads.tolist())):
+                    ranked = [(other, prob) for other, prob in zip(top_ids[b], top_probs[b]) if other != row]
+                    runner_ups = [(self._caller_id(other), prob) for other, prob in ranked[: drafting.call.runner_ups]]
+                    support = None if drafting.deterministic else torch.tensor([row])  # a guess's one id
+                    self._take(drafting, row, drawn[b], runner_ups, one_hot[b], support, batch_size)
+                done = {id(item) for item in together}
+                stepped = [item for item in stepped if id(item) not in done]
+        for index, drafting, logits in stepped:
+            try:
+                self._step(drafting, logits, batch_size)
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                results[index] = exc
+                drafting.failed = True
 
     def propose_tree(self, call: ProposeCall) -> Proposal:
         """A token tree: every node at depth d gets tree_widths[d] children, grown a level per
@@ -364,8 +432,6 @@ class DraftRunner(ModelRunner):
         self.check_logits(logits, drafting.call.session_id)
         if drafting.call.vocab_limit:
             logits = self._below(logits, drafting.call.vocab_limit)
-        drafting.processed += len(drafting.feed)
-        drafting.batch_size = max(drafting.batch_size, batch_size)
         guess = drafting.call.guess_first and not drafting.token_ids  # ProposeRequest.guess_first
         support: torch.Tensor | None
         if drafting.deterministic or guess:
@@ -377,17 +443,34 @@ class DraftRunner(ModelRunner):
             head_probs, support = top_k_with_support(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
             row = int(sample(head_probs[None], drafting.generator)[0])
             belief = head_probs
-        token = self._model_id(row)
-        # The draft's probability of what it proposes: its belief in its own argmax when
-        # greedy, the drawn token's probability when sampling.
-        drafting.unsure = stops_on_confidence(float(belief[row]), drafting.min_confidence)
+        runner_ups = self._runner_ups(belief, row, drafting.call.runner_ups)
+        self._take(drafting, row, float(belief[row]), runner_ups, head_probs, support, batch_size)
+
+    def _take(
+        self,
+        drafting: _Drafting,
+        row: int,
+        drawn_prob: float,
+        runner_ups: list[tuple[int, float]],
+        head_probs: torch.Tensor,
+        support: torch.Tensor | None,
+        batch_size: int,
+    ) -> None:
+        """Records head row `row` as the next proposal: `drawn_prob` is the draft's probability
+        of it (its belief in its own argmax when greedy, the drawn token's probability when
+        sampling), `head_probs` [N] the distribution it was drawn from, `support` that
+        distribution's non-zero head rows."""
+        drafting.processed += len(drafting.feed)
+        drafting.batch_size = max(drafting.batch_size, batch_size)
+        drafting.unsure = stops_on_confidence(drawn_prob, drafting.min_confidence)
         drafting.token_ids.append(self._caller_id(row))
-        for other, prob in self._runner_ups(belief, row, drafting.call.runner_ups):
+        for other, prob in runner_ups:
             drafting.runner_up_ids.append(other)
             drafting.runner_up_probs.append(prob)
         drafting.rows.append(self._over_vocab(head_probs))  # [V]
         if not drafting.deterministic:
             drafting.supports.append(self._caller_support(support))
+        token = self._model_id(row)
         drafting.session.tokens.append(token)
         drafting.feed = [token]
 

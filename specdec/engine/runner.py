@@ -465,6 +465,28 @@ class ModelRunner:
         logits = out.logits  # [B, width, V]
         return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
 
+    def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
+        """Sessions (distinct ids, each with a cache) that will each run one token per pass for
+        up to steps[b] passes, in one batch kept from pass to pass (DecodeBatch).
+
+        Each session is admitted to the KV budget for its steps up front, as `forward_batch`
+        admits a pass; one that does not fit is ended and gets its exception (item b of the
+        second list), and its row takes no tokens. → (the batch, per session its failure or None)
+        """
+        failures: list[Exception | None] = [None] * len(sessions)
+        pending_bytes = 0
+        for index, (session, count) in enumerate(zip(sessions, steps)):
+            extra_bytes = count * self.kv_bytes_per_token
+            try:
+                self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                self.sessions.end(session.session_id)
+                failures[index] = exc
+                continue
+            pending_bytes += extra_bytes
+        admitted = [session for session, failure in zip(sessions, failures) if failure is None]
+        return DecodeBatch(self, admitted), failures
+
     def _forward_padded_tree(
         self, sessions: list[KVSession], token_ids: list[list[int]], trees: list[tuple[list[int], list[int]]]
     ) -> list[torch.Tensor]:
@@ -531,3 +553,83 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=model.dtype).element_size()
     return 2 * config.num_hidden_layers * heads * head_dim * element
+
+
+class DecodeBatch:
+    """Sessions that each run one token per pass, in one padded batch kept from pass to pass
+    (ModelRunner.decode_batch). Row b is laid out as `_forward_padded` lays out a pass,
+
+        [pad × (P - P_b)] [past_b: P_b cached] [one column per pass: its token, or a masked pad]
+
+    and gains a column each pass: its session's token while it runs, a masked pad once it has
+    stopped. The caches are padded into the batch once and split back once (`close`), where
+    a pass of `forward_batch` copies every session's cache in and out, a copy per layer and
+    session on each side of every pass. Padding runs inside the first pass's emulated time
+    (specdec.engine.pace), as a device's memory traffic would; the split runs after the last.
+    """
+
+    def __init__(self, runner: ModelRunner, sessions: list[KVSession]):
+        self._runner = runner
+        self.sessions = sessions
+        self._past = [session.cached_tokens for session in sessions]  # [B]
+        self._ran = [0] * len(sessions)  # [B] tokens each row has run
+        self._cache: DynamicCache | None = None  # padded at the first pass
+        self._mask = torch.zeros(0)  # [B, P + passes]: 1 at each row's real entries
+        self._failed = False
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int | None]) -> torch.Tensor:
+        """One pass: row b runs tokens[b], or a masked pad where None (its session stopped;
+        it never runs again). → logits [B, V] at each row's new token (float32; a stopped
+        row's are meaningless). A failed pass ends every session of the batch and raises."""
+        runner, device = self._runner, self._runner.loaded.device
+        if len(tokens) != len(self.sessions) or self._failed:
+            raise AssertionError("a decode batch steps every row it was opened with, until a pass fails")
+        live = [row for row, token in enumerate(tokens) if token is not None]
+        input_ids = torch.tensor([[token or 0] for token in tokens], dtype=torch.long, device=device)  # [B, 1]
+        column = torch.tensor([[token is not None] for token in tokens], dtype=torch.long, device=device)  # [B, 1]
+        positions = torch.tensor([[past + ran] for past, ran in zip(self._past, self._ran)], device=device)  # [B, 1]
+        context = sum(self._past[row] + self._ran[row] for row in live)
+        try:
+            with runner._paced(len(live), context):
+                if self._cache is None:
+                    width = max(self._past)
+                    self._cache = padded_cache(self.sessions, self._past, width, runner.model.config)
+                    self._mask = torch.zeros(len(self.sessions), width, dtype=torch.long, device=device)  # [B, P]
+                    for row, past in enumerate(self._past):
+                        self._mask[row, width - past :] = 1
+                self._mask = torch.cat([self._mask, column], dim=1)  # [B, P + passes]
+                start = self._mask.shape[1] - 1
+                out = runner.model(
+                    input_ids=input_ids,
+                    attention_mask=self._mask,
+                    position_ids=positions,
+                    **with_cache(runner.model, self._cache),
+                    cache_position=torch.arange(start, start + 1, device=device),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                runner._synchronize()
+        except BaseException:
+            self._failed = True
+            for session in self.sessions:  # a half-updated batch cannot be split back
+                runner.sessions.end(session.session_id)
+            raise
+        for row in live:
+            self._ran[row] += 1
+        runner.processed_tokens_total += len(live)
+        runner.batched_forwards += 1
+        runner.batched_sessions_total += len(live)
+        runner.max_batch_size_seen = max(runner.max_batch_size_seen, len(live))
+        return out.logits[:, -1].float()  # [B, V]
+
+    @torch.inference_mode()
+    def close(self) -> None:
+        """Hands each session a cache of exactly its past and the tokens it ran (a copy of its
+        row: the batch's tensors are freed). Nothing to do if no pass ran or one failed."""
+        if self._cache is None or self._failed:
+            return
+        width = max(self._past)
+        for row, session in enumerate(self.sessions):  # host work: no pass is left to hold it
+            session.cache = row_cache(self._cache, row, width - self._past[row], width + self._ran[row])
+        self._cache = None

@@ -48,6 +48,8 @@ def assert_same(batched: list, lone: list) -> None:
             continue
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(got.probs, want.probs, **PROB_TOLERANCE)
+        assert got.runner_up_ids == want.runner_up_ids
+        torch.testing.assert_close(got.runner_up_probs, want.runner_up_probs, **PROB_TOLERANCE)
         assert got.sequence_length == want.sequence_length and got.processed_tokens == want.processed_tokens
 
 
@@ -65,7 +67,10 @@ def test_batched_proposals_equal_lone_ones_over_mixed_pasts_runs_and_k(loaded, p
     lone, batched = make_runner(loaded), make_runner(loaded)
     vocab = loaded.vocab_size
     prompts = {f"s{i}": tokens(i, 4 + 5 * i, vocab) for i in range(4)}
-    first = [ProposeCall(sid, 0, prompt, 2 + i % 3, params, seed=i) for i, (sid, prompt) in enumerate(prompts.items())]
+    first = [
+        ProposeCall(sid, 0, prompt, 2 + i % 3, params, seed=i, runner_ups=1 + i % 3)
+        for i, (sid, prompt) in enumerate(prompts.items())
+    ]
     assert_same(batched.propose_batch(first), alone(lone, first))
     assert_same_sessions(batched, lone)
     # Next rounds: each keeps part of its drafts, appends 1-3 committed tokens, asks a different K.
@@ -154,3 +159,44 @@ def test_forks_listed_before_their_parents_call_share_its_passes_and_copy_it_as_
     assert_same_sessions(batched, lone)
     assert [r.batch_size for r in results] == [3, 3, 3], "the branches did not share their passes"
     assert batched.sessions._sessions["hedge0"].tokens[: len(prompt) + 1] == prompt + [11]
+
+
+def test_one_token_steps_share_one_batch_padded_and_split_once(loaded):
+    """After their first pass, calls whose steps are one token each run in one DecodeBatch:
+    calls of different K stop at different passes, and each session is left with exactly
+    its own entries (compared with lone runs, entry by entry)."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompt = tokens(8, 12, vocab)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("parent", 0, prompt, 6, GREEDY, 0, epoch=1))
+    calls = [
+        ProposeCall(f"hedge{j}", len(prompt) + j, [20 + j], 2 + j, GREEDY, 0, epoch=2, fork_from="parent", runner_ups=3)
+        for j in range(5)
+    ]
+    passes = batched.batched_forwards
+    results = batched.propose_batch(calls)
+    assert_same(results, alone(lone, calls))
+    assert_same_sessions(batched, lone)
+    # Every fork's first step is its one new token: one pass for each of the longest call's 6 steps.
+    assert batched.batched_forwards - passes == 6
+    assert [r.batch_size for r in results] == [5] * 5
+
+
+def test_a_failed_pass_of_a_decode_batch_fails_and_ends_every_session_in_it(loaded, monkeypatch):
+    runner = make_runner(loaded)
+    vocab = loaded.vocab_size
+    runner.propose_one(ProposeCall("parent", 0, tokens(9, 10, vocab), 2, GREEDY, 0, epoch=1))
+    forward = runner.model.forward
+
+    def failing(*args, **kwargs):
+        if kwargs["input_ids"].shape == (3, 1) and runner.batched_forwards >= 1:
+            raise RuntimeError("device lost")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", failing)
+    calls = [ProposeCall(f"b{j}", 10 + j, [30 + j], 4, GREEDY, 0, epoch=2, fork_from="parent") for j in range(3)]
+    results = runner.propose_batch(calls)
+    assert all(isinstance(result, RuntimeError) for result in results)
+    assert all(runner.sessions.peek(f"b{j}") is None for j in range(3))
+    assert runner.sessions.peek("parent") is not None  # not in the batch
