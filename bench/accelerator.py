@@ -49,7 +49,7 @@ COORDINATORS = {
     "sequential": [],
     "pipelined": ["--pipeline", "on"],
     "hedged": ["--pipeline", "on", "--hedges", "2"],
-    "hedged-all": ["--pipeline", "on", "--hedges", "8"],  # a hedge at every position of K ≤ 8
+    "hedged-all": ["--pipeline", "on", "--hedges", "12"],  # the 12 likeliest outcomes, runner-ups fanned out
     "tree-chooser": ["--tree-chooser", "on"],
 }
 PROMPTS = [[5, 17, 99], [40, 41, 42, 43], [250, 3], [120, 77, 77, 1]]
