@@ -23,6 +23,7 @@ from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample, top_
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 PROPOSAL_MODES = ("sample", "greedy")
+ARGMAX = "argmax"  # _step_all: rows that take their argmax
 
 
 @dataclass
@@ -230,39 +231,57 @@ class DraftRunner(ModelRunner):
             batch.close()
 
     def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
-        """`_step` for each (index, drafting, logits [N]) of one pass. Rows that take their
-        argmax (greedy, or a guessed first token) with no vocab limit are drawn together, a
-        few tensor ops for the whole pass instead of a few per row; a row whose step fails
-        gets its exception in `results` alone."""
-        together = [
-            item
-            for item in stepped
-            if (item[1].deterministic or item[1].call.guess_first and not item[1].token_ids)
-            and not item[1].call.vocab_limit
-        ]
-        if len(together) > 1:
-            logits = torch.stack([item[2] for item in together])  # [B, N]
-            if math.isfinite(float(logits.sum())):  # else each row's own check names the bad one
-                heads = logits.argmax(dim=-1)  # [B]
-                belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
-                one_hot = one_hot_argmax(logits)  # [B, N]
-                drawn = belief.gather(1, heads[:, None])[:, 0].tolist()  # [B]
-                count = max(drafting.call.runner_ups for _, drafting, _ in together)
-                top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
-                top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
-                for b, ((_, drafting, _), row) in enumerate(zip(together, heads.tolist())):
-                    ranked = [(other, prob) for other, prob in zip(top_ids[b], top_probs[b]) if other != row]
-                    runner_ups = [(self._caller_id(other), prob) for other, prob in ranked[: drafting.call.runner_ups]]
-                    support = None if drafting.deterministic else torch.tensor([row])  # a guess's one id
-                    self._take(drafting, row, drawn[b], runner_ups, one_hot[b], support, batch_size)
-                done = {id(item) for item in together}
-                stepped = [item for item in stepped if id(item) not in done]
-        for index, drafting, logits in stepped:
-            try:
-                self._step(drafting, logits, batch_size)
-            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                results[index] = exc
-                drafting.failed = True
+        """`_step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
+        are drawn together, a few tensor ops for the whole pass instead of a few per row: those
+        that take their argmax (greedy, or a guessed first token), and sampled rows with the
+        same settings (each with its own generator's next draw, as alone). A row with a vocab
+        limit or the draft's own top-k runs alone; a row whose step fails gets its exception
+        in `results` alone."""
+        groups: dict[object, list[tuple[int, _Drafting, torch.Tensor]]] = {}
+        for item in stepped:
+            drafting = item[1]
+            key: object = None  # alone
+            if drafting.call.vocab_limit:
+                pass
+            elif drafting.deterministic or drafting.call.guess_first and not drafting.token_ids:
+                key = ARGMAX
+            elif self.proposal_top_k <= 0:
+                key = drafting.call.params
+            groups.setdefault(key, []).append(item)
+        for key, items in groups.items():
+            if key is not None and len(items) > 1 and self._step_together(items, key is ARGMAX, batch_size):
+                continue
+            for index, drafting, logits in items:
+                try:
+                    self._step(drafting, logits, batch_size)
+                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                    results[index] = exc
+                    drafting.failed = True
+
+    def _step_together(self, items: list[tuple[int, _Drafting, torch.Tensor]], argmax: bool, batch_size: int) -> bool:
+        """`_step` for rows drawn alike (`_step_all`): False, drawing nothing, when some logit
+        is NaN or infinite, so that each row's own check names the bad one."""
+        logits = torch.stack([row_logits for _, _, row_logits in items])  # [B, N]
+        if not math.isfinite(float(logits.sum())):
+            return False
+        if argmax:
+            heads = logits.argmax(dim=-1)  # [B]
+            head_probs = one_hot_argmax(logits)  # [B, N]
+            belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
+        else:
+            head_probs = belief = logits_to_probs(logits, items[0][1].call.params)  # [B, N]
+            heads = sample(head_probs, [drafting.generator for _, drafting, _ in items])  # [B]
+        drawn = belief.gather(1, heads[:, None])[:, 0].tolist()  # [B]
+        count = max(drafting.call.runner_ups for _, drafting, _ in items)
+        top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
+        top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
+        for b, ((_, drafting, _), row) in enumerate(zip(items, heads.tolist())):
+            ranked = [(other, prob) for other, prob in zip(top_ids[b], top_probs[b]) if other != row]
+            runner_ups = [(self._caller_id(other), prob) for other, prob in ranked[: drafting.call.runner_ups]]
+            # The support a sampled call sends: a guess's one id; a draw's unknown (no top-k).
+            support = None if drafting.deterministic or not argmax else torch.tensor([row])
+            self._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)
+        return True
 
     def propose_tree(self, call: ProposeCall) -> Proposal:
         """A token tree: every node at depth d gets tree_widths[d] children, grown a level per

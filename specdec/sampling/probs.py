@@ -13,6 +13,7 @@ Vocabulary used throughout (as in vLLM's rejection sampler):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,17 +104,23 @@ def top_k_with_support(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
     return kept, ids[kept[ids] > 0].sort().values
 
 
-def sample(probs: torch.Tensor, generator: np.random.Generator) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: np.random.Generator | Sequence[np.random.Generator]) -> torch.Tensor:
     """One token id per row by inverse CDF: token i is drawn when cdf[i-1] <= u < cdf[i], an
     empty interval for a token of probability 0, so those are never drawn. Three times
     cheaper than torch.multinomial over a 152k vocabulary. Rows need not be normalised.
     The uniforms come from a 64-bit numpy generator seeded with the call's whole seed (torch's
-    CPU generator would keep only its low 32 bits).
+    CPU generator would keep only its low 32 bits): one generator's next N draws, or with a
+    generator per row (rows of different calls), the next draw of each, the same draw that
+    row would take alone.
 
     probs: [N, V] → token ids [N] (int64)
     """
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    uniforms = torch.from_numpy(generator.random((probs.shape[0], 1))).to(probs.device)  # [N, 1] float64
+    if isinstance(generator, np.random.Generator):
+        drawn = generator.random((probs.shape[0], 1))  # [N, 1]
+    else:
+        drawn = np.array([each.random((1,))[0] for each in generator])[:, None]  # [N, 1]
+    uniforms = torch.from_numpy(drawn).to(probs.device)  # [N, 1] float64
     token_ids = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(-1)  # [N]
     # u * total can round up to total itself; it then belongs to the last token with mass.
     last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [N]

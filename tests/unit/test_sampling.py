@@ -231,6 +231,21 @@ def test_sample_draws_in_proportion_and_never_draws_zero_mass():
     assert p_value > P_VALUE_FLOOR
 
 
+def test_rows_with_a_generator_each_draw_what_each_would_draw_alone():
+    """A draft's pass samples several calls' rows at once: each row takes its own call's next
+    draw, so a call's tokens do not depend on which calls shared its pass."""
+    probs = torch.softmax(torch.randn(5, 40, generator=torch.Generator().manual_seed(0)), dim=-1)  # [5, 40]
+    seeds = [11, 12, 13, 14, 15]
+    alone = [
+        [int(sample(probs[row : row + 1], generator)[0]) for _ in range(30)]
+        for row, generator in enumerate(np.random.default_rng(seed) for seed in seeds)
+    ]
+    generators = [np.random.default_rng(seed) for seed in seeds]
+    together = [sample(probs, generators).tolist() for _ in range(30)]  # 30 passes of 5 rows
+    assert [[draws[row] for draws in together] for row in range(5)] == alone
+    assert len({tuple(draws) for draws in alone}) == 5
+
+
 def test_sample_uses_the_whole_64_bit_seed():
     """torch's CPU generator keeps only a seed's low 32 bits; the services' draws must not."""
     probs = torch.full((64, 1000), 1.0)
