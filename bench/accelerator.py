@@ -195,6 +195,9 @@ def run_mode(stub, mode: Mode, temperature: float, max_new_tokens: int, seed: in
         "temperature": temperature,
         "tokens_per_s": tokens / seconds,
         "tokens": tokens,
+        "seconds": seconds,
+        "rounds": rounds,
+        "proposed": proposed,
         "tokens_per_round": tokens / max(1, rounds),
         "acceptance": accepted / max(1, proposed),
         "first_accepted": first_accepted,  # rounds whose first draft was accepted
@@ -215,26 +218,58 @@ def run_modes(
     bed: Testbed | None = None,
     coordinator_host: str = "coordinator",
 ) -> None:
-    """Every mode, greedy and (where it says so) at T = 0.7, each coordinator variant started
-    once for the modes that use it; samples are appended as they finish."""
-    for variant in dict.fromkeys(mode.coordinator for mode in modes):
-        coordinator = start_coordinator(draft, target, pair, variant, logs, bed, coordinator_host)
-        try:
-            with grpc.insecure_channel(coordinator.address) as channel:
-                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=8), timeout=120)
-                for mode in (m for m in modes if m.coordinator == variant):
-                    for temperature in (0.0, SAMPLED) if mode.sampled else (0.0,):
-                        started = time.monotonic()
-                        sample = run_mode(stub, mode, temperature, config.max_new_tokens, config.seed)
-                        samples.append(sample)
-                        print(
-                            f"{label} {mode.name:28s} T={temperature}: "
-                            f"{sample['tokens_per_s']:7.1f} tok/s ({time.monotonic() - started:.0f} s)",
-                            flush=True,
-                        )
-        finally:
-            coordinator.stop()
+    """Every mode, greedy and (where it says so) at T = 0.7, `config.repeats` times: each
+    repeat runs every mode once, in an order that rotates from one repeat to the next, so that
+    modes are compared side by side and a machine slowing for a while does not land on one
+    mode. Every coordinator variant is started first. A mode's sample pools its repeats
+    (tokens over seconds; `repeat_tokens_per_s` keeps each one's rate)."""
+    runs = [(mode, temperature) for mode in modes for temperature in ((0.0, SAMPLED) if mode.sampled else (0.0,))]
+    with ExitStack() as stack:
+        stubs = {}
+        for variant in dict.fromkeys(mode.coordinator for mode in modes):
+            coordinator = start_coordinator(draft, target, pair, variant, logs, bed, coordinator_host)
+            stack.callback(coordinator.stop)
+            channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
+            stubs[variant] = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stubs[variant].Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=8), timeout=120)
+        found: dict[tuple[str, float], list[dict]] = {}
+        repeats = max(1, config.repeats)
+        for repeat in range(repeats):
+            shift = repeat * len(runs) // repeats
+            for mode, temperature in runs[shift:] + runs[:shift]:
+                started = time.monotonic()
+                sample = run_mode(stubs[mode.coordinator], mode, temperature, config.max_new_tokens, config.seed)
+                found.setdefault((mode.name, temperature), []).append(sample)
+                print(
+                    f"{label} {mode.name:28s} T={temperature} (repeat {repeat + 1}/{repeats}): "
+                    f"{sample['tokens_per_s']:7.1f} tok/s ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
+    samples.extend(pooled(found[(mode.name, temperature)]) for mode, temperature in runs)
+
+
+def pooled(repeats: list[dict]) -> dict:
+    """One mode's repeats as one sample: totals pooled, shares and α by round weight."""
+    first = repeats[0]
+    tokens = sum(r["tokens"] for r in repeats)
+    seconds = sum(r["seconds"] for r in repeats)
+    rounds = sum(r["rounds"] for r in repeats)
+    proposed = sum(r["proposed"] for r in repeats)
+    return {
+        "mode": first["mode"],
+        "temperature": first["temperature"],
+        "tokens_per_s": tokens / seconds,
+        "repeat_tokens_per_s": [r["tokens_per_s"] for r in repeats],
+        "tokens": tokens,
+        "seconds": seconds,
+        "rounds": rounds,
+        "proposed": proposed,
+        "tokens_per_round": tokens / max(1, rounds),
+        "acceptance": sum(r["acceptance"] * r["proposed"] for r in repeats) / max(1, proposed),
+        "first_accepted": sum(r["first_accepted"] for r in repeats),
+        "drafted_rounds": sum(r["drafted_rounds"] for r in repeats),
+        "overhead_share": statistics.median(r["overhead_share"] for r in repeats),
+    }
 
 
 def run_accelerator(config, machine: dict, quick: bool = False) -> dict:

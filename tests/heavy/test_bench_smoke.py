@@ -205,5 +205,7 @@ def test_the_links_suite_runs_on_separate_hosts_and_leaves_nothing(tmp_path):
     for link in results["links"]:
         assert link["delay_ms"] == 0.5 and len(link["samples"]) == sum(2 if m.sampled else 1 for m in LINK_MODES)
         assert all(sample["tokens_per_s"] > 0 for sample in link["samples"])
+        # Two repeats (the default), every mode once in each, pooled into one sample.
+        assert all(len(sample["repeat_tokens_per_s"]) == 2 for sample in link["samples"])
     assert "EMULATED" in (out / "table.md").read_text()
     assert not leftovers()  # this process's testbed: the suite ran in it
