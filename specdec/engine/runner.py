@@ -369,11 +369,8 @@ class ModelRunner:
         pending_bytes = 0
         for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
             extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
-            try:
-                self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
-            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                self.sessions.end(session.session_id)
-                results[index] = exc
+            if (refused := self._make_room(session, extra_bytes, pending_bytes)) is not None:
+                results[index] = refused
                 continue
             pending_bytes += extra_bytes
             try:  # a session's whole blocks run alone first, as `forward` runs them
@@ -465,6 +462,17 @@ class ModelRunner:
         logits = out.logits  # [B, width, V]
         return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
 
+    def _make_room(self, session: KVSession, extra_bytes: int, pending_bytes: int) -> Exception | None:
+        """Makes room in the KV budget for `session` to grow by `extra_bytes`, beside the
+        `pending_bytes` that the other sessions of the same pass add. A session that does not
+        fit is ended, and its exception returned for its caller alone."""
+        try:
+            self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
+        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+            self.sessions.end(session.session_id)
+            return exc
+        return None
+
     def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
         """Sessions (distinct ids, each with a cache) that will each run one token per pass for
         up to steps[b] passes, in one batch kept from pass to pass (DecodeBatch).
@@ -477,13 +485,9 @@ class ModelRunner:
         pending_bytes = 0
         for index, (session, count) in enumerate(zip(sessions, steps)):
             extra_bytes = count * self.kv_bytes_per_token
-            try:
-                self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
-            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                self.sessions.end(session.session_id)
-                failures[index] = exc
-                continue
-            pending_bytes += extra_bytes
+            failures[index] = self._make_room(session, extra_bytes, pending_bytes)
+            if failures[index] is None:
+                pending_bytes += extra_bytes
         admitted = [session for session, failure in zip(sessions, failures) if failure is None]
         return DecodeBatch(self, admitted), failures
 
