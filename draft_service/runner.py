@@ -12,12 +12,12 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from draft_service.vocab_bridge import VocabBridge
-from specdec.engine.batching import batch_groups, batchable_cache, call_waves, result_or_error, start_each
+from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sessions import KVSession
+from specdec.engine.sessions import KVSession, batchable_cache
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
@@ -276,8 +276,7 @@ class DraftRunner(ModelRunner):
         top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
         top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
         for b, ((_, drafting, _), row) in enumerate(zip(items, heads.tolist())):
-            ranked = [(other, prob) for other, prob in zip(top_ids[b], top_probs[b]) if other != row]
-            runner_ups = [(self._caller_id(other), prob) for other, prob in ranked[: drafting.call.runner_ups]]
+            runner_ups = self._others(top_ids[b], top_probs[b], row, drafting.call.runner_ups)
             # The support a sampled call sends: a guess's one id; a draw's unknown (no top-k).
             support = None if drafting.deterministic or not argmax else torch.tensor([row])
             self._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)
@@ -528,8 +527,13 @@ class DraftRunner(ModelRunner):
         """The `count` likeliest head rows other than `row`, best first, as (token id,
         probability): fewer only where the head has fewer other rows. belief: [N]"""
         top = belief.topk(min(count + 1, belief.numel()))
-        ranked = zip(top.indices.tolist(), top.values.tolist())
-        return [(self._caller_id(other), prob) for other, prob in ranked if other != row][:count]
+        return self._others(top.indices.tolist(), top.values.tolist(), row, count)
+
+    def _others(self, top_ids: list[int], top_probs: list[float], row: int, count: int) -> list[tuple[int, float]]:
+        """The first `count` of a row's top head rows (best first, one more than `count`) that are
+        not `row` itself, as (the caller's token id, probability)."""
+        ranked = [(self._caller_id(other), prob) for other, prob in zip(top_ids, top_probs) if other != row]
+        return ranked[:count]
 
     def _over_vocab(self, head_probs: torch.Tensor) -> torch.Tensor:
         """[N] over the head's ids → [V] over the whole (caller's) vocabulary, zeros elsewhere."""

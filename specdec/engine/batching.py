@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from specdec.engine.sessions import KVSession
 
@@ -17,16 +16,6 @@ T = TypeVar("T")
 # would make the padding cost more than this many times the real tokens (a prompt prefill
 # among decode rounds) gets a pass of its own instead.
 MAX_PADDING_RATIO = 2.0
-
-
-def batchable_cache(cache: DynamicCache | None) -> bool:
-    """Only plain full-attention layers can be padded and split again (not sliding windows,
-    quantised or offloaded caches)."""
-    return (
-        isinstance(cache, DynamicCache)
-        and not getattr(cache, "offloading", False)
-        and all(type(layer) is DynamicLayer for layer in cache.layers)
-    )
 
 
 def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, config) -> DynamicCache:
@@ -49,7 +38,7 @@ def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, conf
                 keys[row, :, max_past - length :] = layer.keys[0]
                 values[row, :, max_past - length :] = layer.values[0]
         layers.append((keys, values))
-    return DynamicCache(layers)  # plain layers (batchable_cache): no config to read
+    return DynamicCache(layers)  # plain layers (sessions.batchable_cache): no config to read
 
 
 def row_cache(cache: DynamicCache, row: int, start: int, end: int) -> DynamicCache:

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.engine import attention
-from specdec.engine.batching import MAX_PADDING_RATIO, batchable_cache, padded_cache, result_or_error, row_cache
+from specdec.engine.batching import MAX_PADDING_RATIO, padded_cache, result_or_error, row_cache
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
     CALIBRATION_CONTEXT,
@@ -28,7 +28,7 @@ from specdec.engine.costs import (
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
-from specdec.engine.sessions import CachedTree, KVSession, SessionStore
+from specdec.engine.sessions import CachedTree, KVSession, SessionStore, batchable_cache
 from specdec.engine.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
 from specdec.errors import ModelOutputError
 from specdec.sampling.tree_sampling import ancestors

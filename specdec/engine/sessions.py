@@ -356,17 +356,25 @@ class SessionStore:
 def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
     """A cache of its own holding the first `tokens` entries of `cache` (all, if it has fewer).
 
-    Plain full-attention layers copy just that slice, per layer [1, H, P, D] → [1, H, tokens, D];
-    any other kind (sliding windows, quantised, offloaded) is deep-copied and cropped. The
-    slice copy is what makes a fork cheap: a deep copy walks every object of the cache and
-    copies the entries the crop then drops."""
+    Plain full-attention layers (`batchable_cache`) copy just that slice, per layer
+    [1, H, P, D] → [1, H, tokens, D]; any other kind (sliding windows, quantised, offloaded)
+    is deep-copied and cropped. The slice copy is what makes a fork cheap: a deep copy walks
+    every object of the cache and copies the entries the crop then drops."""
     layers: list[Any] = cache.layers  # checked below: plain DynamicLayers, or deep-copied
-    if not getattr(cache, "offloading", False) and all(
-        type(layer) is DynamicLayer and layer.is_initialized for layer in layers
-    ):
+    if batchable_cache(cache) and all(layer.is_initialized for layer in layers):
         return DynamicCache(((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers))
     copied = copy.deepcopy(cache)
     surplus = copied.get_seq_length() - tokens
     if surplus > 0:
         copied.crop(-surplus)
     return copied
+
+
+def batchable_cache(cache: DynamicCache | None) -> bool:
+    """Only plain full-attention layers can be padded and split again (not sliding windows,
+    quantised or offloaded caches)."""
+    return (
+        isinstance(cache, DynamicCache)
+        and not getattr(cache, "offloading", False)
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    )
