@@ -17,9 +17,13 @@ whatever K is; EVERY_ROW takes every unpadded pass, prefills too. With per-token
 (an int8 target) EVERY_ROW makes a token's cache entries and logits a function of the tokens
 before it alone, however the passes were cut: a prefill, a re-prefill after an eviction, a
 prefix cache hit (specdec.engine.prefix_cache) and decoding all agree bit for bit. The target
-service uses it for every int8 target on CPU. It costs 9-20% more than one SDPA pass on a
-150-250-token prefill (int8 1.5B, 2-core AVX-512 EPYC); long prompts run in shorter passes
-(runner.EXACT_PASS_TOKENS), which gains that back from about 400 tokens on.
+service uses it for every int8 target on CPU.
+
+Each row is one call of torch's fused attention with a one-row query: the call a one-token
+pass at that position makes, so a one-token pass costs what SDPA costs. Against one SDPA
+pass, an int8 1.5B prefill costs 1.5% more at 40 tokens and 9% more at 250 (2-core AVX-512
+EPYC, 2026-11-27; matmul and softmax per row cost 20% and 22% more); long prompts run in
+shorter passes (runner.EXACT_PASS_TOKENS), which gains that back from about 400 tokens on.
 """
 
 from __future__ import annotations
@@ -68,11 +72,9 @@ def rowwise_attention_forward(
     # one-token pass over that path has. Causal passes get a boolean mask or none.
     tree = attention_mask if attention_mask is not None and attention_mask.dtype.is_floating_point else None
     visible_ids = None if tree is None else _visible_keys(tree, length)
-    # Row j's query in a one-token pass's layout, for every row at once: [Q, 1, Hkv, G, D].
-    queries = query.permute(2, 0, 1, 3).reshape(rows, batch, kv_heads, groups, dim).contiguous()
     outputs = []
     for row in range(rows):
-        q = queries[row]  # [1, Hkv, G, D]
+        q = query[:, :, row : row + 1]  # [1, H, 1, D]
         if visible_ids is not None:
             prefix, extra = visible_ids[row]  # a contiguous run from key 0, then the few ancestors
             k = torch.cat([key[:, :, :prefix], key.index_select(2, extra)], dim=2)  # [1, Hkv, S_row, D]
@@ -80,15 +82,17 @@ def rowwise_attention_forward(
         else:
             # A slice, not a copy: each head's [P + j + 1, D] block is the one a one-token pass
             # reads (the same rows and row stride; only the step between heads differs, which
-            # a batched matmul takes as it is). Copying cost a prefill O(L²) in memory traffic.
+            # the kernel takes as it is). Copying cost a prefill O(L²) in memory traffic.
             visible = past + row + 1
             k = key[:, :, :visible, :]  # [1, Hkv, P + j + 1, D]
             v = value[:, :, :visible, :]
-        weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(
-            q.dtype
-        )  # [1, Hkv, G, P + j + 1]
-        outputs.append(torch.matmul(weights, v).reshape(batch, 1, heads, dim))  # [1, 1, H, D]
-    return torch.cat(outputs, dim=1), None  # [1, Q, H, D]
+        # One query row: the call a one-token pass at this position makes, fused (a third
+        # cheaper than matmul, softmax and matmul apart), its GQA groups read in place.
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        )  # [1, H, 1, D]
+    out = outputs[0] if rows == 1 else torch.cat(outputs, dim=2)  # [1, H, Q, D]
+    return out.transpose(1, 2), None  # [1, Q, H, D]
 
 
 _last_tree: tuple[torch.Tensor, int, list[tuple[int, torch.Tensor]]] | None = None
