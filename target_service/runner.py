@@ -94,10 +94,12 @@ class TargetRunner(ModelRunner):
         own, which is then the same pass whatever K is; the scored pass holds only the last
         committed token and the drafts, which the per-row attention computes exactly as
         one-token passes would (specdec.engine.attention). So a K = 4 run and a K = 0 run of the same
-        request see bitwise the same logits on CPU.
+        request see bitwise the same logits on CPU. A per-token exact runner computes every
+        token alike however its passes are cut: the whole round is one pass (a long prompt,
+        ModelRunner._prefill_blocks' passes), as in a decoding loop's first step.
         """
         scored = len(admitted.call.draft_token_ids) + 1
-        if len(admitted.pending) > scored:
+        if len(admitted.pending) > scored and not self.per_token_exact:
             try:  # the budget check sees the whole round, as in a batched pass
                 self.sessions.make_room(
                     admitted.session, len(admitted.pending) * self.kv_bytes_per_token, self.kv_bytes_per_token
@@ -106,7 +108,8 @@ class TargetRunner(ModelRunner):
                 self.sessions.end(admitted.session.session_id)
                 raise
             self.forward(admitted.session, admitted.pending[:-scored], logits_to_keep=1)
-        return self.forward(admitted.session, admitted.pending[-scored:], logits_to_keep=scored)
+            return self.forward(admitted.session, admitted.pending[-scored:], logits_to_keep=scored)
+        return self.forward(admitted.session, admitted.pending, logits_to_keep=scored)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | Exception]:
         """Several sessions' rounds in as few forward passes as padding allows (usually one).

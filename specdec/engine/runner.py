@@ -37,9 +37,9 @@ T = TypeVar("T")
 
 # A per-token exact runner's longest pass over tokens it only needs the last logits of (a
 # prompt, a re-prefill): the same entries however a run is cut, and shorter passes keep the
-# activations in cache. An int8 1.5B prefill on a 2-core AVX-512 EPYC, per-row attention:
-# 800 tokens took 3.64 s in passes of 256, 3.78 s in 128, 5.02 s in one pass (SDPA, one pass:
-# 4.54 s); 250 tokens 1.00-1.10 s in one pass (SDPA 0.91 s).
+# activations in cache. An int8 1.5B prefill on a 2-core AVX-512 EPYC, per-row attention
+# (matmul and softmax per row, 2026-11-25): 800 tokens took 3.64 s in passes of 256, 3.78 s
+# in 128, 5.02 s in one pass (SDPA, one pass: 4.54 s).
 EXACT_PASS_TOKENS = 256
 
 logger = logging.getLogger(__name__)
@@ -226,8 +226,12 @@ class ModelRunner:
         """
         try:
             self.sessions.make_room(session, len(token_ids) * self.kv_bytes_per_token, self.kv_bytes_per_token)
-            # With one logit to keep, the last whole block's pass gives it: no pass is left over.
-            rest, logits = self._prefill_blocks(session, token_ids, 0 if logits_to_keep == 1 else logits_to_keep)
+            if self.per_token_exact:
+                # The last pass carries the logits kept and up to a pass's worth before them.
+                rest, logits = self._prefill_blocks(session, token_ids, logits_to_keep, lead=True)
+            else:
+                # With one logit to keep, the last whole block's pass gives it: no pass is left over.
+                rest, logits = self._prefill_blocks(session, token_ids, 0 if logits_to_keep == 1 else logits_to_keep)
             if rest:
                 return self._forward_admitted(session, rest, logits_to_keep)
             assert logits is not None, "no tokens left and no block ran"
@@ -275,7 +279,7 @@ class ModelRunner:
         return bool(self.loaded.quantization) and self.model.config._attn_implementation == attention.EVERY_ROW
 
     def _prefill_blocks(
-        self, session: KVSession, token_ids: list[int], tail: int
+        self, session: KVSession, token_ids: list[int], tail: int, lead: bool = False
     ) -> tuple[list[int], torch.Tensor | None]:
         """Runs the leading tokens of `token_ids` (the tokens after the session's cache) in
         passes of their own, leaving at least `tail` tokens, and returns those left for the
@@ -284,7 +288,9 @@ class ModelRunner:
         - A per-token exact runner computes every token alike however its passes are cut, so
           it cuts a long run into passes of EXACT_PASS_TOKENS: bitwise the same entries, and a
           faster prefill on CPU than one long pass. Under an emulated profile the run stays
-          one pass, as the profile prices it.
+          one pass, as the profile prices it. With `lead` (a solo caller's pass) it leaves the
+          caller the tail and what precedes it back to the last whole pass, so a prompt and
+          the tokens it scores share one pass, and a short prompt runs in one.
         - Any other runner, with a prefix cache, runs each whole block in a block-aligned pass
           of its own, so every block a session prefills is computed exactly as any other
           session computes it, and a cached block equals a fresh prefill's, bit for bit
@@ -292,8 +298,8 @@ class ModelRunner:
           on in blocks; any other runs `token_ids` as given."""
         start = session.cached_tokens
         if self.per_token_exact:
-            run = len(token_ids) - tail
-            size = EXACT_PASS_TOKENS if self.pacer is None else max(run, 1)
+            size = EXACT_PASS_TOKENS if self.pacer is None else max(len(token_ids), 1)
+            run = (len(token_ids) - tail) // size * size if lead else len(token_ids) - tail
             if run <= 0 or not tail and run <= size:
                 return token_ids, None  # the caller's pass is the whole run
             logits = None

@@ -247,7 +247,7 @@ def test_a_per_token_exact_target_cuts_a_long_prefill_into_passes_with_the_same_
     forward = cut._forward_admitted
     monkeypatch.setattr(cut, "_forward_admitted", lambda s, ids, keep: passes.append(len(ids)) or forward(s, ids, keep))
     cut_logits, _ = verify(cut, "s", 0, prompt, drafts=[4])
-    assert passes == [16, 16, 16, 16, 15, 2]  # the prompt but its last token, then the scored pass
+    assert passes == [16, 16, 16, 16, 17]  # whole passes, then the prompt's rest with the scored tokens
     assert torch.equal(cut_logits, one_logits)
     for (keys, values), (one_keys, one_values) in zip(kv(cut, "s"), kv(one, "s"), strict=True):
         assert torch.equal(keys, one_keys) and torch.equal(values, one_values)
