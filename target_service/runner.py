@@ -3,6 +3,8 @@ coordinator needs for exact rejection sampling; concurrent sessions can share th
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +73,32 @@ class TargetRunner(ModelRunner):
         """One session's round, in a forward pass of its own (two when it carries a prefill)."""
         admitted = self._admit(call)
         return self._conclude(admitted, self._forward_round(admitted), batch_size=1)
+
+    def verify_steps(
+        self,
+        first: VerifyCall,
+        after: Verification,
+        seeds: list[int],
+        stop_token_ids: Collection[int],
+        yield_now: Callable[[], bool],
+    ) -> list[Verification]:
+        """Target-only steps after `after` in one job of the model thread, each the
+        `verify_one` call a step makes alone (`first` feeding the last token, with the step's
+        seed): the same passes and tokens, without a trip to the event loop between them.
+        Stops after `seeds`, before feeding a stop token, or once `yield_now()` says another
+        call waits (the caller runs the rest); runs at least one step unless stopped."""
+        steps: list[Verification] = []
+        last = after
+        for seed in seeds:
+            if last.bonus_token_id in stop_token_ids or steps and yield_now():
+                break
+            last = self.verify_one(
+                dataclasses.replace(
+                    first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed
+                )
+            )
+            steps.append(last)
+        return steps
 
     def _forward_round(self, admitted: _Admitted) -> torch.Tensor:
         if admitted.call.parents:

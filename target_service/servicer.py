@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -131,24 +133,47 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         self, request: target_pb2.VerifyRequest, first: VerifyCall, result: Verification
     ) -> tuple[list[int], Verification]:
         """VerifyRequest.step_seeds: each step a target-only call of its own after the one
-        before (through the batcher, so other sessions' calls share its passes), feeding the
-        last token and drawing the next with its seed. Returns the steps' tokens and the
-        first call's result (its bonus token) with their work and the session's length added."""
-        if not request.step_seeds:
-            return [], result
-        tokens: list[int] = []
+        before, feeding the last token and drawing the next with its seed. Returns the steps'
+        tokens and the first call's result (its bonus token) with their work and the
+        session's length added.
+
+        A session decoding alone runs its steps in one job of the model thread
+        (TargetRunner.verify_steps), which yields as soon as another call waits; otherwise
+        each step goes through the batcher, so other sessions' calls share its passes."""
+        steps: list[Verification] = []
         stops = set(request.stop_token_ids)
-        last, compute_ms, processed = result, result.compute_ms, result.processed_tokens
-        for seed in request.step_seeds:
-            token = tokens[-1] if tokens else result.bonus_token_id
-            if token in stops:
-                break
-            last = await self._verify(
-                dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[token], seed=seed)
-            )
-            tokens.append(last.bonus_token_id)
-            compute_ms += last.compute_ms
-            processed += last.processed_tokens
-        return tokens, dataclasses.replace(
-            result, sequence_length=last.sequence_length, compute_ms=compute_ms, processed_tokens=processed
+        seeds = list(request.step_seeds)
+        while len(steps) < len(seeds) and (last := steps[-1] if steps else result).bonus_token_id not in stops:
+            rest = seeds[len(steps) :]
+            if self._batcher is None or self._runner.sessions.active(ACTIVE_SESSION_S) <= 1:
+                steps += await self._steps_in_one_job(first, last, rest, stops)
+            else:
+                step = dataclasses.replace(
+                    first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=rest[0]
+                )
+                steps.append(await self._verify(step))
+        if not steps:
+            return [], result
+        return [step.bonus_token_id for step in steps], dataclasses.replace(
+            result,
+            sequence_length=steps[-1].sequence_length,
+            compute_ms=result.compute_ms + sum(step.compute_ms for step in steps),
+            processed_tokens=result.processed_tokens + sum(step.processed_tokens for step in steps),
         )
+
+    async def _steps_in_one_job(
+        self, first: VerifyCall, last: Verification, seeds: list[int], stops: set[int]
+    ) -> list[Verification]:
+        cancelled = threading.Event()  # the job runs on; it stops at its next step instead
+        try:
+            return await self._model_thread.run(
+                self._runner.verify_steps,
+                first,
+                last,
+                seeds,
+                stops,
+                lambda: cancelled.is_set() or self._model_thread.queued(),
+            )
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise

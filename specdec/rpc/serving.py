@@ -101,9 +101,22 @@ class ModelThread:
 
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # Each counter has one writer (the event loop, the model thread), so reading both
+        # from either thread needs no lock.
+        self._submitted = 0
+        self._started = 0
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._submitted += 1
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._start, fn, args)
+
+    def _start(self, fn: Callable[..., T], args: tuple) -> T:
+        self._started += 1
+        return fn(*args)
+
+    def queued(self) -> bool:
+        """Some call waits for the thread: a job that runs many steps yields to it."""
+        return self._submitted > self._started
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
