@@ -2,7 +2,9 @@
 
 Throughput per repeat is Σ tokens / Σ time over all prompts, so long and short prompts weigh by
 their tokens; the median and range are over repeats. Ratios are taken between modes of the same
-run and temperature.
+run and temperature: the median over repeats of each repeat's ratio, where both modes ran the
+same repeats (a repeat runs every mode on each prompt in turn, so the machine's drift between
+repeats cancels), else the ratio of the medians.
 
 Theoretical speedup (Leviathan et al.): S = (1 − α^(K+1)) / ((1 − α)(K·c + 1)). There α is the
 per-token acceptance probability: a draft token is only evaluated if every earlier one in its
@@ -87,6 +89,7 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "k": mode["k"],
                 "drafter": mode.get("drafter", "model"),
                 "tokens_per_s": _median(throughput),
+                "repeat_tokens_per_s": dict(zip(per_repeat, throughput)),
                 "tokens_per_s_min": min(throughput) if throughput else None,
                 "tokens_per_s_max": max(throughput) if throughput else None,
                 "acceptance": accepted / proposed if proposed else None,
@@ -181,16 +184,26 @@ def by_kind(results: dict) -> dict[float, dict[str, dict[str, float]]]:
     return table
 
 
+def _speedup(row: dict, base: dict) -> float | None:
+    """row's tokens/s over base's: the median of the repeats' ratios where they share repeats."""
+    shared = [
+        row["repeat_tokens_per_s"][r] / base["repeat_tokens_per_s"][r]
+        for r in row.get("repeat_tokens_per_s", {})
+        if base.get("repeat_tokens_per_s", {}).get(r)
+    ]
+    if shared:
+        return statistics.median(shared)
+    return row["tokens_per_s"] / base["tokens_per_s"] if row["tokens_per_s"] and base["tokens_per_s"] else None
+
+
 def _add_ratios(rows: list[dict]) -> None:
     by_mode = {row["mode"]: row for row in rows}
-    base = by_mode[OURS_TARGET_ONLY]["tokens_per_s"]
     assisted = [row for row in rows if row["family"] == "hf" and row["mode"] != HF_TARGET_ONLY and row["tokens_per_s"]]
     best_assisted = max(assisted, key=lambda row: row["tokens_per_s"]) if assisted else None
     target_step = by_mode[OURS_TARGET_ONLY]["target_round_ms"]
     for row in rows:
-        tps = row["tokens_per_s"]
-        row["speedup_vs_target_only"] = tps / base if tps and base else None
-        row["speedup_vs_hf_assisted"] = tps / best_assisted["tokens_per_s"] if tps and best_assisted else None
+        row["speedup_vs_target_only"] = _speedup(row, by_mode[OURS_TARGET_ONLY])
+        row["speedup_vs_hf_assisted"] = _speedup(row, best_assisted) if best_assisted else None
         row["best_hf_assisted"] = best_assisted["mode"] if best_assisted else None
         if row["family"] == "ours" and row["k"] and row["alpha"] is not None and target_step and row["draft_step_ms"]:
             c = row["draft_step_ms"] / target_step

@@ -233,3 +233,23 @@ def test_the_drafts_table_compares_each_draft_with_target_only_through_its_own_s
     row = "| smollm2-135m | 0.0 | 10.0 ms | 0.20 | 0.75 | 2.00 | 12.0 tok/s | 1.33× | 2.00× | 2/3, 2/3 | 2.00×, 2.00× |"
     assert row in table
     assert "39,237 tokens it shares" in table and "hf-universal smollm2-135m at T = 0.7 failed: not supported" in table
+
+
+def test_ratios_are_the_median_of_each_repeats_ratio():
+    """The machine's drift between repeats cancels: a mode 10% faster in two of three repeats
+    is 1.1×, where the ratio of the medians (15 against 20 tok/s) would say 0.75×."""
+    base, mode = "ours target-only (K=0)", "ours K=2"
+    results = {
+        "modes": [
+            dict(name=base, family="ours", k=0, assisted=None),
+            dict(name=mode, family="ours", k=2, assisted=None),
+        ],
+        "samples": [],
+    }
+    for repeat, (base_ms, mode_ms) in enumerate([(2000.0, 2000.0 / 1.1), (1000.0, 1000.0 / 1.1), (2000 / 3, 4000 / 3)]):
+        for name, total_ms in ((base, base_ms), (mode, mode_ms)):
+            sample = _sample(name, rounds=20, proposed=0, accepted=0, per_position=[], total_ms=total_ms)
+            results["samples"].append({**sample, "repeat": repeat})
+    rows = {r["mode"]: r for r in summarise(results)[0.0]}
+    assert rows[base]["tokens_per_s"] == pytest.approx(20.0) and rows[mode]["tokens_per_s"] == pytest.approx(15.0)
+    assert rows[mode]["speedup_vs_target_only"] == pytest.approx(1.1)
