@@ -3,7 +3,10 @@ malformed one is refused, and how the pacer holds a pass to it."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
+import threading
 
 import pytest
 
@@ -86,3 +89,27 @@ def test_the_pacer_sleeps_out_the_rest_of_the_pass_and_counts_overruns():
         time.now += 0.030  # 30 ms against 24: the emulation did not hold
     assert len(time.slept) == 1 and pacer.overruns == 1 and pacer.worst_overrun_ms == pytest.approx(6.0)
     assert pacer.passes == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux setting")
+def test_a_held_pass_sleeps_with_a_fine_timer_slack_on_its_own_thread():
+    """The thread that holds passes wakes within the scheduler's latency, not up to the default
+    50 µs of timer slack late; other threads keep theirs."""
+
+    def slack_ns() -> int:
+        return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK: this thread's, in ns
+
+    pacer = Pacer(PassCostProfile("flat", ((1, 1.0),), 0.0))
+    seen: list[int] = []
+
+    def hold_a_pass() -> None:
+        before = slack_ns()
+        with pacer.hold(1, 0):
+            pass
+        seen.extend([before, slack_ns()])
+
+    worker = threading.Thread(target=hold_a_pass)
+    worker.start()
+    worker.join()
+    assert seen[0] > 1 and seen[1] == 1
+    assert slack_ns() > 1  # this thread held no pass
