@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from specdec.engine.pace import precise_sleeps
+
 CHUNK = 1 << 16
 
 
@@ -74,6 +76,7 @@ class _Direction:
                 return
 
     def _write(self) -> None:
+        precise_sleeps()  # released at its stamp, not up to the default 50 µs of timer slack later
         try:
             while True:
                 with self.ready:
