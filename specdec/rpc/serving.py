@@ -9,7 +9,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
@@ -101,22 +101,29 @@ class ModelThread:
 
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        # Each counter has one writer (the event loop, the model thread), so reading both
-        # from either thread needs no lock.
+        # Each counter has one writer (the event loop; the model thread; whoever cancels a job,
+        # the event loop or shutdown), so reading them from any thread needs no lock.
         self._submitted = 0
         self._started = 0
+        self._dropped = 0  # cancelled before they started: they never will
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self._submitted += 1
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._start, fn, args)
+        job = self._executor.submit(self._start, fn, args)
+        job.add_done_callback(self._count_dropped)
+        return await asyncio.wrap_future(job)
 
     def _start(self, fn: Callable[..., T], args: tuple) -> T:
         self._started += 1
         return fn(*args)
 
+    def _count_dropped(self, job: Future) -> None:
+        if job.cancelled():
+            self._dropped += 1
+
     def queued(self) -> bool:
         """Some call waits for the thread: a job that runs many steps yields to it."""
-        return self._submitted > self._started
+        return self._submitted > self._started + self._dropped
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -117,3 +117,21 @@ async def test_no_wait_when_no_other_caller_can_join(model_thread):
     batcher = CallBatcher(model_thread, recorder, window_s=30.0, max_size=8, more_expected=lambda waiting: waiting < 2)
     assert await asyncio.wait_for(asyncio.gather(batcher.submit(1), batcher.submit(2)), timeout=5) == [2, 4]
     assert recorder.batches == [[1, 2]]
+
+
+async def test_a_job_cancelled_before_it_started_no_longer_counts_as_queued(model_thread):
+    """ModelThread.queued: a caller cancelled while its job waited leaves nothing queued, so a
+    stepping job (TargetRunner.verify_steps) is not told to yield forever after."""
+    release = threading.Event()
+    busy = asyncio.ensure_future(model_thread.run(release.wait, 5))
+    waiting = asyncio.ensure_future(model_thread.run(lambda: "never"))
+    await asyncio.sleep(0.05)
+    assert model_thread.queued()
+    waiting.cancel()
+    await asyncio.sleep(0)  # the cancellation reaches the job
+    release.set()
+    assert await busy
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not model_thread.queued()
+    assert await model_thread.run(lambda: "next") == "next" and not model_thread.queued()
