@@ -62,6 +62,12 @@ class _Admitted:
     clock: Stopwatch
 
 
+def next_step(first: VerifyCall, last: Verification, seed: int) -> VerifyCall:
+    """A target-only step after `last` (VerifyRequest.step_seeds): `first` feeding the token
+    `last` drew, drawing the next with `seed`."""
+    return dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed)
+
+
 class TargetRunner(ModelRunner):
     @staticmethod
     def needs_draft_probs(params: SamplingParams, return_distributions: bool) -> bool:
@@ -92,11 +98,7 @@ class TargetRunner(ModelRunner):
         for seed in seeds:
             if last.bonus_token_id in stop_token_ids or steps and yield_now():
                 break
-            last = self.verify_one(
-                dataclasses.replace(
-                    first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed
-                )
-            )
+            last = self.verify_one(next_step(first, last, seed))
             steps.append(last)
         return steps
 

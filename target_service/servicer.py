@@ -15,7 +15,7 @@ from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import target_pb2, target_pb2_grpc
-from target_service.runner import TargetRunner, Verification, VerifyCall
+from target_service.runner import TargetRunner, Verification, VerifyCall, next_step
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
@@ -148,10 +148,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             if self._batcher is None or self._runner.sessions.active(ACTIVE_SESSION_S) <= 1:
                 steps += await self._steps_in_one_job(first, last, rest, stops)
             else:
-                step = dataclasses.replace(
-                    first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=rest[0]
-                )
-                steps.append(await self._verify(step))
+                steps.append(await self._verify(next_step(first, last, rest[0])))
         if not steps:
             return [], result
         return [step.bonus_token_id for step in steps], dataclasses.replace(
