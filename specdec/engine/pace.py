@@ -39,6 +39,12 @@ PR_SET_TIMERSLACK = 29  # prctl(2)
 _thread = threading.local()
 
 
+def sleep_precisely(seconds: float) -> None:
+    """time.sleep with this thread's timer slack at 1 ns (precise_sleeps)."""
+    precise_sleeps()
+    time.sleep(seconds)
+
+
 def precise_sleeps() -> None:
     """Sets this thread's timer slack to 1 ns, once per thread (Linux; elsewhere nothing).
 
@@ -123,7 +129,7 @@ class Pacer:
         self,
         profile: PassCostProfile,
         clock: Callable[[], float] = time.perf_counter,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] = sleep_precisely,
     ) -> None:
         self.profile = profile
         self._clock = clock
@@ -155,6 +161,4 @@ class Pacer:
                     allowed * 1e3,
                 )
         else:
-            if self._sleep is time.sleep:
-                precise_sleeps()
             self._sleep(allowed - elapsed)

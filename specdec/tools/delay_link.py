@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from specdec.engine.pace import precise_sleeps
+from specdec.engine.pace import sleep_precisely
 
 CHUNK = 1 << 16
 
@@ -76,7 +76,6 @@ class _Direction:
                 return
 
     def _write(self) -> None:
-        precise_sleeps()  # released at its stamp, not up to the default 50 µs of timer slack later
         try:
             while True:
                 with self.ready:
@@ -85,7 +84,7 @@ class _Direction:
                     release, data, reset = self.queue.popleft()
                 wait = release - time.monotonic()
                 if wait > 0:
-                    time.sleep(wait)
+                    sleep_precisely(wait)  # at its stamp, not up to the default 50 µs of timer slack later
                 if not data:
                     if reset:
                         # Closed without lingering, the sink sends a reset, not a FIN; shutting
