@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from transformers import DynamicCache
 
+from specdec.engine.kv import plain_cache
 from specdec.engine.sessions import KVSession
 
 T = TypeVar("T")
@@ -38,15 +40,19 @@ def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, conf
                 keys[row, :, max_past - length :] = layer.keys[0]
                 values[row, :, max_past - length :] = layer.values[0]
         layers.append((keys, values))
-    return DynamicCache(layers)  # plain layers (sessions.batchable_cache): no config to read
+    return plain_cache(layers)  # plain layers (sessions.batchable_cache), holding the new tensors
 
 
 def row_cache(cache: DynamicCache, row: int, start: int, end: int) -> DynamicCache:
-    """Row `row`, columns [start, end) of a batched cache as a session's own cache; the layers
-    copy the slice (DynamicLayer.update concatenates), so the batch's tensors are freed."""
+    """Row `row`, columns [start, end) of a batched cache as a session's own cache: a copy of
+    the slice, so the batch's tensors are freed."""
     layers: list[Any] = cache.layers  # full-attention layers (see padded_cache)
-    return DynamicCache(
-        ((layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in layers)
+    return plain_cache(
+        (
+            layer.keys[row : row + 1, :, start:end].clone(memory_format=torch.contiguous_format),
+            layer.values[row : row + 1, :, start:end].clone(memory_format=torch.contiguous_format),
+        )
+        for layer in layers
     )
 
 

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from specdec.engine.kv import plain_cache
+
 # Tokens per block (--prefix-block-tokens). Prefilling in aligned blocks costs extra passes: a
 # 512-token int8 1.5B prefill took 1.46 s in 256-token passes, 1.53 s in 128, 1.60-1.72 s in
 # 64 and 1.92-1.94 s in 32 (1.96 s in one pass), on a 2-core AVX-512 EPYC.
@@ -62,11 +64,10 @@ class PrefixCache:
     unreachable behind an evicted parent for long.
     """
 
-    def __init__(self, block_tokens: int, max_bytes: int, config) -> None:
+    def __init__(self, block_tokens: int, max_bytes: int) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
         self.block_tokens = block_tokens
-        self.config = config  # the model's, for the caches a lookup builds
         self.max_bytes = max_bytes
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.bytes = 0
@@ -115,7 +116,7 @@ class PrefixCache:
         ]
         self.hits += 1
         self.tokens_saved += len(found) * self.block_tokens
-        return DynamicCache(layers, config=self.config)
+        return plain_cache(layers)  # the concatenated blocks: tensors of its own
 
     def insert(self, namespace: str, token_ids: list[int], cache: DynamicCache, aligned_tokens: int) -> int:
         """Copies the full blocks among the first `aligned_tokens` entries of `cache` (which

@@ -70,7 +70,7 @@ class ModelRunner:
                     f"--prefix-cache-bytes needs a model whose KV cache is plain full attention; {loaded.model_id} "
                     "has sliding-window or other layers, whose entries a block cannot be cut from"
                 )
-            prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes, self.model.config)
+            prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes)
         self.sessions = SessionStore(
             max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes, prefix
         )

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdec.engine.kv import plain_cache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
@@ -234,13 +235,17 @@ class SessionStore:
                 f"session {session_id!r} is not held here (expired, evicted or the service restarted); "
                 "re-send the whole sequence with keep_tokens=0"
             )
+        return self._add(session_id, self._cache_factory(), namespace)
+
+    def _add(self, session_id: str, cache: DynamicCache | None, namespace: str) -> KVSession:
+        """A new session holding `cache`, within --max-sessions once idle ones have expired."""
         self.expire()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
                 f"{len(self._sessions)} sessions are open, the configured maximum is {self.max_sessions}; "
                 "retry later or raise --max-sessions"
             )
-        session = KVSession(session_id, cache=self._cache_factory(), namespace=namespace)
+        session = KVSession(session_id, cache=cache, namespace=namespace)
         self._sessions[session_id] = session
         return session
 
@@ -299,10 +304,12 @@ class SessionStore:
                 "tokens; "
                 f"a fork keeps between 1 and {len(parent.tokens)}"
             )
-        session = self.open(session_id, 0, parent.namespace)
+        if not session_id:
+            raise InvalidArgument("session_id is empty; pass a unique id per generation")
+        cache = cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory()
+        session = self._add(session_id, cache, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
         if parent.cache is not None:
-            session.cache = cache_prefix(parent.cache, keep_tokens)
             session.aligned_tokens = min(parent.aligned_tokens, session.cached_tokens)
         return session
 
@@ -356,13 +363,15 @@ class SessionStore:
 def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
     """A cache of its own holding the first `tokens` entries of `cache` (all, if it has fewer).
 
-    Plain full-attention layers (`batchable_cache`) copy just that slice, per layer
-    [1, H, P, D] → [1, H, tokens, D]; any other kind (sliding windows, quantised, offloaded)
-    is deep-copied and cropped. The slice copy is what makes a fork cheap: a deep copy walks
-    every object of the cache and copies the entries the crop then drops."""
+    Plain full-attention layers (`batchable_cache`) hold views of that slice, per layer
+    [1, H, P, D] → [1, H, tokens, D]: no copy, as no cache writes into another's entries
+    (specdec.engine.kv.plain_cache), and the fork's first pass concatenates them into tensors
+    of its own. Any other kind (sliding windows, quantised, offloaded) is deep-copied and
+    cropped. That is what makes a fork cheap: a deep copy walks every object of the cache and
+    copies the entries the crop then drops."""
     layers: list[Any] = cache.layers  # checked below: plain DynamicLayers, or deep-copied
     if batchable_cache(cache) and all(layer.is_initialized for layer in layers):
-        return DynamicCache(((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers))
+        return plain_cache((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers)
     copied = copy.deepcopy(cache)
     surplus = copied.get_seq_length() - tokens
     if surplus > 0:
