@@ -54,6 +54,10 @@ class BranchCall:
     task: asyncio.Future  # the ProposeBranches call
     replica: Replica  # the draft replica the call went to, where its forks live
     ending: tuple[str, ...] = ()  # the unused forks of earlier calls that this call ends
+    # Request times (GenerationStats.elapsed_ms) its reply arrived (None: not yet, or it failed
+    # or was cancelled) and the verify it ran beside answered: PredraftDepth's slack.
+    replied_ms: float | None = None
+    verified_ms: float | None = None
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -185,7 +189,14 @@ class Branches:
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
         task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
         assert draft_view.replica is not None
-        return BranchCall(stats.rounds, plans, task, draft_view.replica, ending)
+        branch_call = BranchCall(stats.rounds, plans, task, draft_view.replica, ending)
+
+        def replied(task: asyncio.Future) -> None:
+            if not task.cancelled() and task.exception() is None:
+                branch_call.replied_ms = stats.elapsed_ms()
+
+        task.add_done_callback(replied)
+        return branch_call
 
     async def pick(
         self, call: BranchCall, outcome: RoundOutcome | TreeOutcome, proposed: int, live: bool

@@ -250,6 +250,8 @@ class Engine:
             if branches is None:  # no branch call to carry the unused forks: end them now
                 self.branches.end_now(state.unused_forks, state.draft_view)
             verification = await verify
+            if branches is not None:
+                branches.verified_ms = state.stats.elapsed_ms()
             address = state.target_view.address
             check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
             # A tree's: one recovered token per node and the root.
@@ -330,9 +332,10 @@ class Engine:
         proposed = len(round_.draft_token_ids)
         if not ((state.pipelined or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
             return None
-        # Room after a fully accepted round: the bonus guess plus up to K drafts for it.
+        # Room after a fully accepted round: the bonus guess plus up to K drafts for it (K - 1
+        # where that last step comes back after the verify: PredraftDepth).
         next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
-        predraft_k = min(plan.k, next_limit) + 1 if state.pipelined and next_limit else 0
+        predraft_k = state.predraft_depth.steps(min(plan.k, next_limit)) if state.pipelined and next_limit else 0
         hedge_k = plan.k if state.hedging else 0
         return self.branches.start(state, pair, round_, predraft_k, hedge_k, plan.predraft_seed, catch_up)
 
@@ -342,6 +345,11 @@ class Engine:
             call, outcome, proposed, not state.finished, state.draft_view, base, state.stats, state.unused_forks
         )
         state.draft_view = settled.draft_view
+        replied, verified = call.replied_ms, call.verified_ms
+        if call.predraft is not None and replied is not None and verified is not None and not state.job.seeded_sampled:
+            # How long before the verify the branches replied: the next pre-draft's steps.
+            costs = state.pair.costs
+            state.predraft_depth.observe(verified - replied, costs.draft_step_ms() if costs else 0.0)
         if state.k_chooser is not None and call.forks and outcome.num_accepted < proposed:
             # A rejection: whether a hedge assumed it (the outcome and the plan alone decide,
             # as for K), for the chooser's ρ.

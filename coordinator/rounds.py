@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.hedging import Acceptance
+from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
@@ -94,6 +94,7 @@ class RequestState:
     branch_failed: bool = False  # the last branch call failed: the next round drafts afresh, never a catch-up
     unused_forks: list[str] = field(default_factory=list)  # draft sessions to end with the next branch call
     copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
+    predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
 
     @property
     def remaining(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -19,8 +20,9 @@ def plain_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicC
     writes into another's entries (keep_tree_path writes in place only past the committed
     sequence that a fork or a batch row copies)."""
     pairs = list(layers)
-    cache = DynamicCache([(None, None)] * len(pairs))  # uninitialised DynamicLayers
-    for layer, (keys, values) in zip(cache.layers, pairs):
+    cache = DynamicCache([(None, None)] * len(pairs))
+    fresh: list[Any] = cache.layers  # uninitialised DynamicLayers
+    for layer, (keys, values) in zip(fresh, pairs):
         # What DynamicLayer.lazy_initialization and a first update would leave.
         layer.device, layer.keys, layer.values, layer.is_initialized = keys.device, keys, values, True
     return cache

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -40,6 +41,7 @@ from coordinator import rounds
 from coordinator import server as coordinator_server
 from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
+from coordinator.hedging import PredraftDepth
 from coordinator.requests import GenerationRequest
 from coordinator.state import Round
 from coordinator.upstream import Upstream
@@ -72,6 +74,10 @@ class Mode:
     # Samples for the mutation check: fewer where the mutant's bias is plain at 10,000 (a
     # test that fails with fewer samples fails with more); None: the mode's own count.
     mutant_samples: int | None = None
+    # Every pre-draft of k >= 2 drafts takes k steps, the bonus guess and k - 1 drafts, as
+    # where its last step comes back after the verify (PredraftDepth; a seeded request, as
+    # every one here is, never takes them on its own).
+    short_predrafts: bool = False
 
     @property
     def samples(self) -> int:
@@ -158,6 +164,17 @@ MODES = {
         k=1,
         exercised=hedges_and_pre_drafts_used,
         mutant_samples=10_000,
+    ),
+    # With catch-up steps: a fully accepted round of 2 leaves no room for a pre-draft of 2
+    # in 4 tokens, but a first step's pre-draft has it.
+    "short_predrafts": Mode(
+        {"pipeline": True},
+        vocab=2,
+        length=4,
+        k=2,
+        exercised=pre_drafts_used,
+        mutant_samples=10_000,
+        short_predrafts=True,
     ),
     "confidence_stopped": Mode(
         # Without catch-up steps, so that rounds after a miss make regular Propose calls.
@@ -297,6 +314,7 @@ MUTANTS = {
     "hedged_fanout": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
     "confidence_stopped": unsure_draft_dropped,
+    "short_predrafts": pre_draft_rows_flattened,
     "adaptive": k_cut_after_drafting,
 }
 
@@ -327,6 +345,9 @@ async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tup
         **mode.coordinator,
     )
     coordinator = await coordinator_server.connect(config, draft, target)
+    short = mock.patch.object(PredraftDepth, "steps", lambda self, k: k if k >= 2 else k + 1)
+    if mode.short_predrafts:
+        short.start()
     semaphore = asyncio.Semaphore(CONCURRENCY)
     collected: list = []
 
@@ -350,6 +371,8 @@ async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tup
         outputs = await asyncio.gather(*(one(seed) for seed in range(samples)))
         repeat = await asyncio.gather(*(one(seed) for seed in range(20)))
     finally:
+        if mode.short_predrafts:
+            short.stop()
         coordinator.close()
         await coordinator.wait_cleanup()
     assert repeat == outputs[:20], "the same seed must give the same output"
