@@ -238,14 +238,16 @@ class DraftClient(ServiceClient):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._proposals = CallStreams(self, lambda: self._stub.ProposeStream(), "proposal")
-        self._stream_pools = (self._proposals,)
+        self._branches = CallStreams(self, lambda: self._stub.ProposeBranchesStream(), "response")
+        self._stream_pools = (self._proposals, self._branches)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """A round's draft call, as a message on a pooled ProposeStream."""
         return await self._proposals.call(request, "/specdec.v1.Draft/Propose", self.timeout_s)
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
-        return await self.call(self._stub.ProposeBranches, request)
+        """A verify's branches, as a message on a pooled ProposeBranchesStream."""
+        return await self._branches.call(request, "/specdec.v1.Draft/ProposeBranches", self.timeout_s)
 
 
 class TargetClient(ServiceClient):

@@ -91,6 +91,17 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
     async def ProposeBranches(
         self, request: draft_pb2.ProposeBranchesRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeBranchesResponse:
+        return await self._branches(request)
+
+    @grpc_errors
+    async def ProposeBranchesStream(
+        self, requests: AsyncIterator[draft_pb2.ProposeBranchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.ProposeBranchesResult]:
+        """ProposeBranches calls as stream messages (the coordinator's hot path), each answered alone."""
+        async for reply in answer_each(requests, self._branches, draft_pb2.ProposeBranchesResult, "response"):
+            yield reply
+
+    async def _branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         """All branches in one runner call, so their draft steps share forward passes. Not
         through the batcher: the branches already are the batch, and other sessions' calls
         never wait behind them for a window."""
@@ -104,7 +115,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         named = {b.session_id for b in request.branches} | {b.fork_from for b in request.branches}
         if clash := next((session for session in ending if session in named), None):
             raise InvalidArgument(f"end_session_ids names {clash!r}, which a branch of the same call uses")
-        with tracer.start_as_current_span("draft.propose_branches") as span:
+        with tracer.start_as_current_span("draft.propose_branches", context=context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.branches": len(request.branches),

@@ -97,3 +97,37 @@ async def test_a_broken_stream_empties_the_pool(tiny_pair):
             assert draft._proposals._idle == []  # a retry opens a fresh stream, not another dead one
         finally:
             await draft.close()
+
+
+async def test_branch_calls_go_as_messages_and_a_cancelled_one_stops_its_branches(tiny_pair):
+    """Draft.ProposeBranchesStream: a call the service refuses answers with its status and
+    leaves the stream open; DraftClient.propose_branches sends on a pooled stream; a call given
+    up on cancels its stream, and the draft stops every branch at its next step."""
+    async with inprocess_stack(tiny_pair) as stack:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+            stream = draft_pb2_grpc.DraftStub(channel).ProposeBranchesStream()
+            await stream.write(draft_pb2.ProposeBranchesRequest())  # no branches
+            refused = await stream.read()
+            assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "branches" in refused.error_message
+            await stream.write(draft_pb2.ProposeBranchesRequest(branches=[propose("b1"), propose("b2", num_tokens=2)]))
+            served = await stream.read()
+            assert served.error_code == 0 and [len(r.proposal.token_ids) for r in served.response.results] == [3, 2]
+            await stream.done_writing()
+
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=30)
+        try:
+            reply = await draft.propose_branches(draft_pb2.ProposeBranchesRequest(branches=[propose("b3")]))
+            assert len(reply.results[0].proposal.token_ids) == 3 and len(draft._branches._idle) == 1
+            slow_down(stack.draft_runner, 0.2)
+            task = asyncio.ensure_future(
+                draft.propose_branches(draft_pb2.ProposeBranchesRequest(branches=[propose("b4", num_tokens=6)]))
+            )
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.6)
+            assert stack.draft_runner.stopped_proposals == 1 and draft._branches._idle == []
+        finally:
+            await draft.close()
