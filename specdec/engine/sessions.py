@@ -224,8 +224,7 @@ class SessionStore:
     def open(self, session_id: str, keep_tokens: int, namespace: str = "") -> KVSession:
         """The session for a call: known ids are resumed; unknown ids start empty, which is
         only valid when the call keeps nothing (keep_tokens == 0), in prefix cache `namespace`."""
-        if not session_id:
-            raise InvalidArgument("session_id is empty; pass a unique id per generation")
+        check_session_id(session_id)
         session = self._sessions.get(session_id)
         if session is not None:
             self._sessions.move_to_end(session_id)
@@ -304,8 +303,7 @@ class SessionStore:
                 "tokens; "
                 f"a fork keeps between 1 and {len(parent.tokens)}"
             )
-        if not session_id:
-            raise InvalidArgument("session_id is empty; pass a unique id per generation")
+        check_session_id(session_id)
         cache = cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory()
         session = self._add(session_id, cache, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
@@ -357,6 +355,11 @@ class SessionStore:
         for sid in stale:
             self._keep_prefix(self._sessions.pop(sid))
         return len(stale)
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidArgument("session_id is empty; pass a unique id per generation")
 
 
 @torch.inference_mode()  # the cache's tensors are inference tensors
