@@ -45,6 +45,12 @@ class CircuitBreaker:
             return True
         return False
 
+    def trip(self) -> None:
+        """Opens now, whatever the count: the replica stopped answering health probes."""
+        if self.opened_at is None:
+            self.opened_at = self._clock()
+            self.times_opened += 1
+
     def close(self) -> None:
         """The draft answered a health probe: speculation resumes."""
         self.opened_at = None

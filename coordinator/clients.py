@@ -75,6 +75,10 @@ class ServiceClient:
             pool.discard()
         await self.channel.close()
 
+    def abandon_calls(self, why: str) -> int:
+        """CallStreams.abandon for every pooled method: the number of calls given up on."""
+        return sum(pool.abandon(why) for pool in self._stream_pools)
+
     async def call(self, method: Callable[..., Awaitable[T]], request, timeout_s: float | None = None) -> T:
         try:
             return await method(request, timeout=timeout_s or self.timeout_s)
@@ -160,6 +164,8 @@ class CallStreams:
         self._open = open_stream
         self._field = reply_field
         self._idle: list[Any] = []
+        self._busy: set[Any] = set()  # streams carrying a call now
+        self._abandoned: dict[Any, str] = {}  # busy streams given up on (`abandon`), and why
 
     async def call(self, request, span_name: str, timeout_s: float):
         stream = None
@@ -183,7 +189,16 @@ class CallStreams:
         except BaseException:
             if stream is not None:
                 stream.cancel()  # the caller gave up: the service stops the call's work
+                why = self._abandoned.pop(stream, None)
+                task = asyncio.current_task()
+                if why is not None and task is not None and not task.cancelling():
+                    # Not the caller's cancellation but `abandon`'s: the service stopped answering.
+                    raise Unavailable(f"{self._client.role} service at {self._client.address} {why}") from None
             raise
+        finally:
+            if stream is not None:
+                self._busy.discard(stream)
+                self._abandoned.pop(stream, None)
         assert stream is not None
         if reply is grpc.aio.EOF:  # the service ended the stream (shutting down)
             self.discard()
@@ -207,16 +222,20 @@ class CallStreams:
             stream = self._idle.pop()
             if stream.done():
                 continue
+            self._busy.add(stream)
             try:
                 await stream.write(request)
                 return stream
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                self._busy.discard(stream)
                 stream.cancel()
                 self.discard()
         stream = self._open()
+        self._busy.add(stream)
         try:
             await stream.write(request)
         except BaseException:
+            self._busy.discard(stream)
             stream.cancel()
             raise
         return stream
@@ -226,6 +245,18 @@ class CallStreams:
         for stream in self._idle:
             stream.cancel()
         self._idle.clear()
+
+    def abandon(self, why: str) -> int:
+        """Gives up on every call in flight, which raises Unavailable ("<role> service at
+        <address> <why>") to its caller: the service stopped answering without closing the
+        connection (a frozen process, a dead machine, a dropped network), which no reply or
+        error would ever end before the call's deadline. Returns how many calls there were."""
+        busy = list(self._busy)
+        for stream in busy:
+            self._abandoned[stream] = why
+            stream.cancel()
+        self.discard()
+        return len(busy)
 
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}

@@ -271,6 +271,11 @@ class PoolCollector:
         moves = CounterMetricFamily(
             "specdec_replica_moves", "Sessions moved off a replica after a failed call", labels=["pool", "address"]
         )
+        abandoned = CounterMetricFamily(
+            "specdec_replica_abandoned_calls",
+            "Calls in flight given up on because their replica stopped answering health probes (then moved)",
+            labels=["pool", "address"],
+        )
         lookups = CounterMetricFamily("specdec_pool_dns_failures", "Failed DNS lookups of a pool", labels=["pool"])
         for pool in self._pools:
             lookups.add_metric([pool.role], pool.resolve_failures)
@@ -280,4 +285,5 @@ class PoolCollector:
                 sessions.add_metric(labels, replica.sessions)
                 refused.add_metric(labels, float(bool(replica.refused)))
                 moves.add_metric(labels, replica.moves)
-        yield from (serving, sessions, refused, moves, lookups)
+                abandoned.add_metric(labels, replica.abandoned)
+        yield from (serving, sessions, refused, moves, abandoned, lookups)

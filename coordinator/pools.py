@@ -11,7 +11,9 @@ replica holds the session's KV cache: a gRPC channel over several replicas would
 calls, not sessions, and a call landing on a replica that never saw the session costs a
 re-prefill. A session moves only when a call to its replica fails (`Upstream.move`): it is
 re-sent its committed sequence on another replica, which is what a restarted replica gets
-too, so the output does not change.
+too, so the output does not change. A replica that stops answering without closing its
+connections fails no call by itself, so the refresh that finds it hung gives up on its calls
+in flight (`Pool._leave_hung`), and they fail over the same way.
 
 No gRPC here beyond the clients' calls; pure bookkeeping and a watcher loop.
 """
@@ -26,12 +28,17 @@ from dataclasses import dataclass, field
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
-from specdec.errors import ServiceRefused, SpecDecError, Unavailable
+from specdec.errors import DeadlineExceeded, ServiceRefused, SpecDecError, Unavailable
 from specdec.rpc.dns import PoolSpec, resolve
 from specdec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
+# A replica whose Info has gone unanswered this many refreshes in a row (each waiting
+# PROBE_TIMEOUT_S) is hung: a frozen process, or a machine or network gone without closing its
+# connections. Calls in flight there would wait out their deadline (--target-timeout, 60 s) and
+# fail the request; they are given up on and go to another replica (module docstring).
+HUNG_AFTER_PROBES = 2
 # What every replica of a pool must report as the first one did. A target replica that
 # differs in any of these would give another output. A draft replica must speak the same
 # token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
@@ -79,6 +86,8 @@ class Replica:
     sessions: int = 0  # this coordinator's requests placed on it now
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
+    unanswered: int = 0  # refreshes in a row whose Info probe got no answer within PROBE_TIMEOUT_S
+    abandoned: int = 0  # calls given up on there while it did not answer
 
     @property
     def others(self) -> int:
@@ -100,6 +109,11 @@ class Replica:
         if self.info is None:
             return (self.sessions, 0)
         return (self.sessions + self.others, self.info.kv_cache_bytes - self.info.prefix_cache.bytes)
+
+    @property
+    def hung(self) -> bool:
+        """Has not answered HUNG_AFTER_PROBES probes in a row: its sessions leave at their next call."""
+        return self.unanswered >= HUNG_AFTER_PROBES
 
     @property
     def usable(self) -> bool:
@@ -214,8 +228,12 @@ class Pool:
         except ServiceRefused as exc:
             replica.refused = str(exc)
             return None
+        except DeadlineExceeded:
+            replica.unanswered += 1
+            return None
         except SpecDecError:
             return None
+        replica.unanswered = 0
         return info if await replica.client.serving(PROBE_TIMEOUT_S) else None
 
     def _apply(self, replica: Replica, info: common_pb2.ModelInfo | None) -> None:
@@ -223,6 +241,8 @@ class Pool:
             if replica.serving:
                 logger.warning("%s replica %s stopped serving: no new sessions go there", self.role, replica.address)
             replica.serving = False
+            if replica.hung:
+                self._leave_hung(replica)
             return
         if self.reference is None:
             self.reference = info
@@ -250,6 +270,28 @@ class Pool:
         if replica.breaker.is_open:
             logger.info("%s replica %s is serving again: rounds call it again", self.role, replica.address)
             replica.breaker.close()
+
+    def _leave_hung(self, replica: Replica) -> None:
+        """Gives up on the calls in flight to a hung replica: they fail UNAVAILABLE, and their
+        sessions move to another replica (re-sent their sequences: the output is unchanged) or,
+        a draft's, run target-only rounds, since its breaker opens until it answers again. A
+        target pool with no other replica serving leaves them waiting: there is nowhere to go,
+        and the replica may yet answer (a long pause) before their deadline."""
+        if self.role == "target" and not any(other.usable for other in self.replicas.values() if other is not replica):
+            return
+        replica.breaker.trip()
+        waited = replica.unanswered * PROBE_TIMEOUT_S
+        calls = replica.client.abandon_calls(f"has not answered health probes for {waited:.0f} s")
+        if calls:
+            replica.abandoned += calls
+            logger.warning(
+                "%s replica %s does not answer (%d probes in a row): %d calls in flight there are given up on "
+                "and their sessions move",
+                self.role,
+                replica.address,
+                replica.unanswered,
+                calls,
+            )
 
     def mismatch(self, info: common_pb2.ModelInfo) -> str:
         """What makes `info` another model than the pool's, in words; empty if none."""

@@ -189,7 +189,10 @@ class Upstream:
 
         return await retry_unavailable(
             lambda: self._with_reprefill("draft", view, sequence, stats, send),
-            give_up=lambda attempts: attempts >= self.config.draft_attempts,
+            # A replica whose breaker opened meanwhile (found hung) is not asked again.
+            give_up=lambda attempts: attempts >= self.config.draft_attempts
+            or view.replica is None
+            or not view.replica.breaker.allow(),
             backoff_s=self.config.draft_retry_backoff_s,
         )
 
@@ -309,6 +312,8 @@ class Upstream:
             )
 
         loop = asyncio.get_running_loop()
+        if view.replica is not None and view.replica.hung:
+            self.move(self.targets, view)  # before the call would wait for it (Pool._leave_hung)
 
         def failed() -> bool:
             stats.target_retries += 1

@@ -134,3 +134,58 @@ def test_a_dns_pool_follows_its_records(tiny_pair, reference, tmp_path):
             assert list(response.token_ids) == reference(PROMPT, 24) and response.stats.target_replica == b.address
             assert metric(coordinator, "specdec_pool_dns_failures_total", {"pool": "target"}) >= 1
         assert "DNS lookup failed" in coordinator.log.read_text()
+
+
+def test_a_hung_replica_hands_its_sessions_over(tiny_pair, reference, tmp_path):
+    """A replica that stops answering without closing its connections (a frozen process, a
+    machine that died without a reset, a network that drops its packets; here SIGSTOP): its
+    requests in flight move to another replica within a few refreshes, not at their calls'
+    deadline, with the output unchanged. Both pools."""
+    with Processes(tiny_pair, tmp_path) as processes:
+        drafts = [processes.draft(), processes.draft()]
+        a, b = processes.target(), processes.target()
+        wait_all(*drafts, a, b)
+        coordinator = processes.coordinator(f"{drafts[0].address},{drafts[1].address}", f"{a.address},{b.address}")
+        wait_all(coordinator)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
+            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
+            chunks = [[next(stream)] for stream in streams]
+            assert open_sessions(a) >= 1 and open_sessions(b) >= 1
+            started = time.monotonic()
+            for process in (a, drafts[0]):
+                process.process.send_signal(signal.SIGSTOP)
+            try:
+                for stream, got in zip(streams, chunks):
+                    got += list(stream)
+                waited = time.monotonic() - started
+            finally:
+                for process in (a, drafts[0]):
+                    process.process.send_signal(signal.SIGCONT)
+            for got in chunks:
+                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+            stats = [got[-1].stats for got in chunks]
+            assert all(s.target_replica == b.address and s.draft_replica == drafts[1].address for s in stats)
+            assert sum(s.replica_moves for s in stats) == 4
+            # Hung for good, the calls would have waited out --target-timeout (60 s) and failed.
+            assert waited < 15.0, waited
+            log = coordinator.log.read_text()
+            assert f"target replica {a.address} does not answer" in log, log[-3000:]
+            labels = {"pool": "target", "address": a.address}
+            assert metric(coordinator, "specdec_replica_abandoned_calls_total", labels) >= 1
+
+            # Every draft replica hung: the rounds run target-only, not a draft deadline (30 s) each.
+            stream = stub.GenerateStream(request, timeout=120)
+            got = [next(stream)]
+            started = time.monotonic()
+            for process in drafts:
+                process.process.send_signal(signal.SIGSTOP)
+            try:
+                got += list(stream)
+                waited = time.monotonic() - started
+            finally:
+                for process in drafts:
+                    process.process.send_signal(signal.SIGCONT)
+            assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+            assert waited < 15.0, waited

@@ -1,6 +1,7 @@
 """The coordinator's hot-path calls as messages on pooled streams (Draft.ProposeStream,
 Target.VerifyStream), over real gRPC: a failed call leaves its stream open, a call given up
-on cancels its stream and the work behind it, and a broken stream empties the pool."""
+on (by its caller, its deadline, or its pool) cancels its stream and the work behind it, and
+a broken stream empties the pool."""
 
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ async def test_a_call_past_its_deadline_or_cancelled_cancels_its_stream_and_the_
                 await task
             await asyncio.sleep(0.6)
             assert runner.stopped_proposals == 2 and draft._proposals._idle == []
+
+            # Given up on by the pool (its replica stopped answering): the caller, not
+            # cancelled itself, gets UNAVAILABLE, and the service stops the work as before.
+            task = asyncio.ensure_future(draft.propose(propose("abandoned", num_tokens=6)))
+            await asyncio.sleep(0.1)
+            assert draft.abandon_calls("has not answered health probes for 4 s") == 1
+            with pytest.raises(Unavailable, match="has not answered health probes for 4 s"):
+                await task
+            await asyncio.sleep(0.6)
+            assert runner.stopped_proposals == 3 and draft.abandon_calls("again") == 0
         finally:
             await draft.close()
 

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.pools import PREFIX_AFFINITY_SLACK, Pool
+from coordinator.pools import HUNG_AFTER_PROBES, PREFIX_AFFINITY_SLACK, Pool
+from specdec.errors import DeadlineExceeded
 from specdec.rpc.dns import parse_pool, query_a, resolve
 from specdec.rpc.security import ChannelSecurity
 from specdec.v1 import common_pb2
@@ -149,3 +150,56 @@ def test_draft_replicas_must_share_the_same_tokens_with_the_target():
     fewer.CopyFrom(reference)
     fewer.vocab_bridge.proposable = b"\x03"
     assert "vocab_bridge.proposable" in pool.mismatch(fewer)
+
+
+class SilentClient(FakeClient):
+    """A replica whose Info never answers in time (a frozen process), counting the calls
+    given up on there; `answers` makes it answer again."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.in_flight, self.abandoned, self.answers = 1, 0, False
+
+    async def info(self, timeout_s: float) -> common_pb2.ModelInfo:
+        if not self.answers:
+            raise DeadlineExceeded(f"{self.address} did not answer")
+        return common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
+
+    async def serving(self, timeout_s: float) -> bool:
+        return True
+
+    def abandon_calls(self, why: str) -> int:
+        self.abandoned += self.in_flight
+        return self.in_flight
+
+
+def test_a_replica_that_stops_answering_has_its_calls_given_up_on_where_they_can_go_elsewhere():
+    async def refreshes(pool: Pool, times: int) -> None:
+        for _ in range(times):
+            await pool.refresh()
+
+    pool = pool_of("a:1", "b:1")
+    a, b = pool.replicas.values()
+    a.client = SilentClient("a:1")
+    b.client = SilentClient("b:1")
+    b.client.answers = True
+    asyncio.run(refreshes(pool, HUNG_AFTER_PROBES - 1))
+    assert not a.serving and not a.hung and a.client.abandoned == 0  # one missed probe: a pause, perhaps
+    asyncio.run(refreshes(pool, 1))
+    assert a.hung and a.client.abandoned == 1 and a.abandoned == 1 and not a.breaker.allow()
+    assert pool.place() is b
+    a.client.answers = True  # back: it serves again and its breaker closes
+    asyncio.run(refreshes(pool, 1))
+    assert a.serving and not a.hung and a.breaker.allow()
+
+    # A lone target replica keeps its calls: there is nowhere else to go, and it may yet answer.
+    alone = pool_of("a:1")
+    only = alone.replicas["a:1"]
+    only.client = SilentClient("a:1")
+    asyncio.run(refreshes(alone, HUNG_AFTER_PROBES + 1))
+    assert only.hung and only.client.abandoned == 0
+    # A lone draft replica's calls are given up on: rounds run target-only meanwhile.
+    drafts = Pool("draft", parse_pool("d:1"), SilentClient)  # type: ignore[arg-type]
+    asyncio.run(refreshes(drafts, HUNG_AFTER_PROBES))
+    (draft,) = drafts.replicas.values()
+    assert draft.client.abandoned == 1 and not draft.breaker.allow()
