@@ -38,6 +38,7 @@ from coordinator.rounds import (
     RoundKind,
     RoundPlan,
     commit_round,
+    committed_logprobs,
     decide,
     k_limit,
     plan_round,
@@ -153,7 +154,15 @@ class Engine:
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms, relaxed_round(state, round_))
                     base = len(state.sequence)
-                    commit_round(state, plan, round_, outcome, pair.max_context, verification.step_token_ids)
+                    commit_round(
+                        state,
+                        plan,
+                        round_,
+                        outcome,
+                        pair.max_context,
+                        verification.step_token_ids,
+                        committed_logprobs(outcome, verification),
+                    )
                     if branches is not None:
                         await self._settle(state, branches, outcome, len(round_.draft_token_ids), base)
                         branches = None
@@ -165,9 +174,9 @@ class Engine:
                     state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
                     state.stats.replica_moves = state.target_view.moves + state.draft_view.moves
                     self._learn(state)
-                    yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats)
+                    yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats, delta.logprobs)
                     return
-                yield Chunk(delta.token_ids, delta.text)
+                yield Chunk(delta.token_ids, delta.text, logprobs=delta.logprobs)
         finally:
             if branches is not None:
                 self.branches.drop(branches)
@@ -242,6 +251,7 @@ class Engine:
                 plan.step_seeds,
                 pair.eos_token_ids if plan.step_seeds else (),
                 state.job.relaxed if relaxed_round(state, round_) else None,
+                state.job.top_logprobs,
             )  # fmt: skip
         )
         branches = None

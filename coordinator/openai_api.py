@@ -37,6 +37,8 @@ from coordinator.openai_schema import (
     ApiError,
     Parsed,
     api_error,
+    chat_logprobs,
+    completion_logprobs,
     parse_request_body,
     speculation,
     usage,
@@ -141,7 +143,15 @@ class OpenAIApi:
         final = pieces[-1]
         assert final.stats is not None and final.finish_reason is not None
         text = "".join(piece.text for piece in pieces)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[final.finish_reason], "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": FINISH_REASONS[final.finish_reason],
+            "logprobs": self._logprobs(
+                parsed,
+                [t for piece in pieces for t in piece.token_ids],
+                [e for piece in pieces for e in piece.logprobs],
+            ),
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -154,6 +164,14 @@ class OpenAIApi:
                 "speculation": speculation(final.stats),
             }
         )
+
+    def _logprobs(self, parsed: Parsed, token_ids: list[int], entries: list, offset: int = 0) -> dict | None:
+        """A choice's `logprobs` in the endpoint's shape; None where the request asked for none."""
+        if not parsed.request.logprobs:
+            return None
+        if parsed.chat:
+            return chat_logprobs(self.coordinator.tokenizer, token_ids, entries)
+        return completion_logprobs(self.coordinator.tokenizer, token_ids, entries, offset)
 
     def _envelope(self, chat: bool, streamed: bool) -> dict:
         kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
@@ -179,24 +197,37 @@ class OpenAIApi:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        def event(text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def event(
+            text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None
+        ) -> dict:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
             return {**envelope, "choices": [choice]}
 
+        # Tokens whose text is held back (a partial character, a possible stop string) send
+        # their logprobs with the next event that carries text.
+        pending_ids: list[int] = []
+        pending: list = []
+        sent_chars = 0
         try:
             if chat:
                 await send(event(None, None, role=True))
             chunk: Chunk | None = first
             while chunk is not None:
                 finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
+                pending_ids += chunk.token_ids
+                pending += chunk.logprobs
                 if chunk.text or finish:
-                    payload = event(chunk.text, finish)
+                    payload = event(
+                        chunk.text, finish, logprobs=self._logprobs(parsed, pending_ids, pending, sent_chars)
+                    )
+                    sent_chars += len(chunk.text)
+                    pending_ids, pending = [], []
                     if chunk.stats is not None:
                         payload["speculation"] = speculation(chunk.stats)
                     await send(payload)

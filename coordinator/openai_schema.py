@@ -8,14 +8,19 @@ serves these.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from coordinator.metrics import GenerationStats
 from coordinator.requests import CHAT_ROLES, GenerationRequest
 from specdec.errors import shown, status_of
+from specdec.sampling.probs import MAX_TOP_LOGPROBS
 from specdec.sampling.relaxed import AcceptanceMode
+from specdec.v1.common_pb2 import TokenLogprobs
 
 # gRPC status (as specdec.errors.status_of names it) -> HTTP status and OpenAI error type.
 HTTP_STATUS = {
@@ -34,8 +39,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": (None, {}),
@@ -47,6 +50,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
+LOGPROBS = {"logprobs", "top_logprobs"}  # chat: logprobs true/false and top_logprobs; completions: logprobs N
 EXTRAS = {
     "num_speculative_tokens",
     "draft_min_confidence",
@@ -175,7 +179,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     prompt_field = "messages" if chat else "prompt"
-    known = {prompt_field, *SAMPLING, *EXTRAS, *IGNORED, *OFF_VALUES}
+    known = {prompt_field, *SAMPLING, *LOGPROBS, *EXTRAS, *IGNORED, *OFF_VALUES}
     for name in body:
         if name not in known:
             raise bad_request(f"unsupported field {shown(name)}", shown(name, quote=False))
@@ -242,7 +246,72 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     )
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
+    logprobs, top_logprobs = _logprobs(body, chat)
+    request = dataclasses.replace(request, logprobs=logprobs, top_logprobs=top_logprobs)
     return Parsed(request, stream, bool(options.get("include_usage")), chat)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """Whether to return logprobs, and how many likeliest tokens at each position: chat's
+    `logprobs` (true/false) and `top_logprobs`; a completion's `logprobs` (that count)."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise bad_request(f"logprobs must be true or false; got {shown(wanted)}", "logprobs")
+        top = _number(body, "top_logprobs", int, 0)
+        if top and not wanted:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        name = "top_logprobs"
+    else:
+        if "top_logprobs" in body:
+            raise bad_request("top_logprobs is a chat field; a completion's logprobs gives the count", "top_logprobs")
+        count = _number(body, "logprobs", int)
+        wanted, top, name = count is not None, count or 0, "logprobs"
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]; got {top}", name)
+    return bool(wanted), top
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    return str(tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def chat_logprobs(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:
+    """A chat choice's `logprobs`: per token its text, logprob, UTF-8 bytes and the likeliest
+    tokens at its position (common.proto TokenLogprobs: the target's raw distribution)."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **entry(token_id, lp.logprob),
+                "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)],
+            }
+            for token_id, lp in zip(token_ids, entries, strict=True)
+        ]
+    }
+
+
+def completion_logprobs(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], entries: list[TokenLogprobs], offset: int = 0
+) -> dict:
+    """A completion choice's `logprobs` (the legacy shape): the tokens' texts, their logprobs,
+    the likeliest at each position as {text: logprob}, and each token's offset in the text
+    (from `offset`, the characters streamed before)."""
+    texts = [token_text(tokenizer, token_id) for token_id in token_ids]
+    offsets = [offset + sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [
+            {token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            for lp in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 def speculation(stats: GenerationStats) -> dict:

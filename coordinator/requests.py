@@ -7,7 +7,7 @@ import hashlib
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -16,9 +16,10 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.sampling.probs import SamplingParams
+from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
+from specdec.v1 import common_pb2
 
 # Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
 # such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
@@ -49,6 +50,8 @@ class GenerationRequest:
     relaxed_top_n: int | None = None
     relaxed_delta: float | None = None
     tenant: str = ""  # the caller's bearer token, where the coordinator checks tokens; "" otherwise
+    logprobs: bool = False  # each token's log-probability under the target (GenerateRequest.logprobs)
+    top_logprobs: int = 0  # ... with this many likeliest tokens at its position
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -71,6 +74,7 @@ class Job:
     tree_widths: tuple[int, ...] = ()  # each round proposes and verifies this tree (K is then 0)
     cache_namespace: str = ""  # whose cached prompts and outputs the services may reuse (cache_namespace())
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (lossy); None: exact
+    top_logprobs: int | None = None  # GenerateRequest.logprobs: its top_logprobs; None: no logprobs
 
     @property
     def seeded_sampled(self) -> bool:
@@ -89,6 +93,7 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, where asked for
 
 
 def chat_prompt_ids(messages: Sequence[tuple[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -260,6 +265,12 @@ def prepare_job(
         raise InvalidArgument(
             f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
         )
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {request.top_logprobs}", field="top_logprobs"
+        )
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs", field="top_logprobs")
     relaxed = acceptance_of(request, config)
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if request.tree_widths:
@@ -278,6 +289,7 @@ def prepare_job(
         tree_widths=tuple(request.tree_widths),
         cache_namespace=cache_namespace(request.cache_salt, request.tenant),
         relaxed=relaxed,
+        top_logprobs=request.top_logprobs if request.logprobs else None,
     )
 
 

@@ -20,7 +20,8 @@ output on one running deployment:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
@@ -256,6 +257,31 @@ def decide(
     return decide_round(*exact)
 
 
+def committed_logprobs(
+    outcome: RoundOutcome | TreeOutcome, verification: target_pb2.VerifyResponse
+) -> list[common_pb2.TokenLogprobs]:
+    """Each committed token's log-probabilities, in the order commit_round takes the tokens
+    (the round's, then its steps'); [] where the call carried none. An accepted draft's come
+    from its parent position (its own logprob, that position's top tokens), the token after
+    them from the last position reached, whose own token it is."""
+    if not verification.row_logprobs:
+        return []
+    if isinstance(outcome, TreeOutcome):
+        positions, drafts = [0, *outcome.path], [node - 1 for node in outcome.path]
+    else:
+        positions, drafts = list(range(outcome.num_accepted + 1)), list(range(outcome.num_accepted))
+    rows = verification.row_logprobs
+    accepted = [
+        common_pb2.TokenLogprobs(
+            logprob=verification.draft_token_logprobs[draft],
+            top_token_ids=rows[position].top_token_ids,
+            top_logprobs=rows[position].top_logprobs,
+        )
+        for draft, position in zip(drafts, positions)
+    ]
+    return [*accepted, rows[positions[-1]], *verification.step_logprobs]
+
+
 def relaxed_round(state: RequestState, round_: Round) -> bool:
     """Whether the round's drafts are verified under the relaxed rule: a relaxed request's
     chain with drafts. A round without drafts (K = 0) has nothing to relax."""
@@ -269,10 +295,12 @@ def commit_round(
     outcome: RoundOutcome | TreeOutcome,
     max_context: int,
     steps: Sequence[int] = (),
+    logprobs: Sequence[common_pb2.TokenLogprobs] = (),
 ) -> None:
     """Applies a verified round: the stats, the choosers, both session views, and the committed
     tokens (the generation may finish on any of them). `steps`: the tokens of a target-only
-    call's further steps (VerifyResponse.step_token_ids), each counted as a round of its own."""
+    call's further steps (VerifyResponse.step_token_ids), each counted as a round of its own.
+    `logprobs`: one per committed token then step (`committed_logprobs`), where asked for."""
     stats, proposed = state.stats, len(round_.draft_token_ids)
     base = len(state.sequence)
     stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
@@ -311,14 +339,16 @@ def commit_round(
     if round_.source.in_draft_session:
         state.draft_view.synced = held
     state.ready = None
-    for token in outcome.committed(round_.draft_token_ids):
+    committed = outcome.committed(round_.draft_token_ids)
+    entries: Iterator[common_pb2.TokenLogprobs | None] = iter(logprobs) if logprobs else itertools.repeat(None)
+    for token in committed:
         state.sequence.append(token)
-        if state.text.push(token):
+        if state.text.push(token, next(entries)):
             return
     for token in steps:
         stats.record_round(0, 0)
         state.sequence.append(token)
-        if state.text.push(token):
+        if state.text.push(token, next(entries)):
             return
     if len(state.sequence) >= max_context:
         state.text.finish(FINISH_LENGTH)

@@ -98,6 +98,8 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest, tenant: str = "") 
         relaxed_top_n=optional("relaxed_top_n"),
         relaxed_delta=optional("relaxed_delta"),
         tenant=tenant,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )
 
 
@@ -111,7 +113,7 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
 
 
 def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
-    response = coordinator_pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids)
+    response = coordinator_pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
     if chunk.finish_reason is not None:
         response.finish_reason = chunk.finish_reason
     if chunk.stats is not None:
@@ -197,6 +199,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 text="".join(chunk.text for chunk in chunks),
                 finish_reason=final.finish_reason,
                 stats=final.stats,
+                logprobs=[entry for chunk in chunks for entry in chunk.logprobs],
             )
         )
 

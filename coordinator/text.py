@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.v1 import common_pb2
+
 # Prompt tokens decoded in front of the output, so tokenizers that drop a leading space
 # (SentencePiece) render the first generated token as they would mid-text.
 _PROMPT_CONTEXT_TOKENS = 4
@@ -25,6 +27,7 @@ FINISH_STOP = "stop"
 class Delta:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, where asked for
 
 
 class TextAssembler:
@@ -50,6 +53,7 @@ class TextAssembler:
         self._longest_stop = max((len(s) for s in stop), default=0)
         self._max_new_tokens = max_new_tokens
         self.token_ids: list[int] = []
+        self.logprobs: list[common_pb2.TokenLogprobs] = []  # one per token, where the request asked
         self.text = ""  # final text so far (stop string excluded)
         self._emitted_tokens = 0
         self._emitted_chars = 0
@@ -67,11 +71,14 @@ class TextAssembler:
             return window_text[len(prefix_text) :]
         return ""
 
-    def push(self, token_id: int) -> bool:
-        """Adds one committed token; returns True once the generation has finished."""
+    def push(self, token_id: int, logprobs: common_pb2.TokenLogprobs | None = None) -> bool:
+        """Adds one committed token (with its log-probabilities, where the request asked for
+        them); returns True once the generation has finished."""
         if self.finish_reason is not None:
             raise RuntimeError("push after finish")
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         self._ids.append(token_id)
         if token_id in self._eos:
             self.finish(FINISH_EOS)
@@ -114,7 +121,11 @@ class TextAssembler:
     def take_delta(self) -> Delta:
         """Tokens and text not handed out yet (everything, once finished)."""
         safe_end = max(self._emitted_chars, len(self.text) - self._held_back())
-        delta = Delta(self.token_ids[self._emitted_tokens :], self.text[self._emitted_chars : safe_end])
+        delta = Delta(
+            self.token_ids[self._emitted_tokens :],
+            self.text[self._emitted_chars : safe_end],
+            self.logprobs[self._emitted_tokens :],
+        )
         self._emitted_tokens = len(self.token_ids)
         self._emitted_chars = safe_end
         return delta

@@ -15,7 +15,14 @@ from specdec.engine.calls import Stopwatch
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import SamplingParams, VerifyOutputs, logits_to_probs, verify_outputs
+from specdec.sampling.probs import (
+    PositionLogprobs,
+    SamplingParams,
+    VerifyOutputs,
+    logits_to_probs,
+    position_logprobs,
+    verify_outputs,
+)
 from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_accepts
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
@@ -37,6 +44,7 @@ class VerifyCall:
     parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.sampling.tree_sampling numbering); empty: a chain
     cache_namespace: str = ""  # the prefix cache namespace a new session starts in (VerifyRequest)
     relaxed: RelaxedAcceptance | None = None  # VerifyRequest.relaxed: also test each draft (lossy); None exact
+    top_logprobs: int | None = None  # VerifyRequest.return_logprobs: its top_logprobs; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Verification:
     compute_ms: float  # in a batch, the shared pass counts in full for every call in it
     batch_size: int = 1  # sessions that shared the forward pass
     relaxed_accepts: list[bool] = field(default_factory=list)  # [K] with VerifyCall.relaxed; empty otherwise
+    logprobs: PositionLogprobs | None = None  # with VerifyCall.top_logprobs
 
 
 @dataclass
@@ -274,6 +283,15 @@ class TargetRunner(ModelRunner):
             relaxed_accepts=[]
             if call.relaxed is None
             else self._relaxed_accepts(call.relaxed, call.params, logits, draft_ids, outputs),
+            logprobs=None
+            if call.top_logprobs is None
+            else position_logprobs(
+                logits,
+                torch.arange(num_draft),
+                draft_ids,
+                torch.tensor([*outputs.recovered_token_ids.tolist(), outputs.bonus_token_id]),
+                call.top_logprobs,
+            ),
         )
 
     @staticmethod
@@ -321,4 +339,9 @@ class TargetRunner(ModelRunner):
             sequence_length=len(admitted.session.tokens),
             compute_ms=admitted.clock.ms(),
             batch_size=batch_size,
+            logprobs=None
+            if call.top_logprobs is None
+            else position_logprobs(
+                logits, parents, draft_ids, outputs.next_token_ids.to(torch.int64), call.top_logprobs
+            ),
         )

@@ -14,7 +14,7 @@ from specdec.rpc import wire
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, Verification, VerifyCall, next_step
 
 
@@ -72,6 +72,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             self._runner.check_length(request.keep_tokens + len(request.new_tokens) + len(request.step_seeds))
         params = wire.params_from_pb(request.sampling)
         relaxed = wire.relaxed_from_pb(request)
+        top_logprobs = wire.top_logprobs_from_pb(request)
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
@@ -97,9 +98,10 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 tuple(request.draft_parents),
                 request.cache_namespace,
                 relaxed,
+                top_logprobs,
             )
             result = await self._verify(call)
-            steps, result = await self._steps(request, call, result)
+            steps, step_logprobs, result = await self._steps(request, call, result)
             span.set_attributes(
                 {
                     "specdec.processed_tokens": result.processed_tokens,
@@ -122,6 +124,9 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             compute_ms=result.compute_ms,
             step_token_ids=steps,
             relaxed_accepts=result.relaxed_accepts,
+            draft_token_logprobs=result.logprobs.draft if result.logprobs is not None else [],
+            row_logprobs=wire.token_logprobs_to_pb(result.logprobs),
+            step_logprobs=step_logprobs,
         )
 
     async def _verify(self, call: VerifyCall) -> Verification:
@@ -131,11 +136,11 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
 
     async def _steps(
         self, request: target_pb2.VerifyRequest, first: VerifyCall, result: Verification
-    ) -> tuple[list[int], Verification]:
+    ) -> tuple[list[int], list[common_pb2.TokenLogprobs], Verification]:
         """VerifyRequest.step_seeds: each step a target-only call of its own after the one
         before, feeding the last token and drawing the next with its seed. Returns the steps'
-        tokens and the first call's result (its bonus token) with their work and the
-        session's length added.
+        tokens, their log-probabilities (VerifyRequest.return_logprobs), and the first call's
+        result (its bonus token) with their work and the session's length added.
 
         A session decoding alone runs its steps in one job of the model thread
         (TargetRunner.verify_steps), which yields as soon as another call waits; otherwise
@@ -150,12 +155,17 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             else:
                 steps.append(await self._verify(next_step(first, last, rest[0])))
         if not steps:
-            return [], result
-        return [step.bonus_token_id for step in steps], dataclasses.replace(
-            result,
-            sequence_length=steps[-1].sequence_length,
-            compute_ms=result.compute_ms + sum(step.compute_ms for step in steps),
-            processed_tokens=result.processed_tokens + sum(step.processed_tokens for step in steps),
+            return [], [], result
+        step_logprobs = [entry for step in steps for entry in wire.token_logprobs_to_pb(step.logprobs)]
+        return (
+            [step.bonus_token_id for step in steps],
+            step_logprobs,
+            dataclasses.replace(
+                result,
+                sequence_length=steps[-1].sequence_length,
+                compute_ms=result.compute_ms + sum(step.compute_ms for step in steps),
+                processed_tokens=result.processed_tokens + sum(step.processed_tokens for step in steps),
+            ),
         )
 
     async def _steps_in_one_job(

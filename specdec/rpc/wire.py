@@ -14,7 +14,7 @@ import torch
 
 from specdec.engine.calls import ModelDescription
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import SamplingParams
+from specdec.sampling.probs import MAX_TOP_LOGPROBS, PositionLogprobs, SamplingParams
 from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed
 from specdec.v1 import common_pb2, target_pb2
 
@@ -177,6 +177,25 @@ def relaxed_from_pb(request: target_pb2.VerifyRequest) -> RelaxedAcceptance | No
 
 def relaxed_to_pb(relaxed: RelaxedAcceptance) -> target_pb2.RelaxedAcceptance:
     return target_pb2.RelaxedAcceptance(top_n=relaxed.top_n, delta=relaxed.delta)
+
+
+def top_logprobs_from_pb(request: target_pb2.VerifyRequest) -> int | None:
+    """VerifyRequest.return_logprobs as VerifyCall.top_logprobs (None: no logprobs), validated."""
+    if not (0 <= request.top_logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {request.top_logprobs}")
+    if request.top_logprobs and not request.return_logprobs:
+        raise InvalidArgument("top_logprobs needs return_logprobs")
+    return request.top_logprobs if request.return_logprobs else None
+
+
+def token_logprobs_to_pb(logprobs: PositionLogprobs | None) -> list[common_pb2.TokenLogprobs]:
+    """One TokenLogprobs per position (VerifyResponse.row_logprobs); [] without logprobs."""
+    if logprobs is None:
+        return []
+    return [
+        common_pb2.TokenLogprobs(logprob=own, top_token_ids=ids, top_logprobs=top)
+        for own, ids, top in zip(logprobs.rows, logprobs.top_ids, logprobs.top, strict=True)
+    ]
 
 
 def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:

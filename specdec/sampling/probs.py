@@ -165,3 +165,32 @@ def verify_outputs(
         recovered = torch.empty(0, dtype=torch.int64)
     bonus = int(sample(target_probs[num_draft:], generator)[0])
     return VerifyOutputs(draft_token_target_probs, recovered, bonus)
+
+
+MAX_TOP_LOGPROBS = 20  # likeliest tokens a position's log-probabilities may list (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """Log-probabilities under the raw distribution (log-softmax at temperature 1, before
+    top-k / top-p) of the tokens a verify's positions may emit (common.proto TokenLogprobs)."""
+
+    draft: list[float]  # [K]: each draft token's, at the position that predicts it
+    rows: list[float]  # [R]: each position's own token's (recovered, bonus, a tree node's next)
+    top_ids: list[list[int]]  # [R][n]: the n likeliest tokens at each position, likeliest first
+    top: list[list[float]]  # [R][n]
+
+
+def position_logprobs(
+    logits: torch.Tensor,  # [R, V]: the positions that predict a draft token or the next one
+    draft_rows: torch.Tensor,  # [K] int64: the position predicting each draft token (a tree: its parent)
+    draft_ids: torch.Tensor,  # [K] int64
+    row_ids: torch.Tensor,  # [R] int64: the token each position emits if the round ends there
+    top_n: int,
+) -> PositionLogprobs:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    rows = torch.arange(logprobs.shape[0], device=logprobs.device)  # [R]
+    draft = logprobs[draft_rows.to(logprobs.device), draft_ids.to(logprobs.device)]  # [K]
+    own = logprobs[rows, row_ids.to(logprobs.device)]  # [R]
+    top, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], rows[:, None][:, :0])  # [R, n]
+    return PositionLogprobs(draft.tolist(), own.tolist(), top_ids.tolist(), top.tolist())

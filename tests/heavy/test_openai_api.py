@@ -156,6 +156,35 @@ def test_completions_greedy_equal_the_grpc_prompt_streamed_or_not(served, client
     assert tree.choices[0].text == expected.text and tree.model_extra["speculation"]["proposed_tokens"] > 0
 
 
+def test_logprobs_are_the_grpc_apis_in_each_endpoints_shape(served, client):
+    """Chat's logprobs.content and a completion's legacy logprobs carry the same figures as
+    the gRPC API's GenerateResponse.logprobs, one per token, streamed or not."""
+    expected = grpc_generate(served, messages=CHAT, max_new_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(
+        model="tiny-coder", messages=CHAT, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == pytest.approx([e.logprob for e in expected.logprobs])
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in content)  # greedy: the likeliest
+    assert len(content) == reply.usage.completion_tokens
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny-coder", messages=CHAT, max_tokens=16, temperature=0, logprobs=True, stream=True
+        )
+    )
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [entry.logprob for entry in entries] == pytest.approx([e.logprob for e in expected.logprobs])
+    assert client.chat.completions.create(model="tiny-coder", messages=CHAT, max_tokens=4).choices[0].logprobs is None
+
+    completion = client.completions.create(model="tiny-coder", prompt="x", max_tokens=8, temperature=0, logprobs=3)
+    expected = grpc_generate(served, prompt="x", max_new_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    legacy = completion.choices[0].logprobs
+    assert legacy.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs])
+    assert len(legacy.tokens) == len(legacy.text_offset) == len(expected.token_ids)
+    assert all(len(top) <= 3 for top in legacy.top_logprobs)  # tokens rendering alike may merge
+
+
 def test_stop_seed_and_max_tokens(served, client):
     request = dict(model="tiny-coder", messages=CHAT, max_tokens=24, temperature=0.9, seed=7)
     first = client.chat.completions.create(**request)
@@ -181,7 +210,8 @@ def test_stop_seed_and_max_tokens(served, client):
         ({"n": 2}, r"n=2 is not supported"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"role is 'robot'"),
         ({"max_tokens": 0}, r"max_tokens must be in \[1"),
-        ({"logprobs": True}, r"logprobs=True is not supported"),
+        ({"top_logprobs": 2}, r"top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
         ({"extra_body": {"cache_salt": 5}}, r"cache_salt must be a string"),
     ],
 )
@@ -330,11 +360,19 @@ def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():
     parsed = parse_body({"prompt": [[1, 2, 3]], "max_tokens": 5, "stop": "x", "seed": 3}, chat=False)
     assert parsed.request.prompt_token_ids == (1, 2, 3) and parsed.request.stop == ("x",)
     assert parsed.request.temperature == 1.0, "OpenAI's default temperature"
+    assert not parsed.request.logprobs
+    legacy = parse_body({"prompt": "a", "logprobs": 0}, chat=False).request  # logprobs 0: the tokens' own only
+    assert legacy.logprobs and legacy.top_logprobs == 0
+    chat = parse_body({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 5}, chat=True)
+    assert chat.request.logprobs and chat.request.top_logprobs == 5
     for body, field in (
         ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "logprobs": True}, "logprobs"),  # a completion's is a count
+        ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"),  # chat's field
     ):
         with pytest.raises(Exception) as error:
             parse_body(body, chat=False)
