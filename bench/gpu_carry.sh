@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepares .gpu/, what a lease of a device machine carries to run `python -m bench.gpu_check`
+# there (bench/profiles/README.md, "Measuring a card"). That machine reaches no package index
+# and no model hub, and a lease carries 64 MiB:
+#   .gpu/whl/     wheels for Python 3.12 of what its image lacks, or holds older than we need,
+#                 at the versions installed in .venv here;
+#   .gpu/models/  the real pair's configs and tokenizers without their weights: gpu_check gives
+#                 each random weights of its shape there.
+# Then it prints the device command. Run from the repository root after `make run` (.venv and
+# .cache/models); the generated protos in specdec/v1 travel too (carry them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV_PY=.venv/bin/python
+# Not in the device image ('cuda', bench/.library device KINDS.md), or older there than pyproject allows.
+PACKAGES=(
+  transformers grpcio grpcio-health-checking grpcio-reflection protobuf
+  opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
+  opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common
+  opentelemetry-instrumentation opentelemetry-instrumentation-grpc googleapis-common-protos
+)
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+rm -rf .gpu && mkdir -p .gpu/whl .gpu/models
+for name in "${PACKAGES[@]}"; do
+  version=$("$VENV_PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+  "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .gpu/whl "$name==$version"
+done
+for role in target draft; do
+  name=$("$VENV_PY" -c "from specdec.tools.real_models import TARGET, DRAFT; print(${role^^}.name)")
+  mkdir -p ".gpu/models/$role"
+  for file in .cache/models/"$name"/*; do
+    case "$(basename "$file")" in model*.safetensors*|pytorch_model*|specdec-ready) ;; *) cp "$file" ".gpu/models/$role/" ;; esac
+  done
+done
+du -sh .gpu specdec/v1
+cat <<'EOF'
+Device command (carry: [".gpu", "specdec/v1"], timeout_s 540):
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && python3 -m bench.gpu_check --device cuda --dtype bfloat16 --target .gpu/models/target --draft .gpu/models/draft --out $OUT
+EOF

@@ -1,0 +1,375 @@
+"""What a session with a GPU checks, in one command that fits a short lease:
+
+    python -m bench.gpu_check --device cuda --dtype bfloat16 --out $OUT
+
+1. **Pass costs.** Each model's forward pass, timed on the device as the services run it: over
+   1 to 512 new tokens after a short context, and one token after longer contexts. Written as
+   pass-cost profiles (`profile-target.json`, `profile-draft.json`, the `bench/profiles/` format
+   that `--pass-cost-profile` loads), so the emulated suites can be anchored to the card.
+2. **Greedy identity.** The three services on the device; every prompt greedy, target-only
+   (K = 0: the target's own output), with the K chooser, with K = 4, and pipelined with hedges.
+   Each output is compared with target-only's token by token, and with in-process transformers
+   `generate()` for information.
+3. **Speed.** tok/s of each mode from the coordinator's own request times, the modes
+   interleaved over the repeats.
+
+Models: `--target` and `--draft` (default: the real pair `make run` prepares in .cache/models).
+A folder with a config and a tokenizer but no weights (a device machine reaches no model hub,
+and a lease carries 64 MiB) gets random weights of that shape, seeded: pass costs and greedy
+identity are the model's whatever its weights, but acceptance, and so the speed of speculation,
+are not, and the report says so. report.md and results.json go to --out.
+
+It runs on any device: the tests run it with `--device cpu` on the tiny pair. How to carry it
+to a device machine: bench/profiles/README.md, "Measuring a card".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from specdec.engine.pace import load_profile
+from specdec.tools.launch import ServiceProcess, local_stack, spawn_coordinator
+from specdec.tools.real_models import DRAFT, TARGET
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / ".cache/models"
+PROMPTS = [
+    "def fibonacci(n):",
+    "The three laws of thermodynamics are",
+    "SELECT customer_id, SUM(amount) FROM orders",
+    "Speculative decoding lets a small model draft tokens that a large model",
+]
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# Modes: (coordinator, num_speculative_tokens; None: the K chooser).
+MODES = {
+    "target-only (K=0)": ("default", 0),
+    "K chooser": ("default", None),
+    "K=4": ("default", 4),
+    "pipelined + 4 hedges, K chooser": ("pipelined", None),
+}
+COORDINATORS = {"default": [], "pipelined": ["--pipeline", "on", "--hedges", "4"]}
+
+
+@dataclass
+class Checked:
+    """One model: its folder (weights made here where it had none) and what was measured."""
+
+    role: str
+    folder: Path
+    random_weights: bool
+    profile: dict = field(default_factory=dict)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def with_weights(role: str, folder: Path, dtype: str, work: Path, seed: int) -> Checked:
+    """The model folder as given, or a copy with random weights of its config's shape."""
+    if any((folder / name).exists() for name in WEIGHT_FILES):
+        return Checked(role, folder, random_weights=False)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = work / role
+    shutil.copytree(folder, out)
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out)
+    return Checked(role, out, random_weights=True)
+
+
+def time_pass(runner, session, context: int, new_ids: list[int], keep_all: bool, device: str, repeats: int) -> float:
+    """Median ms of a pass over `new_ids` on top of the session's first `context` tokens."""
+    times = []
+    for repeat in range(repeats + 1):  # the first pass warms up
+        feed = session.extend(context, new_ids)
+        synchronize(device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            runner.forward(session, feed, len(new_ids) if keep_all else 1)
+        synchronize(device)
+        if repeat:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def measure_profile(runner, name: str, device: str, sizes: list[int], contexts: list[int], repeats: int) -> dict:
+    """The model's pass-cost profile (specdec.engine.pace): ms by new tokens after contexts[0]
+    cached tokens, less that context's share, and the share per 1k cached tokens, fitted to
+    one-token passes after each of `contexts`."""
+    keep_all = name == "target"  # the target scores every new token; the draft keeps the last
+    vocab = runner.loaded.vocab_size
+    limit = runner.loaded.max_context - max(sizes) - 1
+    contexts = sorted({min(c, limit) for c in contexts})
+    ids = torch.randint(0, vocab, (max(contexts) + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
+    at_context = []
+
+    def timed(session, context: int, n: int) -> float:
+        return time_pass(runner, session, context, ids[context : context + n], keep_all, device, repeats)
+
+    for index, context in enumerate(contexts):
+        session = runner.sessions.open(f"profile-{index}", 0)
+        with torch.inference_mode():
+            runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
+        at_context.append((context, timed(session, context, 1)))
+        if index == 0:
+            by_size = {n: timed(session, context, n) for n in sizes}
+        runner.end_session(f"profile-{index}", keep=False)
+    slope = 0.0
+    if len(at_context) > 1:  # least squares over (context, ms)
+        mean_c = statistics.mean(c for c, _ in at_context)
+        mean_ms = statistics.mean(ms for _, ms in at_context)
+        spread = sum((c - mean_c) ** 2 for c, _ in at_context)
+        slope = max(0.0, sum((c - mean_c) * (ms - mean_ms) for c, ms in at_context) / spread) if spread else 0.0
+    base = contexts[0] * slope
+    points, floor = [], 0.0
+    for n in sizes:  # never less than a smaller pass: a disturbed run reads as noise, not a dip
+        floor = max(floor, by_size[n] - base)
+        points.append([n, round(floor, 3)])
+    return {
+        "pass_ms": points,
+        "context_ms_per_1k": round(slope * 1000.0, 4),
+        "measured_context_ms": [[c, round(ms, 3)] for c, ms in at_context],
+    }
+
+
+def profiles(checked: list[Checked], args, device_name: str) -> None:
+    from draft_service.config import parse_config as draft_config
+    from draft_service.server import load_runner as load_draft
+    from target_service.config import parse_config as target_config
+    from target_service.loading import load_runner as load_target
+
+    for model in checked:
+        flags = ["--model", str(model.folder), "--device", args.device, "--dtype", args.dtype, "--calibrate", "off"]
+        flags += ["--max-speculative-tokens", "8"]
+        runner = load_target(target_config(flags)) if model.role == "target" else load_draft(draft_config(flags))
+        figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.repeats)
+        weights = "random weights of its shape" if model.random_weights else "its own weights"
+        model.profile = {
+            "name": f"{device_name} {model.folder.name} {args.dtype}",
+            "source": (
+                f"MEASURED by python -m bench.gpu_check on {device_name}, torch {torch.__version__}, "
+                f"{args.dtype}, {model.folder.name} ({weights}), {time.strftime('%Y-%m-%d')}: median of "
+                f"{args.repeats} passes after a warm-up; pass_ms after {min(args.contexts)} cached tokens, less "
+                "the context's share; context_ms_per_1k fitted to one-token passes after "
+                f"{', '.join(str(c) for c, _ in figures['measured_context_ms'])} cached tokens."
+            ),
+            **figures,
+        }
+        path = args.out / f"profile-{model.role}.json"
+        path.write_text(json.dumps(model.profile, indent=1) + "\n")
+        load_profile(str(path))  # the services accept it, or this fails here
+        del runner
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def generate(stub, prompt_ids: list[int], k: int | None, max_new_tokens: int) -> pb.GenerateResponse:
+    request = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
+    if k is not None:
+        request.num_speculative_tokens = k
+    return stub.Generate(request, timeout=600)
+
+
+def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dict:
+    """Every mode on every prompt, interleaved over the repeats: outputs and speeds."""
+    outputs: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+    tokens = dict.fromkeys(MODES, 0)
+    ms = dict.fromkeys(MODES, 0.0)
+    accepted = dict.fromkeys(MODES, 0)
+    proposed = dict.fromkeys(MODES, 0)
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    with ExitStack() as stack:
+        running: dict[str, ServiceProcess] = stack.enter_context(
+            local_stack(
+                checked["draft"].folder,
+                checked["target"].folder,
+                logs,
+                draft_dtype=args.dtype,
+                target_dtype=args.dtype,
+                device=args.device,
+                threads=args.threads,
+                cwd=ROOT,
+            )
+        )
+        coordinators = {"default": running["coordinator"]}
+        coordinators["pipelined"] = spawn_coordinator(
+            running["draft"], running["target"], checked["target"].folder, logs / "coordinator-pipelined.log",
+            COORDINATORS["pipelined"], ROOT,
+        )  # fmt: skip
+        stack.callback(coordinators["pipelined"].stop)
+        stubs = {
+            name: coordinator_pb2_grpc.CoordinatorStub(stack.enter_context(grpc.insecure_channel(c.address)))
+            for name, c in coordinators.items()
+        }
+        for stub in stubs.values():  # warm-up
+            generate(stub, prompts[0], None, 8)
+        modes = list(MODES)
+        for repeat in range(args.repeats):
+            for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
+                coordinator, k = MODES[mode]
+                for index, prompt in enumerate(prompts):
+                    response = generate(stubs[coordinator], prompt, k, args.max_new_tokens)
+                    if repeat == 0:
+                        outputs[mode].append(list(response.token_ids))
+                    elif list(response.token_ids) != outputs[mode][index]:
+                        outputs[mode][index] = []  # greedy must repeat itself: flagged below
+                    tokens[mode] += response.stats.generated_tokens
+                    ms[mode] += response.stats.total_ms
+                    accepted[mode] += response.stats.accepted_tokens
+                    proposed[mode] += response.stats.proposed_tokens
+    reference = outputs["target-only (K=0)"]
+    results = {}
+    for mode in MODES:
+        divergence = [first_difference(reference[i], outputs[mode][i]) for i in range(len(prompts))]
+        results[mode] = {
+            "identical": sum(d is None for d in divergence),
+            "first_difference": divergence,
+            "tok_s": tokens[mode] / ms[mode] * 1e3 if ms[mode] else 0.0,
+            "acceptance": accepted[mode] / proposed[mode] if proposed[mode] else None,
+        }
+    return {"modes": results, "target_only": reference}
+
+
+def first_difference(expected: list[int], got: list[int]) -> int | None:
+    """The first position where `got` leaves `expected`; None where they agree."""
+    if expected == got and got:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+
+
+def in_process(checked: Checked, args, prompts: list[list[int]], reference: list[list[int]]) -> dict:
+    """transformers generate(), greedy, in this process on the device: agreement with the
+    services' target-only outputs, and its speed."""
+    from specdec.engine.modeling import load_causal_lm
+
+    model = load_causal_lm(str(checked.folder), args.dtype, args.device).model
+    agree, tokens, seconds = 0, 0, 0.0
+    for prompt, expected in zip(prompts, reference):
+        ids = torch.tensor([prompt], device=model.device)
+        synchronize(args.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(  # type: ignore[operator]
+                ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0, min_new_tokens=0
+            )[0, len(prompt) :].tolist()
+        synchronize(args.device)
+        seconds += time.perf_counter() - started
+        tokens += len(out)
+        agree += first_difference(expected, out[: len(expected)]) is None
+    return {"identical": agree, "tok_s": tokens / seconds if seconds else 0.0}
+
+
+def report(results: dict, args) -> str:
+    lines = [
+        f"# gpu_check on {results['device_name']} ({results['date']})",
+        "",
+        f"torch {results['torch']}, {args.dtype}, target {results['models']['target']}, draft "
+        f"{results['models']['draft']}; {len(results['prompts'])} prompts x {args.max_new_tokens} tokens, greedy, "
+        f"{args.repeats} repeats interleaved.",
+    ]
+    if results["random_weights"]:
+        lines.append(
+            "Random weights of the models' shapes: pass costs and greedy identity hold, but acceptance and so "
+            "the speed of speculation are not the real pair's."
+        )
+    lines += [
+        "",
+        "## Pass costs (ms)",
+        "",
+        "| model | " + " | ".join(f"{n} tok" for n in args.sizes) + " | ms per 1k context |",
+    ]
+    lines.append("|---|" + "---|" * (len(args.sizes) + 1))
+    for role, profile in results["profiles"].items():
+        cells = " | ".join(f"{ms:.2f}" for _, ms in profile["pass_ms"])
+        lines.append(f"| {role} | {cells} | {profile['context_ms_per_1k']:.3f} |")
+    lines += ["", "## Greedy identity and speed", ""]
+    lines.append("| mode | identical to target-only | first difference | tok/s | acceptance |")
+    lines.append("|---|---|---|---|---|")
+    count = len(results["prompts"])
+    for mode, figures in results["services"]["modes"].items():
+        acceptance = "" if figures["acceptance"] is None else f"{figures['acceptance']:.2f}"
+        lines.append(
+            f"| {mode} | {figures['identical']}/{count} | {figures['first_difference']} | "
+            f"{figures['tok_s']:.1f} | {acceptance} |"
+        )
+    hf = results["transformers_generate"]
+    lines.append(f"| transformers generate() in process | {hf['identical']}/{count} | | {hf['tok_s']:.1f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--target", type=Path, default=MODELS / TARGET.name)
+    parser.add_argument("--draft", type=Path, default=MODELS / DRAFT.name)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256,512", help="new tokens per timed pass")
+    parser.add_argument("--contexts", default="128,1024,4096", help="cached tokens under the one-token passes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per size; and runs of each mode")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
+    args = parser.parse_args(argv)
+    args.sizes = sorted({int(n) for n in args.sizes.split(",")})
+    args.contexts = sorted({int(n) for n in args.contexts.split(",")})
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        checked = {
+            role: with_weights(role, folder, args.dtype, Path(work), seed)
+            for role, folder, seed in (("target", args.target, 0), ("draft", args.draft, 1))
+        }
+        print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in checked.values()]}", flush=True)
+        profiles(list(checked.values()), args, device_name)
+        print("pass costs measured", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
+        prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
+        served = services(checked, args, prompts)
+        print("services checked", flush=True)
+        results = {
+            "device_name": device_name,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__,
+            "dtype": args.dtype,
+            "models": {role: c.folder.name for role, c in checked.items()},
+            "random_weights": any(c.random_weights for c in checked.values()),
+            "prompts": PROMPTS[: args.prompts],
+            "profiles": {role: c.profile for role, c in checked.items()},
+            "services": served,
+            "transformers_generate": in_process(checked["target"], args, prompts, served["target_only"]),
+        }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "report.md").write_text(report(results, args))
+    print(report(results, args), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

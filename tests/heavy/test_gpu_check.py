@@ -1,0 +1,37 @@
+"""bench.gpu_check, the command a session with a GPU runs, run here on the CPU with the tiny
+pair: it writes profiles the services accept, finds every mode's greedy output identical to
+target-only's, and gives a folder without weights random ones of its shape."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from bench import gpu_check
+from specdec.engine.pace import load_profile
+
+QUICK = ["--device", "cpu", "--dtype", "float32", "--sizes", "1,4,16", "--contexts", "16,128"]
+QUICK += ["--repeats", "1", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1"]
+
+
+def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
+    shapes_only = tmp_path / "draft-shape"
+    shutil.copytree(tiny_pair.draft, shapes_only)
+    for weights in shapes_only.glob("model*.safetensors"):
+        weights.unlink()
+    out = tmp_path / "out"
+    results = gpu_check.main(
+        ["--target", str(tiny_pair.target), "--draft", str(shapes_only), "--out", str(out), *QUICK]
+    )
+    for role in ("target", "draft"):
+        profile = load_profile(str(out / f"profile-{role}.json"))
+        assert [n for n, _ in profile.pass_ms] == [1, 4, 16] and "MEASURED" in profile.source
+        assert all(a <= b for (_, a), (_, b) in zip(profile.pass_ms, profile.pass_ms[1:]))
+    assert (
+        results["random_weights"] and "random weights" in json.loads((out / "profile-draft.json").read_text())["source"]
+    )
+    modes = results["services"]["modes"]
+    assert all(figures["identical"] == 2 for figures in modes.values()), modes
+    assert all(figures["tok_s"] > 0 for figures in modes.values())
+    assert results["transformers_generate"]["identical"] == 2
+    assert "identical to target-only" in (out / "report.md").read_text()
