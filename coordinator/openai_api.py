@@ -17,6 +17,7 @@ mode that produced it).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -24,14 +25,14 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from opentelemetry import propagate, trace
 
 from coordinator.engine import Engine
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -52,11 +53,31 @@ from specdec.rpc.serving import MAX_METADATA_BYTES
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec.coordinator.http")
 
+T = TypeVar("T")
 PATHS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
+
+
+async def collect(chunks: AsyncGenerator[Chunk, None]) -> list[Chunk]:
+    """Every chunk of one generation (closed at once if the caller goes away)."""
+    async with contextlib.aclosing(chunks):
+        return [chunk async for chunk in chunks]
+
+
+async def all_of(awaitables: list[Awaitable[T]]) -> list[T]:
+    """Each result, in order, run at once. When one fails, or the caller goes away, the others
+    are cancelled (their generations end) before the error goes on."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class OpenAIApi:
@@ -134,34 +155,37 @@ class OpenAIApi:
                 parsed,
                 request=dataclasses.replace(parsed.request, tenant=bearer_token(request.headers.get("Authorization"))),
             )
-        # Counted and logged as a gRPC request's are.
-        chunks = metered(self.coordinator.generate(parsed.request), self.metrics)
+        # Each choice is a generation of its own, counted and logged as a gRPC request's is.
+        generations = [metered(self.coordinator.generate(choice), self.metrics) for choice in parsed.choices()]
         if parsed.stream:
-            return await self._stream(request, parsed, chunks)
-        async with contextlib.aclosing(chunks):  # a client gone mid-way ends the generation at once
-            pieces = [chunk async for chunk in chunks]
-        final = pieces[-1]
-        assert final.stats is not None and final.finish_reason is not None
-        text = "".join(piece.text for piece in pieces)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "finish_reason": FINISH_REASONS[final.finish_reason],
-            "logprobs": self._logprobs(
-                parsed,
-                [t for piece in pieces for t in piece.token_ids],
-                [e for piece in pieces for e in piece.logprobs],
-            ),
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+            return await self._stream(request, parsed, generations)
+        everything = await all_of([collect(chunks) for chunks in generations])
+        choices, finals = [], []
+        for index, pieces in enumerate(everything):
+            final = pieces[-1]
+            assert final.stats is not None and final.finish_reason is not None
+            finals.append(final.stats)
+            text = "".join(piece.text for piece in pieces)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": FINISH_REASONS[final.finish_reason],
+                "logprobs": self._logprobs(
+                    parsed,
+                    [t for piece in pieces for t in piece.token_ids],
+                    [e for piece in pieces for e in piece.logprobs],
+                ),
+            }
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
         return web.json_response(
             {
                 **self._envelope(chat, streamed=False),
-                "choices": [choice],
-                "usage": usage(final.stats),
-                "speculation": speculation(final.stats),
+                "choices": choices,
+                "usage": usage(*finals),
+                "speculation": speculation(*finals),
             }
         )
 
@@ -183,13 +207,18 @@ class OpenAIApi:
         }
 
     async def _stream(
-        self, request: web.Request, parsed: Parsed, chunks: AsyncGenerator[Chunk, None]
+        self, request: web.Request, parsed: Parsed, generations: list[AsyncGenerator[Chunk, None]]
     ) -> web.StreamResponse:
-        """Server-sent events in OpenAI's chunk format. The first chunk is awaited before the
-        headers go out, so a request refused up front still gets its HTTP error status."""
+        """Server-sent events in OpenAI's chunk format, each choice's as they come (`index` says
+        whose; n = 1: one). Every choice's first chunk is awaited before the headers go out, so
+        a request refused up front still gets its HTTP error status."""
         chat = parsed.chat
         envelope = self._envelope(chat, streamed=True)
-        first = await anext(chunks)
+        try:
+            firsts = await all_of([anext(chunks) for chunks in generations])
+        except BaseException:
+            await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
+            raise
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -198,49 +227,73 @@ class OpenAIApi:
             await response.write(f"data: {data}\n\n".encode())
 
         def event(
-            text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None
+            index: int, text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None
         ) -> dict:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+                choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
+                choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
             return {**envelope, "choices": [choice]}
 
         # Tokens whose text is held back (a partial character, a possible stop string) send
-        # their logprobs with the next event that carries text.
-        pending_ids: list[int] = []
-        pending: list = []
-        sent_chars = 0
+        # their logprobs with the choice's next event that carries text.
+        pending_ids: list[list[int]] = [[] for _ in generations]
+        pending: list[list] = [[] for _ in generations]
+        sent_chars = [0] * len(generations)
+        finals: list[GenerationStats] = []
+        queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
+
+        async def relay(index: int, chunks: AsyncGenerator[Chunk, None]) -> None:
+            """This choice's chunks onto the queue, then None; its error, as a chunk cannot."""
+            try:
+                async for chunk in chunks:
+                    await queue.put((index, chunk))
+            finally:
+                await queue.put((index, None))
+
+        relays: list[asyncio.Task] = []
         try:
             if chat:
-                await send(event(None, None, role=True))
-            chunk: Chunk | None = first
-            while chunk is not None:
+                for index in range(len(generations)):
+                    await send(event(index, None, None, role=True))
+            for index, first in enumerate(firsts):
+                await queue.put((index, first))
+            relays = [asyncio.ensure_future(relay(i, chunks)) for i, chunks in enumerate(generations)]
+            running = len(generations)
+            while running:
+                index, chunk = await queue.get()
+                if chunk is None:
+                    running -= 1
+                    await relays[index]  # the choice's error, where it failed
+                    continue
                 finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
-                pending_ids += chunk.token_ids
-                pending += chunk.logprobs
+                pending_ids[index] += chunk.token_ids
+                pending[index] += chunk.logprobs
                 if chunk.text or finish:
-                    payload = event(
-                        chunk.text, finish, logprobs=self._logprobs(parsed, pending_ids, pending, sent_chars)
-                    )
-                    sent_chars += len(chunk.text)
-                    pending_ids, pending = [], []
+                    logprobs = self._logprobs(parsed, pending_ids[index], pending[index], sent_chars[index])
+                    payload = event(index, chunk.text, finish, logprobs=logprobs)
+                    sent_chars[index] += len(chunk.text)
+                    pending_ids[index], pending[index] = [], []
                     if chunk.stats is not None:
                         payload["speculation"] = speculation(chunk.stats)
                     await send(payload)
-                if chunk.stats is not None and parsed.include_usage:
-                    await send({**envelope, "choices": [], "usage": usage(chunk.stats)})
-                chunk = await anext(chunks, None)
+                if chunk.stats is not None:
+                    finals.append(chunk.stats)
+            if parsed.include_usage:
+                await send({**envelope, "choices": [], "usage": usage(*finals)})
         except (ConnectionResetError, ConnectionError):
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
             await send(api_error(exc).body())
         finally:
-            await chunks.aclose()
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+            await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
         await send("[DONE]")
         await response.write_eof()
         return response

@@ -36,7 +36,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields a request may carry only at the value that means "off" (the official client never
 # sends them unless asked); any other value is refused by name, never silently ignored.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "presence_penalty": (0, 0.0),
@@ -51,6 +50,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
 LOGPROBS = {"logprobs", "top_logprobs"}  # chat: logprobs true/false and top_logprobs; completions: logprobs N
+MAX_CHOICES = 16  # `n`: choices per request, each a generation of its own (sessions on both services)
 EXTRAS = {
     "num_speculative_tokens",
     "draft_min_confidence",
@@ -101,6 +101,16 @@ class Parsed:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     chat: bool
+    n: int = 1  # choices: generations of the same request, each with its own seed (`choices`)
+
+    def choices(self) -> list[GenerationRequest]:
+        """One request per choice. A seeded request's choice i draws with seed + i, so choice
+        0 is what n = 1 gives and every choice is reproducible; unseeded ones draw their own."""
+        seed = self.request.seed
+        return [
+            dataclasses.replace(self.request, seed=None if seed is None else (seed + index) % 2**64)
+            for index in range(self.n)
+        ]
 
 
 def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
@@ -179,16 +189,14 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     prompt_field = "messages" if chat else "prompt"
-    known = {prompt_field, *SAMPLING, *LOGPROBS, *EXTRAS, *IGNORED, *OFF_VALUES}
+    known = {prompt_field, "n", *SAMPLING, *LOGPROBS, *EXTRAS, *IGNORED, *OFF_VALUES}
     for name in body:
         if name not in known:
             raise bad_request(f"unsupported field {shown(name)}", shown(name, quote=False))
     for name, accepted in OFF_VALUES.items():
         if name in body and body[name] not in accepted:
             raise bad_request(
-                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})"
-                + (" (n: one completion per request)" if name == "n" else ""),
-                name,
+                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})", name
             )
     fields: dict[str, Any] = {}
     if chat:
@@ -248,7 +256,10 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
     logprobs, top_logprobs = _logprobs(body, chat)
     request = dataclasses.replace(request, logprobs=logprobs, top_logprobs=top_logprobs)
-    return Parsed(request, stream, bool(options.get("include_usage")), chat)
+    n = _number(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}]; got {n}", "n")
+    return Parsed(request, stream, bool(options.get("include_usage")), chat, n)
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
@@ -314,29 +325,35 @@ def completion_logprobs(
     }
 
 
-def speculation(stats: GenerationStats) -> dict:
-    """The response's `speculation` extras; `acceptance_mode` says which rule produced the text
-    (relaxed output is not the target's), and a relaxed response adds its parameters and the
-    tokens only the relaxed rule accepted."""
+def speculation(*choices: GenerationStats) -> dict:
+    """The response's `speculation` extras, over every choice (`n`); `acceptance_mode` says
+    which rule produced the text (relaxed output is not the target's), and a relaxed response
+    adds its parameters and the tokens only the relaxed rule accepted."""
+    stats = choices[0]
+    rounds = sum(choice.rounds for choice in choices)
+    proposed = sum(choice.proposed_tokens for choice in choices)
+    accepted = sum(choice.accepted_tokens for choice in choices)
     figures = {
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "tokens_per_round": round(stats.mean_accepted_length, 4),
-        "rounds": stats.rounds,
-        "proposed_tokens": stats.proposed_tokens,
-        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
+        "tokens_per_round": round((accepted + rounds) / rounds, 4) if rounds else 0.0,  # as vLLM counts
+        "rounds": rounds,
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
         "target_numerics": stats.target_numerics,
         "acceptance_mode": stats.acceptance_mode,
     }
     if stats.acceptance_mode == AcceptanceMode.RELAXED.value:
         figures["relaxed_top_n"] = stats.relaxed_top_n
         figures["relaxed_delta"] = round(stats.relaxed_delta, 4)
-        figures["relaxed_accepted_tokens"] = stats.relaxed_accepted_tokens
+        figures["relaxed_accepted_tokens"] = sum(choice.relaxed_accepted_tokens for choice in choices)
     return figures
 
 
-def usage(stats: GenerationStats) -> dict:
+def usage(*choices: GenerationStats) -> dict:
+    """The request's usage: its prompt once, every choice's completion."""
+    completion = sum(stats.generated_tokens for stats in choices)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens": choices[0].prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": choices[0].prompt_tokens + completion,
     }

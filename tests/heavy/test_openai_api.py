@@ -185,6 +185,32 @@ def test_logprobs_are_the_grpc_apis_in_each_endpoints_shape(served, client):
     assert all(len(top) <= 3 for top in legacy.top_logprobs)  # tokens rendering alike may merge
 
 
+def test_n_choices_are_generations_with_seeds_in_turn_streamed_or_not(served, client):
+    """n > 1: each choice is a request of its own, choice i drawn with seed + i, so choice 0 is
+    the n = 1 output and each is reproducible; usage counts every choice's tokens."""
+    request = dict(model="tiny-coder", messages=CHAT, max_tokens=12, temperature=0.9)
+    reply = client.chat.completions.create(**request, n=3, seed=11)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**request, seed=11 + i) for i in range(3)]
+    assert [c.message.content for c in reply.choices] == [a.choices[0].message.content for a in alone]
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert reply.model_extra["speculation"]["rounds"] == sum(a.model_extra["speculation"]["rounds"] for a in alone)
+    streamed = list(
+        client.chat.completions.create(**request, n=3, seed=11, stream=True, stream_options={"include_usage": True})
+    )
+    texts = ["", "", ""]
+    finishes = [0, 0, 0]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] += choice.finish_reason is not None
+    assert texts == [c.message.content for c in reply.choices] and finishes == [1, 1, 1]
+    assert streamed[-1].usage.completion_tokens == reply.usage.completion_tokens
+    completions = client.completions.create(model="tiny-coder", prompt="x", max_tokens=6, temperature=0, n=2)
+    assert completions.choices[0].text == completions.choices[1].text  # greedy: the same twice
+
+
 def test_stop_seed_and_max_tokens(served, client):
     request = dict(model="tiny-coder", messages=CHAT, max_tokens=24, temperature=0.9, seed=7)
     first = client.chat.completions.create(**request)
@@ -207,7 +233,7 @@ def test_stop_seed_and_max_tokens(served, client):
     ("fields", "message"),
     [
         ({"temperature": -1}, r"temperature must be"),
-        ({"n": 2}, r"n=2 is not supported"),
+        ({"n": 17}, r"n must be in \[1, 16\]"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"role is 'robot'"),
         ({"max_tokens": 0}, r"max_tokens must be in \[1"),
         ({"top_logprobs": 2}, r"top_logprobs needs logprobs: true"),
