@@ -40,7 +40,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -48,7 +47,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
-SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k"}
+SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k", "logit_bias"}
 LOGPROBS = {"logprobs", "top_logprobs"}  # chat: logprobs true/false and top_logprobs; completions: logprobs N
 MAX_CHOICES = 16  # `n`: choices per request, each a generation of its own (sessions on both services)
 EXTRAS = {
@@ -138,6 +137,23 @@ def _tree_widths(body: dict) -> tuple[int, ...]:
     if not isinstance(widths, list) or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
         raise bad_request(f"tree_widths must be a list of integers; got {shown(widths)}", "tree_widths")
     return tuple(widths)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise bad_request(f"logit_bias must be an object of token ids to numbers; got {shown(bias)}", "logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdecimal()):
+            raise bad_request(f"logit_bias keys are token ids; got {shown(key)}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_request(f"logit_bias[{key}] must be a number; got {shown(value)}", "logit_bias")
+        parsed[int(key)] = float(value)
+    return parsed
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -244,6 +260,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         top_k=_number(body, "top_k", int, 0),
         seed=_number(body, "seed", int),
         stop=_stop(body),
+        logit_bias=_logit_bias(body),
         num_speculative_tokens=_number(body, "num_speculative_tokens", int),
         draft_min_confidence=_number(body, "draft_min_confidence", float),
         tree_widths=_tree_widths(body),

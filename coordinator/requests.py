@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams
+from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams, check_logit_bias
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 from specdec.v1 import common_pb2
@@ -52,6 +52,7 @@ class GenerationRequest:
     tenant: str = ""  # the caller's bearer token, where the coordinator checks tokens; "" otherwise
     logprobs: bool = False  # each token's log-probability under the target (GenerateRequest.logprobs)
     top_logprobs: int = 0  # ... with this many likeliest tokens at its position
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -271,6 +272,12 @@ def prepare_job(
         )
     if request.top_logprobs and not request.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs", field="top_logprobs")
+    bias = check_logit_bias(dict(request.logit_bias))
+    if bias and bias[-1][0] >= pair.vocab_size:
+        raise InvalidArgument(
+            f"logit_bias names token {bias[-1][0]}; the target's vocabulary has {pair.vocab_size} ids",
+            field="logit_bias",
+        )
     relaxed = acceptance_of(request, config)
     seed = secrets.randbits(63) if request.seed is None else request.seed
     if request.tree_widths:
@@ -279,7 +286,7 @@ def prepare_job(
     return Job(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
-        params=SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=top_p),
+        params=SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=top_p, logit_bias=bias),
         seed=seed,
         stop=tuple(request.stop),
         num_speculative_tokens=k,

@@ -100,6 +100,7 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest, tenant: str = "") 
         tenant=tenant,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        logit_bias=request.logit_bias,
     )
 
 

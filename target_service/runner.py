@@ -19,6 +19,7 @@ from specdec.sampling.probs import (
     PositionLogprobs,
     SamplingParams,
     VerifyOutputs,
+    biased,
     logits_to_probs,
     position_logprobs,
     verify_outputs,
@@ -212,6 +213,11 @@ class TargetRunner(ModelRunner):
             )
         if not call.new_tokens:
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
+        if call.params.logit_bias and call.params.logit_bias[-1][0] >= self.loaded.vocab_size:
+            raise InvalidArgument(
+                f"logit_bias names token {call.params.logit_bias[-1][0]}; the vocabulary has "
+                f"{self.loaded.vocab_size} ids"
+            )
         if not self._greedy_fast_path(call) and call.draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
                 f"draft distributions have shape {tuple(call.draft_probs.shape)}; expected ({num_draft}, "
@@ -260,16 +266,17 @@ class TargetRunner(ModelRunner):
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
         if call.parents:
             return self._conclude_tree(admitted, logits, draft_ids, batch_size)
+        scored = biased(logits, call.params)  # [K + 1, V]: what the distribution is of (logit_bias)
         if self._greedy_fast_path(call):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
-            argmax = logits.argmax(dim=-1).cpu()  # [K + 1]
+            argmax = scored.argmax(dim=-1).cpu()  # [K + 1]
             outputs = VerifyOutputs(
                 (draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft])
             )
             target_probs = None
         else:
-            target_probs = logits_to_probs(logits, call.params).cpu()  # [K + 1, V]
+            target_probs = logits_to_probs(scored, call.params).cpu()  # [K + 1, V]
             outputs = verify_outputs(target_probs, call.draft_probs, draft_ids, np.random.default_rng(call.seed))
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
@@ -319,14 +326,15 @@ class TargetRunner(ModelRunner):
         """A tree round's outputs (specdec.sampling.tree_sampling). logits: [N + 1, V], root first."""
         call = admitted.call
         parents = torch.tensor(call.parents, dtype=torch.int64)  # [N]
+        scored = biased(logits, call.params)  # [N + 1, V]
         if self._greedy_fast_path(call):
             # A one-hot target: a node is accepted iff it is its parent's argmax, and every
             # residual of a one-hot is one-hot at the same argmax.
-            argmax = logits.argmax(dim=-1).cpu()  # [N + 1]
+            argmax = scored.argmax(dim=-1).cpu()  # [N + 1]
             outputs = TreeVerifyOutputs((draft_ids == argmax[parents]).float(), argmax)
             target_probs = None
         else:
-            target_probs = logits_to_probs(logits, call.params).cpu()  # [N + 1, V]
+            target_probs = logits_to_probs(scored, call.params).cpu()  # [N + 1, V]
             outputs = tree_verify_outputs(
                 target_probs, call.draft_probs, draft_ids, call.parents, np.random.default_rng(call.seed)
             )

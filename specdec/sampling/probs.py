@@ -13,11 +13,14 @@ Vocabulary used throughout (as in vLLM's rejection sampler):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from specdec.errors import InvalidArgument
 
 # A residual with less mass than this is treated as empty. It is only sampled after a
 # rejection, which then has probability ~0; falling back to target_probs avoids 0/0 = NaN.
@@ -31,10 +34,48 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # (token id, value added to its logit), ids increasing: the target's distribution is that
+    # of its biased logits (`biased`), greedy included. The draft proposes without it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGIT_BIAS = 100.0  # |value| of a logit_bias entry, as OpenAI bounds it
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+def check_logit_bias(bias: dict[int, float], name: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """A logit_bias as SamplingParams holds it, ids increasing; InvalidArgument naming `name`
+    when it has too many entries, a negative id, or a value that is not finite or too large
+    (ids past the vocabulary are the caller's to check: it knows the width)."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"{name} has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", field=name)
+    for token, value in bias.items():
+        if token < 0:
+            raise InvalidArgument(f"{name} names token {token}; ids are >= 0", field=name)
+        if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(
+                f"{name}[{token}] is {value}; values are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", field=name
+            )
+    return tuple(sorted((int(token), float(value)) for token, value in bias.items()))
+
+
+def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits with the request's logit_bias added (as transformers' SequenceBiasLogitsProcessor
+    adds a one-token sequence's bias), before temperature, top-k and top-p; unchanged without one.
+
+    logits: [..., V] → [..., V]
+    """
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([token for token, _ in params.logit_bias], device=logits.device)  # [B]
+    values = torch.tensor([value for _, value in params.logit_bias], device=logits.device)  # [B]
+    out = logits.float().clone()
+    out[..., ids] += values
+    return out
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

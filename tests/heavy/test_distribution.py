@@ -25,8 +25,9 @@ from draft_service.runner import DraftRunner
 from specdec.engine.costs import PassCosts
 from specdec.engine.quantize import quantize_int8
 from specdec.sampling import tree_sampling
-from specdec.sampling.probs import SamplingParams, logits_to_probs
+from specdec.sampling.probs import SamplingParams, biased, logits_to_probs
 from specdec.v1 import coordinator_pb2 as pb
+from target_service import runner as target_runner_module
 from tests.stack import inprocess_stack, local_stack
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value
 
@@ -44,6 +45,7 @@ LOCAL_BATCH = {"max_batch_size": 32, "max_sessions": 256}
 # A prompt whose tokens recur, so the prompt-lookup drafter proposes in most rounds.
 REPEATING_PROMPT = [3, 7, 5, 3, 7]
 T1 = SamplingParams(temperature=1.0)
+LOGIT_BIAS = SamplingParams(temperature=1.0, logit_bias=((2, 3.0), (5, -100.0), (9, -2.0)))
 PIPELINED = {"pipeline": True}
 
 
@@ -103,6 +105,8 @@ CASES = {
         seeded=False,
     ),
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+    # The target's biased logits, one token banned; the draft proposes unbiased.
+    "target_logit_bias": Case({"quantize": "none"}, LOGIT_BIAS, length=2),
     # The coordinator's modes through the real services: branches forked and stepped together
     # in the real draft, sparse rows, confidence stops and the K chooser. Each mode's own
     # high-power test, with a mutation check, is in test_mode_distributions.py.
@@ -176,7 +180,7 @@ def exact_target_distribution(
             for start in range(0, len(live), 512):
                 chunk = live[start : start + 512]
                 logits = model(torch.tensor([prompt + list(prefix) for prefix in chunk])).logits[:, -1]  # [N, V]
-                rows.update(zip(chunk, logits_to_probs(logits, params)))
+                rows.update(zip(chunk, logits_to_probs(biased(logits, params), params)))
             extended = {}
             for prefix, prefix_prob in probs.items():
                 if prefix and prefix[-1] in eos_token_ids:
@@ -214,6 +218,7 @@ async def sample_continuations(
                     temperature=params.temperature,
                     top_k=params.top_k,
                     top_p=params.top_p,
+                    logit_bias=dict(params.logit_bias),
                     seed=seed if seeded else None,
                     tree_widths=tree,
                 ),
@@ -330,6 +335,19 @@ async def test_tree_distribution_test_detects_siblings_tried_against_the_target_
     async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
         samples = await sample_continuations(
             stack.stub, params, range(SAMPLES), k=None, concurrency=LOCAL_CONCURRENCY, tree=(3, 1)
+        )
+    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+
+
+async def test_distribution_test_detects_a_target_that_samples_without_its_logit_bias(word_pair, monkeypatch):
+    """Mutant for the logit_bias case: the target biases nothing (its argmax and its rows
+    alike), so the banned token comes back and the χ² test must fail."""
+    monkeypatch.setattr(target_runner_module, "biased", lambda logits, params: logits)
+    expected = exact_target_distribution(word_pair.target, LOGIT_BIAS, word_pair.vocab_size, length=2)
+    draft = {**LOCAL_BATCH, "quantize": "none"}
+    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
+        samples = await sample_continuations(
+            stack.stub, LOGIT_BIAS, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
         )
     assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
 

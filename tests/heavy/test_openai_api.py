@@ -185,6 +185,21 @@ def test_logprobs_are_the_grpc_apis_in_each_endpoints_shape(served, client):
     assert all(len(top) <= 3 for top in legacy.top_logprobs)  # tokens rendering alike may merge
 
 
+def test_logit_bias_reaches_the_target_as_through_grpc(served, client):
+    plain = grpc_generate(served, prompt="def add(a, b):", max_new_tokens=8, temperature=0)
+    banned = {plain.token_ids[0]: -100.0}
+    expected = grpc_generate(served, prompt="def add(a, b):", max_new_tokens=8, temperature=0, logit_bias=banned)
+    assert expected.token_ids[0] != plain.token_ids[0]
+    reply = client.completions.create(
+        model="tiny-coder",
+        prompt="def add(a, b):",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(token): value for token, value in banned.items()},
+    )
+    assert reply.choices[0].text == expected.text
+
+
 def test_n_choices_are_generations_with_seeds_in_turn_streamed_or_not(served, client):
     """n > 1: each choice is a request of its own, choice i drawn with seed + i, so choice 0 is
     the n = 1 output and each is reproducible; usage counts every choice's tokens."""
@@ -389,6 +404,7 @@ def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():
     assert not parsed.request.logprobs
     legacy = parse_body({"prompt": "a", "logprobs": 0}, chat=False).request  # logprobs 0: the tokens' own only
     assert legacy.logprobs and legacy.top_logprobs == 0
+    assert parse_body({"prompt": "a", "logit_bias": {"12": 5}}, chat=False).request.logit_bias == {12: 5.0}
     chat = parse_body({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 5}, chat=True)
     assert chat.request.logprobs and chat.request.top_logprobs == 5
     for body, field in (
@@ -399,6 +415,9 @@ def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
         ({"prompt": "a", "logprobs": True}, "logprobs"),  # a completion's is a count
         ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"),  # chat's field
+        ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": "high"}}, "logit_bias"),
+        ({"prompt": "a", "n": 0}, "n"),
     ):
         with pytest.raises(Exception) as error:
             parse_body(body, chat=False)

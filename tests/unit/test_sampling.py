@@ -3,15 +3,20 @@ tokens are distributed exactly as the target's own samples."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specdec.errors import InvalidArgument
 from specdec.sampling.chain import count_accepted, decide_round
 from specdec.sampling.probs import (
     SamplingParams,
+    biased,
+    check_logit_bias,
     logits_to_probs,
     residual_probs,
     sample,
@@ -254,3 +259,17 @@ def test_sample_uses_the_whole_64_bit_seed():
     # What the services used before: torch's generator gives seeds 2**32 apart the same draws.
     same = [torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist() for seed in (7, 7 + 2**32)]
     assert same[0] == same[1]
+
+
+def test_a_logit_bias_adds_to_its_tokens_logits_and_bad_ones_are_refused():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])  # [2, 3]
+    params = SamplingParams(logit_bias=check_logit_bias({2: -100.0, 0: 0.5}))
+    assert params.logit_bias == ((0, 0.5), (2, -100.0))  # ids increasing
+    assert torch.equal(biased(logits, params), torch.tensor([[0.5, 1.0, -98.0], [3.5, 4.0, -95.0]]))
+    assert biased(logits, SamplingParams()) is logits  # nothing to add: no copy
+    assert logits_to_probs(biased(logits, params), params).argmax(-1).tolist() == [1, 1]
+    for bad, message in (({-1: 1.0}, "ids are >= 0"), ({1: 100.5}, r"\[-100, 100\]"), ({1: math.nan}, "values")):
+        with pytest.raises(InvalidArgument, match=message):
+            check_logit_bias(bad)
+    with pytest.raises(InvalidArgument, match="at most 300"):
+        check_logit_bias(dict.fromkeys(range(301), 1.0))
