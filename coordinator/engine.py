@@ -252,6 +252,7 @@ class Engine:
                 pair.eos_token_ids if plan.step_seeds else (),
                 state.job.relaxed if relaxed_round(state, round_) else None,
                 state.job.top_logprobs,
+                len(state.job.prompt_ids),
             )  # fmt: skip
         )
         branches = None
@@ -423,7 +424,11 @@ class Engine:
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,
             # Trees are verified exactly only: a relaxed request's chooser weighs chains alone.
-            trees=self.config.tree_chooser and pair.trees and not self.config.hedges and job.relaxed is None,
+            trees=self.config.tree_chooser
+            and pair.trees
+            and not self.config.hedges
+            and job.relaxed is None
+            and not job.params.penalizes,
             hedged=self.config.hedges > 0,
         )
 

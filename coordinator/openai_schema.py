@@ -38,8 +38,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -47,7 +45,10 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
-SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k", "logit_bias"}
+SAMPLING = {
+    *("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k", "logit_bias"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),  # the last as vLLM's extra
+}
 LOGPROBS = {"logprobs", "top_logprobs"}  # chat: logprobs true/false and top_logprobs; completions: logprobs N
 MAX_CHOICES = 16  # `n`: choices per request, each a generation of its own (sessions on both services)
 EXTRAS = {
@@ -261,6 +262,9 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         seed=_number(body, "seed", int),
         stop=_stop(body),
         logit_bias=_logit_bias(body),
+        presence_penalty=_number(body, "presence_penalty", float, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", float, 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", float),
         num_speculative_tokens=_number(body, "num_speculative_tokens", int),
         draft_min_confidence=_number(body, "draft_min_confidence", float),
         tree_widths=_tree_widths(body),

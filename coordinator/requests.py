@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams, check_logit_bias
+from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams, check_logit_bias, check_penalties
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 from specdec.v1 import common_pb2
@@ -53,6 +53,9 @@ class GenerationRequest:
     logprobs: bool = False  # each token's log-probability under the target (GenerateRequest.logprobs)
     top_logprobs: int = 0  # ... with this many likeliest tokens at its position
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: off (1.0)
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -273,6 +276,15 @@ def prepare_job(
     if request.top_logprobs and not request.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs", field="top_logprobs")
     bias = check_logit_bias(dict(request.logit_bias))
+    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
+    check_penalties(request.presence_penalty, request.frequency_penalty, repetition)
+    penalizes = bool(request.presence_penalty or request.frequency_penalty or repetition != 1.0)
+    if penalizes and request.tree_widths:
+        raise InvalidArgument(
+            "penalties do not apply to token trees (tree_widths): each node would need a history of its own; "
+            "leave tree_widths out",
+            field="tree_widths",
+        )
     if bias and bias[-1][0] >= pair.vocab_size:
         raise InvalidArgument(
             f"logit_bias names token {bias[-1][0]}; the target's vocabulary has {pair.vocab_size} ids",
@@ -286,7 +298,15 @@ def prepare_job(
     return Job(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
-        params=SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=top_p, logit_bias=bias),
+        params=SamplingParams(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=top_p,
+            logit_bias=bias,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=repetition,
+        ),
         seed=seed,
         stop=tuple(request.stop),
         num_speculative_tokens=k,

@@ -101,6 +101,9 @@ def request_from_pb(request: coordinator_pb2.GenerateRequest, tenant: str = "") 
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
         logit_bias=request.logit_bias,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=optional("repetition_penalty"),
     )
 
 

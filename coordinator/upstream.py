@@ -285,11 +285,13 @@ class Upstream:
         stop_token_ids: Collection[int] = (),
         relaxed: RelaxedAcceptance | None = None,
         top_logprobs: int | None = None,
+        output_start: int = 0,
     ) -> target_pb2.VerifyResponse:
         """The round's verify (a target-only one with `step_seeds`: its further steps, stopping
         after a token in `stop_token_ids`; `relaxed`: the target also runs the relaxed test on
         each draft, and an exact round's call carries nothing of it; `top_logprobs`: the reply
-        carries log-probabilities, VerifyRequest.return_logprobs; None: none). A target replica that is
+        carries log-probabilities, VerifyRequest.return_logprobs; None: none; `output_start`: the
+        prompt's length, from which penalties count generated tokens). A target replica that is
         UNAVAILABLE (gone, restarting) is left for another that serves, where the pool has one,
         which is re-sent the committed sequence; otherwise it is retried until `retry_until`
         (loop time): back up, it has lost the session, answers NOT_FOUND and is re-sent the
@@ -312,6 +314,7 @@ class Upstream:
                     relaxed=wire.relaxed_to_pb(relaxed) if relaxed is not None else None,
                     return_logprobs=top_logprobs is not None,
                     top_logprobs=top_logprobs or 0,
+                    output_start=output_start,
                 )
             )
 

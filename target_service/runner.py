@@ -21,6 +21,7 @@ from specdec.sampling.probs import (
     VerifyOutputs,
     biased,
     logits_to_probs,
+    penalized,
     position_logprobs,
     verify_outputs,
 )
@@ -46,6 +47,7 @@ class VerifyCall:
     cache_namespace: str = ""  # the prefix cache namespace a new session starts in (VerifyRequest)
     relaxed: RelaxedAcceptance | None = None  # VerifyRequest.relaxed: also test each draft (lossy); None exact
     top_logprobs: int | None = None  # VerifyRequest.return_logprobs: its top_logprobs; None: no logprobs
+    output_start: int = 0  # VerifyRequest.output_start: where the generated tokens begin (penalties)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,10 @@ class TargetRunner(ModelRunner):
         num_draft = len(call.draft_token_ids)
         depth = num_draft
         if call.parents:
+            if call.params.penalizes:
+                raise InvalidArgument(
+                    "penalties are set with draft_parents: a tree's nodes would need a history each; send a chain"
+                )
             if call.relaxed is not None:
                 raise InvalidArgument(
                     "relaxed is set with draft_parents: token trees are verified exactly only; send a chain, or "
@@ -266,7 +272,12 @@ class TargetRunner(ModelRunner):
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
         if call.parents:
             return self._conclude_tree(admitted, logits, draft_ids, batch_size)
-        scored = biased(logits, call.params)  # [K + 1, V]: what the distribution is of (logit_bias)
+        scored = logits  # [K + 1, V]: what the distribution is of (penalties, then logit_bias)
+        if call.params.penalizes:
+            tokens = admitted.session.tokens
+            history = tokens[: len(tokens) - num_draft]
+            scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
+        scored = biased(scored, call.params)
         if self._greedy_fast_path(call):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.

@@ -99,6 +99,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 request.cache_namespace,
                 relaxed,
                 top_logprobs,
+                max(0, request.output_start),
             )
             result = await self._verify(call)
             steps, step_logprobs, result = await self._steps(request, call, result)

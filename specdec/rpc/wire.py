@@ -14,7 +14,13 @@ import torch
 
 from specdec.engine.calls import ModelDescription
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import MAX_TOP_LOGPROBS, PositionLogprobs, SamplingParams, check_logit_bias
+from specdec.sampling.probs import (
+    MAX_TOP_LOGPROBS,
+    PositionLogprobs,
+    SamplingParams,
+    check_logit_bias,
+    check_penalties,
+)
 from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed
 from specdec.v1 import common_pb2, target_pb2
 
@@ -161,17 +167,28 @@ def params_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {sampling.top_k}")
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {sampling.top_p}")
+    repetition = sampling.repetition_penalty or 1.0  # unset: off
+    check_penalties(sampling.presence_penalty, sampling.frequency_penalty, repetition)
     return SamplingParams(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         logit_bias=check_logit_bias(dict(sampling.logit_bias)),
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=repetition,
     )
 
 
 def params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, logit_bias=dict(params.logit_bias)
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 

@@ -3,7 +3,10 @@
 The draft and the target apply the same processing (temperature, then top-k, then top-p, the
 order transformers' `generate` uses), so "the target's distribution" means exactly what
 `generate(do_sample=True, ...)` samples from. Greedy (temperature 0) is the limit case: a
-one-hot distribution at the argmax, so one rejection rule serves both modes.
+one-hot distribution at the argmax, so one rejection rule serves both modes. A request's
+penalties and logit_bias come first, on the target only (`penalized`, then `biased`): the
+target's distribution is that of the adjusted logits, and the draft proposes without them,
+which its proposals' distributions make exact anyway; only acceptance pays.
 
 Vocabulary used throughout (as in vLLM's rejection sampler):
 - *accepted*: a draft token the target keeps;
@@ -37,10 +40,20 @@ class SamplingParams:
     # (token id, value added to its logit), ids increasing: the target's distribution is that
     # of its biased logits (`biased`), greedy included. The draft proposes without it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties on tokens already in the sequence (`penalized`), target side as logit_bias:
+    # OpenAI's presence and frequency penalties count the generated tokens; transformers'
+    # repetition_penalty (1.0 = off) divides the logit of any token in the prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 MAX_LOGIT_BIAS = 100.0  # |value| of a logit_bias entry, as OpenAI bounds it
@@ -76,6 +89,59 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     out = logits.float().clone()
     out[..., ids] += values
     return out
+
+
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+
+
+def check_penalties(presence: float, frequency: float, repetition: float) -> None:
+    """InvalidArgument naming the field out of range (OpenAI's [-2, 2]; repetition in (0, 10])."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
+            raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]; got {value}", field=name)
+    if not (math.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+        raise InvalidArgument(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); got {repetition}",
+            field="repetition_penalty",
+        )
+
+
+def penalized(
+    logits: torch.Tensor,  # [R, V]: row i predicts the token after history + draft_ids[:i]
+    params: SamplingParams,
+    history: Sequence[int],  # [T]: the sequence before the rows' drafts, prompt first
+    output_start: int,  # where the generated tokens begin in `history` (the prompt's length)
+    draft_ids: Sequence[int] = (),  # [R - 1] at most: the drafts the later rows come after
+) -> torch.Tensor:
+    """The logits with the request's penalties for what each row's sequence holds:
+    repetition_penalty divides a positive logit (multiplies a negative one) of every token in
+    it, as transformers' RepetitionPenaltyLogitsProcessor does; then each generated token's
+    logit loses presence_penalty once and frequency_penalty per occurrence, as OpenAI and vLLM
+    define them. Drafts are generated tokens of the rows after them. Unchanged without penalties.
+
+    → [R, V]
+    """
+    if not params.penalizes:
+        return logits
+    rows, vocab = logits.shape
+    device = logits.device
+    generated = torch.tensor(list(history[output_start:]), dtype=torch.int64, device=device)  # [G]
+    prompt = torch.tensor(list(history[:output_start]), dtype=torch.int64, device=device)  # [P]
+    drafts = torch.tensor(list(draft_ids[: rows - 1]), dtype=torch.int64, device=device)  # [D]
+    counts = torch.zeros(rows, vocab, device=device)  # [R, V]: generated occurrences before each row
+    counts += torch.bincount(generated, minlength=vocab)[:vocab].float()
+    if len(drafts):
+        steps = torch.zeros(rows, vocab, device=device)  # [R, V]: row i + 1 gains draft i
+        steps[torch.arange(1, len(drafts) + 1, device=device), drafts] = 1.0
+        counts += steps.cumsum(dim=0)
+    out = logits.float()
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0  # [R, V]
+        seen[:, prompt] = True
+        scaled = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        out = torch.where(seen, scaled, out)
+    return out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

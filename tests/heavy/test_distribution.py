@@ -25,7 +25,7 @@ from draft_service.runner import DraftRunner
 from specdec.engine.costs import PassCosts
 from specdec.engine.quantize import quantize_int8
 from specdec.sampling import tree_sampling
-from specdec.sampling.probs import SamplingParams, biased, logits_to_probs
+from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, penalized
 from specdec.v1 import coordinator_pb2 as pb
 from target_service import runner as target_runner_module
 from tests.stack import inprocess_stack, local_stack
@@ -46,6 +46,7 @@ LOCAL_BATCH = {"max_batch_size": 32, "max_sessions": 256}
 REPEATING_PROMPT = [3, 7, 5, 3, 7]
 T1 = SamplingParams(temperature=1.0)
 LOGIT_BIAS = SamplingParams(temperature=1.0, logit_bias=((2, 3.0), (5, -100.0), (9, -2.0)))
+PENALTIES = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2)
 PIPELINED = {"pipeline": True}
 
 
@@ -107,6 +108,8 @@ CASES = {
     "target_top_k_top_p_zeros": Case({}, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     # The target's biased logits, one token banned; the draft proposes unbiased.
     "target_logit_bias": Case({"quantize": "none"}, LOGIT_BIAS, length=2),
+    # Each row penalised for the prompt, the output and the drafts before it.
+    "target_penalties": Case({"quantize": "none"}, PENALTIES, length=2),
     # The coordinator's modes through the real services: branches forked and stepped together
     # in the real draft, sparse rows, confidence stops and the K chooser. Each mode's own
     # high-power test, with a mutation check, is in test_mode_distributions.py.
@@ -180,7 +183,13 @@ def exact_target_distribution(
             for start in range(0, len(live), 512):
                 chunk = live[start : start + 512]
                 logits = model(torch.tensor([prompt + list(prefix) for prefix in chunk])).logits[:, -1]  # [N, V]
-                rows.update(zip(chunk, logits_to_probs(biased(logits, params), params)))
+                scored = torch.cat(
+                    [
+                        penalized(logits[j : j + 1], params, prompt + list(prefix), len(prompt))
+                        for j, prefix in enumerate(chunk)
+                    ]
+                )  # [N, V]
+                rows.update(zip(chunk, logits_to_probs(biased(scored, params), params)))
             extended = {}
             for prefix, prefix_prob in probs.items():
                 if prefix and prefix[-1] in eos_token_ids:
@@ -219,6 +228,9 @@ async def sample_continuations(
                     top_k=params.top_k,
                     top_p=params.top_p,
                     logit_bias=dict(params.logit_bias),
+                    presence_penalty=params.presence_penalty,
+                    frequency_penalty=params.frequency_penalty,
+                    repetition_penalty=params.repetition_penalty,
                     seed=seed if seeded else None,
                     tree_widths=tree,
                 ),
@@ -348,6 +360,25 @@ async def test_distribution_test_detects_a_target_that_samples_without_its_logit
     async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
         samples = await sample_continuations(
             stack.stub, LOGIT_BIAS, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
+        )
+    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+
+
+async def test_distribution_test_detects_a_target_that_penalises_rows_without_their_drafts(word_pair, monkeypatch):
+    """Mutant for the penalties case: each row is penalised for the sequence before the round
+    only, not for the drafts before it, as a target that counted the session's committed tokens
+    would; the χ² test must fail."""
+    plain = target_runner_module.penalized
+    monkeypatch.setattr(
+        target_runner_module,
+        "penalized",
+        lambda logits, params, history, start, drafts=(): plain(logits, params, history, start),
+    )
+    expected = exact_target_distribution(word_pair.target, PENALTIES, word_pair.vocab_size, length=2)
+    draft = {**LOCAL_BATCH, "quantize": "none"}
+    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
+        samples = await sample_continuations(
+            stack.stub, PENALTIES, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
         )
     assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
 

@@ -405,6 +405,8 @@ def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():
     legacy = parse_body({"prompt": "a", "logprobs": 0}, chat=False).request  # logprobs 0: the tokens' own only
     assert legacy.logprobs and legacy.top_logprobs == 0
     assert parse_body({"prompt": "a", "logit_bias": {"12": 5}}, chat=False).request.logit_bias == {12: 5.0}
+    penalised = parse_body({"prompt": "a", "presence_penalty": 0.5, "repetition_penalty": 1.2}, chat=False).request
+    assert (penalised.presence_penalty, penalised.frequency_penalty, penalised.repetition_penalty) == (0.5, 0.0, 1.2)
     chat = parse_body({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 5}, chat=True)
     assert chat.request.logprobs and chat.request.top_logprobs == 5
     for body, field in (
@@ -418,6 +420,7 @@ def test_domain_errors_map_to_http_statuses_and_the_parser_names_fields():
         ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"prompt": "a", "logit_bias": {"5": "high"}}, "logit_bias"),
         ({"prompt": "a", "n": 0}, "n"),
+        ({"prompt": "a", "frequency_penalty": "high"}, "frequency_penalty"),
     ):
         with pytest.raises(Exception) as error:
             parse_body(body, chat=False)

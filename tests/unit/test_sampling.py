@@ -17,7 +17,9 @@ from specdec.sampling.probs import (
     SamplingParams,
     biased,
     check_logit_bias,
+    check_penalties,
     logits_to_probs,
+    penalized,
     residual_probs,
     sample,
     truncate_top_k,
@@ -273,3 +275,22 @@ def test_a_logit_bias_adds_to_its_tokens_logits_and_bad_ones_are_refused():
             check_logit_bias(bad)
     with pytest.raises(InvalidArgument, match="at most 300"):
         check_logit_bias(dict.fromkeys(range(301), 1.0))
+
+
+def test_penalties_count_what_each_rows_sequence_holds():
+    """Row i follows history + drafts[:i]: repetition_penalty scales every token seen (prompt
+    included), presence and frequency count only generated ones, drafts included."""
+    logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]]).repeat(3, 1)  # [3, 4]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    history, output_start, drafts = [0, 3, 3], 1, [1, 3]  # prompt [0]; generated [3, 3]
+    out = penalized(logits, params, history, output_start, drafts)
+    # Row 0: seen {0, 3}; generated counts {3: 2}.
+    assert out[0].tolist() == pytest.approx([1.0, -1.0, 1.0, 0.25 - 0.5 - 0.5])
+    # Row 1 adds draft 1 (generated once), row 2 adds draft 3 (a third 3).
+    assert out[1].tolist() == pytest.approx([1.0, -2.0 - 0.25 - 0.5, 1.0, 0.25 - 0.5 - 0.5])
+    assert out[2].tolist() == pytest.approx([1.0, -2.0 - 0.25 - 0.5, 1.0, 0.25 - 0.75 - 0.5])
+    assert penalized(logits, SamplingParams(), history, output_start, drafts) is logits
+    with pytest.raises(InvalidArgument, match="presence_penalty"):
+        check_penalties(2.5, 0.0, 1.0)
+    with pytest.raises(InvalidArgument, match="repetition_penalty"):
+        check_penalties(0.0, 0.0, 0.0)
