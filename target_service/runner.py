@@ -272,12 +272,13 @@ class TargetRunner(ModelRunner):
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
         if call.parents:
             return self._conclude_tree(admitted, logits, draft_ids, batch_size)
-        scored = logits  # [K + 1, V]: what the distribution is of (penalties, then logit_bias)
+        # [K + 1, V]: the logits the distribution is of: logit_bias, then penalties, as
+        # transformers orders its SequenceBias and RepetitionPenalty processors.
+        scored = biased(logits, call.params)
         if call.params.penalizes:
             tokens = admitted.session.tokens
             history = tokens[: len(tokens) - num_draft]
             scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
-        scored = biased(scored, call.params)
         if self._greedy_fast_path(call):
             # The one-hot special case of verify_outputs, without building or sampling one-hots:
             # every residual of a one-hot target is one-hot at the same argmax.
@@ -300,7 +301,7 @@ class TargetRunner(ModelRunner):
             batch_size=batch_size,
             relaxed_accepts=[]
             if call.relaxed is None
-            else self._relaxed_accepts(call.relaxed, call.params, logits, draft_ids, outputs),
+            else self._relaxed_accepts(call.relaxed, call.params, scored, draft_ids, outputs),
             logprobs=None
             if call.top_logprobs is None
             else position_logprobs(
@@ -316,13 +317,14 @@ class TargetRunner(ModelRunner):
     def _relaxed_accepts(
         relaxed: RelaxedAcceptance,
         params: SamplingParams,
-        logits: torch.Tensor,  # [K + 1, V]
+        logits: torch.Tensor,  # [K + 1, V]: after the request's logit_bias and penalties
         draft_ids: torch.Tensor,  # [K] int64
         outputs: VerifyOutputs,
     ) -> list[bool]:
         """The relaxed test of each draft (specdec.sampling.relaxed), on the raw distribution:
         softmax of the logits at temperature 1, never the request's processed one (one-hot when
-        greedy). A sampled request's draft must also keep mass under the request's own top-k /
+        greedy). The logits carry the request's logit_bias and penalties, so a banned token is
+        never relaxed in. A sampled request's draft must also keep mass under the request's own top-k /
         top-p, so relaxed never emits a token the request's truncation excludes. [K]"""
         num_draft = draft_ids.shape[0]
         raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]

@@ -4,7 +4,8 @@ The draft and the target apply the same processing (temperature, then top-k, the
 order transformers' `generate` uses), so "the target's distribution" means exactly what
 `generate(do_sample=True, ...)` samples from. Greedy (temperature 0) is the limit case: a
 one-hot distribution at the argmax, so one rejection rule serves both modes. A request's
-penalties and logit_bias come first, on the target only (`penalized`, then `biased`): the
+logit_bias and penalties come first, on the target only (`biased`, then `penalized`, the order
+of transformers' processors): the
 target's distribution is that of the adjusted logits, and the draft proposes without them,
 which its proposals' distributions make exact anyway; only acceptance pays.
 

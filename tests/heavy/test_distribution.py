@@ -183,13 +183,14 @@ def exact_target_distribution(
             for start in range(0, len(live), 512):
                 chunk = live[start : start + 512]
                 logits = model(torch.tensor([prompt + list(prefix) for prefix in chunk])).logits[:, -1]  # [N, V]
+                biased_logits = biased(logits, params)  # [N, V]: the bias, then each row's penalties
                 scored = torch.cat(
                     [
-                        penalized(logits[j : j + 1], params, prompt + list(prefix), len(prompt))
+                        penalized(biased_logits[j : j + 1], params, prompt + list(prefix), len(prompt))
                         for j, prefix in enumerate(chunk)
                     ]
                 )  # [N, V]
-                rows.update(zip(chunk, logits_to_probs(biased(scored, params), params)))
+                rows.update(zip(chunk, logits_to_probs(scored, params)))
             extended = {}
             for prefix, prefix_prob in probs.items():
                 if prefix and prefix[-1] in eos_token_ids:
