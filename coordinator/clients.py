@@ -189,11 +189,7 @@ class CallStreams:
         except BaseException:
             if stream is not None:
                 stream.cancel()  # the caller gave up: the service stops the call's work
-                why = self._abandoned.pop(stream, None)
-                task = asyncio.current_task()
-                if why is not None and task is not None and not task.cancelling():
-                    # Not the caller's cancellation but `abandon`'s: the service stopped answering.
-                    raise Unavailable(f"{self._client.role} service at {self._client.address} {why}") from None
+                self._raise_if_abandoned(stream)  # or `abandon` did: the service stopped answering
             raise
         finally:
             if stream is not None:
@@ -222,23 +218,33 @@ class CallStreams:
             stream = self._idle.pop()
             if stream.done():
                 continue
-            self._busy.add(stream)
             try:
-                await stream.write(request)
+                await self._write(stream, request)
                 return stream
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                self._busy.discard(stream)
-                stream.cancel()
                 self.discard()
         stream = self._open()
+        await self._write(stream, request)
+        return stream
+
+    async def _write(self, stream, request) -> None:
+        """Writes the call on `stream`, busy from now on; a write that fails (or that `abandon`
+        gave up on, which a peer that stopped reading can leave waiting) cancels the stream."""
         self._busy.add(stream)
         try:
             await stream.write(request)
         except BaseException:
             self._busy.discard(stream)
             stream.cancel()
+            self._raise_if_abandoned(stream)
             raise
-        return stream
+
+    def _raise_if_abandoned(self, stream) -> None:
+        """Unavailable where `abandon` cancelled this stream and the caller is not cancelled itself."""
+        why = self._abandoned.pop(stream, None)
+        task = asyncio.current_task()
+        if why is not None and task is not None and not task.cancelling():
+            raise Unavailable(f"{self._client.role} service at {self._client.address} {why}") from None
 
     def discard(self) -> None:
         """Cancels every idle stream (the service went away, or the client closes)."""

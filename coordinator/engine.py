@@ -276,6 +276,10 @@ class Engine:
             last = [verification.bonus_token_id, *steps][-1]
             if len(steps) > asked or (len(steps) < asked and last not in pair.eos_token_ids):
                 check_reply(address, "step_token_ids", len(steps), asked)
+            if state.job.top_logprobs is not None:  # a target that ignored return_logprobs sends none
+                check_reply(address, "row_logprobs", len(verification.row_logprobs), proposed + 1)
+                check_reply(address, "draft_token_logprobs", len(verification.draft_token_logprobs), proposed)
+                check_reply(address, "step_logprobs", len(verification.step_logprobs), len(steps))
         except BaseException:
             if branches is not None:
                 self.branches.drop(branches)

@@ -47,6 +47,7 @@ from coordinator.openai_schema import (
 from coordinator.requests import Chunk
 from coordinator.servicer import metered
 from specdec.config.services import ServerSecurity
+from specdec.errors import SpecDecError
 from specdec.rpc.security import BearerTokenAuth, bearer_token, read_tokens
 from specdec.rpc.serving import MAX_METADATA_BYTES
 
@@ -267,7 +268,12 @@ class OpenAIApi:
                 index, chunk = await queue.get()
                 if chunk is None:
                     running -= 1
-                    await relays[index]  # the choice's error, where it failed
+                    try:
+                        await relays[index]  # the choice's error, where it failed
+                    except asyncio.CancelledError:
+                        if (current := asyncio.current_task()) is not None and current.cancelling():
+                            raise  # the client went away
+                        raise SpecDecError(f"choice {index} stopped before its end") from None
                     continue
                 finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
                 pending_ids[index] += chunk.token_ids

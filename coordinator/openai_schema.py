@@ -119,7 +119,10 @@ def _number(body: dict, name: str, kind: type, default: Any = None) -> Any:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}; got {shown(value)}", name)
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:  # a JSON integer of hundreds of digits as a float
+        raise bad_request(f"{name} is out of range; got {shown(value)}", name) from None
 
 
 def _string(body: dict, name: str) -> str:
@@ -153,7 +156,10 @@ def _logit_bias(body: dict) -> dict[int, float]:
             raise bad_request(f"logit_bias keys are token ids; got {shown(key)}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad_request(f"logit_bias[{key}] must be a number; got {shown(value)}", "logit_bias")
-        parsed[int(key)] = float(value)
+        try:
+            parsed[int(key)] = float(value)
+        except (ValueError, OverflowError):  # thousands of digits
+            raise bad_request(f"logit_bias[{shown(key)}] is out of range", "logit_bias") from None
     return parsed
 
 

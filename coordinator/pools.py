@@ -231,7 +231,8 @@ class Pool:
         except DeadlineExceeded:
             replica.unanswered += 1
             return None
-        except SpecDecError:
+        except SpecDecError:  # refused, or gone (its calls fail by themselves): not silent
+            replica.unanswered = 0
             return None
         replica.unanswered = 0
         return info if await replica.client.serving(PROBE_TIMEOUT_S) else None
