@@ -9,6 +9,7 @@ serves these.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -340,7 +341,7 @@ def completion_logprobs(
     the likeliest at each position as {text: logprob}, and each token's offset in the text
     (from `offset`, the characters streamed before)."""
     texts = [token_text(tokenizer, token_id) for token_id in token_ids]
-    offsets = [offset + sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    offsets = list(itertools.accumulate((len(text) for text in texts[:-1]), initial=offset))[: len(texts)]
     return {
         "tokens": texts,
         "token_logprobs": [lp.logprob for lp in entries],
@@ -357,15 +358,17 @@ def speculation(*choices: GenerationStats) -> dict:
     which rule produced the text (relaxed output is not the target's), and a relaxed response
     adds its parameters and the tokens only the relaxed rule accepted."""
     stats = choices[0]
-    rounds = sum(choice.rounds for choice in choices)
-    proposed = sum(choice.proposed_tokens for choice in choices)
-    accepted = sum(choice.accepted_tokens for choice in choices)
+    total = GenerationStats(  # the choices' rounds as one request's, for its derived figures
+        rounds=sum(choice.rounds for choice in choices),
+        proposed_tokens=sum(choice.proposed_tokens for choice in choices),
+        accepted_tokens=sum(choice.accepted_tokens for choice in choices),
+    )
     figures = {
-        "acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
-        "tokens_per_round": round((accepted + rounds) / rounds, 4) if rounds else 0.0,  # as vLLM counts
-        "rounds": rounds,
-        "proposed_tokens": proposed,
-        "accepted_tokens": accepted,
+        "acceptance_rate": round(total.acceptance_rate, 4),
+        "tokens_per_round": round(total.mean_accepted_length, 4),
+        "rounds": total.rounds,
+        "proposed_tokens": total.proposed_tokens,
+        "accepted_tokens": total.accepted_tokens,
         "target_numerics": stats.target_numerics,
         "acceptance_mode": stats.acceptance_mode,
     }

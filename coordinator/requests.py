@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.sampling.probs import MAX_TOP_LOGPROBS, SamplingParams, check_logit_bias, check_penalties
+from specdec.sampling.probs import SamplingParams, check_logit_bias, check_penalties, check_top_logprobs
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 from specdec.v1 import common_pb2
@@ -269,25 +269,28 @@ def prepare_job(
         raise InvalidArgument(
             f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
         )
-    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {request.top_logprobs}", field="top_logprobs"
-        )
-    if request.top_logprobs and not request.logprobs:
-        raise InvalidArgument("top_logprobs needs logprobs", field="top_logprobs")
+    top_logprobs = check_top_logprobs(request.top_logprobs, request.logprobs)
     bias = check_logit_bias(dict(request.logit_bias))
     repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
     check_penalties(request.presence_penalty, request.frequency_penalty, repetition)
-    penalizes = bool(request.presence_penalty or request.frequency_penalty or repetition != 1.0)
-    if penalizes and request.tree_widths:
+    params = SamplingParams(
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=top_p,
+        logit_bias=bias,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=repetition,
+    )
+    if params.penalizes and request.tree_widths:
         raise InvalidArgument(
             "penalties do not apply to token trees (tree_widths): each node would need a history of its own; "
             "leave tree_widths out",
             field="tree_widths",
         )
-    if bias and bias[-1][0] >= pair.vocab_size:
+    if params.logit_bias and params.logit_bias[-1][0] >= pair.vocab_size:
         raise InvalidArgument(
-            f"logit_bias names token {bias[-1][0]}; the target's vocabulary has {pair.vocab_size} ids",
+            f"logit_bias names token {params.logit_bias[-1][0]}; the target's vocabulary has {pair.vocab_size} ids",
             field="logit_bias",
         )
     relaxed = acceptance_of(request, config)
@@ -298,15 +301,7 @@ def prepare_job(
     return Job(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
-        params=SamplingParams(
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=top_p,
-            logit_bias=bias,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=repetition,
-        ),
+        params=params,
         seed=seed,
         stop=tuple(request.stop),
         num_speculative_tokens=k,
@@ -316,7 +311,7 @@ def prepare_job(
         tree_widths=tuple(request.tree_widths),
         cache_namespace=cache_namespace(request.cache_salt, request.tenant),
         relaxed=relaxed,
-        top_logprobs=request.top_logprobs if request.logprobs else None,
+        top_logprobs=top_logprobs,
     )
 
 

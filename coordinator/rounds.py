@@ -339,9 +339,8 @@ def commit_round(
     if round_.source.in_draft_session:
         state.draft_view.synced = held
     state.ready = None
-    committed = outcome.committed(round_.draft_token_ids)
     entries: Iterator[common_pb2.TokenLogprobs | None] = iter(logprobs) if logprobs else itertools.repeat(None)
-    for token in committed:
+    for token in outcome.committed(round_.draft_token_ids):
         state.sequence.append(token)
         if state.text.push(token, next(entries)):
             return

@@ -324,8 +324,8 @@ class TargetRunner(ModelRunner):
         """The relaxed test of each draft (specdec.sampling.relaxed), on the raw distribution:
         softmax of the logits at temperature 1, never the request's processed one (one-hot when
         greedy). The logits carry the request's logit_bias and penalties, so a banned token is
-        never relaxed in. A sampled request's draft must also keep mass under the request's own top-k /
-        top-p, so relaxed never emits a token the request's truncation excludes. [K]"""
+        never relaxed in. A sampled request's draft must also keep mass under the request's own
+        top-k / top-p, so relaxed never emits a token the request's truncation excludes. [K]"""
         num_draft = draft_ids.shape[0]
         raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]
         passes = relaxed_accepts(raw_probs, draft_ids.to(raw_probs.device), relaxed.top_n, relaxed.delta).cpu()  # [K]

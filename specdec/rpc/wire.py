@@ -15,11 +15,11 @@ import torch
 from specdec.engine.calls import ModelDescription
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import (
-    MAX_TOP_LOGPROBS,
     PositionLogprobs,
     SamplingParams,
     check_logit_bias,
     check_penalties,
+    check_top_logprobs,
 )
 from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed
 from specdec.v1 import common_pb2, target_pb2
@@ -205,11 +205,7 @@ def relaxed_to_pb(relaxed: RelaxedAcceptance) -> target_pb2.RelaxedAcceptance:
 
 def top_logprobs_from_pb(request: target_pb2.VerifyRequest) -> int | None:
     """VerifyRequest.return_logprobs as VerifyCall.top_logprobs (None: no logprobs), validated."""
-    if not (0 <= request.top_logprobs <= MAX_TOP_LOGPROBS):
-        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {request.top_logprobs}")
-    if request.top_logprobs and not request.return_logprobs:
-        raise InvalidArgument("top_logprobs needs return_logprobs")
-    return request.top_logprobs if request.return_logprobs else None
+    return check_top_logprobs(request.top_logprobs, request.return_logprobs, "return_logprobs")
 
 
 def token_logprobs_to_pb(logprobs: PositionLogprobs | None) -> list[common_pb2.TokenLogprobs]:

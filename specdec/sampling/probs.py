@@ -5,9 +5,9 @@ order transformers' `generate` uses), so "the target's distribution" means exact
 `generate(do_sample=True, ...)` samples from. Greedy (temperature 0) is the limit case: a
 one-hot distribution at the argmax, so one rejection rule serves both modes. A request's
 logit_bias and penalties come first, on the target only (`biased`, then `penalized`, the order
-of transformers' processors): the
-target's distribution is that of the adjusted logits, and the draft proposes without them,
-which its proposals' distributions make exact anyway; only acceptance pays.
+of transformers' processors): the target's distribution is that of the adjusted logits, and
+the draft proposes without them, which its proposals' distributions make exact anyway; only
+acceptance pays.
 
 Vocabulary used throughout (as in vLLM's rejection sampler):
 - *accepted*: a draft token the target keeps;
@@ -276,6 +276,18 @@ def verify_outputs(
 
 
 MAX_TOP_LOGPROBS = 20  # likeliest tokens a position's log-probabilities may list (OpenAI's bound)
+
+
+def check_top_logprobs(top_logprobs: int, wanted: bool, wanted_name: str = "logprobs") -> int | None:
+    """How many likeliest tokens each position's log-probabilities list, None where none are
+    wanted; InvalidArgument when out of range, or asked for without `wanted_name`."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {top_logprobs}", field="top_logprobs"
+        )
+    if top_logprobs and not wanted:
+        raise InvalidArgument(f"top_logprobs needs {wanted_name}", field="top_logprobs")
+    return top_logprobs if wanted else None
 
 
 @dataclass(frozen=True)

@@ -352,17 +352,23 @@ async def test_tree_distribution_test_detects_siblings_tried_against_the_target_
     assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
 
 
+async def two_token_p_value(word_pair, params: SamplingParams) -> float:
+    """χ² p-value of SAMPLES two-token continuations through the services (an unquantised
+    model draft) against the target's exact distribution under `params`."""
+    expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size, length=2)
+    draft = {**LOCAL_BATCH, "quantize": "none"}
+    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
+        samples = await sample_continuations(
+            stack.stub, params, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
+        )
+    return chi_square_p_value(samples, expected)
+
+
 async def test_distribution_test_detects_a_target_that_samples_without_its_logit_bias(word_pair, monkeypatch):
     """Mutant for the logit_bias case: the target biases nothing (its argmax and its rows
     alike), so the banned token comes back and the χ² test must fail."""
     monkeypatch.setattr(target_runner_module, "biased", lambda logits, params: logits)
-    expected = exact_target_distribution(word_pair.target, LOGIT_BIAS, word_pair.vocab_size, length=2)
-    draft = {**LOCAL_BATCH, "quantize": "none"}
-    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
-        samples = await sample_continuations(
-            stack.stub, LOGIT_BIAS, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
-        )
-    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+    assert await two_token_p_value(word_pair, LOGIT_BIAS) < P_VALUE_FLOOR
 
 
 async def test_distribution_test_detects_a_target_that_penalises_rows_without_their_drafts(word_pair, monkeypatch):
@@ -375,13 +381,7 @@ async def test_distribution_test_detects_a_target_that_penalises_rows_without_th
         "penalized",
         lambda logits, params, history, start, drafts=(): plain(logits, params, history, start),
     )
-    expected = exact_target_distribution(word_pair.target, PENALTIES, word_pair.vocab_size, length=2)
-    draft = {**LOCAL_BATCH, "quantize": "none"}
-    async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
-        samples = await sample_continuations(
-            stack.stub, PENALTIES, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
-        )
-    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+    assert await two_token_p_value(word_pair, PENALTIES) < P_VALUE_FLOOR
 
 
 def rows_not_renormalised(monkeypatch) -> None:
