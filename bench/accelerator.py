@@ -49,7 +49,8 @@ COORDINATORS = {
     "sequential": [],
     "pipelined": ["--pipeline", "on"],
     "hedged": ["--pipeline", "on", "--hedges", "2"],
-    "hedged-all": ["--pipeline", "on", "--hedges", "12"],  # the 12 likeliest outcomes, runner-ups fanned out
+    # The 12 likeliest rejection outcomes, runner-ups fanned out, and the bonus token guessed 3 ways.
+    "hedged-all": ["--pipeline", "on", "--hedges", "12", "--bonus-guesses", "3"],
     "tree-chooser": ["--tree-chooser", "on"],
 }
 PROMPTS = [[5, 17, 99], [40, 41, 42, 43], [250, 3], [120, 77, 77, 1]]

@@ -61,7 +61,7 @@ MODES = {
     "K=4": ("default", 4),
     "pipelined + 4 hedges, K chooser": ("pipelined", None),
 }
-COORDINATORS = {"default": [], "pipelined": ["--pipeline", "on", "--hedges", "4"]}
+COORDINATORS = {"default": [], "pipelined": ["--pipeline", "on", "--hedges", "4", "--bonus-guesses", "3"]}
 
 
 @dataclass

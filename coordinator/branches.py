@@ -36,11 +36,23 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BranchPlan:
     """One branch of a speculation: the pre-draft (`hedge` None: the request's own draft
-    session continues as if every draft is accepted) or a hedge (a fork assuming `hedge`)."""
+    session continues as if every draft is accepted, guessing the bonus token by the draft's
+    argmax), a fork guessing it by the draft's runner-up of rank `guess_rank` (--bonus-guesses),
+    or a hedge (a fork assuming `hedge`)."""
 
     k: int
     session_id: str
     hedge: Hedge | None = None
+    guess_rank: int = 0
+
+    @property
+    def guesses(self) -> bool:
+        """It continues a fully accepted round: the pre-draft or a fork guessing otherwise."""
+        return self.hedge is None
+
+    @property
+    def forked(self) -> bool:
+        return self.hedge is not None or self.guess_rank > 0
 
 
 @dataclass
@@ -61,11 +73,16 @@ class BranchCall:
 
     @property
     def predraft(self) -> BranchPlan | None:
-        return next((b for b in self.branches if b.hedge is None), None)
+        return next((b for b in self.branches if b.guesses and not b.forked), None)
 
     @property
     def forks(self) -> list[BranchPlan]:
-        return [b for b in self.branches if b.hedge is not None]
+        """Branches on sessions of their own, which end when unused."""
+        return [b for b in self.branches if b.forked]
+
+    @property
+    def hedged(self) -> bool:
+        return any(b.hedge is not None for b in self.branches)
 
     def hedge_for(self, num_accepted: int, next_token_id: int) -> BranchPlan | None:
         """The fork that assumed exactly this rejection: draft `num_accepted` rejected and
@@ -154,6 +171,29 @@ class Branches:
                         **draft_view.draft_fields(),
                     )
                 )
+        if predraft_k and round_.runner_up_ids:  # drafted by the model, which guesses again
+            # The bonus token by the draft's runner-ups after the round's last draft, each on a
+            # fork of the session as the round left it (listed before the pre-draft extends
+            # it), stepped beside the pre-draft's own guess.
+            for rank in range(1, self.config.bonus_guesses):
+                plans.append(
+                    BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), uuid.uuid4().hex, guess_rank=rank)
+                )
+                requests.append(
+                    draft_pb2.ProposeRequest(
+                        session_id=plans[-1].session_id,
+                        fork_from=draft_view.session_id,
+                        keep_tokens=base + len(round_.draft_token_ids),
+                        num_tokens=plans[-1].k,
+                        sampling=state.sampling,
+                        seed=next_seed(state.streams.hedge),
+                        guess_first=True,
+                        guess_rank=rank,
+                        **draft_view.draft_fields(),
+                    )
+                )
+                if pair.draft_copies:
+                    requests[-1].max_copied_tokens = 0  # the model guesses, never a copy
         if predraft_k:
             plans.append(BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), draft_view.session_id))
             # The session holds the sequence and this round's drafts: nothing to send (a
@@ -181,7 +221,7 @@ class Branches:
         for request in requests:
             request.epoch = next(draft_view.calls)
         stats.predrafts += predraft_k > 0
-        stats.hedges += len(plans) - (predraft_k > 0)
+        stats.hedges += sum(plan.hedge is not None for plan in plans)
         # Earlier rounds' unused forks end in this call, not in an EndSession call each.
         self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :], draft_view)  # any more: EndSession calls
         ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
@@ -202,9 +242,10 @@ class Branches:
         self, call: BranchCall, outcome: RoundOutcome | TreeOutcome, proposed: int, live: bool
     ) -> BranchPlan | None:
         """The branch the round's outcome selects, if any: the pre-draft when every draft was
-        accepted (used only if its own first draw then equals the bonus token, checked once its
-        reply is read), the hedge that assumed exactly this rejection and recovered token, or
-        none when the generation has finished. The outcome alone decides, never the branches'
+        accepted (it, or a fork guessing the bonus token by a runner-up, is used only if its
+        guess then equals the bonus token, checked once the reply is read), the hedge that
+        assumed exactly this rejection and recovered token, or none when the generation has
+        finished. The outcome alone decides, never the branches'
         draws: that is what keeps the output exact (the argument in `Engine.generate`). Tests
         replace this rule with wrong ones to show the distribution tests catch them."""
         if not live:
@@ -228,8 +269,8 @@ class Branches:
         the draft session to use from now on. A branch so chosen holds the committed prefix
         and drafts drawn from the draft given exactly that prefix, before the next round's
         coins exist; the next round verifies them against the distributions they came from.
-        Unused forks join `unused`, which the next branch call ends; when a hedge is used, its
-        fork becomes the request's draft session and the old one joins them. The forks this
+        Unused forks join `unused`, which the next branch call ends; when a fork is used, it
+        becomes the request's draft session and the old one joins them. The forks this
         call ended leave `unused` once its reply is read; a call cancelled or failed may not
         have ended them, so they stay and go again with the next (ending is idempotent)."""
         if call.round_index != stats.rounds - 1:
@@ -264,28 +305,64 @@ class Branches:
         stats: GenerationStats,
         unused: list[str],
     ) -> Settled:
-        """Reads every branch's reply: the hit's drafts become the next round's, the rest are
-        counted and their forks join `unused`."""
-        taken: Round | None = None
-        failed = refused = False
+        """Reads every branch's reply: the chosen branch's drafts become the next round's, the
+        rest are counted and their forks join `unused`. After a fully accepted round the chosen
+        branch is the first, by rank, whose guess (its first token) is the bonus token."""
+        branches: list[Round] = []
+        errors: list[int] = []  # per branch, the gRPC status code it failed with (0: it did not)
         for plan, result in zip(call.branches, reply.results):
-            source = Source.PREDRAFT if plan.hedge is None else Source.HEDGE
-            branch = Round(source)
-            if not result.error_code:
+            source = Source.PREDRAFT if plan.guesses else Source.HEDGE
+            branch, error, message = Round(source), result.error_code, result.error_message
+            if not error:
                 try:
                     branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
                 except ForeignProposal as exc:  # as a failed branch
-                    result = draft_pb2.BranchResult(error_code=exc.code.value[0], error_message=str(exc))
-            if result.error_code:
-                logger.info(
-                    "branch %s failed (status %d): %s", plan.session_id, result.error_code, result.error_message
+                    error, message = exc.code.value[0], str(exc)
+            if error:
+                logger.info("branch %s failed (status %d): %s", plan.session_id, error, message)
+            branches.append(branch)
+            errors.append(error)
+        if hit.guesses:
+            chosen = next(
+                (
+                    plan
+                    for plan, branch, error in zip(call.branches, branches, errors)
+                    if plan.guesses and not error and right_guess(branch, outcome.next_token_id)
+                ),
+                None,
+            )
+        else:
+            chosen = hit if not errors[call.branches.index(hit)] else None
+        taken: Round | None = None
+        failed = refused = False
+        for plan, branch, result, error in zip(call.branches, branches, reply.results, errors):
+            if plan.guesses:
+                stats.predraft_compute_ms += result.proposal.compute_ms if not error else 0.0
+                stats.predrafted_tokens += len(branch.draft_token_ids)
+            if plan is call.predraft:
+                failed = error != 0
+                refused = error == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            if plan is not chosen:
+                if plan.guesses:
+                    stats.predraft_wasted_tokens += len(branch.draft_token_ids)
+                else:
+                    stats.hedge_wasted_tokens += len(branch.draft_token_ids)
+                if plan.forked:
+                    unused.append(plan.session_id)
+                continue
+            if plan.guesses:
+                trace.get_current_span().add_event(
+                    "predraft.used",
+                    {"specdec.tokens": len(branch.draft_token_ids) - 1, "specdec.rank": plan.guess_rank},
                 )
-            if plan.hedge is None:
-                failed = result.error_code != 0
-                refused = result.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-                stats.predraft_compute_ms += result.proposal.compute_ms
-                taken = self._predraft(plan is hit, failed, branch, outcome, proposed, draft_view, base, stats) or taken
-            elif plan is hit and not result.error_code:
+                stats.predraft_hits += 1
+                stats.bonus_guess_hits += plan.forked
+                # The branch holds the round, the bonus token (= its guess) and the rest of its
+                # drafts, which become the next round's.
+                taken = branch.truncated(len(branch.draft_token_ids), start=1)
+                synced = base + proposed + 1
+            else:
+                assert plan.hedge is not None
                 trace.get_current_span().add_event(
                     "hedge.used",
                     {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)},
@@ -293,51 +370,23 @@ class Branches:
                 stats.hedge_hits += 1
                 stats.hedged_tokens += len(branch.draft_token_ids)
                 taken = branch
+                synced = base + outcome.num_accepted + 1
+            if plan.forked:
                 unused.append(draft_view.session_id)
                 # The request's session from now on: the fork, where it was forked, with the
                 # request's settings and call numbers.
                 draft_view = dataclasses.replace(
-                    draft_view,
-                    session_id=plan.session_id,
-                    synced=base + outcome.num_accepted + 1,
-                    opened=True,
-                    last_epoch=0,
-                    lost=False,
+                    draft_view, session_id=plan.session_id, synced=synced, opened=True, last_epoch=0, lost=False
                 )
             else:
-                stats.hedge_wasted_tokens += len(branch.draft_token_ids)
-                unused.append(plan.session_id)
+                draft_view.synced = synced
+        if hit.guesses and chosen is None:
+            stats.predraft_misses += 1
+            if call.predraft is not None and not failed:
+                # It ran, so the session holds the round's committed prefix (a catch-up sent it):
+                # the next call need not send that again.
+                draft_view.synced = max(draft_view.synced, base + proposed)
         return Settled(taken, draft_view, failed, refused)
-
-    @staticmethod
-    def _predraft(
-        hit: bool,
-        failed: bool,
-        branch: Round,
-        outcome: RoundOutcome | TreeOutcome,
-        proposed: int,
-        draft_view: SessionView,
-        base: int,
-        stats: GenerationStats,
-    ) -> Round | None:
-        """The pre-draft's drafts past its guess, when it was the hit and its guess (its first
-        token) is the bonus token; a pre-draft that stopped at its guess (a confidence stop), or
-        failed, counts as a miss."""
-        stats.predrafted_tokens += len(branch.draft_token_ids)
-        if hit and len(branch.draft_token_ids) > 1 and branch.draft_token_ids[0] == outcome.next_token_id:
-            trace.get_current_span().add_event("predraft.used", {"specdec.tokens": len(branch.draft_token_ids) - 1})
-            stats.predraft_hits += 1
-            # The draft holds the round, the bonus token (= its first pre-draft token) and the
-            # rest of the pre-draft, which become the next drafts.
-            draft_view.synced = base + proposed + 1
-            return branch.truncated(len(branch.draft_token_ids), start=1)
-        stats.predraft_misses += hit  # else a draft was rejected and a hedge was used, or none
-        stats.predraft_wasted_tokens += len(branch.draft_token_ids)
-        if hit and not failed:
-            # It ran, so the session holds the round's committed prefix (a catch-up sent it):
-            # the next call need not send that again.
-            draft_view.synced = max(draft_view.synced, base + proposed)
-        return None
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
@@ -357,3 +406,9 @@ class Branches:
             for session_id in session_ids:
                 self.upstream.end_later(draft_view.replica.client, session_id, discard=True)
         session_ids.clear()
+
+
+def right_guess(branch: Round, bonus_token_id: int) -> bool:
+    """Whether a branch continuing a fully accepted round guessed its bonus token, with drafts
+    past the guess (a branch that stopped at its guess, a confidence stop, carries none)."""
+    return len(branch.draft_token_ids) > 1 and branch.draft_token_ids[0] == bonus_token_id

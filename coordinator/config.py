@@ -33,7 +33,10 @@ from specdec.sampling.relaxed import (
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9151
-MAX_HEDGES = 24  # each position of K <= 8 with 3 recovered tokens; + the pre-draft <= wire.MAX_BRANCHES
+MAX_HEDGES = 24  # each position of K <= 8 with 3 recovered tokens
+MAX_BONUS_GUESSES = wire.MAX_RUNNER_UPS + 1  # the argmax and each runner-up (ProposeRequest.guess_rank)
+# Hedges, the pre-draft and its forks for other bonus guesses fit in one ProposeBranches call.
+assert MAX_HEDGES + MAX_BONUS_GUESSES <= wire.MAX_BRANCHES
 MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its own and its step_seeds
 
 
@@ -135,6 +138,15 @@ class CoordinatorConfig:
         "place: the draft's likeliest other tokens, up to 4 per position) on forks of the draft session "
         f"during each verify (0 = off; at most {MAX_HEDGES})",
     )
+    bonus_guesses: int = setting(
+        1,
+        "--bonus-guesses",
+        "with --pipeline: pre-draft for this many guesses of a fully accepted round's bonus token "
+        "during each verify, the draft's likeliest tokens after the round's last draft, each past the "
+        "first on a fork of the draft session, stepped in the same passes; the round after keeps the "
+        f"branch whose guess was right (1 = the argmax alone; at most {MAX_BONUS_GUESSES})",
+        more="See [Hedges](design.md#hedges).",
+    )
     target_only_steps: int = setting(
         4,
         "--target-only-steps",
@@ -233,6 +245,8 @@ class CoordinatorConfig:
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"
+        if not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:
+            return f"--bonus-guesses must be in [1, {MAX_BONUS_GUESSES}]"
         if not 0.0 <= self.min_vocab_overlap <= 1.0:  # NaN fails too
             return f"--min-vocab-overlap must be in [0, 1]; got {self.min_vocab_overlap}"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:

@@ -31,7 +31,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # index i: rounds accepting draft i
     pipelined: bool = False
     predrafts: int = 0  # continuations started during a verify
-    predraft_hits: int = 0  # whole round accepted and the bonus equalled the pre-draft's first token
+    predraft_hits: int = 0  # whole round accepted and the bonus equalled the pre-draft's first token (or a fork's)
+    bonus_guess_hits: int = 0  # of those, kept from a fork that guessed a runner-up (--bonus-guesses)
     predraft_misses: int = 0  # whole round accepted, but a different bonus token (or no draft past the guess)
     predrafted_tokens: int = 0  # tokens of pre-drafts that completed and were read
     predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)

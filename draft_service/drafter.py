@@ -57,6 +57,7 @@ class ProposeCall:
     cache_namespace: str = ""  # whose earlier text the session may reuse (ProposeRequest.cache_namespace)
     own_sequence_only: bool = False  # copy from the session's own sequence alone (ProposeRequest)
     runner_ups: int = 1  # the likeliest other tokens to report per position (ProposeRequest.runner_ups)
+    guess_rank: int = 0  # with guess_first, guess the draft's (rank + 1)-th likeliest token (ProposeRequest)
 
     @property
     def copy_limit(self) -> int:

@@ -48,6 +48,11 @@ class _Drafting:
     unsure: bool = False  # the last token was drawn with less than min_confidence
     looked_up: bool = False  # the tokens were copied by prompt lookup: no pass, one-hot rows
 
+    @property
+    def guessing(self) -> bool:
+        """This step's token is a guess, not a draw (ProposeRequest.guess_first)."""
+        return self.call.guess_first and not self.token_ids
+
 
 class DraftRunner(ModelRunner):
     """Proposals follow the request's sampling settings, then the draft's own policy:
@@ -241,9 +246,9 @@ class DraftRunner(ModelRunner):
         for item in stepped:
             drafting = item[1]
             key: object = None  # alone
-            if drafting.call.vocab_limit:
+            if drafting.call.vocab_limit or drafting.guessing and drafting.call.guess_rank:
                 pass
-            elif drafting.deterministic or drafting.call.guess_first and not drafting.token_ids:
+            elif drafting.deterministic or drafting.guessing:
                 key = ARGMAX
             elif self.proposal_top_k <= 0:
                 key = drafting.call.params
@@ -450,11 +455,11 @@ class DraftRunner(ModelRunner):
         self.check_logits(logits, drafting.call.session_id)
         if drafting.call.vocab_limit:
             logits = self._below(logits, drafting.call.vocab_limit)
-        guess = drafting.call.guess_first and not drafting.token_ids  # ProposeRequest.guess_first
+        guess = drafting.guessing
         support: torch.Tensor | None
         if drafting.deterministic or guess:
-            head_probs = one_hot_argmax(logits)  # [N]
-            row = int(logits.argmax())
+            row = ranked_row(logits, drafting.call.guess_rank if guess else 0)
+            head_probs = one_hot_at(logits, row)  # [N]
             belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
             support = torch.tensor([row])  # [1] the one-hot row's only id
         else:
@@ -541,6 +546,21 @@ class DraftRunner(ModelRunner):
             return head_probs
         probs = torch.zeros(self.output_vocab_size, dtype=head_probs.dtype, device=head_probs.device)  # [V]
         return probs.index_copy_(0, self.head_caller_ids, head_probs)
+
+
+def ranked_row(logits: torch.Tensor, rank: int) -> int:
+    """The head row of the (rank + 1)-th largest logit (0: the argmax); the last row there is
+    where the head has fewer rows. logits: [N]"""
+    if not rank:
+        return int(logits.argmax())
+    return int(logits.topk(min(rank + 1, logits.numel())).indices[-1])
+
+
+def one_hot_at(logits: torch.Tensor, row: int) -> torch.Tensor:
+    """logits: [N] → one-hot float32 [N] at `row`."""
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).index_fill_(
+        0, torch.tensor([row], device=logits.device), 1.0
+    )
 
 
 def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:

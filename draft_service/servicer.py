@@ -161,6 +161,10 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
 def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
     if request.runner_ups > wire.MAX_RUNNER_UPS:
         raise InvalidArgument(f"runner_ups must be in [0, {wire.MAX_RUNNER_UPS}] (0 means 1); got {request.runner_ups}")
+    if request.guess_rank > wire.MAX_RUNNER_UPS or request.guess_rank and not request.guess_first:
+        raise InvalidArgument(
+            f"guess_rank must be in [0, {wire.MAX_RUNNER_UPS}], and 0 without guess_first; got {request.guess_rank}"
+        )
     return ProposeCall(
         request.session_id,
         request.keep_tokens,
@@ -179,6 +183,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.cache_namespace,
         request.own_sequence_only,
         max(request.runner_ups, 1),
+        request.guess_rank,
     )
 
 

@@ -203,8 +203,8 @@ class TableDraft(TableService):
         response = draft_pb2.ProposeResponse()
         for step in range(request.num_tokens):
             row = self.model.row(tuple(session.tokens))
-            guess = request.guess_first and not step  # the argmax, sent one-hot, no draw
-            token = row.argmax if guess else draw(row.cdf, generator)
+            guess = request.guess_first and not step  # the argmax (or runner-up), sent one-hot, no draw
+            token = row.order[min(request.guess_rank, len(row.order) - 1)] if guess else draw(row.cdf, generator)
             response.token_ids.append(token)
             response.distributions.append(ONE_HOT if guess else row.wire)
             for runner_up in row.runner_ups(token, max(request.runner_ups, 1)):

@@ -27,7 +27,7 @@ from specdec.v1 import common_pb2, target_pb2
 # Sparse costs 8 bytes per non-zero entry and dense 4 per vocab entry.
 _SPARSE_MAX_FRACTION = 0.5
 # Protocol limits both sides read: VerifyRequest.step_seeds, ProposeBranchesRequest.end_session_ids,
-# ProposeRequest.runner_ups, ProposeBranchesRequest.branches.
+# ProposeRequest.runner_ups and guess_rank, ProposeBranchesRequest.branches.
 MAX_STEP_SEEDS = 64
 MAX_ENDED_SESSIONS = 64
 MAX_RUNNER_UPS = 4

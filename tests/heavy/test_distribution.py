@@ -123,6 +123,11 @@ CASES = {
         length=4,
         k=2,
     ),
+    # The bonus token guessed three ways in the real draft's batched passes: the pre-draft's
+    # argmax and forks guessing its two runner-ups.
+    "pipelined_bonus_guesses": Case(
+        {"quantize": "none"}, coordinator={"pipeline": True, "bonus_guesses": 3, "catch_up": False}, length=4, k=1
+    ),
     # Catch-up steps: target-only rounds while the pre-draft catches the draft session up.
     "pipelined_catch_up_steps": Case({"quantize": "none", "min_confidence": 0.3}, coordinator=PIPELINED, length=4, k=2),
     "adaptive_pipelined_top_k_top_p": Case(
@@ -316,6 +321,9 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
             assert steps >= SAMPLES, f"only {steps} catch-up steps in {SAMPLES} requests"
         else:
             assert sum(s.predraft_cancelled for s in stats) > 0
+    if c.coordinator.get("bonus_guesses", 1) > 1:
+        hits = sum(s.bonus_guess_hits for s in stats)
+        assert hits > SAMPLES // 50, f"only {hits} runner-up guesses were kept; the forks are barely exercised"
     if c.coordinator.get("hedges"):
         hits = sum(s.hedge_hits for s in stats)
         assert hits > SAMPLES // 50, f"only {hits} hedges were used; the hedged path is barely exercised"

@@ -124,6 +124,13 @@ def fanned_hedges_used(stats, draft) -> str | None:
     return hedges_used(stats, draft) or (None if hedges > 1.5 * len(stats) else f"only {hedges} hedges: no fan-out")
 
 
+def bonus_guesses_used(stats, draft) -> str | None:
+    """Pre-drafts were kept, some of them from a fork that guessed the bonus token by the
+    draft's runner-up."""
+    hits = total(stats, "bonus_guess_hits")
+    return pre_drafts_used(stats, draft) or (None if hits > len(stats) // 20 else f"only {hits} runner-up guesses kept")
+
+
 def hedges_and_pre_drafts_used(stats, draft) -> str | None:
     return hedges_used(stats, draft) or pre_drafts_used(stats, draft)
 
@@ -163,6 +170,17 @@ MODES = {
         length=4,
         k=1,
         exercised=hedges_and_pre_drafts_used,
+        mutant_samples=10_000,
+    ),
+    # The pre-draft's argmax guess of the bonus token and a fork guessing the runner-up, in one
+    # ProposeBranches call: over two tokens, one of them always guesses right.
+    "bonus_guesses": Mode(
+        {"pipeline": True, "bonus_guesses": 2, "catch_up": False},
+        vocab=2,
+        length=4,
+        k=1,
+        draft_noise=1.5,
+        exercised=bonus_guesses_used,
         mutant_samples=10_000,
     ),
     # With catch-up steps: a fully accepted round of 2 leaves no room for a pre-draft of 2
@@ -278,6 +296,29 @@ def branch_rows_mixed_up(monkeypatch) -> None:
     monkeypatch.setattr(TableDraft, "propose_branches", mixed_up)
 
 
+def guess_fork_rows_from_pre_draft(monkeypatch) -> None:
+    """Bonus guesses: a fork that guessed by the runner-up sends its drafts with the rows the
+    pre-draft (which guessed the argmax) drew its own from: a kept fork's drafts paired with
+    the wrong distributions. The pre-draft's own path is left exact."""
+    plain = TableDraft.propose_branches
+
+    async def borrowed(self, request):
+        reply = await plain(self, request)
+        pre_draft = next(
+            result.proposal
+            for branch, result in zip(request.branches, reply.results)
+            if branch.guess_first and not branch.guess_rank
+        )
+        for branch, result in zip(request.branches, reply.results):
+            rows = result.proposal.distributions
+            if branch.guess_rank and len(rows) > 1 and len(pre_draft.distributions) == len(rows):
+                del rows[1:]
+                rows.extend(pre_draft.distributions[1:])  # the guess's own one-hot row stays
+        return reply
+
+    monkeypatch.setattr(TableDraft, "propose_branches", borrowed)
+
+
 def unsure_draft_dropped(monkeypatch) -> None:
     """Confidence-stopped: the coordinator drops the draft a proposal stopped on (the one drawn
     with low confidence) and verifies the rest, so which drafts are verified depends on their
@@ -313,6 +354,7 @@ MUTANTS = {
     "hedged": hedge_picked_by_its_drafts,
     "hedged_fanout": hedge_picked_by_its_drafts,
     "batched_hedges": branch_rows_mixed_up,
+    "bonus_guesses": guess_fork_rows_from_pre_draft,
     "confidence_stopped": unsure_draft_dropped,
     "short_predrafts": pre_draft_rows_flattened,
     "adaptive": k_cut_after_drafting,

@@ -27,6 +27,8 @@ MODES = {
     "pipelined_adaptive": {"pipeline": True, "adaptive_k": True},
     "hedged": {"hedges": 2},
     "pipelined_hedged_adaptive": {"pipeline": True, "hedges": 3, "adaptive_k": True},
+    # The bonus token guessed three ways: the pre-draft's argmax and forks for two runner-ups.
+    "pipelined_bonus_guesses": {"pipeline": True, "hedges": 2, "bonus_guesses": 3, "catch_up": False},
 }
 PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
 
@@ -50,7 +52,7 @@ async def stack(request, tiny_pair):
 
 
 async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
-    totals = {"hits": 0, "cancelled": 0, "hedge_hits": 0, "catch_ups": 0}
+    totals = {"hits": 0, "cancelled": 0, "hedge_hits": 0, "catch_ups": 0, "bonus_guess_hits": 0}
     for prompt in PROMPTS:
         expected = reference(prompt)
         for k in (1, 3, 5, None):  # None: the coordinator's default, or adaptive K
@@ -63,6 +65,8 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
             assert sum(s.k_per_round) == s.proposed_tokens and len(s.k_per_round) == s.rounds
             assert s.predrafts == s.predraft_hits + s.predraft_misses + s.predraft_cancelled
             totals["hits"] += s.predraft_hits
+            assert s.bonus_guess_hits <= s.predraft_hits
+            totals["bonus_guess_hits"] += s.bonus_guess_hits
             totals["cancelled"] += s.predraft_cancelled
             assert s.hedge_hits <= min(s.hedges, s.recovered_tokens) and s.hedged_tokens <= s.hedge_hits * 16
             totals["hedge_hits"] += s.hedge_hits
@@ -74,6 +78,7 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
     pipelined, hedged = "pipeline" in MODES[stack.mode], "hedges" in MODES[stack.mode]
     assert (totals["hits"] > 0 and totals["cancelled"] > 0) == pipelined, totals
     assert (totals["hedge_hits"] > 0) == hedged, totals
+    assert (totals["bonus_guess_hits"] > 0) == ("bonus_guesses" in MODES[stack.mode]), totals
     assert (totals["catch_ups"] > 0) == (pipelined and MODES[stack.mode].get("catch_up", True)), totals
     await _until_no_sessions(stack.draft_runner)
 
@@ -223,12 +228,18 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
                 assert (
                     refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "branches" in refused.value.details()
                 )
-            too_many = draft_pb2.ProposeRequest(
-                session_id="r", new_tokens=[1], num_tokens=1, sampling=sampling, runner_ups=wire.MAX_RUNNER_UPS + 1
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[too_many]))
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "runner_ups" in refused.value.details()
+            for field, bad in (
+                ("runner_ups", {"runner_ups": wire.MAX_RUNNER_UPS + 1}),
+                ("guess_rank", {"guess_rank": 1}),  # without guess_first
+                ("guess_rank", {"guess_rank": wire.MAX_RUNNER_UPS + 1, "guess_first": True}),
+            ):
+                request = draft_pb2.ProposeRequest(
+                    session_id="r", new_tokens=[1], num_tokens=1, sampling=sampling, **bad
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[request]))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in refused.value.details()
+            assert "r" not in runner.sessions.ids(), "a refused call opens nothing"
 
 
 async def test_catch_up_steps_survive_lost_sessions_and_leave_none_behind(tiny_pair, reference):

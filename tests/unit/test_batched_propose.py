@@ -161,6 +161,45 @@ def test_forks_listed_before_their_parents_call_share_its_passes_and_copy_it_as_
     assert batched.sessions._sessions["hedge0"].tokens[: len(prompt) + 1] == prompt + [11]
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_forks_guessing_the_bonus_by_runner_ups_share_the_pre_drafts_passes(loaded, params):
+    """--bonus-guesses: forks of the session as the round left it guess the bonus token by the
+    draft's runner-ups (guess_rank), in the pre-draft's passes; each guess is the draft's
+    token of that rank, sent one-hot, and the drafts after it are drawn as usual."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    prompt = tokens(5, 9, loaded.vocab_size)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("parent", 0, prompt, 3, params, 0, epoch=1, runner_ups=3))
+    held = len(prompt) + 3
+    calls = [
+        *(
+            ProposeCall(
+                f"guess{rank}",
+                held,
+                [],
+                3,
+                params,
+                seed=rank,
+                epoch=1 + rank,
+                fork_from="parent",
+                guess_first=True,
+                guess_rank=rank,
+            )
+            for rank in (1, 2)
+        ),
+        ProposeCall("parent", held, [], 3, params, seed=3, epoch=4, guess_first=True, runner_ups=3),
+    ]
+    results = batched.propose_batch(calls)
+    assert_same(results, alone(lone, calls))
+    assert_same_sessions(batched, lone)
+    assert [r.batch_size for r in results] == [3, 3, 3], "the guesses did not share their passes"
+    pre_draft = results[-1]
+    # The pre-draft's guess is the argmax; its runner-ups at that position are the forks' guesses.
+    assert [r.token_ids[0] for r in results[:2]] == pre_draft.runner_up_ids[:2]
+    for result in results:
+        assert result.probs[0].max() == 1.0 and result.probs[0][result.token_ids[0]] == 1.0  # one-hot guess
+
+
 def test_one_token_steps_share_one_batch_padded_and_split_once(loaded):
     """After their first pass, calls whose steps are one token each run in one DecodeBatch:
     calls of different K stop at different passes, and each session is left with exactly
