@@ -6,11 +6,10 @@ costs T(K) = D(K) + V(K): the draft call, K one-token draft passes plus an RPC, 
 verify call, one target pass over K + 1 new tokens plus an RPC. Pipelined, the next round's
 drafts (K + 1 steps: the bonus guess, then K) run during this round's verify, on the critical
 path only past its end, and are kept when every draft is accepted and the guess equals the
-bonus token (probability ≈ α^K·γ, with γ ≈ α for the draft's argmax, learned from the request's
-rounds where several guesses are drafted: --bonus-guesses) or, with hedges, when a hedge
-assumed the rejection that happened (probability ρ given a rejection, learned likewise);
-otherwise the next round drafts afresh. So T(K) = max(V(K), D(K + 1)) + m(K)·D(K), with the
-miss probability m(K) = 1 − α^K·γ − (1 − α^K)·ρ.
+bonus token (probability ≈ α^(K+1)) or, with hedges, when a hedge assumed the rejection that
+happened (probability ρ given a rejection, learned from the request's rounds); otherwise the
+next round drafts afresh. So T(K) = max(V(K), D(K + 1)) + m(K)·D(K), with the miss
+probability m(K) = 1 − α^(K+1) − (1 − α^K)·ρ.
 K maximises E(K) / T(K). Where verifying K + 1 tokens costs several times one token (bf16 on
 an AVX2-only CPU), or the draft is nearly as slow as the target, that maximum is K = 0.
 
@@ -73,7 +72,6 @@ LOAD_GAIN = 1.1
 
 
 DEFAULT_RESCUE_PRIOR = 0.5  # a hedge at the rejected position guessed the recovered token
-DEFAULT_GUESS_PRIOR = 0.9  # one of several guesses of a fully accepted round's bonus token was right
 DEFAULT_BETA_PRIOR = 0.3  # a runner-up child accepted after the first child's rejection
 TREE_WIDTHS = (2, 3)  # tree shapes the chooser weighs: w children at the root, then chains
 
@@ -171,21 +169,18 @@ class RoundCosts:
         batch = self.target_batch or BatchCosts(self.target_pass_ms)
         return self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
 
-    def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0, guess: float | None = None) -> float:
-        """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened;
-        `guess`: the chance that a fully accepted round's bonus token was guessed (None: α)."""
+    def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
+        """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened."""
         if pipelined and k:
-            miss = 1.0 - alpha**k * (alpha if guess is None else guess) - (1.0 - alpha**k) * rescue
+            miss = 1.0 - alpha ** (k + 1) - (1.0 - alpha**k) * rescue
             return max(self.verify_ms(k), self.draft_ms(k + 1)) + miss * self.draft_ms(k)
         return self.verify_ms(k) + self.draft_ms(k)
 
-    def tokens_per_ms(
-        self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0, guess: float | None = None
-    ) -> float:
+    def tokens_per_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
         """This session's rate; on a shared host under load, the host's (module docstring)."""
         if self.shared_host and self.target_sessions > 1:
             return self.host_tokens_per_ms(k, alpha)
-        return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined, rescue, guess), 1e-9)
+        return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined, rescue), 1e-9)
 
     def host_tokens_per_ms(self, k: int, alpha: float) -> float:
         """Tokens the shared host commits per millisecond while the other sessions step and this
@@ -207,17 +202,9 @@ class RoundCosts:
         return draft + self.target_rpc_ms + cost_at(self.target_pass_ms, width * depth + 1)
 
 
-def best_k(
-    alpha: float,
-    costs: RoundCosts,
-    k_max: int,
-    pipelined: bool,
-    k_min: int = 0,
-    rescue: float = 0.0,
-    guess: float | None = None,
-) -> int:
+def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0, rescue: float = 0.0) -> int:
     """argmax over K in [k_min, k_max] of expected tokens per millisecond (ties: smaller K)."""
-    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined, rescue, guess), -k))
+    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined, rescue), -k))
 
 
 def best_tree(alpha: float, beta: float, costs: RoundCosts, k_max: int) -> tuple[tuple[int, ...], float]:
@@ -262,11 +249,6 @@ class AdaptiveK:
     hedged: bool = False
     rescue_hits: float = 0.0
     rescue_tries: float = 0.0
-    # Pipelined with several guesses of the bonus token (`guessed`, --bonus-guesses): γ, how
-    # often one was right, learned from the fully accepted rounds.
-    guessed: bool = False
-    guess_hits: float = 0.0
-    guess_tries: float = 0.0
 
     def __post_init__(self) -> None:
         self.accepted += PRIOR_WEIGHT * self.alpha_prior
@@ -275,8 +257,6 @@ class AdaptiveK:
         self.beta_reached += PRIOR_WEIGHT
         self.rescue_hits += PRIOR_WEIGHT * DEFAULT_RESCUE_PRIOR
         self.rescue_tries += PRIOR_WEIGHT
-        self.guess_hits += PRIOR_WEIGHT * DEFAULT_GUESS_PRIOR
-        self.guess_tries += PRIOR_WEIGHT
 
     @property
     def rescue(self) -> float:
@@ -287,16 +267,6 @@ class AdaptiveK:
         """A hedged round that ended in a rejection: whether a hedge had assumed it."""
         self.rescue_tries += 1.0
         self.rescue_hits += hit
-
-    @property
-    def guess(self) -> float | None:
-        """γ, or None (the argmax alone, right about as often as a draft is accepted: α)."""
-        return self.guess_hits / self.guess_tries if self.guessed and self.pipelined else None
-
-    def observe_guess(self, hit: bool) -> None:
-        """A fully accepted round with its bonus token guessed several ways: whether one was right."""
-        self.guess_tries += 1.0
-        self.guess_hits += hit
 
     @property
     def beta(self) -> float:
@@ -325,8 +295,8 @@ class AdaptiveK:
         are. Where nothing plausible pays (a steep verify cost, or many rejections), probes
         stay rare. Evidence: docs/design.md, "The K chooser"."""
         alpha = self._alpha_above(PLAUSIBLE_ERRORS)
-        k = best_k(alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue, guess=self.guess)
-        rate = self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue, self.guess)
+        k = best_k(alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
+        rate = self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue)
         gain = rate / self.costs.tokens_per_ms(0, alpha, False)
         if gain >= PROBE_GAIN:
             return min(self.probe_every, QUICK_PROBE_EVERY)
@@ -339,7 +309,7 @@ class AdaptiveK:
 
     def gain(self, k: int, alpha: float) -> float:
         """Tokens per millisecond at K over those of target-only steps."""
-        return self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue, self.guess) / self.costs.tokens_per_ms(
+        return self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue) / self.costs.tokens_per_ms(
             0, alpha, False
         )
 
@@ -351,7 +321,7 @@ class AdaptiveK:
         high. A one-draft round costs little where K = 0 and K = 1 are close in value, and the
         uncertainty shrinks as drafts are evaluated, so a draft that is truly poor still
         settles at K = 0 with probes. Evidence: docs/design.md, "The K chooser"."""
-        k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue, guess=self.guess)
+        k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
         if self.loaded:
             # Shared services: speculate only for a clear gain, never on a hunch (no one-draft
             # rounds, probes only where a plausible α would clear the bar). On a shared host
@@ -360,23 +330,17 @@ class AdaptiveK:
             if k and self.gain(k, self.alpha) < LOAD_GAIN:
                 k = 0
             plausible_alpha = self._alpha_above(PLAUSIBLE_ERRORS)
-            plausible = best_k(
-                plausible_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue, guess=self.guess
-            )
+            plausible = best_k(plausible_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
             may_probe = (
                 not self.costs.shared_host and bool(plausible) and self.gain(plausible, plausible_alpha) >= LOAD_GAIN
             )
         else:
-            plausible = best_k(
-                self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue, guess=self.guess
-            )
+            plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
             if k == 0 and self.k_max and plausible:
                 k = 1
             may_probe = True
         if k == 0 and self.k_max and self.probe_every and may_probe and self.zero_streak >= self.probe_interval:
-            k = best_k(
-                self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue, guess=self.guess
-            )
+            k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
         self.zero_streak = self.zero_streak + 1 if k == 0 else 0
         self.history.append(k)
         return k

@@ -369,11 +369,6 @@ class Engine:
             # A rejection: whether a hedge assumed it (the outcome and the plan alone decide,
             # as for K), for the chooser's ρ.
             state.k_chooser.observe_rescue(call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None)
-        if state.k_chooser is not None and call.predraft is not None and outcome.num_accepted == proposed > 0:
-            # A full acceptance: whether a guess of its bonus token was right (the guesses are
-            # the draft's top tokens, so neither a timing nor a draw decides), for the chooser's γ.
-            if not state.finished and not settled.failed:
-                state.k_chooser.observe_guess(settled.ready is not None)
         # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
         # the regular draft call re-prefills and counts failures.
         state.branch_failed = settled.failed
@@ -439,7 +434,6 @@ class Engine:
             and job.relaxed is None
             and not job.params.penalizes,
             hedged=self.config.hedges > 0,
-            guessed=self.config.bonus_guesses > 1,
         )
 
     def _copy_chooser(self, k_chooser: AdaptiveK | None, job: Job, pair: PairInfo) -> AdaptiveK | None:

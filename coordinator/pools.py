@@ -92,15 +92,18 @@ class Replica:
     @property
     def others(self) -> int:
         """Sessions other coordinators held on it at both of its last two Infos (the replica's
-        count beyond this coordinator's; a draft's includes forks). Both: a neighbour's request
-        that ended just after an Info is not counted for another refresh, which would have
-        a request beside it costed at a load that is gone (on a shared host, no drafting)."""
+        count beyond this coordinator's, forks left out: a draft steps a request's branches in
+        its own passes, so a request's hedges are no load of their own, and this coordinator's
+        would otherwise count as others'). Both: a neighbour's request that ended just after an
+        Info is not counted for another refresh, which would have a request beside it costed at
+        a load that is gone (on a shared host, no drafting)."""
         return min(self.others_seen)
 
     def seen(self, info: common_pb2.ModelInfo) -> None:
         """Its Info has answered."""
         self.info = info
-        self.others_seen = (self.others_seen[1], max(0, info.open_sessions - self.sessions))
+        held = info.open_sessions - info.fork_sessions
+        self.others_seen = (self.others_seen[1], max(0, held - self.sessions))
 
     @property
     def load(self) -> tuple[int, int]:

@@ -163,6 +163,7 @@ class NgramDrafter:
         return dataclasses.replace(
             description,
             model_id=f"ngram[{self.source.min_n}..{self.source.max_n}]:{self.info.model_id}",
+            fork_sessions=self.sessions.forks(),
             copies=True,
         )
 

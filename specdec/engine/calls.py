@@ -45,6 +45,7 @@ class ModelDescription:
     device: str
     open_sessions: int
     max_speculative_tokens: int
+    fork_sessions: int = 0  # of open_sessions, forks no call has continued (ModelInfo.fork_sessions)
     kv_cache_bytes: int = 0  # held over all sessions
     max_kv_cache_bytes: int = 0  # the budget; 0 = none
     kv_bytes_per_token: int = 0  # what one cached token costs

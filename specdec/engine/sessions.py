@@ -75,6 +75,9 @@ class KVSession:
     # `tokens` its caller's first i tokens became (the caller's tokens sent so far; [0] first).
     # None: the caller and the session count the same tokens.
     caller_positions: list[int] | None = None
+    # Opened as a fork (SessionStore.fork) and continued by no call since: a branch its caller
+    # has not taken (ModelInfo.fork_sessions).
+    forked: bool = False
 
     def model_cache(self) -> DynamicCache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""
@@ -275,6 +278,7 @@ class SessionStore:
             session = self.fork(fork_from, session_id, keep_tokens, epoch)
         else:
             session = self.open(session_id, keep_tokens, namespace)
+            session.forked = False  # a branch taken: its caller continues it
         session.advance_epoch(epoch)
         return session
 
@@ -307,6 +311,7 @@ class SessionStore:
         cache = cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory()
         session = self._add(session_id, cache, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
+        session.forked = True
         if parent.cache is not None:
             session.aligned_tokens = min(parent.aligned_tokens, session.cached_tokens)
         return session
@@ -322,6 +327,10 @@ class SessionStore:
         soon (a generation between rounds), as opposed to ones left open and idle."""
         now = time.monotonic() if now is None else now
         return sum(1 for session in list(self._sessions.values()) if now - session.last_used <= within_s)
+
+    def forks(self) -> int:
+        """Open sessions still as forked (KVSession.forked): branches not taken."""
+        return sum(1 for session in list(self._sessions.values()) if session.forked)
 
     def ids(self) -> list[str]:
         """Open session ids, least recently used first."""

@@ -205,22 +205,6 @@ def test_the_chooser_learns_how_often_hedges_rescue_a_rejection():
     assert chooser.rescue == pytest.approx((1 + 3) / (2 + 4))
 
 
-def test_the_chooser_learns_how_often_several_bonus_guesses_are_right():
-    """--bonus-guesses: a fully accepted round keeps its pre-drafted drafts with probability γ
-    (learned), not α (the argmax alone), so the miss probability is 1 − α^K·γ − (1 − α^K)·ρ."""
-    costs = RoundCosts(CHEAP_DRAFT, FLAT_TARGET, draft_rpc_ms=2.0, target_rpc_ms=3.0)
-    verify, draft = costs.verify_ms(4), costs.draft_ms(4)
-    guessed = costs.round_ms(4, 0.8, pipelined=True, rescue=0.6, guess=0.95)
-    assert guessed == pytest.approx(verify + (1 - 0.8**4 * 0.95 - (1 - 0.8**4) * 0.6) * draft)
-    assert costs.round_ms(4, 0.8, pipelined=True, guess=0.8) == pytest.approx(costs.round_ms(4, 0.8, pipelined=True))
-    assert AdaptiveK(k_max=8, pipelined=True, costs=costs).guess is None, "one guess: α stands for γ"
-    chooser = AdaptiveK(k_max=8, pipelined=True, costs=costs, guessed=True)
-    assert chooser.guess == pytest.approx(0.9)
-    for hit in (True, False, False, False):
-        chooser.observe_guess(hit)
-    assert chooser.guess == pytest.approx((1.8 + 1) / (2 + 4))
-
-
 def test_under_load_a_near_tie_stays_target_only_without_one_draft_rounds_or_probes():
     """Alone, the chooser drafts one token where K > 0 would pay at a plausibly higher α, and
     probes after K = 0 rounds. Sharing the target, it speculates only for a clear gain

@@ -198,6 +198,11 @@ def test_forks_guessing_the_bonus_by_runner_ups_share_the_pre_drafts_passes(load
     assert [r.token_ids[0] for r in results[:2]] == pre_draft.runner_up_ids[:2]
     for result in results:
         assert result.probs[0].max() == 1.0 and result.probs[0][result.token_ids[0]] == 1.0  # one-hot guess
+    # Info counts the forks no call has continued since (ModelInfo.fork_sessions): a caller
+    # counting the draft's load in requests leaves them out. A branch taken is one no more.
+    assert batched.describe().fork_sessions == 2 and batched.describe().open_sessions == 3
+    batched.propose_one(ProposeCall("guess1", held + 3, [], 2, params, seed=5, epoch=9))  # its guess and 2 drafts kept
+    assert batched.describe().fork_sessions == 1
 
 
 def test_one_token_steps_share_one_batch_padded_and_split_once(loaded):

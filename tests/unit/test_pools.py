@@ -86,6 +86,21 @@ def test_other_coordinators_sessions_count_where_two_infos_in_a_row_saw_them():
     assert loads == [1, 1, 4, 2, 1]
 
 
+def test_forks_on_a_draft_are_no_other_coordinators_load():
+    """A draft's Info counts a request's hedges (forks) among its sessions; they are stepped in
+    their request's passes, so load counts the sessions beside them. Counting this coordinator's
+    own forks as others' had a hedged request cost its draft steps at a batch of 14 and settle at
+    K = 3-4 for the rest of the request, against 6-8 (docs/benchmarks.md, emulated accelerators)."""
+    (replica,) = pool_of("a:1").replicas.values()
+    replica.sessions = 1
+    for _ in range(2):  # its own session and 13 of its forks, then a neighbour's request too
+        replica.seen(common_pb2.ModelInfo(model_id="m", open_sessions=14, fork_sessions=13))
+    assert replica.load[0] == 1
+    for _ in range(2):
+        replica.seen(common_pb2.ModelInfo(model_id="m", open_sessions=16, fork_sessions=14))
+    assert replica.load[0] == 2
+
+
 def test_a_replica_that_took_a_prompt_prefix_takes_the_next_session_that_starts_with_it():
     pool = pool_of("a:1", "b:1", "c:1")
     a, b, c = pool.replicas.values()
