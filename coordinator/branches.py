@@ -335,11 +335,12 @@ class Branches:
             chosen = hit if not errors[call.branches.index(hit)] else None
         taken: Round | None = None
         failed = refused = False
+        predraft = call.predraft
         for plan, branch, result, error in zip(call.branches, branches, reply.results, errors):
             if plan.guesses:
                 stats.predraft_compute_ms += result.proposal.compute_ms if not error else 0.0
                 stats.predrafted_tokens += len(branch.draft_token_ids)
-            if plan is call.predraft:
+            if plan is predraft:
                 failed = error != 0
                 refused = error == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             if plan is not chosen:
@@ -382,7 +383,7 @@ class Branches:
                 draft_view.synced = synced
         if hit.guesses and chosen is None:
             stats.predraft_misses += 1
-            if call.predraft is not None and not failed:
+            if predraft is not None and not failed:
                 # It ran, so the session holds the round's committed prefix (a catch-up sent it):
                 # the next call need not send that again.
                 draft_view.synced = max(draft_view.synced, base + proposed)

@@ -19,7 +19,7 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession, batchable_cache
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample, top_k_with_support
+from specdec.sampling.probs import logits_to_probs, one_hot_argmax, one_hot_at, sample, top_k_with_support
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 PROPOSAL_MODES = ("sample", "greedy")
@@ -459,7 +459,7 @@ class DraftRunner(ModelRunner):
         support: torch.Tensor | None
         if drafting.deterministic or guess:
             row = ranked_row(logits, drafting.call.guess_rank if guess else 0)
-            head_probs = one_hot_at(logits, row)  # [N]
+            head_probs = one_hot_at(logits, torch.tensor([row], device=logits.device))  # [N]
             belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
             support = torch.tensor([row])  # [1] the one-hot row's only id
         else:
@@ -554,13 +554,6 @@ def ranked_row(logits: torch.Tensor, rank: int) -> int:
     if not rank:
         return int(logits.argmax())
     return int(logits.topk(min(rank + 1, logits.numel())).indices[-1])
-
-
-def one_hot_at(logits: torch.Tensor, row: int) -> torch.Tensor:
-    """logits: [N] → one-hot float32 [N] at `row`."""
-    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).index_fill_(
-        0, torch.tensor([row], device=logits.device), 1.0
-    )
 
 
 def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:

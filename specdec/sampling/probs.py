@@ -174,8 +174,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits: [..., V] → one-hot float32 [..., V] at the argmax (first index on ties)."""
+    return one_hot_at(logits, logits.argmax(dim=-1, keepdim=True))
+
+
+def one_hot_at(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits: [..., V], rows: [..., 1] indices → one-hot float32 [..., V] at those rows."""
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return probs.scatter_(-1, rows, 1.0)
 
 
 def truncate_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
