@@ -10,7 +10,6 @@ moving average of its live passes beside them (for monitoring).
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,19 +42,23 @@ class PassCosts:
 
 
 def calibrate(
-    run_pass: Callable[[int], None], max_new_tokens: int, sweeps: int = 4, warmup: int = 2
+    run_pass: Callable[[int], None], max_new_tokens: int, sweeps: int = 12, warmup: int = 2
 ) -> tuple[float, ...]:
     """Times `run_pass(n)` for n = 1..max_new_tokens in `sweeps` sweeps over every size, up,
-    down, up, down, and keeps each size's median. Sweeping, rather than timing each size's runs
-    back to back, puts a drift in the machine's speed on every size alike; with sweeps in both
-    directions the middle of each size's times sits at the same point in time for all sizes, so
-    a steady drift cancels and a pass disturbed now and then is outvoted. Timed size by size, a
-    VM slowing through calibration read as a steep curve (39 ms for one token, 78 for nine,
-    against 50 and 66 for the same model calibrated beside it), and that deployment's K chooser
-    took 51 rounds where its neighbours took 31. A size whose first run takes longer than
-    REPEAT_BELOW_MS is timed once, so calibration stays within seconds (and no drift cancels
-    for it: a float32 target on 2 cores). Batched passes (runner._calibrate_batches) are still
-    the fastest of three runs each."""
+    down, up, down, and keeps each size's lower quartile (`settled`). Sweeping, rather than
+    timing each size's runs back to back, puts a drift in the machine's speed on every size
+    alike: timed size by size, a VM slowing through calibration read as a steep curve (39 ms for
+    one token, 78 for nine, against 50 and 66 for the same model calibrated beside it), and that
+    deployment's K chooser took 51 rounds where its neighbours took 31.
+
+    The lower quartile of twelve sweeps, rather than the median of four: this VM's disturbances
+    come in bursts that only ever slow a pass, so the median of four moved with them. Over
+    150 s of sweeps of the int8 1.5B target (2 threads, AVX-512), windows of four sweeps'
+    medians put nine tokens at 1.27-1.67× one token's cost (sd 0.064), enough to move the
+    chooser's K; twelve sweeps' lower quartiles put it at 1.37-1.48× (sd 0.025). It costs about
+    6 s of that target's start-up. A size whose first run takes longer than REPEAT_BELOW_MS is
+    timed once, so calibration stays within seconds (a float32 target on 2 cores). Batched
+    passes (runner._calibrate_batches) are the fastest of three runs each."""
     for _ in range(warmup):
         run_pass(1)
     times: list[list[float]] = [[] for _ in range(max_new_tokens)]
@@ -67,12 +70,19 @@ def calibrate(
             started = time.perf_counter()
             run_pass(n)
             times[n - 1].append((time.perf_counter() - started) * 1e3)
-    costs = [statistics.median(runs) for runs in times]
+    costs = [settled(runs) for runs in times]
     # A pass over fewer tokens never costs more than one over more: a size that came out
     # dearer than a larger one was disturbed, and takes the larger one's figure.
     for i in range(len(costs) - 2, -1, -1):
         costs[i] = min(costs[i], costs[i + 1])
     return tuple(costs)
+
+
+def settled(runs: list[float]) -> float:
+    """The lower quartile of one size's timings (the fastest of up to four): a pass the machine
+    disturbed is slower, never faster, so the quick end is the pass's own cost, and a quartile
+    rather than the minimum keeps one lucky run from setting it."""
+    return sorted(runs)[(len(runs) - 1) // 4]
 
 
 def fastest(run: Callable[[], None], repeats: int = 3) -> float:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from specdec.engine.costs import CALIBRATION_MAX_TOKENS, PassCosts
+from specdec.engine.costs import CALIBRATION_MAX_TOKENS
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
@@ -31,19 +31,14 @@ def slow_passes(runner, extra_s: Callable[[int], float]) -> None:
     runner._forward_admitted = slow
 
 
-def calibrated(target_extra_s: Callable[[int], float], times: int = 3):
-    """Both runners calibrated `times` times, keeping the fastest figure per size: beside other
-    test workers, three disturbed one-token passes once made the one-token figure as dear as
-    the two-token one (calibration then flattens the curve) and the chooser never chose K = 0.
-    Once where no figure is close to another (a flat half-second pass, or a fixed K)."""
+def calibrated(target_extra_s: Callable[[int], float]):
+    """Both runners calibrated on the slowed passes (calibration keeps each size's lower
+    quartile over twelve sweeps, so a few passes a test beside it disturbs do not count)."""
 
     def prepare(draft_runner, target_runner) -> None:
         slow_passes(target_runner, target_extra_s)
         for runner, keep_all_logits in ((draft_runner, False), (target_runner, True)):
-            runs = [runner.calibrate_costs(keep_all_logits=keep_all_logits) for _ in range(times)]
-            runner.pass_costs = PassCosts(
-                tuple(min(sizes) for sizes in zip(*(run.calibrated_ms for run in runs))), runs[0].context_tokens
-            )
+            runner.calibrate_costs(keep_all_logits=keep_all_logits)
 
     return prepare
 
@@ -93,7 +88,7 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
     # costs under 2% of the verify: up to 10 ms here. (A seed giving one output is checked
     # where passes are cheap, above: here each sampled request took 10 s of 500 ms passes.)
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(flat(0.500), times=1)
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(flat(0.500))
     ) as stack:
         ks: list[int] = []
         for prompt in PROMPTS:
@@ -106,7 +101,7 @@ async def test_chooser_speculates_deeply_when_verification_is_cheap(tiny_pair, r
 
 async def test_a_request_that_fixes_k_gets_it(tiny_pair):
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(steep, times=1)
+        tiny_pair, draft_overrides={"quantize": "none"}, prepare_runners=calibrated(steep)
     ) as stack:
         fixed = await generate(stack, PROMPTS[0], num_speculative_tokens=3)
         assert set(list(fixed.stats.k_per_round)[:-1]) == {3}
