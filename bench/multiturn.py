@@ -23,20 +23,22 @@ keeps its own caches, so what one stack learned never reaches another.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
+from scipy import stats
 
 from bench.demo_prompts import QUESTIONS, SYSTEM
 from bench.modes import pair_stack
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import coordinator_pb2_grpc
 
 PREFIX_CACHE = ["--prefix-cache-bytes", "2GiB"]
-DEMO_REPEATS = 3  # runs of `make run`'s prompts: one 69-token answer takes about a second, where runs vary by 7%
+DEMO_REPEATS = 6  # runs of `make run`'s prompts: one 69-token answer takes about a second, where runs vary by 10%
 STACKS = {  # name: (draft service flags, target service flags)
     "hybrid": (["--drafter", "hybrid"], []),
     "suffix": (["--drafter", "suffix"], []),
@@ -169,14 +171,20 @@ def generate(stub, messages: list[pb.ChatMessage], k: int | None, max_new_tokens
     }
 
 
-def open_stack(name: str, config, logs: Path, stack: ExitStack) -> coordinator_pb2_grpc.CoordinatorStub:
-    """One stack's three services, up until `stack` closes, and a warmed-up stub to its coordinator."""
+def open_stack(name: str, config, logs: Path, stack: ExitStack) -> tuple[coordinator_pb2_grpc.CoordinatorStub, dict]:
+    """One stack's three services, up until `stack` closes: a warmed-up stub to its coordinator,
+    and the pass costs its draft and target calibrated at start-up (the chooser's K follows them)."""
     draft_extra, target_extra = STACKS[name]
     services = stack.enter_context(pair_stack(config, logs / name, draft_args=draft_extra, target_args=target_extra))
+    calibrated = {}
+    for role, stub_class in (("draft", draft_pb2_grpc.DraftStub), ("target", target_pb2_grpc.TargetStub)):
+        with grpc.insecure_channel(services[role].address) as channel:
+            info = stub_class(channel).Info(common_pb2.InfoRequest(), timeout=30)
+        calibrated[role] = list(info.calibrated_pass_ms)
     channel = stack.enter_context(grpc.insecure_channel(services["coordinator"].address))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up
-    return stub
+    return stub, calibrated
 
 
 def run_multiturn(config, machine: dict) -> dict:
@@ -189,7 +197,8 @@ def run_multiturn(config, machine: dict) -> dict:
     logs = config.out_dir / "logs"
     samples: list[dict] = []
     with ExitStack() as stack:
-        stubs = {name: open_stack(name, config, logs, stack) for name in STACKS}
+        opened = {name: open_stack(name, config, logs, stack) for name in STACKS}
+        stubs = {name: stub for name, (stub, _) in opened.items()}
         names = list(STACKS)
         sent = 0
 
@@ -227,6 +236,7 @@ def run_multiturn(config, machine: dict) -> dict:
         "machine": machine,
         "max_new_tokens": config.max_new_tokens,
         "demo_repeats": DEMO_REPEATS,
+        "calibrated_pass_ms": {name: calibrated for name, (_, calibrated) in opened.items()},
         "samples": samples,
     }
 
@@ -272,7 +282,34 @@ def summarise(results: dict) -> dict:
         stack: [_rate([s for s in pick(stack, "demo") if s["index"] == index]) for index in range(len(QUESTIONS))]
         for stack in STACKS
     }
-    return {"rates": rows, "ttft": ttft, "demo": demo}
+    return {"rates": rows, "ttft": ttft, "demo": demo, "demo_paired": paired_ratios(pick, "demo")}
+
+
+def paired_ratios(pick, workload: str) -> dict[str, list[tuple[float, float, float]]]:
+    """Each stack's tok/s over the hybrid's, prompt by prompt: the geometric mean over repeats of
+    the ratio of one repeat's two runs (sent one after the other, so the machine's drift between
+    repeats falls out), with its 95% interval (Student's t on the log ratios). Runs of one prompt
+    vary by up to 10% on this VM, so a plain ratio of sums over three repeats cannot tell a 5%
+    difference from noise; the interval says whether one was measured."""
+    hybrid = {(s["index"], s["turn"]): s for s in pick("hybrid", workload)}
+    found: dict[str, list[tuple[float, float, float]]] = {}
+    for stack in STACKS:
+        per_prompt = []
+        for index in sorted({s["index"] for s in hybrid.values()}):
+            logs = [
+                math.log((s["tokens"] / s["total_ms"]) / (base["tokens"] / base["total_ms"]))
+                for s in pick(stack, workload)
+                if s["index"] == index and (base := hybrid.get((index, s["turn"])))
+            ]
+            mean = statistics.mean(logs)
+            half = (
+                stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+                if len(logs) > 1
+                else math.inf
+            )
+            per_prompt.append((math.exp(mean), math.exp(mean - half), math.exp(mean + half)))
+        found[stack] = per_prompt
+    return found
 
 
 def pick_all(samples: list[dict], stack: str, k) -> list[dict]:
@@ -286,9 +323,10 @@ def markdown(results: dict) -> str:
     lines = [
         f"What the services have already seen (`--suite multiturn`), {machine['date']}: {machine['cpu']} "
         f"({machine['cpu_flags']}), {machine['cores']} cores, no GPU; torch {machine['torch']}. The Qwen2.5-Coder "
-        f"pair (int8 draft; target {machine.get('target_setting', 'as --target-setting')}), greedy chat requests of "
-        f"at most {results['max_new_tokens']} tokens, one at a time, each sent to every stack in turn.",
+        f"pair (int8 draft; the target as set below), greedy chat requests of at most {results['max_new_tokens']} "
+        "tokens, one at a time, each sent to every stack in turn.",
         "",
+        *(["Target setting:", "", machine["target_setting"], ""] if machine.get("target_setting") else []),
         "**Time to first token, the edit conversations** (mean over requests; turns ≥ 2 re-send the whole "
         "conversation):",
         "",
@@ -330,4 +368,28 @@ def markdown(results: dict) -> str:
             + " | ".join(f"{v:.2f} ({v / hybrid:.2f}×)" for v, hybrid in zip(values, summary["demo"]["hybrid"]))
             + " |"
         )
+    lines += [
+        "",
+        "The same, each stack ÷ hybrid repeat by repeat (geometric mean of the paired ratios, and its 95% interval):",
+        "",
+        "| stack | " + " | ".join(f"prompt {i + 1}" for i in range(len(summary["demo"]["hybrid"]))) + " |",
+        "|---|" + "---|" * len(summary["demo"]["hybrid"]),
+    ]
+    for stack, ratios in summary["demo_paired"].items():
+        if stack != "hybrid":
+            lines.append(
+                f"| {stack} | " + " | ".join(f"{mean:.2f}× ({lo:.2f}-{hi:.2f})" for mean, lo, hi in ratios) + " |"
+            )
+    if calibrated := results.get("calibrated_pass_ms"):
+        lines += [
+            "",
+            "**Pass costs each stack's services calibrated at start-up** (ms by new tokens; the K chooser's "
+            "inputs for the whole run):",
+            "",
+            "| stack | target, 1 to 9 tokens | draft, 1 to 9 tokens |",
+            "|---|---|---|",
+        ]
+        for stack, costs in calibrated.items():
+            target, draft = (" ".join(f"{ms:.1f}" for ms in costs[role]) for role in ("target", "draft"))
+            lines.append(f"| {stack} | {target} | {draft} |")
     return "\n".join(lines) + "\n"

@@ -181,6 +181,9 @@ def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
     assert "| suffix+prefix | 900 ms | 300 ms | 3.00× |" in table
     assert "| edits | 12.00 | 16.00 (1.33×, 1.00×) | 16.00 (1.33×, 1.00×) |" in table
     assert "| suffix+prefix | 24.00 (1.50×) | 24.00 (1.50×) | 24.00 (1.50×) |" in table  # make run's, over repeats
+    # Repeat by repeat: every pair of runs gives 1.5, so the interval is that point.
+    assert "| suffix+prefix | 1.50× (1.50-1.50) | 1.50× (1.50-1.50) | 1.50× (1.50-1.50) |" in table
+    assert "| suffix | 1.00× (1.00-1.00) |" in table
 
 
 def test_the_drafts_table_compares_each_draft_with_target_only_through_its_own_stack():
