@@ -30,14 +30,15 @@ from pathlib import Path
 
 import grpc
 
+from bench.modes import model_infos
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
 from specdec.tools.delay_link import LinkDelay
 from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator
 from specdec.tools.testbed import Testbed, available
-from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "bench/profiles"
@@ -166,14 +167,7 @@ def start_coordinator(
 def overruns(draft: ServiceProcess, target: ServiceProcess) -> dict[str, int]:
     """Passes whose real compute overran the profile (Info.emulation_overruns): such passes ran
     slower than the accelerator would, and the figures say so."""
-    found = {}
-    for name, service, stub in (
-        ("draft", draft, draft_pb2_grpc.DraftStub),
-        ("target", target, target_pb2_grpc.TargetStub),
-    ):
-        with grpc.insecure_channel(service.address) as channel:
-            found[name] = stub(channel).Info(common_pb2.InfoRequest(), timeout=30).emulation_overruns
-    return found
+    return {role: info.emulation_overruns for role, info in model_infos(draft, target).items()}
 
 
 def run_mode(stub, mode: Mode, temperature: float, max_new_tokens: int, seed: int) -> dict:

@@ -22,11 +22,11 @@ import grpc
 import torch
 
 from bench.demo_prompts import QUESTIONS, SYSTEM
-from bench.modes import ROOT, pair_stack
+from bench.modes import ROOT, model_infos, pair_stack
 from specdec.engine.quantize import quantize_int8
 from specdec.tools.real_models import DRAFT, SMOLLM2
-from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
 
 DRAFTS = {  # stack name: (model folder name, whether it needs --target-tokenizer)
     "qwen2.5-0.5b": (DRAFT.name, False),
@@ -69,10 +69,8 @@ def run_stack(name: str, config, logs: Path) -> tuple[list[dict], dict]:
     with pair_stack(
         config, logs / name, draft_model=draft_model, draft_args=["--drafter", DRAFTER, *extra]
     ) as services:
-        with grpc.insecure_channel(services["draft"].address) as channel:
-            draft_info = draft_pb2_grpc.DraftStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
-        with grpc.insecure_channel(services["target"].address) as channel:
-            target_info = target_pb2_grpc.TargetStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+        infos = model_infos(services["draft"], services["target"], timeout=10)
+        draft_info, target_info = infos["draft"], infos["target"]
         info = {
             "draft_pass_ms": list(draft_info.calibrated_pass_ms),
             "target_pass_ms": list(target_info.calibrated_pass_ms),

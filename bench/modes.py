@@ -8,7 +8,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from specdec.tools.launch import ServiceProcess, local_stack
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +71,18 @@ def pair_stack(
         target_args=["--quantize", config.target_quantize, *target_args],
         cwd=ROOT,
     )
+
+
+def model_infos(draft: ServiceProcess, target: ServiceProcess, timeout: float = 30) -> dict[str, common_pb2.ModelInfo]:
+    """What the draft and the target report of themselves (their Info RPC), by role."""
+    found = {}
+    for role, service, stub_class in (
+        ("draft", draft, draft_pb2_grpc.DraftStub),
+        ("target", target, target_pb2_grpc.TargetStub),
+    ):
+        with grpc.insecure_channel(service.address) as channel:
+            found[role] = stub_class(channel).Info(common_pb2.InfoRequest(), timeout=timeout)
+    return found
 
 
 # Where the services run. "shared": every service may use every core (torch --threads each).

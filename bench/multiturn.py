@@ -33,9 +33,9 @@ import grpc
 from scipy import stats
 
 from bench.demo_prompts import QUESTIONS, SYSTEM
-from bench.modes import pair_stack
-from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
+from bench.modes import model_infos, pair_stack
 from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc
 
 PREFIX_CACHE = ["--prefix-cache-bytes", "2GiB"]
 DEMO_REPEATS = 6  # runs of `make run`'s prompts: one 69-token answer takes about a second, where runs vary by 10%
@@ -173,24 +173,21 @@ def generate(stub, messages: list[pb.ChatMessage], k: int | None, max_new_tokens
 
 def open_stack(name: str, config, logs: Path, stack: ExitStack) -> tuple[coordinator_pb2_grpc.CoordinatorStub, dict]:
     """One stack's three services, up until `stack` closes: a warmed-up stub to its coordinator,
-    and its draft's and target's addresses."""
+    and the services by role."""
     draft_extra, target_extra = STACKS[name]
     services = stack.enter_context(pair_stack(config, logs / name, draft_args=draft_extra, target_args=target_extra))
     channel = stack.enter_context(grpc.insecure_channel(services["coordinator"].address))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     generate(stub, chat(("user", "Say hi.")), None, 4)  # warm-up
-    return stub, {role: services[role].address for role in ("draft", "target")}
+    return stub, services
 
 
-def pass_costs(addresses: dict[str, str], field: str) -> dict[str, list[float]]:
+def pass_costs(services: dict, field: str) -> dict[str, list[float]]:
     """The draft's and target's pass costs by new tokens, as their Info reports them: `field`
     is `calibrated_pass_ms` (start-up, the K chooser's inputs for the whole run) or
     `live_pass_ms` (a moving average of the live one-session passes)."""
-    found = {}
-    for role, stub_class in (("draft", draft_pb2_grpc.DraftStub), ("target", target_pb2_grpc.TargetStub)):
-        with grpc.insecure_channel(addresses[role]) as channel:
-            found[role] = list(getattr(stub_class(channel).Info(common_pb2.InfoRequest(), timeout=30), field))
-    return found
+    infos = model_infos(services["draft"], services["target"])
+    return {role: list(getattr(info, field)) for role, info in infos.items()}
 
 
 def run_multiturn(config, machine: dict) -> dict:
@@ -205,7 +202,7 @@ def run_multiturn(config, machine: dict) -> dict:
     with ExitStack() as stack:
         opened = {name: open_stack(name, config, logs, stack) for name in STACKS}
         stubs = {name: stub for name, (stub, _) in opened.items()}
-        calibrated = {name: pass_costs(addresses, "calibrated_pass_ms") for name, (_, addresses) in opened.items()}
+        calibrated = {name: pass_costs(services, "calibrated_pass_ms") for name, (_, services) in opened.items()}
         names = list(STACKS)
         sent = 0
 
@@ -240,7 +237,7 @@ def run_multiturn(config, machine: dict) -> dict:
                 run("demo", index, repeat, chat(("user", question)), salt=f"demo-{repeat}")
         # What the passes cost by the end, beside what calibration said at the start: on this VM
         # a one-token pass moves between two costs over minutes (docs/benchmarks.md, multiturn).
-        live = {name: pass_costs(addresses, "live_pass_ms") for name, (_, addresses) in opened.items()}
+        live = {name: pass_costs(services, "live_pass_ms") for name, (_, services) in opened.items()}
     return {
         "suite": "multiturn",
         "machine": machine,
@@ -303,10 +300,11 @@ def paired_ratios(pick, workload: str) -> dict[str, list[tuple[float, float, flo
     vary by up to 10% on this VM, so a plain ratio of sums over three repeats cannot tell a 5%
     difference from noise; the interval says whether one was measured."""
     hybrid = {(s["index"], s["turn"]): s for s in pick("hybrid", workload)}
+    indices = sorted({s["index"] for s in hybrid.values()})
     found: dict[str, list[tuple[float, float, float]]] = {}
     for stack in STACKS:
         per_prompt = []
-        for index in sorted({s["index"] for s in hybrid.values()}):
+        for index in indices:
             logs = [
                 math.log((s["tokens"] / s["total_ms"]) / (base["tokens"] / base["total_ms"]))
                 for s in pick(stack, workload)
