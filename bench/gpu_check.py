@@ -3,7 +3,8 @@
     python -m bench.gpu_check --device cuda --dtype bfloat16 --out $OUT
 
 1. **Pass costs.** Each model's forward pass, timed on the device as the services run it: over
-   1 to 512 new tokens after a short context, and one token after longer contexts. Written as
+   1 to 512 new tokens after a short context, and one token after longer contexts; each the
+   lower quartile of `--pass-repeats` passes, as the services calibrate. Written as
    pass-cost profiles (`profile-target.json`, `profile-draft.json`, the `bench/profiles/` format
    that `--pass-cost-profile` loads), so the emulated suites can be anchored to the card.
 2. **Greedy identity.** The three services on the device; every prompt greedy, target-only
@@ -17,7 +18,8 @@ Models: `--target` and `--draft` (default: the real pair `make run` prepares in 
 A folder with a config and a tokenizer but no weights (a device machine reaches no model hub,
 and a lease carries 64 MiB) gets random weights of that shape, seeded: pass costs and greedy
 identity are the model's whatever its weights, but acceptance, and so the speed of speculation,
-are not, and the report says so. report.md and results.json go to --out.
+are not, and the report says so. report.md and results.json go to --out. `--profiles-only`
+stops after step 1 (about two minutes on an H200, the models' making included).
 
 It runs on any device: the tests run it with `--device cpu` on the tiny pair. How to carry it
 to a device machine: bench/profiles/README.md, "Measuring a card".
@@ -39,6 +41,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from specdec.engine.costs import settled
 from specdec.engine.pace import load_profile
 from specdec.tools.launch import ServiceProcess, local_stack, spawn_coordinator
 from specdec.tools.real_models import DRAFT, TARGET
@@ -95,7 +98,10 @@ def with_weights(role: str, folder: Path, dtype: str, work: Path, seed: int) -> 
 
 
 def time_pass(runner, session, context: int, new_ids: list[int], keep_all: bool, device: str, repeats: int) -> float:
-    """Median ms of a pass over `new_ids` on top of the session's first `context` tokens."""
+    """ms of a pass over `new_ids` on top of the session's first `context` tokens: the lower
+    quartile of `repeats` passes, as the services calibrate (specdec.engine.costs.settled). An
+    eager pass on a GPU is bound by the host launching its kernels, so a disturbed host reads
+    as a slow pass; a median of three let one such read set a size's cost."""
     times = []
     for repeat in range(repeats + 1):  # the first pass warms up
         feed = session.extend(context, new_ids)
@@ -106,7 +112,7 @@ def time_pass(runner, session, context: int, new_ids: list[int], keep_all: bool,
         synchronize(device)
         if repeat:
             times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return settled(times)
 
 
 def measure_profile(runner, name: str, device: str, sizes: list[int], contexts: list[int], repeats: int) -> dict:
@@ -159,14 +165,15 @@ def profiles(checked: list[Checked], args, device_name: str) -> None:
         flags = ["--model", str(model.folder), "--device", args.device, "--dtype", args.dtype, "--calibrate", "off"]
         flags += ["--max-speculative-tokens", "8"]
         runner = load_target(target_config(flags)) if model.role == "target" else load_draft(draft_config(flags))
-        figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.repeats)
+        figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.pass_repeats)
         weights = "random weights of its shape" if model.random_weights else "its own weights"
         model.profile = {
             "name": f"{device_name} {model.folder.name} {args.dtype}",
             "source": (
                 f"MEASURED by python -m bench.gpu_check on {device_name}, torch {torch.__version__}, "
-                f"{args.dtype}, {model.folder.name} ({weights}), {time.strftime('%Y-%m-%d')}: median of "
-                f"{args.repeats} passes after a warm-up; pass_ms after {min(args.contexts)} cached tokens, less "
+                f"{args.dtype}, {model.folder.name} ({weights}), {time.strftime('%Y-%m-%d')}: lower "
+                f"quartile of {args.pass_repeats} passes after a warm-up; pass_ms after {min(args.contexts)} cached "
+                "tokens, less "
                 "the context's share; context_ms_per_1k fitted to one-token passes after "
                 f"{', '.join(str(c) for c, _ in figures['measured_context_ms'])} cached tokens."
             ),
@@ -301,6 +308,8 @@ def report(results: dict, args) -> str:
     for role, profile in results["profiles"].items():
         cells = " | ".join(f"{ms:.2f}" for _, ms in profile["pass_ms"])
         lines.append(f"| {role} | {cells} | {profile['context_ms_per_1k']:.3f} |")
+    if results["services"] is None:
+        return "\n".join(lines) + "\n\n--profiles-only: the services were not run.\n"
     lines += ["", "## Greedy identity and speed", ""]
     lines.append("| mode | identical to target-only | first difference | tok/s | acceptance |")
     lines.append("|---|---|---|---|---|")
@@ -325,7 +334,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256,512", help="new tokens per timed pass")
     parser.add_argument("--contexts", default="128,1024,4096", help="cached tokens under the one-token passes")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per size; and runs of each mode")
+    parser.add_argument("--pass-repeats", type=int, default=12, help="timed passes per size")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode")
+    parser.add_argument("--profiles-only", action="store_true", help="measure the pass costs, skip the services")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
@@ -351,8 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("pass costs measured", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
         prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
-        served = services(checked, args, prompts)
-        print("services checked", flush=True)
+        served = None if args.profiles_only else services(checked, args, prompts)
+        print("services skipped" if served is None else "services checked", flush=True)
         results = {
             "device_name": device_name,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -363,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prompts": PROMPTS[: args.prompts],
             "profiles": {role: c.profile for role, c in checked.items()},
             "services": served,
-            "transformers_generate": in_process(checked["target"], args, prompts, served["target_only"]),
+            "transformers_generate": served and in_process(checked["target"], args, prompts, served["target_only"]),
         }
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "report.md").write_text(report(results, args))

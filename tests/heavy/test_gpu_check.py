@@ -11,7 +11,7 @@ from bench import gpu_check
 from specdec.engine.pace import load_profile
 
 QUICK = ["--device", "cpu", "--dtype", "float32", "--sizes", "1,4,16", "--contexts", "16,128"]
-QUICK += ["--repeats", "1", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1"]
+QUICK += ["--pass-repeats", "3", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1"]
 
 
 def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
@@ -35,3 +35,14 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     assert all(figures["tok_s"] > 0 for figures in modes.values())
     assert results["transformers_generate"]["identical"] == 2
     assert "identical to target-only" in (out / "report.md").read_text()
+
+
+def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_path):
+    out = tmp_path / "out"
+    pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft)]
+    results = gpu_check.main([*pair, "--out", str(out), "--profiles-only", *QUICK])
+    assert results["services"] is None and results["transformers_generate"] is None
+    assert not (out / "logs").exists()
+    for role in ("target", "draft"):
+        assert "lower quartile of 3 passes" in load_profile(str(out / f"profile-{role}.json")).source
+    assert "the services were not run" in (out / "report.md").read_text()
