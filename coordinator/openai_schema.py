@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from coordinator.metrics import GenerationStats
 from coordinator.requests import CHAT_ROLES, GenerationRequest
+from specdec.engine.tokens import token_bytes
 from specdec.errors import shown, status_of
 from specdec.sampling.probs import MAX_TOP_LOGPROBS
 from specdec.sampling.relaxed import AcceptanceMode
@@ -317,11 +318,13 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
 
 def chat_logprobs(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:
     """A chat choice's `logprobs`: per token its text, logprob, UTF-8 bytes and the likeliest
-    tokens at its position (common.proto TokenLogprobs: the target's raw distribution)."""
+    tokens at its position (common.proto TokenLogprobs: the target's raw distribution). The
+    bytes are the token's own (specdec.engine.tokens), so a client joining them gets the text back
+    where a character spans tokens and each token's text alone is U+FFFD."""
 
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id))}
 
     return {
         "content": [

@@ -30,88 +30,14 @@ special tokens by their text and only with special tokens.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdec.engine.tokens import TokenForm
 from specdec.errors import InvalidArgument
-
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: every byte as a printable character (as Qwen, Llama 3
-    and SmolLM write their vocabularies)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
-
-
-def _component_types(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    """The types of the fast tokenizer's pre-tokenizer and decoder, nested ones included."""
-    try:
-        spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    except (AttributeError, ValueError):
-        return set()
-    found: set[str] = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("type"), str):
-                found.add(node["type"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(spec.get("pre_tokenizer"))
-    walk(spec.get("decoder"))
-    return found
-
-
-class TokenForm:
-    """How one tokenizer writes bytes in its vocabulary: byte-level (GPT-2 alphabet),
-    SentencePiece (▁ for a space, <0xNN> bytes) or plain text."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        types = _component_types(tokenizer)
-        self.tokenizer = tokenizer
-        self.byte_level = "ByteLevel" in types
-        self.metaspace = not self.byte_level and "Metaspace" in types
-        self._decode_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-
-    def token_bytes(self, token: str) -> bytes:
-        """The bytes a vocabulary entry stands for."""
-        if self.byte_level and all(char in self._decode_byte for char in token):
-            return bytes(self._decode_byte[char] for char in token)
-        if self.metaspace:
-            if match := _BYTE_TOKEN.match(token):
-                return bytes([int(match.group(1), 16)])
-            return token.replace("▁", " ").encode()
-        return token.encode()
-
-    def encode_bytes(self, data: bytes) -> list[int]:
-        """Ids that spell `data` in this vocabulary, without pre-tokenisation or special tokens."""
-        model = self.tokenizer.backend_tokenizer.model
-        if self.byte_level:
-            text = "".join(bytes_to_unicode()[byte] for byte in data)
-            return [token.id for token in model.tokenize(text)]
-        text = data.decode("utf-8", errors="replace")
-        if self.metaspace:
-            return [token.id for token in model.tokenize(text.replace(" ", "▁"))]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def vocabulary_keys(tokenizer: PreTrainedTokenizerBase) -> dict[tuple[bool, bytes], int]:

@@ -12,8 +12,9 @@ from coordinator.clients import check_pair
 from coordinator.state import ForeignProposal, round_from
 from draft_service import server as draft_server
 from draft_service.drafter import ProposeCall
-from draft_service.vocab_bridge import VocabBridge, bytes_to_unicode, vocabulary_keys
+from draft_service.vocab_bridge import VocabBridge, vocabulary_keys
 from specdec.engine.modeling import load_tokenizer_info, tokenizer_fingerprint
+from specdec.engine.tokens import bytes_to_unicode
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
