@@ -184,8 +184,8 @@ def open_stack(name: str, config, logs: Path, stack: ExitStack) -> tuple[coordin
 
 def pass_costs(services: dict, field: str) -> dict[str, list[float]]:
     """The draft's and target's pass costs by new tokens, as their Info reports them: `field`
-    is `calibrated_pass_ms` (start-up, the K chooser's inputs for the whole run) or
-    `live_pass_ms` (a moving average of the live one-session passes)."""
+    is `calibrated_pass_ms` (start-up) or `live_pass_ms` (each size's recent one-session
+    passes, specdec.engine.costs.PassCosts.live_ms)."""
     infos = model_infos(services["draft"], services["target"])
     return {role: list(getattr(info, field)) for role, info in infos.items()}
 
@@ -393,13 +393,13 @@ def markdown(results: dict) -> str:
         (
             "calibrated_pass_ms",
             "**Pass costs each stack's services calibrated at start-up** (ms by new tokens; the K chooser's "
-            "inputs for the whole run):",
+            "inputs for seeded sampled requests, and with `--live-costs off`):",
         ),
         (
             "live_pass_ms",
-            "**The same at the end of the run, averaged over live one-session passes** (`Info.live_pass_ms`: "
-            "each size moves toward the passes of that size served, at their contexts; a size never served "
-            "keeps its calibrated figure):",
+            "**The same at the end of the run, from live one-session passes** (`Info.live_pass_ms`, the K "
+            "chooser's inputs for greedy and unseeded requests: each size's last 32 passes served, at their "
+            "contexts, settled by lower quartile once there are 8; before, its calibrated figure):",
         ),
     ):
         if costs_by_stack := results.get(key):

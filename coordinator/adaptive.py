@@ -13,11 +13,15 @@ probability m(K) = 1 − α^(K+1) − (1 − α^K)·ρ.
 K maximises E(K) / T(K). Where verifying K + 1 tokens costs several times one token (bf16 on
 an AVX2-only CPU), or the draft is nearly as slow as the target, that maximum is K = 0.
 
-The pass costs come from the services' start-up calibration (Info.calibrated_pass_ms) and the
-RPC cost from the coordinator's own start-up round trips; neither moves until a restart, and
-the acceptance estimate is built from the request's own rounds, from a prior that is fixed for
-seeded requests. So K never depends on wall times measured during a request, and the same
-seed on the same running deployment gives the same output.
+The pass costs of a seeded sampled request come from the services' start-up calibration
+(Info.calibrated_pass_ms) and the RPC cost from the coordinator's own start-up round trips;
+neither moves until a restart, and the acceptance estimate is built from the request's own
+rounds, from a prior that is fixed for seeded requests. So its K never depends on wall times
+measured during a request, and the same seed on the same running deployment gives the same
+output. A request whose output K cannot change (greedy, or unseeded) is costed each round from
+the services' live figures instead (Info.live_pass_ms: each size's recent passes, settled as
+calibration settles them; `--live-costs`): a machine's pass costs move after start-up, and a
+K chosen for costs that no longer hold runs slower (docs/design.md, "The K chooser").
 
 Under load, C sessions share a service. In lockstep, a round's verify is then one batched
 pass over every session's K + 1 tokens (in ⌈C / max batch⌉ passes where C is larger), and
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.engine.costs import cost_at
@@ -152,6 +157,18 @@ class RoundCosts:
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
         return dataclasses.replace(self, target_sessions=max(target_sessions, 1), draft_sessions=max(draft_sessions, 1))
+
+    def with_passes(self, target_pass_ms: Sequence[float], draft_pass_ms: Sequence[float] = ()) -> RoundCosts:
+        """These one-session pass costs (a service's Info.live_pass_ms) in place of the
+        calibrated ones; a list of another length than this one's (a service that reports none)
+        leaves that model's as they are. Batched passes keep their calibrated costs."""
+        return dataclasses.replace(
+            self,
+            target_pass_ms=tuple(target_pass_ms)
+            if len(target_pass_ms) == len(self.target_pass_ms)
+            else self.target_pass_ms,
+            draft_pass_ms=tuple(draft_pass_ms) if len(draft_pass_ms) == len(self.draft_pass_ms) else self.draft_pass_ms,
+        )
 
     def draft_step_ms(self) -> float:
         if self.draft_sessions == 1:

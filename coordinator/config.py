@@ -123,6 +123,15 @@ class CoordinatorConfig:
         "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use "
         "--num-speculative-tokens",
     )
+    live_costs: bool = setting(
+        True,
+        "--live-costs",
+        "on: the K chooser costs a greedy or unseeded request's rounds from the services' live pass "
+        "costs (each size's recent passes, from their Info at every pool refresh), which follow the "
+        "machine as it speeds up and slows down; a seeded sampled request always uses the calibrated "
+        "ones, so its seed keeps one output. off: calibrated costs for every request",
+        more="See [The K chooser](design.md#the-k-chooser).",
+    )
     tree_chooser: bool = setting(
         False,
         "--tree-chooser",

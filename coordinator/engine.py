@@ -403,15 +403,19 @@ class Engine:
 
     def _cost_at_load(self, state: RequestState) -> None:
         """The K chooser's costs for this round: at the sessions the request's replicas hold now
-        (its own included), recorded in its stats; alone for a seeded sampled request."""
+        (its own included), recorded in its stats, and their live pass costs at their last Info
+        (--live-costs); alone and calibrated for a seeded sampled request."""
         if state.k_chooser is None:
             return
         target, draft = state.target_view.replica, state.draft_view.replica
         sessions = target.load[0] if state.load_aware and target is not None else 1
         draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
-        for chooser in (state.k_chooser, state.copy_chooser):  # copies lengthen every batched verify too
-            if chooser is not None:
-                chooser.costs = chooser.costs.at_load(sessions, draft_sessions)
+        live = state.load_aware and self.config.live_costs
+        target_ms = target.info.live_pass_ms if live and target is not None and target.info is not None else ()
+        draft_ms = draft.info.live_pass_ms if live and draft is not None and draft.info is not None else ()
+        state.k_chooser.costs = state.k_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms, draft_ms)
+        if state.copy_chooser is not None:  # copies lengthen every batched verify too; they run no draft pass
+            state.copy_chooser.costs = state.copy_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms)
         state.stats.sessions_per_round.append(sessions)
 
     def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:

@@ -52,7 +52,7 @@ class ModelDescription:
     evicted_sessions: int = 0  # dropped to fit the budget since start
     tensor_parallel_size: int = 1  # ranks sharing every layer (--tensor-parallel)
     calibrated_pass_ms: tuple[float, ...] = ()  # [n - 1]: ms of a pass over n new tokens, from start-up
-    live_pass_ms: tuple[float, ...] = ()  # the same, a moving average of live passes
+    live_pass_ms: tuple[float, ...] = ()  # the same from recent live passes (costs.PassCosts.live_ms)
     cost_context_tokens: int = 0  # cached tokens under the calibrated passes
     calibrated_batch_ms: tuple[tuple[int, int, float], ...] = ()  # (sessions, new tokens each, ms)
     max_batch_size: int = 1

@@ -3,19 +3,24 @@
 Whether verifying K + 1 tokens costs about as much as one depends on the machine: flat on a
 GPU or with AVX512-BF16, three times as much for bf16 on an AVX2-only CPU. Each model service
 therefore times its own passes at start-up (the calibrated figures, fixed until a restart so
-that the coordinator's choice of K, and hence a seed's output, does not move) and keeps a
-moving average of its live passes beside them (for monitoring).
+that the coordinator's choice of K, and hence a seed's output, does not move) and keeps live
+figures beside them: each size's recent one-session passes, settled as calibration settles
+them. A machine's costs move after start-up (on the 2-core VMs, a one-token pass of the int8
+1.5B target costs 34-37 ms for minutes and 46-54 ms for others), so the coordinator chooses K
+from the live figures for the requests whose output K cannot change (coordinator.adaptive).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LIVE_DECAY = 0.9  # weight of the past in the live average, per observed pass
+LIVE_WINDOW = 32  # a size's live figure is taken over its last this many passes
+LIVE_MIN_PASSES = 8  # ... once it has this many; before, the calibrated figure stands
 CALIBRATION_CONTEXT = 128  # cached tokens under the timed passes: a typical chat prompt
 CALIBRATION_MAX_TOKENS = 9  # sizes timed: 1..9 new tokens (K <= 8); larger ones are extrapolated
 REPEAT_BELOW_MS = 250.0  # a pass slower than this is timed once: calibration stays within seconds
@@ -27,18 +32,30 @@ class PassCosts:
 
     calibrated_ms: tuple[float, ...]
     context_tokens: int
-    live_ms: list[float] = field(default_factory=list)
     batch_ms: tuple[tuple[int, int, float], ...] = ()  # (sessions, new tokens each, ms) of batched passes
+    recent: tuple[deque[float], ...] = field(init=False)  # [n - 1]: the last LIVE_WINDOW passes' ms
 
     def __post_init__(self) -> None:
-        if not self.live_ms:
-            self.live_ms = list(self.calibrated_ms)
+        self.recent = tuple(deque(maxlen=LIVE_WINDOW) for _ in self.calibrated_ms)
 
     def observe(self, new_tokens: int, ms: float) -> None:
         """A live one-session pass; sizes outside the calibrated range are ignored."""
-        if 1 <= new_tokens <= len(self.live_ms):
-            i = new_tokens - 1
-            self.live_ms[i] = LIVE_DECAY * self.live_ms[i] + (1.0 - LIVE_DECAY) * ms
+        if 1 <= new_tokens <= len(self.recent):
+            self.recent[new_tokens - 1].append(ms)
+
+    @property
+    def live_ms(self) -> tuple[float, ...]:
+        """Each size's recent passes settled as calibration settles its sweeps (the lower
+        quartile: a burst only slows a pass), where it has LIVE_MIN_PASSES of them; else its
+        calibrated figure. Sizes are not made monotone, as calibration makes them: a size
+        served in a slower state than the calibration's then looks dearer than its unserved
+        neighbours, and the chooser tries them, which measures them too. The passes are at
+        whatever contexts were served, so the figures are this deployment's costs now, not
+        comparable across deployments serving other prompts."""
+        return tuple(
+            settled(list(runs)) if len(runs) >= LIVE_MIN_PASSES else calibrated
+            for runs, calibrated in zip(self.recent, self.calibrated_ms, strict=True)
+        )
 
 
 def calibrate(

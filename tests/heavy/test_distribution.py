@@ -273,7 +273,8 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     async with make_stack(
         word_pair,
         draft_overrides=draft,
-        coordinator_overrides=c.coordinator,
+        # Set costs stand for every round's, not the word pair's live passes.
+        coordinator_overrides=c.coordinator if c.costs is None else {**c.coordinator, "live_costs": False},
         target_overrides=target,
         prepare_runners=set_costs,
     ) as stack:

@@ -167,7 +167,7 @@ async def test_the_tree_chooser_uses_trees_where_they_pay_and_keeps_greedy_exact
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"quantize": "none"},
-        coordinator_overrides={"tree_chooser": True},
+        coordinator_overrides={"tree_chooser": True, "live_costs": False},  # the costs set here, not the tiny pair's
         prepare_runners=flat_costs,
     ) as chooser_stack:
         trees = speculative = 0

@@ -315,3 +315,16 @@ def test_the_pair_shares_cores_only_on_one_machines_cpu(draft, target, shared):
         return common_pb2.ModelInfo(**{"device": "cpu", "host_id": "a", **fields})
 
     assert shares_cores(info(**draft), info(**target)) is shared
+
+
+def test_with_passes_takes_live_costs_of_the_right_length_and_keeps_the_rest():
+    costs = RoundCosts(draft_pass_ms=(5.0, 6.0), target_pass_ms=(40.0, 41.0, 42.0), draft_rpc_ms=1.0)
+    live = costs.with_passes((50.0, 44.0, 43.0), (9.0, 9.5))
+    assert live.target_pass_ms == (50.0, 44.0, 43.0) and live.draft_pass_ms == (9.0, 9.5)
+    assert live.draft_rpc_ms == 1.0 and costs.target_pass_ms == (40.0, 41.0, 42.0)
+    # A service that reports no live figures (or another number of sizes) keeps its calibrated ones.
+    assert costs.with_passes((), ()) == costs
+    assert costs.with_passes((50.0,), (9.0, 9.5)).target_pass_ms == (40.0, 41.0, 42.0)
+    # The chooser's K moves with them: a draft step grown to a verify's cost no longer pays.
+    assert best_k(0.6, costs, 8, False) > 0
+    assert best_k(0.6, costs.with_passes((40.0, 41.0, 42.0), (60.0, 60.0)), 8, False) == 0

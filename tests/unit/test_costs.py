@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.engine.costs import CALIBRATION_MAX_TOKENS, PassCosts, calibrate, cost_at, settled
+from specdec.engine.costs import (
+    CALIBRATION_MAX_TOKENS,
+    LIVE_MIN_PASSES,
+    LIVE_WINDOW,
+    PassCosts,
+    calibrate,
+    cost_at,
+    settled,
+)
 from specdec.sampling.probs import SamplingParams
 from target_service import server as target_server
 from target_service.config import TargetConfig
@@ -63,12 +71,23 @@ def test_cost_at_extrapolates_past_the_measured_sizes():
     assert cost_at((10.0,), 4) == 10.0
 
 
-def test_live_costs_move_toward_observed_passes_and_ignore_other_sizes():
-    costs = PassCosts((10.0, 20.0), context_tokens=128)
+def test_live_costs_settle_a_sizes_recent_passes_once_there_are_enough():
+    costs = PassCosts((10.0, 20.0, 30.0), context_tokens=128)
+    for _ in range(LIVE_MIN_PASSES - 1):
+        costs.observe(1, 30.0)
+    costs.observe(7, 1000.0)  # outside the calibrated sizes: ignored
+    assert costs.live_ms == (10.0, 20.0, 30.0)  # too few passes yet: the calibrated figures
     costs.observe(1, 30.0)
-    costs.observe(7, 1000.0)
-    assert costs.calibrated_ms == (10.0, 20.0)
-    assert costs.live_ms[0] == pytest.approx(12.0) and costs.live_ms[1] == 20.0
+    assert costs.live_ms == (30.0, 20.0, 30.0)  # the machine slowed: one token now costs 30
+    assert costs.calibrated_ms == (10.0, 20.0, 30.0)
+    # A burst slows a third of the passes: the lower quartile keeps the pass's own cost.
+    for ms in [14.0, 15.0, 90.0] * (LIVE_WINDOW // 3 + 1):
+        costs.observe(2, ms)
+    assert costs.live_ms[1] == 14.0
+    # The window forgets: after LIVE_WINDOW passes in a faster state, only those count.
+    for _ in range(LIVE_WINDOW):
+        costs.observe(1, 12.0)
+    assert costs.live_ms[0] == 12.0
 
 
 def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny_pair):
@@ -86,10 +105,12 @@ def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
     runner.verify_one(VerifyCall("s", 0, [1, 2, 3], [], None, greedy, 0))
     runner.verify_one(VerifyCall("s", 3, [4], [5], None, greedy, 0))
+    for kept in range(5, 5 + 2 * LIVE_MIN_PASSES, 2):  # each a 2-token pass: a new token and a draft
+        runner.verify_one(VerifyCall("s", kept, [kept + 1], [kept + 2], None, greedy, 0))
     after = runner.describe()
     assert after.calibrated_pass_ms == info.calibrated_pass_ms
-    assert after.live_pass_ms[1] != info.live_pass_ms[1]  # the 2-token verify
-    assert after.live_pass_ms[3:] == info.live_pass_ms[3:]
+    assert after.live_pass_ms[1] != info.live_pass_ms[1]  # LIVE_MIN_PASSES 2-token verifies
+    assert after.live_pass_ms[2:] == info.live_pass_ms[2:]
 
 
 def test_calibration_is_capped_and_off_means_no_costs(tiny_pair):
