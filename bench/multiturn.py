@@ -399,7 +399,8 @@ def markdown(results: dict) -> str:
             "live_pass_ms",
             "**The same at the end of the run, from live one-session passes** (`Info.live_pass_ms`, the K "
             "chooser's inputs for greedy and unseeded requests: each size's last 32 passes served, at their "
-            "contexts, settled by lower quartile once there are 8; before, its calibrated figure):",
+            "contexts, settled by lower quartile once there are 8; a size with fewer, its calibrated figure "
+            "scaled as the served sizes beside it moved):",
         ),
     ):
         if costs_by_stack := results.get(key):

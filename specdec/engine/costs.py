@@ -46,16 +46,33 @@ class PassCosts:
     @property
     def live_ms(self) -> tuple[float, ...]:
         """Each size's recent passes settled as calibration settles its sweeps (the lower
-        quartile: a burst only slows a pass), where it has LIVE_MIN_PASSES of them; else its
-        calibrated figure. Sizes are not made monotone, as calibration makes them: a size
-        served in a slower state than the calibration's then looks dearer than its unserved
-        neighbours, and the chooser tries them, which measures them too. The passes are at
-        whatever contexts were served, so the figures are this deployment's costs now, not
-        comparable across deployments serving other prompts."""
-        return tuple(
-            settled(list(runs)) if len(runs) >= LIVE_MIN_PASSES else calibrated
-            for runs, calibrated in zip(self.recent, self.calibrated_ms, strict=True)
-        )
+        quartile: a burst only slows a pass), where it has LIVE_MIN_PASSES of them. A size
+        served less often keeps its calibrated figure scaled as the served sizes beside it
+        moved (their live ÷ calibrated, interpolated between the nearest served sizes below
+        and above, or the nearest one's past the ends), so a state that slows or speeds every
+        pass moves the sizes the chooser has not tried too, and one calibrated in a disturbed
+        state does not leave them priced out of reach; with no size served, the calibrated
+        figures. The passes are at whatever contexts were served, so the figures are this
+        deployment's costs now, not comparable across deployments serving other prompts."""
+        calibrated = self.calibrated_ms
+        served = {
+            i: settled(list(runs)) / calibrated[i] for i, runs in enumerate(self.recent) if len(runs) >= LIVE_MIN_PASSES
+        }
+        if not served:
+            return tuple(calibrated)
+        sizes = sorted(served)
+
+        def scale(i: int) -> float:
+            below = [j for j in sizes if j <= i]
+            above = [j for j in sizes if j >= i]
+            if not below or not above:
+                return served[(below or above)[-1 if below else 0]]
+            low, high = below[-1], above[0]
+            if low == high:
+                return served[low]
+            return served[low] + (served[high] - served[low]) * (i - low) / (high - low)
+
+        return tuple(ms * scale(i) for i, ms in enumerate(calibrated))
 
 
 def calibrate(

@@ -78,16 +78,28 @@ def test_live_costs_settle_a_sizes_recent_passes_once_there_are_enough():
     costs.observe(7, 1000.0)  # outside the calibrated sizes: ignored
     assert costs.live_ms == (10.0, 20.0, 30.0)  # too few passes yet: the calibrated figures
     costs.observe(1, 30.0)
-    assert costs.live_ms == (30.0, 20.0, 30.0)  # the machine slowed: one token now costs 30
+    # The machine slowed: one token now costs 3x its calibrated figure, and the sizes not yet
+    # served are taken to have slowed alike.
+    assert costs.live_ms == pytest.approx((30.0, 60.0, 90.0))
     assert costs.calibrated_ms == (10.0, 20.0, 30.0)
-    # A burst slows a third of the passes: the lower quartile keeps the pass's own cost.
+    # A burst slows a third of the passes: the lower quartile keeps the pass's own cost, and
+    # the size past the last one served follows that one.
     for ms in [14.0, 15.0, 90.0] * (LIVE_WINDOW // 3 + 1):
         costs.observe(2, ms)
-    assert costs.live_ms[1] == 14.0
+    assert costs.live_ms == pytest.approx((30.0, 14.0, 21.0))
     # The window forgets: after LIVE_WINDOW passes in a faster state, only those count.
     for _ in range(LIVE_WINDOW):
         costs.observe(1, 12.0)
     assert costs.live_ms[0] == 12.0
+
+
+def test_a_size_between_served_ones_moves_as_they_did_in_proportion():
+    costs = PassCosts((10.0, 20.0, 30.0, 40.0, 50.0), context_tokens=128)
+    for _ in range(LIVE_MIN_PASSES):
+        costs.observe(1, 20.0)  # 2x
+        costs.observe(5, 25.0)  # 0.5x
+    # Sizes 2-4 lie between: their ratios run from 2 down to 0.5 in steps of 0.375.
+    assert costs.live_ms == pytest.approx((20.0, 20.0 * 1.625, 30.0 * 1.25, 40.0 * 0.875, 25.0))
 
 
 def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny_pair):
@@ -110,7 +122,9 @@ def test_runner_calibration_reports_costs_in_info_without_touching_sessions(tiny
     after = runner.describe()
     assert after.calibrated_pass_ms == info.calibrated_pass_ms
     assert after.live_pass_ms[1] != info.live_pass_ms[1]  # LIVE_MIN_PASSES 2-token verifies
-    assert after.live_pass_ms[2:] == info.live_pass_ms[2:]
+    # The only size served often enough: every other follows its live ÷ calibrated.
+    moved = after.live_pass_ms[1] / info.calibrated_pass_ms[1]
+    assert after.live_pass_ms == pytest.approx(tuple(ms * moved for ms in info.calibrated_pass_ms))
 
 
 def test_calibration_is_capped_and_off_means_no_costs(tiny_pair):
