@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench import accelerator, concurrency, drafts, multiturn, overhead, pools, relaxed
+from bench import accelerator, concurrency, drafts, live_costs, multiturn, overhead, pools, relaxed
 from bench.harness import load_prompts, machine_info, parse_args, run_bench
 from bench.report import by_kind, markdown_table, plot, summarise
 
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         results = pools.run_pools(config, machine_info(config), tuple(config.pools_parts))
     elif config.suite == "multiturn":
         results = multiturn.run_multiturn(config, machine_info(config))
+    elif config.suite == "live-costs":
+        results = live_costs.run_live_costs(config, machine_info(config))
     elif config.suite == "relaxed":
         results = relaxed.run_relaxed(config, machine_info(config))
     elif config.suite == "drafts":
@@ -57,6 +59,9 @@ def _write(results: dict, out_dir: Path) -> int:
         return _save(results, accelerator.links_markdown(results), out_dir)
     if results.get("suite") == "multiturn":
         return _save(results, multiturn.markdown(results), out_dir)
+    if results.get("suite") == "live-costs":
+        results["summary"] = live_costs.summarise(results)
+        return _save(results, live_costs.markdown(results), out_dir)
     if results.get("suite") == "drafts":
         return _save(results, drafts.markdown(results), out_dir)
     if results.get("suite") == "pools":

@@ -187,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "links",
             "pools",
             "multiturn",
+            "live-costs",
             "relaxed",
             "drafts",
         ],

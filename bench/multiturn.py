@@ -310,15 +310,18 @@ def paired_ratios(pick, workload: str) -> dict[str, list[tuple[float, float, flo
                 for s in pick(stack, workload)
                 if s["index"] == index and (base := hybrid.get((index, s["turn"])))
             ]
-            mean = statistics.mean(logs)
-            half = (
-                stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-                if len(logs) > 1
-                else math.inf
-            )
-            per_prompt.append((math.exp(mean), math.exp(mean - half), math.exp(mean + half)))
+            per_prompt.append(geometric_interval(logs))
         found[stack] = per_prompt
     return found
+
+
+def geometric_interval(logs: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of ratios given as their logs, and its 95% interval (Student's t)."""
+    mean = statistics.mean(logs)
+    half = (
+        stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    )
+    return (math.exp(mean), math.exp(mean - half), math.exp(mean + half))
 
 
 def pick_all(samples: list[dict], stack: str, k) -> list[dict]:

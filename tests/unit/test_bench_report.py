@@ -256,3 +256,41 @@ def test_ratios_are_the_median_of_each_repeats_ratio():
     rows = {r["mode"]: r for r in summarise(results)[0.0]}
     assert rows[base]["tokens_per_s"] == pytest.approx(20.0) and rows[mode]["tokens_per_s"] == pytest.approx(15.0)
     assert rows[mode]["speedup_vs_target_only"] == pytest.approx(1.1)
+
+
+def test_the_live_costs_table_pairs_the_two_choosers_repeat_by_repeat():
+    """`--suite live-costs`: live ÷ calibrated tok/s per prompt from paired repeats, each
+    chooser's rounds, and whether every output of a prompt was the same."""
+    from bench import live_costs
+
+    def sample(chooser, index, repeat, total_ms, rounds, ids=(1, 2)):
+        return dict(
+            chooser=chooser,
+            index=index,
+            repeat=repeat,
+            tokens=60,
+            total_ms=total_ms,
+            rounds=rounds,
+            token_ids=list(ids),
+        )
+
+    samples = []
+    for repeat in range(3):
+        samples += [sample("live", 0, repeat, 2000.0, 30), sample("calibrated", 0, repeat, 2500.0, 40)]
+        samples += [sample("live", 1, repeat, 1000.0, 8), sample("calibrated", 1, repeat, 1000.0, 8, ids=(3,))]
+    costs = {role: {"calibrated": [40.0] * 9, "live": [30.0] * 9} for role in ("target", "draft")}
+    results = {
+        "suite": "live-costs",
+        "machine": {"date": "d", "cpu": "c", "cpu_flags": "f", "cores": 2, "torch": "t"},
+        "max_new_tokens": 96,
+        "cases": {"disturbed": {"samples": samples, "costs": costs}},
+    }
+    results["summary"] = live_costs.summarise(results)
+    first, second = results["summary"]["disturbed"]
+    assert first["ratio"] == pytest.approx((1.25, 1.25, 1.25))
+    assert first["rounds"] == {"live": 30, "calibrated": 40} and first["identical"]
+    assert not second["identical"]
+    table = live_costs.markdown(results)
+    assert "| disturbed | 1 | 1.25× (1.25-1.25) | 30.0 | 40.0 | yes |" in table
+    assert "| disturbed | 2 | 1.00× (1.00-1.00) | 8.0 | 8.0 | no |" in table
+    assert "| disturbed | target | 40 40 40 40 40 40 40 40 40 | 30 30 30 30 30 30 30 30 30 |" in table
