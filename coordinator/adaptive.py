@@ -162,12 +162,14 @@ class RoundCosts:
         """These one-session pass costs (a service's Info.live_pass_ms) in place of the
         calibrated ones; a list of another length than this one's (a service that reports none)
         leaves that model's as they are. Batched passes keep their calibrated costs."""
+
+        def either(given: Sequence[float], held: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(given) if len(given) == len(held) else held
+
         return dataclasses.replace(
             self,
-            target_pass_ms=tuple(target_pass_ms)
-            if len(target_pass_ms) == len(self.target_pass_ms)
-            else self.target_pass_ms,
-            draft_pass_ms=tuple(draft_pass_ms) if len(draft_pass_ms) == len(self.draft_pass_ms) else self.draft_pass_ms,
+            target_pass_ms=either(target_pass_ms, self.target_pass_ms),
+            draft_pass_ms=either(draft_pass_ms, self.draft_pass_ms),
         )
 
     def draft_step_ms(self) -> float:
