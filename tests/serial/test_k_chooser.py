@@ -18,17 +18,20 @@ PROMPTS = ["def add(a, b):", "The quick brown fox"]
 
 
 def slow_passes(runner, extra_s: Callable[[int], float]) -> None:
-    """Every pass of `runner` over n new tokens (calibration's too) takes extra_s(n) longer.
-    Prefill passes (more new tokens than calibration times) run at the model's own speed:
-    the chooser never reads their cost, and slowing them would only make the tests long."""
-    plain = runner._forward_admitted
+    """Every pass of `runner`'s model over n new tokens takes extra_s(n) longer, inside the
+    pass the runner times: its calibration and its live pass costs (--live-costs) both see
+    it, as they see a slow machine. Prefill passes (more new tokens than calibration times)
+    run at the model's own speed: the chooser never reads their cost, and slowing them would
+    only make the tests long."""
+    plain = runner.model.forward
 
-    def slow(session, token_ids, logits_to_keep):
-        if len(token_ids) <= CALIBRATION_MAX_TOKENS:
-            time.sleep(extra_s(len(token_ids)))
-        return plain(session, token_ids, logits_to_keep)
+    def slow(*args, **kwargs):
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if input_ids.shape[-1] <= CALIBRATION_MAX_TOKENS:
+            time.sleep(extra_s(input_ids.shape[-1]))
+        return plain(*args, **kwargs)
 
-    runner._forward_admitted = slow
+    runner.model.forward = slow
 
 
 def calibrated(target_extra_s: Callable[[int], float]):
