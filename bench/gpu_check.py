@@ -173,8 +173,7 @@ def profiles(checked: list[Checked], args, device_name: str) -> None:
                 f"MEASURED by python -m bench.gpu_check on {device_name}, torch {torch.__version__}, "
                 f"{args.dtype}, {model.folder.name} ({weights}), {time.strftime('%Y-%m-%d')}: lower "
                 f"quartile of {args.pass_repeats} passes after a warm-up; pass_ms after {min(args.contexts)} cached "
-                "tokens, less "
-                "the context's share; context_ms_per_1k fitted to one-token passes after "
+                "tokens, less the context's share; context_ms_per_1k fitted to one-token passes after "
                 f"{', '.join(str(c) for c, _ in figures['measured_context_ms'])} cached tokens."
             ),
             **figures,
@@ -374,7 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
             "prompts": PROMPTS[: args.prompts],
             "profiles": {role: c.profile for role, c in checked.items()},
             "services": served,
-            "transformers_generate": served and in_process(checked["target"], args, prompts, served["target_only"]),
+            "transformers_generate": None
+            if served is None
+            else in_process(checked["target"], args, prompts, served["target_only"]),
         }
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "report.md").write_text(report(results, args))

@@ -90,9 +90,8 @@ def run_live_costs(config, machine: dict) -> dict:
     cases = {}
     for case, disturbed in (("disturbed", True), ("undisturbed", False)):
         cases[case] = run_case(config, disturbed, config.out_dir / "logs" / case)
-    results = {"suite": "live-costs", "machine": machine, "max_new_tokens": config.max_new_tokens, "cases": cases}
-    results["summary"] = summarise(results)
-    return results
+    # The summary is bench.__main__'s to add, as for a re-summarised run (`python -m bench report`).
+    return {"suite": "live-costs", "machine": machine, "max_new_tokens": config.max_new_tokens, "cases": cases}
 
 
 def summarise(results: dict) -> dict:

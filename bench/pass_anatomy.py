@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench.gpu_check import with_weights
+from bench.gpu_check import synchronize, with_weights
 from target_service.config import parse_config
 from target_service.loading import load_runner
 
@@ -41,17 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     on_gpu = args.device.startswith("cuda")
 
-    def sync() -> None:
-        if on_gpu:
-            torch.cuda.synchronize()
-
     def timed(run, n: int) -> str:
         times = []
         for repeat in range(args.repeats + 2):  # two warm-ups
-            sync()
+            synchronize(args.device)
             started = time.perf_counter()
             run(n)
-            sync()
+            synchronize(args.device)
             if repeat >= 2:
                 times.append((time.perf_counter() - started) * 1e3)
         return f"min/med ms {min(times):.2f} / {statistics.median(times):.2f}"
@@ -105,10 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     for n in (1, 2):
         step(n)
         step(n)
-        sync()
+        synchronize(args.device)
         with profile(activities=activities) as prof:
             step(n)
-            sync()
+            synchronize(args.device)
         averages = prof.key_averages()
         print(f"\n=== profile bare sdpa n={n}: {sum(e.count for e in averages)} op calls")
         print(averages.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=60))

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 LIVE_WINDOW = 32  # a size's live figure is taken over its last this many passes
-LIVE_MIN_PASSES = 8  # ... once it has this many; before, the calibrated figure stands
+LIVE_MIN_PASSES = 8  # ... once it has this many; before, its calibrated figure scaled as served sizes moved
 CALIBRATION_CONTEXT = 128  # cached tokens under the timed passes: a typical chat prompt
 CALIBRATION_MAX_TOKENS = 9  # sizes timed: 1..9 new tokens (K <= 8); larger ones are extrapolated
 REPEAT_BELOW_MS = 250.0  # a pass slower than this is timed once: calibration stays within seconds
@@ -61,18 +63,9 @@ class PassCosts:
         if not served:
             return tuple(calibrated)
         sizes = sorted(served)
-
-        def scale(i: int) -> float:
-            below = [j for j in sizes if j <= i]
-            above = [j for j in sizes if j >= i]
-            if not below or not above:
-                return served[(below or above)[-1 if below else 0]]
-            low, high = below[-1], above[0]
-            if low == high:
-                return served[low]
-            return served[low] + (served[high] - served[low]) * (i - low) / (high - low)
-
-        return tuple(ms * scale(i) for i, ms in enumerate(calibrated))
+        # Linear between served sizes, the nearest one's ratio past either end.
+        scales = np.interp(range(len(calibrated)), sizes, [served[i] for i in sizes])
+        return tuple(float(ms * scale) for ms, scale in zip(calibrated, scales, strict=True))
 
 
 def calibrate(
