@@ -224,6 +224,17 @@ class CoordinatorConfig:
         "seconds between refreshes of both pools: DNS names resolved again, and every replica asked its "
         "health and Info (a replica joins, leaves, or closes its breaker at a refresh)",
     )
+    queue_timeout_s: float = setting(
+        120.0,
+        "--queue-timeout",
+        "seconds a request waits for room on a target replica (every one full: its --max-kv-bytes or "
+        "--max-sessions) before RESOURCE_EXHAUSTED, never past the client's deadline",
+    )
+    max_waiting_requests: int = setting(
+        1024,
+        "--max-waiting-requests",
+        "requests that may wait for room on a target replica at once; one more gets RESOURCE_EXHAUSTED",
+    )
     shutdown_grace_s: float = shutdown_grace_setting()
     target_retry_s: float = setting(
         30.0,
@@ -247,10 +258,13 @@ class CoordinatorConfig:
             self.draft_attempts < 1
             or self.breaker_failures < 1
             or self.pool_refresh_s <= 0
+            or self.queue_timeout_s < 0
+            or self.max_waiting_requests < 0
             or self.draft_retry_backoff_s < 0
         ):
             return (
-                "--draft-attempts and --breaker-failures must be >= 1, --pool-refresh > 0, --draft-retry-backoff >= 0"
+                "--draft-attempts and --breaker-failures must be >= 1, --pool-refresh > 0, --draft-retry-backoff, "
+                "--queue-timeout and --max-waiting-requests >= 0"
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from opentelemetry import trace
 from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
@@ -138,7 +139,7 @@ class Engine:
         output on one running deployment.
         """
         pair = self.pair  # the request's snapshot, from validation to its last round
-        state = self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s)
+        state = await self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s)
         branches: BranchCall | None = None  # drafted during the verify, until the outcome settles them
         try:
             while True:
@@ -183,12 +184,14 @@ class Engine:
             self.branches.end_now(state.unused_forks, state.draft_view)
             self.upstream.end_sessions(state.draft_view, state.target_view)
 
-    def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
-        """A request's state before its first round."""
-        # Give up on an unavailable target in time to tell the client so before its own deadline.
-        retry_for = self.config.target_retry_s
+    async def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
+        """A request's state before its first round, its sessions placed (after waiting for
+        room on a target replica, if every one is full)."""
+        # Give up on an unavailable target, or waiting for room, in time to tell the client so
+        # before its own deadline.
+        retry_for, wait_for = self.config.target_retry_s, self.config.queue_timeout_s
         if time_remaining_s is not None:
-            retry_for = min(retry_for, 0.7 * time_remaining_s)
+            retry_for, wait_for = min(retry_for, 0.7 * time_remaining_s), min(wait_for, 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
         k_chooser = self._k_chooser(job, pair, pipelined)
@@ -211,7 +214,10 @@ class Engine:
             runner_ups=runner_ups_for(self.config.hedges) if hedging else 0,
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
-        self.upstream.place(draft_view, target_view, job.prompt_ids)
+        waited_s = await self.upstream.place(draft_view, target_view, job.prompt_ids, job.max_new_tokens, wait_for)
+        stats.queued_ms = waited_s * 1000
+        if waited_s:
+            trace.get_current_span().add_event("queued", {"specdec.queued_ms": stats.queued_ms})
         return RequestState(
             job=job,
             pair=pair,

@@ -58,6 +58,7 @@ class GenerationStats:
     target_replica: str = ""  # the replica that served the request's last round
     draft_replica: str = ""  # the draft replica its session was on then ("" : none)
     replica_moves: int = 0  # times its sessions moved to another replica after a failed call
+    queued_ms: float = 0.0  # waited for room on a target replica before its first round
     sessions_per_round: list[int] = field(default_factory=list)  # load each round's K was costed at
     acceptance_mode: str = "exact"  # the rule that produced the output (AcceptanceMode's value); relaxed is lossy
     relaxed_top_n: int = 0  # the relaxed parameters (0 when exact)
@@ -278,8 +279,14 @@ class PoolCollector:
             labels=["pool", "address"],
         )
         lookups = CounterMetricFamily("specdec_pool_dns_failures", "Failed DNS lookups of a pool", labels=["pool"])
+        waiting = GaugeMetricFamily(
+            "specdec_pool_waiting_requests",
+            "Requests waiting for room on a replica of the pool (every one full: --max-kv-bytes or --max-sessions)",
+            labels=["pool"],
+        )
         for pool in self._pools:
             lookups.add_metric([pool.role], pool.resolve_failures)
+            waiting.add_metric([pool.role], pool.waiting)
             for replica in list(pool.replicas.values()):
                 labels = [pool.role, replica.address]
                 serving.add_metric(labels, float(replica.usable))
@@ -287,4 +294,4 @@ class PoolCollector:
                 refused.add_metric(labels, float(bool(replica.refused)))
                 moves.add_metric(labels, replica.moves)
                 abandoned.add_metric(labels, replica.abandoned)
-        yield from (serving, sessions, refused, moves, abandoned, lookups)
+        yield from (serving, sessions, refused, moves, abandoned, lookups, waiting)

@@ -15,6 +15,14 @@ too, so the output does not change. A replica that stops answering without closi
 connections fails no call by itself, so the refresh that finds it hung gives up on its calls
 in flight (`Pool._leave_hung`), and they fail over the same way.
 
+A new target session is placed only where it fits (`Replica.room`): within the replica's
+--max-sessions, and within its KV budget (--max-kv-bytes) with every session this coordinator
+placed there grown to its prompt and max_new_tokens, beside what other coordinators' sessions
+hold. When no serving replica has room, requests wait in arrival order (`Pool.admit`) for a
+session to end, as TGI and vLLM queue rather than over-admit: a replica holding more sessions
+than its budget evicts the least recently used, whose next call re-prefills and evicts
+another, so an over-full replica spends its passes re-reading prompts.
+
 No gRPC here beyond the clients' calls; pure bookkeeping and a watcher loop.
 """
 
@@ -22,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
-from specdec.errors import DeadlineExceeded, ServiceRefused, SpecDecError, Unavailable
+from specdec.errors import DeadlineExceeded, ResourceExhausted, ServiceRefused, SpecDecError, Unavailable
 from specdec.rpc.dns import PoolSpec, resolve
 from specdec.v1 import common_pb2
 
@@ -84,6 +92,7 @@ class Replica:
     refused: str = ""  # why it serves no session: another model
     gone: bool = False  # no longer among the pool's DNS records: no new sessions
     sessions: int = 0  # this coordinator's requests placed on it now
+    reserved_bytes: int = 0  # the KV those sessions may grow to (`room`)
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
     unanswered: int = 0  # refreshes in a row whose Info probe got no answer within PROBE_TIMEOUT_S
@@ -114,6 +123,31 @@ class Replica:
         return (self.sessions + self.others, self.info.kv_cache_bytes - self.info.prefix_cache.bytes)
 
     @property
+    def others_bytes(self) -> int:
+        """KV bytes other coordinators' sessions held at its last Info: its sessions' bytes
+        (not its prefix cache's, given up first) in the share of them that are others'."""
+        info = self.info
+        held = info.open_sessions - info.fork_sessions if info is not None else 0
+        if info is None or not self.others or held <= 0:
+            return 0
+        return (info.kv_cache_bytes - info.prefix_cache.bytes) * min(self.others, held) // held
+
+    def room(self, reserve: int) -> bool:
+        """Whether a new session that may grow to `reserve` bytes of KV fits: under its
+        --max-sessions, and within its --max-kv-bytes beside what this coordinator's sessions
+        there may grow to and what others' hold. With none of this coordinator's sessions
+        there, one always fits the budget: a request larger than it runs alone (the replica
+        refuses it if it outgrows the budget), never waits for good."""
+        info = self.info
+        if info is None:
+            return True
+        if info.max_sessions and self.sessions + self.others >= info.max_sessions:
+            return False
+        if not info.max_kv_cache_bytes or not self.sessions:
+            return True
+        return self.reserved_bytes + self.others_bytes + reserve <= info.max_kv_cache_bytes
+
+    @property
     def hung(self) -> bool:
         """Has not answered HUNG_AFTER_PROBES probes in a row: its sessions leave at their next call."""
         return self.unanswered >= HUNG_AFTER_PROBES
@@ -141,6 +175,9 @@ class Pool:
     # Which replica last took a session starting with each prompt prefix (block chain keys):
     # where that prefix's blocks most likely sit in a prefix cache (--prefix-cache-bytes).
     _prefixes: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    # Requests waiting for room (`admit`), oldest first; each is woken to look again when a
+    # session ends or a refresh may have made room.
+    _waiting: deque[asyncio.Event] = field(default_factory=deque)
 
     def describe(self) -> str:
         if not self.spec.dynamic:
@@ -204,6 +241,7 @@ class Pool:
         answers = await asyncio.gather(*(self._ask(replica) for replica in live))
         for replica, info in zip(live, answers):  # in the pool's order: the first sets the reference
             self._apply(replica, info)
+        self._wake()  # others' sessions may have ended, or a replica joined
 
     def _update(self, addresses: Iterable[str]) -> None:
         """Adds new addresses in the pool's order (its first replica to answer sets the model
@@ -306,21 +344,37 @@ class Pool:
                 return f"it serves {name} {str(theirs)[:64]!r} where the pool serves {str(ours)[:64]!r}"
         return ""
 
-    def place(self, avoid: Replica | None = None, prompt: tuple[str, list[int]] | None = None) -> Replica | None:
-        """A new session's replica: the least loaded of those serving (ties in turn); None
-        when none is but `avoid`. `prompt` (namespace, token ids): a replica that took a
-        session starting with the longest run of its blocks takes this one too, unless it
-        has more than PREFIX_AFFINITY_SLACK sessions beyond the least loaded."""
-        candidates = [replica for replica in self.serving if replica is not avoid]
+    def reservation(self, tokens: int) -> int:
+        """KV bytes a session of `tokens` tokens may hold on this pool's replicas: those
+        tokens and a verify's or proposal's rows beyond them, within the context."""
+        info = self.reference
+        if info is None:
+            return 0
+        return min(tokens + info.max_speculative_tokens + 1, info.max_context) * info.kv_bytes_per_token
+
+    def place(
+        self,
+        avoid: Replica | None = None,
+        prompt: tuple[str, list[int]] | None = None,
+        reserve: int = 0,
+        fit: bool = False,
+    ) -> Replica | None:
+        """A new session's replica: the least loaded of those serving with room for it
+        (`Replica.room` for `reserve` bytes of KV; any serving where none has room, unless
+        `fit`), ties in turn; None when none is but `avoid`. `prompt` (namespace, token ids):
+        a replica that took a session starting with the longest run of its blocks takes this
+        one too, unless it has more than PREFIX_AFFINITY_SLACK sessions beyond the least loaded."""
+        serving = [replica for replica in self.serving if replica is not avoid]
+        candidates = [replica for replica in serving if replica.room(reserve)] or ([] if fit else serving)
         if not candidates:
             return None
         least = min(replica.load for replica in candidates)
         keys = self._prefix_keys(prompt) if prompt is not None else []
         holder = self._holder(keys, candidates)
         if holder is not None and holder.load[0] <= least[0] + PREFIX_AFFINITY_SLACK:
-            chosen = self._take([holder])
+            chosen = self._take([holder], reserve)
         else:
-            chosen = self._take([replica for replica in candidates if replica.load == least])
+            chosen = self._take([replica for replica in candidates if replica.load == least], reserve)
         self._remember(keys, chosen)
         return chosen
 
@@ -354,26 +408,80 @@ class Pool:
         while len(self._prefixes) > PREFIX_INDEX_ENTRIES:
             self._prefixes.popitem(last=False)
 
-    def place_anywhere(self, prompt: tuple[str, list[int]] | None = None) -> Replica:
+    def place_anywhere(self, prompt: tuple[str, list[int]] | None = None, reserve: int = 0) -> Replica:
         """A target session's replica when none serves: one that may come back (a restarting
         target is retried until the request's retry time), or UNAVAILABLE naming the pool."""
-        if placed := self.place(prompt=prompt):
+        if placed := self.place(prompt=prompt, reserve=reserve):
             return placed
         waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
         if not waiting:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
-        return self._take(waiting)
+        return self._take(waiting, reserve)
 
-    def _take(self, choices: list[Replica]) -> Replica:
-        """One of `choices`, in turn, counted as holding one more session."""
+    async def admit(
+        self, prompt: tuple[str, list[int]], reserve: int, wait_s: float, max_waiting: int
+    ) -> tuple[Replica, float]:
+        """A new target session's replica, and the seconds it waited for room: at once where
+        one serving has room for `reserve` bytes and no request waits before it; otherwise
+        in arrival order, as sessions end. RESOURCE_EXHAUSTED when `max_waiting` requests
+        already wait, or after `wait_s`. With no replica serving, `place_anywhere` (a
+        restarting target is waited for by the request's retries, not here)."""
+        if not self._waiting and (placed := self.place(prompt=prompt, reserve=reserve, fit=True)):
+            return placed, 0.0
+        if not self.serving:
+            return self.place_anywhere(prompt, reserve), 0.0
+        if len(self._waiting) >= max_waiting:
+            raise ResourceExhausted(
+                f"every replica of {self.describe()} is full and {len(self._waiting)} requests already wait "
+                "(--max-waiting-requests); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        turn = asyncio.Event()
+        self._waiting.append(turn)
+        try:
+            while True:
+                if self._waiting[0] is turn:
+                    if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
+                        return placed, loop.time() - started
+                    if not self.serving:
+                        return self.place_anywhere(prompt, reserve), loop.time() - started
+                turn.clear()
+                left = started + wait_s - loop.time()
+                try:
+                    await asyncio.wait_for(turn.wait(), max(left, 0.0))
+                except TimeoutError:
+                    raise ResourceExhausted(
+                        f"waited {wait_s:.0f} s (--queue-timeout) for room on {self.describe()}: every replica "
+                        "holds what its KV budget (--max-kv-bytes) or --max-sessions allows; retry later"
+                    ) from None
+        finally:
+            self._waiting.remove(turn)
+            self._wake()  # the next in line may fit now
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room (`admit`)."""
+        return len(self._waiting)
+
+    def _wake(self) -> None:
+        if self._waiting:
+            self._waiting[0].set()
+
+    def _take(self, choices: list[Replica], reserve: int = 0) -> Replica:
+        """One of `choices`, in turn, counted as holding one more session that may grow to
+        `reserve` bytes of KV."""
         self._turn += 1
         chosen = choices[self._turn % len(choices)]
         chosen.sessions += 1
+        chosen.reserved_bytes += reserve
         return chosen
 
-    def release(self, replica: Replica) -> None:
-        """A request's session left `replica` (ended or moved)."""
+    def release(self, replica: Replica, reserve: int = 0) -> None:
+        """A request's session, placed with `reserve` bytes, left `replica` (ended or moved)."""
         replica.sessions -= 1
+        replica.reserved_bytes -= reserve
+        self._wake()
         if replica.gone and replica.sessions <= 0:
             self.replicas.pop(replica.address, None)
             task = asyncio.get_running_loop().create_task(replica.client.close())

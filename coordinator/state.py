@@ -32,6 +32,7 @@ class SessionView:
     min_confidence: float | None = None  # the request's draft confidence stop (None: the service's)
     vocab_limit: int = 0  # the draft proposes only ids below this (0: no limit; see PairInfo)
     replica: Replica | None = None  # where the session lives (coordinator.pools); None: nowhere yet
+    reserved: int = 0  # KV bytes it may grow to, counted on its replica while there (Replica.room)
     lost: bool = False  # its replica failed a call: the session moves at the next round if it can
     moves: int = 0  # times it moved to another replica
     namespace: str = ""  # the request's cache namespace (Job.cache_namespace), sent with every call

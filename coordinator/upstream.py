@@ -104,13 +104,29 @@ class Upstream:
         place a draft's reply becomes a round's drafts."""
         return round_from(proposal, k, address, self.pair.vocab_size, source, self.pair.draft_proposable)
 
-    def place(self, draft_view: SessionView, target_view: SessionView, prompt_ids: list[int]) -> None:
-        """A new request's sessions: each on the least-loaded serving replica of its pool, or
-        on the one that took its prompt's prefix before (Pool.place); the target's on one
-        that may come back when none serves, the draft's on none, so rounds run target-only
-        until one serves."""
-        target_view.replica = self.targets.place_anywhere((target_view.namespace, prompt_ids))
-        draft_view.replica = self.drafts.place(prompt=(draft_view.namespace, prompt_ids))
+    async def place(
+        self,
+        draft_view: SessionView,
+        target_view: SessionView,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        wait_s: float,
+    ) -> float:
+        """A new request's sessions, and the seconds it waited for room: each on the
+        least-loaded serving replica of its pool with room for its prompt and max_new_tokens
+        (Replica.room), or on the one that took its prompt's prefix before (Pool.place). The
+        target's waits for room, up to `wait_s` (Pool.admit), or goes to one that may come
+        back when none serves; the draft's never waits (a full draft replica only evicts
+        draft caches, re-sent at the next call) and goes nowhere when none serves, so rounds
+        run target-only until one does."""
+        tokens = len(prompt_ids) + max_new_tokens
+        target_view.reserved = self.targets.reservation(tokens)
+        target_view.replica, waited_s = await self.targets.admit(
+            (target_view.namespace, prompt_ids), target_view.reserved, wait_s, self.config.max_waiting_requests
+        )
+        draft_view.reserved = self.drafts.reservation(tokens)
+        draft_view.replica = self.drafts.place(prompt=(draft_view.namespace, prompt_ids), reserve=draft_view.reserved)
+        return waited_s
 
     def draft_allowed(self, draft_view: SessionView, unused_forks: list[str]) -> bool:
         """Whether this round may call the draft: the request's draft replica takes calls (its
@@ -132,7 +148,7 @@ class Upstream:
         is none. The old replica's session, and the request's unused forks there, are ended in
         the background (a dead replica's expire by TTL)."""
         old = view.replica
-        new = pool.place(avoid=old)
+        new = pool.place(avoid=old, reserve=view.reserved)
         if new is None:
             return False
         if old is not None:
@@ -141,7 +157,7 @@ class Upstream:
             for session_id in unused_forks or ():
                 self.end_later(old.client, session_id, discard=True)
             old.moves += 1
-            pool.release(old)
+            pool.release(old, view.reserved)
             logger.info("%s session %s moves from %s to %s", pool.role, view.session_id, old.address, new.address)
             trace.get_current_span().add_event(
                 "replica.moved", {"specdec.service": pool.role, "specdec.from": old.address, "specdec.to": new.address}
@@ -374,7 +390,7 @@ class Upstream:
                 continue
             if view.opened:
                 self.end_later(view.replica.client, view.session_id)
-            pool.release(view.replica)
+            pool.release(view.replica, view.reserved)
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""

@@ -164,6 +164,7 @@ class NgramDrafter:
             description,
             model_id=f"ngram[{self.source.min_n}..{self.source.max_n}]:{self.info.model_id}",
             fork_sessions=self.sessions.forks(),
+            max_sessions=self.sessions.max_sessions,
             copies=True,
         )
 

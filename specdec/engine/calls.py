@@ -46,6 +46,7 @@ class ModelDescription:
     open_sessions: int
     max_speculative_tokens: int
     fork_sessions: int = 0  # of open_sessions, forks no call has continued (ModelInfo.fork_sessions)
+    max_sessions: int = 0  # held at most (--max-sessions); 0 = not said
     kv_cache_bytes: int = 0  # held over all sessions
     max_kv_cache_bytes: int = 0  # the budget; 0 = none
     kv_bytes_per_token: int = 0  # what one cached token costs

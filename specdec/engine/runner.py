@@ -159,6 +159,7 @@ class ModelRunner:
         return dataclasses.replace(
             description,
             fork_sessions=self.sessions.forks(),
+            max_sessions=self.sessions.max_sessions,
             kv_cache_bytes=self.sessions.kv_bytes(),
             max_kv_cache_bytes=self.sessions.max_kv_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,

@@ -229,6 +229,7 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         device=description.device,
         open_sessions=description.open_sessions,
         fork_sessions=description.fork_sessions,
+        max_sessions=description.max_sessions,
         max_speculative_tokens=description.max_speculative_tokens,
         kv_cache_bytes=description.kv_cache_bytes,
         max_kv_cache_bytes=description.max_kv_cache_bytes,

@@ -1,9 +1,12 @@
-"""A target with a KV budget too small for its concurrent generations evicts sessions in the
-middle of them; the coordinator re-prefills and every greedy output is still the target's own."""
+"""A target with a KV budget too small for its concurrent generations: the coordinator admits
+what fits and queues the rest (coordinator.pools, `Pool.admit`); where it does not know the
+budget, the target evicts sessions in the middle of them, the coordinator re-prefills, and
+every greedy output is still the target's own."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -17,28 +20,62 @@ from tests.stack import inprocess_stack
 PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
 
 
+async def generate_all(stack) -> list[pb.GenerateResponse]:
+    """Every prompt at once, greedy, 40 tokens at K = 4."""
+    return await asyncio.gather(
+        *(
+            stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=4), timeout=120
+            )
+            for prompt in PROMPTS
+        )
+    )
+
+
+def budget_unsaid(_draft_runner, target_runner) -> None:
+    """The target keeps its KV budget to itself, as one of an older build did: the coordinator
+    cannot admit by it, so the target's own eviction is all that holds it."""
+    describe = target_runner.describe
+    target_runner.describe = lambda: dataclasses.replace(describe(), max_kv_cache_bytes=0)
+
+
 async def test_evictions_mid_generation_leave_greedy_output_unchanged(tiny_pair, reference):
     per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.target), "float32", "cpu").model)
     budget = 80 * per_token  # one generation (prompt + 40 tokens + K) fits, three at once do not
     async with inprocess_stack(
-        tiny_pair, draft_overrides={"quantize": "none"}, target_overrides={"max_kv_bytes": budget}
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        target_overrides={"max_kv_bytes": budget},
+        prepare_runners=budget_unsaid,
     ) as stack:
-        responses = await asyncio.gather(
-            *(
-                stack.stub.Generate(
-                    pb.GenerateRequest(prompt=prompt, max_new_tokens=40, num_speculative_tokens=4), timeout=120
-                )
-                for prompt in PROMPTS
-            )
-        )
+        responses = await generate_all(stack)
         for prompt, response in zip(PROMPTS, responses):
             assert list(response.token_ids) == reference(prompt), f"eviction changed the output for {prompt!r}"
-        info = stack.target_runner.describe()
-        assert info.evicted_sessions > 0 and sum(r.stats.reprefills for r in responses) > 0
-        assert info.max_kv_cache_bytes == budget
+        assert stack.target_runner.sessions.max_kv_bytes == budget
+        assert stack.target_runner.sessions.evicted > 0 and sum(r.stats.reprefills for r in responses) > 0
 
-        # A prompt that cannot fit even alone: RESOURCE_EXHAUSTED with the numbers, and the
-        # service goes on serving.
+
+async def test_a_full_target_queues_requests_instead_of_evicting_their_sessions(tiny_pair, reference):
+    """The same budget, reported in Info: the coordinator places a session only where its
+    prompt and max_new_tokens fit beside the others' (Replica.room), so the three requests
+    run one after another, none evicted or re-prefilled, each output the target's own."""
+    per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.target), "float32", "cpu").model)
+    budget = 80 * per_token
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, target_overrides={"max_kv_bytes": budget}
+    ) as stack:
+        responses = await generate_all(stack)
+        for prompt, response in zip(PROMPTS, responses):
+            assert list(response.token_ids) == reference(prompt), f"queueing changed the output for {prompt!r}"
+        assert stack.target_runner.describe().max_kv_cache_bytes == budget
+        assert stack.target_runner.sessions.evicted == 0 and sum(r.stats.reprefills for r in responses) == 0
+        queued = sorted(r.stats.queued_ms for r in responses)
+        assert queued[0] == 0 and queued[1] > 0 and queued[2] > queued[1]  # one at a time, in turn
+        for response in responses:  # the wait is part of the time to the first token
+            assert response.stats.time_to_first_token_ms >= response.stats.queued_ms
+
+        # A prompt that cannot fit even alone runs alone: RESOURCE_EXHAUSTED from the target,
+        # with the numbers, and the service goes on serving.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stack.stub.Generate(
                 pb.GenerateRequest(prompt_token_ids=list(range(1, 120)), max_new_tokens=4), timeout=60
@@ -47,6 +84,51 @@ async def test_evictions_mid_generation_leave_greedy_output_unchanged(tiny_pair,
         assert "--max-kv-bytes" in refused.value.details() and f"is {budget} bytes" in refused.value.details()
         response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=40), timeout=60)
         assert list(response.token_ids) == reference(PROMPTS[0])
+
+
+async def test_waiting_requests_beyond_the_bound_or_the_timeout_are_refused_clearly(tiny_pair, reference):
+    """--max-waiting-requests and --queue-timeout: one request holds the only room, one waits,
+    a third is refused at once; a wait longer than the timeout is refused; none of it stops the
+    coordinator serving."""
+    per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.target), "float32", "cpu").model)
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        target_overrides={"max_kv_bytes": 80 * per_token},
+        coordinator_overrides={"max_waiting_requests": 1, "queue_timeout_s": 30.0},
+    ) as stack:
+
+        def generate(prompt: str, tokens: int = 40):
+            return stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=tokens, num_speculative_tokens=4), timeout=120
+            )
+
+        results = await asyncio.gather(*(generate(prompt) for prompt in PROMPTS), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 requests already wait (--max-waiting-requests)" in refused[0].details()
+        for prompt, result in zip(PROMPTS, results):
+            if not isinstance(result, grpc.aio.AioRpcError):
+                assert list(result.token_ids) == reference(prompt)
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        target_overrides={"max_kv_bytes": 80 * per_token},
+        coordinator_overrides={"queue_timeout_s": 0.001},
+    ) as stack:
+        results = await asyncio.gather(
+            *(
+                stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40), timeout=60)
+                for prompt in PROMPTS[:2]
+            ),
+            return_exceptions=True,
+        )
+        late = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(late) == 1 and late[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "(--queue-timeout) for room on the target pool" in late[0].details()
+        for prompt in PROMPTS[:2]:
+            response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40), timeout=60)
+            assert list(response.token_ids) == reference(prompt)
 
 
 async def test_a_prompt_too_long_for_the_draft_runs_target_only_and_other_requests_keep_speculating(

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from coordinator.pools import HUNG_AFTER_PROBES, PREFIX_AFFINITY_SLACK, Pool
-from specdec.errors import DeadlineExceeded
+from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.rpc.dns import parse_pool, query_a, resolve
 from specdec.rpc.security import ChannelSecurity
 from specdec.v1 import common_pb2
@@ -218,3 +218,89 @@ def test_a_replica_that_stops_answering_has_its_calls_given_up_on_where_they_can
     asyncio.run(refreshes(drafts, HUNG_AFTER_PROBES))
     (draft,) = drafts.replicas.values()
     assert draft.client.abandoned == 1 and not draft.breaker.allow()
+
+
+def budgeted_pool(*addresses: str, budget: int, max_sessions: int = 0) -> Pool:
+    """A pool whose replicas hold `budget` bytes of KV at 1 byte a token (K up to 3: a
+    session of n tokens reserves n + 4 bytes)."""
+    pool = pool_of(*addresses)
+    for info in (pool.reference, *(replica.info for replica in pool.replicas.values())):
+        assert info is not None
+        info.max_kv_cache_bytes, info.kv_bytes_per_token, info.max_speculative_tokens = budget, 1, 3
+        info.max_context, info.max_sessions = 1000, max_sessions
+    return pool
+
+
+def test_a_replica_takes_sessions_while_what_they_may_grow_to_fits_its_budget():
+    pool = budgeted_pool("a:1", "b:1", budget=100)
+    a, b = pool.replicas.values()
+    reserve = pool.reservation(36)
+    assert reserve == 40
+    placed = [pool.place(reserve=reserve, fit=True) for _ in range(4)]
+    assert [r.sessions for r in (a, b)] == [2, 2] and a.reserved_bytes == 80
+    assert pool.place(reserve=reserve, fit=True) is None  # a third of 40 bytes would pass 100
+    moved = pool.place(reserve=reserve)
+    assert moved in (a, b)  # a moved session goes somewhere all the same
+    pool.release(moved, reserve), pool.release(placed[0], reserve)
+    assert placed[0].reserved_bytes == 40 and placed[0].room(reserve)
+    # Others' sessions take their share of the bytes the Info saw held.
+    lone = budgeted_pool("c:1", budget=100)
+    (c,) = lone.replicas.values()
+    assert lone.place(reserve=reserve, fit=True) is c
+    for _ in range(2):
+        c.seen(common_pb2.ModelInfo(open_sessions=2, kv_cache_bytes=90, max_kv_cache_bytes=100))
+    assert c.others == 1 and c.others_bytes == 45 and not c.room(reserve)
+    # A replica with none of this coordinator's sessions takes one however large: it runs alone.
+    empty = budgeted_pool("d:1", budget=100)
+    assert empty.place(reserve=500, fit=True) is not None
+
+
+def test_max_sessions_counts_every_coordinators_sessions():
+    pool = budgeted_pool("a:1", budget=0, max_sessions=2)
+    (a,) = pool.replicas.values()
+    assert pool.place(fit=True) is a
+    for _ in range(2):
+        a.seen(common_pb2.ModelInfo(open_sessions=2, max_sessions=2))
+    assert a.others == 1 and pool.place(fit=True) is None
+
+
+def test_requests_wait_in_arrival_order_for_room_and_give_up_in_time():
+    async def scenario():
+        pool = budgeted_pool("a:1", budget=100)
+        (a,) = pool.replicas.values()
+        reserve = pool.reservation(46)  # 50 bytes: two fit
+        first = [await pool.admit(("", [1]), reserve, 5.0, 8) for _ in range(2)]
+        assert [waited for _, waited in first] == [0.0, 0.0]
+        order: list[int] = []
+
+        async def waiter(i: int):
+            replica, waited = await pool.admit(("", [1]), reserve, 5.0, 8)
+            order.append(i)
+            return waited
+
+        waiters = [asyncio.create_task(waiter(i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert pool.waiting == 3 and not order
+        with pytest.raises(ResourceExhausted, match="3 requests already wait"):
+            await pool.admit(("", [1]), reserve, 5.0, 3)
+        pool.release(a, reserve)
+        await asyncio.sleep(0.05)
+        assert order == [0] and pool.waiting == 2
+        pool.release(a, reserve), pool.release(a, reserve)
+        await asyncio.sleep(0.05)
+        assert order == [0, 1, 2] and pool.waiting == 0
+        assert all(waited > 0.04 for waited in await asyncio.gather(*waiters))
+        assert a.sessions == 2 and a.reserved_bytes == 100
+        with pytest.raises(ResourceExhausted, match="waited 0 s .--queue-timeout."):
+            await pool.admit(("", [1]), reserve, 0.1, 8)
+        assert pool.waiting == 0 and a.sessions == 2  # the one that gave up holds nothing
+        # A waiter cancelled (its client went away) leaves the line, and the next moves up.
+        late = asyncio.create_task(pool.admit(("", [1]), reserve, 5.0, 8))
+        later = asyncio.create_task(pool.admit(("", [1]), reserve, 5.0, 8))
+        await asyncio.sleep(0.05)
+        late.cancel()
+        pool.release(a, reserve)
+        replica, _ = await asyncio.wait_for(later, 1.0)
+        assert replica is a and pool.waiting == 0
+
+    asyncio.run(scenario())
