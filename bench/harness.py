@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.modes import HF_DRAFTS, ROOT, BenchConfig, Sample, build_modes, drafter_args
+from bench.modes import HF_DRAFTS, POOLS_PARTS, ROOT, BenchConfig, Sample, build_modes, drafter_args
 from bench.runners import HFRunner, OursRunner
 from specdec.engine.costs import cpu_flags, cpu_model
 from specdec.tools.real_models import DRAFT, TARGET
@@ -202,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds; "
             "links: the 70B/1B accelerator cell with each service on its own network host (namespaces, as root) at "
             "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
-            "4 target replicas, a replica killed mid-load) and with the real pair at 1, 4 and 8 clients "
+            "4 target replicas, the same with replicas whose KV budget holds 8 requests, a replica killed "
+            "mid-load) and with the real pair at 1, 4 and 8 clients "
             "(--pools-parts picks); multiturn: multi-turn edits, an agent loop and make run's prompts with and "
             "without the prefix cache and the suffix drafter (real pair); relaxed: exact against relaxed acceptance "
             "at a few (top_n, delta) settings, greedy at the last of --ks: speed, agreement with the exact output "
@@ -214,8 +215,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument(
         "--pools-parts",
         nargs="+",
-        choices=["sweep", "scale", "failover", "real"],
-        default=["sweep", "scale", "failover", "real"],
+        choices=POOLS_PARTS,
+        default=list(POOLS_PARTS),
         help="pools suite: the parts to run",
     )
     parser.add_argument(

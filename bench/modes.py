@@ -122,6 +122,9 @@ HF_DRAFTS = {
 }
 
 
+POOLS_PARTS = ("sweep", "scale", "kv", "failover", "real")  # the pools suite's parts (bench.pools)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     draft_model: Path
@@ -148,7 +151,7 @@ class BenchConfig:
     target_pick: str = ""  # why this target setting: target_service.pick's table and reason (--target-setting auto)
     quick: bool = False  # --quick: a few minutes
     link_ms: tuple[float, ...] = (0.05, 0.5, 2.0)  # links suite: one-way link delays
-    pools_parts: tuple[str, ...] = ("sweep", "scale", "failover", "real")  # pools suite: parts to run
+    pools_parts: tuple[str, ...] = POOLS_PARTS  # pools suite: parts to run
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ client sending its next request when the last returns:
 - sweep: one target and one draft, 1 to 32 clients, the coordinator's defaults (the K chooser)
   against K = 0, aggregate tok/s over the same requests;
 - scale: 32 clients against 1 target + 1 draft, 4 targets + 1 draft, 4 targets + 2 drafts;
+- kv: the scale part's stacks with every target replica's KV budget (--max-kv-bytes) holding
+  KV_SESSIONS of these requests, a replica that saturates by memory rather than by compute:
+  the coordinator admits what fits (coordinator.pools, `Pool.admit`) and the rest wait;
 - failover: 4 targets + 1 draft, 16 clients streaming; one target replica is killed once a
   third of the requests are done; failed requests, outputs against target-only, and the longest
   stall a moved request saw (the time to recover).
@@ -35,8 +38,10 @@ from pathlib import Path
 import grpc
 
 from bench.accelerator import PROFILES, PROMPTS, overruns
-from bench.modes import drafter_args, target_service_args
+from bench.modes import drafter_args, model_infos, target_service_args
 from bench.synthetic import pair_with_acceptance
+from specdec.engine.modeling import load_causal_lm
+from specdec.engine.runner import kv_bytes_per_token
 from specdec.rpc.ports import free_port
 from specdec.tools.launch import ServiceProcess, model_service_args, spawn
 from specdec.v1 import coordinator_pb2 as pb
@@ -50,6 +55,8 @@ FAILOVER_CLIENTS = 16
 REAL_CLIENTS = (1, 4, 8)
 REAL_DRAFTERS = ("int8", "int8+lookup")  # bench.modes.drafter_args: the model drafter, and the hybrid
 NEW_TOKENS = 64
+MAX_K = 16  # the emulated services' --max-speculative-tokens
+KV_SESSIONS = 8  # kv part: requests one target replica's KV budget holds
 CHOSEN = None  # a request that leaves K to the coordinator
 
 
@@ -93,9 +100,12 @@ class Stack:
         return channel
 
 
-def emulated_stack(pair, targets: int, drafts: int, logs: Path, stack: ExitStack) -> tuple[Stack, grpc.Channel]:
+def emulated_stack(
+    pair, targets: int, drafts: int, logs: Path, stack: ExitStack, target_args: tuple[str, ...] = ()
+) -> tuple[Stack, grpc.Channel]:
     services = Stack(logs, stack)
-    common = ["--threads", "1", "--max-speculative-tokens", "16", "--max-batch-size", "32", "--max-sessions", "256"]
+    common = ["--threads", "1", "--max-speculative-tokens", str(MAX_K), "--max-batch-size", "32"]
+    common += ["--max-sessions", "256"]
     env = {"OMP_NUM_THREADS": "1"}
     # One after the other: a service calibrates its passes at start-up, and must not time them
     # while a neighbour loads.
@@ -113,7 +123,11 @@ def emulated_stack(pair, targets: int, drafts: int, logs: Path, stack: ExitStack
     for _ in range(targets):
         profile = PROFILES / "h100-70b-tp4.json"
         services.targets.append(
-            services.spawn("target", ["--model", str(pair.target), "--pass-cost-profile", str(profile), *common], env)
+            services.spawn(
+                "target",
+                ["--model", str(pair.target), "--pass-cost-profile", str(profile), *common, *target_args],
+                env,
+            )
         )
         services.targets[-1].wait_healthy(300)
     return services, services.coordinator(pair.target)
@@ -154,6 +168,8 @@ def load(stub, clients: int, requests: list[pb.GenerateRequest]) -> dict:
         "k_mean": proposed / max(1, sum(r.stats.rounds for r in done)),
         "sessions_mean": statistics.mean(loads) if loads else None,
         "targets_used": sorted({r.stats.target_replica for r in done}),
+        "queued_ms_mean": statistics.mean(r.stats.queued_ms for r in done) if done else 0.0,
+        "reprefills": sum(r.stats.reprefills for r in done),
     }
 
 
@@ -188,11 +204,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def scale(pair, logs: Path, requests: int) -> list[dict]:
+def kv_budget(pair) -> int:
+    """Target --max-kv-bytes holding KV_SESSIONS of the longest request (prompt, NEW_TOKENS
+    and a verify's rows: what the coordinator reserves for each, `Pool.reservation`)."""
+    per_token = kv_bytes_per_token(load_causal_lm(str(pair.target), "float32", "cpu").model)
+    tokens = max(len(prompt) for prompt in PROMPTS) + NEW_TOKENS + MAX_K + 1
+    return KV_SESSIONS * tokens * per_token
+
+
+def scale(pair, logs: Path, requests: int, kv_bytes: int = 0) -> list[dict]:
+    """SCALE's stacks under SCALE_CLIENTS clients; `kv_bytes`: every target replica's KV budget."""
     rows = []
+    target_args = ("--max-kv-bytes", str(kv_bytes)) if kv_bytes else ()
+    part = "kv" if kv_bytes else "scale"
     for targets, drafts in SCALE:
         with ExitStack() as stack:
-            services, channel = emulated_stack(pair, targets, drafts, logs / f"scale-{targets}t{drafts}d", stack)
+            services, channel = emulated_stack(
+                pair, targets, drafts, logs / f"{part}-{targets}t{drafts}d", stack, target_args
+            )
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             load(stub, 2, [request(PROMPTS[0], CHOSEN, 8)] * 2)
             work = [request(PROMPTS[i % len(PROMPTS)], CHOSEN) for i in range(requests)]
@@ -203,11 +232,15 @@ def scale(pair, logs: Path, requests: int) -> list[dict]:
             # over the wall time times the cores.
             result["host_busy"] = (cpu_seconds(pids) - cpu_before) / (result["wall_s"] * (os.cpu_count() or 1))
             result.update(
-                targets=targets, drafts=drafts, overruns=[overruns(services.drafts[0], t) for t in services.targets]
+                targets=targets,
+                drafts=drafts,
+                overruns=[overruns(services.drafts[0], t) for t in services.targets],
+                evicted=sum(model_infos(services.drafts[0], t)["target"].evicted_sessions for t in services.targets),
             )
             print(
-                f"scale {targets} targets, {drafts} drafts, {SCALE_CLIENTS} clients: "
-                f"{result['tokens_per_s']:7.1f} tok/s",
+                f"{part} {targets} targets, {drafts} drafts, {SCALE_CLIENTS} clients: "
+                f"{result['tokens_per_s']:7.1f} tok/s, waited {result['queued_ms_mean']:.0f} ms a request, "
+                f"{result['evicted']} sessions evicted",
                 flush=True,
             )
             rows.append(result)
@@ -350,6 +383,9 @@ def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale",
         results["sweep"] = sweep(pair, logs, 32)
     if "scale" in parts:
         results["scale"] = scale(pair, logs, 96)
+    if "kv" in parts:
+        results["kv_budget"] = kv_budget(pair)
+        results["kv"] = scale(pair, logs, 96, results["kv_budget"])
     if "failover" in parts:
         results["failover"] = failover(pair, logs, 48)
     if "real" in parts:
@@ -393,6 +429,24 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {row['targets']} | {row['drafts']} | {row['tokens_per_s']:.1f} | "
                 f"{row['tokens_per_s'] / base:.2f}× | {len(row['targets_used'])} | {len(row['failed'])} | {busy} |"
+            )
+        lines.append("")
+    if "kv" in results:
+        base = results["kv"][0]["tokens_per_s"]
+        lines += [
+            f"**Scaling where a replica saturates by memory, {SCALE_CLIENTS} clients, defaults (emulated).** Every "
+            f"target replica's KV budget (--max-kv-bytes {results['kv_budget']}) holds {KV_SESSIONS} of these "
+            "requests; the coordinator admits what fits and the rest wait (`Pool.admit`).",
+            "",
+            "| target replicas | draft replicas | tok/s | × one target | waited a request, mean | sessions evicted | "
+            "re-prefills | failed | host CPU busy |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in results["kv"]:
+            lines.append(
+                f"| {row['targets']} | {row['drafts']} | {row['tokens_per_s']:.1f} | "
+                f"{row['tokens_per_s'] / base:.2f}× | {row['queued_ms_mean']:.0f} ms | {row['evicted']} | "
+                f"{row['reprefills']} | {len(row['failed'])} | {row['host_busy']:.0%} |"
             )
         lines.append("")
     if "failover" in results:
