@@ -249,8 +249,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.quick:
         args.max_new_tokens, args.repeats, args.ks, args.temperatures = 32, 1, [2, 4], [0.0]
         args.hf_assisted = ["default"]
-    # The overhead suite runs a tiny model of its own: no target to pick.
-    setting = "float32" if args.suite in ("overhead", "accelerator", "links") else args.target_setting
+    # These suites run tiny models of their own (the pools suite's emulated parts too): no
+    # target to pick, and no real pair needed, so they run on any machine with more cores.
+    emulated = args.suite in ("overhead", "accelerator", "links") or (
+        args.suite == "pools" and "real" not in args.pools_parts
+    )
+    setting = "float32" if emulated else args.target_setting
     target_dtype, target_quantize, target_pick = resolve_target_setting(
         setting, args.target_model, args.threads, args.device
     )
