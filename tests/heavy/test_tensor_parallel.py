@@ -18,6 +18,7 @@ import grpc
 import pytest
 from transformers import AutoConfig
 
+from specdec.rpc.ports import free_port
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import START_TIMEOUT_S, ProcessStack
@@ -37,7 +38,9 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
     tiny_pair, reference, tmp_path
 ):
     # A budget of about 70 tokens of this rank's KV: the four generations below (prompt + 40
-    # tokens each) cannot all stay, so sessions are evicted mid-generation and re-prefilled.
+    # tokens each) cannot all stay. One coordinator would run them one at a time (it admits a
+    # session only where it fits, coordinator.pools); two, each seeing only the other's bytes,
+    # run one each at once, so sessions are evicted mid-generation and re-prefilled.
     config = AutoConfig.from_pretrained(tiny_pair.target)
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_rank_token = (
@@ -57,12 +60,16 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         assert len(_workers_of(stack.current["target"].process.pid)) == 1, "rank 0 did not start rank 1"
 
         generate = coordinator_pb2_grpc.CoordinatorStub(channel).Generate
-        requests = [
-            pb.GenerateRequest(prompt=p, max_new_tokens=40, num_speculative_tokens=k)
-            for p, k in zip(PROMPTS, (1, 2, 3, 4))
-        ]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            responses = list(pool.map(lambda r: generate(r, timeout=300), requests))
+        stack.ports["coordinator"] = free_port()
+        stack.start("coordinator").wait_healthy(START_TIMEOUT_S)
+        with stack.channel() as second:
+            generates = (generate, coordinator_pb2_grpc.CoordinatorStub(second).Generate)
+            requests = [
+                pb.GenerateRequest(prompt=p, max_new_tokens=40, num_speculative_tokens=k)
+                for p, k in zip(PROMPTS, (1, 2, 3, 4))
+            ]
+            with ThreadPoolExecutor(len(requests)) as pool:
+                responses = list(pool.map(lambda i: generates[i % 2](requests[i], timeout=300), range(len(requests))))
         for request, response in zip(requests, responses):
             assert list(response.token_ids) == reference(request.prompt, 40), f"K={request.num_speculative_tokens}"
         assert sum(r.stats.accepted_tokens for r in responses) > 0
