@@ -127,10 +127,10 @@ class Replica:
         """KV bytes other coordinators' sessions held at its last Info: its sessions' bytes
         (not its prefix cache's, given up first) in the share of them that are others'."""
         info = self.info
-        held = info.open_sessions - info.fork_sessions if info is not None else 0
-        if info is None or not self.others or held <= 0:
+        if info is None or not self.others:
             return 0
-        return (info.kv_cache_bytes - info.prefix_cache.bytes) * min(self.others, held) // held
+        held = info.open_sessions - info.fork_sessions
+        return (info.kv_cache_bytes - info.prefix_cache.bytes) * min(self.others, held) // held if held > 0 else 0
 
     def room(self, reserve: int) -> bool:
         """Whether a new session that may grow to `reserve` bytes of KV fits: under its
@@ -426,10 +426,8 @@ class Pool:
         in arrival order, as sessions end. RESOURCE_EXHAUSTED when `max_waiting` requests
         already wait, or after `wait_s`. With no replica serving, `place_anywhere` (a
         restarting target is waited for by the request's retries, not here)."""
-        if not self._waiting and (placed := self.place(prompt=prompt, reserve=reserve, fit=True)):
-            return placed, 0.0
-        if not self.serving:
-            return self.place_anywhere(prompt, reserve), 0.0
+        if (not self._waiting or not self.serving) and (placed := self._admit_now(prompt, reserve)):
+            return placed, 0.0  # (with none serving, no one waits on room)
         if len(self._waiting) >= max_waiting:
             raise ResourceExhausted(
                 f"every replica of {self.describe()} is full and {len(self._waiting)} requests already wait "
@@ -441,11 +439,8 @@ class Pool:
         self._waiting.append(turn)
         try:
             while True:
-                if self._waiting[0] is turn:
-                    if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
-                        return placed, loop.time() - started
-                    if not self.serving:
-                        return self.place_anywhere(prompt, reserve), loop.time() - started
+                if self._waiting[0] is turn and (placed := self._admit_now(prompt, reserve)):
+                    return placed, loop.time() - started
                 turn.clear()
                 left = started + wait_s - loop.time()
                 try:
@@ -458,6 +453,12 @@ class Pool:
         finally:
             self._waiting.remove(turn)
             self._wake()  # the next in line may fit now
+
+    def _admit_now(self, prompt: tuple[str, list[int]], reserve: int) -> Replica | None:
+        """A serving replica with room, or with none serving `place_anywhere`; None: wait."""
+        if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
+            return placed
+        return None if self.serving else self.place_anywhere(prompt, reserve)
 
     @property
     def waiting(self) -> int:
