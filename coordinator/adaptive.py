@@ -56,6 +56,7 @@ Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,9 +136,17 @@ class BatchCosts:
 
     def load_ms(self, sessions: int, new_tokens: int) -> float:
         """Serving `sessions` sessions' calls, `new_tokens` each, in passes of at most
-        max_batch sessions."""
-        passes = math.ceil(max(sessions, 1) / max(self.max_batch, 1))
-        return passes * self.pass_ms(math.ceil(max(sessions, 1) / passes), new_tokens)
+        max_batch sessions. Remembered per (sessions, new tokens): the K chooser asks for the
+        same few points every round of every request, on the coordinator's one event loop."""
+        key = (sessions, new_tokens)
+        if key not in self._load_ms:
+            passes = math.ceil(max(sessions, 1) / max(self.max_batch, 1))
+            self._load_ms[key] = passes * self.pass_ms(math.ceil(max(sessions, 1) / passes), new_tokens)
+        return self._load_ms[key]
+
+    @functools.cached_property
+    def _load_ms(self) -> dict[tuple[int, int], float]:
+        return {}
 
 
 @dataclass(frozen=True)
