@@ -220,6 +220,16 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="pools suite: the parts to run",
     )
     parser.add_argument(
+        "--dilation",
+        type=float,
+        default=1.0,
+        help=(
+            "pools suite, emulated parts: every pass takes this many times its profile's time and the figures are "
+            "given in the accelerators' time, so this host's own work weighs 1/dilation (time dilation; labelled in "
+            "the tables)"
+        ),
+    )
+    parser.add_argument(
         "--link-ms", type=float, nargs="+", default=[0.05, 0.5, 2.0], help="links suite: one-way link delays to run"
     )
     parser.add_argument(
@@ -244,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy"
     )
     args = parser.parse_args(argv)
+    if args.dilation <= 0:
+        parser.error(f"--dilation must be above 0, not {args.dilation:g}")
     if args.ks is None:
         args.ks = [4] if args.suite in ("concurrency", "relaxed") else [1, 2, 3, 4, 6, 8]
     if args.quick:
@@ -286,6 +298,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         quick=args.quick,
         link_ms=tuple(args.link_ms),
         pools_parts=tuple(args.pools_parts),
+        dilation=args.dilation,
     )
     if args.quick:
         prompts = json.loads(config.prompts_file.read_text())["prompts"][:2]

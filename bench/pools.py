@@ -23,27 +23,38 @@ interleaved, `--repeats` times.
 Everything here is one machine's CPU standing in for the cluster: the emulated figures leave out
 the accelerators' own variance and any network beyond loopback, and six processes and 32 clients
 share its two cores (the services report passes whose real compute overran the profile).
+
+`--dilation S` (emulated parts): every pass takes S times its profile's time, and the figures
+are given in the accelerators' time (tok/s × S, waits ÷ S). The host's work (the services'
+Python, the tiny models' real compute, gRPC, the coordinator) then weighs 1/S of what it weighs
+at S = 1, as on hosts S times faster than this one: time dilation, as network emulators use to
+stand a small testbed in for a larger one (Gupta et al., "To infinity and beyond: time-warped
+network emulation", NSDI 2006). It separates what the design gives from what this host can
+carry; it is not a measurement of any real host.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from bench.accelerator import PROFILES, PROMPTS, overruns
+from bench.accelerator import PROFILES, PROMPTS, overruns, profile
 from bench.modes import drafter_args, model_infos, target_service_args
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.runner import kv_bytes_per_token
 from specdec.rpc.ports import free_port
 from specdec.tools.launch import ServiceProcess, model_service_args, spawn
+from specdec.tools.testing import TinyPair
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -58,6 +69,41 @@ NEW_TOKENS = 64
 MAX_K = 16  # the emulated services' --max-speculative-tokens
 KV_SESSIONS = 8  # kv part: requests one target replica's KV budget holds
 CHOSEN = None  # a request that leaves K to the coordinator
+TARGET_PROFILE, DRAFT_PROFILE = "h100-70b-tp4", "h100-1b"
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """The emulated parts' pair and the profiles its services hold their passes to."""
+
+    pair: TinyPair
+    draft_profile: Path
+    target_profile: Path
+    dilation: float = 1.0  # every pass takes this many times its profile's time (module docstring)
+
+    @classmethod
+    def build(cls, pair: TinyPair, folder: Path, dilation: float) -> Emulation:
+        """The published profiles, or at `dilation` ≠ 1 copies of them with every time scaled,
+        written into `folder`."""
+        if dilation == 1.0:
+            return cls(pair, PROFILES / f"{DRAFT_PROFILE}.json", PROFILES / f"{TARGET_PROFILE}.json")
+        folder.mkdir(parents=True, exist_ok=True)
+        paths: dict[str, Path] = {}
+        for name in (DRAFT_PROFILE, TARGET_PROFILE):
+            published = profile(name)
+            path = folder / f"{name}-x{dilation:g}.json"
+            path.write_text(
+                json.dumps(
+                    {
+                        "name": f"{name} x{dilation:g}",
+                        "source": f"{name} (bench/profiles) with every time x{dilation:g}: time dilation, bench.pools",
+                        "pass_ms": [[tokens, ms * dilation] for tokens, ms in published.pass_ms],
+                        "context_ms_per_1k": published.context_ms_per_1k * dilation,
+                    }
+                )
+            )
+            paths[name] = path
+        return cls(pair, paths[DRAFT_PROFILE], paths[TARGET_PROFILE], dilation)
 
 
 class Stack:
@@ -101,31 +147,36 @@ class Stack:
 
 
 def emulated_stack(
-    pair, targets: int, drafts: int, logs: Path, stack: ExitStack, target_args: tuple[str, ...] = ()
+    emulated: Emulation, targets: int, drafts: int, logs: Path, stack: ExitStack, target_args: tuple[str, ...] = ()
 ) -> tuple[Stack, grpc.Channel]:
-    services = Stack(logs, stack)
+    pair, services = emulated.pair, Stack(logs, stack)
     common = ["--threads", "1", "--max-speculative-tokens", str(MAX_K), "--max-batch-size", "32"]
     common += ["--max-sessions", "256"]
     env = {"OMP_NUM_THREADS": "1"}
     # One after the other: a service calibrates its passes at start-up, and must not time them
     # while a neighbour loads.
     for _ in range(drafts):
-        profile = PROFILES / "h100-1b.json"
         services.drafts.append(
             services.spawn(
                 "draft",
-                ["--model", str(pair.draft), "--pass-cost-profile", str(profile), *common]
+                ["--model", str(pair.draft), "--pass-cost-profile", str(emulated.draft_profile), *common]
                 + ["--min-confidence", "0", "--quantize", "none"],
                 env,
             )
         )
         services.drafts[-1].wait_healthy(300)
     for _ in range(targets):
-        profile = PROFILES / "h100-70b-tp4.json"
         services.targets.append(
             services.spawn(
                 "target",
-                ["--model", str(pair.target), "--pass-cost-profile", str(profile), *common, *target_args],
+                [
+                    "--model",
+                    str(pair.target),
+                    "--pass-cost-profile",
+                    str(emulated.target_profile),
+                    *common,
+                    *target_args,
+                ],
                 env,
             )
         )
@@ -139,8 +190,9 @@ def request(prompt: list[int] | str, k: int | None, new_tokens: int = NEW_TOKENS
     return pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens, num_speculative_tokens=k)
 
 
-def load(stub, clients: int, requests: list[pb.GenerateRequest]) -> dict:
-    """Every request, at most `clients` in flight; aggregate tok/s = tokens / wall time."""
+def load(stub, clients: int, requests: list[pb.GenerateRequest], dilation: float = 1.0) -> dict:
+    """Every request, at most `clients` in flight; aggregate tok/s = tokens / wall time, in the
+    accelerators' time at a `dilation` (Emulation)."""
     failed = []
 
     def one(item: pb.GenerateRequest):
@@ -162,27 +214,27 @@ def load(stub, clients: int, requests: list[pb.GenerateRequest]) -> dict:
         "clients": clients,
         "tokens": tokens,
         "wall_s": wall,
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": tokens * dilation / wall,
         "failed": failed,
         "acceptance": sum(r.stats.accepted_tokens for r in done) / proposed if proposed else None,
         "k_mean": proposed / max(1, sum(r.stats.rounds for r in done)),
         "sessions_mean": statistics.mean(loads) if loads else None,
         "targets_used": sorted({r.stats.target_replica for r in done}),
-        "queued_ms_mean": statistics.mean(r.stats.queued_ms for r in done) if done else 0.0,
+        "queued_ms_mean": statistics.mean(r.stats.queued_ms for r in done) / dilation if done else 0.0,
         "reprefills": sum(r.stats.reprefills for r in done),
     }
 
 
-def sweep(pair, logs: Path, requests: int) -> list[dict]:
+def sweep(emulated: Emulation, logs: Path, requests: int) -> list[dict]:
     rows = []
     with ExitStack() as stack:
-        services, channel = emulated_stack(pair, 1, 1, logs / "sweep", stack)
+        services, channel = emulated_stack(emulated, 1, 1, logs / "sweep", stack)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         load(stub, 2, [request(PROMPTS[0], CHOSEN, 8)] * 2)  # warm-up
         for clients in SWEEP_CLIENTS:
             work = {k: [request(PROMPTS[i % len(PROMPTS)], k) for i in range(requests)] for k in (CHOSEN, 0)}
             order = (CHOSEN, 0) if clients % 2 else (0, CHOSEN)
-            result = {k: load(stub, clients, work[k]) for k in order}
+            result = {k: load(stub, clients, work[k], emulated.dilation) for k in order}
             row = {"clients": clients, "chosen": result[CHOSEN], "target_only": result[0]}
             row["ratio"] = result[CHOSEN]["tokens_per_s"] / result[0]["tokens_per_s"]
             print(
@@ -212,7 +264,7 @@ def kv_budget(pair) -> int:
     return KV_SESSIONS * tokens * per_token
 
 
-def scale(pair, logs: Path, requests: int, kv_bytes: int = 0) -> list[dict]:
+def scale(emulated: Emulation, logs: Path, requests: int, kv_bytes: int = 0) -> list[dict]:
     """SCALE's stacks under SCALE_CLIENTS clients; `kv_bytes`: every target replica's KV budget."""
     rows = []
     target_args = ("--max-kv-bytes", str(kv_bytes)) if kv_bytes else ()
@@ -220,14 +272,14 @@ def scale(pair, logs: Path, requests: int, kv_bytes: int = 0) -> list[dict]:
     for targets, drafts in SCALE:
         with ExitStack() as stack:
             services, channel = emulated_stack(
-                pair, targets, drafts, logs / f"{part}-{targets}t{drafts}d", stack, target_args
+                emulated, targets, drafts, logs / f"{part}-{targets}t{drafts}d", stack, target_args
             )
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             load(stub, 2, [request(PROMPTS[0], CHOSEN, 8)] * 2)
             work = [request(PROMPTS[i % len(PROMPTS)], CHOSEN) for i in range(requests)]
             pids = [p.process.pid for p in services.processes] + [os.getpid()]  # the clients run here
             cpu_before = cpu_seconds(pids)
-            result = load(stub, SCALE_CLIENTS, work)
+            result = load(stub, SCALE_CLIENTS, work, emulated.dilation)
             # How busy the host was: CPU seconds of every service, the coordinator and the clients
             # over the wall time times the cores.
             result["host_busy"] = (cpu_seconds(pids) - cpu_before) / (result["wall_s"] * (os.cpu_count() or 1))
@@ -247,10 +299,11 @@ def scale(pair, logs: Path, requests: int, kv_bytes: int = 0) -> list[dict]:
     return rows
 
 
-def failover(pair, logs: Path, requests: int) -> dict:
-    """16 clients streaming over 4 target replicas; one replica killed a third of the way."""
+def failover(emulated: Emulation, logs: Path, requests: int) -> dict:
+    """16 clients streaming over 4 target replicas; one replica killed a third of the way.
+    Times in the accelerators' time (Emulation.dilation)."""
     with ExitStack() as stack:
-        services, channel = emulated_stack(pair, 4, 1, logs / "failover", stack)
+        services, channel = emulated_stack(emulated, 4, 1, logs / "failover", stack)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         reference = {
             tuple(p): list(stub.Generate(request(p, 0), timeout=300).token_ids) for p in PROMPTS
@@ -270,7 +323,7 @@ def failover(pair, logs: Path, requests: int) -> dict:
                         stats = chunk.stats
             except grpc.RpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-            gaps = [b - a for a, b in zip(times, times[1:])]
+            gaps = [(b - a) / emulated.dilation for a, b in zip(times, times[1:])]
             with lock:
                 finished.append(
                     {
@@ -288,13 +341,13 @@ def failover(pair, logs: Path, requests: int) -> dict:
             started = time.perf_counter()
             futures = [pool.submit(stream, prompt) for prompt in work]
             done.wait()
-            killed_at = time.perf_counter() - started
+            killed_at = (time.perf_counter() - started) / emulated.dilation
             victim = services.targets[1]
             victim.process.kill()
             victim.process.wait()
             for future in futures:
                 future.result()
-            wall = time.perf_counter() - started
+            wall = (time.perf_counter() - started) / emulated.dilation
     moved = [r for r in finished if r["moves"]]
     result = {
         "clients": FAILOVER_CLIENTS,
@@ -378,16 +431,17 @@ def real_samples(config, logs: Path, drafter: str) -> list[dict]:
 def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale", "failover", "real")) -> dict:
     logs = config.out_dir / "logs"
     pair, alpha = pair_with_acceptance(ROOT / ".cache/bench-accelerator", 0.8)
-    results: dict = {"suite": "pools", "machine": machine, "alpha_measured": alpha}
+    emulated = Emulation.build(pair, config.out_dir / "profiles", config.dilation)
+    results: dict = {"suite": "pools", "machine": machine, "alpha_measured": alpha, "dilation": emulated.dilation}
     if "sweep" in parts:
-        results["sweep"] = sweep(pair, logs, 32)
+        results["sweep"] = sweep(emulated, logs, 32)
     if "scale" in parts:
-        results["scale"] = scale(pair, logs, 96)
+        results["scale"] = scale(emulated, logs, 96)
     if "kv" in parts:
         results["kv_budget"] = kv_budget(pair)
-        results["kv"] = scale(pair, logs, 96, results["kv_budget"])
+        results["kv"] = scale(emulated, logs, 96, results["kv_budget"])
     if "failover" in parts:
-        results["failover"] = failover(pair, logs, 48)
+        results["failover"] = failover(emulated, logs, 48)
     if "real" in parts:
         results["real"] = real_pair(config, logs)
     return results
@@ -398,10 +452,18 @@ def markdown(results: dict) -> str:
     lines = [
         f"Replica pools (`--suite pools`), {machine['date']}: {machine['cpu']} ({machine['cpu_flags']}), "
         f"{machine['cores']} cores, no GPU; torch {machine['torch']}. Emulated rows: the synthetic pair at "
-        f"α {results['alpha_measured']:.2f} held to the h100-70b-tp4 / h100-1b profiles, greedy, {NEW_TOKENS} "
-        "tokens a request, loopback, every process sharing the two cores.",
+        f"α {results['alpha_measured']:.2f} held to the {TARGET_PROFILE} / {DRAFT_PROFILE} profiles, greedy, "
+        f"{NEW_TOKENS} tokens a request, loopback, every process sharing the two cores.",
         "",
     ]
+    dilation = results.get("dilation", 1.0)
+    if dilation != 1.0:
+        lines[0] += (
+            f" **Time-dilated ×{dilation:g}**: every emulated pass took {dilation:g}× its profile's time, and the "
+            f"emulated figures are in the accelerators' time (tok/s × {dilation:g}, waits ÷ {dilation:g}), so this "
+            f"host's own work weighs 1/{dilation:g} of what it does undilated (bench.pools). Host CPU busy is "
+            "this host's, in its own time."
+        )
     if "sweep" in results:
         lines += [
             "**Concurrency sweep, one target and one draft (emulated).** Aggregate tok/s over the same 32 requests.",

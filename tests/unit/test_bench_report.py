@@ -294,3 +294,31 @@ def test_the_live_costs_table_pairs_the_two_choosers_repeat_by_repeat():
     assert "| disturbed | 1 | 1.25× (1.25-1.25) | 30.0 | 40.0 | yes |" in table
     assert "| disturbed | 2 | 1.00× (1.00-1.00) | 8.0 | 8.0 | no |" in table
     assert "| disturbed | target | 40 40 40 40 40 40 40 40 40 | 30 30 30 30 30 30 30 30 30 |" in table
+
+
+def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp_path):
+    """`--suite pools --dilation S`: the services get the published profiles with every time
+    times S (the pass cost at any size and context with it), and the tables say the figures are
+    in dilated, emulated time. S = 1 uses the published files as they are."""
+    from bench import pools
+    from bench.accelerator import PROFILES, profile
+    from specdec.engine.pace import load_profile
+
+    emulated = pools.Emulation.build(None, tmp_path / "x3", 3.0)
+    for path, name in ((emulated.draft_profile, pools.DRAFT_PROFILE), (emulated.target_profile, pools.TARGET_PROFILE)):
+        dilated, published = load_profile(str(path)), profile(name)
+        assert dilated.pass_ms == tuple((tokens, 3.0 * ms) for tokens, ms in published.pass_ms)
+        for tokens, context in ((1, 0), (40, 3000), (700, 100)):
+            assert dilated.ms(tokens, context) == pytest.approx(3.0 * published.ms(tokens, context))
+    plain = pools.Emulation.build(None, tmp_path / "x1", 1.0)
+    assert plain.target_profile == PROFILES / f"{pools.TARGET_PROFILE}.json" and not (tmp_path / "x1").exists()
+
+    row = dict(targets=1, drafts=1, tokens_per_s=100.0, queued_ms_mean=0.0, evicted=0, reprefills=0)
+    results = {
+        "machine": {"date": "d", "cpu": "c", "cpu_flags": "avx2", "cores": 2, "torch": "t"},
+        "alpha_measured": 0.8,
+        "kv_budget": 1,
+        "kv": [dict(row, failed=[], host_busy=0.5)],
+    }
+    assert "dilated" not in pools.markdown(results)
+    assert "**Time-dilated ×3**" in pools.markdown({**results, "dilation": 3.0})
