@@ -138,8 +138,11 @@ class NgramDrafter:
         self.max_speculative_tokens = max_speculative_tokens
         self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
 
-    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
-        """One after the other, in order: a lookup has no model pass to share."""
+    def propose_batch(
+        self, calls: list[ProposeCall], answer: Callable[[int, Proposal], None] | None = None
+    ) -> list[Proposal | Exception]:
+        """One after the other, in order: a lookup has no model pass to share. (`answer`, the
+        batcher's early answer, is not needed: each call is answered as its batch ends.)"""
         return [result_or_error(self.propose_one, call) for call in calls]
 
     def propose_one(self, call: ProposeCall) -> Proposal:

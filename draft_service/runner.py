@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,7 +159,9 @@ class DraftRunner(ModelRunner):
             self._step(drafting, self.forward(drafting.session, drafting.feed, logits_to_keep=1)[-1], batch_size=1)
         return self._finish(drafting)
 
-    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
+    def propose_batch(
+        self, calls: list[ProposeCall], answer: Callable[[int, Proposal], None] | None = None
+    ) -> list[Proposal | Exception]:
         """Several sessions' proposals stepped together: each draft step runs every unfinished
         call in one pass (as few as padding allows: a prompt prefill gets its own).
 
@@ -167,7 +170,8 @@ class DraftRunner(ModelRunner):
         tokens were drawn from, which is all exactness needs), or the exception it would raise.
         Calls on the same session run one after the other, in order; a fork listed before a
         call on its parent shares that call's passes (it copies the parent first), one listed
-        after it waits for it.
+        after it waits for it. `answer(i, proposal)`, if given, is called as soon as call i's
+        proposal is done, while the batch steps on for the others (CallBatcher, answers_early).
         """
         results: list[Proposal | Exception | None] = [None] * len(calls)
         if any(call.tree_widths for call in calls):
@@ -176,11 +180,11 @@ class DraftRunner(ModelRunner):
         reads = [(call.fork_from,) if call.fork_from else () for call in calls]
         for wave in call_waves([(call.session_id,) for call in calls], reads):
             active = start_each(wave, lambda index: self._begin(calls[index]), results)
-            while active := [item for item in active if not self._ended(*item, results)]:
+            while active := [item for item in active if not self._ended(*item, results, answer)]:
                 if len(active) > 1 and all(
                     len(drafting.feed) == 1 and batchable_cache(drafting.session.cache) for _, drafting in active
                 ):
-                    self._decode_together(active, results)  # every step left is one token a session
+                    self._decode_together(active, results, answer)  # every step left is one token a session
                     break
                 for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
                     members = [active[position] for position in group]
@@ -199,16 +203,19 @@ class DraftRunner(ModelRunner):
                     self._step_all(stepped, len(members), results)
         return results  # type: ignore[return-value]
 
-    def _ended(self, index: int, drafting: _Drafting, results: list) -> bool:
-        """Whether the call is over: failed, or done and its proposal in `results`."""
+    def _ended(self, index: int, drafting: _Drafting, results: list, answer: Callable | None = None) -> bool:
+        """Whether the call is over: failed, or done and its proposal in `results` (and given
+        to `answer`)."""
         if drafting.failed:
             return True
         if self._done(drafting):
             results[index] = self._finish(drafting)
+            if answer is not None:
+                answer(index, results[index])
             return True
         return False
 
-    def _decode_together(self, active: list[tuple[int, _Drafting]], results: list) -> None:
+    def _decode_together(self, active: list[tuple[int, _Drafting]], results: list, answer: Callable | None) -> None:
         """The calls' remaining steps, each one token a session, in one DecodeBatch: their
         caches are padded into a batch once and split back once, not at every step."""
         batch, failures = self.decode_batch(
@@ -223,7 +230,7 @@ class DraftRunner(ModelRunner):
                 results[index] = failure
         rows = list(range(len(members)))  # the members still drafting
         try:
-            while rows := [row for row in rows if not self._ended(*members[row], results)]:
+            while rows := [row for row in rows if not self._ended(*members[row], results, answer)]:
                 tokens: list[int | None] = [None] * len(members)
                 for row in rows:
                     tokens[row] = members[row][1].feed[0]

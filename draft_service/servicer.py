@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from draft_service.drafter import Drafter, ProposeCall
+from draft_service.drafter import Drafter, Proposal, ProposeCall
 from specdec.errors import InvalidArgument, error_fields, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
@@ -35,13 +35,14 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         self._model_thread = model_thread
         self._metrics = metrics
         # As on the target: no call waits for a session that has no call coming.
-        self._batcher = (
+        self._batcher: CallBatcher[ProposeCall, Proposal] | None = (
             CallBatcher(
                 model_thread,
                 runner.propose_batch,
                 batch_window_s,
                 max_batch_size,
                 more_expected=lambda waiting: runner.sessions.active(ACTIVE_SESSION_S) > waiting,
+                answers_early=True,
             )
             if batch_window_s > 0 and max_batch_size > 1 and runner.shares_passes
             else None

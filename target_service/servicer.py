@@ -36,7 +36,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         self._metrics = metrics
         # No call waits for a session that is not open: once every open session has a call
         # waiting (one generation alone, or all of them in lockstep), the batch starts.
-        self._batcher = (
+        self._batcher: CallBatcher[VerifyCall, Verification] | None = (
             CallBatcher(
                 model_thread,
                 runner.verify_batch,

@@ -147,15 +147,21 @@ class CallBatcher(Generic[C, R]):
     alternate forever, each one's call running alone while the other's is in flight.
     `run_batch(calls)` returns, per call, a result or the exception to raise in that caller
     alone. A caller cancelled before its batch starts is left out of it.
+
+    With `answers_early`, `run_batch(calls, answer)` may also hand a call its result as soon
+    as that call is done, `answer(index, result)` from the model thread, while the batch goes
+    on with the others (a draft batch steps until its longest call is done): that caller goes
+    on to its next call, and a batch's shortest calls no longer wait for its longest.
     """
 
     def __init__(
         self,
         model_thread: ModelThread,
-        run_batch: Callable[[list[C]], list[R | Exception]],
+        run_batch: Callable[..., list[R | Exception]],
         window_s: float,
         max_size: int,
         more_expected: Callable[[int], bool] = lambda waiting: True,
+        answers_early: bool = False,
     ) -> None:
         if window_s < 0 or max_size < 1:
             raise ValueError(f"a batch window must be >= 0 s and a batch size >= 1; got {window_s} s and {max_size}")
@@ -164,6 +170,7 @@ class CallBatcher(Generic[C, R]):
         self._window_s = window_s
         self._max_size = max_size
         self._more_expected = more_expected
+        self._answers_early = answers_early
         self._waiting: list[tuple[C, asyncio.Future, float]] = []  # (call, its future, when it arrived)
         self._timer: asyncio.TimerHandle | None = None
         self._running: asyncio.Task | None = None
@@ -204,23 +211,38 @@ class CallBatcher(Generic[C, R]):
         self._running = asyncio.get_running_loop().create_task(self._run(batch))
 
     async def _run(self, batch: list[tuple[C, asyncio.Future, float]]) -> None:
+        loop = asyncio.get_running_loop()
+        calls, futures = [call for call, _, _ in batch], [future for _, future, _ in batch]
+
+        def answer(index: int, result: R | Exception) -> None:  # on the model thread
+            try:
+                loop.call_soon_threadsafe(_settle, futures[index], result)
+            except RuntimeError:  # the loop has closed (shutdown): no caller is left to answer
+                pass
+
         try:
-            results: list = await self._model_thread.run(self._run_batch, [call for call, _, _ in batch])
+            early = (answer,) if self._answers_early else ()
+            results: list = await self._model_thread.run(self._run_batch, calls, *early)
         except BaseException as exc:  # noqa: BLE001 - the callers get it; this task only relays
             results = [exc] * len(batch)
         finally:
             self._running = None
-            self._idle_since = asyncio.get_running_loop().time()
-        for (_, future, _), result in zip(batch, results):
-            if future.done():
-                continue
-            if isinstance(result, asyncio.CancelledError):
-                future.cancel()
-            elif isinstance(result, BaseException) and not isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            self._idle_since = loop.time()
+        for future, result in zip(futures, results):
+            _settle(future, result)  # a call answered early keeps that answer
         self._schedule()
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    """A batched call's result to its caller: the value, or the exception it raises there."""
+    if future.done():
+        return
+    if isinstance(result, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(result, BaseException) and not isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 async def expire_sessions_periodically(model_thread: ModelThread, expire: Callable[[], int], every_s: float) -> None:

@@ -88,6 +88,39 @@ def test_batched_proposals_equal_lone_ones_over_mixed_pasts_runs_and_k(loaded, p
     assert batched.batched_forwards > 0
 
 
+def test_each_call_is_answered_as_soon_as_its_own_drafts_are_done(loaded):
+    """propose_batch's `answer` (CallBatcher, answers_early): a call of K = 1 is answered while
+    the batch steps on for K = 5, each call once, with the proposal the batch returns for it."""
+    runner = make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompts = {f"s{i}": tokens(i, 5, vocab) for i in range(3)}
+    for sid, prompt in prompts.items():
+        runner.propose_one(ProposeCall(sid, 0, prompt, 1, GREEDY, 0))
+    ks = {"s0": 5, "s1": 1, "s2": 3}
+    calls = [ProposeCall(sid, len(prompts[sid]), [7], ks[sid], GREEDY, 0) for sid in prompts]
+    answered: list[tuple[int, object, int]] = []  # (call, proposal, decode steps run by then)
+    steps = [0]
+    step = type(runner).decode_batch
+
+    def counting_decode_batch(self, *args, **kwargs):
+        batch, failures = step(self, *args, **kwargs)
+        inner = batch.step
+
+        def counted(tokens_in):
+            steps[0] += 1
+            return inner(tokens_in)
+
+        batch.step = counted
+        return batch, failures
+
+    runner.decode_batch = counting_decode_batch.__get__(runner)
+    results = runner.propose_batch(calls, lambda index, proposal: answered.append((index, proposal, steps[0])))
+    assert [index for index, _, _ in answered] == [1, 2, 0]  # K = 1, then 3, then 5
+    assert all(results[index] is proposal for index, proposal, _ in answered)
+    assert [len(results[index].token_ids) for index, _, _ in answered] == [1, 3, 5]
+    assert answered[0][2] < answered[-1][2]  # the K = 1 call was answered steps before the batch ended
+
+
 def test_a_bad_call_fails_alone_and_a_session_called_twice_keeps_its_order(loaded):
     lone, batched = make_runner(loaded), make_runner(loaded)
     vocab = loaded.vocab_size

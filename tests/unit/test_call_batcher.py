@@ -135,3 +135,22 @@ async def test_a_job_cancelled_before_it_started_no_longer_counts_as_queued(mode
         await waiting
     assert not model_thread.queued()
     assert await model_thread.run(lambda: "next") == "next" and not model_thread.queued()
+
+
+async def test_a_call_answered_early_returns_while_its_batch_runs_on_and_keeps_that_answer(model_thread):
+    """answers_early: run_batch hands call 0 its result, then holds the batch; call 0's caller
+    has it before the batch ends, and the batch's own (later) result for it does not replace it."""
+    release = threading.Event()
+
+    def run_batch(calls: list[int], answer) -> list[int | Exception]:
+        answer(0, 10 * calls[0])
+        release.wait(5)
+        return [InvalidArgument("too late")] + [2 * call for call in calls[1:]]
+
+    batcher = CallBatcher(model_thread, run_batch, window_s=0.01, max_size=8, answers_early=True)
+    first, second = (asyncio.ensure_future(batcher.submit(n)) for n in (1, 2))
+    assert await asyncio.wait_for(first, timeout=5) == 10
+    assert not second.done()
+    release.set()
+    assert await asyncio.wait_for(second, timeout=5) == 4
+    assert first.result() == 10
