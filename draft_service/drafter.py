@@ -79,7 +79,10 @@ class Drafter(Protocol):
     def propose_one(self, call: ProposeCall) -> Proposal: ...
 
     def propose_batch(
-        self, calls: list[ProposeCall], answer: Callable[[int, Proposal], None] | None = None
+        self,
+        calls: list[ProposeCall],
+        answer: Callable[[int, Proposal | Exception], None] | None = None,
+        join: Callable[[int], list[ProposeCall]] | None = None,
     ) -> list[Proposal | Exception]: ...
 
     def describe(self) -> ModelDescription: ...

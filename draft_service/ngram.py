@@ -139,10 +139,14 @@ class NgramDrafter:
         self.sessions = SessionStore(max_sessions, session_ttl_s, cache_factory=lambda: None)
 
     def propose_batch(
-        self, calls: list[ProposeCall], answer: Callable[[int, Proposal], None] | None = None
+        self,
+        calls: list[ProposeCall],
+        answer: Callable[[int, Proposal | Exception], None] | None = None,
+        join: Callable[[int], list[ProposeCall]] | None = None,
     ) -> list[Proposal | Exception]:
-        """One after the other, in order: a lookup has no model pass to share. (`answer`, the
-        batcher's early answer, is not needed: each call is answered as its batch ends.)"""
+        """One after the other, in order: a lookup has no model pass to share. (`answer` and
+        `join`, the batcher's early answers and late joiners, are not needed: the servicer
+        batches no calls for a drafter that shares no passes, `Drafter.shares_passes`.)"""
         return [result_or_error(self.propose_one, call) for call in calls]
 
     def propose_one(self, call: ProposeCall) -> Proposal:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from specdec.engine.batching import batch_groups, call_waves, result_or_error, s
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
-from specdec.engine.runner import ModelRunner
+from specdec.engine.runner import DecodeBatch, ModelRunner
 from specdec.engine.sessions import KVSession, batchable_cache
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling.probs import logits_to_probs, one_hot_argmax, one_hot_at, sample, top_k_with_support
@@ -160,7 +161,10 @@ class DraftRunner(ModelRunner):
         return self._finish(drafting)
 
     def propose_batch(
-        self, calls: list[ProposeCall], answer: Callable[[int, Proposal], None] | None = None
+        self,
+        calls: list[ProposeCall],
+        answer: Callable[[int, Proposal | Exception], None] | None = None,
+        join: Callable[[int], list[ProposeCall]] | None = None,
     ) -> list[Proposal | Exception]:
         """Several sessions' proposals stepped together: each draft step runs every unfinished
         call in one pass (as few as padding allows: a prompt prefill gets its own).
@@ -170,77 +174,186 @@ class DraftRunner(ModelRunner):
         tokens were drawn from, which is all exactness needs), or the exception it would raise.
         Calls on the same session run one after the other, in order; a fork listed before a
         call on its parent shares that call's passes (it copies the parent first), one listed
-        after it waits for it. `answer(i, proposal)`, if given, is called as soon as call i's
-        proposal is done, while the batch steps on for the others (CallBatcher, answers_early).
+        after it waits for it.
+
+        `answer(i, result)`, if given, is called as soon as call i's result is known, while the
+        batch steps on for the others (CallBatcher, answers_early). `join(held)`, if given,
+        hands over calls that arrived since the batch began (CallBatcher, joins; `held`: the
+        calls in the running decode batch): they join it between its passes (iteration-level
+        batching), so no call waits for a batch's longest call to end. The j-th call joined is
+        item len(calls) + j of the result, and is answered through `answer`.
         """
+        calls = list(calls)
         results: list[Proposal | Exception | None] = [None] * len(calls)
-        if any(call.tree_widths for call in calls):
-            # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
-            return [result_or_error(self.propose_one, call) for call in calls]
-        reads = [(call.fork_from,) if call.fork_from else () for call in calls]
-        for wave in call_waves([(call.session_id,) for call in calls], reads):
-            active = start_each(wave, lambda index: self._begin(calls[index]), results)
-            while active := [item for item in active if not self._ended(*item, results, answer)]:
-                if len(active) > 1 and all(
-                    len(drafting.feed) == 1 and batchable_cache(drafting.session.cache) for _, drafting in active
-                ):
-                    self._decode_together(active, results, answer)  # every step left is one token a session
-                    break
-                for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
-                    members = [active[position] for position in group]
-                    outputs = self.forward_batch(
-                        [drafting.session for _, drafting in members],
-                        [drafting.feed for _, drafting in members],
-                        [1] * len(members),
-                    )
-                    stepped = []
-                    for (index, drafting), logits in zip(members, outputs):
-                        if isinstance(logits, Exception):
-                            results[index] = logits
-                            drafting.failed = True
-                        else:
-                            stepped.append((index, drafting, logits[-1]))
-                    self._step_all(stepped, len(members), results)
+        todo = list(range(len(calls)))
+        while todo:  # calls that could not join the batch they arrived in run after it
+            todo = self._propose_waves(calls, todo, results, answer, join)
         return results  # type: ignore[return-value]
 
-    def _ended(self, index: int, drafting: _Drafting, results: list, answer: Callable | None = None) -> bool:
-        """Whether the call is over: failed, or done and its proposal in `results` (and given
-        to `answer`)."""
-        if drafting.failed:
-            return True
-        if self._done(drafting):
-            results[index] = self._finish(drafting)
-            if answer is not None:
-                answer(index, results[index])
-            return True
-        return False
+    def _propose_waves(
+        self,
+        calls: list[ProposeCall],
+        todo: list[int],
+        results: list,
+        answer: Callable | None,
+        join: Callable[[int], list[ProposeCall]] | None,
+    ) -> list[int]:
+        """propose_batch for the calls `todo` indexes; calls joined grow `calls` and `results`.
+        → the joined calls to run next (the batch could not take them)."""
+        if any(calls[index].tree_widths for index in todo):
+            # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
+            for index in todo:
+                self._settle(index, result_or_error(self.propose_one, calls[index]), results, answer)
+            return []
+        reads = [(calls[index].fork_from,) if calls[index].fork_from else () for index in todo]
+        waves = call_waves([(calls[index].session_id,) for index in todo], reads)
+        later: list[int] = []
+        for number, wave in enumerate(waves):
+            joins = join if number == len(waves) - 1 else None  # after every call already here
+            active = start_each([todo[i] for i in wave], lambda index: self._begin(calls[index]), results)
+            self._settle_failed([todo[i] for i in wave], results, answer)
+            while active := [item for item in active if not self._ended(*item, results, answer)]:
+                if all(
+                    len(drafting.feed) == 1 and batchable_cache(drafting.session.cache) for _, drafting in active
+                ) and (len(active) > 1 or joins is not None):
+                    later += self._decode_together(active, calls, results, answer, joins)
+                    break
+                for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
+                    self._pass(active, group, results)
+        return later
 
-    def _decode_together(self, active: list[tuple[int, _Drafting]], results: list, answer: Callable | None) -> None:
+    def _pass(self, active: list[tuple[int, _Drafting]], group: list[int], results: list) -> None:
+        """One pass over active[position] for each position in `group`, and a draw for each."""
+        members = [active[position] for position in group]
+        outputs = self.forward_batch(
+            [drafting.session for _, drafting in members],
+            [drafting.feed for _, drafting in members],
+            [1] * len(members),
+        )
+        stepped = []
+        for (index, drafting), logits in zip(members, outputs):
+            if isinstance(logits, Exception):
+                results[index] = logits
+                drafting.failed = True
+            else:
+                stepped.append((index, drafting, logits[-1]))
+        self._step_all(stepped, len(members), results)
+
+    @staticmethod
+    def _settle(index: int, result: Proposal | Exception, results: list, answer: Callable | None) -> None:
+        results[index] = result
+        if answer is not None:
+            answer(index, result)
+
+    def _settle_failed(self, indices: list[int], results: list, answer: Callable | None) -> None:
+        """Answers the calls that failed to start (their exception is in `results`)."""
+        for index in indices:
+            if results[index] is not None:
+                self._settle(index, results[index], results, answer)
+
+    def _ended(
+        self,
+        index: int,
+        drafting: _Drafting,
+        results: list,
+        answer: Callable | None = None,
+        leave: Callable[[], None] | None = None,
+    ) -> bool:
+        """Whether the call is over: failed (its exception in `results`), or done and its
+        proposal in `results`; either is given to `answer`, after `leave()` (a decode batch
+        handing its session's cache back, before its caller can call again)."""
+        if not (drafting.failed or self._done(drafting)):
+            return False
+        if leave is not None:
+            leave()
+        self._settle(index, results[index] if drafting.failed else self._finish(drafting), results, answer)
+        return True
+
+    def _decode_together(
+        self,
+        active: list[tuple[int, _Drafting]],
+        calls: list[ProposeCall],
+        results: list,
+        answer: Callable | None,
+        join: Callable[[int], list[ProposeCall]] | None,
+    ) -> list[int]:
         """The calls' remaining steps, each one token a session, in one DecodeBatch: their
-        caches are padded into a batch once and split back once, not at every step."""
+        caches are padded into a batch once and split back once, not at every step. A call that
+        is done leaves the batch (its session's cache back) before it is answered, and calls
+        from `join` enter it between passes. → the joined calls it could not take, to run after
+        it (a call on a session still in the batch, a tree); from the first of them on, it takes
+        no more, so it ends within K passes."""
         batch, failures = self.decode_batch(
             [drafting.session for _, drafting in active],
             [drafting.call.num_tokens - len(drafting.token_ids) for _, drafting in active],
         )
-        members = []
+        members: dict[str, tuple[int, _Drafting]] = {}  # by session id
         for (index, drafting), failure in zip(active, failures):
             if failure is None:
-                members.append((index, drafting))
+                members[drafting.session.session_id] = (index, drafting)
             else:
-                results[index] = failure
-        rows = list(range(len(members)))  # the members still drafting
+                self._settle(index, failure, results, answer)
+        later: list[int] = []
         try:
-            while rows := [row for row in rows if not self._ended(*members[row], results, answer)]:
-                tokens: list[int | None] = [None] * len(members)
-                for row in rows:
-                    tokens[row] = members[row][1].feed[0]
-                logits = batch.step(tokens)  # [B, N]
-                self._step_all([(*members[row], logits[row]) for row in rows], len(rows), results)
+            while True:
+                for session_id, (index, drafting) in list(members.items()):
+                    if self._ended(index, drafting, results, answer, functools.partial(batch.leave, session_id)):
+                        del members[session_id]
+                if join is not None and not later:
+                    for call in join(len(members)):
+                        calls.append(call)
+                        results.append(None)
+                        if not self._admit(len(calls) - 1, calls, members, batch, results, answer):
+                            later.append(len(calls) - 1)
+                if not members:
+                    return later
+                logits = batch.step({session_id: drafting.feed for session_id, (_, drafting) in members.items()})
+                size = len(members)
+                self._step_all(
+                    [(index, drafting, logits[sid]) for sid, (index, drafting) in members.items()], size, results
+                )
         except Exception as exc:  # noqa: BLE001 - a failed pass ended every session of the batch
-            for index, _ in members:
-                results[index] = exc
+            for index, _ in members.values():
+                self._settle(index, exc, results, answer)
+            return later
         finally:
             batch.close()
+
+    def _admit(
+        self,
+        index: int,
+        calls: list[ProposeCall],
+        members: dict[str, tuple[int, _Drafting]],
+        batch: DecodeBatch,
+        results: list,
+        answer: Callable | None,
+    ) -> bool:
+        """Starts joined call `index` in the running decode batch: False if it must wait for
+        the batch to end (its session, or the one it forks, is drafting in it; a tree). A call
+        whose tokens are a prompt or a re-prefill (more than a round commits) runs them in a
+        pass of its own first; a round's tokens run in the batch's next pass."""
+        call = calls[index]
+        if call.tree_widths or call.session_id in members or call.fork_from in members:
+            return False
+        try:
+            drafting = self._begin(call)
+        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+            self._settle(index, exc, results, answer)
+            return True
+        round_tokens = self.max_speculative_tokens + 2  # K accepted, the bonus, the last proposal unrun
+        while not self._ended(index, drafting, results, answer):
+            session = drafting.session
+            if session.cached_tokens and len(drafting.feed) <= round_tokens and batchable_cache(session.cache):
+                failure = batch.join(
+                    session, len(drafting.feed) + drafting.call.num_tokens - len(drafting.token_ids) - 1
+                )
+                if failure is None:
+                    members[session.session_id] = (index, drafting)
+                else:
+                    self._settle(index, failure, results, answer)
+                return True
+            self._pass([(index, drafting)], [0], results)
+        return True
 
     def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
         """`_step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way

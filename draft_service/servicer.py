@@ -43,6 +43,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
                 max_batch_size,
                 more_expected=lambda waiting: runner.sessions.active(ACTIVE_SESSION_S) > waiting,
                 answers_early=True,
+                joins=True,
             )
             if batch_window_s > 0 and max_batch_size > 1 and runner.shares_passes
             else None

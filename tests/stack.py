@@ -53,14 +53,15 @@ def model_service_config(cls, model, **overrides):
 
 
 def slow_down(runner, seconds: float) -> None:
-    """Makes every forward pass of `runner` take `seconds` longer (a slow node)."""
-    plain_forward = runner.forward
+    """Makes every forward pass of `runner`'s model take `seconds` longer (a slow node),
+    whichever runner path runs it (one session's, a batched pass, a DecodeBatch step)."""
+    plain_forward = runner.model.forward
 
     def slow_forward(*args, **kwargs):
         time.sleep(seconds)
         return plain_forward(*args, **kwargs)
 
-    runner.forward = slow_forward
+    runner.model.forward = slow_forward
 
 
 @dataclass

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -25,6 +25,7 @@ from specdec.engine.costs import (
     calibrate,
     fastest,
 )
+from specdec.engine.kv import plain_cache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
@@ -483,21 +484,15 @@ class ModelRunner:
 
     def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
         """Sessions (distinct ids, each with a cache) that will each run one token per pass for
-        up to steps[b] passes, in one batch kept from pass to pass (DecodeBatch).
+        up to steps[b] passes, in one batch kept from pass to pass (DecodeBatch), which others
+        may join between passes.
 
         Each session is admitted to the KV budget for its steps up front, as `forward_batch`
         admits a pass; one that does not fit is ended and gets its exception (item b of the
-        second list), and its row takes no tokens. → (the batch, per session its failure or None)
+        second list), and stays out of the batch. → (the batch, per session its failure or None)
         """
-        failures: list[Exception | None] = [None] * len(sessions)
-        pending_bytes = 0
-        for index, (session, count) in enumerate(zip(sessions, steps)):
-            extra_bytes = count * self.kv_bytes_per_token
-            failures[index] = self._make_room(session, extra_bytes, pending_bytes)
-            if failures[index] is None:
-                pending_bytes += extra_bytes
-        admitted = [session for session, failure in zip(sessions, failures) if failure is None]
-        return DecodeBatch(self, admitted), failures
+        batch = DecodeBatch(self)
+        return batch, [batch.join(session, count) for session, count in zip(sessions, steps)]
 
     def _forward_padded_tree(
         self, sessions: list[KVSession], token_ids: list[list[int]], trees: list[tuple[list[int], list[int]]]
@@ -568,80 +563,174 @@ def kv_bytes_per_token(model) -> int:
 
 
 class DecodeBatch:
-    """Sessions that each run one token per pass, in one padded batch kept from pass to pass
-    (ModelRunner.decode_batch). Row b is laid out as `_forward_padded` lays out a pass,
+    """Sessions stepping together in one padded batch kept from pass to pass
+    (ModelRunner.decode_batch), which sessions join and leave between passes: iteration-level
+    batching, as Orca and vLLM schedule. Row b holds, column by column,
 
-        [pad × (P - P_b)] [past_b: P_b cached] [one column per pass: its token, or a masked pad]
+        [pad …] [past_b: its cache when it joined] [each pass since: its tokens, right-padded to the pass's widest row]
 
-    and gains a column each pass: its session's token while it runs, a masked pad once it has
-    stopped. The caches are padded into the batch once and split back once (`close`), where
-    a pass of `forward_batch` copies every session's cache in and out, a copy per layer and
-    session on each side of every pass. Padding runs inside the first pass's emulated time
-    (specdec.engine.pace), as a device's memory traffic would; the split runs after the last.
+    and `_mask` [B, W] marks its real entries, so pads (before a past; after a row's tokens in
+    a pass where another row ran more) are never attended as keys. A pass's pad queries see
+    their row's real entries, so no attention row is empty (no NaN to leak). Positions count
+    each row's real entries only.
+
+    A session's cache is padded in once, at the first pass after it joins, and split back
+    once, when it leaves (`leave`, `close`): a pass of `forward_batch` copies every session's
+    cache in and out instead, a copy per layer and session on each side of every pass.
+    Joining, and dropping the rows that left, run inside the next pass's emulated time
+    (specdec.engine.pace), as a device's memory traffic would; a split runs on the host.
     """
 
-    def __init__(self, runner: ModelRunner, sessions: list[KVSession]):
+    def __init__(self, runner: ModelRunner):
         self._runner = runner
-        self.sessions = sessions
-        self._past = [session.cached_tokens for session in sessions]  # [B]
-        self._ran = [0] * len(sessions)  # [B] tokens each row has run
-        self._cache: DynamicCache | None = None  # padded at the first pass
-        self._mask = torch.zeros(0)  # [B, P + passes]: 1 at each row's real entries
+        self.sessions: list[KVSession] = []  # [B] the rows, in order
+        self._lengths: list[int] = []  # [B] real entries each row holds: its next position
+        self._cache: DynamicCache | None = None  # per layer [B, H, W, D]; None before the first pass
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=runner.loaded.device)  # [B, W]: 1 at real entries
+        self._joining: list[KVSession] = []  # padded in at the next pass
+        self._left: set[int] = set()  # rows split back already, dropped at the next pass
+        self._reserved: dict[str, int] = {}  # KV bytes each session was admitted to grow by
         self._failed = False
 
+    def join(self, session: KVSession, new_tokens: int) -> Exception | None:
+        """Admits `session` (one with a cache; no other session of the batch has its id) to
+        grow by `new_tokens` in this batch, beside what the batch's other sessions were
+        admitted for, as `forward_batch` admits a pass; it joins at the next pass. One that
+        does not fit is ended and its exception returned, for its caller alone."""
+        extra_bytes = new_tokens * self._runner.kv_bytes_per_token
+        failure = self._runner._make_room(session, extra_bytes, sum(self._reserved.values()))
+        if failure is None:
+            self._joining.append(session)
+            self._reserved[session.session_id] = extra_bytes
+        return failure
+
     @torch.inference_mode()
-    def step(self, tokens: list[int | None]) -> torch.Tensor:
-        """One pass: row b runs tokens[b], or a masked pad where None (its session stopped;
-        it never runs again). → logits [B, V] at each row's new token (float32; a stopped
-        row's are meaningless). A failed pass ends every session of the batch and raises."""
+    def step(self, feeds: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """One pass: every session in the batch (by id) runs its tokens, at least one each.
+        → each one's logits [V] at its last token (float32). A failed pass ends every session
+        of the batch and raises."""
         runner, device = self._runner, self._runner.loaded.device
-        if len(tokens) != len(self.sessions) or self._failed:
-            raise AssertionError("a decode batch steps every row it was opened with, until a pass fails")
-        live = [row for row, token in enumerate(tokens) if token is not None]
-        input_ids = torch.tensor([[token or 0] for token in tokens], dtype=torch.long, device=device)  # [B, 1]
-        column = torch.tensor([[token is not None] for token in tokens], dtype=torch.long, device=device)  # [B, 1]
-        positions = torch.tensor([[past + ran] for past, ran in zip(self._past, self._ran)], device=device)  # [B, 1]
-        context = sum(self._past[row] + self._ran[row] for row in live)
+        members = [session for row, session in enumerate(self.sessions) if row not in self._left] + self._joining
+        if self._failed or sorted(feeds) != sorted(s.session_id for s in members) or not all(feeds.values()):
+            raise AssertionError("a decode batch steps each of its sessions, one token or more, until a pass fails")
+        new = sum(len(tokens) for tokens in feeds.values())
         try:
-            with runner._paced(len(live), context):
-                if self._cache is None:
-                    width = max(self._past)
-                    self._cache = padded_cache(self.sessions, self._past, width, runner.model.config)
-                    self._mask = torch.zeros(len(self.sessions), width, dtype=torch.long, device=device)  # [B, P]
-                    for row, past in enumerate(self._past):
-                        self._mask[row, width - past :] = 1
-                self._mask = torch.cat([self._mask, column], dim=1)  # [B, P + passes]
-                start = self._mask.shape[1] - 1
+            context = sum(session.cached_tokens for session in self._joining) + sum(
+                length for row, length in enumerate(self._lengths) if row not in self._left
+            )
+            with runner._paced(new, context):
+                self._regroup()
+                rows = [feeds[session.session_id] for session in self.sessions]  # B × [N_b]
+                batch, width = len(rows), max(len(tokens) for tokens in rows)
+                input_ids = torch.zeros(
+                    batch, width, dtype=torch.long, device=device
+                )  # [B, N]; pad id 0 is never attended
+                block = torch.zeros(batch, width, dtype=torch.long, device=device)  # [B, N]: 1 at real tokens
+                for row, tokens in enumerate(rows):
+                    input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                    block[row, : len(tokens)] = 1
+                positions = (torch.tensor(self._lengths)[:, None] + torch.arange(width)).to(device)  # [B, N]
+                start = self._mask.shape[1]
+                self._mask = torch.cat([self._mask, block], dim=1)  # [B, W + N]
+                last = torch.tensor([[len(tokens) - 1] for tokens in rows], device=device)  # [B, 1]
                 out = runner.model(
                     input_ids=input_ids,
                     attention_mask=self._mask,
                     position_ids=positions,
                     **with_cache(runner.model, self._cache),
-                    cache_position=torch.arange(start, start + 1, device=device),
+                    cache_position=torch.arange(start, start + width, device=device),
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=last,
                 )
                 runner._synchronize()
         except BaseException:
             self._failed = True
-            for session in self.sessions:  # a half-updated batch cannot be split back
+            for session in [*self.sessions, *self._joining]:  # a half-updated batch cannot be split back
                 runner.sessions.end(session.session_id)
             raise
-        for row in live:
-            self._ran[row] += 1
-        runner.processed_tokens_total += len(live)
+        self._lengths = [length + len(tokens) for length, tokens in zip(self._lengths, rows)]
+        runner.processed_tokens_total += new
         runner.batched_forwards += 1
-        runner.batched_sessions_total += len(live)
-        runner.max_batch_size_seen = max(runner.max_batch_size_seen, len(live))
-        return out.logits[:, -1].float()  # [B, V]
+        runner.batched_sessions_total += batch
+        runner.max_batch_size_seen = max(runner.max_batch_size_seen, batch)
+        logits = out.logits[:, -1].float()  # [B, V]
+        return {session.session_id: logits[row] for row, session in enumerate(self.sessions)}
+
+    def _regroup(self) -> None:
+        """Drops the rows that left and the columns no row holds any more, then pads in the
+        sessions that joined (widening every row on the left where a newcomer's past is longer)."""
+        layers = [] if self._cache is None else _tensors(self._cache)
+        if self._left:
+            kept = [row for row in range(len(self.sessions)) if row not in self._left]
+            index = torch.tensor(kept, dtype=torch.long, device=self._mask.device)
+            self._mask = self._mask.index_select(0, index)
+            held = self._mask.any(dim=0)  # [W]
+            first = int(held.int().argmax()) if bool(held.any()) else self._mask.shape[1]
+            self._mask = self._mask[:, first:]
+            layers = [
+                (keys.index_select(0, index)[:, :, first:], values.index_select(0, index)[:, :, first:])
+                for keys, values in layers
+            ]
+            self.sessions = [self.sessions[row] for row in kept]
+            self._lengths = [self._lengths[row] for row in kept]
+            self._left = set()
+        if self._joining:
+            past = [session.cached_tokens for session in self._joining]
+            width = max(self._mask.shape[1], *past)
+            if layers and width > self._mask.shape[1]:  # widen the rows already here
+                grow = width - self._mask.shape[1]
+                self._mask = torch.nn.functional.pad(self._mask, (grow, 0))
+                layers = [
+                    (torch.nn.functional.pad(k, (0, 0, grow, 0)), torch.nn.functional.pad(v, (0, 0, grow, 0)))
+                    for k, v in layers
+                ]
+            newcomers = padded_cache(self._joining, past, width, self._runner.model.config)
+            pairs = _tensors(newcomers)
+            layers = (
+                [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(layers, pairs)]
+                if layers
+                else pairs
+            )
+            mask = torch.zeros(len(past), width, dtype=torch.long, device=self._mask.device)
+            for row, length in enumerate(past):
+                mask[row, width - length :] = 1
+            self._mask = torch.cat([self._mask, mask]) if self._mask.numel() else mask
+            self.sessions += self._joining
+            self._lengths += past
+            self._joining = []
+        self._cache = plain_cache(layers)
 
     @torch.inference_mode()
-    def close(self) -> None:
-        """Hands each session a cache of exactly its past and the tokens it ran (a copy of its
-        row: the batch's tensors are freed). Nothing to do if no pass ran or one failed."""
-        if self._cache is None or self._failed:
+    def leave(self, session_id: str) -> None:
+        """Hands the session its cache now: a copy of its row's real entries, its past and
+        every token it ran (the batch's tensors are not kept alive by it). Its row is dropped at
+        the next pass. One that joined and never ran leaves as it came; nothing to do after a
+        failed pass (every session was ended)."""
+        self._reserved.pop(session_id, None)
+        if any(session.session_id == session_id for session in self._joining):
+            self._joining = [session for session in self._joining if session.session_id != session_id]
             return
-        width = max(self._past)
-        for row, session in enumerate(self.sessions):  # host work: no pass is left to hold it
-            session.cache = row_cache(self._cache, row, width - self._past[row], width + self._ran[row])
+        row = next(row for row, session in enumerate(self.sessions) if session.session_id == session_id)
+        if self._failed or row in self._left:
+            return
+        self._left.add(row)
+        if self._cache is None:
+            return
+        real = self._mask[row].nonzero().squeeze(1)  # [L_b] the row's columns
+        layers: list = self._cache.layers
+        self.sessions[row].cache = plain_cache(
+            (layer.keys[row : row + 1].index_select(2, real), layer.values[row : row + 1].index_select(2, real))
+            for layer in layers
+        )
+
+    def close(self) -> None:
+        """Every session still in the batch leaves (`leave`)."""
+        for session in [*self.sessions, *self._joining]:
+            self.leave(session.session_id)
         self._cache = None
+
+
+def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of each layer of a cache of plain full-attention layers (batchable_cache)."""
+    layers: list[Any] = cache.layers  # transformers types a layer as any cache kind's
+    return [(layer.keys, layer.values) for layer in layers]

@@ -33,12 +33,12 @@ class SessionServicerMixin:
     async def EndSession(
         self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EndSessionResponse:
-        existed = await self._model_thread.run(self._runner.end_session, request.session_id, not request.discard)
+        existed = await self._model_thread.run_brief(self._runner.end_session, request.session_id, not request.discard)
         return common_pb2.EndSessionResponse(existed=existed)
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return wire.description_to_pb(await self._model_thread.run(self._runner.describe))
+        return wire.description_to_pb(await self._model_thread.run_brief(self._runner.describe))
 
 
 async def answer_each(

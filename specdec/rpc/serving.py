@@ -8,6 +8,8 @@ import dataclasses
 import inspect
 import logging
 import signal
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -106,6 +108,7 @@ class ModelThread:
         self._submitted = 0
         self._started = 0
         self._dropped = 0  # cancelled before they started: they never will
+        self._brief: deque[tuple[Callable, tuple, asyncio.AbstractEventLoop, asyncio.Future]] = deque()  # run_brief
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self._submitted += 1
@@ -123,7 +126,34 @@ class ModelThread:
 
     def queued(self) -> bool:
         """Some call waits for the thread: a job that runs many steps yields to it."""
-        return self._submitted > self._started + self._dropped
+        return self._submitted > self._started + self._dropped or bool(self._brief)
+
+    async def run_brief(self, fn: Callable[..., T], *args: Any) -> T:
+        """`run` for a short job that runs no forward pass (EndSession, Info). A job that steps
+        a batch on the thread runs it between two passes (`run_brief_jobs`), and its caller is
+        answered then, rather than the batch ending first; with none running, it runs as `run`
+        would, in its turn."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._brief.append((fn, args, loop, future))
+        self._executor.submit(self.run_brief_jobs)
+        return await future
+
+    def run_brief_jobs(self) -> None:
+        """On the model thread: runs every brief job waiting, in order, and answers each."""
+        while True:
+            try:
+                fn, args, loop, future = self._brief.popleft()
+            except IndexError:
+                return
+            try:
+                outcome, failed = fn(*args), False
+            except Exception as exc:  # noqa: BLE001 - raised in its caller
+                outcome, failed = exc, True
+            try:
+                loop.call_soon_threadsafe(_resolve, future, outcome, failed)
+            except RuntimeError:  # the loop has closed (shutdown): no caller is left to answer
+                pass
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -152,6 +182,13 @@ class CallBatcher(Generic[C, R]):
     as that call is done, `answer(index, result)` from the model thread, while the batch goes
     on with the others (a draft batch steps until its longest call is done): that caller goes
     on to its next call, and a batch's shortest calls no longer wait for its longest.
+
+    With `joins` (and early answers), `run_batch(calls, answer, join)` may also take the calls
+    that arrive while it runs: `join(held)`, from the model thread between its passes, hands
+    over those waiting, at most `max_size - held`, and the j-th call taken is index
+    len(calls) + j of `answer` and of the results. Calls no batch took run in the next one.
+    It takes none while another job waits for the model thread (`ModelThread.queued`), so a
+    batch that others keep joining still ends and lets it run.
     """
 
     def __init__(
@@ -162,16 +199,23 @@ class CallBatcher(Generic[C, R]):
         max_size: int,
         more_expected: Callable[[int], bool] = lambda waiting: True,
         answers_early: bool = False,
+        joins: bool = False,
     ) -> None:
         if window_s < 0 or max_size < 1:
             raise ValueError(f"a batch window must be >= 0 s and a batch size >= 1; got {window_s} s and {max_size}")
+        if joins and not answers_early:
+            raise ValueError("a batch that calls join must answer them early: it may not end for a while")
         self._model_thread = model_thread
         self._run_batch = run_batch
         self._window_s = window_s
         self._max_size = max_size
         self._more_expected = more_expected
         self._answers_early = answers_early
+        self._joins = joins
         self._waiting: list[tuple[C, asyncio.Future, float]] = []  # (call, its future, when it arrived)
+        # Calls the running batch may take (joins): guarded by the lock, as the model thread takes them.
+        self._lock = threading.Lock()
+        self._joinable: list[tuple[C, asyncio.Future, float]] | None = None  # None: no batch takes calls now
         self._timer: asyncio.TimerHandle | None = None
         self._running: asyncio.Task | None = None
         self._idle_since = float("-inf")  # loop time the previous batch ended
@@ -179,8 +223,13 @@ class CallBatcher(Generic[C, R]):
     async def submit(self, call: C) -> R:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._waiting.append((call, future, loop.time()))
-        self._schedule()
+        with self._lock:
+            joinable = self._joinable is not None
+            if joinable:
+                self._joinable.append((call, future, loop.time()))  # type: ignore[union-attr]
+        if not joinable:
+            self._waiting.append((call, future, loop.time()))
+            self._schedule()
         result = await future
         if isinstance(result, Exception):
             raise result
@@ -208,6 +257,9 @@ class CallBatcher(Generic[C, R]):
             self._timer.cancel()
             self._timer = None
         batch, self._waiting = self._waiting[: self._max_size], self._waiting[self._max_size :]
+        if self._joins:
+            with self._lock:
+                self._joinable = []  # from now on, calls go to the batch that starts here
         self._running = asyncio.get_running_loop().create_task(self._run(batch))
 
     async def _run(self, batch: list[tuple[C, asyncio.Future, float]]) -> None:
@@ -220,17 +272,41 @@ class CallBatcher(Generic[C, R]):
             except RuntimeError:  # the loop has closed (shutdown): no caller is left to answer
                 pass
 
+        def join(held: int) -> list[C]:  # on the model thread, between passes
+            self._model_thread.run_brief_jobs()
+            if self._model_thread.queued():
+                return []
+            room = max(0, self._max_size - held)
+            with self._lock:
+                waiting = [entry for entry in self._joinable or () if not entry[1].done()]
+                taken, self._joinable = waiting[:room], waiting[room:]
+            futures.extend(future for _, future, _ in taken)
+            return [call for call, _, _ in taken]
+
         try:
-            early = (answer,) if self._answers_early else ()
-            results: list = await self._model_thread.run(self._run_batch, calls, *early)
+            extra = (answer, join) if self._joins else (answer,) if self._answers_early else ()
+            results: list = await self._model_thread.run(self._run_batch, calls, *extra)
         except BaseException as exc:  # noqa: BLE001 - the callers get it; this task only relays
-            results = [exc] * len(batch)
+            results = [exc] * len(futures)
         finally:
+            with self._lock:
+                left, self._joinable = self._joinable or [], None
+            self._waiting = left + self._waiting  # the older calls first
             self._running = None
             self._idle_since = loop.time()
         for future, result in zip(futures, results):
             _settle(future, result)  # a call answered early keeps that answer
         self._schedule()
+
+
+def _resolve(future: asyncio.Future, outcome: Any, failed: bool) -> None:
+    """A brief job's outcome to its caller: the value, or the exception it raises there."""
+    if future.done():
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _settle(future: asyncio.Future, result: Any) -> None:

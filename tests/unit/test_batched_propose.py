@@ -277,3 +277,79 @@ def test_a_failed_pass_of_a_decode_batch_fails_and_ends_every_session_in_it(load
     assert all(isinstance(result, RuntimeError) for result in results)
     assert all(runner.sessions.peek(f"b{j}") is None for j in range(3))
     assert runner.sessions.peek("parent") is not None  # not in the batch
+
+
+def joining(waves: list[list[ProposeCall]]):
+    """A `join` for propose_batch (CallBatcher, joins) handing over waves[i] at its i-th call,
+    and recording the `held` each call saw."""
+    held: list[int] = []
+
+    def join(now_held: int) -> list[ProposeCall]:
+        held.append(now_held)
+        return waves[len(held) - 1] if len(held) <= len(waves) else []
+
+    return join, held
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, params):
+    """Iteration-level batching: calls handed over by `join` while a batch steps enter it
+    between passes, each with a round's committed tokens (run in the batch's next pass beside
+    the others' one token) or a prompt (a pass of its own first). Pasts longer and shorter
+    than the batch's width; each call's proposal and every session's entries are what lone
+    calls in the same order give, and every call is answered once."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompts = {"s0": tokens(20, 6, vocab), "s1": tokens(21, 9, vocab), "s2": tokens(22, 30, vocab)}
+    prompts["s3"] = tokens(23, 3, vocab)
+    for runner in (lone, batched):
+        for sid, prompt in prompts.items():
+            runner.propose_one(ProposeCall(sid, 0, prompt, 2, params, seed=1))
+    first = [
+        ProposeCall("s0", len(prompts["s0"]) + 1, [7], 6, params, seed=2),
+        ProposeCall("s1", len(prompts["s1"]), [8, 9], 4, params, seed=3),
+    ]
+    joined = [
+        [ProposeCall("s2", len(prompts["s2"]) + 2, [3, 4, 5], 3, params, seed=4)],  # longer past, 3 tokens
+        [],
+        [
+            ProposeCall("s3", len(prompts["s3"]) + 1, [6, 7], 5, params, seed=5),  # shorter past
+            ProposeCall("p", 0, tokens(24, 40, vocab), 2, params, seed=6),  # a prompt: a pass of its own
+        ],
+    ]
+    join, held = joining(joined)
+    answered: list[int] = []
+    results = batched.propose_batch(first, lambda index, result: answered.append(index), join)
+    everything = first + [call for wave in joined for call in wave]
+    assert len(results) == len(everything) and sorted(answered) == list(range(len(everything)))
+    assert_same(results, alone(lone, everything))
+    assert_same_sessions(batched, lone)
+    assert held[:3] == [2, 3, 3]  # the batch held s0 and s1, then s2 too
+    assert min(result.batch_size for result in results[2:]) >= 3, "the joined calls did not share passes"
+
+
+def test_a_call_on_a_session_still_drafting_runs_after_the_batch_which_takes_no_more(loaded):
+    """A joined call on a session whose call is still in the batch waits for the batch to
+    end (its sequence goes on from that call's); from then on the batch takes no more calls,
+    so it ends within its calls' K passes. The batch after it takes calls again."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    prompt = tokens(30, 8, loaded.vocab_size)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("a", 0, prompt, 2, GREEDY, 0, epoch=1))
+        runner.propose_one(ProposeCall("b", 0, prompt[:5], 2, GREEDY, 0, epoch=1))
+    first = [ProposeCall("a", len(prompt) + 1, [5], 4, GREEDY, 0, epoch=2)]
+    again = ProposeCall("a", len(prompt) + 3, [6], 2, GREEDY, 0, epoch=3)  # after the call above
+    other = ProposeCall("b", 6, [9], 2, GREEDY, 0, epoch=2)
+    answered: list[int] = []
+    join, held = joining([[again], [other]])
+    joins_seen: list[list[int]] = []  # what was answered by each join
+
+    def watched(now_held: int) -> list[ProposeCall]:
+        joins_seen.append(list(answered))
+        return join(now_held)
+
+    results = batched.propose_batch(first, lambda index, result: answered.append(index), watched)
+    assert joins_seen[:2] == [[], [0]]  # no join between `again` and the end of the first batch
+    assert held[:2] == [1, 1] and len(results) == 3
+    assert_same(results, alone(lone, [*first, again, other]))
+    assert_same_sessions(batched, lone)

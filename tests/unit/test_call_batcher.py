@@ -154,3 +154,96 @@ async def test_a_call_answered_early_returns_while_its_batch_runs_on_and_keeps_t
     release.set()
     assert await asyncio.wait_for(second, timeout=5) == 4
     assert first.result() == 10
+
+
+async def test_calls_arriving_while_a_joining_batch_runs_are_handed_to_it_up_to_its_size(model_thread):
+    """joins: a call submitted while run_batch runs comes out of join(held) (at most max_size -
+    held), is answered through `answer` at index len(calls) + j, and one it did not take runs
+    in the next batch."""
+    arrived, batches = threading.Event(), []
+
+    def run_batch(calls: list[int], answer, join) -> list[int | Exception]:
+        batches.append(list(calls))
+        if len(batches) == 1:
+            arrived.wait(5)
+            taken = join(1)  # room for one of the two waiting
+            calls = calls + taken
+            assert join(2) == []  # full
+            answer(1, 2 * taken[0])
+        return [2 * call for call in calls]
+
+    batcher = CallBatcher(model_thread, run_batch, window_s=0.0, max_size=2, answers_early=True, joins=True)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.05)  # the batch runs, waiting
+    late = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]
+    await asyncio.sleep(0)
+    arrived.set()
+    assert await asyncio.wait_for(asyncio.gather(first, *late), timeout=5) == [2, 4, 6]
+    assert batches == [[1], [3]]
+
+
+async def test_a_joining_batch_takes_no_call_while_another_job_waits_for_the_model_thread(model_thread):
+    """So a batch that callers keep joining still ends, and the job behind it runs."""
+    arrived, seen = threading.Event(), []
+
+    def run_batch(calls: list[int], answer, join) -> list[int | Exception]:
+        if not seen:
+            arrived.wait(5)
+            seen.append(join(0))
+        return [2 * call for call in calls]
+
+    batcher = CallBatcher(model_thread, run_batch, window_s=0.0, max_size=8, answers_early=True, joins=True)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.05)
+    other = asyncio.ensure_future(model_thread.run(lambda: "other job"))
+    late = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)
+    arrived.set()
+    assert await asyncio.wait_for(asyncio.gather(first, other, late), timeout=5) == [2, "other job", 4]
+    assert seen == [[]]
+
+
+def test_a_batch_that_takes_joiners_must_answer_early(model_thread):
+    with pytest.raises(ValueError, match="answer"):
+        CallBatcher(model_thread, lambda calls: calls, window_s=0.01, max_size=2, joins=True)
+
+
+async def test_a_brief_job_runs_between_a_joining_batchs_passes_and_its_caller_hears_at_once(model_thread):
+    """EndSession and Info (ModelThread.run_brief) run at the running batch's next join, not
+    after it ends, and the batch goes on taking calls: they are no reason to drain it."""
+    arrived, release, seen = threading.Event(), threading.Event(), []
+
+    def run_batch(calls: list[int], answer, join) -> list[int | Exception]:
+        if not seen:  # the first batch
+            arrived.wait(5)
+            seen.append(join(1))  # runs the brief job first
+            release.wait(5)
+            calls = calls + seen[0]
+        return [2 * call for call in calls]
+
+    batcher = CallBatcher(model_thread, run_batch, window_s=0.0, max_size=8, answers_early=True, joins=True)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0.05)
+    brief = asyncio.ensure_future(model_thread.run_brief(lambda: "ended"))
+    late = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)
+    arrived.set()
+    assert await asyncio.wait_for(brief, timeout=5) == "ended"
+    assert not first.done()  # the batch still runs
+    release.set()
+    assert await asyncio.wait_for(asyncio.gather(first, late), timeout=5) == [2, 4]
+    assert seen == [[2]]  # the brief job did not stop the batch taking the call behind it
+
+
+async def test_a_brief_job_with_no_batch_running_runs_in_turn_and_raises_in_its_caller(model_thread):
+    order: list[str] = []
+    first = asyncio.ensure_future(model_thread.run(lambda: order.append("job")))
+
+    def refuse() -> None:
+        order.append("brief")
+        raise InvalidArgument("no such session")
+
+    with pytest.raises(InvalidArgument, match="no such session"):
+        await asyncio.wait_for(model_thread.run_brief(refuse), timeout=5)
+    await first
+    assert order == ["job", "brief"] and not model_thread.queued()
