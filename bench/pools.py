@@ -62,6 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEP_CLIENTS = (1, 2, 4, 8, 16, 32)
 SCALE = ((1, 1), (4, 1), (4, 2))  # (target replicas, draft replicas)
 SCALE_CLIENTS = 32
+# Requests each scale/kv client sends in turn: enough that the run's start and its tail, where
+# fewer than SCALE_CLIENTS are in flight, weigh little beside the steady state between them.
+SCALE_REQUESTS_PER_CLIENT = 8
 FAILOVER_CLIENTS = 16
 REAL_CLIENTS = (1, 4, 8)
 REAL_DRAFTERS = ("int8", "int8+lookup")  # bench.modes.drafter_args: the model drafter, and the hybrid
@@ -436,15 +439,24 @@ def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale",
     if "sweep" in parts:
         results["sweep"] = sweep(emulated, logs, 32)
     if "scale" in parts:
-        results["scale"] = scale(emulated, logs, 96)
+        results["scale"] = scale(emulated, logs, SCALE_CLIENTS * SCALE_REQUESTS_PER_CLIENT)
     if "kv" in parts:
         results["kv_budget"] = kv_budget(pair)
-        results["kv"] = scale(emulated, logs, 96, results["kv_budget"])
+        results["kv"] = scale(emulated, logs, SCALE_CLIENTS * SCALE_REQUESTS_PER_CLIENT, results["kv_budget"])
     if "failover" in parts:
         results["failover"] = failover(emulated, logs, 48)
     if "real" in parts:
         results["real"] = real_pair(config, logs)
     return results
+
+
+def scale_requests(rows: list[dict]) -> str:
+    """How many requests each row's clients sent: tok/s is their tokens over the whole run."""
+    requests = rows[0]["tokens"] // NEW_TOKENS
+    return (
+        f"Each row: {requests} requests of {NEW_TOKENS} tokens, {requests // SCALE_CLIENTS} a client in turn; tok/s "
+        "over the whole run, its start and tail included."
+    )
 
 
 def markdown(results: dict) -> str:
@@ -481,7 +493,7 @@ def markdown(results: dict) -> str:
     if "scale" in results:
         base = results["scale"][0]["tokens_per_s"]
         lines += [
-            f"**Scaling, {SCALE_CLIENTS} clients, defaults (emulated).**",
+            f"**Scaling, {SCALE_CLIENTS} clients, defaults (emulated).** {scale_requests(results['scale'])}",
             "",
             "| target replicas | draft replicas | tok/s | × one target | targets used | failed | host CPU busy |",
             "|---|---|---|---|---|---|---|",
@@ -498,7 +510,8 @@ def markdown(results: dict) -> str:
         lines += [
             f"**Scaling where a replica saturates by memory, {SCALE_CLIENTS} clients, defaults (emulated).** Every "
             f"target replica's KV budget (--max-kv-bytes {results['kv_budget']}) holds {KV_SESSIONS} of these "
-            "requests; the coordinator admits what fits and the rest wait (`Pool.admit`).",
+            "requests; the coordinator admits what fits and the rest wait (`Pool.admit`). "
+            f"{scale_requests(results['kv'])}",
             "",
             "| target replicas | draft replicas | tok/s | × one target | waited a request, mean | sessions evicted | "
             "re-prefills | failed | host CPU busy |",

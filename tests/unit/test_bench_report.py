@@ -314,6 +314,7 @@ def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp
     assert plain.target_profile == PROFILES / f"{pools.TARGET_PROFILE}.json" and not (tmp_path / "x1").exists()
 
     row = dict(targets=1, drafts=1, tokens_per_s=100.0, queued_ms_mean=0.0, evicted=0, reprefills=0)
+    row["tokens"] = 256 * pools.NEW_TOKENS
     results = {
         "machine": {"date": "d", "cpu": "c", "cpu_flags": "avx2", "cores": 2, "torch": "t"},
         "alpha_measured": 0.8,
@@ -322,3 +323,4 @@ def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp
     }
     assert "dilated" not in pools.markdown(results)
     assert "**Time-dilated ×3**" in pools.markdown({**results, "dilation": 3.0})
+    assert "256 requests of 64 tokens, 8 a client in turn" in pools.markdown(results)
