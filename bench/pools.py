@@ -194,37 +194,59 @@ def request(prompt: list[int] | str, k: int | None, new_tokens: int = NEW_TOKENS
 
 
 def load(stub, clients: int, requests: list[pb.GenerateRequest], dilation: float = 1.0) -> dict:
-    """Every request, at most `clients` in flight; aggregate tok/s = tokens / wall time, in the
-    accelerators' time at a `dilation` (Emulation)."""
-    failed = []
+    """Every request, each of `clients` clients sending its share in turn; aggregate tok/s =
+    tokens / wall time, in the accelerators' time at a `dilation` (Emulation).
 
-    def one(item: pb.GenerateRequest):
-        try:
-            return stub.Generate(item, timeout=900)
-        except grpc.RpcError as exc:
-            failed.append(f"{exc.code().name}: {exc.details()}")
-            return None
+    `steady_tokens_per_s` counts only the window in which every client had a request in flight
+    (from the last client's first request to the first client's last answer), the run's start
+    and tail left out: each request's tokens are spread evenly over its time in flight, and
+    the window gets the share of them its time covers. None where the window is empty. (The
+    requests are unary: streaming them costs the coordinator and these client threads enough
+    host time to change what is measured.)"""
+    failed: list[str] = []
+
+    def client(share: list[pb.GenerateRequest]) -> list[tuple[float, float, pb.GenerationStats]]:
+        done = []
+        for item in share:
+            began = time.perf_counter()
+            try:
+                reply = stub.Generate(item, timeout=900)
+            except grpc.RpcError as exc:
+                failed.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            done.append((began, time.perf_counter(), reply.stats))
+        return done
 
     with ThreadPoolExecutor(clients) as pool:
         started = time.perf_counter()
-        responses = list(pool.map(one, requests))
+        shares = list(pool.map(client, [requests[i::clients] for i in range(clients)]))
         wall = time.perf_counter() - started
-    done = [r for r in responses if r is not None]
-    tokens = sum(r.stats.generated_tokens for r in done)
-    proposed = sum(r.stats.proposed_tokens for r in done)
-    loads = [n for r in done for n in r.stats.sessions_per_round]
+    done = [stats for share in shares for _, _, stats in share]
+    tokens = sum(s.generated_tokens for s in done)
+    proposed = sum(s.proposed_tokens for s in done)
+    loads = [n for s in done for n in s.sessions_per_round]
+    spans = [(share[0][0], share[-1][1]) for share in shares if share]
+    first, last = (max(s[0] for s in spans), min(s[1] for s in spans)) if len(spans) == clients else (0.0, 0.0)
+    steady = sum(
+        s.generated_tokens * max(0.0, min(end, last) - max(began, first)) / (end - began)
+        for share in shares
+        for began, end, s in share
+        if end > began
+    )
     return {
         "clients": clients,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens * dilation / wall,
+        "steady_tokens_per_s": steady * dilation / (last - first) if last > first else None,
+        "steady_s": max(0.0, last - first),
         "failed": failed,
-        "acceptance": sum(r.stats.accepted_tokens for r in done) / proposed if proposed else None,
-        "k_mean": proposed / max(1, sum(r.stats.rounds for r in done)),
+        "acceptance": sum(s.accepted_tokens for s in done) / proposed if proposed else None,
+        "k_mean": proposed / max(1, sum(s.rounds for s in done)),
         "sessions_mean": statistics.mean(loads) if loads else None,
-        "targets_used": sorted({r.stats.target_replica for r in done}),
-        "queued_ms_mean": statistics.mean(r.stats.queued_ms for r in done) / dilation if done else 0.0,
-        "reprefills": sum(r.stats.reprefills for r in done),
+        "targets_used": sorted({s.target_replica for s in done}),
+        "queued_ms_mean": statistics.mean(s.queued_ms for s in done) / dilation if done else 0.0,
+        "reprefills": sum(s.reprefills for s in done),
     }
 
 
@@ -451,12 +473,21 @@ def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale",
 
 
 def scale_requests(rows: list[dict]) -> str:
-    """How many requests each row's clients sent: tok/s is their tokens over the whole run."""
+    """How many requests each row's clients sent, and what its two tok/s count."""
     requests = rows[0]["tokens"] // NEW_TOKENS
     return (
         f"Each row: {requests} requests of {NEW_TOKENS} tokens, {requests // SCALE_CLIENTS} a client in turn; tok/s "
-        "over the whole run, its start and tail included."
+        "over the whole run, its start and tail included; steady tok/s over the tokens that arrived while every "
+        "client had a request in flight (`load`)."
     )
+
+
+def steady(row: dict, base: float | None) -> str:
+    """A row's steady tok/s and its ratio to the first row's, as two table cells."""
+    value = row.get("steady_tokens_per_s")
+    if value is None or not base:
+        return "— | —"
+    return f"{value:.1f} | {value / base:.2f}×"
 
 
 def markdown(results: dict) -> str:
@@ -513,15 +544,16 @@ def markdown(results: dict) -> str:
             "requests; the coordinator admits what fits and the rest wait (`Pool.admit`). "
             f"{scale_requests(results['kv'])}",
             "",
-            "| target replicas | draft replicas | tok/s | × one target | waited a request, mean | sessions evicted | "
-            "re-prefills | failed | host CPU busy |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| target replicas | draft replicas | tok/s | × one target | steady tok/s | × one target | "
+            "waited a request, mean | sessions evicted | re-prefills | failed | host CPU busy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        steady_base = results["kv"][0].get("steady_tokens_per_s")
         for row in results["kv"]:
             lines.append(
                 f"| {row['targets']} | {row['drafts']} | {row['tokens_per_s']:.1f} | "
-                f"{row['tokens_per_s'] / base:.2f}× | {row['queued_ms_mean']:.0f} ms | {row['evicted']} | "
-                f"{row['reprefills']} | {len(row['failed'])} | {row['host_busy']:.0%} |"
+                f"{row['tokens_per_s'] / base:.2f}× | {steady(row, steady_base)} | {row['queued_ms_mean']:.0f} ms | "
+                f"{row['evicted']} | {row['reprefills']} | {len(row['failed'])} | {row['host_busy']:.0%} |"
             )
         lines.append("")
     if "failover" in results:

@@ -324,3 +324,26 @@ def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp
     assert "dilated" not in pools.markdown(results)
     assert "**Time-dilated ×3**" in pools.markdown({**results, "dilation": 3.0})
     assert "256 requests of 64 tokens, 8 a client in turn" in pools.markdown(results)
+
+
+def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_in_flight():
+    """bench.pools.load: client 0 sends two requests of 20 tokens, 0.1 s each; client 1 one
+    of 80 tokens, 0.4 s. The whole run counts all 120 tokens over 0.4 s; the steady window is
+    client 0's 0.2 s, holding its 40 tokens and half of client 1's 80."""
+    import time
+
+    from bench import pools
+    from specdec.v1 import coordinator_pb2 as pb
+
+    class Stub:
+        def Generate(self, request, timeout=None):
+            time.sleep(request.max_new_tokens / 200)
+            stats = pb.GenerationStats(generated_tokens=request.max_new_tokens)
+            return pb.GenerateResponse(token_ids=[1] * request.max_new_tokens, stats=stats)
+
+    work = [pools.request([1], None, tokens) for tokens in (20, 80, 20)]  # client i sends work[i::2]
+    result = pools.load(Stub(), 2, work, 1.0)
+    assert result["tokens"] == 120 and not result["failed"]
+    assert result["tokens_per_s"] == pytest.approx(300, rel=0.1)
+    assert result["steady_s"] == pytest.approx(0.2, rel=0.1)
+    assert result["steady_tokens_per_s"] == pytest.approx(400, rel=0.05)
