@@ -194,44 +194,48 @@ def request(prompt: list[int] | str, k: int | None, new_tokens: int = NEW_TOKENS
 
 
 def load(stub, clients: int, requests: list[pb.GenerateRequest], dilation: float = 1.0) -> dict:
-    """Every request, each of `clients` clients sending its share in turn; aggregate tok/s =
-    tokens / wall time, in the accelerators' time at a `dilation` (Emulation).
+    """Every request, at most `clients` in flight: each client takes the next request when
+    its last is answered. Aggregate tok/s = tokens / wall time, in the accelerators' time at a
+    `dilation` (Emulation).
 
     `steady_tokens_per_s` counts only the window in which every client had a request in flight
     (from the last client's first request to the first client's last answer), the run's start
     and tail left out: each request's tokens are spread evenly over its time in flight, and
     the window gets the share of them its time covers. None where the window is empty. (The
-    requests are unary: streaming them costs the coordinator and these client threads enough
-    host time to change what is measured.)"""
+    requests are unary: streamed, they would cost the coordinator and these client threads
+    host time per message.)"""
     failed: list[str] = []
+    answered: list[tuple[int, float, float, pb.GenerationStats]] = []  # (client thread, began, ended, stats)
 
-    def client(share: list[pb.GenerateRequest]) -> list[tuple[float, float, pb.GenerationStats]]:
-        done = []
-        for item in share:
-            began = time.perf_counter()
-            try:
-                reply = stub.Generate(item, timeout=900)
-            except grpc.RpcError as exc:
-                failed.append(f"{exc.code().name}: {exc.details()}")
-                continue
-            done.append((began, time.perf_counter(), reply.stats))
-        return done
+    def one(item: pb.GenerateRequest) -> None:
+        began = time.perf_counter()
+        try:
+            reply = stub.Generate(item, timeout=900)
+        except grpc.RpcError as exc:
+            failed.append(f"{exc.code().name}: {exc.details()}")
+            return
+        answered.append((threading.get_ident(), began, time.perf_counter(), reply.stats))
 
     with ThreadPoolExecutor(clients) as pool:
         started = time.perf_counter()
-        shares = list(pool.map(client, [requests[i::clients] for i in range(clients)]))
+        list(pool.map(one, requests))
         wall = time.perf_counter() - started
-    done = [stats for share in shares for _, _, stats in share]
+    done = [stats for _, _, _, stats in answered]
     tokens = sum(s.generated_tokens for s in done)
     proposed = sum(s.proposed_tokens for s in done)
     loads = [n for s in done for n in s.sessions_per_round]
-    spans = [(share[0][0], share[-1][1]) for share in shares if share]
-    first, last = (max(s[0] for s in spans), min(s[1] for s in spans)) if len(spans) == clients else (0.0, 0.0)
+    spans: dict[int, tuple[float, float]] = {}  # per client thread: its first start, its last end
+    for client, began, ended, _ in answered:
+        first_began, last_ended = spans.get(client, (began, ended))
+        spans[client] = (min(first_began, began), max(last_ended, ended))
+    first = max((span[0] for span in spans.values()), default=0.0)
+    last = min((span[1] for span in spans.values()), default=0.0)
+    if len(spans) < clients:
+        first = last = 0.0  # some client never had a request in flight: no steady window
     steady = sum(
-        s.generated_tokens * max(0.0, min(end, last) - max(began, first)) / (end - began)
-        for share in shares
-        for began, end, s in share
-        if end > began
+        s.generated_tokens * max(0.0, min(ended, last) - max(began, first)) / (ended - began)
+        for _, began, ended, s in answered
+        if ended > began
     )
     return {
         "clients": clients,

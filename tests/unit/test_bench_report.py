@@ -327,9 +327,10 @@ def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp
 
 
 def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_in_flight():
-    """bench.pools.load: client 0 sends two requests of 20 tokens, 0.1 s each; client 1 one
-    of 80 tokens, 0.4 s. The whole run counts all 120 tokens over 0.4 s; the steady window is
-    client 0's 0.2 s, holding its 40 tokens and half of client 1's 80."""
+    """bench.pools.load: two clients, requests of 20, 80 and 20 tokens taking 0.1, 0.4 and
+    0.1 s. One client runs the 80-token request alone; the other the two short ones in turn.
+    The whole run counts all 120 tokens over 0.4 s; the steady window is the short ones' 0.2 s,
+    holding their 40 tokens and half of the long one's 80."""
     import time
 
     from bench import pools
@@ -341,8 +342,7 @@ def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_i
             stats = pb.GenerationStats(generated_tokens=request.max_new_tokens)
             return pb.GenerateResponse(token_ids=[1] * request.max_new_tokens, stats=stats)
 
-    work = [pools.request([1], None, tokens) for tokens in (20, 80, 20)]  # client i sends work[i::2]
-    result = pools.load(Stub(), 2, work, 1.0)
+    result = pools.load(Stub(), 2, [pools.request([1], None, tokens) for tokens in (20, 80, 20)], 1.0)
     assert result["tokens"] == 120 and not result["failed"]
     assert result["tokens_per_s"] == pytest.approx(300, rel=0.1)
     assert result["steady_s"] == pytest.approx(0.2, rel=0.1)
