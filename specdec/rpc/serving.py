@@ -185,7 +185,8 @@ class CallBatcher(Generic[C, R]):
 
     With `joins` (and early answers), `run_batch(calls, answer, join)` may also take the calls
     that arrive while it runs: `join(held)`, from the model thread between its passes, hands
-    over those waiting, at most `max_size - held`, and the j-th call taken is index
+    over those waiting, oldest first (those it had no room for at its start come before any
+    that arrived since), at most `max_size - held`, and the j-th call taken is index
     len(calls) + j of `answer` and of the results. Calls no batch took run in the next one.
     It takes none while another job waits for the model thread (`ModelThread.queued`), so a
     batch that others keep joining still ends and lets it run.
@@ -258,8 +259,10 @@ class CallBatcher(Generic[C, R]):
             self._timer = None
         batch, self._waiting = self._waiting[: self._max_size], self._waiting[self._max_size :]
         if self._joins:
+            # From now on calls go to the batch that starts here, behind those it had no room
+            # for: it takes them oldest first, and any it leaves run next, in the same order.
             with self._lock:
-                self._joinable = []  # from now on, calls go to the batch that starts here
+                self._joinable, self._waiting = self._waiting, []
         self._running = asyncio.get_running_loop().create_task(self._run(batch))
 
     async def _run(self, batch: list[tuple[C, asyncio.Future, float]]) -> None:
@@ -291,7 +294,8 @@ class CallBatcher(Generic[C, R]):
         finally:
             with self._lock:
                 left, self._joinable = self._joinable or [], None
-            self._waiting = left + self._waiting  # the older calls first
+            # In the order they arrived: with joins, every call waits in `_joinable` while one runs.
+            self._waiting = left + self._waiting
             self._running = None
             self._idle_since = loop.time()
         for future, result in zip(futures, results):

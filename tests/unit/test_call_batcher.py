@@ -182,6 +182,36 @@ async def test_calls_arriving_while_a_joining_batch_runs_are_handed_to_it_up_to_
     assert batches == [[1], [3]]
 
 
+async def test_calls_a_joining_batch_had_no_room_for_go_before_those_that_arrive_while_it_runs(model_thread):
+    """joins: the calls beyond max_size when a batch starts are older than any that arrive
+    while it runs, so join hands them over first, and the next batch takes them first. (They
+    once went behind: with callers coming back as fast as they were answered, the same
+    max_size callers kept going first and the rest starved until their deadlines.)"""
+    holds, batches, joined = [threading.Event(), threading.Event()], [], []
+
+    def run_batch(calls: list[int], answer, join) -> list[int | Exception]:
+        batches.append(list(calls))
+        if len(batches) <= 2:
+            holds[len(batches) - 1].wait(5)
+        if len(batches) == 2:
+            joined.extend(join(1))
+            calls = calls + joined
+        return [2 * call for call in calls]
+
+    batcher = CallBatcher(model_thread, run_batch, window_s=0.0, max_size=2, answers_early=True, joins=True)
+    calls = [asyncio.ensure_future(batcher.submit(1))]
+    await asyncio.sleep(0.05)  # the batch of 1 runs, held
+    calls += [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3, 4)]
+    await asyncio.sleep(0)
+    holds[0].set()
+    await asyncio.sleep(0.05)  # 2 and 3 run, held; 4 had no room
+    calls += [asyncio.ensure_future(batcher.submit(n)) for n in (5, 6)]
+    await asyncio.sleep(0)
+    holds[1].set()
+    assert await asyncio.wait_for(asyncio.gather(*calls), timeout=5) == [2, 4, 6, 8, 10, 12]
+    assert batches == [[1], [2, 3], [5, 6]] and joined == [4]
+
+
 async def test_a_joining_batch_takes_no_call_while_another_job_waits_for_the_model_thread(model_thread):
     """So a batch that callers keep joining still ends, and the job behind it runs."""
     arrived, seen = threading.Event(), []
