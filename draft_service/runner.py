@@ -167,7 +167,7 @@ class DraftRunner(ModelRunner):
         join: Callable[[int], list[ProposeCall]] | None = None,
     ) -> list[Proposal | Exception]:
         """Several sessions' proposals stepped together: each draft step runs every unfinished
-        call in one pass (as few as padding allows: a prompt prefill gets its own).
+        call in one pass (as few as padding allows: a long prompt's prefill gets its own).
 
         Item i is what `propose_one(calls[i])` would return (up to float rounding of the
         batched pass, and the tokens drawn from it: each call reports the distribution its
@@ -213,9 +213,7 @@ class DraftRunner(ModelRunner):
             active = start_each([todo[i] for i in wave], lambda index: self._begin(calls[index]), results)
             self._settle_failed([todo[i] for i in wave], results, answer)
             while active := [item for item in active if not self._ended(*item, results, answer)]:
-                if all(
-                    len(drafting.feed) == 1 and batchable_cache(drafting.session.cache) for _, drafting in active
-                ) and (len(active) > 1 or joins is not None):
+                if all(self._decodable(drafting) for _, drafting in active) and (len(active) > 1 or joins is not None):
                     later += self._decode_together(active, calls, results, answer, joins)
                     break
                 for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
@@ -277,15 +275,15 @@ class DraftRunner(ModelRunner):
         answer: Callable | None,
         join: Callable[[int], list[ProposeCall]] | None,
     ) -> list[int]:
-        """The calls' remaining steps, each one token a session, in one DecodeBatch: their
-        caches are padded into a batch once and split back once, not at every step. A call that
-        is done leaves the batch (its session's cache back) before it is answered, and calls
-        from `join` enter it between passes. → the joined calls it could not take, to run after
+        """The calls' remaining steps in one DecodeBatch, each one token a session after its
+        first (a round's tokens or a short prompt, `_decodable`): their caches are padded into
+        a batch once and split back once, not at every step. A call that is done leaves the
+        batch (its session's cache back) before it is answered, and calls from `join` enter it
+        between passes. → the joined calls it could not take, to run after
         it (a call on a session still in the batch, a tree); from the first of them on, it takes
         no more, so it ends within K passes."""
         batch, failures = self.decode_batch(
-            [drafting.session for _, drafting in active],
-            [drafting.call.num_tokens - len(drafting.token_ids) for _, drafting in active],
+            [drafting.session for _, drafting in active], [self._tokens_left(drafting) for _, drafting in active]
         )
         members: dict[str, tuple[int, _Drafting]] = {}  # by session id
         for (index, drafting), failure in zip(active, failures):
@@ -329,9 +327,9 @@ class DraftRunner(ModelRunner):
         answer: Callable | None,
     ) -> bool:
         """Starts joined call `index` in the running decode batch: False if it must wait for
-        the batch to end (its session, or the one it forks, is drafting in it; a tree). A call
-        whose tokens are a prompt or a re-prefill (more than a round commits) runs them in a
-        pass of its own first; a round's tokens run in the batch's next pass."""
+        the batch to end (its session, or the one it forks, is drafting in it; a tree). Its
+        tokens run in the batch's next pass when `_decodable`; a longer prompt or a re-prefill
+        runs in a pass of its own first."""
         call = calls[index]
         if call.tree_widths or call.session_id in members or call.fork_from in members:
             return False
@@ -340,20 +338,29 @@ class DraftRunner(ModelRunner):
         except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
             self._settle(index, exc, results, answer)
             return True
-        round_tokens = self.max_speculative_tokens + 2  # K accepted, the bonus, the last proposal unrun
         while not self._ended(index, drafting, results, answer):
-            session = drafting.session
-            if session.cached_tokens and len(drafting.feed) <= round_tokens and batchable_cache(session.cache):
-                failure = batch.join(
-                    session, len(drafting.feed) + drafting.call.num_tokens - len(drafting.token_ids) - 1
-                )
+            if self._decodable(drafting):
+                failure = batch.join(drafting.session, self._tokens_left(drafting))
                 if failure is None:
-                    members[session.session_id] = (index, drafting)
+                    members[drafting.session.session_id] = (index, drafting)
                 else:
                     self._settle(index, failure, results, answer)
                 return True
             self._pass([(index, drafting)], [0], results)
         return True
+
+    def _decodable(self, drafting: _Drafting) -> bool:
+        """Whether the call's next tokens can run in a decode batch's pass beside the others'
+        one each: at most a round's (K accepted, the bonus, the last proposal not yet run; a
+        short prompt too, whose pass would cost the batch a pass of its own), in a cache that
+        pads and splits. A longer prompt or a re-prefill runs a pass of its own first."""
+        return len(drafting.feed) <= self.max_speculative_tokens + 2 and batchable_cache(drafting.session.cache)
+
+    @staticmethod
+    def _tokens_left(drafting: _Drafting) -> int:
+        """The tokens the call's session will add to its cache in a decode batch: what it feeds
+        now, then one for each draft after the next."""
+        return len(drafting.feed) + drafting.call.num_tokens - len(drafting.token_ids) - 1
 
     def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
         """`_step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way

@@ -483,11 +483,11 @@ class ModelRunner:
         return None
 
     def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
-        """Sessions (distinct ids, each with a cache) that will each run one token per pass for
-        up to steps[b] passes, in one batch kept from pass to pass (DecodeBatch), which others
-        may join between passes.
+        """Sessions (distinct ids, each with a cache, empty for a prompt) that will run
+        steps[b] tokens in all, a few in the first pass and one in each after, in one batch kept
+        from pass to pass (DecodeBatch), which others may join between passes.
 
-        Each session is admitted to the KV budget for its steps up front, as `forward_batch`
+        Each session is admitted to the KV budget for its tokens up front, as `forward_batch`
         admits a pass; one that does not fit is ended and gets its exception (item b of the
         second list), and stays out of the batch. → (the batch, per session its failure or None)
         """
@@ -593,10 +593,10 @@ class DecodeBatch:
         self._failed = False
 
     def join(self, session: KVSession, new_tokens: int) -> Exception | None:
-        """Admits `session` (one with a cache; no other session of the batch has its id) to
-        grow by `new_tokens` in this batch, beside what the batch's other sessions were
-        admitted for, as `forward_batch` admits a pass; it joins at the next pass. One that
-        does not fit is ended and its exception returned, for its caller alone."""
+        """Admits `session` (one with a cache, empty for a prompt; no other session of the
+        batch has its id) to grow by `new_tokens` in this batch, beside what the batch's other
+        sessions were admitted for, as `forward_batch` admits a pass; it joins at the next
+        pass. One that does not fit is ended and its exception returned, for its caller alone."""
         extra_bytes = new_tokens * self._runner.kv_bytes_per_token
         failure = self._runner._make_room(session, extra_bytes, sum(self._reserved.values()))
         if failure is None:
@@ -684,8 +684,10 @@ class DecodeBatch:
                     (torch.nn.functional.pad(k, (0, 0, grow, 0)), torch.nn.functional.pad(v, (0, 0, grow, 0)))
                     for k, v in layers
                 ]
-            newcomers = padded_cache(self._joining, past, width, self._runner.model.config)
-            pairs = _tensors(newcomers)
+            if any(past):
+                pairs = _tensors(padded_cache(self._joining, past, width, self._runner.model.config))
+            else:  # prompts: rows of pads only (none if nothing is cached yet: the pass makes it)
+                pairs = [(_pad_rows(k, len(past), width), _pad_rows(v, len(past), width)) for k, v in layers]
             layers = (
                 [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(layers, pairs)]
                 if layers
@@ -698,7 +700,7 @@ class DecodeBatch:
             self.sessions += self._joining
             self._lengths += past
             self._joining = []
-        self._cache = plain_cache(layers)
+        self._cache = plain_cache(layers) if layers else DynamicCache(config=self._runner.model.config)
 
     @torch.inference_mode()
     def leave(self, session_id: str) -> None:
@@ -728,6 +730,11 @@ class DecodeBatch:
         for session in [*self.sessions, *self._joining]:
             self.leave(session.session_id)
         self._cache = None
+
+
+def _pad_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Zeros for `rows` rows of `width` entries, shaped as batch tensor `like` [B, H, W, D]."""
+    return like.new_zeros(rows, like.shape[1], width, like.shape[3])
 
 
 def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -279,6 +279,19 @@ def test_a_failed_pass_of_a_decode_batch_fails_and_ends_every_session_in_it(load
     assert runner.sessions.peek("parent") is not None  # not in the batch
 
 
+def count_own_passes(runner: DraftRunner) -> list[int]:
+    """Records the size of each pass the runner runs outside a decode batch (`forward_batch`)."""
+    sizes: list[int] = []
+    forward_batch = runner.forward_batch
+
+    def counted(sessions, *args, **kwargs):
+        sizes.append(len(sessions))
+        return forward_batch(sessions, *args, **kwargs)
+
+    runner.forward_batch = counted  # type: ignore[method-assign]
+    return sizes
+
+
 def joining(waves: list[list[ProposeCall]]):
     """A `join` for propose_batch (CallBatcher, joins) handing over waves[i] at its i-th call,
     and recording the `held` each call saw."""
@@ -294,8 +307,9 @@ def joining(waves: list[list[ProposeCall]]):
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, params):
     """Iteration-level batching: calls handed over by `join` while a batch steps enter it
-    between passes, each with a round's committed tokens (run in the batch's next pass beside
-    the others' one token) or a prompt (a pass of its own first). Pasts longer and shorter
+    between passes, each with a round's committed tokens or a short prompt (a row with no
+    past; both run in the batch's next pass beside the others' one token) or a long prompt (a
+    pass of its own first). Pasts longer and shorter
     than the batch's width; each call's proposal and every session's entries are what lone
     calls in the same order give, and every call is answered once."""
     lone, batched = make_runner(loaded), make_runner(loaded)
@@ -311,21 +325,42 @@ def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, 
     ]
     joined = [
         [ProposeCall("s2", len(prompts["s2"]) + 2, [3, 4, 5], 3, params, seed=4)],  # longer past, 3 tokens
-        [],
+        [ProposeCall("q", 0, tokens(25, 4, vocab), 3, params, seed=7)],  # a short prompt: no past
         [
             ProposeCall("s3", len(prompts["s3"]) + 1, [6, 7], 5, params, seed=5),  # shorter past
-            ProposeCall("p", 0, tokens(24, 40, vocab), 2, params, seed=6),  # a prompt: a pass of its own
+            ProposeCall("p", 0, tokens(24, 40, vocab), 2, params, seed=6),  # a long prompt: a pass of its own
         ],
     ]
     join, held = joining(joined)
     answered: list[int] = []
+    own = count_own_passes(batched)
     results = batched.propose_batch(first, lambda index, result: answered.append(index), join)
     everything = first + [call for wave in joined for call in wave]
     assert len(results) == len(everything) and sorted(answered) == list(range(len(everything)))
     assert_same(results, alone(lone, everything))
     assert_same_sessions(batched, lone)
-    assert held[:3] == [2, 3, 3]  # the batch held s0 and s1, then s2 too
+    assert held[:3] == [2, 3, 4]  # the batch held s0 and s1, then s2, then q too
     assert min(result.batch_size for result in results[2:]) >= 3, "the joined calls did not share passes"
+    assert own == [1], "only the long prompt had a pass of its own"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_batch_of_short_prompts_starts_with_no_cache_and_takes_more_as_they_come(loaded, params):
+    """New sessions' prompts (at most a round's tokens) start a decode batch with nothing
+    cached, so the first pass makes its cache; a prompt joining later is a row of pads up to
+    the batch's width. Every proposal and session equals lone calls', and no call ran a pass
+    outside the batch."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    first = [ProposeCall(f"n{i}", 0, tokens(40 + i, 2 + i, vocab), 4 + i, params, seed=i) for i in range(3)]
+    joined = [[], [ProposeCall("late", 0, tokens(50, 5, vocab), 3, params, seed=9)]]
+    join, held = joining(joined)
+    own = count_own_passes(batched)
+    results = batched.propose_batch(first, None, join)
+    assert_same(results, alone(lone, first + joined[1]))
+    assert_same_sessions(batched, lone)
+    assert own == [] and held[:2] == [3, 3]
+    assert min(result.batch_size for result in results) >= 3, "the prompts did not share passes"
 
 
 def test_a_call_on_a_session_still_drafting_runs_after_the_batch_which_takes_no_more(loaded):
