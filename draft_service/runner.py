@@ -353,8 +353,13 @@ class DraftRunner(ModelRunner):
         """Whether the call's next tokens can run in a decode batch's pass beside the others'
         one each: at most a round's (K accepted, the bonus, the last proposal not yet run; a
         short prompt too, whose pass would cost the batch a pass of its own), in a cache that
-        pads and splits. A longer prompt or a re-prefill runs a pass of its own first."""
-        return len(drafting.feed) <= self.max_speculative_tokens + 2 and batchable_cache(drafting.session.cache)
+        pads and splits. A longer prompt or a re-prefill runs a pass of its own first, and so
+        does a session still in the prefix cache's blocks (a prompt, or one started from cached
+        blocks): a padded pass would leave entries the cache cannot keep as a fresh prefill's."""
+        session = drafting.session
+        if self.sessions.prefix is not None and session.aligned_tokens == session.cached_tokens:
+            return False
+        return len(drafting.feed) <= self.max_speculative_tokens + 2 and batchable_cache(session.cache)
 
     @staticmethod
     def _tokens_left(drafting: _Drafting) -> int:

@@ -27,13 +27,13 @@ async def test_loading_calibration_and_passes_all_run_on_the_model_thread(tiny_p
         def load(config, plain_load=plain_load):
             threads["load"].add(threading.current_thread().name)
             runner = plain_load(config)
-            plain_forward = runner.forward
+            plain_forward = runner.model.forward  # every path's passes (a decode batch's too)
 
             def forward(*args, **kwargs):
                 threads["forward"].add(threading.current_thread().name)
                 return plain_forward(*args, **kwargs)
 
-            runner.forward = forward
+            runner.model.forward = forward
             return runner
 
         monkeypatch.setattr(module, "load_runner", load)
