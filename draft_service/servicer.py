@@ -104,9 +104,8 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             yield reply
 
     async def _branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
-        """All branches in one runner call, so their draft steps share forward passes. Not
-        through the batcher: the branches already are the batch, and other sessions' calls
-        never wait behind them for a window."""
+        """The branches' draft steps share forward passes with each other and, through the
+        batcher, with every other session's calls (`_propose_branches`)."""
         if not 1 <= len(request.branches) <= wire.MAX_BRANCHES:
             raise InvalidArgument(
                 f"ProposeBranches takes 1 to {wire.MAX_BRANCHES} branches; got {len(request.branches)}"
@@ -128,7 +127,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             stop = threading.Event()
             calls = [_call(branch, stop.is_set) for branch in request.branches]
             try:
-                results = await self._model_thread.run(self._end_then_propose, ending, calls)
+                results = await self._propose_branches(ending, calls)
             except asyncio.CancelledError:
                 stop.set()  # the verify went another way: stop every branch at its next step
                 raise
@@ -142,11 +141,31 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
                 reply.results.add(proposal=_response(result))
         return reply
 
+    async def _propose_branches(self, ending: list[str], calls: list[ProposeCall]) -> list:
+        """Ends the sessions the caller is done with, then drafts the branches: per branch, its
+        proposal or the exception it failed with.
+
+        With a batcher, each branch is a call of its own, all submitted at once in the
+        request's order: they join the decode batch running for other sessions, or start the
+        next one together (the runner orders a fork and a call on its parent as listed). A
+        pipelined round's pre-draft thus steps beside every other session's drafts, where a job
+        of its own on the model thread would end the running batch and step alone: with one
+        draft serving many sessions, every round's pre-draft then ran solo passes, one after
+        another."""
+        if self._batcher is None:
+            return await self._model_thread.run(self._end_then_propose, ending, calls)
+        if ending:
+            await self._model_thread.run_brief(self._end_sessions, ending)
+        return await self._batcher.submit_all(calls)
+
     def _end_then_propose(self, ending: list[str], calls: list[ProposeCall]) -> list:
         """On the model thread: ends the sessions the caller is done with, then drafts the branches."""
+        self._end_sessions(ending)
+        return self._runner.propose_batch(calls)
+
+    def _end_sessions(self, ending: list[str]) -> None:
         for session_id in ending:  # unused branches: their sequences are no output to learn from
             self._runner.sessions.end(session_id)
-        return self._runner.propose_batch(calls)
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
         stop = threading.Event()

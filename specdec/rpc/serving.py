@@ -222,19 +222,24 @@ class CallBatcher(Generic[C, R]):
         self._idle_since = float("-inf")  # loop time the previous batch ended
 
     async def submit(self, call: C) -> R:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            joinable = self._joinable is not None
-            if joinable:
-                self._joinable.append((call, future, loop.time()))  # type: ignore[union-attr]
-        if not joinable:
-            self._waiting.append((call, future, loop.time()))
-            self._schedule()
-        result = await future
+        (result,) = await self.submit_all([call])
         if isinstance(result, Exception):
             raise result
         return result
+
+    async def submit_all(self, calls: list[C]) -> list[R | Exception]:
+        """Several calls at once, in order: the next batch takes them together, or the running
+        one as it has room (oldest first). → per call, its result or the exception it failed with."""
+        loop = asyncio.get_running_loop()
+        entries = [(call, loop.create_future(), loop.time()) for call in calls]
+        with self._lock:
+            joinable = self._joinable is not None
+            if joinable:
+                self._joinable.extend(entries)  # type: ignore[union-attr]
+        if not joinable:
+            self._waiting.extend(entries)
+            self._schedule()
+        return list(await asyncio.gather(*(future for _, future, _ in entries)))
 
     def _schedule(self) -> None:
         if self._running is not None:

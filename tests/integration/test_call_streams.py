@@ -142,3 +142,40 @@ async def test_branch_calls_go_as_messages_and_a_cancelled_one_stops_its_branche
             assert stack.draft_runner.stopped_proposals == 1 and draft._branches._idle == []
         finally:
             await draft.close()
+
+
+async def test_a_pre_draft_joins_the_decode_batch_running_for_another_session(tiny_pair):
+    """A pipelined round's pre-draft (ProposeBranches) arriving while another session's call
+    is drafting steps beside it in the running decode batch, and is answered when its own
+    drafts are done, not after that call's: a pre-draft that ran alone after the batch made
+    every session of a shared draft wait for every other's pre-draft. Its drafts are those it
+    drafts alone (greedy)."""
+    async with inprocess_stack(tiny_pair) as stack:
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=30)
+        try:
+            for session_id in ("long", "alone", "joins"):
+                await draft.propose(propose(session_id, num_tokens=2))  # each holds 3 tokens and 2 drafts
+
+            def pre_draft(session_id: str) -> draft_pb2.ProposeBranchesRequest:
+                request = propose(session_id, keep=5, num_tokens=3)
+                del request.new_tokens[:]
+                request.guess_first = True
+                return draft_pb2.ProposeBranchesRequest(branches=[request])
+
+            lone = await draft.propose_branches(pre_draft("alone"))
+            slow_down(stack.draft_runner, 0.1)
+            finished: list[str] = []
+
+            async def call(name: str, reply):
+                result = await reply
+                finished.append(name)
+                return result
+
+            long = asyncio.ensure_future(call("long", draft.propose(propose("long", keep=5, num_tokens=8))))
+            await asyncio.sleep(0.25)  # the long call's batch is stepping
+            joined = await call("joins", draft.propose_branches(pre_draft("joins")))
+            assert len((await long).token_ids) == 8
+            assert finished == ["joins", "long"]
+            assert list(joined.results[0].proposal.token_ids) == list(lone.results[0].proposal.token_ids)
+        finally:
+            await draft.close()

@@ -119,6 +119,17 @@ async def test_no_wait_when_no_other_caller_can_join(model_thread):
     assert recorder.batches == [[1, 2]]
 
 
+async def test_calls_submitted_together_start_one_batch_in_their_order(model_thread):
+    """submit_all (a ProposeBranches call's branches): where a lone call would start a batch at
+    once (no other caller expected), the calls given together still share it, in their order,
+    and each gets its own result or error."""
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=30.0, max_size=8, more_expected=lambda waiting: False)
+    results = await asyncio.wait_for(batcher.submit_all([3, -1, 2]), timeout=5)
+    assert recorder.batches == [[3, -1, 2]]
+    assert results[0] == 6 and isinstance(results[1], InvalidArgument) and results[2] == 4
+
+
 async def test_a_job_cancelled_before_it_started_no_longer_counts_as_queued(model_thread):
     """ModelThread.queued: a caller cancelled while its job waited leaves nothing queued, so a
     stepping job (TargetRunner.verify_steps) is not told to yield forever after."""
