@@ -33,6 +33,14 @@ of C. A request whose K may follow the load (greedy, or unseeded) is costed at t
 its replicas hold as each round starts, recorded in its stats (`sessions_per_round`); a
 seeded sampled request is costed as if alone, so that its seed keeps one output.
 
+Pipelined rounds overlap only for a session alone on its target replica; one costed beside
+others is costed, and run, as a sequential round (no pre-draft, no catch-up step). The others'
+verifies keep the target busy while any one session drafts, so hiding that session's draft
+behind its own verify saves the target no time: its verify waits for their passes instead, and
+its pre-drafts that miss take steps of a draft they may share. Emulated, 32 clients on four
+target replicas and one draft ran pipelined at 0.94× sequential when every round pre-drafted,
+and at 0.99-1.00× this way; one client still gains 1.11× (docs/design.md, "Pipelining").
+
 Lockstep holds where each model has its own processors. Where both compute on the CPU of
 one machine (`shared_host`: the same ModelInfo.host_id, no pass-cost profile), they take
 turns on its cores, so whatever one session's round computes is time every other session's
@@ -198,8 +206,9 @@ class RoundCosts:
         return self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
 
     def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
-        """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened."""
-        if pipelined and k:
+        """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened.
+        Pipelined rounds overlap only for a session alone on its target (module docstring)."""
+        if pipelined and k and self.target_sessions == 1:
             miss = 1.0 - alpha ** (k + 1) - (1.0 - alpha**k) * rescue
             return max(self.verify_ms(k), self.draft_ms(k + 1)) + miss * self.draft_ms(k)
         return self.verify_ms(k) + self.draft_ms(k)
@@ -334,6 +343,11 @@ class AdaptiveK:
     def loaded(self) -> bool:
         """Costed with other sessions sharing the target (`RoundCosts.at_load`)."""
         return self.costs.target_sessions > 1
+
+    @property
+    def overlaps(self) -> bool:
+        """Pipelined and alone on the target: its rounds draft the next during their verify."""
+        return self.pipelined and not self.loaded
 
     def gain(self, k: int, alpha: float) -> float:
         """Tokens per millisecond at K over those of target-only steps."""

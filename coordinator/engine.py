@@ -351,12 +351,12 @@ class Engine:
         and drafts up to K after it (no hedges: there are no runner-ups to hedge on)."""
         catch_up = plan.kind is RoundKind.CATCH_UP
         proposed = len(round_.draft_token_ids)
-        if not ((state.pipelined or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
+        if not ((state.overlapping or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
             return None
         # Room after a fully accepted round: the bonus guess plus up to K drafts for it (K - 1
         # where that last step comes back after the verify: PredraftDepth).
         next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
-        predraft_k = state.predraft_depth.steps(min(plan.k, next_limit)) if state.pipelined and next_limit else 0
+        predraft_k = state.predraft_depth.steps(min(plan.k, next_limit)) if state.overlapping and next_limit else 0
         hedge_k = plan.k if state.hedging else 0
         return self.branches.start(state, pair, round_, predraft_k, hedge_k, plan.predraft_seed, catch_up)
 
@@ -401,7 +401,7 @@ class Engine:
                 "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
                 "specdec.round.drafts_from": round_.source.value,
                 "specdec.round.epoch": state.draft_view.last_epoch,
-                "specdec.round.pipelined": state.pipelined,
+                "specdec.round.pipelined": state.overlapping,
                 "specdec.round.target_replica": state.target_view.address,
                 "specdec.round.draft_replica": state.draft_view.address,
             }

@@ -98,6 +98,12 @@ class RequestState:
     predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
 
     @property
+    def overlapping(self) -> bool:
+        """This round pre-drafts the next during its verify: a pipelined request, unless its
+        K chooser costs it beside other sessions on its target (`AdaptiveK.overlaps`)."""
+        return self.pipelined and (self.k_chooser is None or self.k_chooser.overlaps)
+
+    @property
     def remaining(self) -> int:
         """New tokens the request may still generate."""
         return self.job.max_new_tokens - len(self.text.token_ids)
@@ -159,7 +165,7 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
     # first token then comes after the target's prompt pass alone, never behind the draft's,
     # and its first choice of K sees the requests that arrived with it (a burst's first would
     # see itself alone, draft, and slow every prompt pass beside it on a shared machine).
-    first_step = state.k_chooser is not None and state.load_aware and not state.pipelined and not state.stats.rounds
+    first_step = state.k_chooser is not None and state.load_aware and not state.overlapping and not state.stats.rounds
     if first_step:
         k, shape = 0, ()
     elif state.k_chooser is not None:
@@ -179,7 +185,7 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
     if ready is not None and k:
         kind = RoundKind.READY
     elif (
-        state.pipelined
+        state.overlapping
         and catch_up
         and k
         and not (copy or widths)  # a copy costs no pass; a tree is not pipelined

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from coordinator import server as coordinator_server
 from specdec.engine.costs import PassCosts
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
@@ -269,3 +270,39 @@ async def test_catch_up_steps_survive_lost_sessions_and_leave_none_behind(tiny_p
         assert stats is not None and stats.reprefills >= 2 and stats.catch_up_rounds >= 1, stats
         await _until_no_sessions(stack.draft_runner)
         await _until_no_sessions(stack.target_runner)
+
+
+async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target(tiny_pair, reference, monkeypatch):
+    """Beside another session on its target replica, a pipelined round runs as a sequential one:
+    no pre-draft and no catch-up step (the other's verifies keep the target busy while it
+    drafts: `coordinator.adaptive`). Two greedy requests at once, then one alone: pre-drafts
+    only in rounds costed at one session, outputs the target's. The services are costed as on
+    machines of their own: on one shared CPU a loaded request drafts nothing at all."""
+    monkeypatch.setattr(coordinator_server, "shares_cores", lambda draft_info, target_info: False)
+
+    def chooser_costs(draft_runner, target_runner) -> None:  # a cheap draft, a flat verify: K > 0 under load
+        draft_runner.pass_costs = PassCosts((1.0,) * 9, context_tokens=128)
+        target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
+
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        coordinator_overrides={"pipeline": True, "adaptive_k": True, "live_costs": False},
+        prepare_runners=chooser_costs,
+    ) as stack:
+
+        async def generate(prompt: str) -> pb.GenerationStats:
+            request = pb.GenerateRequest(prompt=prompt, max_new_tokens=40)
+            response = await stack.stub.Generate(request, timeout=60)
+            assert list(response.token_ids) == reference(prompt)
+            return response.stats
+
+        together = await asyncio.gather(*(generate(prompt) for prompt in PROMPTS[:2]))
+        alone = await generate(PROMPTS[2])
+        for s in (*together, alone):
+            assert s.pipelined and len(s.sessions_per_round) == s.rounds
+            assert s.predrafts <= list(s.sessions_per_round).count(1), (s.predrafts, list(s.sessions_per_round))
+        shared_rounds = sum(n > 1 for s in together for n in s.sessions_per_round)
+        assert shared_rounds >= 4 and sum(s.proposed_tokens for s in together) > 0, together
+        assert alone.predrafts > 0 and set(alone.sessions_per_round) == {1}
+        await _until_no_sessions(stack.draft_runner)

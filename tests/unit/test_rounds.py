@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, RoundCosts
+from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
@@ -121,6 +121,32 @@ def test_plan_round(case):
     if plan.ready is not None:
         assert plan.ready.source is Source.PREDRAFT
         assert plan.ready.draft_token_ids == READY.draft_token_ids[:k]
+
+
+def test_a_pipelined_round_beside_other_sessions_on_its_target_runs_sequential():
+    """A pipelined request whose chooser costs it beside others on its target neither starts
+    with a catch-up step nor catches up after a miss (`RequestState.overlapping`; nor does it
+    pre-draft, engine): it starts target-only and drafts afresh, as a sequential request under
+    load does. Alone, it catches up (the pair has no costs: `catch_up_pays`). The chooser's
+    costs: a cheap draft, passes batched for free."""
+    cheap = CHEAP_DRAFT.costs
+    batched = dataclasses.replace(
+        cheap,
+        draft_batch=BatchCosts(cheap.draft_pass_ms, max_batch=8),
+        target_batch=BatchCosts(cheap.target_pass_ms, max_batch=8),
+    )
+
+    def pipelined(sessions: int, **changes) -> RequestState:
+        chooser = AdaptiveK(k_max=8, pipelined=True, costs=batched.at_load(sessions, sessions), alpha_prior=0.9)
+        return state(pipelined=True, k_chooser=chooser, load_aware=True, **changes)
+
+    alone, shared = pipelined(1), pipelined(2)
+    assert alone.overlapping and not shared.overlapping
+    assert plan_round(alone, True, True).kind is RoundKind.CATCH_UP
+    assert (plan_round(shared, True, True).kind, plan_round(shared, True, True).k) == (RoundKind.TARGET_ONLY, 0)
+    after_a_miss = {"draft_view": OPENED, "stats": GenerationStats(prompt_tokens=3, rounds=1)}
+    assert plan_round(pipelined(1, **after_a_miss), True, True).kind is RoundKind.CATCH_UP
+    assert plan_round(pipelined(2, **after_a_miss), True, True).kind is RoundKind.DRAFT_CALL
 
 
 def test_the_random_draws_do_not_depend_on_the_rounds_kind():
