@@ -207,11 +207,18 @@ class RoundCosts:
 
     def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
         """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened.
-        Pipelined rounds overlap only for a session alone on its target (module docstring)."""
-        if pipelined and k and self.target_sessions == 1:
+        Pipelined rounds overlap only for a session alone on its target (`overlaps`)."""
+        if pipelined and k and self.overlaps:
             miss = 1.0 - alpha ** (k + 1) - (1.0 - alpha**k) * rescue
             return max(self.verify_ms(k), self.draft_ms(k + 1)) + miss * self.draft_ms(k)
         return self.verify_ms(k) + self.draft_ms(k)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a pipelined round's pre-draft hides behind its verify: only for a session alone
+        on its target; beside others, their verifies fill the target while it drafts (module
+        docstring)."""
+        return self.target_sessions == 1
 
     def tokens_per_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
         """This session's rate; on a shared host under load, the host's (module docstring)."""
@@ -347,7 +354,7 @@ class AdaptiveK:
     @property
     def overlaps(self) -> bool:
         """Pipelined and alone on the target: its rounds draft the next during their verify."""
-        return self.pipelined and not self.loaded
+        return self.pipelined and self.costs.overlaps
 
     def gain(self, k: int, alpha: float) -> float:
         """Tokens per millisecond at K over those of target-only steps."""
