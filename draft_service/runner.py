@@ -38,6 +38,7 @@ class _Drafting:
     deterministic: bool
     generator: np.random.Generator  # the call's draws (seeded with its whole seed)
     clock: Stopwatch
+    limit: int  # the drafts it may make: num_tokens, fewer where the KV budget holds fewer (_room)
     token_ids: list[int] = field(default_factory=list)  # [k]
     rows: list[torch.Tensor] = field(default_factory=list)  # k × [V]
     supports: list[torch.Tensor | None] = field(default_factory=list)  # k × ([nnz] token ids, or None)
@@ -365,7 +366,7 @@ class DraftRunner(ModelRunner):
     def _tokens_left(drafting: _Drafting) -> int:
         """The tokens the call's session will add to its cache in a decode batch: what it feeds
         now, then one for each draft after the next."""
-        return len(drafting.feed) + drafting.call.num_tokens - len(drafting.token_ids) - 1
+        return len(drafting.feed) + drafting.limit - len(drafting.token_ids) - 1
 
     def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
         """`_step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
@@ -546,7 +547,10 @@ class DraftRunner(ModelRunner):
         min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
         session, pending, deterministic, generator, clock = self._open(call, drafts)
-        drafting = _Drafting(call, session, pending, deterministic, generator, clock, min_confidence=min_confidence)
+        limit = self._room(session, pending, call.num_tokens)
+        drafting = _Drafting(
+            call, session, pending, deterministic, generator, clock, limit, min_confidence=min_confidence
+        )
         if self.lookup is not None and call.copy_limit:
             # The cache lags the sequence by the pending tokens and any copied ones; the
             # session's next call runs whichever of them it keeps.
@@ -555,6 +559,23 @@ class DraftRunner(ModelRunner):
                 drafting.token_ids, drafting.deterministic, drafting.looked_up = copied, True, True
                 self.looked_up_proposals += bool(copied)
         return drafting
+
+    def _room(self, session: KVSession, feed: list[int], wanted: int) -> int:
+        """The drafts a call may make: `wanted`, fewer where the KV budget holds fewer for this
+        session alone (its cache, the `feed` and each draft but the last, which the next call
+        runs), and at least 1 when `wanted` is, so that a feed that does not fit is refused
+        by its own pass, before any draw.
+
+        Why this is decided here, before the first draw: a budget refused mid-proposal (the
+        session outgrowing it on draft j) fails the call only if no confidence stop came
+        first, so which proposals survive would depend on their own draws, and the target
+        would verify only those that stopped early (issue 65: a = 0.51 instead of 0.70 in its
+        example). A cap fixed by the call is a stopping time, like K itself."""
+        budget = self.sessions.max_kv_bytes
+        if not budget or not wanted:
+            return wanted
+        room = (budget - session.kv_bytes) // self.kv_bytes_per_token  # entries the session may add
+        return max(1, min(wanted, room - len(feed) + 1))
 
     def _done(self, drafting: _Drafting) -> bool:
         """All K drawn, the last one drawn with too little confidence, or the caller cancelled
@@ -569,7 +590,7 @@ class DraftRunner(ModelRunner):
         `assistant_confidence_threshold` and llama.cpp's `--draft-p-min` do).
         """
         step = len(drafting.token_ids)
-        if step >= drafting.call.num_tokens or drafting.looked_up:
+        if step >= drafting.limit or drafting.looked_up:
             return True
         if drafting.unsure:
             self.confidence_stops += 1

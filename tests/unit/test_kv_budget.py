@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_service.drafter import ProposeCall
+from draft_service.runner import DraftRunner
 from specdec.config.services import parse_bytes
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import ResourceExhausted, SessionNotFound
@@ -13,6 +15,7 @@ from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
+T1 = SamplingParams(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +85,47 @@ def test_sizes_parse_with_units():
     )
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+
+def draft_runner(loaded, tokens: int, min_confidence: float = 0.4):
+    """A draft whose KV budget holds `tokens` entries, confidence stops on (the default)."""
+    per_token = DraftRunner(loaded, 1, 60, 8).kv_bytes_per_token
+    return DraftRunner(loaded, 8, 60, 8, max_kv_bytes=tokens * per_token, min_confidence=min_confidence)
+
+
+@pytest.mark.parametrize("path", ["alone", "batched"])
+def test_a_budgeted_draft_caps_its_proposal_before_the_first_draw(loaded, path):
+    """Issue 65: a draft refused mid-proposal by its KV budget would fail only the proposals
+    no confidence stop had ended, so the target would verify a biased few. The cap comes from
+    the call: a budget of 7 entries with a 5-token prompt allows 3 drafts (5 + 2 entries, the
+    last draft not yet run), whatever the draws, alone, batched or with a long prefill first;
+    a prompt that does not fit is refused before any draw, and the session is gone."""
+    prompt = list(range(3, 8))
+    calls = [ProposeCall(f"s{seed}", 0, prompt, 5, T1, seed=seed, min_confidence=0.0) for seed in range(6)]
+    runner = draft_runner(loaded, len(prompt) + 2)
+    proposals = [runner.propose_one(call) for call in calls] if path == "alone" else runner.propose_batch(calls)
+    assert [len(p.token_ids) for p in proposals] == [3] * len(calls)
+    too_long = ProposeCall("long", 0, list(range(3, 12)), 2, T1, seed=0)
+    refused = runner.propose_batch([too_long])[0] if path == "batched" else None
+    if path == "alone":
+        with pytest.raises(ResourceExhausted):
+            runner.propose_one(too_long)
+    else:
+        assert isinstance(refused, ResourceExhausted)
+    assert runner.sessions.peek("long") is None
+
+
+def test_a_capped_proposal_with_confidence_stops_is_the_same_whatever_the_budget_beyond_it(loaded):
+    """The cap is a stopping time fixed by the call: seeded proposals under a budget equal the
+    first drafts of the same seeds without one, cut at the cap or earlier at a confidence stop
+    (at 0.1: the tiny model rarely draws a token it gives 0.4)."""
+    prompt = list(range(3, 8))
+    free = DraftRunner(loaded, 32, 60, 8, min_confidence=0.1)
+    tight = draft_runner(loaded, len(prompt) + 1, 0.1)
+    lengths = set()
+    for seed in range(20):
+        call = ProposeCall(f"s{seed}", 0, prompt, 4, T1, seed=seed)
+        whole, capped = free.propose_one(call), tight.propose_one(call)
+        assert capped.token_ids == whole.token_ids[:2]
+        lengths.add(len(whole.token_ids))
+    assert 1 in lengths and max(lengths) > 2, f"proposal lengths {lengths}: no confidence stop, or no cap to test"
