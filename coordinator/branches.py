@@ -21,7 +21,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.pools import Replica
 from coordinator.rounds import RequestState, k_limit
-from coordinator.state import ForeignProposal, Round, SessionView, Source, check_reply
+from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, SpecDecError
 from specdec.rpc import wire
@@ -313,13 +313,10 @@ class Branches:
         for plan, result in zip(call.branches, reply.results):
             source = Source.PREDRAFT if plan.guesses else Source.HEDGE
             branch, error, message = Round(source), result.error_code, result.error_message
-            if not error:
-                try:
-                    branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
-                except ForeignProposal as exc:  # as a failed branch
-                    error, message = exc.code.value[0], str(exc)
             if error:
                 logger.info("branch %s failed (status %d): %s", plan.session_id, error, message)
+            else:
+                branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
             branches.append(branch)
             errors.append(error)
         if hit.guesses:

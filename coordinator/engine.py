@@ -45,7 +45,7 @@ from coordinator.rounds import (
     plan_round,
     relaxed_round,
 )
-from coordinator.state import ForeignProposal, Round, SessionView, Source, check_reply
+from coordinator.state import Round, SessionView, Source, check_reply
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, Unavailable
@@ -334,15 +334,11 @@ class Engine:
         state.draft_view.replica.breaker.record_success()
         state.refusals.accepted()
         state.stats.draft_compute_ms += proposal.compute_ms
-        try:
-            return self.upstream.round_from(
-                proposal,
-                tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k),
-                state.draft_view.address,
-            )
-        except ForeignProposal as exc:
-            self.upstream.draft_failed(exc, state.draft_view, state.stats)
-            return Round(Source.FALLBACK)
+        return self.upstream.round_from(
+            proposal,
+            tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k),
+            state.draft_view.address,
+        )
 
     def _start_branches(self, state: RequestState, pair: PairInfo, plan: RoundPlan, round_: Round) -> BranchCall | None:
         """The branches to draft during the verify: a pre-draft (pipelined) and hedges, when the

@@ -64,6 +64,7 @@ class GenerationStats:
     relaxed_top_n: int = 0  # the relaxed parameters (0 when exact)
     relaxed_delta: float = 0.0
     relaxed_accepted_tokens: int = 0  # accepted drafts the exact rule rejected (relaxed rounds only)
+    foreign_tokens: int = 0  # verified drafts outside the tokens a bridged draft shares with the target
     _start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
@@ -185,6 +186,16 @@ class CoordinatorMetrics:
             "specdec_fallback_rounds", "Rounds run target-only because the draft failed or was skipped"
         )
         self.draft_failures = counter("specdec_draft_failures", "Draft calls that failed after their retries")
+        self.foreign_tokens = counter(
+            "specdec_draft_foreign_tokens",
+            "Drafts a draft with its own tokenizer proposed outside the tokens it shares with the target "
+            "(a buggy or hostile draft); verified like any draft",
+        )
+        self.malformed_replies = counter(
+            "specdec_malformed_replies",
+            "Replies of a draft or target that failed their request: a draft outside the target's vocabulary "
+            "or without mass under its own distribution, or a reply of the wrong shape",
+        )
         self.degraded_requests = counter(
             "specdec_degraded_requests", "Finished requests with at least one fallback round"
         )
@@ -232,6 +243,7 @@ class CoordinatorMetrics:
             self.predrafts.labels(outcome).inc(count)
         self.fallback_rounds.inc(stats.fallback_rounds)
         self.draft_failures.inc(stats.draft_failures)
+        self.foreign_tokens.inc(stats.foreign_tokens)
         self.degraded_requests.inc(stats.degraded)
         if stats.acceptance_mode == AcceptanceMode.RELAXED.value:
             self.relaxed_requests.inc()
@@ -247,8 +259,10 @@ class CoordinatorMetrics:
         for ms in stats.round_ms:
             self.round_latency.observe(ms / 1e3)
 
-    def observe_failed(self, code: str) -> None:
+    def observe_failed(self, code: str, malformed: bool = False) -> None:
+        """A failed request: its status `code`; `malformed` when a node's reply failed it."""
         self.requests.labels("", code).inc()
+        self.malformed_replies.inc(malformed)
 
 
 class PoolCollector:

@@ -314,6 +314,7 @@ def commit_round(
     stats.catch_up_rounds += round_.source is Source.CATCH_UP
     stats.fallback_rounds += round_.source is Source.FALLBACK
     stats.tree_rounds += bool(round_.parents)
+    stats.foreign_tokens += len(round_.foreign)
     if isinstance(outcome, RoundOutcome):
         stats.relaxed_accepted_tokens += outcome.relaxed_accepted
     if round_.copied:  # from a draft call, a pre-draft or a hedge alike

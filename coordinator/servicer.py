@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.requests import Chunk, GenerationRequest
+from coordinator.state import MalformedReply
 from specdec.errors import InvalidArgument, grpc_errors, status_of
 from specdec.rpc.security import bearer_token
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -143,7 +144,7 @@ async def metered(
                 yield chunk
     except BaseException as exc:
         if metrics is not None:
-            metrics.observe_failed(status_of(exc))
+            metrics.observe_failed(status_of(exc), isinstance(exc, MalformedReply))
         raise
     finally:
         if metrics is not None:

@@ -122,6 +122,7 @@ class Round:
     runner_up_probs: list[list[float]] = field(default_factory=list)
     copied: bool = False  # copied by the draft's prompt lookup, not drafted by its model
     parents: list[int] = field(default_factory=list)  # a token tree's parent nodes; empty: a chain
+    foreign: tuple[int, ...] = ()  # positions of drafts a bridged draft does not share (round_from)
 
     def truncated(self, k: int, start: int = 0) -> Round:
         end = start + k
@@ -133,6 +134,7 @@ class Round:
             self.runner_up_ids[start:end],
             self.runner_up_probs[start:end],
             self.copied,
+            foreign=tuple(position - start for position in self.foreign if start <= position < end),
         )  # chains only: the coordinator never pre-drafts or hedges a tree
 
 
@@ -147,37 +149,39 @@ def round_from(
     """The drafts of a Propose reply (or a branch's: `source`), checked against what was asked.
     `proposable`: PairInfo.draft_proposable, the ids a draft with its own tokenizer shares."""
     if len(proposal.token_ids) > k:
-        raise SpecDecError(
+        raise MalformedReply(
             f"service at {address} proposed {len(proposal.token_ids)} tokens for K={k}; the reply is malformed"
         )
     check_reply(address, "distributions", len(proposal.distributions), len(proposal.token_ids))
     runner_up_ids, runner_up_probs = _runner_ups(proposal, address)
     draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
+    foreign: list[int] = []  # positions of tokens a bridged draft does not share with the target
     for position, (token, prob) in enumerate(zip(proposal.token_ids, draft_probs)):
         # u * 0 < target_prob would accept the token with probability 1, and NaN would never
         # accept it: either way the output would stop being the target's distribution.
         if not 0 <= token < vocab_size:
-            raise SpecDecError(
+            raise MalformedReply(
                 f"draft service at {address} proposed token {token} at position {position}, outside the target's "
                 f"vocabulary [0, {vocab_size}); the reply is malformed"
             )
-        if proposable and not (token >> 3 < len(proposable) and proposable[token >> 3] >> (token & 7) & 1):
-            raise ForeignProposal(
-                f"draft service at {address} proposed token {token} at position {position}, which its vocabulary "
-                "does not share with the target's (VocabBridgeInfo.proposable); the reply is malformed"
-            )
         if not 0.0 < prob <= 1.0 + 1e-5:
-            raise SpecDecError(
+            raise MalformedReply(
                 f"draft service at {address} proposed token {token} at position {position} with "
                 f"probability {prob} under the distribution it sent with it; a drafter can only propose tokens "
                 "its distribution gives mass, so the reply is malformed"
             )
+        # A target id the bridged draft does not share (a bug, or a hostile draft) is verified
+        # with the distribution it came with, like any draft. Discarding the round instead
+        # would make which rounds survive depend on the draws (issue 65: with q = (a .5, f .5)
+        # and p = (a .2, b .6, f .2), (a .3, b .6, f .1) would come out).
+        if proposable and not (token >> 3 < len(proposable) and proposable[token >> 3] >> (token & 7) & 1):
+            foreign.append(position)
     if proposal.parents:
         check_reply(address, "parents", len(proposal.parents), len(proposal.token_ids))
         try:
             check_parents(proposal.parents)
         except ValueError as exc:
-            raise SpecDecError(f"draft service at {address} sent a malformed tree: {exc}") from None
+            raise MalformedReply(f"draft service at {address} sent a malformed tree: {exc}") from None
     return Round(
         Source.COPY if source is Source.DRAFT and proposal.copied else source,
         list(proposal.token_ids),
@@ -187,6 +191,7 @@ def round_from(
         runner_up_probs,
         proposal.copied,
         list(proposal.parents),
+        tuple(foreign),
     )
 
 
@@ -198,7 +203,7 @@ def _runner_ups(proposal: draft_pb2.ProposeResponse, address: str) -> tuple[list
         return [], []
     each = len(ids) // proposed if proposed else 0
     if not 1 <= each <= wire.MAX_RUNNER_UPS or len(ids) != each * proposed or len(probs) != len(ids):
-        raise SpecDecError(
+        raise MalformedReply(
             f"service at {address} sent {len(ids)} runner_up_token_ids and {len(probs)} runner_up_probs for "
             f"{proposed} proposed tokens; expected as many of each, 1 to {wire.MAX_RUNNER_UPS} per token; the "
             "reply is malformed"
@@ -209,12 +214,16 @@ def _runner_ups(proposal: draft_pb2.ProposeResponse, address: str) -> tuple[list
     )
 
 
-class ForeignProposal(SpecDecError):
-    """A draft with its own tokenizer proposed a target id it does not share: a buggy or
-    hostile draft. The round runs target-only, as after any failed draft call."""
+class MalformedReply(SpecDecError):
+    """A draft's reply that cannot be verified exactly (a token outside the target's
+    vocabulary or without mass under its own distribution), or a node's reply of the wrong
+    shape: it fails the request, counted in specdec_malformed_replies. A node never corrupts
+    output."""
 
 
 def check_reply(address: str, field_name: str, got: int, expected: int) -> None:
     """A node that answers with the wrong shape fails the request; it never corrupts output."""
     if got != expected:
-        raise SpecDecError(f"service at {address} returned {got} {field_name} for K={expected}; the reply is malformed")
+        raise MalformedReply(
+            f"service at {address} returned {got} {field_name} for K={expected}; the reply is malformed"
+        )

@@ -1,10 +1,11 @@
 """A draft with another tokenizer (issue 38: token-level intersection) through the services:
 greedy output is the target's own, tokens the draft cannot propose are still emitted, the
-pair is checked at start-up, and a proposal outside the intersection runs the round
-target-only."""
+pair is checked at start-up, and a proposal outside the intersection is verified like any
+draft (or fails the request when its own distribution gives it no mass)."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from draft_service.vocab_bridge import VocabBridge
@@ -88,8 +89,12 @@ async def test_without_target_tokenizer_the_pair_is_refused_with_the_way_out(bri
             pass
 
 
-async def test_a_proposal_outside_the_intersection_runs_the_round_target_only(bridged_pair, reference):
-    """A buggy or hostile draft: the coordinator refuses the reply and the output is still the target's."""
+async def test_a_proposal_outside_the_intersection_is_verified_like_any_draft(bridged_pair, reference):
+    """A buggy or hostile draft proposes a target id it does not share: greedy, its rows are
+    one-hot at that id, so the target verifies it as any draft (accepted only where it is the
+    target's own choice), the output is the target's, and the foreign drafts are counted.
+    Sampled, its rows give the id no mass: that reply cannot be verified exactly, so the
+    request fails with INTERNAL naming the token, and the next request is served as before."""
     async with local_stack(bridged_pair, draft_overrides=bridged(bridged_pair, quantize="none")) as stack:
         runner = stack.draft_runner
         shared = set(runner.bridge.caller_ids.tolist())
@@ -99,11 +104,21 @@ async def test_a_proposal_outside_the_intersection_runs_the_round_target_only(br
         response = await stack.stub.Generate(
             pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=24, num_speculative_tokens=3), timeout=60
         )
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stack.stub.Generate(
+                pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=8, num_speculative_tokens=3, temperature=1.0),
+                timeout=60,
+            )
         runner._caller_id = plain
+        after = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=24, num_speculative_tokens=3), timeout=60
+        )
     assert list(response.token_ids) == reference(PROMPTS[1], 24)
-    # The coordinator refused every reply (ForeignProposal) before the probability-0 guard,
-    # which would have failed the request: the rows give the foreign id no mass.
-    assert response.stats.draft_failures > 0 and response.stats.accepted_tokens == 0
+    assert response.stats.foreign_tokens == response.stats.proposed_tokens > 0
+    assert response.stats.draft_failures == 0 and response.stats.fallback_rounds == 0
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert f"proposed token {foreign} at position 0 with probability 0.0" in failed.value.details()
+    assert list(after.token_ids) == reference(PROMPTS[1], 24) and after.stats.foreign_tokens == 0
 
 
 async def test_a_sequence_too_long_in_the_drafts_own_tokens_runs_target_only_for_that_request(bridged_pair, reference):

@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from coordinator.clients import check_pair
-from coordinator.state import ForeignProposal, round_from
+from coordinator.metrics import CoordinatorMetrics, GenerationStats
+from coordinator.state import MalformedReply, round_from
 from draft_service import server as draft_server
 from draft_service.drafter import ProposeCall
 from draft_service.vocab_bridge import VocabBridge, vocabulary_keys
@@ -181,14 +183,28 @@ def test_coordinator_refuses_a_pair_below_the_minimum_overlap_naming_it():
         check_pair(unbridged, target, "abc", "d:1", "t:1")
 
 
-def test_a_proposal_outside_the_shared_ids_is_refused():
+def test_a_proposal_outside_the_shared_ids_is_verified_and_counted_and_an_invalid_id_fails():
+    """A target id the bridged draft does not share is a draft like any other (verified with
+    its own distribution), marked so the coordinator counts it; an id outside the target's
+    vocabulary, or one without mass under its distribution, fails the reply."""
     proposable = bytes([0b0000_0101])  # ids 0 and 2
     one_hot = common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())
     ok = draft_pb2.ProposeResponse(token_ids=[2, 0], distributions=[one_hot, one_hot])
-    assert round_from(ok, 2, "d:1", 8, proposable=proposable).draft_token_ids == [2, 0]
-    bad = draft_pb2.ProposeResponse(token_ids=[2, 1], distributions=[one_hot, one_hot])
-    with pytest.raises(ForeignProposal, match="proposed token 1 at position 1, which its vocabulary does not share"):
-        round_from(bad, 2, "d:1", 8, proposable=proposable)
+    shared = round_from(ok, 2, "d:1", 8, proposable=proposable)
+    assert shared.draft_token_ids == [2, 0] and shared.foreign == ()
+    foreign = draft_pb2.ProposeResponse(token_ids=[2, 1, 1], distributions=[one_hot] * 3)
+    drafts = round_from(foreign, 3, "d:1", 8, proposable=proposable)
+    assert drafts.draft_token_ids == [2, 1, 1] and drafts.foreign == (1, 2)
+    assert drafts.truncated(2, start=1).foreign == (0, 1) and drafts.truncated(1).foreign == ()
+    outside = draft_pb2.ProposeResponse(token_ids=[2, 8], distributions=[one_hot, one_hot])
+    with pytest.raises(
+        MalformedReply, match=r"proposed token 8 at position 1, outside the target's vocabulary \[0, 8\)"
+    ):
+        round_from(outside, 2, "d:1", 8, proposable=proposable)
+    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[3], probs=[1.0]))
+    massless = draft_pb2.ProposeResponse(token_ids=[1], distributions=[sparse])
+    with pytest.raises(MalformedReply, match="proposed token 1 at position 0 with probability 0.0"):
+        round_from(massless, 1, "d:1", 8, proposable=proposable)
 
 
 def test_a_target_tokenizer_that_cannot_be_read_stops_the_draft_at_start_up(bridged_pair, tmp_path):
@@ -197,3 +213,13 @@ def test_a_target_tokenizer_that_cannot_be_read_stops_the_draft_at_start_up(brid
     )
     with pytest.raises(ValueError, match="--target-tokenizer .*missing: the tokenizer cannot be read"):
         draft_server.load_runner(config)
+
+
+def test_foreign_drafts_and_malformed_replies_are_counted():
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry)
+    metrics.observe_finished(GenerationStats(proposed_tokens=5, foreign_tokens=3), "length")
+    metrics.observe_failed("INTERNAL", malformed=True)
+    metrics.observe_failed("UNAVAILABLE")
+    assert registry.get_sample_value("specdec_draft_foreign_tokens_total") == 3
+    assert registry.get_sample_value("specdec_malformed_replies_total") == 1
