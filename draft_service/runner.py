@@ -638,7 +638,9 @@ class DraftRunner(ModelRunner):
         distribution's non-zero head rows."""
         drafting.processed += len(drafting.feed)
         drafting.batch_size = max(drafting.batch_size, batch_size)
-        drafting.unsure = stops_on_confidence(drawn_prob, drafting.min_confidence)
+        drafting.unsure = stops_on_confidence(
+            drawn_prob, drafting.min_confidence, runner_up_guess=drafting.guessing and drafting.call.guess_rank > 0
+        )
         drafting.token_ids.append(self._caller_id(row))
         for other, prob in runner_ups:
             drafting.runner_up_ids.append(other)
@@ -724,11 +726,17 @@ def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[i
     return widths
 
 
-def stops_on_confidence(drawn_prob: float, min_confidence: float) -> bool:
+def stops_on_confidence(drawn_prob: float, min_confidence: float, runner_up_guess: bool = False) -> bool:
     """Whether a proposal ends after a token the draft drew with probability `drawn_prob`
     (its belief in its own argmax when greedy). The token itself is still proposed: the
-    decision looks only at draws already made (see DraftRunner._done)."""
-    return drawn_prob < min_confidence
+    decision looks only at draws already made (see DraftRunner._done).
+
+    A `runner_up_guess` (a fork's first token, a runner-up guessed for the bonus token:
+    ProposeRequest.guess_rank > 0) never stops it: a runner-up is below 0.5 by definition and
+    nearly always below the default 0.4, so such forks would end at their guess, with no draft
+    past it to keep. Whether it is right is the target's bonus sample's to decide; the drafts
+    after it stop on their own confidence."""
+    return drawn_prob < min_confidence and not runner_up_guess
 
 
 def check_confidence(min_confidence: float) -> float:

@@ -211,7 +211,7 @@ class TableDraft(TableService):
                 response.runner_up_token_ids.append(runner_up)
                 response.runner_up_probs.append(float(row.probs[runner_up]))
             session.tokens.append(token)
-            if stops_on_confidence(float(row.probs[token]), min_confidence):
+            if stops_on_confidence(float(row.probs[token]), min_confidence, guess and request.guess_rank > 0):
                 self.confidence_stops += 1
                 break
         response.sequence_length = len(session.tokens)

@@ -238,6 +238,21 @@ def test_forks_guessing_the_bonus_by_runner_ups_share_the_pre_drafts_passes(load
     assert batched.describe().fork_sessions == 1
 
 
+def test_a_runner_up_guess_does_not_stop_its_fork_on_confidence(loaded):
+    """Issue 65: a fork guessing a runner-up for the bonus token would stop at its guess under
+    the default --min-confidence 0.4 (a runner-up is below 0.5), leaving no draft past it to
+    keep. Its guess's own probability no longer stops it; the drafts after it stop on theirs."""
+    runner = DraftRunner(loaded, 16, 60, 8, min_confidence=0.4)
+    prompt = tokens(5, 9, loaded.vocab_size)
+    runner.propose_one(ProposeCall("parent", 0, prompt, 1, GREEDY, 0))
+    held = len(prompt) + 1
+    fork = ProposeCall("fork", held, [], 3, GREEDY, 0, epoch=2, fork_from="parent", guess_first=True, guess_rank=1)
+    guessed = runner.propose_one(fork)
+    pre_draft = runner.propose_one(ProposeCall("parent", held, [], 3, GREEDY, 0, epoch=3, guess_first=True))
+    assert guessed.token_ids[0] == pre_draft.runner_up_ids[0] and pre_draft.runner_up_probs[0] < 0.4
+    assert len(guessed.token_ids) > 1, "the fork stopped at its guess"
+
+
 def test_one_token_steps_share_one_batch_padded_and_split_once(loaded):
     """After their first pass, calls whose steps are one token each run in one DecodeBatch:
     calls of different K stop at different passes, and each session is left with exactly
