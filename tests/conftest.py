@@ -53,6 +53,23 @@ def word_pair(tmp_path_factory) -> TinyPair:
 
 
 @pytest.fixture(scope="session")
+def peaked_word_pair(tmp_path_factory) -> TinyPair:
+    """A 12-token pair without EOS whose target is peaked (its likeliest 3-token continuations
+    of a prompt hold nearly all the mass), for χ² tests with power over a few dozen cells."""
+    return build_pair(tmp_path_factory.mktemp("peaked"), word_tokenizer(12), logit_scale=6.0, noise=0.6, eos=False)
+
+
+@pytest.fixture(scope="session")
+def peaked_bridged_pair(peaked_word_pair, tmp_path_factory) -> TinyPair:
+    """peaked_word_pair's target with a draft of another vocabulary: w3..w11 in reverse order
+    and two words of its own, so w0..w2 are the target's alone."""
+    folder = tmp_path_factory.mktemp("peaked-bridged") / "draft"
+    words = ["x0", *(f"w{i}" for i in range(11, 2, -1)), "x1"]
+    build_bridged_draft(folder, word_tokenizer(len(words), words), peaked_word_pair.target, noise=0.6)
+    return TinyPair(peaked_word_pair.target, folder, peaked_word_pair.vocab_size, None)
+
+
+@pytest.fixture(scope="session")
 def bridged_pair(tiny_pair, tmp_path_factory) -> TinyPair:
     """tiny_pair's target with a draft of another tokenizer (other merges, other ids, an extra
     special token), whose rows of shared tokens copy the target's: started with
@@ -61,16 +78,6 @@ def bridged_pair(tiny_pair, tmp_path_factory) -> TinyPair:
     tokenizer = byte_level_tokenizer(300, DRAFT_CORPUS, ("<pad>", EOS))
     build_bridged_draft(folder, tokenizer, tiny_pair.target, noise=0.3)
     return TinyPair(tiny_pair.target, folder, tiny_pair.vocab_size, tiny_pair.eos_token_id)
-
-
-@pytest.fixture(scope="session")
-def word_bridged_pair(word_pair, tmp_path_factory) -> TinyPair:
-    """word_pair's target (w0..w11) with a draft whose vocabulary holds w3..w11 in reverse
-    order and two words of its own: w0..w2 are the target's alone."""
-    folder = tmp_path_factory.mktemp("word-bridged") / "draft"
-    words = ["x0", *(f"w{i}" for i in range(11, 2, -1)), "x1"]
-    build_bridged_draft(folder, word_tokenizer(len(words), words), word_pair.target, noise=0.6)
-    return TinyPair(word_pair.target, folder, word_pair.vocab_size, None)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,11 @@
-"""Goodness-of-fit helper for the distribution tests."""
+"""Goodness-of-fit helpers for the distribution tests, and the power they have.
+
+Power against any bias of total variation δ, whatever its shape: with the outcomes the test
+keeps as cells of their own and the rest pooled into one cell of mass m under the target,
+the binned distributions are at least δ − m apart (a bias inside the pool is invisible, and
+it moves at most m), and the χ² noncentrality is then ≥ 4n(δ − m)² (Cauchy-Schwarz). So the
+power is at least that of a noncentral χ² with (cells − 1) degrees of freedom and that
+noncentrality, at the P_VALUE_FLOOR bound (`guaranteed_power`)."""
 
 from __future__ import annotations
 
@@ -10,15 +17,20 @@ from scipy import stats
 P_VALUE_FLOOR = 1e-4
 
 
-def chi_square_p_value(samples: list[tuple[int, ...]], expected_probs: dict[tuple[int, ...], float]) -> float:
-    """χ² goodness of fit; outcomes expected fewer than 5 times are pooled into one bin."""
+def chi_square_p_value(
+    samples: list[tuple[int, ...]],
+    expected_probs: dict[tuple[int, ...], float],
+    cells: frozenset[tuple[int, ...]] | None = None,
+) -> float:
+    """χ² goodness of fit over `cells` (outcomes tested alone; the rest pooled into one bin),
+    by default the outcomes expected at least 5 times."""
     n = len(samples)
     counts: dict[tuple[int, ...], int] = {}
     for s in samples:
         counts[s] = counts.get(s, 0) + 1
     observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
     for outcome, p in expected_probs.items():
-        if p * n >= 5:
+        if outcome in cells if cells is not None else p * n >= 5:
             observed.append(counts.get(outcome, 0))
             expected.append(p * n)
         else:
@@ -33,3 +45,47 @@ def chi_square_p_value(samples: list[tuple[int, ...]], expected_probs: dict[tupl
     expected_arr = np.asarray(expected)
     expected_arr *= sum(observed) / expected_arr.sum()  # float32 row sums are 1 only to ~1e-7
     return float(stats.chisquare(observed, expected_arr).pvalue)
+
+
+def guaranteed_power(pooled_mass: float, cells: int, samples: int, tv: float) -> float:
+    """The least power of a χ² test over `cells` cells (one of them the pool, of mass
+    `pooled_mass`) against any bias of total variation `tv` (the module docstring)."""
+    if cells < 2 or pooled_mass >= tv:
+        return 0.0
+    critical = stats.chi2.ppf(1 - P_VALUE_FLOOR, cells - 1)
+    return float(stats.ncx2.sf(critical, cells - 1, 4 * samples * (tv - pooled_mass) ** 2))
+
+
+def default_power(expected_probs: dict[tuple[int, ...], float], samples: int, tv: float) -> float:
+    """`guaranteed_power` of `chi_square_p_value`'s default cells (outcomes expected ≥ 5 times)."""
+    kept = [p for p in expected_probs.values() if p * samples >= 5]
+    return guaranteed_power(max(0.0, 1.0 - sum(kept)), len(kept) + 1, samples, tv)
+
+
+def powered_cells(
+    expected_probs: dict[tuple[int, ...], float], samples: int, tv: float
+) -> tuple[float, frozenset[tuple[int, ...]]]:
+    """The outcomes to test alone (the likeliest, each expected at least 5 times; the rest
+    pooled) that give `samples` draws the most `guaranteed_power` against a bias of `tv`:
+    → (that power, those outcomes)."""
+    ranked = sorted(expected_probs, key=expected_probs.get, reverse=True)
+    best: tuple[float, int] = (0.0, 0)
+    kept_mass = 0.0
+    for count, outcome in enumerate(ranked, start=1):
+        if expected_probs[outcome] * samples < 5:
+            break
+        kept_mass += expected_probs[outcome]
+        best = max(best, (guaranteed_power(max(0.0, 1.0 - kept_mass), count + 1, samples, tv), count))
+    return best[0], frozenset(ranked[: best[1]])
+
+
+def samples_for_power(
+    expected_probs: dict[tuple[int, ...], float], tv: float, power: float, step: int = 1000, limit: int = 100_000
+) -> int:
+    """The fewest samples (a multiple of `step`) whose `powered_cells` reach `power` against
+    a bias of total variation `tv`."""
+    samples = step
+    while powered_cells(expected_probs, samples, tv)[0] < power:
+        samples += step
+        assert samples <= limit, f"over {limit} samples for power {power} at a distance of {tv}"
+    return samples
