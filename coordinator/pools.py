@@ -47,26 +47,33 @@ PROBE_TIMEOUT_S = 2.0
 # connections. Calls in flight there would wait out their deadline (--target-timeout, 60 s) and
 # fail the request; they are given up on and go to another replica (module docstring).
 HUNG_AFTER_PROBES = 2
-# What every replica of a pool must report as the first one did. A target replica that
-# differs in any of these would give another output. A draft replica must speak the same
-# token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
-# with a round following the Info of the replica that rejected a call), since any draft keeps
-# the output exact and only the speed changes: a different model is logged, not refused.
 # A replica that holds a new session's prompt prefix takes it while it has at most this many
 # sessions more than the least loaded (llm-d's and SGLang's routers weigh cache hits against
 # load the same way): a cached prefix saves a prefill, a crowded replica costs every round.
 PREFIX_AFFINITY_SLACK = 2
 PREFIX_INDEX_ENTRIES = 1 << 16  # prompt prefixes remembered per pool (least recently used go)
+# What every replica of a pool must report as the first one did. A target replica that
+# differs in any of these would give another output. A draft replica must speak the same
+# token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
+# with a round following the Info of the replica that rejected a call), since any draft keeps
+# the output exact and only the speed changes: a different model is logged, not refused.
 IDENTITY = {
-    # max_speculative_tokens too: copies run up to the first replica's cap (--max-copied-tokens),
-    # and a replica with a lower one (an older build's default of 16) would refuse such verifies.
     "target": (
-        "model_id",
+        # The weights, not the path (model_id): replicas on other machines may load the same
+        # checkpoint from other folders, and one folder name may hold another checkpoint on
+        # another machine, whose output a request failing over would mix with the first's.
+        "weights_fingerprint",
         "tokenizer_fingerprint",
         "vocab_size",
         "max_context",
+        # The numerics: the same weights give other logits in another dtype or quantisation,
+        # through another kind of device's kernels, or split over another number of ranks.
         "dtype",
         "quantization",
+        "device_kind",
+        "tensor_parallel_size",
+        # Copies run up to the first replica's cap (--max-copied-tokens), and a replica with a
+        # lower one (an older build's default of 16) would refuse such verifies.
         "max_speculative_tokens",
     ),
     # A draft of another family drafts within the tokens it shares with the target: replicas
@@ -78,6 +85,9 @@ IDENTITY = {
         "vocab_bridge.proposable",
     ),
 }
+# Reported since the weights fingerprint: a target replica or reference of an older build,
+# which reports neither, is compared by its path (model_id) instead, as those builds were.
+FINGERPRINTED = ("weights_fingerprint", "device_kind")
 
 
 @dataclass(eq=False)
@@ -289,18 +299,7 @@ class Pool:
         if self.reference is None:
             self.reference = info
         refused = self.mismatch(info)
-        if refused != replica.refused and refused:
-            logger.error("%s replica %s refused: %s", self.role, replica.address, refused)
-        elif info.model_id != self.reference.model_id and (
-            replica.info is None or replica.info.model_id != info.model_id
-        ):
-            logger.warning(
-                "%s replica %s serves %s where the pool's first served %s: outputs stay exact, speeds may differ",
-                self.role,
-                replica.address,
-                info.model_id,
-                self.reference.model_id,
-            )
+        self._log_change(replica, info, refused)
         replica.refused = refused
         replica.seen(info)
         if refused:
@@ -335,14 +334,51 @@ class Pool:
                 calls,
             )
 
-    def mismatch(self, info: common_pb2.ModelInfo) -> str:
-        """What makes `info` another model than the pool's, in words; empty if none."""
+    def _log_change(self, replica: Replica, info: common_pb2.ModelInfo, refused: str) -> None:
+        """Logs a replica newly refused, or newly serving what the pool's first did not: a draft
+        of another model (only the speed changes), a target's same weights from another path."""
         assert self.reference is not None
-        for name in IDENTITY[self.role]:
-            theirs, ours = _field(info, name), _field(self.reference, name)
-            if theirs != ours:
-                return f"it serves {name} {str(theirs)[:64]!r} where the pool serves {str(ours)[:64]!r}"
-        return ""
+        if refused:
+            if refused != replica.refused:
+                logger.error("%s replica %s refused: %s", self.role, replica.address, refused)
+            return
+        if _served(info) in (_served(self.reference), replica.info and _served(replica.info)):
+            return
+        draft = self.role == "draft"
+        logger.log(
+            logging.WARNING if draft else logging.INFO,
+            "%s replica %s serves %s where the pool's first served %s: %s",
+            self.role,
+            replica.address,
+            _served(info),
+            _served(self.reference),
+            "outputs stay exact, speeds may differ" if draft else "the same weights from another path",
+        )
+
+    def mismatch(self, info: common_pb2.ModelInfo) -> str:
+        """What makes `info` another model than the pool's, in words: each field that differs,
+        with this replica's value and the pool's; empty if none."""
+        assert self.reference is not None
+        differ = [
+            f"{name} {str(_field(info, name))[:64]!r} (the pool's {str(_field(self.reference, name))[:64]!r})"
+            for name in self._identity(info)
+            if _field(info, name) != _field(self.reference, name)
+        ]
+        if not differ:
+            return ""
+        return (
+            f"it serves model_id {info.model_id!r} where the pool serves {self.reference.model_id!r}, "
+            f"and they differ in {'; '.join(differ)}"
+        )
+
+    def _identity(self, info: common_pb2.ModelInfo) -> tuple[str, ...]:
+        """The fields `info` must match the reference's in (IDENTITY; FINGERPRINTED's
+        fallback to the path where either is of an older build)."""
+        assert self.reference is not None
+        fields = IDENTITY[self.role]
+        if self.role == "target" and not (info.weights_fingerprint and self.reference.weights_fingerprint):
+            return ("model_id", *(name for name in fields if name not in FINGERPRINTED))
+        return fields
 
     def reservation(self, tokens: int) -> int:
         """KV bytes a session of `tokens` tokens may hold on this pool's replicas: those
@@ -503,6 +539,11 @@ async def watch(pools: Iterable[Pool], interval_s: float, on_refresh: Callable[[
             await on_refresh()
         except Exception:  # noqa: BLE001 - a watcher that dies silently would freeze the pools
             logger.exception("refreshing the replica pools failed; trying again in %.1f s", interval_s)
+
+
+def _served(info: common_pb2.ModelInfo) -> str:
+    """The model a replica serves, in words: its path and the start of its weights' fingerprint."""
+    return f"{info.model_id} (weights {info.weights_fingerprint[:12]})" if info.weights_fingerprint else info.model_id
 
 
 def _field(info: common_pb2.ModelInfo, dotted: str):

@@ -60,6 +60,8 @@ class ModelDescription:
     copies: bool = False  # a draft that copies by prompt lookup (honours max_copied_tokens)
     trees: bool = False  # serves token trees (ProposeRequest.tree_widths / VerifyRequest.draft_parents)
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
+    weights_fingerprint: str = ""  # of the weights as served (specdec.engine.fingerprint); "" = no model
+    device_kind: str = ""  # where the weights sit: "cpu", "cuda", "cpu+cuda"; "" = no model
     pass_cost_profile: str = ""  # the accelerator the passes are held to (--pass-cost-profile), "" = none
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
     # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,

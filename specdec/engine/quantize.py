@@ -22,6 +22,8 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
+from specdec.engine.fingerprint import tensor_digest
+
 # fbgemm (x86) or qnnpack (ARM): the int8 GEMM engines torch ships for CPU.
 INT8_ENGINES = ("fbgemm", "x86", "qnnpack")
 INT8_LABEL = "int8 (per-channel weights, per-token activations)"  # what Info reports as the quantization
@@ -49,7 +51,11 @@ class RowwiseInt8Linear(torch.nn.Module):
         super().__init__()
         weight = linear.weight.detach().float()  # [out, in]
         self.out_features, self.in_features = weight.shape
-        self._packed = _pack(weight)
+        qweight = _quantize(weight)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        # For the weights fingerprint (specdec.engine.fingerprint): the packed weight is opaque,
+        # and unpacking it again would cost ~0.1 s a layer of a 1.5B.
+        self.weight_digest = tensor_digest(qweight.int_repr()) + tensor_digest(qweight.q_per_channel_scales())
         self.bias = (
             None
             if linear.bias is None
@@ -71,13 +77,16 @@ class RowwiseInt8Linear(torch.nn.Module):
 
 
 def _pack(weight: torch.Tensor):  # [out, in] float32 → fbgemm's packed per-channel int8 weight
+    return torch.ops.quantized.linear_prepack(_quantize(weight), None)
+
+
+def _quantize(weight: torch.Tensor) -> torch.Tensor:  # [out, in] float32 → [out, in] qint8, per channel
     scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_LEVELS).double()  # [out]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch 2.13 deprecates quantized tensors; the ops work
         # |weight / scale| <= WEIGHT_LEVELS by the scale's choice, so no entry rounds past it
         # (tested; a check here cost a second pass over every weight at start-up).
-        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(qweight, None)
+        return torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
 
 
 # The affine map fbgemm's dynamic quantiser picks for 8-bit activations spanning exactly [-1, 1].

@@ -25,6 +25,7 @@ from specdec.engine.costs import (
     calibrate,
     fastest,
 )
+from specdec.engine.fingerprint import served_weights
 from specdec.engine.kv import plain_cache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
@@ -63,6 +64,7 @@ class ModelRunner:
     ):
         self.loaded = loaded
         self.model = loaded.model
+        self.weights = served_weights(self.model)  # as served: quantised, its head cut (the loader's done)
         self.max_speculative_tokens = max_speculative_tokens
         prefix = None
         if prefix_cache_bytes:
@@ -167,6 +169,8 @@ class ModelRunner:
             evicted_sessions=self.sessions.evicted,
             tensor_parallel_size=self.loaded.tensor_parallel_size,
             quantization=self.loaded.quantization,
+            weights_fingerprint=self.weights.fingerprint,
+            device_kind=self.weights.device_kind,
             pass_cost_profile=self.pacer.profile.name if self.pacer else "",
             emulation_overruns=self.pacer.overruns if self.pacer else 0,
             trees=True,  # both model runners score token trees (forward_tree)

@@ -242,6 +242,8 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         copies=description.copies,
         trees=description.trees,
         quantization=description.quantization,
+        weights_fingerprint=description.weights_fingerprint,
+        device_kind=description.device_kind,
         pass_cost_profile=description.pass_cost_profile,
         emulation_overruns=description.emulation_overruns,
         calibrated_batch_ms=[

@@ -84,6 +84,7 @@ def test_a_pool_starts_without_a_missing_replica_refuses_another_model_and_names
         log = coordinator.log.read_text()
         assert f"target replica {c_address} is not serving" in log, log[-3000:]
         assert f"target replica {other.address} refused: it serves model_id" in log, log[-3000:]
+        assert "and they differ in weights_fingerprint" in log, log[-3000:]
         assert metric(coordinator, "specdec_replica_refused", {"pool": "target", "address": other.address}) == 1
         assert metric(coordinator, "specdec_replica_serving", {"pool": "target", "address": a.address}) == 1
         with grpc.insecure_channel(coordinator.address) as channel:

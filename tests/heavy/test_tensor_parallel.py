@@ -56,6 +56,7 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         target = target_pb2_grpc.TargetStub(t)
         info = target.Info(common_pb2.InfoRequest(), timeout=10)
         assert info.tensor_parallel_size == 2
+        assert len(info.weights_fingerprint) == 64 and info.device_kind == "cpu", "rank 0's shard, fingerprinted"
         assert info.kv_bytes_per_token == kv_per_rank_token, "the budget counts one rank's share of the heads"
         assert len(_workers_of(stack.current["target"].process.pid)) == 1, "rank 0 did not start rank 1"
 

@@ -86,7 +86,10 @@ def test_a_model_split_by_accelerate_over_two_placements_verifies_like_the_plain
     assert hasattr(model.model.layers[1], "_hf_hook"), "accelerate did not dispatch the model"
     split = make_runner(dataclasses.replace(loaded, model=model, device_label="split"))
 
-    same(rounds(split), rounds(make_runner(loaded)))
+    plain = make_runner(loaded)
+    same(rounds(split), rounds(plain))
+    # Layer 1's weights, brought in from disk, count as they compute: one model, on the CPU.
+    assert split.weights == plain.weights and split.weights.device_kind == "cpu"
     # The cache follows its layer: every layer's keys sit where accelerate runs that layer.
     for layer in split.sessions.open("a", 1).cache.layers:
         assert layer.keys.device.type == "cpu"

@@ -9,10 +9,14 @@ import grpc
 import pytest
 
 from coordinator.pools import HUNG_AFTER_PROBES, PREFIX_AFFINITY_SLACK, Pool
+from specdec.engine.modeling import load_causal_lm
 from specdec.errors import DeadlineExceeded, ResourceExhausted
+from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool, query_a, resolve
 from specdec.rpc.security import ChannelSecurity
+from specdec.tools.testing import build_model, word_tokenizer
 from specdec.v1 import common_pb2
+from target_service.runner import TargetRunner
 from tests.pool_helpers import DnsServer
 
 
@@ -138,6 +142,55 @@ def test_a_replica_serving_another_model_is_refused():
     )
 
 
+# What the target replicas in the tests below share beside their weights.
+SERVED = dict(tokenizer_fingerprint="f", vocab_size=8, dtype="float32", device_kind="cpu", tensor_parallel_size=1)
+
+
+def test_target_replicas_are_one_pool_by_their_weights_not_their_path():
+    """Two replicas with one --model path and other weights (a checkpoint replaced on one
+    machine) would mix two models' outputs in a request that fails over: refused, naming each
+    field that differs with both values. The same weights from another path are the same model."""
+    pool = Pool("target", parse_pool("a:1"), FakeClient)  # type: ignore[arg-type]
+    pool.reference = common_pb2.ModelInfo(model_id="/models/qwen", weights_fingerprint="aaaa", **SERVED)
+    replica = pool.add("b:1")
+    pool._apply(replica, common_pb2.ModelInfo(model_id="/models/qwen", weights_fingerprint="bbbb", **SERVED))
+    assert not replica.serving and replica.refused == (
+        "it serves model_id '/models/qwen' where the pool serves '/models/qwen', "
+        "and they differ in weights_fingerprint 'bbbb' (the pool's 'aaaa')"
+    )
+    elsewhere = common_pb2.ModelInfo(model_id="/mnt/b/qwen", weights_fingerprint="aaaa", **SERVED)
+    pool._apply(replica, elsewhere)
+    assert replica.serving and not replica.refused
+    numerics = common_pb2.ModelInfo()
+    numerics.CopyFrom(elsewhere)
+    numerics.dtype, numerics.device_kind, numerics.tensor_parallel_size = "bfloat16", "cuda", 2
+    differ = pool.mismatch(numerics).split(", and they differ in ")[1].split("; ")
+    assert differ == [
+        "dtype 'bfloat16' (the pool's 'float32')",
+        "device_kind 'cuda' (the pool's 'cpu')",
+        "tensor_parallel_size '2' (the pool's '1')",
+    ]
+    # A build from before the fingerprint reports none: its path is compared instead.
+    older = common_pb2.ModelInfo(model_id="/mnt/b/qwen", **SERVED)
+    assert "model_id '/mnt/b/qwen' (the pool's '/models/qwen')" in pool.mismatch(older)
+
+
+def test_a_target_loading_another_checkpoint_from_the_same_path_is_refused(tmp_path):
+    """Through real runners: the folder's checkpoint replaced between two replicas' loads."""
+    folder = tmp_path / "model"
+    infos = []
+    for seed in (0, 1):
+        build_model(folder, word_tokenizer(12), seed=seed, logit_scale=1.0, eos_token_id=None)
+        runner = TargetRunner(load_causal_lm(str(folder), "float32", "cpu"), 1, 60, 4)
+        infos.append(wire.description_to_pb(runner.describe()))
+    pool = Pool("target", parse_pool("a:1"), FakeClient)  # type: ignore[arg-type]
+    pool.reference = infos[0]
+    assert infos[1].model_id == infos[0].model_id
+    assert pool.mismatch(infos[1]).endswith(
+        f"weights_fingerprint {infos[1].weights_fingerprint!r} (the pool's {infos[0].weights_fingerprint!r})"
+    )
+
+
 def test_a_dns_pool_checks_tls_certificates_for_its_name():
     """A replica found by DNS is reached at its IP address; its certificate names the Service."""
     plain = ChannelSecurity()
@@ -158,7 +211,11 @@ def test_draft_replicas_must_share_the_same_tokens_with_the_target():
     same = common_pb2.ModelInfo()
     same.CopyFrom(reference)
     same.model_id = "small+lookup[2..4]"  # another drafter of the same draft: logged, not refused
+    same.weights_fingerprint = "other"  # or other weights: a draft changes the speed, not the output
     assert pool.mismatch(same) == ""
+    replica = pool.add("b:1")
+    pool._apply(replica, same)
+    assert replica.serving
     other = common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)  # the target's own family
     assert "vocab_bridge.draft_tokenizer_fingerprint" in pool.mismatch(other)
     fewer = common_pb2.ModelInfo()
