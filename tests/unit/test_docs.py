@@ -49,4 +49,4 @@ def test_every_link_resolves(page):
 
 def test_the_readme_is_a_short_entry_point():
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert len(lines) <= 320, f"README.md has {len(lines)} lines; move detail to docs/"
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
