@@ -56,12 +56,6 @@ def guaranteed_power(pooled_mass: float, cells: int, samples: int, tv: float) ->
     return float(stats.ncx2.sf(critical, cells - 1, 4 * samples * (tv - pooled_mass) ** 2))
 
 
-def default_power(expected_probs: dict[tuple[int, ...], float], samples: int, tv: float) -> float:
-    """`guaranteed_power` of `chi_square_p_value`'s default cells (outcomes expected ≥ 5 times)."""
-    kept = [p for p in expected_probs.values() if p * samples >= 5]
-    return guaranteed_power(max(0.0, 1.0 - sum(kept)), len(kept) + 1, samples, tv)
-
-
 def powered_cells(
     expected_probs: dict[tuple[int, ...], float], samples: int, tv: float
 ) -> tuple[float, frozenset[tuple[int, ...]]]:
@@ -89,3 +83,19 @@ def samples_for_power(
         samples += step
         assert samples <= limit, f"over {limit} samples for power {power} at a distance of {tv}"
     return samples
+
+
+def worst_case_bias(
+    expected_probs: dict[tuple[int, ...], float], tv: float
+) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """The outcomes, likeliest first, and a distribution over them at total variation `tv`
+    from `expected_probs` that χ² finds hardest to tell apart: the mass moved in proportion to
+    p from the likeliest outcomes (about half the mass) to the others."""
+    keys = sorted(expected_probs, key=expected_probs.get, reverse=True)
+    probs = np.array([expected_probs[key] for key in keys])
+    head = np.cumsum(probs) - probs < 0.5  # the likeliest outcomes, about half the mass
+    biased = probs.copy()
+    biased[head] -= tv * probs[head] / probs[head].sum()
+    biased[~head] += tv * probs[~head] / probs[~head].sum()
+    assert np.isclose(0.5 * np.abs(biased - probs).sum(), tv)
+    return keys, biased

@@ -34,7 +34,6 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 from transformers import AutoTokenizer
 
 from coordinator import rounds
@@ -49,7 +48,7 @@ from specdec.engine.modeling import tokenizer_fingerprint
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
 from specdec.v1 import common_pb2
-from tests.stats import P_VALUE_FLOOR, chi_square_p_value
+from tests.stats import P_VALUE_FLOOR, chi_square_p_value, guaranteed_power, worst_case_bias
 from tests.table_services import TableDraft, TableModel, TableTarget
 
 DETECTABLE_TV = 0.02
@@ -88,9 +87,8 @@ def samples_for_power(outcomes: int, step: int = 5_000) -> int:
     """The fewest samples (a multiple of `step`) with which the χ² test over `outcomes`
     detects any bias of total variation DETECTABLE_TV with probability REQUIRED_POWER at the
     P_VALUE_FLOOR bound: noncentrality ≥ 4nδ² (the module docstring)."""
-    critical = scipy_stats.chi2.ppf(1 - P_VALUE_FLOOR, outcomes - 1)
     samples = step
-    while scipy_stats.ncx2.sf(critical, outcomes - 1, 4 * samples * DETECTABLE_TV**2) < REQUIRED_POWER:
+    while guaranteed_power(0.0, outcomes, samples, DETECTABLE_TV) < REQUIRED_POWER:
         samples += step
     return samples
 
@@ -453,17 +451,10 @@ def test_power(name):
     mode = MODES[name]
     expected = tables(mode)[0].continuations(mode.prompt, mode.length)
     outcomes = len(expected)
-    critical = scipy_stats.chi2.ppf(1 - P_VALUE_FLOOR, outcomes - 1)
-    power = scipy_stats.ncx2.sf(critical, outcomes - 1, 4 * mode.samples * DETECTABLE_TV**2)
+    power = guaranteed_power(0.0, outcomes, mode.samples, DETECTABLE_TV)  # no outcome pooled
     assert power >= REQUIRED_POWER, f"{name}: power {power:.3f} over {outcomes} outcomes"
 
-    keys = sorted(expected, key=expected.get, reverse=True)
-    probs = np.array([expected[key] for key in keys])
-    head = np.cumsum(probs) - probs < 0.5  # the likeliest outcomes, about half the mass
-    biased = probs.copy()
-    biased[head] -= DETECTABLE_TV * probs[head] / probs[head].sum()
-    biased[~head] += DETECTABLE_TV * probs[~head] / probs[~head].sum()
-    assert np.isclose(0.5 * np.abs(biased - probs).sum(), DETECTABLE_TV)
+    keys, biased = worst_case_bias(expected, DETECTABLE_TV)
     counts = np.random.default_rng(0).multinomial(mode.samples, biased)
     drawn = [key for key, count in zip(keys, counts) for _ in range(count)]
     assert chi_square_p_value(drawn, expected) < P_VALUE_FLOOR

@@ -27,7 +27,7 @@ from specdec.sampling.probs import SamplingParams
 from specdec.tools.testing import TinyPair
 from tests.heavy.test_distribution import exact_target_distribution, sample_continuations
 from tests.stack import local_stack
-from tests.stats import P_VALUE_FLOOR, chi_square_p_value, powered_cells, samples_for_power
+from tests.stats import P_VALUE_FLOOR, chi_square_p_value, powered_cells, samples_for_power, worst_case_bias
 
 DETECTABLE_TV = 0.05
 REQUIRED_POWER = 0.9
@@ -214,12 +214,7 @@ def test_power_at_a_distance_of_0_05(name, request):
     samples = samples_for_power(expected, DETECTABLE_TV, REQUIRED_POWER)
     power, cells = powered_cells(expected, samples, DETECTABLE_TV)
     assert power >= REQUIRED_POWER and samples <= 12_000, (samples, power, len(cells))
-    keys = sorted(expected, key=expected.get, reverse=True)
-    target = np.array([expected[key] for key in keys])
-    head = np.cumsum(target) - target < 0.5
-    biased = target.copy()
-    biased[head] -= DETECTABLE_TV * target[head] / target[head].sum()
-    biased[~head] += DETECTABLE_TV * target[~head] / target[~head].sum()
+    keys, biased = worst_case_bias(expected, DETECTABLE_TV)
     counts = np.random.default_rng(0).multinomial(samples, biased / biased.sum())
     drawn = [key for key, count in zip(keys, counts) for _ in range(count)]
     assert chi_square_p_value(drawn, expected, cells) < P_VALUE_FLOOR

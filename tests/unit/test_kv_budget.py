@@ -10,6 +10,7 @@ from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.config.services import parse_bytes
 from specdec.engine.modeling import load_causal_lm
+from specdec.engine.runner import kv_bytes_per_token
 from specdec.errors import ResourceExhausted, SessionNotFound
 from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
@@ -89,7 +90,7 @@ def test_sizes_parse_with_units():
 
 def draft_runner(loaded, tokens: int, min_confidence: float = 0.4):
     """A draft whose KV budget holds `tokens` entries, confidence stops on (the default)."""
-    per_token = DraftRunner(loaded, 1, 60, 8).kv_bytes_per_token
+    per_token = kv_bytes_per_token(loaded.model)
     return DraftRunner(loaded, 8, 60, 8, max_kv_bytes=tokens * per_token, min_confidence=min_confidence)
 
 
