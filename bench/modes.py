@@ -103,8 +103,8 @@ PLACEMENTS: dict[str, dict[str, list[str]]] = {
 COORDINATORS = {
     "sequential": [],
     "pipelined": ["--pipeline", "on"],
-    "adaptive": ["--adaptive-k", "on"],
-    "pipelined+adaptive": ["--pipeline", "on", "--adaptive-k", "on"],
+    "adaptive": [],  # the K chooser: requests that leave K unset
+    "pipelined+adaptive": ["--pipeline", "on"],
     "hedged1": ["--hedges", "1"],
     "hedged2": ["--hedges", "2"],
     "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],

@@ -38,6 +38,12 @@ MAX_BONUS_GUESSES = wire.MAX_RUNNER_UPS + 1  # the argmax and each runner-up (Pr
 # Hedges, the pre-draft and its forks for other bonus guesses fit in one ProposeBranches call.
 assert MAX_HEDGES + MAX_BONUS_GUESSES <= wire.MAX_BRANCHES
 MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its own and its step_seeds
+FALLBACK_K = 4  # K for a request that leaves it unset where the chooser has no measured costs
+
+
+def parse_k(text: str) -> int | None:
+    """--num-speculative-tokens: "auto" (None: the K chooser) or a fixed K."""
+    return None if text == "auto" else int(text)
 
 
 @dataclass(frozen=True)
@@ -74,10 +80,15 @@ class CoordinatorConfig:
     )
     host: str = host_setting()
     port: int = port_setting(DEFAULT_PORT)
-    default_num_speculative_tokens: int = setting(
-        4,
+    default_num_speculative_tokens: int | None = setting(
+        None,
         "--num-speculative-tokens",
-        "K per round when a request leaves it unset and the K chooser is off or has no measured costs",
+        "K per round for requests that leave it unset: auto (the K chooser picks it each round, K = 0 "
+        f"included, from the services' calibrated pass costs and the request's acceptance; K = {FALLBACK_K} "
+        "where the services measured no costs) or a fixed K for every such request",
+        parse=parse_k,
+        shown="auto",
+        more="See [The K chooser](design.md#the-k-chooser).",
     )
     max_num_speculative_tokens: int = setting(
         8, "--max-num-speculative-tokens", "largest K a request may ask for (also capped by the services)"
@@ -92,8 +103,6 @@ class CoordinatorConfig:
         64, "--default-max-new-tokens", "max_new_tokens when a request leaves it unset"
     )
     max_new_tokens_limit: int = setting(2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for")
-    max_stop_strings: int = setting(16, "--max-stop-strings", "most stop strings a request may give")
-    max_stop_string_chars: int = setting(256, "--max-stop-string-chars", "longest stop string a request may give")
     draft_timeout_s: float = setting(30.0, "--draft-timeout", "deadline of one draft call, seconds")
     target_timeout_s: float = setting(60.0, "--target-timeout", "deadline of one target call, seconds")
     connect_timeout_s: float = setting(
@@ -115,13 +124,6 @@ class CoordinatorConfig:
         "runs as one target-only step while the draft drafts the round after it; off: such rounds "
         "wait for fresh drafts",
         more="See [Catch-up steps](design.md#catch-up-steps).",
-    )
-    adaptive_k: bool = setting(
-        True,
-        "--adaptive-k",
-        "on: when a request leaves K unset, choose it each round (K = 0 included) from the services' "
-        "calibrated pass costs and the request's acceptance; without calibrated costs, or off, use "
-        "--num-speculative-tokens",
     )
     live_costs: bool = setting(
         True,
@@ -209,12 +211,6 @@ class CoordinatorConfig:
         more="Parsing JSON holds the interpreter: at worst about 60 ms a MiB of tiny arrays, a stall of every "
         "stream in flight, so the default stays at 1 MiB (a 32k-token text prompt is about 130 KB).",
     )
-    draft_attempts: int = setting(
-        2, "--draft-attempts", "tries of a draft call that fails UNAVAILABLE before that round runs target-only"
-    )
-    draft_retry_backoff_s: float = setting(
-        0.05, "--draft-retry-backoff", "seconds before the second try of a draft call (doubling after)"
-    )
     breaker_failures: int = setting(
         3, "--breaker-failures", "consecutive failed draft calls after which rounds skip the draft (target-only)"
     )
@@ -250,21 +246,19 @@ class CoordinatorConfig:
 
     def problem(self) -> str | None:
         """A contradiction between flags, said in words; None if the config is consistent."""
-        if not 0 <= self.default_num_speculative_tokens <= self.max_num_speculative_tokens:
-            return "--num-speculative-tokens must be in [0, --max-num-speculative-tokens]"
+        k = self.default_num_speculative_tokens
+        if k is not None and not 0 <= k <= self.max_num_speculative_tokens:
+            return "--num-speculative-tokens must be auto or in [0, --max-num-speculative-tokens]"
         if self.max_copied_tokens < 0:
             return f"--max-copied-tokens must be >= 0; got {self.max_copied_tokens}"
         if (
-            self.draft_attempts < 1
-            or self.breaker_failures < 1
+            self.breaker_failures < 1
             or self.pool_refresh_s <= 0
             or self.queue_timeout_s < 0
             or self.max_waiting_requests < 0
-            or self.draft_retry_backoff_s < 0
         ):
             return (
-                "--draft-attempts and --breaker-failures must be >= 1, --pool-refresh > 0, --draft-retry-backoff, "
-                "--queue-timeout and --max-waiting-requests >= 0"
+                "--breaker-failures must be >= 1, --pool-refresh > 0, --queue-timeout and --max-waiting-requests >= 0"
             )
         if not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be in [0, {MAX_HEDGES}]"

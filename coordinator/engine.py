@@ -421,8 +421,8 @@ class Engine:
         state.stats.sessions_per_round.append(sessions)
 
     def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
-        """A per-request K chooser when the request left K to the coordinator and it adapts."""
-        if not (self.config.adaptive_k and job.num_speculative_tokens_unset and job.num_speculative_tokens):
+        """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
+        if not (job.num_speculative_tokens_unset and job.num_speculative_tokens):
             return None
         if pair.costs is None:
             return None  # no measured costs to choose from: the default K

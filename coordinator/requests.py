@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import FALLBACK_K, CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
@@ -60,6 +60,10 @@ class GenerationRequest:
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_CACHE_SALT_CHARS = 256
+# A request's stop strings: as many and as long as vLLM-style clients send, bounded so that
+# the largest valid request is known before it is decoded (`request_limit_bytes`).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class Job:
     seed: int
     stop: tuple[str, ...]
     num_speculative_tokens: int
-    num_speculative_tokens_unset: bool = False  # the request left K to the coordinator
+    num_speculative_tokens_unset: bool = (
+        False  # K is the chooser's: neither the request nor --num-speculative-tokens fixed it
+    )
     seeded: bool = False  # the request set its seed: K may not depend on other requests
     draft_min_confidence: float | None = None  # None: the draft service's default
     tree_widths: tuple[int, ...] = ()  # each round proposes and verifies this tree (K is then 0)
@@ -172,7 +178,7 @@ def request_limit_bytes(config: CoordinatorConfig, pair: PairInfo, token_bytes: 
     ids = pair.max_context * varint_bytes(pair.vocab_size - 1)
     text = pair.max_context * token_bytes
     messages = text + pair.max_context * MESSAGE_OVERHEAD_BYTES
-    stop = config.max_stop_strings * (4 * config.max_stop_string_chars + 8)  # UTF-8: 4 bytes a character at most
+    stop = MAX_STOP_STRINGS * (4 * MAX_STOP_STRING_CHARS + 8)  # UTF-8: 4 bytes a character at most
     return FIXED_REQUEST_BYTES + max(ids, text, messages) + stop
 
 
@@ -239,9 +245,12 @@ def prepare_job(
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}", field="top_p")
+    k_chosen = request.num_speculative_tokens is None and config.default_num_speculative_tokens is None
     if request.num_speculative_tokens is None:
-        # The configured default, within what both services accept.
-        k = min(config.default_num_speculative_tokens, pair.max_num_speculative_tokens)
+        # The configured K, or the chooser's (FALLBACK_K where it has no costs), within what
+        # both services accept.
+        k = config.default_num_speculative_tokens
+        k = min(FALLBACK_K if k is None else k, pair.max_num_speculative_tokens)
     else:
         k = request.num_speculative_tokens
     if not 0 <= k <= pair.max_num_speculative_tokens:
@@ -249,14 +258,14 @@ def prepare_job(
             f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}",
             field="num_speculative_tokens",
         )
-    if len(request.stop) > config.max_stop_strings:
+    if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
-            f"stop has {len(request.stop)} strings; at most {config.max_stop_strings} are accepted", field="stop"
+            f"stop has {len(request.stop)} strings; at most {MAX_STOP_STRINGS} are accepted", field="stop"
         )
     for stop in request.stop:
-        if not 0 < len(stop) <= config.max_stop_string_chars:
+        if not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
             raise InvalidArgument(
-                f"stop strings must have 1 to {config.max_stop_string_chars} characters; got one of {len(stop)}",
+                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters; got one of {len(stop)}",
                 field="stop",
             )
     confidence = request.draft_min_confidence
@@ -305,7 +314,7 @@ def prepare_job(
         seed=seed,
         stop=tuple(request.stop),
         num_speculative_tokens=k,
-        num_speculative_tokens_unset=request.num_speculative_tokens is None,
+        num_speculative_tokens_unset=k_chosen,
         seeded=request.seed is not None,
         draft_min_confidence=confidence,
         tree_widths=tuple(request.tree_widths),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from draft_service.runner import PROPOSAL_MODES
 from draft_service.suffix import DEFAULT_MAX_MATCH
 from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting
 from specdec.config.settings import parse_settings, setting
@@ -13,11 +12,6 @@ from specdec.config.settings import parse_settings, setting
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
 DRAFTERS = ("model", "ngram", "hybrid", "suffix")
-# A sampled proposal is drawn from the draft's own top-k and shipped as (id, prob) pairs:
-# 2 KiB per token instead of 0.6 MB of dense float32 over a 152k vocabulary. Exact, since
-# it is the distribution the token was drawn from; what it costs in acceptance is measured
-# by `python -m bench.draft_truncation` (docs/design.md: Drafters).
-DEFAULT_PROPOSAL_TOP_K = 256
 # HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
 DEFAULT_MIN_CONFIDENCE = 0.4
 # About 40 MB with its index; many times the text of a day's repeated agent runs at a few
@@ -59,18 +53,6 @@ class DraftConfig(ModelServiceConfig):
         more="Kept per cache namespace (a request's `cache_salt` and bearer token); see "
         "[Suffix drafter](design.md#suffix-drafter).",
     )
-    proposal_mode: str = setting(
-        "sample",
-        "--proposal-mode",
-        "how the draft proposes when the request samples: greedy proposes its argmax (exact either way)",
-        choices=PROPOSAL_MODES,
-    )
-    proposal_top_k: int = setting(
-        DEFAULT_PROPOSAL_TOP_K,
-        "--proposal-top-k",
-        "sample from the draft's distribution truncated to its top k and ship that sparsely "
-        "(0 = full distribution, shipped dense); exact either way",
-    )
     min_confidence: float = setting(
         DEFAULT_MIN_CONFIDENCE,
         "--min-confidence",
@@ -103,8 +85,6 @@ class DraftConfig(ModelServiceConfig):
             return "--draft-vocab and --target-tokenizer both cut the output head (the latter to the shared tokens)"
         if not 0.0 <= self.min_confidence <= 1.0:
             return f"--min-confidence must be in [0, 1] (0 = never stop early); got {self.min_confidence}"
-        if self.proposal_top_k < 0:
-            return f"--proposal-top-k must be >= 0 (0 = off); got {self.proposal_top_k}"
         return None
 
 

@@ -25,6 +25,8 @@ from specdec.sampling.probs import logits_to_probs, one_hot_argmax, one_hot_at, 
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 PROPOSAL_MODES = ("sample", "greedy")
+# The service's top-k: sampled rows ship sparse, 2 KiB a token, not 0.6 MB dense (bench.draft_truncation: its cost).
+PROPOSAL_TOP_K = 256
 ARGMAX = "argmax"  # _step_all: rows that take their argmax
 
 
@@ -59,7 +61,8 @@ class _Drafting:
 
 class DraftRunner(ModelRunner):
     """Proposals follow the request's sampling settings, then the draft's own policy:
-    `proposal_mode="greedy"` proposes the draft's argmax (one-hot), `proposal_top_k` truncates.
+    `proposal_mode="greedy"` proposes the draft's argmax (one-hot), `proposal_top_k` truncates
+    (0: the full distribution, shipped dense). The service runs the defaults; tests set others.
     Either only changes how often the target accepts, never what the output distribution is,
     because the target sees the exact distribution each token came from.
 
@@ -89,7 +92,7 @@ class DraftRunner(ModelRunner):
         session_ttl_s: float,
         max_speculative_tokens: int,
         proposal_mode: str = "sample",
-        proposal_top_k: int = 0,
+        proposal_top_k: int = PROPOSAL_TOP_K,
         head_ids: torch.Tensor | None = None,
         max_kv_bytes: int = 0,
         min_confidence: float = 0.0,
@@ -121,6 +124,8 @@ class DraftRunner(ModelRunner):
         self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
+        if proposal_top_k < 0:
+            raise ValueError(f"proposal_top_k must be >= 0 (0 = the full distribution); got {proposal_top_k}")
         self.proposal_mode = proposal_mode
         self.proposal_top_k = proposal_top_k
 

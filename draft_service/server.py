@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
-def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
+def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDrafter:
+    """`runner_options`: further `DraftRunner` keyword arguments that are no flags (tests set
+    `proposal_mode` and `proposal_top_k` this way); the service passes none."""
     if problem := config.problem():
         raise ValueError(problem)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     if config.drafter == "ngram":
+        if runner_options:
+            raise ValueError(f"the ngram drafter runs no model: {sorted(runner_options)} do not apply")
         return NgramDrafter(
             load_tokenizer_info(config.model, config.trust_remote_code),
             max_sessions=config.max_sessions,
@@ -84,8 +88,6 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         max_sessions=config.max_sessions,
         session_ttl_s=config.session_ttl_s,
         max_speculative_tokens=config.max_speculative_tokens,
-        proposal_mode=config.proposal_mode,
-        proposal_top_k=config.proposal_top_k,
         head_ids=head_ids,
         max_kv_bytes=config.max_kv_bytes,
         prefix_cache_bytes=config.prefix_cache_bytes,
@@ -93,6 +95,7 @@ def load_runner(config: DraftConfig) -> DraftRunner | NgramDrafter:
         min_confidence=config.min_confidence,
         lookup=lookup_of(config),
         bridge=bridge,
+        **runner_options,
     )
     runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes

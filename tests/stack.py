@@ -83,14 +83,16 @@ async def local_stack(
     coordinator_overrides: dict | None = None,
     target_overrides: dict | None = None,
     prepare_runners: Callable[[DraftRunner, TargetRunner], None] | None = None,
+    draft_runner_overrides: dict | None = None,
 ) -> AsyncIterator[Stack]:
     """The same coordinator, servicers and runners as `inprocess_stack`, joined by in-process
     channels (specdec.rpc.local) instead of loopback gRPC: every message is still serialised and
     parsed, and errors still travel as status codes, but no socket, HTTP/2 or interceptor is
-    involved. For tests that need thousands of generations and test the math, not the wire."""
+    involved. For tests that need thousands of generations and test the math, not the wire.
+    `draft_runner_overrides` as in `inprocess_stack`."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
-    draft_runner = draft_server.load_runner(draft_config)
+    draft_runner = draft_server.load_runner(draft_config, **(draft_runner_overrides or {}))
     target_runner = target_server.load_runner(target_config)
     if prepare_runners is not None:
         prepare_runners(draft_runner, target_runner)
@@ -150,13 +152,16 @@ async def inprocess_stack(
     target_overrides: dict | None = None,
     client_security: ClientSecurity | None = None,
     prepare_runners: Callable[[DraftRunner, TargetRunner], None] | None = None,
+    draft_runner_overrides: dict | None = None,
 ) -> AsyncIterator[Stack]:
     """`client_security`: how the stack's own stub reaches the coordinator (TLS, token).
     `prepare_runners` runs on the loaded runners before any server starts (to slow one down
-    and then calibrate, say)."""
+    and then calibrate, say). `draft_runner_overrides`: `DraftRunner` arguments that are no
+    flags, only tests' (`proposal_mode` "greedy": one-hot proposals; `proposal_top_k` 0: dense
+    full rows, or a small k), which the service leaves at their defaults."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
-    draft_runner = draft_server.load_runner(draft_config)
+    draft_runner = draft_server.load_runner(draft_config, **(draft_runner_overrides or {}))
     target_runner = target_server.load_runner(target_config)
     if prepare_runners is not None:
         prepare_runners(draft_runner, target_runner)

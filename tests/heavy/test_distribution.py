@@ -63,6 +63,8 @@ class Case:
     costs: tuple[float, float] | None = None
     tree: tuple[int, ...] = ()  # tree speculation with these widths (k must then be None)
     seeded: bool = True  # False: requests leave their seed unset (a seeded sampled one copies only from itself)
+    # DraftRunner arguments that are no flags (proposal_mode, proposal_top_k; tests/stack.py).
+    runner: dict = field(default_factory=dict)
 
 
 # Drafts half as dear as a verify: the pipelined cases settle at K = 1, so rounds continue
@@ -73,11 +75,11 @@ PIPELINED_CHOOSER_COSTS = (20.0, 40.0)
 PREFIX_CACHE = {"prefix_cache_bytes": 1 << 22, "prefix_block_tokens": 2}
 
 CASES = {
-    "dense_full_draft_distribution": Case({"quantize": "none", "proposal_top_k": 0}),
-    "dense_int8_draft": Case({"quantize": "int8", "proposal_top_k": 0}),
-    "sparse_draft_top_k": Case({"proposal_top_k": 3}),
+    "dense_full_draft_distribution": Case({"quantize": "none"}, runner={"proposal_top_k": 0}),
+    "dense_int8_draft": Case({"quantize": "int8"}, runner={"proposal_top_k": 0}),
+    "sparse_draft_top_k": Case({}, runner={"proposal_top_k": 3}),
     "sparse_reduced_vocab_head": Case({"draft_vocab": 6}),
-    "one_hot_greedy_proposals": Case({"proposal_mode": "greedy"}),
+    "one_hot_greedy_proposals": Case({}, runner={"proposal_mode": "greedy"}),
     "one_hot_ngram_prompt_lookup": Case(
         {"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}, prompt=tuple(REPEATING_PROMPT)
     ),
@@ -91,7 +93,7 @@ CASES = {
     "hybrid_copies_chosen_apart": Case(
         {"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 3},
         prompt=tuple(REPEATING_PROMPT),
-        coordinator={"adaptive_k": True},
+        coordinator={},
         k=None,
         costs=PIPELINED_CHOOSER_COSTS,
     ),
@@ -127,20 +129,23 @@ CASES = {
     # Catch-up steps: target-only rounds while the pre-draft catches the draft session up.
     "pipelined_catch_up_steps": Case({"quantize": "none", "min_confidence": 0.3}, coordinator=PIPELINED, length=4, k=2),
     "adaptive_pipelined_top_k_top_p": Case(
-        {"proposal_top_k": 4},
+        {},
         SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
-        coordinator={"pipeline": True, "adaptive_k": True, "catch_up": False},
+        coordinator={"pipeline": True, "catch_up": False},
         length=4,
         k=None,
         costs=PIPELINED_CHOOSER_COSTS,
+        runner={"proposal_top_k": 4},
     ),
-    "confidence_stop_greedy_proposals": Case({"proposal_mode": "greedy", "min_confidence": 0.5}, length=4, k=3),
+    "confidence_stop_greedy_proposals": Case(
+        {"min_confidence": 0.5}, length=4, k=3, runner={"proposal_mode": "greedy"}
+    ),
     # An int8 target: the output is the int8 model's own distribution.
     "int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, length=3, k=2),
     # Token trees (issue 19): i.i.d. sampled children (siblings may repeat), the draft's top-b
     # tokens sent one-hot, and an int8 target scoring the tree with its row-wise attention.
     "tree_iid_sampled_children": Case({"quantize": "none"}, k=None, tree=(2, 2)),
-    "tree_top_b_one_hot_children": Case({"proposal_mode": "greedy"}, k=None, tree=(3, 1)),
+    "tree_top_b_one_hot_children": Case({}, k=None, tree=(3, 1), runner={"proposal_mode": "greedy"}),
     "tree_int8_target": Case({"quantize": "none"}, target={"quantize": "int8"}, k=None, tree=(2, 2)),
     # The chooser weighing trees against chains, with flat costs (rows nearly free) where trees pay.
     "tree_chooser": Case({"quantize": "none"}, coordinator={"tree_chooser": True}, k=None, costs=(2.0, 10.0)),
@@ -273,6 +278,7 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         coordinator_overrides=c.coordinator if c.costs is None else {**c.coordinator, "live_costs": False},
         target_overrides=target,
         prepare_runners=set_costs,
+        draft_runner_overrides=c.runner,
     ) as stack:
         stats: list = []
         samples = await sample_continuations(

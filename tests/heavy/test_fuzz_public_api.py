@@ -35,7 +35,15 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coordinator.pair import PairInfo
-from coordinator.requests import CHAT_ROLES, MIN_TEMPERATURE, chat_prompt_ids, longest_token_bytes, request_limit_bytes
+from coordinator.requests import (
+    CHAT_ROLES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
+    chat_prompt_ids,
+    longest_token_bytes,
+    request_limit_bytes,
+)
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 
@@ -291,8 +299,8 @@ def limits(stack, tiny_pair) -> Limits:
             config.max_num_speculative_tokens, draft.max_speculative_tokens, target.max_speculative_tokens
         ),
         max_new_tokens_limit=config.max_new_tokens_limit,
-        max_stop_strings=config.max_stop_strings,
-        max_stop_string_chars=config.max_stop_string_chars,
+        max_stop_strings=MAX_STOP_STRINGS,
+        max_stop_string_chars=MAX_STOP_STRING_CHARS,
         tokenizer=tokenizer,
         request_bytes=request_limit_bytes(config, pair, longest_token_bytes(tokenizer)),
     )

@@ -203,7 +203,7 @@ MODES = {
         mutant_samples=10_000,
     ),
     "adaptive": Mode(
-        {"pipeline": True, "adaptive_k": True},
+        {"pipeline": True},
         vocab=2,
         length=4,
         k=None,

@@ -23,7 +23,8 @@ SAMPLED = common_pb2.SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(tiny_pair):
-    async with inprocess_stack(tiny_pair, draft_overrides={"proposal_top_k": 0}) as running:  # full distributions
+    # Dense full distributions: the draft's top-k is a runner argument, not a flag.
+    async with inprocess_stack(tiny_pair, draft_runner_overrides={"proposal_top_k": 0}) as running:
         draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.draft.port}")
         target_channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.target.port}")
         running.draft_stub = draft_pb2_grpc.DraftStub(draft_channel)

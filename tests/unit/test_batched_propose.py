@@ -24,7 +24,8 @@ def loaded(tiny_pair):
 
 
 def make_runner(loaded) -> DraftRunner:
-    return DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8)
+    # Full rows (top-k 0): sampled calls alike then draw together in one batched step.
+    return DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=0)
 
 
 def tokens(seed: int, count: int, vocab: int) -> list[int]:
@@ -242,7 +243,7 @@ def test_a_runner_up_guess_does_not_stop_its_fork_on_confidence(loaded):
     """Issue 65: a fork guessing a runner-up for the bonus token would stop at its guess under
     the default --min-confidence 0.4 (a runner-up is below 0.5), leaving no draft past it to
     keep. Its guess's own probability no longer stops it; the drafts after it stop on theirs."""
-    runner = DraftRunner(loaded, 16, 60, 8, min_confidence=0.4)
+    runner = DraftRunner(loaded, 16, 60, 8, proposal_top_k=0, min_confidence=0.4)
     prompt = tokens(5, 9, loaded.vocab_size)
     runner.propose_one(ProposeCall("parent", 0, prompt, 1, GREEDY, 0))
     held = len(prompt) + 1

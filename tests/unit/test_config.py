@@ -54,7 +54,25 @@ def test_required_settings_are_named(capsys):
         [],
         {"SPECDEC_COORDINATOR_DRAFT": "a:1", "SPECDEC_COORDINATOR_TARGET": "b:2", "SPECDEC_COORDINATOR_TOKENIZER": "t"},
     )
-    assert (config.draft_address, config.target_address, config.default_num_speculative_tokens) == ("a:1", "b:2", 4)
+    assert (config.draft_address, config.target_address, config.default_num_speculative_tokens) == ("a:1", "b:2", None)
+    fixed = {"SPECDEC_COORDINATOR_NUM_SPECULATIVE_TOKENS": "6"}
+    assert (
+        coordinator_config(
+            ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"], fixed
+        ).default_num_speculative_tokens
+        == 6
+    )
+    assert (
+        coordinator_config(
+            ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t", "--num-speculative-tokens", "auto"], fixed
+        ).default_num_speculative_tokens
+        is None
+    )
+    with pytest.raises(SystemExit):
+        coordinator_config(
+            ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t", "--num-speculative-tokens", "9"], {}
+        )
+    assert "--num-speculative-tokens must be auto or in [0" in capsys.readouterr().err
 
 
 def test_target_batching_flags_environment_and_limits():

@@ -87,7 +87,9 @@ def test_reduced_head_scores_exactly_its_ids_and_proposes_only_them(tiny_pair):
     assert set(head_ids.tolist()) == set(range(100)) | {tiny_pair.eos_token_id}
     assert frequent_token_ids(loaded.tokenizer, loaded.vocab_size, 3, (300,)).tolist() == [0, 1, 2, 300]
     restrict_output_head(loaded.model, head_ids)
-    runner = DraftRunner(loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, head_ids=head_ids)
+    runner = DraftRunner(
+        loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=0, head_ids=head_ids
+    )
     prompt = [5, 17, 99, 200, 31]
     # The restricted head's logits are the full head's logits at its ids.
     torch.testing.assert_close(full_logits(loaded.model, prompt), full_logits(reference.model, prompt)[head_ids])

@@ -91,7 +91,9 @@ def test_sizes_parse_with_units():
 def draft_runner(loaded, tokens: int, min_confidence: float = 0.4):
     """A draft whose KV budget holds `tokens` entries, confidence stops on (the default)."""
     per_token = kv_bytes_per_token(loaded.model)
-    return DraftRunner(loaded, 8, 60, 8, max_kv_bytes=tokens * per_token, min_confidence=min_confidence)
+    return DraftRunner(
+        loaded, 8, 60, 8, proposal_top_k=0, max_kv_bytes=tokens * per_token, min_confidence=min_confidence
+    )
 
 
 @pytest.mark.parametrize("path", ["alone", "batched"])
@@ -121,7 +123,7 @@ def test_a_capped_proposal_with_confidence_stops_is_the_same_whatever_the_budget
     first drafts of the same seeds without one, cut at the cap or earlier at a confidence stop
     (at 0.1: the tiny model rarely draws a token it gives 0.4)."""
     prompt = list(range(3, 8))
-    free = DraftRunner(loaded, 32, 60, 8, min_confidence=0.1)
+    free = DraftRunner(loaded, 32, 60, 8, proposal_top_k=0, min_confidence=0.1)
     tight = draft_runner(loaded, len(prompt) + 1, 0.1)
     lengths = set()
     for seed in range(20):

@@ -22,6 +22,7 @@ def draft_runner(tiny_pair) -> DraftRunner:
         max_sessions=4,
         session_ttl_s=60,
         max_speculative_tokens=8,
+        proposal_top_k=0,
     )
 
 

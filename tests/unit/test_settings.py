@@ -62,9 +62,9 @@ def test_every_flag_reads_its_variable_and_says_so_in_help(capsys):
         text = " ".join(capsys.readouterr().out.split())
         for item in declared(cls):
             assert item.env_name(prefix) in text
-    env = {"SPECDEC_COORDINATOR_UPSTREAM_TLS_CA": "ca.pem", "SPECDEC_COORDINATOR_ADAPTIVE_K": "off"}
+    env = {"SPECDEC_COORDINATOR_UPSTREAM_TLS_CA": "ca.pem", "SPECDEC_COORDINATOR_PIPELINE": "on"}
     config = coordinator_config(REQUIRED[CoordinatorConfig][1], env)
-    assert config.upstream.tls_ca == "ca.pem" and config.adaptive_k is False
-    assert coordinator_config([*REQUIRED[CoordinatorConfig][1], "--adaptive-k", "on"], env).adaptive_k is True
+    assert config.upstream.tls_ca == "ca.pem" and config.pipeline is True
+    assert coordinator_config([*REQUIRED[CoordinatorConfig][1], "--pipeline", "off"], env).pipeline is False
     with pytest.raises(SystemExit, match="SPECDEC_DRAFT_CALIBRATE='yes' is invalid"):
         draft_config(["--model", "m"], {"SPECDEC_DRAFT_CALIBRATE": "yes"})
