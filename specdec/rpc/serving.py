@@ -338,6 +338,17 @@ async def expire_sessions_periodically(model_thread: ModelThread, expire: Callab
             logger.info("expired %d idle sessions", expired)
 
 
+def bound_address(host: str, port: int) -> str:
+    """HOST:PORT as the start-up log names it, saying who can reach it: a loopback address
+    only this machine (the default --host), 0.0.0.0 / :: every interface."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        return f"{shown} (this machine only; --host 0.0.0.0 to serve other machines)"
+    if host in ("0.0.0.0", "::", "[::]"):
+        return f"{shown} (every interface)"
+    return shown
+
+
 class RunningServer:
     """A started server with what must be stopped along with it."""
 
@@ -350,8 +361,10 @@ class RunningServer:
         background: list[asyncio.Task] | None = None,
         on_stop: Callable[[], Any] | None = None,
         metrics_http=None,
+        host: str = "",
     ) -> None:
         self.server = server
+        self.host = host  # the address bound, as --host gave it
         self.port = port
         self.health = health_servicer
         self.service_names = service_names
@@ -388,7 +401,7 @@ class RunningServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
+        logger.info("serving %s on %s", ", ".join(self.service_names), bound_address(self.host, self.port))
         await stop.wait()
         logger.info("shutting down: NOT_SERVING now, then draining in-flight requests for up to %.1fs", grace_s)
         self.stopping = True
@@ -422,7 +435,7 @@ async def start_server(
     await server.start()
     await set_serving(health_servicer, service_names, True)
     tasks = [asyncio.create_task(make()) for make in background]
-    return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http)
+    return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http, host)
 
 
 def model_thread_for(service_name: str) -> ModelThread:
