@@ -91,8 +91,10 @@ class OpenAIApi:
         metrics: CoordinatorMetrics | None = None,
         tokens: list[str] | None = None,
         body_limit: int = 1 << 20,
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.coordinator = coordinator
+        self.serving = serving  # what the gRPC health service says: a target to serve with, not shutting down
         self.model_name = model_name
         self.metrics = metrics
         self.auth = BearerTokenAuth(tokens) if tokens else None
@@ -134,7 +136,12 @@ class OpenAIApi:
             return response
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """200 while the coordinator serves, 503 while its gRPC health says NOT_SERVING (no
+        target replica serving, or shutting down): an HTTP probe or load balancer sees what a
+        gRPC one does."""
+        if self.serving():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
@@ -326,16 +333,18 @@ async def start_http(
     security: ServerSecurity,
     metrics: CoordinatorMetrics | None = None,
     body_limit: int = 1 << 20,
+    serving: Callable[[], bool] = lambda: True,
 ) -> tuple[web.AppRunner, int]:
     """Starts the API on `host:port` (0 picks a free port); returns the runner (cleanup()
-    stops it) and the bound port. A body over `body_limit` bytes gets 413 unread past the limit."""
+    stops it) and the bound port. A body over `body_limit` bytes gets 413 unread past the limit;
+    /health answers 503 while `serving()` is false."""
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
     # max_field_size: a header as long as gRPC's metadata may be, so an over-long bearer token
     # reaches the token check and gets OpenAI's 401 body, not aiohttp's plain-text 400.
     runner = web.AppRunner(
-        OpenAIApi(coordinator, model_name, metrics, tokens, body_limit).app(),
+        OpenAIApi(coordinator, model_name, metrics, tokens, body_limit, serving).app(),
         access_log=None,
         handler_cancellation=True,
         max_field_size=MAX_METADATA_BYTES,

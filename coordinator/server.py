@@ -191,6 +191,11 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
     request_limit = request_limit_bytes(config, coordinator.pair, longest_token_bytes(coordinator.tokenizer))
     logger.info("requests larger than %d bytes are refused before they are read", request_limit)
     http = None
+    running: RunningServer | None = None
+
+    def serving() -> bool:  # as report_health sets the gRPC health
+        return running is not None and not running.stopping and bool(coordinator.upstream.targets.serving)
+
     if config.http_port >= 0:
         model_name = config.served_model_name or served_name(coordinator.pair.target_model_id)
         http, http_port = await start_http(
@@ -201,6 +206,7 @@ async def build_server(config: CoordinatorConfig) -> RunningServer:
             config.security,
             metrics,
             min(config.http_max_body_bytes, request_limit),
+            serving,
         )
 
     async def close() -> None:

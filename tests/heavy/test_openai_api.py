@@ -95,6 +95,12 @@ def test_models_lists_the_served_name(client):
     assert [model.id for model in client.models.list().data] == ["tiny-coder"]
 
 
+def test_http_health_is_ok_while_the_coordinator_serves(served):
+    base = served["base_url"].removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as response:  # no token: probes carry none
+        assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
+
+
 def test_chat_greedy_equals_the_grpc_chat_streamed_or_not(served, client):
     expected = grpc_generate(served, messages=CHAT, max_new_tokens=16, temperature=0)
     reply = client.chat.completions.create(model="tiny-coder", messages=CHAT, max_tokens=16, temperature=0)
