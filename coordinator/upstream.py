@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar, cast
 
@@ -33,8 +34,10 @@ async def retry_unavailable(
     backoff_s: float,
     on_failure: Callable[[], bool] | None = None,
 ) -> T:
-    """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s) each time it
-    raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never retried.
+    """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s; a random half
+    to all of it, so coordinators that lost a target together do not retry it in step) each
+    time it raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never
+    retried.
     `on_failure()` runs after each failure that is retried; True: the next try goes elsewhere
     (another replica), at once. A plain loop: it runs on every round, where a retry
     library's per-call set-up cost a tenth of the coordinator's own time per round."""
@@ -48,7 +51,7 @@ async def retry_unavailable(
                 raise
         if on_failure is not None and on_failure():
             continue
-        await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0))
+        await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0) * (0.5 + 0.5 * random.random()))
 
 
 # A draft call that fails UNAVAILABLE is tried once more, 50 ms later, before its round runs
