@@ -1,11 +1,11 @@
-"""`--suite live-costs`: what the K chooser gains from live pass costs (`--live-costs`) when the
+"""`--suite live-costs`: what the K chooser gains from live pass costs (`RoundRules.live_costs`) when the
 costs a target calibrated no longer hold.
 
 One draft and one target (the real pair, the hybrid drafter, as `make run` starts them) start
 while, in the `disturbed` case, a neighbour process copies memory in a loop, as another tenant's
 job would; it stops once both have calibrated. Two coordinators then serve over the same two
-services: one costs greedy requests from the services' live pass costs (`--live-costs on`, the
-default), one from the calibrated ones (`--live-costs off`). `make run`'s three prompts go to
+services: one costs greedy requests from the services' live pass costs (the default), one
+from the calibrated ones (`rule:live_costs=off`, bench.rules_coordinator). `make run`'s three prompts go to
 one, then the other, greedy, the order alternating from repeat to repeat, so both see the same
 machine and the same services; each coordinator's turn starts once the other's sessions are
 gone from its view (two pool refreshes), or it would cost its first request as sharing the
@@ -26,11 +26,12 @@ import grpc
 from bench.demo_prompts import QUESTIONS
 from bench.modes import model_infos, pair_stack
 from bench.multiturn import STACKS, chat, generate, geometric_interval
+from bench.rules_coordinator import coordinator_module
 from specdec.tools.launch import spawn_coordinator
 from specdec.v1 import coordinator_pb2_grpc
 
 REPEATS = 6
-CHOOSERS = {"live": ["--live-costs", "on"], "calibrated": ["--live-costs", "off"]}
+CHOOSERS = {"live": [], "calibrated": ["rule:live_costs=off"]}  # bench.rules_coordinator
 QUIET_S = 2 * 2.0 + 0.5  # two of the coordinators' pool refreshes (--pool-refresh 2 s), and a margin
 # A neighbour copying 64 MiB in a loop: it takes one of the two cores and most of the memory
 # bandwidth while the services calibrate.
@@ -51,6 +52,7 @@ def run_case(config, disturbed: bool, logs) -> dict:
                 config.target_model,
                 logs / "coordinator-calibrated.log",
                 CHOOSERS["calibrated"],
+                module=coordinator_module(CHOOSERS["calibrated"]),
             )
             stack.callback(calibrated.stop)
         finally:

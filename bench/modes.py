@@ -110,7 +110,7 @@ COORDINATORS = {
     "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
     "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
     # Without catch-up steps: a round with no drafts ready waits for fresh ones.
-    "pipelined-waiting": ["--pipeline", "on", "--catch-up", "off"],
+    "pipelined-waiting": ["--pipeline", "on", "rule:catch_up=off"],  # bench.rules_coordinator
     "tree-chooser": ["--tree-chooser", "on"],
 }
 

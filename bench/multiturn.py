@@ -396,7 +396,7 @@ def markdown(results: dict) -> str:
         (
             "calibrated_pass_ms",
             "**Pass costs each stack's services calibrated at start-up** (ms by new tokens; the K chooser's "
-            "inputs for seeded sampled requests, and with `--live-costs off`):",
+            "inputs for seeded sampled requests, and with `rule:live_costs=off`):",
         ),
         (
             "live_pass_ms",

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args, target_service_args
+from bench.rules_coordinator import coordinator_module
 from specdec.engine.modeling import DTYPES
 from specdec.engine.quantize import quantize_int8
 from specdec.rpc.ports import free_port
@@ -77,6 +78,7 @@ class OursRunner:
                         *PLACEMENTS[placement]["coordinator"],
                     ],
                     ROOT,
+                    coordinator_module(COORDINATORS[variant]),
                 )
                 self._processes.callback(coordinator.stop)
                 key = (drafter, variant, placement)

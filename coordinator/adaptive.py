@@ -20,7 +20,7 @@ rounds, from a prior that is fixed for seeded requests. So its K never depends o
 measured during a request, and the same seed on the same running deployment gives the same
 output. A request whose output K cannot change (greedy, or unseeded) is costed each round from
 the services' live figures instead (Info.live_pass_ms: each size's recent passes, settled as
-calibration settles them; `--live-costs`): a machine's pass costs move after start-up, and a
+calibration settles them; `RoundRules.live_costs`): a machine's pass costs move after start-up, and a
 K chosen for costs that no longer hold runs slower (docs/design.md, "The K chooser").
 
 Under load, C sessions share a service. In lockstep, a round's verify is then one batched

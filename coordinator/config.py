@@ -116,24 +116,6 @@ class CoordinatorConfig:
         "on: the draft pre-drafts the next round while the target verifies",
         more="See [Pipelining](design.md#pipelining).",
     )
-    catch_up: bool = setting(
-        True,
-        "--catch-up",
-        "with --pipeline: a round whose drafts are not ready (the first, and any after a pre-draft or "
-        "hedge missed where the calibrated costs say a step commits tokens faster than a fresh round) "
-        "runs as one target-only step while the draft drafts the round after it; off: such rounds "
-        "wait for fresh drafts",
-        more="See [Catch-up steps](design.md#catch-up-steps).",
-    )
-    live_costs: bool = setting(
-        True,
-        "--live-costs",
-        "on: the K chooser costs a greedy or unseeded request's rounds from the services' live pass "
-        "costs (each size's recent passes, from their Info at every pool refresh), which follow the "
-        "machine as it speeds up and slows down; a seeded sampled request always uses the calibrated "
-        "ones, so its seed keeps one output. off: calibrated costs for every request",
-        more="See [The K chooser](design.md#the-k-chooser).",
-    )
     tree_chooser: bool = setting(
         False,
         "--tree-chooser",

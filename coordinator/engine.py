@@ -35,9 +35,11 @@ from coordinator.pair import PairInfo
 from coordinator.pools import Pool
 from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
 from coordinator.rounds import (
+    DEFAULT_RULES,
     RequestState,
     RoundKind,
     RoundPlan,
+    RoundRules,
     commit_round,
     committed_logprobs,
     decide,
@@ -76,8 +78,10 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase,
         pair: PairInfo,
         target_info: common_pb2.ModelInfo,
+        rules: RoundRules = DEFAULT_RULES,
     ) -> None:
         self.config = config
+        self.rules = rules
         self.tokenizer = tokenizer
         self.upstream = Upstream(config, drafts, targets, pair, target_info)
         self.branches = Branches(config, self.upstream)
@@ -129,7 +133,7 @@ class Engine:
         round and e1, and the next round verifies them against the distributions they came
         from. Any other outcome cancels the pre-draft and its tokens are never read.
 
-        With catch-up steps (`--catch-up`), a pipelined round with no drafts ready is one
+        With catch-up steps (`RoundRules.catch_up`), a pipelined round with no drafts ready is one
         target-only step while a pre-draft catches the draft session up, guesses that step's
         token and drafts on; the same rule keeps it. Hedged mode (`--hedges N`) also forks the
         draft session for the N likeliest rejection outcomes (coordinator.hedging); a fork is
@@ -151,7 +155,7 @@ class Engine:
                     pair = state.pair
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
                     self._cost_at_load(state)
-                    plan = plan_round(state, self.config.catch_up, draft_allowed, self.config.target_only_steps)
+                    plan = plan_round(state, self.rules.catch_up, draft_allowed, self.config.target_only_steps)
                     round_, verification, branches = await self._run_round(state, pair, plan)
                     outcome = decide(round_, verification, plan.uniforms, relaxed_round(state, round_))
                     base = len(state.sequence)
@@ -406,13 +410,13 @@ class Engine:
     def _cost_at_load(self, state: RequestState) -> None:
         """The K chooser's costs for this round: at the sessions the request's replicas hold now
         (its own included), recorded in its stats, and their live pass costs at their last Info
-        (--live-costs); alone and calibrated for a seeded sampled request."""
+        (`RoundRules.live_costs`); alone and calibrated for a seeded sampled request."""
         if state.k_chooser is None:
             return
         target, draft = state.target_view.replica, state.draft_view.replica
         sessions = target.load[0] if state.load_aware and target is not None else 1
         draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
-        live = state.load_aware and self.config.live_costs
+        live = state.load_aware and self.rules.live_costs
         target_ms = target.info.live_pass_ms if live and target is not None and target.info is not None else ()
         draft_ms = draft.info.live_pass_ms if live and draft is not None and draft.info is not None else ()
         state.k_chooser.costs = state.k_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms, draft_ms)

@@ -19,6 +19,7 @@ from coordinator.openai_api import start_http
 from coordinator.pair import pair_info
 from coordinator.pools import Pool
 from coordinator.requests import longest_token_bytes, request_limit_bytes
+from coordinator.rounds import DEFAULT_RULES, RoundRules
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.config.services import pin_cpus
 from specdec.engine.calls import numerics
@@ -34,11 +35,14 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 
 async def connect(
-    config: CoordinatorConfig, draft: DraftClient | None = None, target: TargetClient | None = None
+    config: CoordinatorConfig,
+    draft: DraftClient | None = None,
+    target: TargetClient | None = None,
+    rules: RoundRules = DEFAULT_RULES,
 ) -> Engine:
     """Waits for a replica of each pool, checks they form a pair, and builds the coordinator.
     `draft` and `target` replace the pools the config describes with one client each
-    (in-process services)."""
+    (in-process services); `rules`: the benchmarks' and tests' comparisons (RoundRules)."""
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
@@ -105,7 +109,7 @@ async def connect(
             pair.target_numerics,
             target_info.model_id,
         )
-    return Engine(config, drafts, targets, tokenizer, pair, target_info)
+    return Engine(config, drafts, targets, tokenizer, pair, target_info, rules)
 
 
 async def measure_round_costs(
@@ -178,10 +182,10 @@ def batch_costs(info) -> BatchCosts:
     )
 
 
-async def build_server(config: CoordinatorConfig) -> RunningServer:
+async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RULES) -> RunningServer:
     # Before waiting for draft and target: a bad certificate or token file fails at once.
     credentials, interceptors = load_server_security(config.security)
-    coordinator = await connect(config)
+    coordinator = await connect(config, rules=rules)
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(registry)
     metrics.watch_pools(coordinator.upstream)
@@ -245,9 +249,11 @@ def served_name(model_id: str) -> str:
     return PurePath(model_id.rstrip("/\\")).name or model_id
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, rules: RoundRules = DEFAULT_RULES) -> None:
     config = parse_config(argv)
     pin_cpus(config.cpus)
     asyncio.run(
-        serve_forever(lambda: build_server(config), config.log_level, "specdec-coordinator", config.shutdown_grace_s)
+        serve_forever(
+            lambda: build_server(config, rules), config.log_level, "specdec-coordinator", config.shutdown_grace_s
+        )
     )

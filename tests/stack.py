@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator import server as coordinator_server
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
+from coordinator.rounds import RoundRules
 from coordinator.servicer import CoordinatorServicer
 from coordinator.servicer import add_to_server as add_coordinator_servicer
 from draft_service import server as draft_server
@@ -76,6 +77,16 @@ class Stack:
     coordinator_config: CoordinatorConfig
 
 
+def configured(config: CoordinatorConfig, overrides: dict | None) -> tuple[CoordinatorConfig, RoundRules]:
+    """A test's coordinator overrides applied: RoundRules' fields (`catch_up`, `live_costs`)
+    to the round rules, which are no flags, the rest to the config."""
+    rule_names = {item.name for item in dataclasses.fields(RoundRules)}
+    overrides = overrides or {}
+    rules = RoundRules(**{name: value for name, value in overrides.items() if name in rule_names})
+    settings = {name: value for name, value in overrides.items() if name not in rule_names}
+    return dataclasses.replace(config, **settings), rules
+
+
 @asynccontextmanager
 async def local_stack(
     pair: TinyPair,
@@ -109,7 +120,7 @@ async def local_stack(
         health_servicer = health.aio.HealthServicer()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, channels[role])
-    coordinator_config = dataclasses.replace(
+    coordinator_config, rules = configured(
         CoordinatorConfig(
             draft_address="in-process draft",
             target_address="in-process target",
@@ -117,13 +128,13 @@ async def local_stack(
             port=0,
             metrics_port=-1,
         ),
-        **(coordinator_overrides or {}),
+        coordinator_overrides,
     )
     draft = DraftClient(coordinator_config.draft_address, coordinator_config.draft_timeout_s, channel=channels["draft"])
     target = TargetClient(
         coordinator_config.target_address, coordinator_config.target_timeout_s, channel=channels["target"]
     )
-    coordinator = await coordinator_server.connect(coordinator_config, draft, target)
+    coordinator = await coordinator_server.connect(coordinator_config, draft, target, rules)
     channel = LocalChannel()
     add_coordinator_servicer(CoordinatorServicer(coordinator), channel)
     try:
@@ -180,8 +191,8 @@ async def inprocess_stack(
             metrics_port=-1,
             connect_timeout_s=10.0,
         )
-        coordinator_config = dataclasses.replace(coordinator_config, **(coordinator_overrides or {}))
-        coordinator = await coordinator_server.build_server(coordinator_config)
+        coordinator_config, rules = configured(coordinator_config, coordinator_overrides)
+        coordinator = await coordinator_server.build_server(coordinator_config, rules)
         started.insert(0, coordinator)
         channel = aio_channel(
             f"127.0.0.1:{coordinator.port}", [], load_client_security(client_security or ClientSecurity())

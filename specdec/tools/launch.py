@@ -111,11 +111,13 @@ def spawn_coordinator(
     log: Path,
     args: Sequence[str] = (),
     cwd: Path | None = None,
+    module: str = "coordinator",
 ) -> ServiceProcess:
-    """A coordinator for a running draft and target, healthy on return."""
+    """A coordinator for a running draft and target, healthy on return; `module` runs it
+    (bench.rules_coordinator: with a benchmark's round rules)."""
     coordinator = spawn(
         "coordinator",
-        "coordinator",
+        module,
         ["--draft", draft.address, "--target", target.address, "--tokenizer", str(tokenizer), *args],
         free_port(),
         log,
@@ -145,6 +147,7 @@ def local_stack(
     coordinator_args: Sequence[str] = (),
     cwd: Path | None = None,
     start_timeout_s: float = 900.0,
+    coordinator_module: str = "coordinator",
 ) -> Iterator[dict[str, ServiceProcess]]:
     """Draft, target and coordinator as three local processes on free loopback ports, healthy
     on entry and stopped (coordinator first) on exit. The coordinator uses the target's tokenizer.
@@ -175,7 +178,13 @@ def local_stack(
         )
         services["target"].wait_healthy(start_timeout_s)
         services["coordinator"] = spawn_coordinator(
-            services["draft"], services["target"], target_model, log_dir / "coordinator.log", coordinator_args, cwd
+            services["draft"],
+            services["target"],
+            target_model,
+            log_dir / "coordinator.log",
+            coordinator_args,
+            cwd,
+            coordinator_module,
         )
         yield services
     finally:

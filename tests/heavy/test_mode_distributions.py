@@ -48,6 +48,7 @@ from specdec.engine.modeling import tokenizer_fingerprint
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
 from specdec.v1 import common_pb2
+from tests.stack import configured
 from tests.stats import P_VALUE_FLOOR, chi_square_p_value, guaranteed_power, worst_case_bias
 from tests.table_services import TableDraft, TableModel, TableTarget
 
@@ -379,12 +380,13 @@ async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tup
         draft_model, fingerprint, pass_ms=(draft_ms,) * 9 if draft_ms else (), min_confidence=mode.min_confidence
     )
     target = TableTarget(target_model, fingerprint, pass_ms=(target_ms,) * 9 if target_ms else ())
-    config = dataclasses.replace(
-        CoordinatorConfig(draft_address=draft.address, target_address=target.address, tokenizer=str(tokenizer_dir)),
-        metrics_port=-1,
-        **mode.coordinator,
+    config, rules = configured(
+        CoordinatorConfig(
+            draft_address=draft.address, target_address=target.address, tokenizer=str(tokenizer_dir), metrics_port=-1
+        ),
+        mode.coordinator,
     )
-    coordinator = await coordinator_server.connect(config, draft, target)
+    coordinator = await coordinator_server.connect(config, draft, target, rules)
     short = mock.patch.object(PredraftDepth, "steps", lambda self, k: k if k >= 2 else k + 1)
     if mode.short_predrafts:
         short.start()

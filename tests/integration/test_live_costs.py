@@ -1,4 +1,4 @@
-"""--live-costs: a greedy or unseeded request's K follows the services' live pass costs
+"""RoundRules.live_costs (on by default): a greedy or unseeded request's K follows the services' live pass costs
 (Info.live_pass_ms), a seeded sampled request's the calibrated ones, so that a seed keeps one
 output while the machine's speed moves under it."""
 

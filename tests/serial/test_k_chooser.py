@@ -19,7 +19,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox"]
 
 def slow_passes(runner, extra_s: Callable[[int], float]) -> None:
     """Every pass of `runner`'s model over n new tokens takes extra_s(n) longer, inside the
-    pass the runner times: its calibration and its live pass costs (--live-costs) both see
+    pass the runner times: its calibration and its live pass costs (RoundRules.live_costs) both see
     it, as they see a slow machine. Prefill passes (more new tokens than calibration times)
     run at the model's own speed: the chooser never reads their cost, and slowing them would
     only make the tests long."""

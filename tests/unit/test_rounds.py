@@ -77,7 +77,7 @@ DEAR_DRAFT = dataclasses.replace(
 )
 OPENED = SessionView("s", synced=3, opened=True)  # a round after the first
 
-# (case, state, pair, --catch-up, breaker allows) -> (kind, K, copy cap, tree widths)
+# (case, state, pair, RoundRules.catch_up, breaker allows) -> (kind, K, copy cap, tree widths)
 PLANS = {
     "a chain of K": (state(), PAIR, True, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
     "K = 0 is one target-only step": (state(k=0), PAIR, True, True, (RoundKind.TARGET_ONLY, 0, 0, ())),
@@ -86,7 +86,7 @@ PLANS = {
     "ready drafts, cut to K": (state(k=2, ready=READY), PAIR, True, True, (RoundKind.READY, 2, 0, ())),
     "ready drafts, K = 0: unused": (state(k=0, ready=READY), PAIR, True, True, (RoundKind.TARGET_ONLY, 0, 0, ())),
     "pipelined, none ready: a catch-up step": (state(pipelined=True), PAIR, True, True, (RoundKind.CATCH_UP, 4, 0, ())),
-    "pipelined, --catch-up off": (state(pipelined=True), PAIR, False, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
+    "pipelined, catch-up steps off": (state(pipelined=True), PAIR, False, True, (RoundKind.DRAFT_CALL, 4, 0, ())),
     "pipelined, a cheap draft: fresh drafts after a miss": (
         state(pipelined=True, draft_view=OPENED), CHEAP_DRAFT, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
     ),
