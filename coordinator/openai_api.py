@@ -52,6 +52,7 @@ from specdec.rpc.security import BearerTokenAuth, bearer_token, read_tokens
 from specdec.rpc.serving import MAX_METADATA_BYTES
 
 logger = logging.getLogger(__name__)
+MAX_WARNED = 256  # distinct unknown field names logged, at most (a client may make up any)
 tracer = trace.get_tracer("specdec.coordinator.http")
 
 T = TypeVar("T")
@@ -95,6 +96,7 @@ class OpenAIApi:
     ) -> None:
         self.coordinator = coordinator
         self.serving = serving  # what the gRPC health service says: a target to serve with, not shutting down
+        self._warned: set[str] = set()  # unknown request fields already logged
         self.model_name = model_name
         self.metrics = metrics
         self.auth = BearerTokenAuth(tokens) if tokens else None
@@ -143,6 +145,14 @@ class OpenAIApi:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
+    def _warn_ignored(self, names: tuple[str, ...]) -> None:
+        """Logs each field left out of a request once (a client sends the same ones every time),
+        remembering at most MAX_WARNED names."""
+        new = [name for name in names if name not in self._warned]
+        if new and len(self._warned) < MAX_WARNED:
+            self._warned.update(new)
+            logger.warning("ignoring request fields this server does not know: %s", ", ".join(map(repr, new))[:1000])
+
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
         return web.json_response({"object": "list", "data": [model]})
@@ -158,6 +168,7 @@ class OpenAIApi:
                 "invalid_request_error",
             ) from None
         parsed = await self.coordinator.off_loop(parse_request_body, raw, chat, self.model_name)
+        self._warn_ignored(parsed.ignored)
         if self.auth is not None:  # each checked token is its own cache namespace
             parsed = dataclasses.replace(
                 parsed,

@@ -104,6 +104,7 @@ class Parsed:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     chat: bool
     n: int = 1  # choices: generations of the same request, each with its own seed (`choices`)
+    ignored: tuple[str, ...] = ()  # fields no OpenAI-style server here knows: left out, as vLLM does
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice. A seeded request's choice i draws with seed + i, so choice
@@ -215,9 +216,9 @@ def parse_body(body: Any, chat: bool) -> Parsed:
         raise bad_request("the request body must be a JSON object")
     prompt_field = "messages" if chat else "prompt"
     known = {prompt_field, "n", *SAMPLING, *LOGPROBS, *EXTRAS, *IGNORED, *OFF_VALUES}
-    for name in body:
-        if name not in known:
-            raise bad_request(f"unsupported field {shown(name)}", shown(name, quote=False))
+    # A field nobody here knows is left out, as vLLM's server does (clients send their own
+    # extras); one that would change the output where it is not supported is refused below.
+    ignored = tuple(sorted(name for name in body if name not in known))
     for name, accepted in OFF_VALUES.items():
         if name in body and body[name] not in accepted:
             raise bad_request(
@@ -288,7 +289,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     n = _number(body, "n", int, 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be in [1, {MAX_CHOICES}]; got {n}", "n")
-    return Parsed(request, stream, bool(options.get("include_usage")), chat, n)
+    return Parsed(request, stream, bool(options.get("include_usage")), chat, n, ignored)
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
