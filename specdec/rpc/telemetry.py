@@ -3,7 +3,9 @@
 Tracing follows OpenTelemetry's own configuration: it is on when `OTEL_EXPORTER_OTLP_ENDPOINT`
 (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set and `OTEL_SDK_DISABLED` is not true, and the
 SDK reads the rest (`OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`, `OTEL_EXPORTER_OTLP_INSECURE`,
-...). Spans leave through a batch processor on a background thread, so a slow or absent
+...). `OTEL_EXPORTER_OTLP_PROTOCOL` (or `..._TRACES_PROTOCOL`) picks the exporter: `grpc`, the
+default (a collector's port 4317), or `http/protobuf` (port 4318, which many collectors and
+hosted backends take). Spans leave through a batch processor on a background thread, so a slow or absent
 collector costs requests nothing (the exporter drops what it cannot send). Without an
 endpoint nothing is installed: the API's no-op tracer answers, and no gRPC interceptor runs.
 
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("specdec")
 
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")  # the first set wins
+PROTOCOLS = ("grpc", "http/protobuf")
 _provider = None  # the SDK provider this process installed, if any
 
 
@@ -38,15 +42,38 @@ def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
     return any(env.get(name) for name in _ENDPOINT_VARIABLES)
 
 
+def trace_protocol(env: Mapping[str, str] | None = None) -> str:
+    """The OTLP protocol the environment asks for (`grpc` unless it says otherwise); one this
+    SDK cannot speak (`http/json`) stops the process at start-up with the choices named."""
+    env = os.environ if env is None else env
+    for name in _PROTOCOL_VARIABLES:
+        if value := env.get(name, "").strip():
+            if value not in PROTOCOLS:
+                raise SystemExit(f"{name}={value!r}: choose one of {', '.join(PROTOCOLS)}")
+            return value
+    return "grpc"
+
+
+def span_exporter(env: Mapping[str, str] | None = None):
+    """The OTLP span exporter for `trace_protocol`; it reads its endpoint, headers and TLS
+    settings from the environment itself."""
+    if trace_protocol(env) == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    return GrpcExporter()
+
+
 def setup_tracing(default_service_name: str) -> bool:
-    """Installs the SDK with an OTLP/gRPC exporter when the environment asks for it; once per
-    process. Returns whether tracing is on."""
+    """Installs the SDK with an OTLP exporter (`span_exporter`) when the environment asks for
+    it; once per process. Returns whether tracing is on."""
     global _provider
     if _provider is not None:
         return True
     if not tracing_requested():
         return False
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -58,10 +85,12 @@ def setup_tracing(default_service_name: str) -> bool:
         else Resource.create()
     )
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER(_ARG)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(span_exporter()))
     trace.set_tracer_provider(provider)
     _provider = provider
-    logger.info("tracing: exporting OTLP spans as %s", provider.resource.attributes.get(SERVICE_NAME))
+    logger.info(
+        "tracing: exporting OTLP spans (%s) as %s", trace_protocol(), provider.resource.attributes.get(SERVICE_NAME)
+    )
     return True
 
 
