@@ -1,6 +1,7 @@
 """Container health probe: exit 0 when the service answers grpc.health.v1 SERVING, 1 otherwise.
 
-    python healthcheck.py [HOST:PORT] [--tls-ca CA] [--tls-cert CERT --tls-key KEY] [--tls-server-name NAME]
+    python healthcheck.py [HOST:PORT] [--service NAME] [--tls-ca CA] [--tls-cert CERT --tls-key KEY]
+                          [--tls-server-name NAME]
 
 Without an address it probes 127.0.0.1 on the port the container's service listens on: the
 `--port` on the service's command line, else its SPECDEC_<SERVICE>_PORT variable, else the
@@ -11,7 +12,9 @@ service's own settings: TLS when the service has a --tls-cert, trusting --tls-ca
 service's --tls-client-ca; when the service requires client certificates (--tls-client-ca), it
 presents the service's own certificate and key unless given --tls-cert/--tls-key. The
 certificate must name 127.0.0.1 (deploy/make_certs.py's do), or pass --tls-server-name.
-The health service needs no token. Kubernetes' native `grpc:` probes ask the same health
+`--service liveness` asks the name that stays SERVING while the process runs (a liveness
+probe), where the default ("") says whether the service can serve now (readiness). The health
+service needs no token. Kubernetes' native `grpc:` probes ask the same health
 service but cannot speak TLS: with TLS on, the manifests run this script instead.
 """
 
@@ -120,7 +123,7 @@ def open_channel(address: str, tls: ProbeTLS | None):
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def check(address: str, timeout_s: float = TIMEOUT_S, tls: ProbeTLS | None = None) -> bool:
+def check(address: str, timeout_s: float = TIMEOUT_S, tls: ProbeTLS | None = None, service: str = "") -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -131,7 +134,9 @@ def check(address: str, timeout_s: float = TIMEOUT_S, tls: ProbeTLS | None = Non
         return False
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             print(f"healthcheck: {address}: {exc.code().name}", file=sys.stderr)
             return False
@@ -147,6 +152,7 @@ def check(address: str, timeout_s: float = TIMEOUT_S, tls: ProbeTLS | None = Non
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="healthcheck.py", description=__doc__.split("\n")[0])
     parser.add_argument("address", nargs="?", help="HOST:PORT (default: 127.0.0.1 and the container's service port)")
+    parser.add_argument("--service", default="", help="health service name to ask (liveness: the process runs)")
     parser.add_argument("--tls-ca", help="PEM CA bundle to verify the service's certificate with (turns TLS on)")
     parser.add_argument("--tls-cert", help="PEM client certificate, for services that require one")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -167,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
         tls = ProbeTLS(
             tls.ca, args.tls_cert or tls.cert, args.tls_key or tls.key, args.tls_server_name or tls.server_name
         )
-    return 0 if check(address, tls=tls) else 1
+    return 0 if check(address, tls=tls, service=args.service) else 1
 
 
 if __name__ == "__main__":

@@ -79,6 +79,13 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[s
     return health_servicer
 
 
+# A health service name that answers SERVING from start-up to exit: what a liveness probe asks
+# (the process and its event loop answer), where "" and the API's own name say whether it can
+# serve now (readiness: the coordinator with no target replica serving, or any server while it
+# drains, says NOT_SERVING, which must not get it restarted).
+LIVENESS = "liveness"
+
+
 async def set_serving(health_servicer: health.aio.HealthServicer, service_names: Iterable[str], serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
@@ -433,6 +440,7 @@ async def start_server(
     bound = bind(server, host, port, credentials)
     metrics_http = telemetry.start_metrics_server(metrics[0], host, metrics[1]) if metrics else None
     await server.start()
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await set_serving(health_servicer, service_names, True)
     tasks = [asyncio.create_task(make()) for make in background]
     return RunningServer(server, bound, health_servicer, service_names, tasks, on_stop, metrics_http, host)

@@ -28,6 +28,7 @@ import coordinator.config
 import draft_service.config
 import target_service.config
 from specdec.rpc.dns import parse_pool
+from specdec.rpc.serving import LIVENESS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -853,7 +854,8 @@ def test_tls_probe_verifies_with_the_ca_and_gets_past_mutual_tls(containers):
             commands = [probe["exec"]["command"] for probe in probes]
         for command in commands:
             assert command[:2] == IMAGE.healthcheck_cmd, f"{container.where}: {command} is not the image's probe"
-            assert command[2:4] == ["--tls-ca", command[3]] and len(command) == 4, f"{container.where}: {command}"
+            assert command[2:4] == ["--tls-ca", command[3]], f"{container.where}: {command}"
+            assert command[4:] in ([], ["--service", "liveness"]), f"{container.where}: {command}"
             tls = healthcheck.service_tls(
                 ["python", "-m", container.module, *container.argv], container.env, command[3]
             )
@@ -861,6 +863,20 @@ def test_tls_probe_verifies_with_the_ca_and_gets_past_mutual_tls(containers):
             if container.config().security.tls_client_ca:
                 assert mounted(container, tls.cert, "the probe's certificate") == f"{COMPONENT[container.module]}.crt"
                 assert mounted(container, tls.key, "the probe's key") == f"{COMPONENT[container.module]}.key"
+
+
+def test_the_coordinators_liveness_probe_asks_liveness_not_readiness():
+    """Its readiness ("") turns NOT_SERVING while no target replica serves: a liveness probe
+    asking it would restart every coordinator while the target pool is down."""
+    for containers in (K8S_CONTAINERS, K8S_TLS_CONTAINERS):
+        _, manifest, _ = containers["specdec-coordinator"]
+        live, ready = manifest["livenessProbe"], manifest["readinessProbe"]
+        if "grpc" in live:
+            assert live["grpc"].get("service") == LIVENESS and "service" not in ready["grpc"]
+        else:
+            assert (
+                live["exec"]["command"][-2:] == ["--service", LIVENESS] and "--service" not in ready["exec"]["command"]
+            )
 
 
 def without(mapping: dict, keys) -> dict:
