@@ -1,0 +1,52 @@
+"""Every coordinator mode's seeded outputs, held to a digest committed in tests/data: a change
+to the round's structure (issue 66's single writer, its seams) must leave each mode's output
+for each seed, and the rounds that made it, as they were.
+
+The table services of test_mode_distributions (exact lookup tables: the same on any CPU) serve
+400 seeded sampled generations per mode. Per mode the digest covers the outputs in seed order
+and, in any order, each generation's K per round. A change meant to alter them (a new default,
+another use of a random stream) rewrites the file with SPECDEC_WRITE_SEEDED_OUTPUTS=1, and the
+diff says which modes it touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.heavy.test_mode_distributions import MODES, sample_mode, tokenizer_dir  # noqa: F401 (a fixture)
+
+SEEDS = 400
+DIGESTS = Path(__file__).resolve().parents[1] / "data" / "seeded_outputs.json"
+WRITE = os.environ.get("SPECDEC_WRITE_SEEDED_OUTPUTS") == "1"
+
+
+def digest(outputs: list[tuple[int, ...]], stats: list) -> dict[str, str]:
+    rounds = sorted(tuple(s.k_per_round) for s in stats)
+    return {
+        "outputs": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
+        "k_per_round": hashlib.sha256(json.dumps(rounds).encode()).hexdigest()[:16],
+    }
+
+
+@pytest.fixture(scope="module")
+def digests():
+    found = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+    yield found
+    if WRITE:
+        DIGESTS.write_text(json.dumps(dict(sorted(found.items())), indent=1) + "\n")
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+async def test_a_modes_seeded_outputs_are_as_committed(tokenizer_dir, digests, name):  # noqa: F811
+    outputs, stats, _ = await sample_mode(tokenizer_dir, MODES[name], SEEDS)
+    found = digest(outputs, stats)
+    if WRITE:
+        digests[name] = found
+    assert found == digests.get(name), (
+        f"{name}: seeded outputs or their rounds changed; if meant, rerun with SPECDEC_WRITE_SEEDED_OUTPUTS=1"
+    )
