@@ -37,6 +37,10 @@ def coordinator_module(args: Sequence[str]) -> str:
     return "bench.rules_coordinator" if any(word.startswith(PREFIX) for word in args) else "coordinator"
 
 
-if __name__ == "__main__":
-    rules, args = rules_and_args(sys.argv[1:])
+def main(argv: Sequence[str]) -> None:
+    rules, args = rules_and_args(argv)
     coordinator_main(args, rules)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
