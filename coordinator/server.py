@@ -197,7 +197,7 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
     http = None
     running: RunningServer | None = None
 
-    def serving() -> bool:  # as report_health sets the gRPC health
+    def serving() -> bool:  # what the gRPC health says (report_health) and HTTP /health answers
         return running is not None and not running.stopping and bool(coordinator.upstream.targets.serving)
 
     if config.http_port >= 0:
@@ -237,7 +237,7 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
         """The coordinator serves while its target pool has a replica serving (or one to
         retry: a lone restarting target), and never again once it is shutting down."""
         if not running.stopping:
-            await set_serving(running.health, [SERVICE_NAME], bool(coordinator.upstream.targets.serving))
+            await set_serving(running.health, [SERVICE_NAME], serving())
 
     coordinator.upstream.on_refresh = report_health
     return running
