@@ -8,19 +8,10 @@ import dataclasses
 import pytest
 
 from coordinator.config import FALLBACK_K, CoordinatorConfig
-from coordinator.pair import PairInfo
 from coordinator.requests import GenerationRequest, prepare_job
 from specdec.tools.testing import byte_level_tokenizer
+from tests.unit.test_rounds import PAIR
 
-PAIR = PairInfo(
-    vocab_size=320,
-    draft_vocab_size=320,
-    eos_token_ids=frozenset({0}),
-    max_context=64,
-    draft_max_context=64,
-    max_num_speculative_tokens=8,
-    max_copied_tokens=16,
-)
 CONFIG = CoordinatorConfig(draft_address="d:1", target_address="t:1", tokenizer="t")
 
 
