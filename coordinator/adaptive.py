@@ -63,6 +63,7 @@ Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -281,7 +282,7 @@ class AdaptiveK:
     accepted: float = 0.0
     reached: float = 0.0
     zero_streak: int = 0  # K = 0 rounds since the last speculative one
-    history: list[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)  # the K of each round planned
     # Tree shapes (`trees`): β, the acceptance of a root child after the first was rejected,
     # learned from tree rounds as α is from every round.
     trees: bool = False
@@ -362,7 +363,25 @@ class AdaptiveK:
             0, alpha, False
         )
 
+    def at(self, costs: RoundCosts) -> AdaptiveK:
+        """This chooser as it would choose at `costs` (the load now): a copy, so a round's
+        plan may read it without changing the request's chooser (commit_round does that)."""
+        chooser = copy.copy(self)
+        chooser.costs = costs  # (its history is the request's chooser's: only observe_choice adds to it)
+        return chooser
+
     def choose(self) -> int:
+        """`pick`, counted as the round's choice (`observe_choice`)."""
+        k = self.pick()
+        self.observe_choice(k)
+        return k
+
+    def observe_choice(self, k: int) -> None:
+        """A round planned with the K `pick` chose: K = 0 rounds count toward a probe."""
+        self.zero_streak = self.zero_streak + 1 if k == 0 else 0
+        self.history.append(k)
+
+    def pick(self) -> int:
         """The best K for the estimated α; but K = 1, not 0, while K > 0 would pay for an α
         one standard error higher. Why: a K = 0 round teaches nothing about α, so choosing for
         the estimate alone lets an early rejection (or the prior) park a request at K = 0
@@ -390,8 +409,6 @@ class AdaptiveK:
             may_probe = True
         if k == 0 and self.k_max and self.probe_every and may_probe and self.zero_streak >= self.probe_interval:
             k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
-        self.zero_streak = self.zero_streak + 1 if k == 0 else 0
-        self.history.append(k)
         return k
 
     def choose_shape(self) -> tuple[int, tuple[int, ...]]:
@@ -399,7 +416,11 @@ class AdaptiveK:
         the best chain in expected tokens per millisecond at the estimated α and β. Sequential
         rounds only (a tree is never pre-drafted), so trees are weighed only when not pipelined.
         Like K, the shape depends only on the request's own rounds and the fixed costs."""
-        k = self.choose()
+        return self.shape_for(self.choose())
+
+    def shape_for(self, k: int) -> tuple[int, tuple[int, ...]]:
+        """(K, ()) or (0, tree widths) for the K `pick` chose: `choose_shape`, without counting
+        the choice."""
         if not self.trees or self.pipelined or not k or (self.loaded and self.costs.shared_host):
             return k, ()  # (a tree's rate is one session's; on a shared host under load K is the host's)
         widths, rate = best_tree(self.alpha, self.beta, self.costs, self.k_max)

@@ -21,7 +21,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.pools import Replica
 from coordinator.rounds import RequestState, k_limit
-from coordinator.state import Round, SessionView, Source, check_reply
+from coordinator.state import Round, SessionView, Settled, Source, check_reply
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, SpecDecError
 from specdec.rpc import wire
@@ -70,6 +70,7 @@ class BranchCall:
     # or was cancelled) and the verify it ran beside answered: PredraftDepth's slack.
     replied_ms: float | None = None
     verified_ms: float | None = None
+    predraft_full: bool = True  # its pre-draft took k + 1 steps (PredraftDepth.steps)
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -98,16 +99,6 @@ class BranchCall:
         self.task.cancel()
         # Retrieve any exception so asyncio does not log it as never retrieved.
         self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
-
-
-@dataclass(frozen=True)
-class Settled:
-    """What a settled branch call leaves the request."""
-
-    ready: Round | None  # the next round's drafts (Round.source: pre-draft or hedge), or None
-    draft_view: SessionView  # the request's draft session from now on (a used hedge's fork)
-    failed: bool = False  # the call, or its pre-draft, failed: the next round drafts afresh
-    refused: bool = False  # of those, RESOURCE_EXHAUSTED: the draft cannot hold the request now
 
 
 class Branches:
@@ -229,7 +220,7 @@ class Branches:
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
         task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
         assert draft_view.replica is not None
-        branch_call = BranchCall(stats.rounds, plans, task, draft_view.replica, ending)
+        branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending)
 
         def replied(task: asyncio.Future) -> None:
             if not task.cancelled() and task.exception() is None:
@@ -264,6 +255,7 @@ class Branches:
         base: int,
         stats: GenerationStats,
         unused: list[str],
+        round_index: int,
     ) -> Settled:
         """The next round's drafts, if a branch assumed the outcome that happened (`pick`), and
         the draft session to use from now on. A branch so chosen holds the committed prefix
@@ -273,12 +265,12 @@ class Branches:
         becomes the request's draft session and the old one joins them. The forks this
         call ended leave `unused` once its reply is read; a call cancelled or failed may not
         have ended them, so they stay and go again with the next (ending is idempotent)."""
-        if call.round_index != stats.rounds - 1:
-            raise AssertionError(f"branches of round {call.round_index} offered to round {stats.rounds - 1}")
+        if call.round_index != round_index:
+            raise AssertionError(f"branches of round {call.round_index} offered to round {round_index}")
         hit = await self.pick(call, outcome, proposed, live)
         if hit is None:
             self.drop(call, unused)
-            return Settled(None, draft_view)
+            return Settled()
         waited_from = stats.elapsed_ms()
         try:
             reply = await call.task
@@ -286,7 +278,7 @@ class Branches:
             # A failed call only means the next round drafts afresh (or falls back).
             logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
             self.drop(call, unused)
-            return Settled(None, draft_view, failed=True, refused=isinstance(exc, ResourceExhausted))
+            return Settled(failed=True, refused=isinstance(exc, ResourceExhausted))
         finally:
             stats.branch_wait_ms += stats.elapsed_ms() - waited_from
         check_reply(call.replica.address, "branch results", len(reply.results), len(call.branches))
@@ -307,7 +299,8 @@ class Branches:
     ) -> Settled:
         """Reads every branch's reply: the chosen branch's drafts become the next round's, the
         rest are counted and their forks join `unused`. After a fully accepted round the chosen
-        branch is the first, by rank, whose guess (its first token) is the bonus token."""
+        branch is the first, by rank, whose guess (its first token) is the bonus token. The
+        request's draft session is left as it is: what it holds now is in the Settled."""
         branches: list[Round] = []
         errors: list[int] = []  # per branch, the gRPC status code it failed with (0: it did not)
         for plan, result in zip(call.branches, reply.results):
@@ -331,6 +324,8 @@ class Branches:
         else:
             chosen = hit if not errors[call.branches.index(hit)] else None
         taken: Round | None = None
+        fork: SessionView | None = None
+        synced: int | None = None
         failed = refused = False
         predraft = call.predraft
         for plan, branch, result, error in zip(call.branches, branches, reply.results, errors):
@@ -373,18 +368,17 @@ class Branches:
                 unused.append(draft_view.session_id)
                 # The request's session from now on: the fork, where it was forked, with the
                 # request's settings and call numbers.
-                draft_view = dataclasses.replace(
+                fork = dataclasses.replace(
                     draft_view, session_id=plan.session_id, synced=synced, opened=True, last_epoch=0, lost=False
                 )
-            else:
-                draft_view.synced = synced
+        at_least = None
         if hit.guesses and chosen is None:
             stats.predraft_misses += 1
             if predraft is not None and not failed:
                 # It ran, so the session holds the round's committed prefix (a catch-up sent it):
                 # the next call need not send that again.
-                draft_view.synced = max(draft_view.synced, base + proposed)
-        return Settled(taken, draft_view, failed, refused)
+                at_least = base + proposed
+        return Settled(taken, fork, synced, at_least, failed, refused)
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join

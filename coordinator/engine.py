@@ -1,6 +1,7 @@
-"""The generation engine: each request's rounds, as plan → run → commit → settle.
+"""The generation engine: each request's rounds, as plan → run → settle → commit.
 
-`coordinator.rounds` holds the two pure phases (what a round does; what its outcome changes),
+`coordinator.rounds` holds the round as data (the plan, the draws, the commit that is the one
+writer of a request's state),
 `coordinator.upstream` the calls to the services (retries, breaker, re-prefill),
 `coordinator.branches` the pre-drafts and hedges drafted during a verify. This module runs a
 request through them and yields its text as rounds commit it.
@@ -25,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
 from coordinator.branches import BranchCall, Branches
 from coordinator.clients import CallRejected
 from coordinator.config import CoordinatorConfig
@@ -37,17 +38,21 @@ from coordinator.requests import Chunk, GenerationRequest, Job, prepare_job
 from coordinator.rounds import (
     DEFAULT_RULES,
     RequestState,
+    RoundDraws,
     RoundKind,
     RoundPlan,
+    RoundRecord,
+    RoundResult,
     RoundRules,
     commit_round,
-    committed_logprobs,
     decide,
+    draw_round,
+    ends_request,
     k_limit,
     plan_round,
     relaxed_round,
 )
-from coordinator.state import Round, SessionView, Source, check_reply
+from coordinator.state import Round, SessionView, Settled, Source, check_reply
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream
 from specdec.errors import ResourceExhausted, Unavailable
@@ -147,33 +152,26 @@ class Engine:
         branches: BranchCall | None = None  # drafted during the verify, until the outcome settles them
         try:
             while True:
-                with tracer.start_as_current_span(
-                    "round", attributes={"specdec.round.index": state.stats.rounds}
-                ) as span:
+                attributes = {"specdec.round.index": state.round_index}
+                with tracer.start_as_current_span("round", attributes=attributes) as span:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
-                    pair = state.pair
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
-                    self._cost_at_load(state)
-                    plan = plan_round(state, self.rules.catch_up, draft_allowed, self.config.target_only_steps)
-                    round_, verification, branches = await self._run_round(state, pair, plan)
-                    outcome = decide(round_, verification, plan.uniforms, relaxed_round(state, round_))
-                    base = len(state.sequence)
-                    commit_round(
-                        state,
-                        plan,
-                        round_,
-                        outcome,
-                        pair.max_context,
-                        verification.step_token_ids,
-                        committed_logprobs(outcome, verification),
+                    costs, copy_costs = self._costs_at_load(state)
+                    plan = plan_round(
+                        state, self.rules.catch_up, draft_allowed, self.config.target_only_steps, costs, copy_costs
                     )
+                    draws = draw_round(state.streams, plan)
+                    result, branches = await self._run_round(state, plan, draws)
+                    settled = None
                     if branches is not None:
-                        await self._settle(state, branches, outcome, len(round_.draft_token_ids), base)
+                        settled = await self._settle(state, branches, result)
                         branches = None
-                    self._close_round(state, span, started, compute_before, round_, outcome)
-                delta = state.text.take_delta()  # spans end before yielding: the caller runs between rounds
-                if state.finished:
+                    record = commit_round(state, plan, result, settled)
+                    state.stats.observe(record)
+                    self._close_round(state, span, started, compute_before, record, plan)
+                delta = record.delta  # spans end before yielding: the caller runs between rounds
+                if record.finished:
                     state.stats.close(len(state.text.token_ids))
                     state.stats.target_replica = state.target_view.address
                     state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
@@ -243,53 +241,38 @@ class Engine:
         )
 
     async def _run_round(
-        self, state: RequestState, pair: PairInfo, plan: RoundPlan
-    ) -> tuple[Round, target_pb2.VerifyResponse, BranchCall | None]:
+        self, state: RequestState, plan: RoundPlan, draws: RoundDraws
+    ) -> tuple[RoundResult, BranchCall | None]:
         """The round's calls: its drafts (ready, or a draft call that may fall back to none),
-        the verify, and the branches drafted while it runs."""
-        round_ = await self._drafts(state, pair, plan)
-        proposed = len(round_.draft_token_ids)  # a drafter may propose fewer than K (a lookup with no match: none)
+        the verify, and the branches drafted while it runs; then the outcome, decided."""
+        pair = state.pair
+        round_, took, refused, reread = await self._drafts(state, plan, draws)
+        relaxed = relaxed_round(state, round_)
         verify = asyncio.ensure_future(
             self.upstream.verify(
                 state.target_view,
                 state.sequence,
                 round_,
                 state.sampling,
-                plan.target_seed,
+                draws.target_seed,
                 state.stats,
                 state.retry_until,
-                plan.step_seeds,
-                pair.eos_token_ids if plan.step_seeds else (),
-                state.job.relaxed if relaxed_round(state, round_) else None,
+                draws.step_seeds,
+                pair.eos_token_ids if draws.step_seeds else (),
+                state.job.relaxed if relaxed else None,
                 state.job.top_logprobs,
                 len(state.job.prompt_ids),
             )  # fmt: skip
         )
         branches = None
         try:
-            branches = self._start_branches(state, pair, plan, round_)
+            branches = self._start_branches(state, plan, draws, round_)
             if branches is None:  # no branch call to carry the unused forks: end them now
                 self.branches.end_now(state.unused_forks, state.draft_view)
             verification = await verify
             if branches is not None:
                 branches.verified_ms = state.stats.elapsed_ms()
-            address = state.target_view.address
-            check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
-            # A tree's: one recovered token per node and the root.
-            expected_recovered = proposed + 1 if round_.parents else proposed
-            check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
-            if relaxed_round(state, round_):  # a target that ignored VerifyRequest.relaxed sends none
-                check_reply(address, "relaxed_accepts", len(verification.relaxed_accepts), proposed)
-            # Fewer steps only after a stop token: a target that ignored the seeds would shift
-            # the seed stream, and a seed would no longer give one output.
-            steps, asked = verification.step_token_ids, len(plan.step_seeds)
-            last = [verification.bonus_token_id, *steps][-1]
-            if len(steps) > asked or (len(steps) < asked and last not in pair.eos_token_ids):
-                check_reply(address, "step_token_ids", len(steps), asked)
-            if state.job.top_logprobs is not None:  # a target that ignored return_logprobs sends none
-                check_reply(address, "row_logprobs", len(verification.row_logprobs), proposed + 1)
-                check_reply(address, "draft_token_logprobs", len(verification.draft_token_logprobs), proposed)
-                check_reply(address, "step_logprobs", len(verification.step_logprobs), len(steps))
+            check_verification(state.target_view.address, pair, round_, verification, draws, relaxed, state.job)
         except BaseException:
             if branches is not None:
                 self.branches.drop(branches)
@@ -298,21 +281,26 @@ class Engine:
             if not verify.done():
                 verify.cancel()
         state.stats.target_compute_ms += verification.compute_ms
-        return round_, verification, branches
+        outcome = decide(round_, verification, draws.uniforms, relaxed)
+        return RoundResult(round_, verification, outcome, took, refused, reread), branches
 
-    async def _drafts(self, state: RequestState, pair: PairInfo, plan: RoundPlan) -> Round:
-        """The round's drafts as its plan says: ready ones, none, or a draft call's."""
+    async def _drafts(
+        self, state: RequestState, plan: RoundPlan, draws: RoundDraws
+    ) -> tuple[Round, bool, bool, PairInfo | None]:
+        """The round's drafts as its plan says: ready ones, none, or a draft call's; and whether
+        the draft took the call, refused the request, or (rejecting the call) changed the pair."""
         if plan.ready is not None:
-            return plan.ready
+            return plan.ready, False, False, None
         if plan.kind is not RoundKind.DRAFT_CALL:
-            return Round(NO_DRAFTS[plan.kind])
+            return Round(NO_DRAFTS[plan.kind]), False, False, None
+        pair = state.pair
         try:
             proposal = await self.upstream.propose(
                 state.draft_view,
                 state.sequence,
                 plan.k,
                 state.sampling,
-                plan.draft_seed,
+                draws.draft_seed,
                 state.stats,
                 pair,
                 max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
@@ -325,70 +313,71 @@ class Engine:
             # DraftRefusals), and the draft only ever speeds a request up. A broken draft (NaN
             # logits: INTERNAL) still fails the request, loudly (tests/integration/test_guards.py).
             self.upstream.draft_failed(exc, state.draft_view, state.stats)
+            reread = None
             if isinstance(exc, CallRejected):
                 # The one point where a request's pair may change: a draft restarted with other
                 # capabilities (no trees, no copies, a lower K) rejects what this request's
                 # snapshot allowed, so the request takes the Info read after the rejection.
-                state.pair = await self.upstream.reread_pair()
-                state.draft_view.vocab_limit = state.pair.draft_vocab_limit
-            if isinstance(exc, ResourceExhausted):
-                state.refusals.refused(state.stats.rounds)
-            return Round(Source.FALLBACK)
+                reread = await self.upstream.reread_pair(state.draft_view)
+            return Round(Source.FALLBACK), False, isinstance(exc, ResourceExhausted), reread
         assert state.draft_view.replica is not None  # it answered the call
         state.draft_view.replica.breaker.record_success()
-        state.refusals.accepted()
         state.stats.draft_compute_ms += proposal.compute_ms
-        return self.upstream.round_from(
-            proposal,
-            tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k),
-            state.draft_view.address,
-        )
+        k = tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k)
+        return self.upstream.round_from(proposal, k, state.draft_view.address), True, False, None
 
-    def _start_branches(self, state: RequestState, pair: PairInfo, plan: RoundPlan, round_: Round) -> BranchCall | None:
+    def _start_branches(
+        self, state: RequestState, plan: RoundPlan, draws: RoundDraws, round_: Round
+    ) -> BranchCall | None:
         """The branches to draft during the verify: a pre-draft (pipelined) and hedges, when the
         round speculates and a fully accepted round would leave room for another. A catch-up
         step's pre-draft carries the tokens the draft session lacks, guesses the step's token
         and drafts up to K after it (no hedges: there are no runner-ups to hedge on)."""
         catch_up = plan.kind is RoundKind.CATCH_UP
         proposed = len(round_.draft_token_ids)
-        if not ((state.overlapping or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
+        if not ((plan.overlapping or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
             return None
         # Room after a fully accepted round: the bonus guess plus up to K drafts for it (K - 1
         # where that last step comes back after the verify: PredraftDepth).
+        pair = state.pair
         next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
-        predraft_k = state.predraft_depth.steps(min(plan.k, next_limit)) if state.overlapping and next_limit else 0
+        most = min(plan.k, next_limit)
+        predraft_k = state.predraft_depth.steps(most) if plan.overlapping and next_limit else 0
         hedge_k = plan.k if state.hedging else 0
-        return self.branches.start(state, pair, round_, predraft_k, hedge_k, plan.predraft_seed, catch_up)
+        call = self.branches.start(state, pair, round_, predraft_k, hedge_k, draws.predraft_seed, catch_up)
+        if call is not None:
+            call.predraft_full = predraft_k == most + 1
+        return call
 
-    async def _settle(self, state: RequestState, call: BranchCall, outcome, proposed: int, base: int) -> None:
-        """Takes the branch the outcome selected (if any) as the next round's drafts."""
+    async def _settle(self, state: RequestState, call: BranchCall, result: RoundResult) -> Settled:
+        """What the branch call left: the branch the outcome selected (if any) as the next
+        round's drafts, and what commit_round learns from the call."""
+        outcome, proposed = result.outcome, len(result.drafts.draft_token_ids)
+        live = not ends_request(state, result)
         settled = await self.branches.settle(
-            call, outcome, proposed, not state.finished, state.draft_view, base, state.stats, state.unused_forks
-        )
-        state.draft_view = settled.draft_view
-        replied, verified = call.replied_ms, call.verified_ms
-        if call.predraft is not None and replied is not None and verified is not None and not state.job.seeded_sampled:
-            # How long before the verify the branches replied: the next pre-draft's steps.
-            costs = state.pair.costs
-            state.predraft_depth.observe(verified - replied, costs.draft_step_ms() if costs else 0.0)
-        if state.k_chooser is not None and call.hedged and outcome.num_accepted < proposed:
-            # A rejection: whether a hedge assumed it (the outcome and the plan alone decide,
-            # as for K), for the chooser's ρ.
-            state.k_chooser.observe_rescue(call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None)
-        # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
-        # the regular draft call re-prefills and counts failures.
-        state.branch_failed = settled.failed
-        if settled.refused:  # a branch refused is a refusal like any draft call's
-            state.refusals.refused(state.stats.rounds)
-        if settled.ready is not None:
-            state.ready = settled.ready
-            state.refusals.accepted()  # the draft took the branch's call
+            call, outcome, proposed, live, state.draft_view, len(state.sequence), state.stats, state.unused_forks,
+            state.round_index,
+        )  # fmt: skip
+        replied, verified, slack = call.replied_ms, call.verified_ms, None
+        if call.predraft is not None and replied is not None and verified is not None:
+            slack = verified - replied
+        rescued = None
+        if call.hedged and outcome.num_accepted < proposed:
+            # A rejection: whether a hedge assumed it (the outcome and the plan alone decide, as for K).
+            rescued = call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None
+        return dataclasses.replace(settled, slack_ms=slack, predraft_full=call.predraft_full, rescued=rescued)
 
     def _close_round(
-        self, state: RequestState, span: Span, started: float, compute_before: float, round_: Round, outcome
+        self,
+        state: RequestState,
+        span: Span,
+        started: float,
+        compute_before: float,
+        record: RoundRecord,
+        plan: RoundPlan,
     ) -> None:
         """The round's timings and its span's attributes."""
-        stats, proposed = state.stats, len(round_.draft_token_ids)
+        stats = state.stats
         stats.mark_first_token()
         stats.round_ms.append(stats.elapsed_ms() - started)
         stats.round_overhead_ms.append(
@@ -396,33 +385,35 @@ class Engine:
         )
         span.set_attributes(
             {
-                "specdec.round.k": proposed,
-                "specdec.round.accepted": outcome.num_accepted,
-                "specdec.round.next_token": "bonus" if outcome.is_bonus(proposed) else "recovered",
-                "specdec.round.drafts_from": round_.source.value,
+                "specdec.round.k": record.proposed,
+                "specdec.round.accepted": record.accepted,
+                "specdec.round.next_token": "bonus" if record.bonus else "recovered",
+                "specdec.round.drafts_from": record.source.value,
                 "specdec.round.epoch": state.draft_view.last_epoch,
-                "specdec.round.pipelined": state.overlapping,
+                "specdec.round.pipelined": plan.overlapping,
                 "specdec.round.target_replica": state.target_view.address,
                 "specdec.round.draft_replica": state.draft_view.address,
             }
         )
 
-    def _cost_at_load(self, state: RequestState) -> None:
-        """The K chooser's costs for this round: at the sessions the request's replicas hold now
+    def _costs_at_load(self, state: RequestState) -> tuple[RoundCosts | None, RoundCosts | None]:
+        """The choosers' costs for this round: at the sessions the request's replicas hold now
         (its own included), recorded in its stats, and their live pass costs at their last Info
         (`RoundRules.live_costs`); alone and calibrated for a seeded sampled request."""
         if state.k_chooser is None:
-            return
+            return None, None
         target, draft = state.target_view.replica, state.draft_view.replica
         sessions = target.load[0] if state.load_aware and target is not None else 1
         draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
         live = state.load_aware and self.rules.live_costs
         target_ms = target.info.live_pass_ms if live and target is not None and target.info is not None else ()
         draft_ms = draft.info.live_pass_ms if live and draft is not None and draft.info is not None else ()
-        state.k_chooser.costs = state.k_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms, draft_ms)
+        costs = state.k_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms, draft_ms)
+        copy_costs = None
         if state.copy_chooser is not None:  # copies lengthen every batched verify too; they run no draft pass
-            state.copy_chooser.costs = state.copy_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms)
+            copy_costs = state.copy_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms)
         state.stats.sessions_per_round.append(sessions)
+        return costs, copy_costs
 
     def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
         """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
@@ -480,3 +471,33 @@ def learned_prior(prior: float, chooser: AdaptiveK | None) -> float:
     if chooser is None or chooser.reached <= PRIOR_WEIGHT:
         return prior
     return 0.8 * prior + 0.2 * chooser.alpha
+
+
+def check_verification(
+    address: str,
+    pair: PairInfo,
+    round_: Round,
+    verification: target_pb2.VerifyResponse,
+    draws: RoundDraws,
+    relaxed: bool,
+    job: Job,
+) -> None:
+    """A Verify reply of the shape the round asked for, or MalformedReply: a node never
+    corrupts output."""
+    proposed = len(round_.draft_token_ids)
+    check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
+    # A tree's: one recovered token per node and the root.
+    expected_recovered = proposed + 1 if round_.parents else proposed
+    check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
+    if relaxed:  # a target that ignored VerifyRequest.relaxed sends none
+        check_reply(address, "relaxed_accepts", len(verification.relaxed_accepts), proposed)
+    # Fewer steps only after a stop token: a target that ignored the seeds would shift
+    # the seed stream, and a seed would no longer give one output.
+    steps, asked = verification.step_token_ids, len(draws.step_seeds)
+    last = [verification.bonus_token_id, *steps][-1]
+    if len(steps) > asked or (len(steps) < asked and last not in pair.eos_token_ids):
+        check_reply(address, "step_token_ids", len(steps), asked)
+    if job.top_logprobs is not None:  # a target that ignored return_logprobs sends none
+        check_reply(address, "row_logprobs", len(verification.row_logprobs), proposed + 1)
+        check_reply(address, "draft_token_logprobs", len(verification.draft_token_logprobs), proposed)
+        check_reply(address, "step_logprobs", len(verification.step_logprobs), len(steps))

@@ -110,14 +110,15 @@ class PredraftDepth:
     drafts may depend on nothing but itself, so it never observes (and keeps k + 1 steps)."""
 
     slack_ms: float | None = None
-    full: bool = True  # the last pre-draft `steps` gave took k + 1 steps
 
     def steps(self, k: int) -> int:
-        self.full = k < 2 or self.slack_ms is None or self.slack_ms >= 0
-        return k + 1 if self.full else k
+        return k + 1 if k < 2 or self.slack_ms is None or self.slack_ms >= 0 else k
 
-    def observe(self, slack_ms: float, step_ms: float) -> None:
+    def observe(self, slack_ms: float, step_ms: float, full: bool) -> None:
         """The last pre-draft's call replied `slack_ms` before its verify did (negative:
-        after); `step_ms`: what a draft step costs, to read a k-step call as a k + 1-step one."""
-        full = slack_ms if self.full else slack_ms - step_ms
-        self.slack_ms = full if self.slack_ms is None else (1 - SLACK_WEIGHT) * self.slack_ms + SLACK_WEIGHT * full
+        after); `full`: it took k + 1 steps (`steps`), else `step_ms`, what a draft step costs,
+        reads its k-step call as a k + 1-step one."""
+        slack_ms = slack_ms if full else slack_ms - step_ms
+        if self.slack_ms is not None:
+            slack_ms = (1 - SLACK_WEIGHT) * self.slack_ms + SLACK_WEIGHT * slack_ms
+        self.slack_ms = slack_ms

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from coordinator.state import RoundRecord, Source
 from specdec.sampling.relaxed import AcceptanceMode
 
 
@@ -93,6 +94,24 @@ class GenerationStats:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+
+    def observe(self, record: RoundRecord) -> None:
+        """A committed round's counters, from its record (`coordinator.rounds.commit_round`);
+        each further step of a target-only call counts as a round of its own."""
+        proposed = record.proposed
+        self.record_round(proposed, record.accepted, record.bonus)
+        self.ready_rounds += record.source in (Source.PREDRAFT, Source.HEDGE)
+        self.catch_up_rounds += record.source is Source.CATCH_UP
+        self.fallback_rounds += record.source is Source.FALLBACK
+        self.tree_rounds += record.tree
+        self.foreign_tokens += record.foreign
+        self.relaxed_accepted_tokens += record.relaxed_accepted
+        if record.copied:  # from a draft call, a pre-draft or a hedge alike
+            self.copied_rounds += 1
+            self.copied_tokens += proposed
+            self.copied_accepted += record.accepted
+        for _ in range(record.steps):
+            self.record_round(0, 0)
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self._start) * 1e3

@@ -1,7 +1,8 @@
-"""One round of speculative decoding as its two pure phases: `plan_round` decides what the
-round will do before anything is sent, and `commit_round` applies the verified outcome to
-the request's state. Neither does I/O or reads a clock; the engine (coordinator.engine) runs
-the calls between them.
+"""One round of speculative decoding as data: `plan_round` decides what the round will do
+before anything is sent (changing nothing), `draw_round` draws its seeds and coins, and
+`commit_round` applies the round's result and settled branches to the request, the one
+writer of its state, returning the record its observers read. None does I/O or reads a
+clock; the engine (coordinator.engine) runs the calls between them.
 
 A round's kind is chosen from the request's earlier outcomes and the costs the services
 calibrated at start-up, never from a time measured during the request, so a seed maps to one
@@ -24,12 +25,12 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.adaptive import AdaptiveK
+from coordinator.adaptive import AdaptiveK, RoundCosts
 from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
-from coordinator.state import DraftRefusals, Round, SessionView, Source
+from coordinator.state import DraftRefusals, Round, RoundRecord, SessionView, Settled, Source
 from coordinator.text import FINISH_LENGTH, TextAssembler
 from specdec.sampling.chain import RoundOutcome, decide_round
 from specdec.sampling.seeds import RequestStreams, next_seed
@@ -71,24 +72,65 @@ class RoundKind(enum.Enum):
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """What a round will do, decided before it sends anything."""
+    """What a round will do, decided before it sends anything (`plan_round`)."""
 
     kind: RoundKind
     k: int  # the chain's K (a catch-up step's pre-draft drafts up to K); 0 for a tree or target-only
     copy_limit: int  # ProposeRequest.max_copied_tokens: the most a copy may carry (0: none)
     widths: tuple[int, ...]  # a tree's shape, as deep as there is room for; () for a chain
+    draft_allowed: bool  # the breaker lets rounds call the draft (asked once a round)
+    ready: Round | None = None  # READY: the drafts, cut to K
+    steps: int = 0  # TARGET_ONLY with K fixed at 0: the Verify call's further steps (`step_count`)
+    overlapping: bool = False  # it pre-drafts the next round during its verify (RequestState.overlapping)
+    chosen_k: int | None = None  # the K chooser's pick this round (None: not asked)
+    chosen_copy: int | None = None  # the copy chooser's (None: not asked)
+    costs: RoundCosts | None = None  # the K chooser's costs at this round's load (None: unchanged)
+    copy_costs: RoundCosts | None = None  # the copy chooser's
+
+    @property
+    def uniforms_needed(self) -> int:
+        """One coin per position a proposal may fill (a tree's: one per node)."""
+        return tree_size(self.widths) or max(self.k, self.copy_limit)
+
+
+@dataclass(frozen=True)
+class RoundDraws:
+    """A round's random draws (`draw_round`), the same whatever the round's kind."""
+
     draft_seed: int
     target_seed: int
     predraft_seed: int
-    uniforms: list[float]  # one per position a proposal may fill (a tree's: one per node), drawn whatever it is
-    draft_allowed: bool  # the breaker lets rounds call the draft (asked once a round)
-    ready: Round | None = None  # READY: the drafts, cut to K
-    step_seeds: tuple[int, ...] = ()  # TARGET_ONLY with K fixed at 0: the Verify call's further steps
+    uniforms: list[float]
+    step_seeds: tuple[int, ...] = ()  # the Verify call's further steps (RoundPlan.steps)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round's calls returned (`coordinator.engine`): its drafts, the verification, the
+    outcome decided from them, and what the draft call said about the draft's health."""
+
+    drafts: Round
+    verification: target_pb2.VerifyResponse
+    outcome: RoundOutcome | TreeOutcome
+    draft_took_call: bool = False  # the draft answered the round's call: its refusals start over
+    draft_refused: bool = False  # it refused the request (RESOURCE_EXHAUSTED): ask again later
+    pair: PairInfo | None = None  # the pair as re-read after the draft rejected the call (None: unchanged)
 
 
 @dataclass
 class RequestState:
-    """One request between its rounds: what `plan_round` reads and `commit_round` advances."""
+    """One request between its rounds. Its parts have one writer each:
+
+    - the request (the pair, the sequence and text, the choosers, the draft's refusals, the
+      ready drafts, the round index): `commit_round` alone;
+    - the random streams: `draw_round`, and the hedges' seeds in coordinator.branches;
+    - the session views: coordinator.upstream (placement, re-sends, failures, call numbers)
+      and coordinator.branches (a catch-up opens the session); `commit_round` sets what each
+      service holds after the round;
+    - `unused_forks`: coordinator.branches;
+    - `stats`: its observers (GenerationStats.observe reads each round's record).
+
+    tests/unit/test_single_writer.py holds every module to this."""
 
     job: Job
     pair: PairInfo  # the pair's Info as the request began; re-read only when the draft rejects a call
@@ -112,12 +154,13 @@ class RequestState:
     unused_forks: list[str] = field(default_factory=list)  # draft sessions to end with the next branch call
     copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
     predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
+    round_index: int = 0  # the clock: rounds committed, a target-only call's steps each counted
 
     @property
     def overlapping(self) -> bool:
         """This round pre-drafts the next during its verify: a pipelined request, unless its
         K chooser costs it beside other sessions on its target (`AdaptiveK.overlaps`)."""
-        return self.pipelined and (self.k_chooser is None or self.k_chooser.overlaps)
+        return overlaps(self, self.k_chooser)
 
     @property
     def remaining(self) -> int:
@@ -129,6 +172,10 @@ class RequestState:
         return self.text.finish_reason is not None
 
 
+def overlaps(state: RequestState, chooser: AdaptiveK | None) -> bool:
+    return state.pipelined and (chooser is None or chooser.overlaps)
+
+
 def k_limit(pair: PairInfo, length: int, remaining: int, most: int | None = None) -> int:
     """The most drafts a round may carry, from a sequence of `length` with `remaining` new
     tokens allowed: room for the drafts plus the recovered/bonus token, in both models, and at
@@ -138,22 +185,24 @@ def k_limit(pair: PairInfo, length: int, remaining: int, most: int | None = None
     return max(0, min(most, remaining - 1, room - 1, pair.draft_max_context - length))
 
 
-def copy_limit(state: RequestState, pair: PairInfo, k: int) -> int:
+def copy_limit(state: RequestState, pair: PairInfo, k: int, chooser: AdaptiveK | None = None) -> tuple[int, int | None]:
     """ProposeRequest.max_copied_tokens for this round, an exact cap (0: no copy; with K = 0
-    too, no draft call). A request that fixes K copies at most K; target-only requests (K = 0)
-    never copy. A chosen copy may be longer than the largest K (--max-copied-tokens): it runs
-    no draft pass, so only the verify grows with it."""
+    too, no draft call), and the copy chooser's pick where it was asked. A request that fixes
+    K copies at most K; target-only requests (K = 0) never copy. A chosen copy may be longer
+    than the largest K (--max-copied-tokens): it runs no draft pass, so only the verify grows
+    with it. `chooser`: the copy chooser at this round's costs."""
     if not pair.draft_copies or state.job.num_speculative_tokens == 0:
-        return 0
-    if state.copy_chooser is None:
-        return k
+        return 0, None
+    if chooser is None:
+        return k, None
     if not k and state.copy_wait:
-        return 0  # a copy alone costs a draft call, and the last one found nothing (COPY_WAIT_ROUNDS)
+        return 0, None  # a copy alone costs a draft call, and the last one found nothing (COPY_WAIT_ROUNDS)
     room = k_limit(pair, len(state.sequence), state.remaining, pair.max_copied_tokens)
-    return min(state.copy_chooser.choose(), room)
+    chosen = chooser.pick()
+    return min(chosen, room), chosen
 
 
-def catch_up_pays(state: RequestState, k: int) -> bool:
+def catch_up_pays(state: RequestState, k: int, chooser: AdaptiveK | None = None) -> bool:
     """Whether a round with no drafts ready should be a catch-up step rather than wait for K
     fresh drafts. A step commits one token in a target pass; a fresh round commits E(K) in K
     draft steps and a verify. Either starts the next round's branches, so the next round is
@@ -166,48 +215,61 @@ def catch_up_pays(state: RequestState, k: int) -> bool:
     costs = state.pair.costs
     if costs is None or not state.draft_view.opened:
         return True
-    alpha = state.k_chooser.alpha if state.k_chooser is not None else state.acceptance.alpha
+    alpha = chooser.alpha if chooser is not None else state.acceptance.alpha
     return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
 
 
-def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_steps: int = 1) -> RoundPlan:
-    """The round's kind, K, copy cap, tree and random draws, from the request's state alone
-    (its pair too: `RequestState.pair`). `catch_up`: `RoundRules.catch_up`; `draft_allowed`: the
-    breaker lets rounds call the draft; `target_steps`: --target-only-steps."""
+def plan_round(
+    state: RequestState,
+    catch_up: bool,
+    draft_allowed: bool,
+    target_steps: int = 1,
+    costs: RoundCosts | None = None,
+    copy_costs: RoundCosts | None = None,
+) -> RoundPlan:
+    """The round's kind, K, copy cap and tree, from the request's state and these inputs alone,
+    changing nothing: called twice, it plans the same round. `catch_up`: `RoundRules.catch_up`;
+    `draft_allowed`: the breaker lets rounds call the draft; `target_steps`:
+    --target-only-steps; `costs`, `copy_costs`: the choosers' costs at the load now (None:
+    the ones they hold)."""
     pair = state.pair
+    chooser = state.k_chooser.at(costs) if state.k_chooser is not None and costs is not None else state.k_chooser
+    copier = state.copy_chooser
+    if copier is not None and copy_costs is not None:
+        copier = copier.at(copy_costs)
+    overlapping = overlaps(state, chooser)
     limit = k_limit(pair, len(state.sequence), state.remaining)
     shape: tuple[int, ...]
+    chosen_k: int | None = None
     # A request whose K follows the load starts with a target-only step, copying nothing: its
     # first token then comes after the target's prompt pass alone, never behind the draft's,
     # and its first choice of K sees the requests that arrived with it (a burst's first would
     # see itself alone, draft, and slow every prompt pass beside it on a shared machine).
-    first_step = state.k_chooser is not None and state.load_aware and not state.overlapping and not state.stats.rounds
+    first_step = chooser is not None and state.load_aware and not overlapping and not state.round_index
     if first_step:
         k, shape = 0, ()
-    elif state.k_chooser is not None:
-        k, shape = state.k_chooser.choose_shape()  # shape: a tree's widths, or () for a chain of K
+    elif chooser is not None:
+        chosen_k = chooser.pick()
+        k, shape = chooser.shape_for(chosen_k)  # shape: a tree's widths, or () for a chain of K
     else:
         k, shape = state.job.num_speculative_tokens, state.job.tree_widths
     k = min(k, limit)
-    copy = 0 if shape or first_step else copy_limit(state, pair, k)  # a tree round copies none
+    copy, chosen_copy = (0, None) if shape or first_step else copy_limit(state, pair, k, copier)
     widths = tuple(shape[:limit]) if pair.trees else ()  # a draft restarted as another drafter serves no trees
-    fallback = bool(k or copy or widths) and not (state.refusals.allow(state.stats.rounds) and draft_allowed)
+    fallback = bool(k or copy or widths) and not (state.refusals.allow(state.round_index) and draft_allowed)
     if fallback:
         k, copy, widths = 0, 0, ()  # the draft is down or refused: one target-only step
-    draft_seed, target_seed = next_seed(state.streams.draft), next_seed(state.streams.target)
-    predraft_seed = next_seed(state.streams.predraft)
-    uniforms = state.streams.coins.random(tree_size(widths) or max(k, copy)).tolist()
     ready = state.ready if state.ready is not None and state.ready.draft_token_ids else None
     if ready is not None and k:
         kind = RoundKind.READY
     elif (
-        state.overlapping
+        overlapping
         and catch_up
         and k
         and not (copy or widths)  # a copy costs no pass; a tree is not pipelined
         and not state.branch_failed
         and draft_allowed
-        and catch_up_pays(state, k)
+        and catch_up_pays(state, k, chooser)
     ):
         kind = RoundKind.CATCH_UP  # rather than leave the target idle while the draft drafts
     elif k or copy or widths:
@@ -219,19 +281,32 @@ def plan_round(state: RequestState, catch_up: bool, draft_allowed: bool, target_
         k,
         copy,
         widths,
-        draft_seed,
-        target_seed,
-        predraft_seed,
-        uniforms,
         draft_allowed,
         ready.truncated(k) if kind is RoundKind.READY and ready is not None else None,
-        step_seeds(state, kind, target_steps),
+        step_count(state, kind, target_steps, chooser),
+        overlapping,
+        chosen_k,
+        chosen_copy,
+        costs if state.k_chooser is not None else None,
+        copy_costs if state.copy_chooser is not None else None,
     )
 
 
-def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple[int, ...]:
+def draw_round(streams: RequestStreams, plan: RoundPlan) -> RoundDraws:
+    """The round's seeds and coins, drawn in one order whatever its kind, so the kind never
+    shifts a stream: the draft's, target's and pre-draft's seeds, one coin per position a
+    proposal may fill, then the seeds of a target-only call's further steps (from the target's
+    stream, as the single-step rounds they replace would draw them)."""
+    draft_seed, target_seed = next_seed(streams.draft), next_seed(streams.target)
+    predraft_seed = next_seed(streams.predraft)
+    uniforms = streams.coins.random(plan.uniforms_needed).tolist()
+    step_seeds = tuple(next_seed(streams.target) for _ in range(plan.steps))
+    return RoundDraws(draft_seed, target_seed, predraft_seed, uniforms, step_seeds)
+
+
+def step_count(state: RequestState, kind: RoundKind, target_steps: int, chooser: AdaptiveK | None) -> int:
     """A request that fixes K = 0 runs up to `target_steps` target-only steps per Verify call:
-    the seeds of the steps after the first, drawn from the target's stream as the rounds they
+    the number after the first, whose seeds come from the target's stream as the rounds they
     replace would draw them (a K = 0 request reads no other stream), so the output does not
     depend on `target_steps`. Room is left for the last step's token in the length and the
     context. A request's first round steps once, so its first token comes as soon as the
@@ -240,14 +315,14 @@ def step_seeds(state: RequestState, kind: RoundKind, target_steps: int) -> tuple
     (its rounds also read the draft's streams); where its K follows the load (greedy, or
     unseeded) a round the chooser made K = 0 runs the steps as well: under load the calls
     saved are the coordinator's CPU, which a shared machine's target needs."""
-    if kind is not RoundKind.TARGET_ONLY or not state.stats.rounds:
-        return ()
-    if state.k_chooser is not None and not state.load_aware:
-        return ()
-    if state.k_chooser is None and (state.job.num_speculative_tokens or state.job.tree_widths):
-        return ()
+    if kind is not RoundKind.TARGET_ONLY or not state.round_index:
+        return 0
+    if chooser is not None and not state.load_aware:
+        return 0
+    if chooser is None and (state.job.num_speculative_tokens or state.job.tree_widths):
+        return 0
     more = min(target_steps - 1, state.remaining - 1, state.pair.max_context - len(state.sequence) - 1)
-    return tuple(next_seed(state.streams.target) for _ in range(max(0, more)))
+    return max(0, more)
 
 
 def decide(
@@ -310,33 +385,76 @@ def relaxed_round(state: RequestState, round_: Round) -> bool:
     return state.job.relaxed is not None and bool(round_.draft_token_ids) and not round_.parents
 
 
+def ends_request(state: RequestState, result: RoundResult) -> bool:
+    """Whether committing the round will end the request by its tokens alone: a stop token,
+    max_new_tokens or the context. (A stop string is found only as the text grows; a request
+    it ends settles its branches as if it went on, and ends after.)"""
+    tokens = [*result.outcome.committed(result.drafts.draft_token_ids), *result.verification.step_token_ids]
+    return (
+        any(token in state.pair.eos_token_ids for token in tokens)
+        or len(tokens) >= state.remaining
+        or len(state.sequence) + len(tokens) >= state.pair.max_context
+    )
+
+
 def commit_round(
-    state: RequestState,
-    plan: RoundPlan,
-    round_: Round,
-    outcome: RoundOutcome | TreeOutcome,
-    max_context: int,
-    steps: Sequence[int] = (),
-    logprobs: Sequence[common_pb2.TokenLogprobs] = (),
-) -> None:
-    """Applies a verified round: the stats, the choosers, both session views, and the committed
-    tokens (the generation may finish on any of them). `steps`: the tokens of a target-only
-    call's further steps (VerifyResponse.step_token_ids), each counted as a round of its own.
-    `logprobs`: one per committed token then step (`committed_logprobs`), where asked for."""
-    stats, proposed = state.stats, len(round_.draft_token_ids)
-    base = len(state.sequence)
-    stats.record_round(proposed, outcome.num_accepted, outcome.is_bonus(proposed))
-    stats.ready_rounds += round_.source in (Source.PREDRAFT, Source.HEDGE)
-    stats.catch_up_rounds += round_.source is Source.CATCH_UP
-    stats.fallback_rounds += round_.source is Source.FALLBACK
-    stats.tree_rounds += bool(round_.parents)
-    stats.foreign_tokens += len(round_.foreign)
-    if isinstance(outcome, RoundOutcome):
-        stats.relaxed_accepted_tokens += outcome.relaxed_accepted
-    if round_.copied:  # from a draft call, a pre-draft or a hedge alike
-        stats.copied_rounds += 1
-        stats.copied_tokens += proposed
-        stats.copied_accepted += outcome.num_accepted
+    state: RequestState, plan: RoundPlan, result: RoundResult, settled: Settled | None = None
+) -> RoundRecord:
+    """Applies a verified round, the one writer of the request's state (`RequestState`): the
+    draft's health, the choosers, what each service holds, the committed tokens (the
+    generation may finish on any of them; a target-only call's further steps each count as a
+    round), then the branches the round settled (`settled`; None: it started none)."""
+    round_, outcome, verification = result.drafts, result.outcome, result.verification
+    proposed, base, index = len(round_.draft_token_ids), len(state.sequence), state.round_index
+    max_context = state.pair.max_context  # the pair the round ran with
+    if result.pair is not None:  # the one point where a request's pair may change
+        state.pair = result.pair
+    if result.draft_refused:
+        state.refusals.refused(index)
+    if result.draft_took_call:
+        state.refusals.accepted()
+    _observe_choosers(state, plan, round_, outcome)
+    # Both services hold sequence + drafts; only the accepted drafts stay valid. After a tree
+    # both hold the committed sequence, the nodes cached behind it: the next call's new tokens
+    # (the accepted path first) tell them which nodes to keep.
+    held = base + (0 if round_.parents else outcome.num_accepted)
+    state.target_view.synced = held + len(verification.step_token_ids)  # a step feeds the token before it
+    if round_.source.in_draft_session:
+        state.draft_view.synced = held
+    state.ready = None
+    steps = _append(state, outcome.committed(round_.draft_token_ids), committed_logprobs(outcome, verification),
+                    verification.step_token_ids, max_context)  # fmt: skip
+    state.round_index += 1 + steps
+    if settled is not None:
+        _take_branches(state, settled)
+    return RoundRecord(
+        index,
+        round_.source,
+        proposed,
+        outcome.num_accepted,
+        outcome.is_bonus(proposed),
+        bool(round_.parents),
+        round_.copied,
+        len(round_.foreign),
+        outcome.relaxed_accepted if isinstance(outcome, RoundOutcome) else 0,
+        steps,
+        state.finished,
+        state.text.take_delta(),
+    )
+
+
+def _observe_choosers(state: RequestState, plan: RoundPlan, round_: Round, outcome: RoundOutcome | TreeOutcome) -> None:
+    """The choosers' costs and picks this round, and what its drafts taught them; and how long
+    a copy that found nothing keeps copies from being looked for."""
+    proposed = len(round_.draft_token_ids)
+    if state.k_chooser is not None:
+        state.k_chooser.costs = plan.costs or state.k_chooser.costs
+        if plan.chosen_k is not None:
+            state.k_chooser.observe_choice(plan.chosen_k)
+    if state.copy_chooser is not None:
+        state.copy_chooser.costs = plan.copy_costs or state.copy_chooser.costs
+        if plan.chosen_copy is not None:
+            state.copy_chooser.observe_choice(plan.chosen_copy)
     if state.copy_chooser is not None and round_.copied:
         state.copy_chooser.observe_round(proposed, outcome.num_accepted)  # copies' acceptance apart
     elif state.k_chooser is not None and isinstance(outcome, TreeOutcome):
@@ -354,23 +472,52 @@ def commit_round(
         state.copy_wait = COPY_WAIT_ROUNDS  # a draft call for a copy alone found none
     elif not (plan.k or plan.copy_limit or plan.widths):
         state.copy_wait = max(0, state.copy_wait - 1)
-    # Both services hold sequence + drafts; only the accepted drafts stay valid. After a tree
-    # both hold the committed sequence, the nodes cached behind it: the next call's new tokens
-    # (the accepted path first) tell them which nodes to keep.
-    held = base + (0 if round_.parents else outcome.num_accepted)
-    state.target_view.synced = held + len(steps)  # a step feeds the token before it
-    if round_.source.in_draft_session:
-        state.draft_view.synced = held
-    state.ready = None
+
+
+def _append(
+    state: RequestState,
+    tokens: list[int],
+    logprobs: Sequence[common_pb2.TokenLogprobs],
+    steps: Sequence[int],
+    max_context: int,
+) -> int:
+    """Commits the round's tokens, then its further steps' (each with its log-probabilities,
+    where asked for: `committed_logprobs`), until the generation finishes; returns how many
+    steps it committed."""
     entries: Iterator[common_pb2.TokenLogprobs | None] = iter(logprobs) if logprobs else itertools.repeat(None)
-    for token in outcome.committed(round_.draft_token_ids):
+    for token in tokens:
         state.sequence.append(token)
         if state.text.push(token, next(entries)):
-            return
-    for token in steps:
-        stats.record_round(0, 0)
+            return 0
+    for committed, token in enumerate(steps, 1):
         state.sequence.append(token)
         if state.text.push(token, next(entries)):
-            return
+            return committed
     if len(state.sequence) >= max_context:
         state.text.finish(FINISH_LENGTH)
+    return len(steps)
+
+
+def _take_branches(state: RequestState, settled: Settled) -> None:
+    """The settled branches: the next round's drafts, the draft session from now on (a used
+    fork) and what it holds, the pre-drafts' depth and the chooser's hedge rescues."""
+    if settled.draft_view is not None:
+        state.draft_view = settled.draft_view
+    if settled.draft_synced is not None:
+        state.draft_view.synced = settled.draft_synced
+    if settled.synced_at_least is not None:
+        state.draft_view.synced = max(state.draft_view.synced, settled.synced_at_least)
+    if settled.slack_ms is not None and not state.job.seeded_sampled:
+        # How long before the verify the branches replied: the next pre-draft's steps.
+        step_ms = state.pair.costs.draft_step_ms() if state.pair.costs else 0.0
+        state.predraft_depth.observe(settled.slack_ms, step_ms, settled.predraft_full)
+    if state.k_chooser is not None and settled.rescued is not None:
+        state.k_chooser.observe_rescue(settled.rescued)  # for the chooser's ρ
+    # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
+    # the regular draft call re-prefills and counts failures.
+    state.branch_failed = settled.failed
+    if settled.refused:  # a branch refused is a refusal like any draft call's
+        state.refusals.refused(state.round_index)
+    if settled.ready is not None:
+        state.ready = settled.ready
+        state.refusals.accepted()  # the draft took the branch's call

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from coordinator.text import Delta
 from specdec.errors import SpecDecError
 from specdec.rpc import wire
 from specdec.sampling.tree_sampling import check_parents
@@ -136,6 +137,40 @@ class Round:
             self.copied,
             foreign=tuple(position - start for position in self.foreign if start <= position < end),
         )  # chains only: the coordinator never pre-drafts or hedges a tree
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a round's branch call left, read once the round's outcome was known
+    (`coordinator.branches.Branches.settle`); `commit_round` applies it."""
+
+    ready: Round | None = None  # the next round's drafts (source: pre-draft or hedge), or None
+    draft_view: SessionView | None = None  # a used fork: the request's draft session from now on
+    draft_synced: int | None = None  # what the request's draft session holds now, where a branch was used
+    synced_at_least: int | None = None  # a pre-draft that ran but missed: its session holds at least this
+    failed: bool = False  # the call, or its pre-draft, failed: the next round drafts afresh
+    refused: bool = False  # of those, RESOURCE_EXHAUSTED: the draft cannot hold the request now
+    rescued: bool | None = None  # a hedged round's rejection: whether a hedge assumed it (None: no rejection)
+    slack_ms: float | None = None  # how long before the verify the pre-draft's call replied (PredraftDepth)
+    predraft_full: bool = True  # that pre-draft took k + 1 steps (PredraftDepth.steps)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A committed round, as its observers (GenerationStats, the span) read it."""
+
+    index: int  # the round's index: rounds before it, a target-only call's steps each counted
+    source: Source
+    proposed: int
+    accepted: int
+    bonus: bool  # it ended in a bonus token, not a recovered one
+    tree: bool
+    copied: bool
+    foreign: int  # drafts a bridged draft does not share with the target
+    relaxed_accepted: int  # accepted drafts the exact rule rejected
+    steps: int  # further target-only steps committed
+    finished: bool
+    delta: Delta  # the text and tokens the round added, to send
 
 
 def round_from(

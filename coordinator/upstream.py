@@ -249,7 +249,7 @@ class Upstream:
                 replica.breaker.failure_threshold,
             )
 
-    async def reread_pair(self) -> PairInfo:
+    async def reread_pair(self, draft_view: SessionView) -> PairInfo:
         """The pair once the Info read that a rejected call started has finished; the pair as
         it was where the draft is unreachable, no longer pairs, or has not answered within
         REREAD_WAIT_S (the read goes on, and a later rejection takes its result): the round
@@ -259,6 +259,7 @@ class Upstream:
                 await asyncio.wait_for(asyncio.shield(self._refresh), REREAD_WAIT_S)
             except TimeoutError:
                 pass
+        draft_view.vocab_limit = self.pair.draft_vocab_limit
         return self.pair
 
     async def _refresh_pair(self, replica: Replica) -> None:

@@ -78,16 +78,15 @@ def test_acceptance_starts_at_the_prior_and_counts_positions_reached():
 def test_pre_drafts_drop_their_last_step_while_it_comes_back_after_the_verify():
     depth = PredraftDepth()
     assert depth.steps(6) == 7  # nothing seen: the bonus guess and K drafts
-    depth.observe(-3.0, step_ms=1.9)  # that call replied 3 ms after its verify
+    depth.observe(-3.0, step_ms=1.9, full=True)  # that call, of seven steps, replied 3 ms after its verify
     assert depth.steps(6) == 6 and depth.steps(1) == 2  # one draft is never cut to none
-    depth.steps(6)
     # Six steps now reply 1 ms early, so seven would still be 0.9 ms late: stay at six.
     for _ in range(10):
-        depth.observe(1.0, step_ms=1.9)
+        depth.observe(1.0, step_ms=1.9, full=False)
         assert depth.steps(6) == 6
     # Once six steps reply 2.5 ms early, the seventh fits again.
     for _ in range(10):
-        depth.observe(2.5, step_ms=1.9)
+        depth.observe(2.5, step_ms=1.9, full=False)
     assert depth.steps(6) == 7
     assert depth.slack_ms is not None and 0 < depth.slack_ms < 2.5
 

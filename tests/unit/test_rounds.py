@@ -16,7 +16,9 @@ from coordinator.rounds import (
     RequestState,
     RoundKind,
     RoundPlan,
+    RoundResult,
     commit_round,
+    draw_round,
     k_limit,
     plan_round,
 )
@@ -28,6 +30,7 @@ from specdec.sampling.probs import SamplingParams
 from specdec.sampling.seeds import RequestStreams
 from specdec.sampling.tree_sampling import TreeOutcome, tree_size
 from specdec.tools.testing import byte_level_tokenizer
+from specdec.v1 import target_pb2
 
 PAIR = PairInfo(
     vocab_size=320,
@@ -59,6 +62,11 @@ def state(k: int = 4, max_new_tokens: int = 32, pipelined: bool = False, **chang
         retry_until=0.0,
     )
     return dataclasses.replace(made, **changes)
+
+
+def verified(round_: Round, outcome, steps=()) -> RoundResult:
+    """A round's result as the engine hands it to commit_round."""
+    return RoundResult(round_, target_pb2.VerifyResponse(step_token_ids=list(steps)), outcome)
 
 
 def refused_just_now() -> DraftRefusals:
@@ -114,9 +122,11 @@ PLANS = {
 @pytest.mark.parametrize("case", PLANS)
 def test_plan_round(case):
     request, pair, catch_up, draft_allowed, (kind, k, copy, widths) = PLANS[case]
-    plan = plan_round(dataclasses.replace(request, pair=pair), catch_up, draft_allowed)
+    planned = dataclasses.replace(request, pair=pair)
+    plan = plan_round(planned, catch_up, draft_allowed)
     assert (plan.kind, plan.k, plan.copy_limit, plan.widths) == (kind, k, copy, widths)
-    assert len(plan.uniforms) == (tree_size(widths) or max(k, copy))
+    assert plan_round(planned, catch_up, draft_allowed) == plan, "planning changes nothing"
+    assert len(draw_round(planned.streams, plan).uniforms) == (tree_size(widths) or max(k, copy))
     assert (plan.ready is not None) == (kind is RoundKind.READY)
     if plan.ready is not None:
         assert plan.ready.source is Source.PREDRAFT
@@ -144,7 +154,7 @@ def test_a_pipelined_round_beside_other_sessions_on_its_target_runs_sequential()
     assert alone.overlapping and not shared.overlapping
     assert plan_round(alone, True, True).kind is RoundKind.CATCH_UP
     assert (plan_round(shared, True, True).kind, plan_round(shared, True, True).k) == (RoundKind.TARGET_ONLY, 0)
-    after_a_miss = {"draft_view": OPENED, "stats": GenerationStats(prompt_tokens=3, rounds=1)}
+    after_a_miss = {"draft_view": OPENED, "round_index": 1}
     assert plan_round(pipelined(1, **after_a_miss), True, True).kind is RoundKind.CATCH_UP
     assert plan_round(pipelined(2, **after_a_miss), True, True).kind is RoundKind.DRAFT_CALL
 
@@ -152,13 +162,11 @@ def test_a_pipelined_round_beside_other_sessions_on_its_target_runs_sequential()
 def test_the_random_draws_do_not_depend_on_the_rounds_kind():
     """The same request at the same round draws the same seeds and coins whether its drafts are
     ready, come from a call, or the round is a catch-up step: the kind never shifts a stream."""
-    plans = [
-        plan_round(state(), True, True),
-        plan_round(state(ready=READY), True, True),
-        plan_round(state(pipelined=True), True, True),
-    ]
+    requests = [state(), state(ready=READY), state(pipelined=True)]
+    plans = [plan_round(request, True, True) for request in requests]
     assert [p.kind for p in plans] == [RoundKind.DRAFT_CALL, RoundKind.READY, RoundKind.CATCH_UP]
-    draws = {(p.draft_seed, p.target_seed, p.predraft_seed, tuple(p.uniforms[:3])) for p in plans}
+    drawn = [draw_round(request.streams, plan) for request, plan in zip(requests, plans)]
+    draws = {(d.draft_seed, d.target_seed, d.predraft_seed, tuple(d.uniforms[:3])) for d in drawn}
     assert len(draws) == 1
 
 
@@ -167,7 +175,10 @@ def test_the_k_chooser_decides_k_and_the_context_caps_it():
     chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
     near_the_end = state(sequence=list(range(60)), k_chooser=chooser)
     plan = plan_round(near_the_end, True, True)
-    assert chooser.history and plan.k == min(chooser.history[-1], k_limit(PAIR, 60, near_the_end.remaining)) == 3
+    assert plan.chosen_k and plan.k == min(plan.chosen_k, k_limit(PAIR, 60, near_the_end.remaining)) == 3
+    assert not chooser.history, "the plan changes nothing; commit_round counts the choice"
+    commit_round(near_the_end, plan, verified(chain_round(), RoundOutcome(0, 81)))
+    assert chooser.history == [plan.chosen_k]
 
 
 def chain_round(source: Source = Source.DRAFT, tokens=(70, 71, 72), copied: bool = False) -> Round:
@@ -205,22 +216,24 @@ def test_commit_round(case):
     round_, outcome, (committed, synced, counters) = COMMITS[case]
     request = state(ready=READY)
     plan = plan_round(request, True, True)
-    commit_round(request, plan, round_, outcome, PAIR.max_context)
+    record = commit_round(request, plan, verified(round_, outcome))
+    request.stats.observe(record)
     assert request.sequence == PROMPT + committed
     assert (request.draft_view.synced, request.target_view.synced) == synced
     assert request.ready is None, "ready drafts are spent by the round that planned them"
     for name, value in counters.items():
         assert getattr(request.stats, name) == value, name
-    assert request.stats.rounds == 1 and request.stats.k_per_round == [len(round_.draft_token_ids)]
-    assert request.finished == (0 in committed)
+    assert request.stats.rounds == request.round_index == 1
+    assert request.stats.k_per_round == [len(round_.draft_token_ids)]
+    assert request.finished == record.finished == (0 in committed)
 
 
 def test_commit_round_finishes_at_the_context_and_at_max_new_tokens():
     at_context = state(sequence=list(range(60)))
-    commit_round(at_context, plan_round(at_context, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    commit_round(at_context, plan_round(at_context, True, True), verified(chain_round(), RoundOutcome(3, 80)))
     assert at_context.text.finish_reason == "length" and len(at_context.sequence) == 64
     short = state(max_new_tokens=2)
-    commit_round(short, plan_round(short, True, True), chain_round(), RoundOutcome(3, 80), 64)
+    commit_round(short, plan_round(short, True, True), verified(chain_round(), RoundOutcome(3, 80)))
     assert short.text.finish_reason == "length" and short.sequence == PROMPT + [70, 71]
 
 
@@ -230,9 +243,9 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
     request = state(k_chooser=k_chooser, copy_chooser=copy_chooser)
     before = (k_chooser.reached, copy_chooser.reached)
     plan = plan_round(request, True, True)
-    commit_round(request, plan, chain_round(copied=True), RoundOutcome(3, 80), 64)
+    commit_round(request, plan, verified(chain_round(copied=True), RoundOutcome(3, 80)))
     assert (k_chooser.reached, copy_chooser.reached) == (before[0], before[1] + 3)
-    commit_round(request, plan, chain_round(), RoundOutcome(1, 81), 64)
+    commit_round(request, plan, verified(chain_round(), RoundOutcome(1, 81)))
     assert k_chooser.reached == before[0] + 2
 
 
@@ -243,34 +256,37 @@ def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_se
 
     def after_a_round(k: int = 0, **changes) -> RequestState:
         request = state(k=k, **changes)
-        request.stats.rounds = 1  # a request's first round steps once: its first token comes first
+        request.round_index = 1  # a request's first round steps once: its first token comes first
         return request
 
-    assert plan_round(state(k=0), True, True, target_steps=4).step_seeds == ()
+    assert plan_round(state(k=0), True, True, target_steps=4).steps == 0
     single = after_a_round()
-    seeds = [plan_round(single, True, True).target_seed for _ in range(4)]
-    plan = plan_round(after_a_round(), True, True, target_steps=4)
-    assert plan.kind is RoundKind.TARGET_ONLY and [plan.target_seed, *plan.step_seeds] == seeds
-    assert len(plan_round(after_a_round(max_new_tokens=2), True, True, target_steps=4).step_seeds) == 1
-    assert len(plan_round(after_a_round(sequence=list(range(62))), True, True, target_steps=4).step_seeds) == 1
+    seeds = [draw_round(single.streams, plan_round(single, True, True)).target_seed for _ in range(4)]
+    stepping = after_a_round()
+    plan = plan_round(stepping, True, True, target_steps=4)
+    draws = draw_round(stepping.streams, plan)
+    assert plan.kind is RoundKind.TARGET_ONLY and [draws.target_seed, *draws.step_seeds] == seeds
+    assert plan_round(after_a_round(max_new_tokens=2), True, True, target_steps=4).steps == 1
+    assert plan_round(after_a_round(sequence=list(range(62))), True, True, target_steps=4).steps == 1
     costs = RoundCosts(draft_pass_ms=(40.0,) * 9, target_pass_ms=(1.0,) * 9)
     chosen = state(k=4, k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.1, probe_every=0))
-    chosen.stats.rounds = 1
-    assert plan_round(chosen, True, True, target_steps=4).step_seeds == (), "a seeded K = 0 may speculate next"
+    chosen.round_index = 1
+    assert plan_round(chosen, True, True, target_steps=4).steps == 0, "a seeded K = 0 may speculate next"
     chosen.load_aware = True  # greedy or unseeded: its K follows the load, and a chosen K = 0 steps on
-    assert len(plan_round(chosen, True, True, target_steps=4).step_seeds) == 3
-    assert plan_round(after_a_round(k=4), True, True, target_steps=4).step_seeds == ()
+    assert plan_round(chosen, True, True, target_steps=4).steps == 3
+    assert plan_round(after_a_round(k=4), True, True, target_steps=4).steps == 0
 
 
 def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
     request = state(k=0)
     plan = plan_round(request, True, True, target_steps=3)
-    commit_round(request, plan, Round(Source.NONE), RoundOutcome(0, 80), PAIR.max_context, steps=[81, 82])
+    request.stats.observe(commit_round(request, plan, verified(Round(Source.NONE), RoundOutcome(0, 80), [81, 82])))
     assert request.sequence == PROMPT + [80, 81, 82]
     assert request.target_view.synced == len(PROMPT) + 2, "the target fed every token but the last"
     assert (request.stats.rounds, request.stats.k_per_round, request.stats.bonus_tokens) == (3, [0, 0, 0], 3)
+    assert request.round_index == 3
     ending = state(k=0)
-    commit_round(ending, plan, Round(Source.NONE), RoundOutcome(0, 80), PAIR.max_context, steps=[0])
+    commit_round(ending, plan, verified(Round(Source.NONE), RoundOutcome(0, 80), [0]))
     assert ending.sequence == PROMPT + [80, 0] and ending.finished
 
 
@@ -291,7 +307,7 @@ def test_a_lookup_that_found_nothing_is_not_repeated_for_a_few_target_only_round
         plan = plan_round(request, True, True)
         kinds.append(plan.kind)
         nothing = Round(Source.DRAFT if plan.kind is RoundKind.DRAFT_CALL else Source.NONE)
-        commit_round(request, plan, nothing, RoundOutcome(0, 82), 64)
+        commit_round(request, plan, verified(nothing, RoundOutcome(0, 82)))
     looked_up = [RoundKind.DRAFT_CALL] + [RoundKind.TARGET_ONLY] * COPY_WAIT_ROUNDS
     assert kinds == looked_up * 2
     request.copy_wait = COPY_WAIT_ROUNDS
@@ -329,5 +345,5 @@ def test_a_request_whose_k_follows_the_load_starts_with_a_target_only_step_that_
     )
     first = plan_round(request, True, True)
     assert (first.kind, first.k, first.copy_limit) == (RoundKind.TARGET_ONLY, 0, 0)
-    request.stats.rounds = 1
+    request.round_index = 1
     assert plan_round(request, True, True).kind is RoundKind.DRAFT_CALL
