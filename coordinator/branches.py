@@ -133,84 +133,22 @@ class Branches:
         pre-draft first appends the committed tokens the session lacks (opening it on a
         request's first round), then guesses the step's token and drafts after it.
         """
-        stats, draft_view, sequence = state.stats, state.draft_view, state.sequence
-        plans: list[BranchPlan] = []
-        requests: list[draft_pb2.ProposeRequest] = []
-        base = len(sequence)
+        draft_view = state.draft_view
+        branches: list[tuple[BranchPlan, draft_pb2.ProposeRequest]] = []
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
-            # Room for a next round after a rejection at j shrinks with j: hedge only the
-            # positions that leave some, so the best outcomes are chosen among those.
-            limits = [k_limit(pair, base + j + 1, state.remaining - j - 1) for j in range(len(round_.runner_up_ids))]
-            positions = next((j for j, limit in enumerate(limits) if not limit), len(limits))
-            for hedge in plan_hedges(
-                round_.runner_up_ids[:positions],
-                round_.runner_up_probs[:positions],
-                state.acceptance.alpha,
-                self.config.hedges,
-                pair.eos_token_ids,
-            ):
-                plans.append(BranchPlan(min(hedge_k, limits[hedge.position]), uuid.uuid4().hex, hedge))
-                requests.append(
-                    draft_pb2.ProposeRequest(
-                        session_id=plans[-1].session_id,
-                        fork_from=draft_view.session_id,
-                        keep_tokens=base + hedge.position,
-                        new_tokens=[hedge.recovered_token_id],
-                        num_tokens=plans[-1].k,
-                        sampling=state.sampling,
-                        seed=next_seed(state.streams.hedge),
-                        **draft_view.draft_fields(),
-                    )
-                )
+            branches += self._hedges(state, pair, round_, hedge_k)
         if predraft_k and round_.runner_up_ids:  # drafted by the model, which guesses again
-            # The bonus token by the draft's runner-ups after the round's last draft, each on a
-            # fork of the session as the round left it (listed before the pre-draft extends
-            # it), stepped beside the pre-draft's own guess.
-            for rank in range(1, self.config.bonus_guesses):
-                plans.append(
-                    BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), uuid.uuid4().hex, guess_rank=rank)
-                )
-                requests.append(
-                    draft_pb2.ProposeRequest(
-                        session_id=plans[-1].session_id,
-                        fork_from=draft_view.session_id,
-                        keep_tokens=base + len(round_.draft_token_ids),
-                        num_tokens=plans[-1].k,
-                        sampling=state.sampling,
-                        seed=next_seed(state.streams.hedge),
-                        guess_first=True,
-                        guess_rank=rank,
-                        **draft_view.draft_fields(),
-                    )
-                )
-                if pair.draft_copies:
-                    requests[-1].max_copied_tokens = 0  # the model guesses, never a copy
+            branches += self._guesses(state, pair, round_, predraft_k)
         if predraft_k:
-            plans.append(BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), draft_view.session_id))
-            # The session holds the sequence and this round's drafts: nothing to send (a
-            # catch-up sends what the session lacks).
-            keep, new_tokens = base + len(round_.draft_token_ids), []
-            if catch_up:
-                keep, new_tokens = draft_view.synced, pair.for_draft(sequence[draft_view.synced :])
-                draft_view.opened = True
-            requests.append(
-                draft_pb2.ProposeRequest(
-                    session_id=draft_view.session_id,
-                    keep_tokens=keep,
-                    new_tokens=new_tokens,
-                    num_tokens=plans[-1].k,
-                    sampling=state.sampling,
-                    seed=predraft_seed,
-                    guess_first=True,  # the bonus guess: only compared with the bonus token
-                    **draft_view.draft_fields(),
-                )
-            )
+            branches.append(self._predraft(state, pair, round_, predraft_k, predraft_seed, catch_up))
+        plans, requests = [plan for plan, _ in branches], [request for _, request in branches]
         if not plans:
             return None
         # Numbered after every call the session has served, so none is refused as stale; the
         # session's next regular call is numbered after these.
         for request in requests:
             request.epoch = next(draft_view.calls)
+        stats = state.stats
         stats.predrafts += predraft_k > 0
         stats.hedges += sum(plan.hedge is not None for plan in plans)
         # Earlier rounds' unused forks end in this call, not in an EndSession call each.
@@ -228,6 +166,89 @@ class Branches:
 
         task.add_done_callback(replied)
         return branch_call
+
+    def _predraft(
+        self, state: RequestState, pair: PairInfo, round_: Round, predraft_k: int, seed: int, catch_up: bool
+    ) -> tuple[BranchPlan, draft_pb2.ProposeRequest]:
+        """The request's own draft session, continued past this round's drafts: the bonus
+        guess, then drafts. The session holds the sequence and the round's drafts, so nothing
+        is sent; a catch-up sends what the session lacks (and opens it)."""
+        draft_view = state.draft_view
+        plan = BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), draft_view.session_id)
+        keep, new_tokens = len(state.sequence) + len(round_.draft_token_ids), []
+        if catch_up:
+            keep, new_tokens = draft_view.synced, pair.for_draft(state.sequence[draft_view.synced :])
+            draft_view.opened = True
+        request = draft_pb2.ProposeRequest(
+            session_id=draft_view.session_id,
+            keep_tokens=keep,
+            new_tokens=new_tokens,
+            num_tokens=plan.k,
+            sampling=state.sampling,
+            seed=seed,
+            guess_first=True,  # the bonus guess: only compared with the bonus token
+            **draft_view.draft_fields(),
+        )
+        return plan, request
+
+    def _hedges(
+        self, state: RequestState, pair: PairInfo, round_: Round, hedge_k: int
+    ) -> list[tuple[BranchPlan, draft_pb2.ProposeRequest]]:
+        """Forks of the draft session for the likeliest rejection outcomes, each drafting the
+        round that would follow. Room for a next round after a rejection at j shrinks with j:
+        only the positions that leave some are hedged, so the best outcomes are chosen among
+        those."""
+        draft_view, base = state.draft_view, len(state.sequence)
+        limits = [k_limit(pair, base + j + 1, state.remaining - j - 1) for j in range(len(round_.runner_up_ids))]
+        positions = next((j for j, limit in enumerate(limits) if not limit), len(limits))
+        hedges = plan_hedges(
+            round_.runner_up_ids[:positions],
+            round_.runner_up_probs[:positions],
+            state.acceptance.alpha,
+            self.config.hedges,
+            pair.eos_token_ids,
+        )
+        branches = []
+        for hedge in hedges:
+            plan = BranchPlan(min(hedge_k, limits[hedge.position]), uuid.uuid4().hex, hedge)
+            request = draft_pb2.ProposeRequest(
+                session_id=plan.session_id,
+                fork_from=draft_view.session_id,
+                keep_tokens=base + hedge.position,
+                new_tokens=[hedge.recovered_token_id],
+                num_tokens=plan.k,
+                sampling=state.sampling,
+                seed=next_seed(state.streams.hedge),
+                **draft_view.draft_fields(),
+            )
+            branches.append((plan, request))
+        return branches
+
+    def _guesses(
+        self, state: RequestState, pair: PairInfo, round_: Round, predraft_k: int
+    ) -> list[tuple[BranchPlan, draft_pb2.ProposeRequest]]:
+        """The bonus token guessed by the draft's runner-ups after the round's last draft
+        (--bonus-guesses), each on a fork of the session as the round left it (listed before
+        the pre-draft extends it), stepped beside the pre-draft's own guess."""
+        draft_view = state.draft_view
+        branches = []
+        for rank in range(1, self.config.bonus_guesses):
+            plan = BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), uuid.uuid4().hex, guess_rank=rank)
+            request = draft_pb2.ProposeRequest(
+                session_id=plan.session_id,
+                fork_from=draft_view.session_id,
+                keep_tokens=len(state.sequence) + len(round_.draft_token_ids),
+                num_tokens=plan.k,
+                sampling=state.sampling,
+                seed=next_seed(state.streams.hedge),
+                guess_first=True,
+                guess_rank=rank,
+                **draft_view.draft_fields(),
+            )
+            if pair.draft_copies:
+                request.max_copied_tokens = 0  # the model guesses, never a copy
+            branches.append((plan, request))
+        return branches
 
     async def pick(
         self, call: BranchCall, outcome: RoundOutcome | TreeOutcome, proposed: int, live: bool
@@ -301,31 +322,9 @@ class Branches:
         rest are counted and their forks join `unused`. After a fully accepted round the chosen
         branch is the first, by rank, whose guess (its first token) is the bonus token. The
         request's draft session is left as it is: what it holds now is in the Settled."""
-        branches: list[Round] = []
-        errors: list[int] = []  # per branch, the gRPC status code it failed with (0: it did not)
-        for plan, result in zip(call.branches, reply.results):
-            source = Source.PREDRAFT if plan.guesses else Source.HEDGE
-            branch, error, message = Round(source), result.error_code, result.error_message
-            if error:
-                logger.info("branch %s failed (status %d): %s", plan.session_id, error, message)
-            else:
-                branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
-            branches.append(branch)
-            errors.append(error)
-        if hit.guesses:
-            chosen = next(
-                (
-                    plan
-                    for plan, branch, error in zip(call.branches, branches, errors)
-                    if plan.guesses and not error and right_guess(branch, outcome.next_token_id)
-                ),
-                None,
-            )
-        else:
-            chosen = hit if not errors[call.branches.index(hit)] else None
-        taken: Round | None = None
-        fork: SessionView | None = None
-        synced: int | None = None
+        branches, errors = self._read(call, reply)
+        chosen = chosen_branch(call, hit, branches, errors, outcome.next_token_id)
+        used = Settled()
         failed = refused = False
         predraft = call.predraft
         for plan, branch, result, error in zip(call.branches, branches, reply.results, errors):
@@ -335,42 +334,16 @@ class Branches:
             if plan is predraft:
                 failed = error != 0
                 refused = error == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-            if plan is not chosen:
-                if plan.guesses:
-                    stats.predraft_wasted_tokens += len(branch.draft_token_ids)
-                else:
-                    stats.hedge_wasted_tokens += len(branch.draft_token_ids)
-                if plan.forked:
-                    unused.append(plan.session_id)
+            if plan is chosen:
+                synced = base + (proposed if plan.guesses else outcome.num_accepted) + 1
+                used = self._use(plan, branch, synced, draft_view, stats, unused)
                 continue
             if plan.guesses:
-                trace.get_current_span().add_event(
-                    "predraft.used",
-                    {"specdec.tokens": len(branch.draft_token_ids) - 1, "specdec.rank": plan.guess_rank},
-                )
-                stats.predraft_hits += 1
-                stats.bonus_guess_hits += plan.forked
-                # The branch holds the round, the bonus token (= its guess) and the rest of its
-                # drafts, which become the next round's.
-                taken = branch.truncated(len(branch.draft_token_ids), start=1)
-                synced = base + proposed + 1
+                stats.predraft_wasted_tokens += len(branch.draft_token_ids)
             else:
-                assert plan.hedge is not None
-                trace.get_current_span().add_event(
-                    "hedge.used",
-                    {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)},
-                )
-                stats.hedge_hits += 1
-                stats.hedged_tokens += len(branch.draft_token_ids)
-                taken = branch
-                synced = base + outcome.num_accepted + 1
+                stats.hedge_wasted_tokens += len(branch.draft_token_ids)
             if plan.forked:
-                unused.append(draft_view.session_id)
-                # The request's session from now on: the fork, where it was forked, with the
-                # request's settings and call numbers.
-                fork = dataclasses.replace(
-                    draft_view, session_id=plan.session_id, synced=synced, opened=True, last_epoch=0, lost=False
-                )
+                unused.append(plan.session_id)
         at_least = None
         if hit.guesses and chosen is None:
             stats.predraft_misses += 1
@@ -378,7 +351,56 @@ class Branches:
                 # It ran, so the session holds the round's committed prefix (a catch-up sent it):
                 # the next call need not send that again.
                 at_least = base + proposed
-        return Settled(taken, fork, synced, at_least, failed, refused)
+        return dataclasses.replace(used, synced_at_least=at_least, failed=failed, refused=refused)
+
+    def _read(self, call: BranchCall, reply: draft_pb2.ProposeBranchesResponse) -> tuple[list[Round], list[int]]:
+        """Each branch's drafts (none where it failed) and the gRPC status code it failed with
+        (0: it did not)."""
+        branches: list[Round] = []
+        errors: list[int] = []
+        for plan, result in zip(call.branches, reply.results):
+            source = Source.PREDRAFT if plan.guesses else Source.HEDGE
+            branch, error, message = Round(source), result.error_code, result.error_message
+            if error:
+                logger.info("branch %s failed (status %d): %s", plan.session_id, error, message)
+            else:
+                branch = self.upstream.round_from(result.proposal, plan.k, call.replica.address, source)
+            branches.append(branch)
+            errors.append(error)
+        return branches, errors
+
+    @staticmethod
+    def _use(
+        plan: BranchPlan, branch: Round, synced: int, draft_view: SessionView, stats: GenerationStats, unused: list[str]
+    ) -> Settled:
+        """The chosen branch: its drafts as the next round's, the session that holds `synced`
+        committed tokens (a fork becomes the request's, the old session joins `unused`)."""
+        if plan.guesses:
+            trace.get_current_span().add_event(
+                "predraft.used", {"specdec.tokens": len(branch.draft_token_ids) - 1, "specdec.rank": plan.guess_rank}
+            )
+            stats.predraft_hits += 1
+            stats.bonus_guess_hits += plan.forked
+            # The branch holds the round, the bonus token (= its guess) and the rest of its
+            # drafts, which become the next round's.
+            taken = branch.truncated(len(branch.draft_token_ids), start=1)
+        else:
+            assert plan.hedge is not None
+            trace.get_current_span().add_event(
+                "hedge.used", {"specdec.position": plan.hedge.position, "specdec.tokens": len(branch.draft_token_ids)}
+            )
+            stats.hedge_hits += 1
+            stats.hedged_tokens += len(branch.draft_token_ids)
+            taken = branch
+        fork = None
+        if plan.forked:
+            unused.append(draft_view.session_id)
+            # The request's session from now on: the fork, where it was forked, with the
+            # request's settings and call numbers.
+            fork = dataclasses.replace(
+                draft_view, session_id=plan.session_id, synced=synced, opened=True, last_epoch=0, lost=False
+            )
+        return Settled(taken, fork, synced)
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
@@ -398,6 +420,18 @@ class Branches:
             for session_id in session_ids:
                 self.upstream.end_later(draft_view.replica.client, session_id, discard=True)
         session_ids.clear()
+
+
+def chosen_branch(
+    call: BranchCall, hit: BranchPlan, branches: list[Round], errors: list[int], bonus_token_id: int
+) -> BranchPlan | None:
+    """The branch whose drafts the next round takes: for a hedge `pick` chose, that hedge if
+    it answered; after a fully accepted round, the first branch by rank whose guess (its
+    first token) is the bonus token."""
+    if not hit.guesses:
+        return hit if not errors[call.branches.index(hit)] else None
+    guessed = zip(call.branches, branches, errors)
+    return next((p for p, b, e in guessed if p.guesses and not e and right_guess(b, bonus_token_id)), None)
 
 
 def right_guess(branch: Round, bonus_token_id: int) -> bool:

@@ -54,7 +54,7 @@ from coordinator.rounds import (
 )
 from coordinator.state import Round, SessionView, Settled, Source, check_reply
 from coordinator.text import TextAssembler
-from coordinator.upstream import Upstream
+from coordinator.upstream import Upstream, verify_fields
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.rpc import wire
 from specdec.rpc.telemetry import tracer
@@ -172,12 +172,7 @@ class Engine:
                     self._close_round(state, span, started, compute_before, record, plan)
                 delta = record.delta  # spans end before yielding: the caller runs between rounds
                 if record.finished:
-                    state.stats.close(len(state.text.token_ids))
-                    state.stats.target_replica = state.target_view.address
-                    state.stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
-                    state.stats.replica_moves = state.target_view.moves + state.draft_view.moves
-                    self._learn(state)
-                    yield Chunk(delta.token_ids, delta.text, state.text.finish_reason, state.stats, delta.logprobs)
+                    yield self._finish(state, record)
                     return
                 yield Chunk(delta.token_ids, delta.text, logprobs=delta.logprobs)
         finally:
@@ -185,6 +180,17 @@ class Engine:
                 self.branches.drop(branches)
             self.branches.end_now(state.unused_forks, state.draft_view)
             self.upstream.end_sessions(state.draft_view, state.target_view)
+
+    def _finish(self, state: RequestState, record: RoundRecord) -> Chunk:
+        """The last chunk: the last round's text, the finish reason and the request's stats
+        (its priors carried to the next request: `_learn`)."""
+        stats, delta = state.stats, record.delta
+        stats.close(len(state.text.token_ids))
+        stats.target_replica = state.target_view.address
+        stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
+        stats.replica_moves = state.target_view.moves + state.draft_view.moves
+        self._learn(state)
+        return Chunk(delta.token_ids, delta.text, state.text.finish_reason, stats, delta.logprobs)
 
     async def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
         """A request's state before its first round, its sessions placed (after waiting for
@@ -248,21 +254,19 @@ class Engine:
         pair = state.pair
         round_, took, refused, reread = await self._drafts(state, plan, draws)
         relaxed = relaxed_round(state, round_)
+        job = state.job
+        fields = verify_fields(
+            round_,
+            state.sampling,
+            draws.target_seed,
+            draws.step_seeds,
+            pair.eos_token_ids if draws.step_seeds else (),
+            job.relaxed if relaxed else None,
+            job.top_logprobs,
+            len(job.prompt_ids),
+        )
         verify = asyncio.ensure_future(
-            self.upstream.verify(
-                state.target_view,
-                state.sequence,
-                round_,
-                state.sampling,
-                draws.target_seed,
-                state.stats,
-                state.retry_until,
-                draws.step_seeds,
-                pair.eos_token_ids if draws.step_seeds else (),
-                state.job.relaxed if relaxed else None,
-                state.job.top_logprobs,
-                len(state.job.prompt_ids),
-            )  # fmt: skip
+            self.upstream.verify(state.target_view, state.sequence, fields, state.stats, state.retry_until)
         )
         branches = None
         try:

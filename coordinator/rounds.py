@@ -260,22 +260,9 @@ def plan_round(
     if fallback:
         k, copy, widths = 0, 0, ()  # the draft is down or refused: one target-only step
     ready = state.ready if state.ready is not None and state.ready.draft_token_ids else None
-    if ready is not None and k:
-        kind = RoundKind.READY
-    elif (
-        overlapping
-        and catch_up
-        and k
-        and not (copy or widths)  # a copy costs no pass; a tree is not pipelined
-        and not state.branch_failed
-        and draft_allowed
-        and catch_up_pays(state, k, chooser)
-    ):
-        kind = RoundKind.CATCH_UP  # rather than leave the target idle while the draft drafts
-    elif k or copy or widths:
-        kind = RoundKind.DRAFT_CALL
-    else:
-        kind = RoundKind.FALLBACK if fallback else RoundKind.TARGET_ONLY
+    kind = round_kind(
+        state, k, copy, widths, ready is not None, fallback, catch_up, draft_allowed, overlapping, chooser
+    )  # fmt: skip
     return RoundPlan(
         kind,
         k,
@@ -290,6 +277,36 @@ def plan_round(
         costs if state.k_chooser is not None else None,
         copy_costs if state.copy_chooser is not None else None,
     )
+
+
+def round_kind(
+    state: RequestState,
+    k: int,
+    copy: int,
+    widths: tuple[int, ...],
+    ready: bool,
+    fallback: bool,
+    catch_up: bool,
+    draft_allowed: bool,
+    overlapping: bool,
+    chooser: AdaptiveK | None,
+) -> RoundKind:
+    """The round's kind (the module docstring), tried in order."""
+    if ready and k:
+        return RoundKind.READY
+    if (
+        overlapping
+        and catch_up
+        and k
+        and not (copy or widths)  # a copy costs no pass; a tree is not pipelined
+        and not state.branch_failed
+        and draft_allowed
+        and catch_up_pays(state, k, chooser)
+    ):
+        return RoundKind.CATCH_UP  # rather than leave the target idle while the draft drafts
+    if k or copy or widths:
+        return RoundKind.DRAFT_CALL
+    return RoundKind.FALLBACK if fallback else RoundKind.TARGET_ONLY
 
 
 def draw_round(streams: RequestStreams, plan: RoundPlan) -> RoundDraws:

@@ -62,6 +62,37 @@ DRAFT_RETRY_BACKOFF_S = 0.05
 REREAD_WAIT_S = 0.5  # how long a request whose draft call was rejected waits for the draft's Info
 
 
+def verify_fields(
+    round_: Round,
+    sampling: common_pb2.SamplingParams,
+    seed: int,
+    step_seeds: Sequence[int] = (),
+    stop_token_ids: Collection[int] = (),
+    relaxed: RelaxedAcceptance | None = None,
+    top_logprobs: int | None = None,
+    output_start: int = 0,
+) -> dict:
+    """A round's VerifyRequest fields but the session's: its drafts, `sampling` and `seed`; a
+    target-only call's further steps (`step_seeds`), stopping after a token in
+    `stop_token_ids`; `relaxed`: the target also runs the relaxed test on each draft (an
+    exact round's call carries nothing of it); `top_logprobs`: the reply carries
+    log-probabilities (None: none); `output_start`: the prompt's length, from which penalties
+    count generated tokens."""
+    return {
+        "draft_token_ids": round_.draft_token_ids,
+        "draft_distributions": round_.distributions,
+        "draft_parents": round_.parents,
+        "sampling": sampling,
+        "seed": seed,
+        "step_seeds": step_seeds,
+        "stop_token_ids": sorted(stop_token_ids),
+        "relaxed": wire.relaxed_to_pb(relaxed) if relaxed is not None else None,
+        "return_logprobs": top_logprobs is not None,
+        "top_logprobs": top_logprobs or 0,
+        "output_start": output_start,
+    }
+
+
 class Upstream:
     """The draft and target pools as the round loop sees them: one object shared by every
     request, holding the pools (their replicas, each draft replica's breaker), the watcher that
@@ -301,26 +332,16 @@ class Upstream:
         self,
         view: SessionView,
         sequence: list[int],
-        round_: Round,
-        sampling,
-        seed: int,
+        fields: dict,
         stats: GenerationStats,
         retry_until: float,
-        step_seeds: Sequence[int] = (),
-        stop_token_ids: Collection[int] = (),
-        relaxed: RelaxedAcceptance | None = None,
-        top_logprobs: int | None = None,
-        output_start: int = 0,
     ) -> target_pb2.VerifyResponse:
-        """The round's verify (a target-only one with `step_seeds`: its further steps, stopping
-        after a token in `stop_token_ids`; `relaxed`: the target also runs the relaxed test on
-        each draft, and an exact round's call carries nothing of it; `top_logprobs`: the reply
-        carries log-probabilities, VerifyRequest.return_logprobs; None: none; `output_start`: the
-        prompt's length, from which penalties count generated tokens). A target replica that is
-        UNAVAILABLE (gone, restarting) is left for another that serves, where the pool has one,
-        which is re-sent the committed sequence; otherwise it is retried until `retry_until`
-        (loop time): back up, it has lost the session, answers NOT_FOUND and is re-sent the
-        sequence. Either way the call, and the output, are the same."""
+        """The round's verify: a VerifyRequest of `fields` (`verify_fields`) for the session's
+        tokens. A target replica that is UNAVAILABLE (gone, restarting) is left for another
+        that serves, where the pool has one, which is re-sent the committed sequence; otherwise
+        it is retried until `retry_until` (loop time): back up, it has lost the session,
+        answers NOT_FOUND and is re-sent the sequence. Either way the call, and the output, are
+        the same."""
 
         def send(keep: int, new_tokens: list[int]):
             return cast(TargetClient, view.client).verify(
@@ -328,18 +349,8 @@ class Upstream:
                     session_id=view.session_id,
                     keep_tokens=keep,
                     new_tokens=new_tokens,
-                    draft_token_ids=round_.draft_token_ids,
-                    draft_distributions=round_.distributions,
-                    draft_parents=round_.parents,
-                    sampling=sampling,
-                    seed=seed,
-                    step_seeds=step_seeds,
-                    stop_token_ids=sorted(stop_token_ids),
                     cache_namespace=view.namespace,
-                    relaxed=wire.relaxed_to_pb(relaxed) if relaxed is not None else None,
-                    return_logprobs=top_logprobs is not None,
-                    top_logprobs=top_logprobs or 0,
-                    output_start=output_start,
+                    **fields,
                 )
             )
 
