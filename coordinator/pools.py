@@ -6,7 +6,8 @@ every refresh (specdec.rpc.dns). Every --pool-refresh seconds each replica is as
 serves the pool's model. A replica joins when both answer and leaves when either fails; one
 serving another model (another checkpoint, tokenizer or numerics) is refused and named.
 
-A request's session is placed on the least-loaded serving replica and stays there, since the
+A request's session is placed by the pool's placement (coordinator.placement: the least
+loaded serving replica, or the one holding its prompt's prefix) and stays there, since the
 replica holds the session's KV cache: a gRPC channel over several replicas would balance
 calls, not sessions, and a call landing on a replica that never saw the session costs a
 re-prefill. A session moves only when a call to its replica fails (`Upstream.move`): it is
@@ -30,12 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
+from coordinator.identity import mismatch, served
+from coordinator.placement import Placement, PrefixAffinity, Prompt
 from specdec.errors import DeadlineExceeded, ResourceExhausted, ServiceRefused, SpecDecError, Unavailable
 from specdec.rpc.dns import PoolSpec, resolve
 from specdec.v1 import common_pb2
@@ -47,47 +50,6 @@ PROBE_TIMEOUT_S = 2.0
 # connections. Calls in flight there would wait out their deadline (--target-timeout, 60 s) and
 # fail the request; they are given up on and go to another replica (module docstring).
 HUNG_AFTER_PROBES = 2
-# A replica that holds a new session's prompt prefix takes it while it has at most this many
-# sessions more than the least loaded (llm-d's and SGLang's routers weigh cache hits against
-# load the same way): a cached prefix saves a prefill, a crowded replica costs every round.
-PREFIX_AFFINITY_SLACK = 2
-PREFIX_INDEX_ENTRIES = 1 << 16  # prompt prefixes remembered per pool (least recently used go)
-# What every replica of a pool must report as the first one did. A target replica that
-# differs in any of these would give another output. A draft replica must speak the same
-# token ids; it may be another drafter (a draft restarted as prompt lookup goes on serving,
-# with a round following the Info of the replica that rejected a call), since any draft keeps
-# the output exact and only the speed changes: a different model is logged, not refused.
-IDENTITY = {
-    "target": (
-        # The weights, not the path (model_id): replicas on other machines may load the same
-        # checkpoint from other folders, and one folder name may hold another checkpoint on
-        # another machine, whose output a request failing over would mix with the first's.
-        "weights_fingerprint",
-        "tokenizer_fingerprint",
-        "vocab_size",
-        "max_context",
-        # The numerics: the same weights give other logits in another dtype or quantisation,
-        # through another kind of device's kernels, or split over another number of ranks.
-        "dtype",
-        "quantization",
-        "device_kind",
-        "tensor_parallel_size",
-        # Copies run up to the first replica's cap (--max-copied-tokens), and a replica with a
-        # lower one (an older build's default of 16) would refuse such verifies.
-        "max_speculative_tokens",
-    ),
-    # A draft of another family drafts within the tokens it shares with the target: replicas
-    # must share the same ones (ModelInfo.vocab_bridge; empty for a draft of the target's).
-    "draft": (
-        "tokenizer_fingerprint",
-        "vocab_size",
-        "vocab_bridge.draft_tokenizer_fingerprint",
-        "vocab_bridge.proposable",
-    ),
-}
-# Reported since the weights fingerprint: a target replica or reference of an older build,
-# which reports neither, is compared by its path (model_id) instead, as those builds were.
-FINGERPRINTED = ("weights_fingerprint", "device_kind")
 
 
 @dataclass(eq=False)
@@ -182,9 +144,7 @@ class Pool:
     resolve_failures: int = 0
     _turn: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)  # closes of replicas gone from the records
-    # Which replica last took a session starting with each prompt prefix (block chain keys):
-    # where that prefix's blocks most likely sit in a prefix cache (--prefix-cache-bytes).
-    _prefixes: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    placement: Placement = field(default_factory=PrefixAffinity)  # which replica a new session goes to
     # Requests waiting for room (`admit`), oldest first; each is woken to look again when a
     # session ends or a refresh may have made room.
     _waiting: deque[asyncio.Event] = field(default_factory=deque)
@@ -342,7 +302,7 @@ class Pool:
             if refused != replica.refused:
                 logger.error("%s replica %s refused: %s", self.role, replica.address, refused)
             return
-        if _served(info) in (_served(self.reference), replica.info and _served(replica.info)):
+        if served(info) in (served(self.reference), replica.info and served(replica.info)):
             return
         draft = self.role == "draft"
         logger.log(
@@ -350,35 +310,15 @@ class Pool:
             "%s replica %s serves %s where the pool's first served %s: %s",
             self.role,
             replica.address,
-            _served(info),
-            _served(self.reference),
+            served(info),
+            served(self.reference),
             "outputs stay exact, speeds may differ" if draft else "the same weights from another path",
         )
 
     def mismatch(self, info: common_pb2.ModelInfo) -> str:
-        """What makes `info` another model than the pool's, in words: each field that differs,
-        with this replica's value and the pool's; empty if none."""
+        """What makes `info` another model than the pool's, in words (coordinator.identity)."""
         assert self.reference is not None
-        differ = [
-            f"{name} {str(_field(info, name))[:64]!r} (the pool's {str(_field(self.reference, name))[:64]!r})"
-            for name in self._identity(info)
-            if _field(info, name) != _field(self.reference, name)
-        ]
-        if not differ:
-            return ""
-        return (
-            f"it serves model_id {info.model_id!r} where the pool serves {self.reference.model_id!r}, "
-            f"and they differ in {'; '.join(differ)}"
-        )
-
-    def _identity(self, info: common_pb2.ModelInfo) -> tuple[str, ...]:
-        """The fields `info` must match the reference's in (IDENTITY; FINGERPRINTED's
-        fallback to the path where either is of an older build)."""
-        assert self.reference is not None
-        fields = IDENTITY[self.role]
-        if self.role == "target" and not (info.weights_fingerprint and self.reference.weights_fingerprint):
-            return ("model_id", *(name for name in fields if name not in FINGERPRINTED))
-        return fields
+        return mismatch(self.role, self.reference, info)
 
     def reservation(self, tokens: int) -> int:
         """KV bytes a session of `tokens` tokens may hold on this pool's replicas: those
@@ -391,60 +331,30 @@ class Pool:
     def place(
         self,
         avoid: Replica | None = None,
-        prompt: tuple[str, list[int]] | None = None,
+        prompt: Prompt | None = None,
         reserve: int = 0,
         fit: bool = False,
     ) -> Replica | None:
-        """A new session's replica: the least loaded of those serving with room for it
-        (`Replica.room` for `reserve` bytes of KV; any serving where none has room, unless
-        `fit`), ties in turn; None when none is but `avoid`. `prompt` (namespace, token ids):
-        a replica that took a session starting with the longest run of its blocks takes this
-        one too, unless it has more than PREFIX_AFFINITY_SLACK sessions beyond the least loaded."""
+        """A new session's replica, as the pool's placement chooses among those serving with
+        room for it (`Replica.room` for `reserve` bytes of KV; any serving where none has
+        room, unless `fit`), ties in turn; None when none is but `avoid`. `prompt`: its cache
+        namespace and token ids, for a placement that follows cached prefixes."""
         serving = [replica for replica in self.serving if replica is not avoid]
         candidates = [replica for replica in serving if replica.room(reserve)] or ([] if fit else serving)
         if not candidates:
             return None
-        least = min(replica.load for replica in candidates)
-        keys = self._prefix_keys(prompt) if prompt is not None else []
-        holder = self._holder(keys, candidates)
-        if holder is not None and holder.load[0] <= least[0] + PREFIX_AFFINITY_SLACK:
-            chosen = self._take([holder], reserve)
-        else:
-            chosen = self._take([replica for replica in candidates if replica.load == least], reserve)
-        self._remember(keys, chosen)
+        block_tokens = self.block_tokens
+        chosen = self._take(self.placement.choose(candidates, prompt, block_tokens), reserve)
+        self.placement.placed(prompt, block_tokens, chosen)
         return chosen
 
-    def _prefix_keys(self, prompt: tuple[str, list[int]]) -> list[int]:
-        """Chain keys of the prompt's whole blocks (the replicas' --prefix-block-tokens); none
-        where the pool's replicas keep no prefix cache."""
+    @property
+    def block_tokens(self) -> int:
+        """The replicas' prefix-cache block (--prefix-block-tokens); 0 where they keep none."""
         cache = self.reference.prefix_cache if self.reference is not None else None
-        size = cache.block_tokens if cache is not None and cache.max_bytes else 0
-        if not size:
-            return []
-        namespace, token_ids = prompt
-        keys, key = [], hash(namespace)
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
-            key = hash((key, tuple(token_ids[start : start + size])))
-            keys.append(key)
-        return keys
+        return cache.block_tokens if cache is not None and cache.max_bytes else 0
 
-    def _holder(self, keys: list[int], candidates: list[Replica]) -> Replica | None:
-        """The candidate that last took the longest of these prefixes, if any."""
-        by_address = {replica.address: replica for replica in candidates}
-        for key in reversed(keys):
-            address = self._prefixes.get(key)
-            if address in by_address:
-                return by_address[address]
-        return None
-
-    def _remember(self, keys: list[int], replica: Replica) -> None:
-        for key in keys:
-            self._prefixes[key] = replica.address
-            self._prefixes.move_to_end(key)
-        while len(self._prefixes) > PREFIX_INDEX_ENTRIES:
-            self._prefixes.popitem(last=False)
-
-    def place_anywhere(self, prompt: tuple[str, list[int]] | None = None, reserve: int = 0) -> Replica:
+    def place_anywhere(self, prompt: Prompt | None = None, reserve: int = 0) -> Replica:
         """A target session's replica when none serves: one that may come back (a restarting
         target is retried until the request's retry time), or UNAVAILABLE naming the pool."""
         if placed := self.place(prompt=prompt, reserve=reserve):
@@ -454,9 +364,7 @@ class Pool:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
         return self._take(waiting, reserve)
 
-    async def admit(
-        self, prompt: tuple[str, list[int]], reserve: int, wait_s: float, max_waiting: int
-    ) -> tuple[Replica, float]:
+    async def admit(self, prompt: Prompt, reserve: int, wait_s: float, max_waiting: int) -> tuple[Replica, float]:
         """A new target session's replica, and the seconds it waited for room: at once where
         one serving has room for `reserve` bytes and no request waits before it; otherwise
         in arrival order, as sessions end. RESOURCE_EXHAUSTED when `max_waiting` requests
@@ -490,7 +398,7 @@ class Pool:
             self._waiting.remove(turn)
             self._wake()  # the next in line may fit now
 
-    def _admit_now(self, prompt: tuple[str, list[int]], reserve: int) -> Replica | None:
+    def _admit_now(self, prompt: Prompt, reserve: int) -> Replica | None:
         """A serving replica with room, or with none serving `place_anywhere`; None: wait."""
         if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
             return placed
@@ -539,16 +447,3 @@ async def watch(pools: Iterable[Pool], interval_s: float, on_refresh: Callable[[
             await on_refresh()
         except Exception:  # noqa: BLE001 - a watcher that dies silently would freeze the pools
             logger.exception("refreshing the replica pools failed; trying again in %.1f s", interval_s)
-
-
-def _served(info: common_pb2.ModelInfo) -> str:
-    """The model a replica serves, in words: its path and the start of its weights' fingerprint."""
-    return f"{info.model_id} (weights {info.weights_fingerprint[:12]})" if info.weights_fingerprint else info.model_id
-
-
-def _field(info: common_pb2.ModelInfo, dotted: str):
-    """A field of ModelInfo by its dotted path (an unset message reads as its defaults)."""
-    value = info
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value

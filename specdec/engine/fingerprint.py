@@ -1,6 +1,6 @@
 """Which weights a model service computes with (ModelInfo.weights_fingerprint), whatever the
 path they were loaded from: the coordinator's pools compare it, not the --model string, so
-two replicas of one pool serve one checkpoint (coordinator.pools.IDENTITY).
+two replicas of one pool serve one checkpoint (coordinator.identity.IDENTITY).
 
 The fingerprint covers what is served, after the loader changed it: an int8 layer's int8
 weights and scales, a draft's output head cut to fewer rows, under tensor parallelism this

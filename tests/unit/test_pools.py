@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.pools import HUNG_AFTER_PROBES, PREFIX_AFFINITY_SLACK, Pool
+from coordinator.placement import PREFIX_AFFINITY_SLACK, prefix_keys
+from coordinator.pools import HUNG_AFTER_PROBES, Pool
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.rpc import wire
@@ -115,7 +116,7 @@ def test_a_replica_that_took_a_prompt_prefix_takes_the_next_session_that_starts_
     # The next turn starts with the first: its replica takes it, though others are as loaded.
     assert pool.place(prompt=("", conversation + [20, 21, 22, 23])) is first
     # Another namespace's prompt has no holder, however alike its tokens.
-    assert pool._holder(pool._prefix_keys(("other tenant", conversation)), [a, b, c]) is None
+    assert pool.placement.holder(prefix_keys(("other tenant", conversation), 4), [a, b, c]) is None
     others = [replica for replica in (a, b, c) if replica is not first]
     # Affinity yields to load: PREFIX_AFFINITY_SLACK sessions beyond the least loaded, no more.
     first.sessions = min(r.sessions for r in others) + PREFIX_AFFINITY_SLACK + 1
@@ -124,6 +125,57 @@ def test_a_replica_that_took_a_prompt_prefix_takes_the_next_session_that_starts_
     plain = pool_of("a:1", "b:1")
     placed = {id(plain.place(prompt=("", conversation))) for _ in range(2)}
     assert len(placed) == 2
+
+
+def test_coordinators_that_share_nothing_place_a_prompts_next_turn_where_its_prefix_is():
+    """Two coordinators behind a load balancer: a chat's first turn goes through one, its next
+    through the other, which never saw it; both name the same replica (rendezvous hashing on
+    the prompt's first block, coordinator.placement), and prompts that differ spread out."""
+
+    def coordinator() -> Pool:
+        pool = pool_of("a:1", "b:1", "c:1")
+        for info in [pool.reference, *(replica.info for replica in pool.replicas.values())]:
+            info.prefix_cache.block_tokens, info.prefix_cache.max_bytes = 4, 1 << 20
+        return pool
+
+    one, other = coordinator(), coordinator()
+    placed = {}
+    for chat in range(12):
+        conversation = [100 + chat, *range(1, 13)]
+        first = one.place(prompt=("", conversation))
+        assert first is not None
+        first.sessions -= 1  # the turn ended
+        later = other.place(prompt=("", conversation + [20, 21, 22, 23]))
+        assert later is not None and later.address == first.address, chat
+        later.sessions -= 1
+        placed[chat] = first.address
+    assert len(set(placed.values())) == 3, f"12 different prompts all went to {set(placed.values())}"
+    # Load still bounds affinity.
+    target = other.replicas[placed[0]]
+    target.sessions = PREFIX_AFFINITY_SLACK + 1
+    assert other.place(prompt=("", [100, *range(1, 13)])) is not target
+
+
+def test_a_pool_places_sessions_as_the_placement_it_is_given_chooses():
+    """Placement is a policy passed to the pool (coordinator.placement): the pool offers the
+    replicas serving with room, takes one of those the policy names, in turn, and tells it."""
+
+    class Last:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def choose(self, candidates, prompt, block_tokens):
+            return candidates[-1:]
+
+        def placed(self, prompt, block_tokens, replica):
+            self.calls.append((prompt, block_tokens, replica.address))
+
+    pool = pool_of("a:1", "b:1", "c:1")
+    pool.placement = Last()
+    c = pool.replicas["c:1"]
+    assert [pool.place(prompt=("", [1, 2])) for _ in range(3)] == [c, c, c]
+    assert pool.placement.calls == [(("", [1, 2]), 0, "c:1")] * 3
+    assert pool.place(avoid=c) is pool.replicas["b:1"], "the replica a session leaves is never offered"
 
 
 def test_a_replica_serving_another_model_is_refused():
