@@ -359,15 +359,14 @@ class AdaptiveK:
 
     def gain(self, k: int, alpha: float) -> float:
         """Tokens per millisecond at K over those of target-only steps."""
-        return self.costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue) / self.costs.tokens_per_ms(
-            0, alpha, False
-        )
+        costs = self.costs
+        return costs.tokens_per_ms(k, alpha, self.pipelined, self.rescue) / costs.tokens_per_ms(0, alpha, False)
 
     def at(self, costs: RoundCosts) -> AdaptiveK:
         """This chooser as it would choose at `costs` (the load now): a copy, so a round's
         plan may read it without changing the request's chooser (commit_round does that)."""
-        chooser = copy.copy(self)
-        chooser.costs = costs  # (its history is the request's chooser's: only observe_choice adds to it)
+        chooser = copy.copy(self)  # (the history list is shared: only observe_choice adds to it)
+        chooser.costs = costs
         return chooser
 
     def choose(self) -> int:

@@ -1,7 +1,7 @@
 """The generation engine: each request's rounds, as plan → run → settle → commit.
 
-`coordinator.rounds` holds the round as data (the plan, the draws, the commit that is the one
-writer of a request's state),
+`coordinator.rounds` holds the round's plan and draws, `coordinator.commit` the commit that is
+the one writer of a request's state, `coordinator.acceptance` each mode's acceptance rule,
 `coordinator.upstream` the calls to the services (retries, breaker, re-prefill),
 `coordinator.branches` the pre-drafts and hedges drafted during a verify. This module runs a
 request through them and yields its text as rounds commit it.
@@ -26,9 +26,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
+from coordinator.acceptance import check_verification, decide, round_mode
 from coordinator.branches import BranchCall, Branches
+from coordinator.choosers import Choosers
 from coordinator.clients import CallRejected
+from coordinator.commit import RoundResult, commit_round, ends_request
 from coordinator.config import CoordinatorConfig
 from coordinator.hedging import runner_ups_for
 from coordinator.metrics import GenerationStats
@@ -41,26 +43,21 @@ from coordinator.rounds import (
     RoundDraws,
     RoundKind,
     RoundPlan,
-    RoundRecord,
-    RoundResult,
     RoundRules,
-    commit_round,
-    decide,
     draw_round,
-    ends_request,
     k_limit,
     plan_round,
-    relaxed_round,
 )
-from coordinator.state import Round, SessionView, Settled, Source, check_reply
+from coordinator.state import Round, RoundRecord, SessionView, Settled, Source
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream, verify_fields
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.rpc import wire
 from specdec.rpc.telemetry import tracer
+from specdec.sampling.relaxed import AcceptanceMode
 from specdec.sampling.seeds import RequestStreams
 from specdec.sampling.tree_sampling import tree_size
-from specdec.v1 import common_pb2, target_pb2
+from specdec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,11 +87,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.upstream = Upstream(config, drafts, targets, pair, target_info)
         self.branches = Branches(config, self.upstream)
-        # The K chooser's acceptance prior, and the copy chooser's, learned from finished
-        # requests (seeded sampled requests start from the fixed default, so their K depends
-        # only on themselves).
-        self._alpha_prior = DEFAULT_ALPHA_PRIOR
-        self._copy_alpha_prior = DEFAULT_ALPHA_PRIOR
+        self.choosers = Choosers(config, rules)
         # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
         # tokenizer thread), never on the event loop: a large request costs its own latency, not
         # a stall of every stream in flight.
@@ -157,7 +150,7 @@ class Engine:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
-                    costs, copy_costs = self._costs_at_load(state)
+                    costs, copy_costs = self.choosers.costs_at_load(state)
                     plan = plan_round(
                         state, self.rules.catch_up, draft_allowed, self.config.target_only_steps, costs, copy_costs
                     )
@@ -183,13 +176,13 @@ class Engine:
 
     def _finish(self, state: RequestState, record: RoundRecord) -> Chunk:
         """The last chunk: the last round's text, the finish reason and the request's stats
-        (its priors carried to the next request: `_learn`)."""
+        (its priors carried to the next request: `Choosers.learn`)."""
         stats, delta = state.stats, record.delta
         stats.close(len(state.text.token_ids))
         stats.target_replica = state.target_view.address
         stats.draft_replica = state.draft_view.address if state.draft_view.replica else ""
         stats.replica_moves = state.target_view.moves + state.draft_view.moves
-        self._learn(state)
+        self.choosers.learn(state)
         return Chunk(delta.token_ids, delta.text, state.text.finish_reason, stats, delta.logprobs)
 
     async def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
@@ -202,7 +195,7 @@ class Engine:
             retry_for, wait_for = min(retry_for, 0.7 * time_remaining_s), min(wait_for, 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex
         pipelined = self.config.pipeline and job.num_speculative_tokens != 0
-        k_chooser = self._k_chooser(job, pair, pipelined)
+        k_chooser = self.choosers.k_chooser(job, pair, pipelined)
         stats = GenerationStats(
             prompt_tokens=len(job.prompt_ids),
             target_numerics=pair.target_numerics,
@@ -240,7 +233,7 @@ class Engine:
             hedging=hedging,
             retry_until=asyncio.get_running_loop().time() + retry_for,
             k_chooser=k_chooser,
-            copy_chooser=self._copy_chooser(k_chooser, job, pair),
+            copy_chooser=self.choosers.copy_chooser(k_chooser, job, pair),
             # A seeded sampled request's K may depend on nothing but itself (its seed's output
             # depends on K); greedy output is the target's whatever K is.
             load_aware=not job.seeded_sampled,
@@ -253,7 +246,7 @@ class Engine:
         the verify, and the branches drafted while it runs; then the outcome, decided."""
         pair = state.pair
         round_, took, refused, reread = await self._drafts(state, plan, draws)
-        relaxed = relaxed_round(state, round_)
+        mode = round_mode(state.job, round_)
         job = state.job
         fields = verify_fields(
             round_,
@@ -261,7 +254,7 @@ class Engine:
             draws.target_seed,
             draws.step_seeds,
             pair.eos_token_ids if draws.step_seeds else (),
-            job.relaxed if relaxed else None,
+            job.relaxed if mode is AcceptanceMode.RELAXED else None,
             job.top_logprobs,
             len(job.prompt_ids),
         )
@@ -276,7 +269,9 @@ class Engine:
             verification = await verify
             if branches is not None:
                 branches.verified_ms = state.stats.elapsed_ms()
-            check_verification(state.target_view.address, pair, round_, verification, draws, relaxed, state.job)
+            check_verification(
+                state.target_view.address, pair, round_, verification, len(draws.step_seeds), mode, state.job
+            )
         except BaseException:
             if branches is not None:
                 self.branches.drop(branches)
@@ -285,7 +280,7 @@ class Engine:
             if not verify.done():
                 verify.cancel()
         state.stats.target_compute_ms += verification.compute_ms
-        outcome = decide(round_, verification, draws.uniforms, relaxed)
+        outcome = decide(round_, verification, draws.uniforms, mode)
         return RoundResult(round_, verification, outcome, took, refused, reread), branches
 
     async def _drafts(
@@ -399,109 +394,3 @@ class Engine:
                 "specdec.round.draft_replica": state.draft_view.address,
             }
         )
-
-    def _costs_at_load(self, state: RequestState) -> tuple[RoundCosts | None, RoundCosts | None]:
-        """The choosers' costs for this round: at the sessions the request's replicas hold now
-        (its own included), recorded in its stats, and their live pass costs at their last Info
-        (`RoundRules.live_costs`); alone and calibrated for a seeded sampled request."""
-        if state.k_chooser is None:
-            return None, None
-        target, draft = state.target_view.replica, state.draft_view.replica
-        sessions = target.load[0] if state.load_aware and target is not None else 1
-        draft_sessions = draft.load[0] if state.load_aware and draft is not None else 1
-        live = state.load_aware and self.rules.live_costs
-        target_ms = target.info.live_pass_ms if live and target is not None and target.info is not None else ()
-        draft_ms = draft.info.live_pass_ms if live and draft is not None and draft.info is not None else ()
-        costs = state.k_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms, draft_ms)
-        copy_costs = None
-        if state.copy_chooser is not None:  # copies lengthen every batched verify too; they run no draft pass
-            copy_costs = state.copy_chooser.costs.at_load(sessions, draft_sessions).with_passes(target_ms)
-        state.stats.sessions_per_round.append(sessions)
-        return costs, copy_costs
-
-    def _k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
-        """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
-        if not (job.num_speculative_tokens_unset and job.num_speculative_tokens):
-            return None
-        if pair.costs is None:
-            return None  # no measured costs to choose from: the default K
-        return AdaptiveK(
-            k_max=pair.max_num_speculative_tokens,
-            pipelined=pipelined,
-            costs=pair.costs,
-            # A seeded sampled request's output depends on K, so its K may depend on nothing but
-            # itself; greedy output is the target's whatever K is.
-            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,
-            # Trees are verified exactly only: a relaxed request's chooser weighs chains alone.
-            trees=self.config.tree_chooser
-            and pair.trees
-            and not self.config.hedges
-            and job.relaxed is None
-            and not job.params.penalizes,
-            hedged=self.config.hedges > 0,
-        )
-
-    def _copy_chooser(self, k_chooser: AdaptiveK | None, job: Job, pair: PairInfo) -> AdaptiveK | None:
-        """How many tokens a copy may carry, when the draft copies by prompt lookup and K is
-        left to the chooser: a second chooser over the same target costs with drafts that cost
-        nothing (a copy runs no pass), learning from copied rounds only. Long copies pay where
-        they are right (an edit that repeats code), short ones where they are not, since each
-        copied token lengthens the verify."""
-        if k_chooser is None or not pair.draft_copies or pair.costs is None:
-            return None
-        free_drafts = dataclasses.replace(
-            pair.costs, draft_pass_ms=(0.0,) * len(pair.costs.draft_pass_ms), draft_batch=None
-        )
-        return AdaptiveK(
-            k_max=pair.max_copied_tokens,
-            pipelined=False,
-            costs=free_drafts,
-            alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._copy_alpha_prior,
-        )
-
-    def _learn(self, state: RequestState) -> None:
-        """Carries the finished request's acceptance, of its drafts and of its copies, into the
-        next request's priors; a relaxed request's, higher than exact acceptance, would mislead
-        the exact requests after it. (A request whose copies were right ramps its copies up to
-        --max-copied-tokens within a few rounds; the next one starts nearer where it ended.)"""
-        if state.job.relaxed is None:
-            self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
-            self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)
-
-
-def learned_prior(prior: float, chooser: AdaptiveK | None) -> float:
-    """The next request's acceptance prior after a request whose chooser saw evidence beyond
-    its own prior: a moving average over requests."""
-    if chooser is None or chooser.reached <= PRIOR_WEIGHT:
-        return prior
-    return 0.8 * prior + 0.2 * chooser.alpha
-
-
-def check_verification(
-    address: str,
-    pair: PairInfo,
-    round_: Round,
-    verification: target_pb2.VerifyResponse,
-    draws: RoundDraws,
-    relaxed: bool,
-    job: Job,
-) -> None:
-    """A Verify reply of the shape the round asked for, or MalformedReply: a node never
-    corrupts output."""
-    proposed = len(round_.draft_token_ids)
-    check_reply(address, "draft_token_target_probs", len(verification.draft_token_target_probs), proposed)
-    # A tree's: one recovered token per node and the root.
-    expected_recovered = proposed + 1 if round_.parents else proposed
-    check_reply(address, "recovered_token_ids", len(verification.recovered_token_ids), expected_recovered)
-    if relaxed:  # a target that ignored VerifyRequest.relaxed sends none
-        check_reply(address, "relaxed_accepts", len(verification.relaxed_accepts), proposed)
-    # Fewer steps only after a stop token: a target that ignored the seeds would shift
-    # the seed stream, and a seed would no longer give one output.
-    steps, asked = verification.step_token_ids, len(draws.step_seeds)
-    last = [verification.bonus_token_id, *steps][-1]
-    if len(steps) > asked or (len(steps) < asked and last not in pair.eos_token_ids):
-        check_reply(address, "step_token_ids", len(steps), asked)
-    if job.top_logprobs is not None:  # a target that ignored return_logprobs sends none
-        check_reply(address, "row_logprobs", len(verification.row_logprobs), proposed + 1)
-        check_reply(address, "draft_token_logprobs", len(verification.draft_token_logprobs), proposed)
-        check_reply(address, "step_logprobs", len(verification.step_logprobs), len(steps))

@@ -96,7 +96,7 @@ class GenerationStats:
             self.accepted_per_position[i] += 1
 
     def observe(self, record: RoundRecord) -> None:
-        """A committed round's counters, from its record (`coordinator.rounds.commit_round`);
+        """A committed round's counters, from its record (`coordinator.commit.commit_round`);
         each further step of a target-only call counts as a round of its own."""
         proposed = record.proposed
         self.record_round(proposed, record.accepted, record.bonus)

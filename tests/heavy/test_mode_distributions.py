@@ -36,7 +36,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from coordinator import rounds
+from coordinator import acceptance
 from coordinator import server as coordinator_server
 from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
@@ -221,7 +221,7 @@ MODES = {
 def recovered_one_late(monkeypatch) -> None:
     """Sequential: at a rejection the round emits the target's recovered sample for the
     position after the rejected one (an off-by-one in the acceptance step)."""
-    plain = rounds.decide_round
+    plain = acceptance.decide_round
 
     def late(draft_token_target_probs, draft_token_draft_probs, uniforms, recovered_token_ids, bonus_token_id):
         outcome = plain(
@@ -231,7 +231,7 @@ def recovered_one_late(monkeypatch) -> None:
             return RoundOutcome(outcome.num_accepted, int(recovered_token_ids[outcome.num_accepted + 1]))
         return outcome
 
-    monkeypatch.setattr(rounds, "decide_round", late)
+    monkeypatch.setattr(acceptance, "decide_round", late)
 
 
 def pre_draft_rows_flattened(monkeypatch) -> None:

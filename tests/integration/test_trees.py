@@ -15,7 +15,7 @@ import pytest_asyncio
 import torch
 from transformers import DynamicCache
 
-from coordinator import rounds
+from coordinator import acceptance
 from draft_service import server as draft_server
 from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
@@ -186,7 +186,7 @@ async def test_power_greedy_identity_fails_when_the_walk_ignores_the_outcome(sta
     """Power check: a coordinator that, once a root child is accepted, takes the first child
     instead (the branch picked by its index, not by the verification) diverges from the
     target's greedy output on these prompts."""
-    plain = rounds.decide_tree
+    plain = acceptance.decide_tree
 
     def first_child(node_target_probs, node_draft_probs, uniforms, parents, next_token_ids):
         outcome = plain(node_target_probs, node_draft_probs, uniforms, parents, next_token_ids)
@@ -194,7 +194,7 @@ async def test_power_greedy_identity_fails_when_the_walk_ignores_the_outcome(sta
             return TreeOutcome([1], int(next_token_ids[1]), at_leaf=False)
         return outcome
 
-    monkeypatch.setattr(rounds, "decide_tree", first_child)
+    monkeypatch.setattr(acceptance, "decide_tree", first_child)
     diverged = 0
     for prompt in PROMPTS:
         response = await stack.stub.Generate(

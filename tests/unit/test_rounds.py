@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts
+from coordinator.commit import RoundResult, commit_round
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
@@ -16,8 +17,6 @@ from coordinator.rounds import (
     RequestState,
     RoundKind,
     RoundPlan,
-    RoundResult,
-    commit_round,
     draw_round,
     k_limit,
     plan_round,

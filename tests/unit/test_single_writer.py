@@ -16,7 +16,7 @@ from pathlib import Path
 from coordinator.rounds import RequestState
 
 COORDINATOR = Path(__file__).resolve().parents[2] / "coordinator"
-WRITER = ("rounds.py", "commit_round")
+WRITER = ("commit.py", "commit_round")
 # Parts whose insides other modules own: views (upstream, branches), stats (observers), the
 # random streams (draw_round, the hedges' seeds) and the forks the next branch call ends.
 OWNED_ELSEWHERE = {"draft_view", "target_view", "stats", "streams", "unused_forks"}
@@ -123,7 +123,7 @@ def writers_allowed() -> set[tuple[str, str]]:
 
 def test_commit_round_is_the_only_writer_of_a_requests_state():
     allowed = writers_allowed()
-    assert ("rounds.py", "_take_branches") in allowed, "the checker follows commit_round's calls"
+    assert ("commit.py", "_take_branches") in allowed, "the checker follows commit_round's calls"
     stray = [
         write
         for path in sorted(COORDINATOR.glob("*.py"))
