@@ -5,6 +5,8 @@ Pure; no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.state import Round, check_reply
@@ -12,6 +14,11 @@ from specdec.sampling.chain import RoundOutcome, decide_round
 from specdec.sampling.relaxed import AcceptanceMode
 from specdec.sampling.tree_sampling import TreeOutcome, decide_tree
 from specdec.v1 import common_pb2, target_pb2
+
+
+# A chain round's evidence, as decide_round takes it: [K] target probs, [K] draft probs, [K]
+# coins, [K] recovered tokens, and the bonus token.
+Chain = tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[int], int]
 
 
 def decide(
@@ -31,7 +38,7 @@ def decide(
             round_.parents,
             verification.recovered_token_ids,
         )
-    chain = (
+    chain: Chain = (
         verification.draft_token_target_probs,
         round_.draft_token_draft_probs,
         uniforms[:proposed],
@@ -41,11 +48,11 @@ def decide(
     return CHAIN_RULES[mode](chain, verification)
 
 
-def _exact(chain: tuple, verification: target_pb2.VerifyResponse) -> RoundOutcome:
+def _exact(chain: Chain, verification: target_pb2.VerifyResponse) -> RoundOutcome:
     return decide_round(*chain)
 
 
-def _relaxed(chain: tuple, verification: target_pb2.VerifyResponse) -> RoundOutcome:
+def _relaxed(chain: Chain, verification: target_pb2.VerifyResponse) -> RoundOutcome:
     """The exact rule, or the target's relaxed test on each draft (lossy: specdec.sampling.relaxed)."""
     return decide_round(*chain, relaxed_accepts=verification.relaxed_accepts)
 
