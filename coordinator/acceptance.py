@@ -15,7 +15,6 @@ from specdec.sampling.relaxed import AcceptanceMode
 from specdec.sampling.tree_sampling import TreeOutcome, decide_tree
 from specdec.v1 import common_pb2, target_pb2
 
-
 # A chain round's evidence, as decide_round takes it: [K] target probs, [K] draft probs, [K]
 # coins, [K] recovered tokens, and the bonus token.
 Chain = tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[int], int]
