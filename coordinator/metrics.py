@@ -4,6 +4,7 @@ in the dataclass; sinks (responses, logs, Prometheus) read it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -149,9 +150,25 @@ class CoordinatorMetrics:
     relaxed (lossy) requests, rounds and tokens apart."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def counter(name: str, doc: str, labels=()):
-            return Counter(name, doc, list(labels), registry=registry)
+        self._registry = registry
+        # Registered in this order, which is the order a scrape lists them in.
+        self._register_speculation()
+        self._register_requests()
+        self._register_latencies()
+        self._register_faults()
+        self._register_relaxed()
+        self.draft_breaker_open = Gauge(
+            "specdec_draft_breaker_open",
+            "1 while rounds skip the draft (every draft replica's circuit breaker open, or none serving)",
+            registry=registry,
+        )
 
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, doc, list(labels), registry=self._registry)
+
+    def _register_speculation(self) -> None:
+        """vLLM's spec-decode counters: rounds, draft tokens and where they were accepted."""
+        counter = self._counter
         self.num_drafts = counter(
             "specdec_spec_decode_num_drafts", "Speculation rounds that verified at least one draft token"
         )
@@ -169,6 +186,11 @@ class CoordinatorMetrics:
             "specdec_spec_decode_num_bonus_tokens",
             "Rounds ending in the target's bonus token (every draft accepted, or K=0)",
         )
+
+    def _register_requests(self) -> None:
+        """Requests by finish reason, status and path, their tokens, and what became of the
+        pre-drafts and hedges started for them."""
+        counter = self._counter
         self.requests = counter(
             "specdec_requests",
             "Finished generations, from gRPC (Generate, GenerateStream) and the HTTP API",
@@ -182,6 +204,10 @@ class CoordinatorMetrics:
         self.reprefills = counter("specdec_reprefills", "Sessions re-sent in full because a service had lost them")
         self.predrafts = counter("specdec_predrafts", "Pre-drafts started during verifies, by outcome", ["outcome"])
         self.hedges = counter("specdec_hedges", "Hedged branches started during verifies, by outcome", ["outcome"])
+
+    def _register_latencies(self) -> None:
+        """Latency histograms, and the requests being generated now."""
+        registry = self._registry
         self.time_to_first_token = Histogram(
             "specdec_time_to_first_token_seconds",
             "Time from request to first generated token",
@@ -201,6 +227,10 @@ class CoordinatorMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.requests_in_flight = Gauge("specdec_requests_in_flight", "Requests being generated", registry=registry)
+
+    def _register_faults(self) -> None:
+        """What went wrong with the draft and target, and the requests that ran degraded for it."""
+        counter = self._counter
         self.fallback_rounds = counter(
             "specdec_fallback_rounds", "Rounds run target-only because the draft failed or was skipped"
         )
@@ -218,6 +248,10 @@ class CoordinatorMetrics:
         self.degraded_requests = counter(
             "specdec_degraded_requests", "Finished requests with at least one fallback round"
         )
+
+    def _register_relaxed(self) -> None:
+        """Relaxed (lossy) requests, rounds and tokens, counted apart from exact ones."""
+        counter = self._counter
         self.relaxed_requests = counter(
             "specdec_relaxed_requests", "Finished requests in relaxed acceptance mode (lossy: not the target's output)"
         )
@@ -229,13 +263,6 @@ class CoordinatorMetrics:
             "Draft tokens only the relaxed rule accepted (the exact rule rejected them); "
             "they are in specdec_spec_decode_num_accepted_tokens too",
         )
-        self.draft_breaker_open = Gauge(
-            "specdec_draft_breaker_open",
-            "1 while rounds skip the draft (every draft replica's circuit breaker open, or none serving)",
-            registry=registry,
-        )
-
-        self._registry = registry
 
     def watch_pools(self, upstream) -> None:
         """The pools' replicas, read at each scrape (coordinator.upstream.Upstream)."""

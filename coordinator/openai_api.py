@@ -231,8 +231,7 @@ class OpenAIApi:
         """Server-sent events in OpenAI's chunk format, each choice's as they come (`index` says
         whose; n = 1: one). Every choice's first chunk is awaited before the headers go out, so
         a request refused up front still gets its HTTP error status."""
-        chat = parsed.chat
-        envelope = self._envelope(chat, streamed=True)
+        envelope = self._envelope(parsed.chat, streamed=True)
         try:
             firsts = await all_of([anext(chunks) for chunks in generations])
         except BaseException:
@@ -240,87 +239,119 @@ class OpenAIApi:
             raise
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-
-        async def send(payload: dict | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            await response.write(f"data: {data}\n\n".encode())
-
-        def event(
-            index: int, text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None
-        ) -> dict:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
-            return {**envelope, "choices": [choice]}
-
-        # Tokens whose text is held back (a partial character, a possible stop string) send
-        # their logprobs with the choice's next event that carries text.
-        pending_ids: list[list[int]] = [[] for _ in generations]
-        pending: list[list] = [[] for _ in generations]
-        sent_chars = [0] * len(generations)
-        finals: list[GenerationStats] = []
         queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
-
-        async def relay(index: int, chunks: AsyncGenerator[Chunk, None]) -> None:
-            """This choice's chunks onto the queue, then None; its error, as a chunk cannot."""
-            try:
-                async for chunk in chunks:
-                    await queue.put((index, chunk))
-            finally:
-                await queue.put((index, None))
-
         relays: list[asyncio.Task] = []
         try:
-            if chat:
+            if parsed.chat:
                 for index in range(len(generations)):
-                    await send(event(index, None, None, role=True))
+                    await send_event(response, stream_event(envelope, parsed.chat, index, None, None, role=True))
             for index, first in enumerate(firsts):
                 await queue.put((index, first))
-            relays = [asyncio.ensure_future(relay(i, chunks)) for i, chunks in enumerate(generations)]
-            running = len(generations)
-            while running:
-                index, chunk = await queue.get()
-                if chunk is None:
-                    running -= 1
-                    try:
-                        await relays[index]  # the choice's error, where it failed
-                    except asyncio.CancelledError:
-                        if (current := asyncio.current_task()) is not None and current.cancelling():
-                            raise  # the client went away
-                        raise SpecDecError(f"choice {index} stopped before its end") from None
-                    continue
-                finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
-                pending_ids[index] += chunk.token_ids
-                pending[index] += chunk.logprobs
-                if chunk.text or finish:
-                    logprobs = self._logprobs(parsed, pending_ids[index], pending[index], sent_chars[index])
-                    payload = event(index, chunk.text, finish, logprobs=logprobs)
-                    sent_chars[index] += len(chunk.text)
-                    pending_ids[index], pending[index] = [], []
-                    if chunk.stats is not None:
-                        payload["speculation"] = speculation(chunk.stats)
-                    await send(payload)
-                if chunk.stats is not None:
-                    finals.append(chunk.stats)
+            relays = [asyncio.ensure_future(relay_chunks(i, chunks, queue)) for i, chunks in enumerate(generations)]
+            finals = await self._send_chunks(response, parsed, envelope, queue, relays)
             if parsed.include_usage:
-                await send({**envelope, "choices": [], "usage": usage(*finals)})
+                await send_event(response, {**envelope, "choices": [], "usage": usage(*finals)})
         except (ConnectionResetError, ConnectionError):
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
-            await send(api_error(exc).body())
+            await send_event(response, api_error(exc).body())
         finally:
             for task in relays:
                 task.cancel()
             await asyncio.gather(*relays, return_exceptions=True)
             await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
-        await send("[DONE]")
+        await send_event(response, "[DONE]")
         await response.write_eof()
         return response
+
+    async def _send_chunks(
+        self,
+        response: web.StreamResponse,
+        parsed: Parsed,
+        envelope: dict,
+        queue: asyncio.Queue[tuple[int, Chunk | None]],
+        relays: list[asyncio.Task],
+    ) -> list[GenerationStats]:
+        """Sends every choice's chunks from `queue` as events until each choice has ended;
+        returns their final stats. A choice that failed raises its error here."""
+        # Tokens whose text is held back (a partial character, a possible stop string) send
+        # their logprobs with the choice's next event that carries text.
+        pending_ids: list[list[int]] = [[] for _ in relays]
+        pending: list[list] = [[] for _ in relays]
+        sent_chars = [0] * len(relays)
+        finals: list[GenerationStats] = []
+        running = len(relays)
+        while running:
+            index, chunk = await queue.get()
+            if chunk is None:
+                running -= 1
+                await raise_if_failed(relays[index], index)
+                continue
+            finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
+            pending_ids[index] += chunk.token_ids
+            pending[index] += chunk.logprobs
+            if chunk.text or finish:
+                logprobs = self._logprobs(parsed, pending_ids[index], pending[index], sent_chars[index])
+                payload = stream_event(envelope, parsed.chat, index, chunk.text, finish, logprobs=logprobs)
+                sent_chars[index] += len(chunk.text)
+                pending_ids[index], pending[index] = [], []
+                if chunk.stats is not None:
+                    payload["speculation"] = speculation(chunk.stats)
+                await send_event(response, payload)
+            if chunk.stats is not None:
+                finals.append(chunk.stats)
+        return finals
+
+
+async def send_event(response: web.StreamResponse, payload: dict | str) -> None:
+    """One server-sent event: a payload as JSON, or a string (`[DONE]`) as it is."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    await response.write(f"data: {data}\n\n".encode())
+
+
+def stream_event(
+    envelope: dict,
+    chat: bool,
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    role: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
+    """One choice's streamed chunk: chat's `delta` (the role in a choice's first), or a
+    completion's `text`."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
+    return {**envelope, "choices": [choice]}
+
+
+async def relay_chunks(
+    index: int, chunks: AsyncGenerator[Chunk, None], queue: asyncio.Queue[tuple[int, Chunk | None]]
+) -> None:
+    """A choice's chunks onto the queue, tagged with its index, then None; its error stays
+    with the task (`raise_if_failed`), as a chunk cannot carry it."""
+    try:
+        async for chunk in chunks:
+            await queue.put((index, chunk))
+    finally:
+        await queue.put((index, None))
+
+
+async def raise_if_failed(task: asyncio.Task, index: int) -> None:
+    """Awaits a choice's ended relay and raises the choice's error where it failed. A relay
+    cancelled while this request was not means the choice stopped before its end."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        if (current := asyncio.current_task()) is not None and current.cancelling():
+            raise  # the client went away
+        raise SpecDecError(f"choice {index} stopped before its end") from None
 
 
 def server_ssl_context(security: ServerSecurity) -> ssl.SSLContext | None:

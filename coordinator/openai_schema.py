@@ -219,41 +219,8 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     # A field nobody here knows is left out, as vLLM's server does (clients send their own
     # extras); one that would change the output where it is not supported is refused below.
     ignored = tuple(sorted(name for name in body if name not in known))
-    for name, accepted in OFF_VALUES.items():
-        if name in body and body[name] not in accepted:
-            raise bad_request(
-                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})", name
-            )
-    fields: dict[str, Any] = {}
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-        turns = []
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
-            role = message.get("role")
-            if role not in CHAT_ROLES:
-                raise bad_request(
-                    f"messages[{index}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", "messages"
-                )
-            turns.append((role, _content(message, index)))
-        fields["messages"] = tuple(turns)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            fields["prompt"] = prompt
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            fields["prompt_token_ids"] = tuple(prompt)
-        else:
-            raise bad_request(
-                "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
-            )
+    _check_off_values(body)
+    fields = _chat_fields(body) if chat else _completion_fields(body)
     max_tokens = _number(body, "max_completion_tokens", int, _number(body, "max_tokens", int))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -261,6 +228,55 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
+    request = _generation_request(body, chat, fields, max_tokens)
+    n = _number(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}]; got {n}", "n")
+    return Parsed(request, stream, bool(options.get("include_usage")), chat, n, ignored)
+
+
+def _check_off_values(body: dict) -> None:
+    """Refuses a field this server does not serve unless it is at its "off" value (OFF_VALUES)."""
+    for name, accepted in OFF_VALUES.items():
+        if name in body and body[name] not in accepted:
+            raise bad_request(
+                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})", name
+            )
+
+
+def _chat_fields(body: dict) -> dict[str, Any]:
+    """A chat request's prompt: its messages as (role, content) turns."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    turns = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{index}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", "messages"
+            )
+        turns.append((role, _content(message, index)))
+    return {"messages": tuple(turns)}
+
+
+def _completion_fields(body: dict) -> dict[str, Any]:
+    """A completion request's prompt: text, or token ids; a batch of one prompt is that prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_token_ids": tuple(prompt)}
+    raise bad_request("prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def _generation_request(body: dict, chat: bool, fields: dict[str, Any], max_tokens: int | None) -> GenerationRequest:
+    """The domain request from the body's sampling fields, extras and logprobs, each checked
+    in turn; `fields` holds its prompt."""
     request = GenerationRequest(
         **fields,
         max_new_tokens=max_tokens,
@@ -285,11 +301,7 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
     logprobs, top_logprobs = _logprobs(body, chat)
-    request = dataclasses.replace(request, logprobs=logprobs, top_logprobs=top_logprobs)
-    n = _number(body, "n", int, 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"n must be in [1, {MAX_CHOICES}]; got {n}", "n")
-    return Parsed(request, stream, bool(options.get("include_usage")), chat, n, ignored)
+    return dataclasses.replace(request, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:

@@ -226,12 +226,52 @@ def prepare_job(
 ) -> Job:
     """Validates a request; every failure says what was wrong and what is accepted."""
     prompt_ids = prompt_ids_of(request, pair, tokenizer)
+    max_new_tokens = max_new_tokens_of(request, config)
+    top_p = checked_top_p(request)
+    k, k_chosen = speculative_tokens_of(request, config, pair)
+    check_stop_strings(request.stop)
+    check_draft_min_confidence(request.draft_min_confidence)
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(
+            f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
+        )
+    top_logprobs = check_top_logprobs(request.top_logprobs, request.logprobs)
+    params = sampling_params_of(request, pair, top_p)
+    relaxed = acceptance_of(request, config)
+    seed = secrets.randbits(63) if request.seed is None else request.seed
+    if request.tree_widths:
+        check_tree_request(request, pair)
+        k = 0  # no chain: the round loop proposes the tree instead
+    return Job(
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        params=params,
+        seed=seed,
+        stop=tuple(request.stop),
+        num_speculative_tokens=k,
+        num_speculative_tokens_unset=k_chosen,
+        seeded=request.seed is not None,
+        draft_min_confidence=request.draft_min_confidence,
+        tree_widths=tuple(request.tree_widths),
+        cache_namespace=cache_namespace(request.cache_salt, request.tenant),
+        relaxed=relaxed,
+        top_logprobs=top_logprobs,
+    )
+
+
+def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig) -> int:
+    """The request's token budget, or the server's default where it sets none."""
     max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(
             f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}",
             field="max_new_tokens",
         )
+    return max_new_tokens
+
+
+def checked_top_p(request: GenerationRequest) -> float:
+    """Checks the temperature and top_k, then returns top_p (1.0, off, where unset)."""
     if not (
         math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)
     ):
@@ -245,6 +285,12 @@ def prepare_job(
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}", field="top_p")
+    return top_p
+
+
+def speculative_tokens_of(request: GenerationRequest, config: CoordinatorConfig, pair: PairInfo) -> tuple[int, bool]:
+    """The chain's K, and whether it is the chooser's to pick (neither the request nor the
+    server fixed it)."""
     k_chosen = request.num_speculative_tokens is None and config.default_num_speculative_tokens is None
     if request.num_speculative_tokens is None:
         # The configured K, or the chooser's (FALLBACK_K where it has no costs), within what
@@ -258,27 +304,34 @@ def prepare_job(
             f"num_speculative_tokens must be in [0, {pair.max_num_speculative_tokens}] (0 = target only); got {k}",
             field="num_speculative_tokens",
         )
-    if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(
-            f"stop has {len(request.stop)} strings; at most {MAX_STOP_STRINGS} are accepted", field="stop"
-        )
-    for stop in request.stop:
+    return k, k_chosen
+
+
+def check_stop_strings(stops: Sequence[str]) -> None:
+    """Checks the stop strings against the bounds `request_limit_bytes` counts on: their number
+    first, before any string is read."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are accepted", field="stop")
+    for stop in stops:
         if not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
             raise InvalidArgument(
                 f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters; got one of {len(stop)}",
                 field="stop",
             )
-    confidence = request.draft_min_confidence
+
+
+def check_draft_min_confidence(confidence: float | None) -> None:
+    """An unset confidence is the draft service's default; a set one is a probability."""
     if confidence is not None and not (math.isfinite(confidence) and 0.0 <= confidence <= 1.0):
         raise InvalidArgument(
             f"draft_min_confidence must be in [0, 1] (0 = never stop early); got {confidence}",
             field="draft_min_confidence",
         )
-    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(
-            f"cache_salt has {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt"
-        )
-    top_logprobs = check_top_logprobs(request.top_logprobs, request.logprobs)
+
+
+def sampling_params_of(request: GenerationRequest, pair: PairInfo, top_p: float) -> SamplingParams:
+    """The request's sampling parameters, its logit bias and penalties checked, and refused
+    where they cannot apply: penalties to a tree, a bias to a token past the target's vocabulary."""
     bias = check_logit_bias(dict(request.logit_bias))
     repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
     check_penalties(request.presence_penalty, request.frequency_penalty, repetition)
@@ -302,26 +355,7 @@ def prepare_job(
             f"logit_bias names token {params.logit_bias[-1][0]}; the target's vocabulary has {pair.vocab_size} ids",
             field="logit_bias",
         )
-    relaxed = acceptance_of(request, config)
-    seed = secrets.randbits(63) if request.seed is None else request.seed
-    if request.tree_widths:
-        check_tree_request(request, pair)
-        k = 0  # no chain: the round loop proposes the tree instead
-    return Job(
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        params=params,
-        seed=seed,
-        stop=tuple(request.stop),
-        num_speculative_tokens=k,
-        num_speculative_tokens_unset=k_chosen,
-        seeded=request.seed is not None,
-        draft_min_confidence=confidence,
-        tree_widths=tuple(request.tree_widths),
-        cache_namespace=cache_namespace(request.cache_salt, request.tenant),
-        relaxed=relaxed,
-        top_logprobs=top_logprobs,
-    )
+    return params
 
 
 def acceptance_of(request: GenerationRequest, config: CoordinatorConfig) -> RelaxedAcceptance | None:

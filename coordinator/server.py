@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api import start_http
-from coordinator.pair import pair_info
+from coordinator.pair import PairInfo, pair_info
 from coordinator.pools import Pool
 from coordinator.requests import longest_token_bytes, request_limit_bytes
 from coordinator.rounds import DEFAULT_RULES, RoundRules
@@ -25,9 +25,9 @@ from specdec.config.services import pin_cpus
 from specdec.engine.calls import numerics
 from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.rpc.dns import PoolSpec, parse_pool
-from specdec.rpc.security import load_client_security, load_server_security
+from specdec.rpc.security import ChannelSecurity, load_client_security, load_server_security
 from specdec.rpc.serving import RunningServer, serve_forever, set_serving, start_server
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 logger = logging.getLogger(__name__)
 RPC_ROUND_TRIPS = 5
@@ -46,6 +46,34 @@ async def connect(
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    drafts, targets = build_pools(config, upstream, draft, target)
+    first_draft, first_target = await asyncio.gather(
+        drafts.start(config.connect_timeout_s), targets.start(config.connect_timeout_s)
+    )
+    draft_info, target_info = drafts.reference, targets.reference
+    assert draft_info is not None and target_info is not None
+    check_pair(
+        draft_info,
+        target_info,
+        tokenizer_fingerprint(tokenizer),
+        first_draft.address,
+        first_target.address,
+        config.min_vocab_overlap,
+    )
+    if draft_info.HasField("vocab_bridge"):
+        log_vocab_bridge(draft_info.vocab_bridge)
+    costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)
+    pair = pair_info(config, draft_info, target_info, costs)
+    log_pair(pair, draft_info, target_info, drafts, targets)
+    return Engine(config, drafts, targets, tokenizer, pair, target_info, rules)
+
+
+def build_pools(
+    config: CoordinatorConfig, upstream: ChannelSecurity, draft: DraftClient | None, target: TargetClient | None
+) -> tuple[Pool, Pool]:
+    """The draft and target pools, not yet started: the config's addresses, or the one client
+    given for a role. A pool's replicas found by DNS are reached at their IP addresses, so TLS
+    checks their certificates for the pool's name."""
     draft_spec = PoolSpec(draft.address, (draft.address,)) if draft else parse_pool(config.draft_address)
     target_spec = PoolSpec(target.address, (target.address,)) if target else parse_pool(config.target_address)
     draft_security = upstream.for_name(draft_spec.name) if draft_spec.dynamic else upstream
@@ -64,31 +92,26 @@ async def connect(
     for pool, client in ((drafts, draft), (targets, target)):
         if client is not None:
             pool.add(client.address, client)
-    first_draft, first_target = await asyncio.gather(
-        drafts.start(config.connect_timeout_s), targets.start(config.connect_timeout_s)
+    return drafts, targets
+
+
+def log_vocab_bridge(bridge: common_pb2.VocabBridgeInfo) -> None:
+    """Logs how many of the target's tokens a draft with its own tokenizer shares, and so drafts within."""
+    logger.info(
+        "draft %s has its own tokenizer and drafts within the %d tokens it shares with the target's, %.1f%% "
+        "of its %d (token-level intersection: exact)",
+        bridge.draft_model_id,
+        bridge.shared_tokens,
+        100 * shared_share(bridge),
+        bridge.target_vocab_tokens,
     )
-    draft_info, target_info = drafts.reference, targets.reference
-    assert draft_info is not None and target_info is not None
-    check_pair(
-        draft_info,
-        target_info,
-        tokenizer_fingerprint(tokenizer),
-        first_draft.address,
-        first_target.address,
-        config.min_vocab_overlap,
-    )
-    if draft_info.HasField("vocab_bridge"):
-        bridge = draft_info.vocab_bridge
-        logger.info(
-            "draft %s has its own tokenizer and drafts within the %d tokens it shares with the target's, %.1f%% "
-            "of its %d (token-level intersection: exact)",
-            bridge.draft_model_id,
-            bridge.shared_tokens,
-            100 * shared_share(bridge),
-            bridge.target_vocab_tokens,
-        )
-    costs = await measure_round_costs(first_draft.client, first_target.client, draft_info, target_info)
-    pair = pair_info(config, draft_info, target_info, costs)
+
+
+def log_pair(
+    pair: PairInfo, draft_info: common_pb2.ModelInfo, target_info: common_pb2.ModelInfo, drafts: Pool, targets: Pool
+) -> None:
+    """Logs the pair being served, and warns where the target's outputs are a quantised
+    model's rather than the checkpoint's."""
     logger.info(
         "pair: draft %s (%s, %s) at %s, target %s (%s, %s) at %s; max K %d%s",
         draft_info.model_id,
@@ -109,7 +132,6 @@ async def connect(
             pair.target_numerics,
             target_info.model_id,
         )
-    return Engine(config, drafts, targets, tokenizer, pair, target_info, rules)
 
 
 async def measure_round_costs(
