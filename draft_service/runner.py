@@ -14,11 +14,12 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from draft_service.vocab_bridge import VocabBridge
+from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
-from specdec.engine.runner import DecodeBatch, ModelRunner
+from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession, batchable_cache
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling.probs import logits_to_probs, one_hot_argmax, one_hot_at, sample, top_k_with_support

@@ -77,6 +77,31 @@ def load_causal_lm(
     _check_folder(model_id)
     warn_if_trusting_remote_code(model_id, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    kwargs = _from_pretrained_kwargs(model_id, dtype, device_map, trust_remote_code, tensor_parallel)
+    model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    if not device_map and tensor_parallel == 1:
+        model.to(device)  # type: ignore[arg-type]  # in place; transformers types to() by its decorator
+    model.eval()
+    loaded = _describe_loaded(model, tokenizer, model_id, device_map or device, tensor_parallel)
+    logger.info(
+        "loaded %s: dtype=%s device=%s vocab=%d context=%d eos=%s tokenizer=%s tensor_parallel=%d",
+        model_id,
+        dtype,
+        loaded.device_label,
+        loaded.vocab_size,
+        loaded.max_context,
+        loaded.eos_token_ids,
+        loaded.tokenizer_fingerprint[:12],
+        tensor_parallel,
+    )
+    return loaded
+
+
+def _from_pretrained_kwargs(
+    model_id: str, dtype: str, device_map: str | None, trust_remote_code: bool, tensor_parallel: int
+) -> dict:
+    """transformers' keyword arguments for loading the weights: the dtype, and the split of the
+    layers over devices (`device_map`) or of each layer over tensor-parallel ranks, never both."""
     kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if device_map and tensor_parallel > 1:
         raise ValueError("--device-map and --tensor-parallel are exclusive: choose one way to split the model")
@@ -89,37 +114,34 @@ def load_causal_lm(
             AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), tensor_parallel
         )
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel)
-    model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-    if not device_map and tensor_parallel == 1:
-        model.to(device)  # type: ignore[arg-type]  # in place; transformers types to() by its decorator
-    model.eval()
+    return kwargs
+
+
+def _describe_loaded(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_id: str,
+    device_label: str,
+    tensor_parallel: int,
+) -> LoadedModel:
+    """A placed model and its tokenizer as a LoadedModel: inputs go to the device of the input
+    embeddings, the logits are as wide as the output head, and the EOS ids come from the
+    generation config where the model has one."""
     input_device = str(model.get_input_embeddings().weight.device)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 1 << 20
-    loaded = LoadedModel(
+    return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
         device=input_device,
-        device_label=device_map or device,
+        device_label=device_label,
         vocab_size=vocab_size,
         eos_token_ids=eos_token_ids(getattr(model, "generation_config", None), tokenizer),
         max_context=max_context,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         tensor_parallel_size=tensor_parallel,
     )
-    logger.info(
-        "loaded %s: dtype=%s device=%s vocab=%d context=%d eos=%s tokenizer=%s tensor_parallel=%d",
-        model_id,
-        dtype,
-        loaded.device_label,
-        vocab_size,
-        max_context,
-        loaded.eos_token_ids,
-        loaded.tokenizer_fingerprint[:12],
-        tensor_parallel,
-    )
-    return loaded
 
 
 def check_tensor_parallel(config, size: int) -> None:

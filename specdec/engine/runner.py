@@ -9,13 +9,13 @@ import logging
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
 
 from specdec.engine import attention
-from specdec.engine.batching import MAX_PADDING_RATIO, padded_cache, result_or_error, row_cache
+from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass
+from specdec.engine.batching import MAX_PADDING_RATIO, result_or_error
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
     CALIBRATION_CONTEXT,
@@ -26,16 +26,12 @@ from specdec.engine.costs import (
     fastest,
 )
 from specdec.engine.fingerprint import served_weights
-from specdec.engine.kv import plain_cache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import CachedTree, KVSession, SessionStore, batchable_cache
-from specdec.engine.tree_pass import tree_attention_mask, tree_forward, tree_position_ids
+from specdec.engine.tree_pass import tree_forward
 from specdec.errors import ModelOutputError
-from specdec.sampling.tree_sampling import ancestors
-
-T = TypeVar("T")
 
 # A per-token exact runner's longest pass over tokens it only needs the last logits of (a
 # prompt, a re-prefill): the same entries however a run is cut, and shorter passes keep the
@@ -145,7 +141,7 @@ class ModelRunner:
             rows = [KVSession(f"calibration-{i}", cache=copy.deepcopy(session.cache)) for i in range(sessions)]
 
             def run_batch(rows=rows, n=n) -> None:
-                self._forward_padded(rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
+                padded_pass(self, rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
                 self._synchronize()
                 for row in rows:
                     row.model_cache().crop(-n)
@@ -370,47 +366,15 @@ class ModelRunner:
         A failed pass fails (and ends) every session in it, as `forward` does for one.
         """
         if len(sessions) == 1 or not all(batchable_cache(session.cache) for session in sessions):
-            if trees is not None:
-                return [
-                    result_or_error(self.forward_tree, session, tokens, *tree)
-                    for session, tokens, tree in zip(sessions, token_ids, trees)
-                ]
-            return [result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
+            return self._forward_each(sessions, token_ids, logits_to_keep, trees)
         results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
         token_ids = list(token_ids)  # the blocks run ahead (_prefill_blocks) shorten an item
-        admitted: list[int] = []
-        pending_bytes = 0
-        for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
-            extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
-            if (refused := self._make_room(session, extra_bytes, pending_bytes)) is not None:
-                results[index] = refused
-                continue
-            pending_bytes += extra_bytes
-            try:  # a session's whole blocks run alone first, as `forward` runs them
-                before = len(token_ids[index])
-                token_ids[index] = self._prefill_blocks(
-                    session, token_ids[index], 1 if trees is not None else logits_to_keep[index]
-                )[0]
-                pending_bytes -= (before - len(token_ids[index])) * self.kv_bytes_per_token  # now in the cache
-            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                self.sessions.end(session.session_id)
-                results[index] = exc
-                continue
-            admitted.append(index)
+        admitted = self._admit_batch(sessions, token_ids, logits_to_keep, trees, results)
         if not admitted:
             return results  # type: ignore[return-value]
         chosen = [sessions[i] for i in admitted]
         try:
-            if trees is not None:
-                outputs = self._forward_padded_tree(
-                    chosen, [token_ids[i] for i in admitted], [trees[i] for i in admitted]
-                )
-            elif len(admitted) == 1:
-                outputs = [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
-            else:
-                outputs = self._forward_padded(
-                    chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted]
-                )
+            outputs = self._pass_admitted(chosen, admitted, token_ids, logits_to_keep, trees)
         except Exception as exc:  # noqa: BLE001 - every caller in the pass gets it
             for session in chosen:
                 self.sessions.end(session.session_id)
@@ -425,66 +389,70 @@ class ModelRunner:
             results[index] = logits
         return results  # type: ignore[return-value]
 
-    def _forward_padded(
-        self, sessions: list[KVSession], token_ids: list[list[int]], logits_to_keep: list[int]
+    def _forward_each(
+        self,
+        sessions: list[KVSession],
+        token_ids: list[list[int]],
+        logits_to_keep: list[int],
+        trees: list[tuple[list[int], list[int]]] | None,
+    ) -> list[torch.Tensor | Exception]:
+        """`forward_batch` one session at a time, through `forward` or `forward_tree`: for a
+        single session, or for caches that cannot be padded into a batch."""
+        if trees is not None:
+            return [
+                result_or_error(self.forward_tree, session, tokens, *tree)
+                for session, tokens, tree in zip(sessions, token_ids, trees)
+            ]
+        return [result_or_error(self.forward, *item) for item in zip(sessions, token_ids, logits_to_keep)]
+
+    def _admit_batch(
+        self,
+        sessions: list[KVSession],
+        token_ids: list[list[int]],
+        logits_to_keep: list[int],
+        trees: list[tuple[list[int], list[int]]] | None,
+        results: list[torch.Tensor | Exception | None],
+    ) -> list[int]:
+        """Admits each session of a batched pass to the KV budget beside the others, then runs
+        its whole blocks alone first, as `forward` runs them, shortening its item of `token_ids`
+        in place. A session that fails either step is ended and its exception put in its item
+        of `results`, for its caller alone. → the indices of the sessions admitted"""
+        admitted: list[int] = []
+        pending_bytes = 0
+        for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
+            extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
+            if (refused := admit_session(self, session, extra_bytes, pending_bytes)) is not None:
+                results[index] = refused
+                continue
+            pending_bytes += extra_bytes
+            try:  # a session's whole blocks run alone first, as `forward` runs them
+                before = len(token_ids[index])
+                token_ids[index] = self._prefill_blocks(
+                    session, token_ids[index], 1 if trees is not None else logits_to_keep[index]
+                )[0]
+                pending_bytes -= (before - len(token_ids[index])) * self.kv_bytes_per_token  # now in the cache
+            except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
+                self.sessions.end(session.session_id)
+                results[index] = exc
+                continue
+            admitted.append(index)
+        return admitted
+
+    def _pass_admitted(
+        self,
+        chosen: list[KVSession],
+        admitted: list[int],
+        token_ids: list[list[int]],
+        logits_to_keep: list[int],
+        trees: list[tuple[list[int], list[int]]] | None,
     ) -> list[torch.Tensor]:
-        """One pass over B sessions. Row b of the padded sequence is
-
-            [pad × (P - P_b)] [past_b: P_b cached] [new_b: N_b tokens] [pad × (N - N_b)]
-
-        with P = max P_b and N = max N_b. Pads are masked out as keys; pad queries (at the end)
-        still see their row's real tokens, so no attention row is empty (no NaN to leak).
-        """
-        device = self.loaded.device
-        past = [session.cached_tokens for session in sessions]  # [B]
-        new = [len(tokens) for tokens in token_ids]  # [B]
-        batch, max_past, max_new = len(sessions), max(past), max(new)
-        input_ids = torch.zeros(batch, max_new, dtype=torch.long, device=device)  # [B, N]; pad id 0 is never attended
-        attention_mask = torch.zeros(batch, max_past + max_new, dtype=torch.long, device=device)  # [B, P + N]
-        for row, tokens in enumerate(token_ids):
-            input_ids[row, : new[row]] = torch.tensor(tokens, dtype=torch.long)
-            attention_mask[row, max_past - past[row] : max_past + new[row]] = 1
-        position_ids = (torch.tensor(past)[:, None] + torch.arange(max_new)).to(device)  # [B, N]
-        kept = [min(keep, n) for keep, n in zip(logits_to_keep, new)]  # [B]
-        width = max(kept)
-        # Row b keeps its last `width` real positions (clamped at 0 for short rows: only its
-        # last kept[b] are read), so the vocab-wide head runs on B · width positions, not B · N.
-        logit_positions = (
-            (torch.tensor(new)[:, None] - width + torch.arange(width)).clamp(min=0).to(device)
-        )  # [B, width]
-        # An accelerator's batched pass, its sessions' real tokens; the caches' padding and
-        # splitting inside it, as device memory traffic (specdec.engine.pace).
-        with self._paced(sum(new), sum(past)):
-            cache = padded_cache(sessions, past, max_past, self.model.config)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **with_cache(self.model, cache),
-                cache_position=torch.arange(max_past, max_past + max_new, device=device),
-                use_cache=True,
-                logits_to_keep=logit_positions,
-            )
-            for row, session in enumerate(sessions):
-                session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row])
-            self._synchronize()
-        self.processed_tokens_total += sum(new)
-        self.batched_forwards += 1
-        self.batched_sessions_total += batch
-        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
-        logits = out.logits  # [B, width, V]
-        return [logits[row, width - kept[row] :].float() for row in range(batch)]  # each [kept_b, V]
-
-    def _make_room(self, session: KVSession, extra_bytes: int, pending_bytes: int) -> Exception | None:
-        """Makes room in the KV budget for `session` to grow by `extra_bytes`, beside the
-        `pending_bytes` that the other sessions of the same pass add. A session that does not
-        fit is ended, and its exception returned for its caller alone."""
-        try:
-            self.sessions.make_room(session, extra_bytes, self.kv_bytes_per_token, pending_bytes)
-        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-            self.sessions.end(session.session_id)
-            return exc
-        return None
+        """The one pass over the admitted sessions (`chosen`, at indices `admitted` of the
+        call's lists): a padded tree pass, a solo pass for one session, else a padded pass."""
+        if trees is not None:
+            return padded_tree_pass(self, chosen, [token_ids[i] for i in admitted], [trees[i] for i in admitted])
+        if len(admitted) == 1:
+            return [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
+        return padded_pass(self, chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted])
 
     def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
         """Sessions (distinct ids, each with a cache, empty for a prompt) that will run
@@ -498,63 +466,6 @@ class ModelRunner:
         batch = DecodeBatch(self)
         return batch, [batch.join(session, count) for session, count in zip(sessions, steps)]
 
-    def _forward_padded_tree(
-        self, sessions: list[KVSession], token_ids: list[list[int]], trees: list[tuple[list[int], list[int]]]
-    ) -> list[torch.Tensor]:
-        """One pass over B sessions' token trees. Row b is laid out as in `_forward_padded`,
-        its new tokens followed by its N_b nodes; the 4D mask gives each row its left pad, its
-        past, its new tokens (causal) and, for a node, its ancestors (specdec.engine.tree_pass). Each
-        session keeps its past, new tokens and every node, as `forward_tree` leaves it."""
-        past = [session.cached_tokens for session in sessions]  # [B]
-        runs = [tokens + nodes for tokens, (nodes, _) in zip(token_ids, trees)]
-        batch, max_past, width = len(sessions), max(past), max(len(run) for run in runs)
-        dtype = next(self.model.parameters()).dtype
-        dtype = dtype if dtype.is_floating_point else torch.float32
-        input_ids = torch.zeros(batch, width, dtype=torch.long)  # [B, Q]; pads never attended
-        mask = torch.full((batch, 1, width, max_past + width), torch.finfo(dtype).min, dtype=dtype)  # [B, 1, Q, P + Q]
-        positions = torch.zeros(batch, width, dtype=torch.long)  # [B, Q]
-        keep = max(len(nodes) for nodes, _ in trees) + 1
-        logit_positions = torch.zeros(batch, keep, dtype=torch.long)  # [B, 1 + max N_b]
-        for row, (tokens, (_, parents)) in enumerate(zip(token_ids, trees)):
-            length = len(runs[row])
-            input_ids[row, :length] = torch.tensor(runs[row])
-            paths = ancestors(parents)
-            row_mask = tree_attention_mask(paths, past[row], len(tokens), dtype)[0, 0]  # [Q_b, P_b + Q_b]
-            mask[row, 0, :length, max_past - past[row] : max_past + length] = row_mask
-            mask[row, 0, length:, max_past - past[row] : max_past + 1] = 0.0  # pad queries: no empty row
-            positions[row, :length] = tree_position_ids(paths, past[row], len(tokens))[0]
-            rows = torch.arange(len(tokens) - 1, length)  # the root and the nodes: [1 + N_b]
-            logit_positions[row, : len(rows)] = rows
-        with self._paced(sum(len(run) for run in runs), sum(past)):  # the caches' traffic inside, as above
-            cache = padded_cache(sessions, past, max_past, self.model.config)
-            out = self._tree_pass(input_ids, mask, positions, cache, logit_positions)
-            for row, (session, run) in enumerate(zip(sessions, runs)):
-                session.cache = row_cache(cache, row, max_past - past[row], max_past + len(run))
-        results = []
-        for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
-            length = len(runs[row])
-            session.tree = CachedTree(len(session.tokens), tuple(nodes), tuple(parents), len(nodes))
-            results.append(out.logits[row, : len(nodes) + 1].float())  # [1 + N_b, V]
-        self.processed_tokens_total += sum(len(run) for run in runs)
-        self.batched_forwards += 1
-        self.batched_sessions_total += batch
-        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
-        return results
-
-    def _tree_pass(self, input_ids, mask, positions, cache, logit_positions):
-        """The model over a batch of token trees (laid out by `_forward_padded_tree`)."""
-        device = self.loaded.device
-        out = self.model(
-            input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            **with_cache(self.model, cache),
-            use_cache=True,
-            logits_to_keep=logit_positions.to(device),
-        )
-        self._synchronize()
-        return out
-
 
 def kv_bytes_per_token(model) -> int:
     """Key + value bytes one token adds to a DynamicCache: 2 · layers · KV heads · head dim ·
@@ -564,184 +475,3 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=model.dtype).element_size()
     return 2 * config.num_hidden_layers * heads * head_dim * element
-
-
-class DecodeBatch:
-    """Sessions stepping together in one padded batch kept from pass to pass
-    (ModelRunner.decode_batch), which sessions join and leave between passes: iteration-level
-    batching, as Orca and vLLM schedule. Row b holds, column by column,
-
-        [pad …] [past_b: its cache when it joined] [each pass since: its tokens, right-padded to the pass's widest row]
-
-    and `_mask` [B, W] marks its real entries, so pads (before a past; after a row's tokens in
-    a pass where another row ran more) are never attended as keys. A pass's pad queries see
-    their row's real entries, so no attention row is empty (no NaN to leak). Positions count
-    each row's real entries only.
-
-    A session's cache is padded in once, at the first pass after it joins, and split back
-    once, when it leaves (`leave`, `close`): a pass of `forward_batch` copies every session's
-    cache in and out instead, a copy per layer and session on each side of every pass.
-    Joining, and dropping the rows that left, run inside the next pass's emulated time
-    (specdec.engine.pace), as a device's memory traffic would; a split runs on the host.
-    """
-
-    def __init__(self, runner: ModelRunner):
-        self._runner = runner
-        self.sessions: list[KVSession] = []  # [B] the rows, in order
-        self._lengths: list[int] = []  # [B] real entries each row holds: its next position
-        self._cache: DynamicCache | None = None  # per layer [B, H, W, D]; None before the first pass
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=runner.loaded.device)  # [B, W]: 1 at real entries
-        self._joining: list[KVSession] = []  # padded in at the next pass
-        self._left: set[int] = set()  # rows split back already, dropped at the next pass
-        self._reserved: dict[str, int] = {}  # KV bytes each session was admitted to grow by
-        self._failed = False
-
-    def join(self, session: KVSession, new_tokens: int) -> Exception | None:
-        """Admits `session` (one with a cache, empty for a prompt; no other session of the
-        batch has its id) to grow by `new_tokens` in this batch, beside what the batch's other
-        sessions were admitted for, as `forward_batch` admits a pass; it joins at the next
-        pass. One that does not fit is ended and its exception returned, for its caller alone."""
-        extra_bytes = new_tokens * self._runner.kv_bytes_per_token
-        failure = self._runner._make_room(session, extra_bytes, sum(self._reserved.values()))
-        if failure is None:
-            self._joining.append(session)
-            self._reserved[session.session_id] = extra_bytes
-        return failure
-
-    @torch.inference_mode()
-    def step(self, feeds: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """One pass: every session in the batch (by id) runs its tokens, at least one each.
-        → each one's logits [V] at its last token (float32). A failed pass ends every session
-        of the batch and raises."""
-        runner, device = self._runner, self._runner.loaded.device
-        members = [session for row, session in enumerate(self.sessions) if row not in self._left] + self._joining
-        if self._failed or sorted(feeds) != sorted(s.session_id for s in members) or not all(feeds.values()):
-            raise AssertionError("a decode batch steps each of its sessions, one token or more, until a pass fails")
-        new = sum(len(tokens) for tokens in feeds.values())
-        try:
-            context = sum(session.cached_tokens for session in self._joining) + sum(
-                length for row, length in enumerate(self._lengths) if row not in self._left
-            )
-            with runner._paced(new, context):
-                self._regroup()
-                rows = [feeds[session.session_id] for session in self.sessions]  # B × [N_b]
-                batch, width = len(rows), max(len(tokens) for tokens in rows)
-                input_ids = torch.zeros(
-                    batch, width, dtype=torch.long, device=device
-                )  # [B, N]; pad id 0 is never attended
-                block = torch.zeros(batch, width, dtype=torch.long, device=device)  # [B, N]: 1 at real tokens
-                for row, tokens in enumerate(rows):
-                    input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                    block[row, : len(tokens)] = 1
-                positions = (torch.tensor(self._lengths)[:, None] + torch.arange(width)).to(device)  # [B, N]
-                start = self._mask.shape[1]
-                self._mask = torch.cat([self._mask, block], dim=1)  # [B, W + N]
-                last = torch.tensor([[len(tokens) - 1] for tokens in rows], device=device)  # [B, 1]
-                out = runner.model(
-                    input_ids=input_ids,
-                    attention_mask=self._mask,
-                    position_ids=positions,
-                    **with_cache(runner.model, self._cache),
-                    cache_position=torch.arange(start, start + width, device=device),
-                    use_cache=True,
-                    logits_to_keep=last,
-                )
-                runner._synchronize()
-        except BaseException:
-            self._failed = True
-            for session in [*self.sessions, *self._joining]:  # a half-updated batch cannot be split back
-                runner.sessions.end(session.session_id)
-            raise
-        self._lengths = [length + len(tokens) for length, tokens in zip(self._lengths, rows)]
-        runner.processed_tokens_total += new
-        runner.batched_forwards += 1
-        runner.batched_sessions_total += batch
-        runner.max_batch_size_seen = max(runner.max_batch_size_seen, batch)
-        logits = out.logits[:, -1].float()  # [B, V]
-        return {session.session_id: logits[row] for row, session in enumerate(self.sessions)}
-
-    def _regroup(self) -> None:
-        """Drops the rows that left and the columns no row holds any more, then pads in the
-        sessions that joined (widening every row on the left where a newcomer's past is longer)."""
-        layers = [] if self._cache is None else _tensors(self._cache)
-        if self._left:
-            kept = [row for row in range(len(self.sessions)) if row not in self._left]
-            index = torch.tensor(kept, dtype=torch.long, device=self._mask.device)
-            self._mask = self._mask.index_select(0, index)
-            held = self._mask.any(dim=0)  # [W]
-            first = int(held.int().argmax()) if bool(held.any()) else self._mask.shape[1]
-            self._mask = self._mask[:, first:]
-            layers = [
-                (keys.index_select(0, index)[:, :, first:], values.index_select(0, index)[:, :, first:])
-                for keys, values in layers
-            ]
-            self.sessions = [self.sessions[row] for row in kept]
-            self._lengths = [self._lengths[row] for row in kept]
-            self._left = set()
-        if self._joining:
-            past = [session.cached_tokens for session in self._joining]
-            width = max(self._mask.shape[1], *past)
-            if layers and width > self._mask.shape[1]:  # widen the rows already here
-                grow = width - self._mask.shape[1]
-                self._mask = torch.nn.functional.pad(self._mask, (grow, 0))
-                layers = [
-                    (torch.nn.functional.pad(k, (0, 0, grow, 0)), torch.nn.functional.pad(v, (0, 0, grow, 0)))
-                    for k, v in layers
-                ]
-            if any(past):
-                pairs = _tensors(padded_cache(self._joining, past, width, self._runner.model.config))
-            else:  # prompts: rows of pads only (none if nothing is cached yet: the pass makes it)
-                pairs = [(_pad_rows(k, len(past), width), _pad_rows(v, len(past), width)) for k, v in layers]
-            layers = (
-                [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(layers, pairs)]
-                if layers
-                else pairs
-            )
-            mask = torch.zeros(len(past), width, dtype=torch.long, device=self._mask.device)
-            for row, length in enumerate(past):
-                mask[row, width - length :] = 1
-            self._mask = torch.cat([self._mask, mask]) if self._mask.numel() else mask
-            self.sessions += self._joining
-            self._lengths += past
-            self._joining = []
-        self._cache = plain_cache(layers) if layers else DynamicCache(config=self._runner.model.config)
-
-    @torch.inference_mode()
-    def leave(self, session_id: str) -> None:
-        """Hands the session its cache now: a copy of its row's real entries, its past and
-        every token it ran (the batch's tensors are not kept alive by it). Its row is dropped at
-        the next pass. One that joined and never ran leaves as it came; nothing to do after a
-        failed pass (every session was ended)."""
-        self._reserved.pop(session_id, None)
-        if any(session.session_id == session_id for session in self._joining):
-            self._joining = [session for session in self._joining if session.session_id != session_id]
-            return
-        row = next(row for row, session in enumerate(self.sessions) if session.session_id == session_id)
-        if self._failed or row in self._left:
-            return
-        self._left.add(row)
-        if self._cache is None:
-            return
-        real = self._mask[row].nonzero().squeeze(1)  # [L_b] the row's columns
-        layers: list = self._cache.layers
-        self.sessions[row].cache = plain_cache(
-            (layer.keys[row : row + 1].index_select(2, real), layer.values[row : row + 1].index_select(2, real))
-            for layer in layers
-        )
-
-    def close(self) -> None:
-        """Every session still in the batch leaves (`leave`)."""
-        for session in [*self.sessions, *self._joining]:
-            self.leave(session.session_id)
-        self._cache = None
-
-
-def _pad_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """Zeros for `rows` rows of `width` entries, shaped as batch tensor `like` [B, H, W, D]."""
-    return like.new_zeros(rows, like.shape[1], width, like.shape[3])
-
-
-def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) of each layer of a cache of plain full-attention layers (batchable_cache)."""
-    layers: list[Any] = cache.layers  # transformers types a layer as any cache kind's
-    return [(layer.keys, layer.values) for layer in layers]
