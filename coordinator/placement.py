@@ -45,14 +45,14 @@ R = TypeVar("R", bound=Replica)
 
 
 class Placement(Protocol):
-    def choose(self, candidates: list[R], prompt: Prompt | None, block_tokens: int) -> list[R]:
+    def choose(self, candidates: list[R], keys: Sequence[bytes]) -> list[R]:
         """The replicas among `candidates` (serving, with room) the session may go to, the
-        pool taking one of them in turn. `block_tokens`: the replicas' prefix-cache block
-        (0: they keep no prefix cache)."""
+        pool taking one of them in turn. `keys`: its prompt's whole blocks as the replicas'
+        prefix caches hold them (`prefix_keys`; none where they keep no cache)."""
         ...
 
-    def placed(self, prompt: Prompt | None, block_tokens: int, replica: Replica) -> None:
-        """The pool placed a session of `prompt` on `replica`."""
+    def placed(self, keys: Sequence[bytes], replica: Replica) -> None:
+        """The pool placed a session whose prompt has these block keys on `replica`."""
         ...
 
 
@@ -67,9 +67,8 @@ class PrefixAffinity:
     # where that prefix's blocks most likely sit in a prefix cache (--prefix-cache-bytes).
     _prefixes: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
 
-    def choose(self, candidates: list[R], prompt: Prompt | None, block_tokens: int) -> list[R]:
+    def choose(self, candidates: list[R], keys: Sequence[bytes]) -> list[R]:
         least = min(replica.load for replica in candidates)
-        keys = prefix_keys(prompt, block_tokens)
         holder = self.holder(keys, candidates)
         if holder is not None and holder.load[0] <= least[0] + self.slack:
             return [holder]
@@ -78,14 +77,14 @@ class PrefixAffinity:
             return [max(near, key=lambda replica: rendezvous(keys[0], replica.address))]
         return [replica for replica in candidates if replica.load == least]
 
-    def placed(self, prompt: Prompt | None, block_tokens: int, replica: Replica) -> None:
-        for key in prefix_keys(prompt, block_tokens):
+    def placed(self, keys: Sequence[bytes], replica: Replica) -> None:
+        for key in keys:
             self._prefixes[key] = replica.address
             self._prefixes.move_to_end(key)
         while len(self._prefixes) > self.entries:
             self._prefixes.popitem(last=False)
 
-    def holder(self, keys: list[bytes], candidates: list[R]) -> R | None:
+    def holder(self, keys: Sequence[bytes], candidates: list[R]) -> R | None:
         """The candidate that last took the longest of these prefixes, if any."""
         by_address = {replica.address: replica for replica in candidates}
         for key in reversed(keys):

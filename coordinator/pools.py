@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
 from coordinator.identity import mismatch, served
-from coordinator.placement import Placement, PrefixAffinity, Prompt
+from coordinator.placement import Placement, PrefixAffinity, Prompt, prefix_keys
 from specdec.errors import DeadlineExceeded, ResourceExhausted, ServiceRefused, SpecDecError, Unavailable
 from specdec.rpc.dns import PoolSpec, resolve
 from specdec.v1 import common_pb2
@@ -343,9 +343,9 @@ class Pool:
         candidates = [replica for replica in serving if replica.room(reserve)] or ([] if fit else serving)
         if not candidates:
             return None
-        block_tokens = self.block_tokens
-        chosen = self._take(self.placement.choose(candidates, prompt, block_tokens), reserve)
-        self.placement.placed(prompt, block_tokens, chosen)
+        keys = prefix_keys(prompt, self.block_tokens)  # hashed once, for both of the placement's calls
+        chosen = self._take(self.placement.choose(candidates, keys), reserve)
+        self.placement.placed(keys, chosen)
         return chosen
 
     @property

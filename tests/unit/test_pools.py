@@ -164,17 +164,17 @@ def test_a_pool_places_sessions_as_the_placement_it_is_given_chooses():
         def __init__(self) -> None:
             self.calls: list[tuple] = []
 
-        def choose(self, candidates, prompt, block_tokens):
+        def choose(self, candidates, keys):
             return candidates[-1:]
 
-        def placed(self, prompt, block_tokens, replica):
-            self.calls.append((prompt, block_tokens, replica.address))
+        def placed(self, keys, replica):
+            self.calls.append((keys, replica.address))
 
     pool = pool_of("a:1", "b:1", "c:1")
     pool.placement = Last()
     c = pool.replicas["c:1"]
     assert [pool.place(prompt=("", [1, 2])) for _ in range(3)] == [c, c, c]
-    assert pool.placement.calls == [(("", [1, 2]), 0, "c:1")] * 3
+    assert pool.placement.calls == [([], "c:1")] * 3  # no prefix cache on these replicas: no keys
     assert pool.place(avoid=c) is pool.replicas["b:1"], "the replica a session leaves is never offered"
 
 
