@@ -69,13 +69,12 @@ def commit_round(
     if round_.source.in_draft_session:
         state.draft_view.synced = held
     state.ready = None
-    steps = _append(state, outcome.committed(round_.draft_token_ids), committed_logprobs(outcome, verification),
-                    verification.step_token_ids, max_context)  # fmt: skip
+    tokens, logprobs = outcome.committed(round_.draft_token_ids), committed_logprobs(outcome, verification)
+    steps = _append(state, tokens, logprobs, verification.step_token_ids, max_context)
     state.round_index += 1 + steps
     if settled is not None:
         _take_branches(state, settled)
     return RoundRecord(
-        index,
         round_.source,
         proposed,
         outcome.num_accepted,

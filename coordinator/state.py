@@ -159,7 +159,6 @@ class Settled:
 class RoundRecord:
     """A committed round, as its observers (GenerationStats, the span) read it."""
 
-    index: int  # the round's index: rounds before it, a target-only call's steps each counted
     source: Source
     proposed: int
     accepted: int
