@@ -57,7 +57,7 @@ def _relaxed(chain: Chain, verification: target_pb2.VerifyResponse) -> RoundOutc
 
 
 # A chain round's acceptance rule by its mode: the one place a new mode is added (with what
-# its verify carries, `verify_fields`, and what its reply must hold, engine.check_verification).
+# its verify carries, `verify_fields`, and what its reply must hold, `check_verification`).
 CHAIN_RULES = {AcceptanceMode.EXACT: _exact, AcceptanceMode.RELAXED: _relaxed}
 
 
