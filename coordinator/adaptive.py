@@ -41,22 +41,10 @@ its pre-drafts that miss take steps of a draft they may share. Emulated, 32 clie
 target replicas and one draft ran pipelined at 0.94× sequential when every round pre-drafted,
 and at 0.99-1.00× this way; one client still gains 1.11× (docs/design.md, "Pipelining").
 
-Lockstep holds where each model has its own processors. Where both compute on the CPU of
-one machine (`shared_host`: the same ModelInfo.host_id, no pass-cost profile), they take
-turns on its cores, so whatever one session's round computes is time every other session's
-pass waits for. The host is then costed as one server. At K = 0 its C sessions step in one
-batched pass of S_C, committing C tokens. A session that drafts leaves that batch: while it
-calls the draft the others' pass goes without it, and its verify comes back to a pass of its
-own. So the host spends S_{C−1} + V(K) + D(K) to commit C − 1 + E(K) tokens, and K > 0 pays
-only where that rate beats C / S_C. At C = 1 this is the sequential round above. Measured
-on 2 shared cores with 4 sessions: the lockstep model let a session whose drafts were all
-accepted draft 8 tokens a round, and the others probe, and the host ran at 0.3-0.4×
-target-only; with prompt lookup, calls that copied nothing cost each session's verify a pass
-of its own, 15% more target CPU for the same tokens. This model drafts and copies nothing
-there unless the copies are nearly always right, and probes neither: one probe's call put
-its session out of step with the others', and its multi-step calls then missed their batch at
-every boundary (one lookup per request cost the hybrid drafter about 10%). So a request that
-starts under load never copies; one that learned its copies pay while alone keeps copying.
+Where both models compute on one machine's cores (`shared_host`), they take turns on them and
+the host is costed as one server: at load C, S_{C−1} + V(K) + D(K) to commit C − 1 + E(K)
+tokens against C in S_C; no probes and no copies for a request that starts under load there
+(docs/design.md, "The K chooser", one machine's cores, with what was measured).
 
 Pure functions and a small estimator: no gRPC, no clocks; the round loop feeds it outcomes.
 """
@@ -172,6 +160,11 @@ class RoundCosts:
     draft_sessions: int = 1  # sessions sharing each service in the rounds costed
     target_sessions: int = 1
     shared_host: bool = False  # both models compute on one machine's CPU, taking turns on its cores
+    # A pipelined round's branch call (coordinator.overlap): the rows it steps together (the
+    # pre-draft, its other bonus guesses, the hedges), and how much likelier the guesses past
+    # the first make it that a fully accepted round's pre-draft is kept.
+    branch_rows: int = 1
+    guess_share: float = 0.0
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
         return dataclasses.replace(self, target_sessions=max(target_sessions, 1), draft_sessions=max(draft_sessions, 1))
@@ -200,6 +193,12 @@ class RoundCosts:
         """K one-token steps (the first also feeds the committed token, counted as one)."""
         return self.draft_rpc_ms + k * self.draft_step_ms() if k else 0.0
 
+    def predraft_ms(self, steps: int) -> float:  # a branch call: `branch_rows` rows stepped together
+        if self.branch_rows == 1:
+            return self.draft_ms(steps)
+        batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
+        return self.draft_rpc_ms + steps * batch.load_ms(self.draft_sessions + self.branch_rows - 1, 1)
+
     def verify_ms(self, k: int) -> float:
         if self.target_sessions == 1:
             return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
@@ -210,15 +209,15 @@ class RoundCosts:
         """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened.
         Pipelined rounds overlap only for a session alone on its target (`overlaps`)."""
         if pipelined and k and self.overlaps:
-            miss = 1.0 - alpha ** (k + 1) - (1.0 - alpha**k) * rescue
-            return max(self.verify_ms(k), self.draft_ms(k + 1)) + miss * self.draft_ms(k)
+            guessed = alpha + (1.0 - alpha) * self.guess_share  # the bonus token among the guesses
+            miss = 1.0 - alpha**k * guessed - (1.0 - alpha**k) * rescue
+            return max(self.verify_ms(k), self.predraft_ms(k + 1)) + miss * self.draft_ms(k)
         return self.verify_ms(k) + self.draft_ms(k)
 
     @property
     def overlaps(self) -> bool:
-        """Whether a pipelined round's pre-draft hides behind its verify: only for a session alone
-        on its target; beside others, their verifies fill the target while it drafts (module
-        docstring)."""
+        """A pipelined round's pre-draft hides behind its verify only for a session alone on its
+        target; beside others, their verifies fill the target while it drafts."""
         return self.target_sessions == 1
 
     def tokens_per_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
@@ -292,6 +291,7 @@ class AdaptiveK:
     # Pipelined with hedges (`hedged`): ρ, how often a hedge assumed the rejection that
     # happened, learned from the rounds that ended in one.
     hedged: bool = False
+    rescue_prior: float = DEFAULT_RESCUE_PRIOR
     rescue_hits: float = 0.0
     rescue_tries: float = 0.0
 
@@ -300,7 +300,7 @@ class AdaptiveK:
         self.reached += PRIOR_WEIGHT
         self.beta_accepted += PRIOR_WEIGHT * self.beta_prior
         self.beta_reached += PRIOR_WEIGHT
-        self.rescue_hits += PRIOR_WEIGHT * DEFAULT_RESCUE_PRIOR
+        self.rescue_hits += PRIOR_WEIGHT * self.rescue_prior
         self.rescue_tries += PRIOR_WEIGHT
 
     @property

@@ -15,7 +15,6 @@ import grpc
 from opentelemetry import trace
 
 from coordinator.clients import DraftClient
-from coordinator.config import CoordinatorConfig
 from coordinator.hedging import Hedge, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
@@ -105,8 +104,7 @@ class Branches:
     """Pre-drafts, hedges and catch-up pre-drafts: started during a round's verify, settled
     once its outcome is known."""
 
-    def __init__(self, config: CoordinatorConfig, upstream: Upstream) -> None:
-        self.config = config
+    def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
 
     def start(
@@ -205,7 +203,7 @@ class Branches:
             round_.runner_up_ids[:positions],
             round_.runner_up_probs[:positions],
             state.acceptance.alpha,
-            self.config.hedges,
+            state.overlap.hedges,
             pair.eos_token_ids,
         )
         branches = []
@@ -232,7 +230,7 @@ class Branches:
         the pre-draft extends it), stepped beside the pre-draft's own guess."""
         draft_view = state.draft_view
         branches = []
-        for rank in range(1, self.config.bonus_guesses):
+        for rank in range(1, state.overlap.bonus_guesses):
             plan = BranchPlan(min(predraft_k, pair.max_num_speculative_tokens), uuid.uuid4().hex, guess_rank=rank)
             request = draft_pb2.ProposeRequest(
                 session_id=plan.session_id,

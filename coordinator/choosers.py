@@ -5,12 +5,16 @@ replicas carry, and their acceptance carried on to the next request's priors."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
 from coordinator.config import CoordinatorConfig
+from coordinator.overlap import Overlap, choose_overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.rounds import RequestState, RoundRules
+
+logger = logging.getLogger(__name__)
 
 
 class Choosers:
@@ -24,6 +28,7 @@ class Choosers:
         # only on themselves).
         self._alpha_prior = DEFAULT_ALPHA_PRIOR
         self._copy_alpha_prior = DEFAULT_ALPHA_PRIOR
+        self._overlap: tuple[bool, int, int] | None = None  # the last overlap chosen, for the log
 
     def costs_at_load(self, state: RequestState) -> tuple[RoundCosts | None, RoundCosts | None]:
         """The choosers' costs for this round: at the sessions the request's replicas hold now
@@ -44,7 +49,38 @@ class Choosers:
         state.stats.sessions_per_round.append(sessions)
         return costs, copy_costs
 
-    def k_chooser(self, job: Job, pair: PairInfo, pipelined: bool) -> AdaptiveK | None:
+    def overlap(self, job: Job, pair: PairInfo) -> Overlap:
+        """What the request's rounds draft during their verify (coordinator.overlap): the flags'
+        choice, or the cost model's at the acceptance the request's K chooser starts from."""
+        chooses_k = job.num_speculative_tokens_unset and job.num_speculative_tokens and pair.costs is not None
+        ks = tuple(range(1, pair.max_num_speculative_tokens + 1)) if chooses_k else (job.num_speculative_tokens,)
+        alpha = DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior
+        config = self.config
+        # A tree round is never pipelined: a tree request, or one the tree chooser may give a
+        # tree, runs sequential rounds unless the flags say otherwise.
+        costs = None if job.tree_widths or config.tree_chooser else pair.costs
+        overlap = choose_overlap(
+            costs,
+            round(alpha, 2),
+            ks,
+            config.pipeline,
+            config.hedges,
+            config.bonus_guesses,
+            sampled=not job.params.greedy,
+        )
+        shape = (overlap.pipelined, overlap.hedges, overlap.bonus_guesses)
+        if shape != self._overlap:  # said when it changes, not per request
+            self._overlap = shape
+            logger.info(
+                "overlap: %s, %d hedges, %d bonus guesses (acceptance prior %.2f)",
+                "pipelined" if overlap.pipelined else "sequential",
+                overlap.hedges,
+                overlap.bonus_guesses,
+                alpha,
+            )
+        return overlap
+
+    def k_chooser(self, job: Job, pair: PairInfo, overlap: Overlap) -> AdaptiveK | None:
         """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
         if not (job.num_speculative_tokens_unset and job.num_speculative_tokens):
             return None
@@ -52,18 +88,19 @@ class Choosers:
             return None  # no measured costs to choose from: the default K
         return AdaptiveK(
             k_max=pair.max_num_speculative_tokens,
-            pipelined=pipelined,
-            costs=pair.costs,
+            pipelined=overlap.pipelined,
+            costs=overlap.costs(pair.costs),
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,
             # Trees are verified exactly only: a relaxed request's chooser weighs chains alone.
             trees=self.config.tree_chooser
             and pair.trees
-            and not self.config.hedges
+            and not overlap.hedges
             and job.relaxed is None
             and not job.params.penalizes,
-            hedged=self.config.hedges > 0,
+            hedged=overlap.hedges > 0,
+            rescue_prior=overlap.rescue,
         )
 
     def copy_chooser(self, k_chooser: AdaptiveK | None, job: Job, pair: PairInfo) -> AdaptiveK | None:

@@ -16,7 +16,7 @@ from specdec.config.services import (
     port_setting,
     shutdown_grace_setting,
 )
-from specdec.config.settings import group, parse_settings, setting
+from specdec.config.settings import group, on_off, parse_settings, setting
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
@@ -43,6 +43,16 @@ FALLBACK_K = 4  # K for a request that leaves it unset where the chooser has no 
 
 def parse_k(text: str) -> int | None:
     """--num-speculative-tokens: "auto" (None: the K chooser) or a fixed K."""
+    return None if text == "auto" else int(text)
+
+
+def parse_auto_switch(text: str) -> bool | None:
+    """--pipeline: "auto" (None: chosen per request, coordinator.overlap), "on" or "off"."""
+    return None if text == "auto" else on_off(text)
+
+
+def parse_auto_count(text: str) -> int | None:
+    """--hedges, --bonus-guesses: "auto" (None: chosen per request) or a count."""
     return None if text == "auto" else int(text)
 
 
@@ -110,10 +120,13 @@ class CoordinatorConfig:
     )
     max_message_bytes: int = max_message_bytes_setting()
     log_level: str = setting("INFO", "--log-level", "logging level")
-    pipeline: bool = setting(
-        False,
+    pipeline: bool | None = setting(
+        None,
         "--pipeline",
-        "on: the draft pre-drafts the next round while the target verifies",
+        "on: the draft pre-drafts the next round while the target verifies; auto: where the cost "
+        "model says it pays, per request (never where draft and target share a host's cores)",
+        parse=parse_auto_switch,
+        shown="auto",
         more="See [Pipelining](design.md#pipelining).",
     )
     tree_chooser: bool = setting(
@@ -124,20 +137,25 @@ class CoordinatorConfig:
         "and uses a tree where it pays; needs both services to serve trees; sequential rounds only "
         "(ignored with --pipeline or --hedges)",
     )
-    hedges: int = setting(
-        0,
+    hedges: int | None = setting(
+        None,
         "--hedges",
         "pre-draft this many likely rejection outcomes (a draft rejected and the token recovered in its "
         "place: the draft's likeliest other tokens, up to 4 per position) on forks of the draft session "
-        f"during each verify (0 = off; at most {MAX_HEDGES})",
+        f"during each verify (0 = off; at most {MAX_HEDGES}; auto: chosen with the pipelining)",
+        parse=parse_auto_count,
+        shown="auto",
     )
-    bonus_guesses: int = setting(
-        1,
+    bonus_guesses: int | None = setting(
+        None,
         "--bonus-guesses",
         "with --pipeline: pre-draft for this many guesses of a fully accepted round's bonus token "
         "during each verify, the draft's likeliest tokens after the round's last draft, each past the "
         "first on a fork of the draft session, stepped in the same passes; the round after keeps the "
-        f"branch whose guess was right (1 = the argmax alone; at most {MAX_BONUS_GUESSES})",
+        f"branch whose guess was right (1 = the argmax alone; at most {MAX_BONUS_GUESSES}; auto: chosen "
+        "with the pipelining)",
+        parse=parse_auto_count,
+        shown="auto",
         more="See [Hedges](design.md#hedges).",
     )
     target_only_steps: int = setting(
@@ -242,10 +260,10 @@ class CoordinatorConfig:
             return (
                 "--breaker-failures must be >= 1, --pool-refresh > 0, --queue-timeout and --max-waiting-requests >= 0"
             )
-        if not 0 <= self.hedges <= MAX_HEDGES:
-            return f"--hedges must be in [0, {MAX_HEDGES}]"
-        if not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:
-            return f"--bonus-guesses must be in [1, {MAX_BONUS_GUESSES}]"
+        if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:
+            return f"--hedges must be auto or in [0, {MAX_HEDGES}]"
+        if self.bonus_guesses is not None and not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:
+            return f"--bonus-guesses must be auto or in [1, {MAX_BONUS_GUESSES}]"
         if not 0.0 <= self.min_vocab_overlap <= 1.0:  # NaN fails too
             return f"--min-vocab-overlap must be in [0, 1]; got {self.min_vocab_overlap}"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:

@@ -86,7 +86,7 @@ class Engine:
         self.rules = rules
         self.tokenizer = tokenizer
         self.upstream = Upstream(config, drafts, targets, pair, target_info)
-        self.branches = Branches(config, self.upstream)
+        self.branches = Branches(self.upstream)
         self.choosers = Choosers(config, rules)
         # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
         # tokenizer thread), never on the event loop: a large request costs its own latency, not
@@ -194,8 +194,8 @@ class Engine:
         if time_remaining_s is not None:
             retry_for, wait_for = min(retry_for, 0.7 * time_remaining_s), min(wait_for, 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex
-        pipelined = self.config.pipeline and job.num_speculative_tokens != 0
-        k_chooser = self.choosers.k_chooser(job, pair, pipelined)
+        overlap = self.choosers.overlap(job, pair)
+        k_chooser = self.choosers.k_chooser(job, pair, overlap)
         stats = GenerationStats(
             prompt_tokens=len(job.prompt_ids),
             target_numerics=pair.target_numerics,
@@ -203,8 +203,7 @@ class Engine:
             relaxed_top_n=job.relaxed.top_n if job.relaxed is not None else 0,
             relaxed_delta=job.relaxed.delta if job.relaxed is not None else 0.0,
         )
-        stats.pipelined = pipelined
-        hedging = self.config.hedges > 0 and job.num_speculative_tokens != 0
+        stats.pipelined = overlap.pipelined
         draft_view = SessionView(
             session_id,
             min_confidence=job.draft_min_confidence,
@@ -212,7 +211,7 @@ class Engine:
             namespace=job.cache_namespace,
             # A seeded sampled request's proposals, like its K, may depend on nothing but itself.
             own_sequence_only=job.seeded_sampled,
-            runner_ups=runner_ups_for(self.config.hedges) if hedging else 0,
+            runner_ups=runner_ups_for(overlap.hedges),
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
         waited_s = await self.upstream.place(draft_view, target_view, job.prompt_ids, job.max_new_tokens, wait_for)
@@ -229,8 +228,7 @@ class Engine:
             text=TextAssembler(self.tokenizer, job.prompt_ids, set(pair.eos_token_ids), job.stop, job.max_new_tokens),
             draft_view=draft_view,
             target_view=target_view,
-            pipelined=pipelined,
-            hedging=hedging,
+            overlap=overlap,
             retry_until=asyncio.get_running_loop().time() + retry_for,
             k_chooser=k_chooser,
             copy_chooser=self.choosers.copy_chooser(k_chooser, job, pair),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from coordinator.adaptive import AdaptiveK, RoundCosts
 from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
+from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.state import DraftRefusals, Round, SessionView
@@ -126,8 +127,7 @@ class RequestState:
     text: TextAssembler
     draft_view: SessionView
     target_view: SessionView
-    pipelined: bool
-    hedging: bool
+    overlap: Overlap  # pipelined or not, and the hedges and bonus guesses of its branch calls
     retry_until: float  # loop time after which an unavailable target fails the request
     k_chooser: AdaptiveK | None = None  # K per round, when the request left K to the coordinator
     load_aware: bool = False  # the chooser costs rounds at the sessions sharing the services
@@ -140,6 +140,14 @@ class RequestState:
     copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
     predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
     round_index: int = 0  # the clock: rounds committed, a target-only call's steps each counted
+
+    @property
+    def pipelined(self) -> bool:
+        return self.overlap.pipelined
+
+    @property
+    def hedging(self) -> bool:
+        return self.overlap.hedges > 0
 
     @property
     def overlapping(self) -> bool:

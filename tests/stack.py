@@ -79,11 +79,14 @@ class Stack:
 
 def configured(config: CoordinatorConfig, overrides: dict | None) -> tuple[CoordinatorConfig, RoundRules]:
     """A test's coordinator overrides applied: RoundRules' fields (`catch_up`, `live_costs`)
-    to the round rules, which are no flags, the rest to the config."""
+    to the round rules, which are no flags, the rest to the config, whose overlap is the plain
+    one (sequential, no hedges, one bonus guess) where the test leaves it."""
     rule_names = {item.name for item in dataclasses.fields(RoundRules)}
     overrides = overrides or {}
     rules = RoundRules(**{name: value for name, value in overrides.items() if name in rule_names})
-    settings = {name: value for name, value in overrides.items() if name not in rule_names}
+    # A test names the overlap it runs: the plain one unless it says (auto has tests of its own).
+    settings = {"pipeline": False, "hedges": 0, "bonus_guesses": 1}
+    settings.update((name, value) for name, value in overrides.items() if name not in rule_names)
     return dataclasses.replace(config, **settings), rules
 
 

@@ -131,8 +131,11 @@ class TableService:
 
     role = ""
 
-    def __init__(self, model: TableModel, fingerprint: str, pass_ms: tuple[float, ...] = ()) -> None:
+    def __init__(
+        self, model: TableModel, fingerprint: str, pass_ms: tuple[float, ...] = (), max_batch_size: int = 0
+    ) -> None:
         self.model = model
+        self.max_batch_size = max_batch_size  # in Info: sessions one pass may step (0: not said)
         self.address = f"table {self.role}"
         self.timeout_s = 30.0
         self.fingerprint = fingerprint
@@ -148,6 +151,7 @@ class TableService:
             max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
             calibrated_pass_ms=list(self.pass_ms),
             cost_context_tokens=CALIBRATION_CONTEXT,
+            max_batch_size=self.max_batch_size,
         )
 
     async def wait_info(self, total_timeout_s: float) -> common_pb2.ModelInfo:

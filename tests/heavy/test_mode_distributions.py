@@ -58,6 +58,9 @@ CONCURRENCY = 32
 # (draft ms per step, target ms per pass) in Info, for the K chooser: drafts half as dear as a
 # verify, so the pipelined chooser settles at short drafts and rounds continue from pre-drafts.
 CHOOSER_COSTS = (20.0, 40.0)
+# ... and for the overlap chosen per request (coordinator.overlap): a draft step an eighth of a
+# target pass, so that pipelining pays.
+ACCELERATOR_COSTS = (5.0, 40.0)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Mode:
     k: int | None  # None: the K chooser decides
     min_confidence: float = 0.0  # the draft's confidence stop
     costs: tuple[float, float] | None = None
+    draft_batch: int = 0  # the draft's max batch size in its Info (0: not said)
     exercised: Callable[[list, TableDraft], str | None] = field(default=lambda stats, draft: None)
     prompt: tuple[int, ...] = (1, 0, 1)
     draft_noise: float = 0.8  # how far the draft's logits are from the target's
@@ -132,6 +136,16 @@ def bonus_guesses_used(stats, draft) -> str | None:
 
 def hedges_and_pre_drafts_used(stats, draft) -> str | None:
     return hedges_used(stats, draft) or pre_drafts_used(stats, draft)
+
+
+def pipelining_chosen(stats, draft) -> str | None:
+    """The coordinator chose, unasked, to pipeline these sampled requests, without hedges
+    (auto adds branches to greedy requests only), and their pre-drafts were used."""
+    if not all(s.pipelined for s in stats):
+        return "the coordinator did not choose to pipeline"
+    if total(stats, "hedges"):
+        return "the coordinator hedged a sampled request"
+    return pre_drafts_used(stats, draft)
 
 
 def confidence_stops(stats, draft) -> str | None:
@@ -210,6 +224,17 @@ MODES = {
         k=None,
         costs=CHOOSER_COSTS,
         exercised=chooser_varied,
+        mutant_samples=10_000,
+    ),
+    # No flags: the coordinator chooses the overlap (coordinator.overlap) and K.
+    "chosen": Mode(
+        {"pipeline": None, "hedges": None, "bonus_guesses": None},
+        vocab=2,
+        length=4,
+        k=None,
+        costs=ACCELERATOR_COSTS,
+        draft_batch=32,
+        exercised=pipelining_chosen,
         mutant_samples=10_000,
     ),
 }
@@ -357,6 +382,7 @@ MUTANTS = {
     "confidence_stopped": unsure_draft_dropped,
     "short_predrafts": pre_draft_rows_flattened,
     "adaptive": k_cut_after_drafting,
+    "chosen": pre_draft_rows_flattened,
 }
 
 
@@ -377,7 +403,11 @@ async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tup
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
     draft_ms, target_ms = mode.costs or (None, None)
     draft = TableDraft(
-        draft_model, fingerprint, pass_ms=(draft_ms,) * 9 if draft_ms else (), min_confidence=mode.min_confidence
+        draft_model,
+        fingerprint,
+        pass_ms=(draft_ms,) * 9 if draft_ms else (),
+        max_batch_size=mode.draft_batch,
+        min_confidence=mode.min_confidence,
     )
     target = TableTarget(target_model, fingerprint, pass_ms=(target_ms,) * 9 if target_ms else ())
     config, rules = configured(

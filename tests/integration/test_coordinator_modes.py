@@ -309,3 +309,31 @@ async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target
         assert shared_rounds >= 4 and sum(s.proposed_tokens for s in together) > 0, together
         assert alone.predrafts > 0 and set(alone.sessions_per_round) == {1}
         await _until_no_sessions(stack.draft_runner)
+
+
+async def test_a_request_left_to_the_coordinator_runs_the_overlap_its_costs_favour(tiny_pair, reference, monkeypatch):
+    """No overlap flags (auto): with a draft step an eighth of a verify, its rows batched at
+    the cost of one, and each model on processors of its own, a greedy request pipelines with
+    hedges (coordinator.overlap) and its output is still the target's; a sampled one pipelines
+    without them. On a shared host the same flags run plain sequential rounds."""
+
+    def costs(draft_runner, target_runner) -> None:
+        draft_runner.pass_costs = PassCosts((5.0,) * 9, 128, tuple((b, 1, 5.0) for b in (2, 4, 8)))
+        target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
+
+    auto = {"pipeline": None, "hedges": None, "bonus_guesses": None, "live_costs": False}
+    for shared in (False, True):
+        monkeypatch.setattr(coordinator_server, "shares_cores", lambda draft, target, shared=shared: shared)
+        async with inprocess_stack(
+            tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=auto, prepare_runners=costs
+        ) as running:
+            for prompt in PROMPTS:
+                response = await running.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40), timeout=60)
+                assert list(response.token_ids) == reference(prompt), f"shared={shared}: diverged on {prompt!r}"
+                s = response.stats
+                assert (s.pipelined, s.hedges > 0) == (not shared, not shared), (shared, s.pipelined, s.hedges)
+            sampled = await running.stub.Generate(
+                pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=3), timeout=60
+            )
+            assert (sampled.stats.pipelined, sampled.stats.hedges) == (not shared, 0)
+            await _until_no_sessions(running.draft_runner)

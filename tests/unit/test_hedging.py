@@ -93,8 +93,10 @@ def test_pre_drafts_drop_their_last_step_while_it_comes_back_after_the_verify():
 
 def test_hedges_flag_is_bounded():
     base = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]
-    assert parse_config(base, env={}).hedges == 0
+    assert parse_config(base, env={}).hedges is None  # auto: chosen with the pipelining
     assert parse_config([*base, "--hedges", "3"], env={}).hedges == 3
+    assert parse_config([*base, "--hedges", "0"], env={}).hedges == 0
+    assert parse_config([*base, "--pipeline", "auto", "--bonus-guesses", "auto"], env={}).pipeline is None
     with pytest.raises(SystemExit):
         parse_config([*base, "--hedges", "25"], env={})
 

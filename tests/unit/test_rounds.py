@@ -10,6 +10,7 @@ import pytest
 from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts
 from coordinator.commit import RoundResult, commit_round
 from coordinator.metrics import GenerationStats
+from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.rounds import (
@@ -56,8 +57,7 @@ def state(k: int = 4, max_new_tokens: int = 32, pipelined: bool = False, **chang
         text=TextAssembler(TOKENIZER, PROMPT, set(PAIR.eos_token_ids), (), max_new_tokens),
         draft_view=SessionView("s"),
         target_view=SessionView("s"),
-        pipelined=pipelined,
-        hedging=False,
+        overlap=Overlap(pipelined=pipelined),
         retry_until=0.0,
     )
     return dataclasses.replace(made, **changes)

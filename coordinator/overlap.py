@@ -1,0 +1,124 @@
+"""Which overlap a request runs, chosen as it starts from the cost model that chooses K
+(coordinator.adaptive): sequential rounds, or pipelined ones (the next round pre-drafted during
+this round's verify) with how many hedges and bonus guesses riding in the pre-draft's call.
+`--pipeline`, `--hedges` and `--bonus-guesses` fix a part; `auto` (their default) leaves it here.
+
+A pipelined round of K costs max(V(K), P(K + 1)) + m·D(K) (`RoundCosts.round_ms`): P is the
+branch call, its rows (the pre-draft, each further bonus guess, each hedge) stepped together, so
+on an accelerator a row costs little and on a CPU nearly a pass. The pre-draft is kept when every
+draft is accepted and a guess is the bonus token, or when a hedge assumed the rejection that
+happened; m is the chance of neither. How likely each is comes from a prior over which of the
+draft's likeliest tokens the target picks where it disagrees with the draft's first:
+RUNNER_UP_SHARES (the synthetic 0.8 pair measured 59% for the first runner-up and 99% within
+three; real pairs spread wider, so the prior halves each rank). The request's chooser then learns
+its own hedges' hit rate from its rounds (`AdaptiveK.observe_rescue`), starting from this one.
+
+Only greedy requests get branches of auto's choosing. A sampled row's step also samples, keeps
+its sparse distribution and its runner-ups, which the calibrated passes leave out, and its
+recovered tokens spread wider than the prior says: emulated (70B/1B H100 profiles, α 0.8,
+T = 0.7, AVX2), 4 hedges ran at 0.85× pipelining without them, their branch calls replying
+8 ms after the verify.
+
+Sequential wins where the draft's step is dear, the verify steep, or both models share a
+machine's cores (`RoundCosts.shared_host`: a pre-draft then takes turns with the verify rather
+than hiding behind it); a richer overlap must beat a plainer one by OVERLAP_GAIN, for the work
+its branches cost the coordinator and the draft that the model leaves out. Seeded sampled
+requests are costed from the calibrated figures and the fixed prior alone, so a seed's output
+(which depends on the overlap, as on K) stays one. Pure: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from coordinator.adaptive import DEFAULT_RESCUE_PRIOR, RoundCosts
+
+# Given a disagreement, the chance that the target's token is the draft's r-th likeliest other one.
+RUNNER_UP_SHARES = (0.5, 0.25, 0.125, 0.0625)
+HEDGE_COUNTS = (0, 1, 2, 4, 8, 12)  # the hedge counts weighed
+GUESS_COUNTS = (1, 2, 3)  # the bonus guesses weighed
+OVERLAP_GAIN = 1.03
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What a request's rounds draft during their verify."""
+
+    pipelined: bool = False
+    hedges: int = 0
+    bonus_guesses: int = 1
+    rescue: float = DEFAULT_RESCUE_PRIOR  # the chance a hedge assumed a round's rejection: the chooser's prior
+
+    @property
+    def rows(self) -> int:
+        return self.bonus_guesses + self.hedges
+
+    def costs(self, costs: RoundCosts) -> RoundCosts:
+        """`costs` with this overlap's branch call."""
+        return dataclasses.replace(
+            costs, branch_rows=self.rows, guess_share=sum(RUNNER_UP_SHARES[: self.bonus_guesses - 1])
+        )
+
+
+def rescue_share(alpha: float, k: int, hedges: int) -> float:
+    """ρ: given that a round of K drafts rejected one, the chance that one of `hedges` hedges
+    assumed that outcome, the hedges being the likeliest outcomes (draft j rejected, runner-up r
+    recovered: α^j·(1 − α)·share_r) as coordinator.hedging picks them."""
+    if not (k and hedges):
+        return 0.0
+    weights = sorted((alpha**j * share for j in range(k) for share in RUNNER_UP_SHARES), reverse=True)
+    return sum(weights[:hedges]) / sum(alpha**j for j in range(k))
+
+
+@functools.lru_cache(maxsize=256)
+def choose_overlap(
+    costs: RoundCosts | None,
+    alpha: float,
+    ks: tuple[int, ...],
+    pipeline: bool | None,
+    hedges: int | None,
+    bonus_guesses: int | None,
+    sampled: bool = False,
+) -> Overlap:
+    """The overlap with the most tokens per millisecond at acceptance `alpha`, over the Ks in
+    `ks` (the request's fixed K, or the chooser's range), among those the flags leave open
+    (None: auto). Auto is the plainest (sequential, no hedges, one guess) where nothing is
+    costed, where both models share the host's cores, and where K is 0; for a `sampled`
+    request it pipelines or not but adds no branches (module docstring). A hand-set hedge
+    count keeps the chooser's neutral prior for its hit rate."""
+    if not any(ks):
+        return Overlap()  # target-only: nothing to overlap
+    given = Overlap(bool(pipeline), hedges or 0, bonus_guesses or 1, DEFAULT_RESCUE_PRIOR)
+    if costs is None or costs.shared_host or None not in (pipeline, hedges, bonus_guesses):
+        return given
+    best: tuple[float, Overlap] | None = None
+    if sampled:
+        hedges, bonus_guesses = 0 if hedges is None else hedges, 1 if bonus_guesses is None else bonus_guesses
+    for overlap in candidates(pipeline, hedges, bonus_guesses):
+        k, rate = best_rate(costs, overlap, alpha, ks)
+        if hedges is None and overlap.hedges:
+            overlap = dataclasses.replace(overlap, rescue=rescue_share(alpha, k, overlap.hedges))
+        if best is None or rate > best[0] * OVERLAP_GAIN:
+            best = (rate, overlap)
+    assert best is not None
+    return best[1]
+
+
+def candidates(pipeline: bool | None, hedges: int | None, guesses: int | None) -> list[Overlap]:
+    """The overlaps the flags leave open, plainest first."""
+    found = []
+    for pipelined in [pipeline] if pipeline is not None else [False, True]:
+        hedge_counts = [hedges] if hedges is not None else HEDGE_COUNTS if pipelined else [0]
+        guess_counts = [guesses] if guesses is not None else GUESS_COUNTS if pipelined else [1]
+        found += [Overlap(pipelined, h, g, DEFAULT_RESCUE_PRIOR) for h in hedge_counts for g in guess_counts]
+    return sorted(found, key=lambda o: (o.pipelined, o.rows))
+
+
+def best_rate(costs: RoundCosts, overlap: Overlap, alpha: float, ks: tuple[int, ...]) -> tuple[int, float]:
+    """The best K of `ks` for this overlap, and its tokens per millisecond."""
+    shaped = overlap.costs(costs)
+    rates = {k: shaped.tokens_per_ms(k, alpha, overlap.pipelined, rescue_share(alpha, k, overlap.hedges)) for k in ks}
+    k = max(rates, key=lambda k: (rates[k], -k))
+    return k, rates[k]

@@ -1,0 +1,92 @@
+"""The overlap chosen per request (coordinator.overlap): pipelining, hedges and bonus guesses
+from the cost model where the flags leave them to it, the plain rounds where nothing overlaps."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.adaptive import DEFAULT_RESCUE_PRIOR, BatchCosts, RoundCosts
+from coordinator.overlap import RUNNER_UP_SHARES, Overlap, best_rate, choose_overlap, rescue_share
+
+KS = tuple(range(1, 9))
+AUTO = (None, None, None)
+
+
+def flat(draft_ms: float, target_ms: float, batch: int = 32, **changes) -> RoundCosts:
+    """An accelerator-like pair: passes flat in their tokens, a batch of rows costing one pass."""
+    draft = (draft_ms,) * 16
+    return RoundCosts(draft, (target_ms,) * 16, 0.5, 0.5, draft_batch=BatchCosts(draft, (), batch), **changes)
+
+
+def test_target_only_and_uncosted_requests_run_plain_rounds():
+    assert choose_overlap(flat(2.0, 20.0), 0.8, (0,), *AUTO) == Overlap()
+    assert choose_overlap(None, 0.8, KS, *AUTO) == Overlap()
+    # A flag holds without costs too.
+    assert choose_overlap(None, 0.8, KS, True, 2, 1) == Overlap(True, 2, 1)
+    assert choose_overlap(None, 0.8, KS, True, None, None) == Overlap(True, 0, 1)
+
+
+def test_a_cheap_batched_draft_pipelines_with_hedges_and_guesses():
+    chosen = choose_overlap(flat(1.0, 20.0), 0.8, KS, *AUTO)
+    assert chosen.pipelined and chosen.hedges > 0
+    assert 0 < chosen.rescue <= sum(RUNNER_UP_SHARES)
+    sequential = best_rate(flat(1.0, 20.0), Overlap(), 0.8, KS)[1]
+    assert best_rate(flat(1.0, 20.0), chosen, 0.8, KS)[1] > 1.1 * sequential
+
+
+def test_shared_cores_never_overlap_unasked():
+    shared = flat(1.0, 20.0, shared_host=True)
+    assert choose_overlap(shared, 0.8, KS, *AUTO) == Overlap()
+    # Asked to pipeline, it does, and chooses no hedges of its own there.
+    assert choose_overlap(shared, 0.8, KS, True, None, None) == Overlap(True, 0, 1)
+
+
+def test_rows_that_cost_a_pass_each_are_not_hedged():
+    """A CPU draft steps several rows at nearly the cost of as many passes: hedges would delay
+    the pre-draft past its verify."""
+    dear_rows = flat(4.0, 20.0, batch=1)
+    chosen = choose_overlap(dear_rows, 0.8, KS, *AUTO)
+    assert chosen.pipelined and chosen.hedges == 0 and chosen.bonus_guesses == 1
+
+
+def test_a_draft_nearly_as_dear_as_the_target_runs_sequential_rounds():
+    """Where a pre-draft of K + 1 steps outlasts the verify, whatever it drafts, and a miss then
+    costs a fresh draft on top, sequential rounds win."""
+    dear = RoundCosts((18.0,) * 16, (20.0,) * 16, 0.5, 0.5)
+    assert not choose_overlap(dear, 0.6, KS, *AUTO).pipelined
+
+
+def test_flags_fix_their_part_and_leave_the_rest():
+    costs = flat(1.0, 20.0)
+    assert choose_overlap(costs, 0.8, KS, False, None, None) == Overlap()  # no hedges without pipelining
+    fixed = choose_overlap(costs, 0.8, KS, True, 2, 3)
+    assert fixed == Overlap(True, 2, 3) and fixed.rescue == DEFAULT_RESCUE_PRIOR  # a hand-set count: neutral prior
+    assert choose_overlap(costs, 0.8, KS, None, 0, 1) == Overlap(True, 0, 1)
+    assert choose_overlap(costs, 0.8, KS, True, 0, None).hedges == 0
+
+
+def test_a_fixed_k_is_costed_at_that_k():
+    # One draft a round leaves little to hedge; eight leave more.
+    one = choose_overlap(flat(1.0, 20.0), 0.8, (1,), *AUTO)
+    eight = choose_overlap(flat(1.0, 20.0), 0.8, (8,), *AUTO)
+    assert one.hedges <= eight.hedges
+
+
+def test_rescue_share_grows_with_hedges_to_the_runner_ups_whole_share():
+    shares = [rescue_share(0.8, 4, hedges) for hedges in (0, 1, 2, 4, 8, 16)]
+    assert shares[0] == 0.0 and shares == sorted(shares)
+    assert shares[-1] == pytest.approx(sum(RUNNER_UP_SHARES))
+    # The first hedge assumes the first position's first runner-up, the likeliest outcome.
+    assert shares[1] == pytest.approx(RUNNER_UP_SHARES[0] / sum(0.8**j for j in range(4)))
+
+
+def test_the_branch_calls_rows_and_guesses_are_costed():
+    costs = flat(2.0, 20.0, batch=1)
+    wide = Overlap(True, 3, 2).costs(costs)
+    assert wide.branch_rows == 5 and wide.guess_share == RUNNER_UP_SHARES[0]
+    assert wide.predraft_ms(5) == pytest.approx(0.5 + 5 * 5 * 2.0)  # five rows, one pass each
+    assert Overlap(True).costs(costs).predraft_ms(5) == pytest.approx(costs.draft_ms(5))
+    # A second guess makes a pipelined round's pre-draft likelier kept.
+    plain = Overlap(True).costs(flat(2.0, 20.0))
+    guessed = Overlap(True, 0, 2).costs(flat(2.0, 20.0))
+    assert guessed.round_ms(4, 0.7, pipelined=True) < plain.round_ms(4, 0.7, pipelined=True)
