@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.modes import model_infos
+from bench.modes import model_infos, overlap_flags
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
@@ -47,12 +47,13 @@ CELLS = [("70b+1b", 0.6), ("70b+1b", 0.8), ("70b+1b", 0.9), ("8b+0.5b", 0.8), ("
 QUICK_CELLS = [("70b+1b", 0.8)]
 # Coordinator variants: extra flags for `python -m coordinator`.
 COORDINATORS = {
-    "sequential": [],
-    "pipelined": ["--pipeline", "on"],
-    "hedged": ["--pipeline", "on", "--hedges", "2"],
+    "sequential": overlap_flags(),
+    "pipelined": overlap_flags("on"),
+    "hedged": overlap_flags("on", 2),
     # The 12 likeliest rejection outcomes, runner-ups fanned out, and the bonus token guessed 3 ways.
-    "hedged-all": ["--pipeline", "on", "--hedges", "12", "--bonus-guesses", "3"],
-    "tree-chooser": ["--tree-chooser", "on"],
+    "hedged-all": overlap_flags("on", 12, 3),
+    "tree-chooser": [*overlap_flags(), "--tree-chooser", "on"],
+    "default": [],  # no flags: the overlap and K chosen per request (coordinator.overlap)
 }
 PROMPTS = [[5, 17, 99], [40, 41, 42, 43], [250, 3], [120, 77, 77, 1]]
 SAMPLED = 0.7
@@ -90,8 +91,9 @@ MODES = [
     Mode("K chooser with trees", "tree-chooser", None),
     Mode("pipelined, all hedged K=6", "hedged-all", 6, sampled=True),
     Mode("pipelined, all hedged, K chooser", "hedged-all", None, sampled=True),
+    Mode("no flags (overlap and K chosen)", "default", None, sampled=True),
 ]
-QUICK_MODES = [MODES[0], MODES[2], MODES[5], MODES[7], MODES[9]]
+QUICK_MODES = [MODES[0], MODES[2], MODES[5], MODES[7], MODES[9], MODES[-1]]
 
 
 @functools.cache

@@ -99,19 +99,26 @@ PLACEMENTS: dict[str, dict[str, list[str]]] = {
 }
 
 
+def overlap_flags(pipeline: str = "off", hedges: int = 0, bonus_guesses: int = 1) -> list[str]:
+    """A coordinator's overlap, fixed: these suites name the mode they measure, where the
+    default (auto) would choose one per request (coordinator.overlap)."""
+    return ["--pipeline", pipeline, "--hedges", str(hedges), "--bonus-guesses", str(bonus_guesses)]
+
+
 # Coordinator variants: extra flags for `python -m coordinator`.
 COORDINATORS = {
-    "sequential": [],
-    "pipelined": ["--pipeline", "on"],
-    "adaptive": [],  # the K chooser: requests that leave K unset
-    "pipelined+adaptive": ["--pipeline", "on"],
-    "hedged1": ["--hedges", "1"],
-    "hedged2": ["--hedges", "2"],
-    "pipelined+hedged1": ["--pipeline", "on", "--hedges", "1"],
-    "pipelined+hedged2": ["--pipeline", "on", "--hedges", "2"],
+    "sequential": overlap_flags(),
+    "pipelined": overlap_flags("on"),
+    "adaptive": overlap_flags(),  # the K chooser: requests that leave K unset
+    "pipelined+adaptive": overlap_flags("on"),
+    "hedged1": overlap_flags(hedges=1),
+    "hedged2": overlap_flags(hedges=2),
+    "pipelined+hedged1": overlap_flags("on", 1),
+    "pipelined+hedged2": overlap_flags("on", 2),
     # Without catch-up steps: a round with no drafts ready waits for fresh ones.
-    "pipelined-waiting": ["--pipeline", "on", "rule:catch_up=off"],  # bench.rules_coordinator
-    "tree-chooser": ["--tree-chooser", "on"],
+    "pipelined-waiting": [*overlap_flags("on"), "rule:catch_up=off"],  # bench.rules_coordinator
+    "tree-chooser": [*overlap_flags(), "--tree-chooser", "on"],
+    "default": [],  # no flags: the overlap and K chosen per request
 }
 
 
