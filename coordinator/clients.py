@@ -25,7 +25,7 @@ from specdec.errors import (
     SpecDecError,
     Unavailable,
 )
-from specdec.rpc import telemetry
+from specdec.rpc import keepalive, telemetry
 from specdec.rpc.security import ChannelSecurity, aio_channel
 from specdec.rpc.serving import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -64,7 +64,7 @@ class ServiceClient:
         self.timeout_s = timeout_s
         self.channel = channel or aio_channel(
             address,
-            [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS],
+            [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS, *keepalive.options()],
             security,
             telemetry.client_interceptors(),
         )

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.rpc import telemetry
+from specdec.rpc import keepalive, telemetry
 
 if TYPE_CHECKING:
     from specdec.config.services import ModelServiceConfig
@@ -66,6 +66,7 @@ def create_server(
         *message_size_options(max_message_bytes, max_receive_bytes),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+        *keepalive.server_options(),
     ]
     return grpc.aio.server(interceptors=chain or None, options=options)
 
