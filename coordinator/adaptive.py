@@ -8,10 +8,10 @@ drafts (K + 1 steps: the bonus guess, then K) run during this round's verify, on
 path only past its end, and are kept when every draft is accepted and the guess equals the
 bonus token (probability ≈ α^(K+1)) or, with hedges, when a hedge assumed the rejection that
 happened (probability ρ given a rejection, learned from the request's rounds); otherwise the
-next round drafts afresh. So T(K) = max(V(K), D(K + 1)) + m(K)·D(K), with the miss
-probability m(K) = 1 − α^(K+1) − (1 − α^K)·ρ.
-K maximises E(K) / T(K). Where verifying K + 1 tokens costs several times one token (bf16 on
-an AVX2-only CPU), or the draft is nearly as slow as the target, that maximum is K = 0.
+next round drafts afresh. So T(K) = max(V(K), P(K + 1)) + m(K)·D(K): P the branch call (its
+rows as passes of at most the draft's batch), m(K) = 1 − α^K·g − (1 − α^K)·ρ, g ≈ α (a guess
+is the bonus token). K maximises E(K) / T(K): 0 where a K + 1-token verify costs several times
+one (bf16 on AVX2 only), or the draft is nearly as slow as the target.
 
 The pass costs of a seeded sampled request come from the services' start-up calibration
 (Info.calibrated_pass_ms) and the RPC cost from the coordinator's own start-up round trips;
@@ -193,7 +193,7 @@ class RoundCosts:
         """K one-token steps (the first also feeds the committed token, counted as one)."""
         return self.draft_rpc_ms + k * self.draft_step_ms() if k else 0.0
 
-    def predraft_ms(self, steps: int) -> float:  # a branch call: `branch_rows` rows stepped together
+    def predraft_ms(self, steps: int) -> float:  # a branch call: its rows stepped together
         if self.branch_rows == 1:
             return self.draft_ms(steps)
         batch = self.draft_batch or BatchCosts(self.draft_pass_ms)

@@ -28,7 +28,7 @@ class Choosers:
         # only on themselves).
         self._alpha_prior = DEFAULT_ALPHA_PRIOR
         self._copy_alpha_prior = DEFAULT_ALPHA_PRIOR
-        self._overlap: tuple[bool, int, int] | None = None  # the last overlap chosen, for the log
+        self._overlap: dict[bool, tuple[bool, int, int]] = {}  # the last overlap chosen, greedy/sampled
 
     def costs_at_load(self, state: RequestState) -> tuple[RoundCosts | None, RoundCosts | None]:
         """The choosers' costs for this round: at the sessions the request's replicas hold now
@@ -69,10 +69,12 @@ class Choosers:
             sampled=not job.params.greedy,
         )
         shape = (overlap.pipelined, overlap.hedges, overlap.bonus_guesses)
-        if shape != self._overlap:  # said when it changes, not per request
-            self._overlap = shape
+        sampled = not job.params.greedy
+        if shape != self._overlap.get(sampled):  # said when it changes (greedy and sampled apart)
+            self._overlap[sampled] = shape
             logger.info(
-                "overlap: %s, %d hedges, %d bonus guesses (acceptance prior %.2f)",
+                "overlap for %s requests: %s, %d hedges, %d bonus guesses (acceptance prior %.2f)",
+                "sampled" if sampled else "greedy",
                 "pipelined" if overlap.pipelined else "sequential",
                 overlap.hedges,
                 overlap.bonus_guesses,
@@ -89,7 +91,7 @@ class Choosers:
         return AdaptiveK(
             k_max=pair.max_num_speculative_tokens,
             pipelined=overlap.pipelined,
-            costs=overlap.costs(pair.costs),
+            costs=overlap.costs(pair.costs, guesses=False),
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,

@@ -332,7 +332,8 @@ class Engine:
         and drafts up to K after it (no hedges: there are no runner-ups to hedge on)."""
         catch_up = plan.kind is RoundKind.CATCH_UP
         proposed = len(round_.draft_token_ids)
-        if not ((plan.overlapping or state.hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
+        hedging = state.hedging and (plan.overlapping or not state.overlap.chosen)  # auto's: only pre-drafting
+        if not ((plan.overlapping or hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
             return None
         # Room after a fully accepted round: the bonus guess plus up to K drafts for it (K - 1
         # where that last step comes back after the verify: PredraftDepth).
@@ -340,7 +341,7 @@ class Engine:
         next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
         most = min(plan.k, next_limit)
         predraft_k = state.predraft_depth.steps(most) if plan.overlapping and next_limit else 0
-        hedge_k = plan.k if state.hedging else 0
+        hedge_k = plan.k if hedging else 0
         call = self.branches.start(state, pair, round_, predraft_k, hedge_k, draws.predraft_seed, catch_up)
         if call is not None:
             call.predraft_full = predraft_k == most + 1

@@ -2,6 +2,9 @@
 (coordinator.adaptive): sequential rounds, or pipelined ones (the next round pre-drafted during
 this round's verify) with how many hedges and bonus guesses riding in the pre-draft's call.
 `--pipeline`, `--hedges` and `--bonus-guesses` fix a part; `auto` (their default) leaves it here.
+The choice is costed for a request alone; beside other sessions on its target a round runs
+sequential (`RoundCosts.overlaps`), and then carries none of the hedges auto chose either: each
+is a fork of the draft session, holding a session and a KV copy on the draft for nothing.
 
 A pipelined round of K costs max(V(K), P(K + 1)) + m·D(K) (`RoundCosts.round_ms`): P is the
 branch call, its rows (the pre-draft, each further bonus guess, each hedge) stepped together, so
@@ -12,6 +15,12 @@ draft's likeliest tokens the target picks where it disagrees with the draft's fi
 RUNNER_UP_SHARES (the synthetic 0.8 pair measured 59% for the first runner-up and 99% within
 three; real pairs spread wider, so the prior halves each rank). The request's chooser then learns
 its own hedges' hit rate from its rounds (`AdaptiveK.observe_rescue`), starting from this one.
+
+A branch call's rows are priced as passes of at most the draft's batch size (`predraft_ms`):
+the service steps them in one pass, but each fork also copies its parent's KV and samples its
+rows, outside the calibrated passes. Priced as one pass over all its rows, auto chose 8 hedges
+on a flat 20 / 4 ms profile and ran 0.72x the best mode, its branch calls replying 9 ms after
+the verify; priced this way it chose 4 and matched the best.
 
 Only greedy requests get branches of auto's choosing. A sampled row's step also samples, keeps
 its sparse distribution and its runner-ups, which the calibrated passes leave out, and its
@@ -50,16 +59,18 @@ class Overlap:
     hedges: int = 0
     bonus_guesses: int = 1
     rescue: float = DEFAULT_RESCUE_PRIOR  # the chance a hedge assumed a round's rejection: the chooser's prior
+    chosen: bool = False  # auto chose the hedges: they ride only in rounds that pre-draft
 
     @property
     def rows(self) -> int:
         return self.bonus_guesses + self.hedges
 
-    def costs(self, costs: RoundCosts) -> RoundCosts:
-        """`costs` with this overlap's branch call."""
-        return dataclasses.replace(
-            costs, branch_rows=self.rows, guess_share=sum(RUNNER_UP_SHARES[: self.bonus_guesses - 1])
-        )
+    def costs(self, costs: RoundCosts, guesses: bool = True) -> RoundCosts:
+        """`costs` with this overlap's branch call: its rows, and (`guesses`) the further
+        guesses' share of kept pre-drafts. The K chooser prices the rows but credits no extra
+        guesses (docs/design.md, the K chooser: crediting them chose longer, slower rounds)."""
+        share = sum(RUNNER_UP_SHARES[: self.bonus_guesses - 1]) if guesses else 0.0
+        return dataclasses.replace(costs, branch_rows=self.rows, guess_share=share)
 
 
 def rescue_share(alpha: float, k: int, hedges: int) -> float:
@@ -99,7 +110,7 @@ def choose_overlap(
     for overlap in candidates(pipeline, hedges, bonus_guesses):
         k, rate = best_rate(costs, overlap, alpha, ks)
         if hedges is None and overlap.hedges:
-            overlap = dataclasses.replace(overlap, rescue=rescue_share(alpha, k, overlap.hedges))
+            overlap = dataclasses.replace(overlap, rescue=rescue_share(alpha, k, overlap.hedges), chosen=True)
         if best is None or rate > best[0] * OVERLAP_GAIN:
             best = (rate, overlap)
     assert best is not None

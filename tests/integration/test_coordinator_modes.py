@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from coordinator import server as coordinator_server
+from coordinator.overlap import HEDGE_COUNTS
 from specdec.engine.costs import PassCosts
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
@@ -34,6 +35,7 @@ MODES = {
 # The modes whose runners are given costs under which the K chooser speculates; the others
 # have none (the tiny pair is not calibrated here), so their requests run at the fallback K.
 CHOOSER_MODES = {"adaptive", "pipelined_adaptive", "pipelined_hedged_adaptive"}
+MAX_HEDGES = max(HEDGE_COUNTS)  # the most the coordinator chooses
 PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
 
 
@@ -275,22 +277,30 @@ async def test_catch_up_steps_survive_lost_sessions_and_leave_none_behind(tiny_p
         await _until_no_sessions(stack.target_runner)
 
 
-async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target(tiny_pair, reference, monkeypatch):
+@pytest.mark.parametrize(
+    "overlap",
+    [{"pipeline": True}, {"pipeline": None, "hedges": None, "bonus_guesses": None}],
+    ids=["pipelined", "chosen"],
+)
+async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target(
+    tiny_pair, reference, monkeypatch, overlap
+):
     """Beside another session on its target replica, a pipelined round runs as a sequential one:
     no pre-draft and no catch-up step (the other's verifies keep the target busy while it
-    drafts: `coordinator.adaptive`). Two greedy requests at once, then one alone: pre-drafts
-    only in rounds costed at one session, outputs the target's. The services are costed as on
-    machines of their own: on one shared CPU a loaded request drafts nothing at all."""
+    drafts: `coordinator.adaptive`), and none of the hedges the coordinator chose (each a fork
+    holding a draft session). Two greedy requests at once, then one alone: pre-drafts and
+    chosen hedges only in rounds costed at one session, outputs the target's. The services are
+    costed as on machines of their own: on one shared CPU a loaded request drafts nothing."""
     monkeypatch.setattr(coordinator_server, "shares_cores", lambda draft_info, target_info: False)
 
     def chooser_costs(draft_runner, target_runner) -> None:  # a cheap draft, a flat verify: K > 0 under load
-        draft_runner.pass_costs = PassCosts((1.0,) * 9, context_tokens=128)
+        draft_runner.pass_costs = PassCosts((1.0,) * 9, 128, tuple((b, 1, 1.0) for b in (2, 4, 8)))
         target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
 
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"quantize": "none"},
-        coordinator_overrides={"pipeline": True, "live_costs": False},
+        coordinator_overrides={**overlap, "live_costs": False},
         prepare_runners=chooser_costs,
     ) as stack:
 
@@ -304,10 +314,13 @@ async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target
         alone = await generate(PROMPTS[2])
         for s in (*together, alone):
             assert s.pipelined and len(s.sessions_per_round) == s.rounds
-            assert s.predrafts <= list(s.sessions_per_round).count(1), (s.predrafts, list(s.sessions_per_round))
+            alone_rounds = list(s.sessions_per_round).count(1)
+            assert s.predrafts <= alone_rounds, (s.predrafts, list(s.sessions_per_round))
+            assert s.hedges <= MAX_HEDGES * alone_rounds, (s.hedges, list(s.sessions_per_round))
         shared_rounds = sum(n > 1 for s in together for n in s.sessions_per_round)
         assert shared_rounds >= 4 and sum(s.proposed_tokens for s in together) > 0, together
         assert alone.predrafts > 0 and set(alone.sessions_per_round) == {1}
+        assert (alone.hedges > 0) == ("hedges" in overlap), alone.hedges
         await _until_no_sessions(stack.draft_runner)
 
 

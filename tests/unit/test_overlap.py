@@ -12,14 +12,19 @@ KS = tuple(range(1, 9))
 AUTO = (None, None, None)
 
 
-def flat(draft_ms: float, target_ms: float, batch: int = 32, **changes) -> RoundCosts:
-    """An accelerator-like pair: passes flat in their tokens, a batch of rows costing one pass."""
+def flat(draft_ms: float, target_ms: float, rows_cost: bool = False, **changes) -> RoundCosts:
+    """An accelerator-like pair: passes flat in their tokens, a batch of rows costing one pass;
+    or (`rows_cost`) a CPU-like draft whose batched rows cost a pass each."""
     draft = (draft_ms,) * 16
-    return RoundCosts(draft, (target_ms,) * 16, 0.5, 0.5, draft_batch=BatchCosts(draft, (), batch), **changes)
+    measured = tuple((b, 1, draft_ms * (b if rows_cost else 1)) for b in (2, 4, 8, 16))
+    return RoundCosts(draft, (target_ms,) * 16, 0.5, 0.5, draft_batch=BatchCosts(draft, measured, 16), **changes)
 
 
 def test_target_only_and_uncosted_requests_run_plain_rounds():
     assert choose_overlap(flat(2.0, 20.0), 0.8, (0,), *AUTO) == Overlap()
+    # Hedges auto chose ride only in rounds that pre-draft (the engine reads `chosen`).
+    assert choose_overlap(flat(1.0, 20.0), 0.8, KS, *AUTO).chosen
+    assert not choose_overlap(flat(1.0, 20.0), 0.8, KS, True, 2, None).chosen
     assert choose_overlap(None, 0.8, KS, *AUTO) == Overlap()
     # A flag holds without costs too.
     assert choose_overlap(None, 0.8, KS, True, 2, 1) == Overlap(True, 2, 1)
@@ -44,7 +49,7 @@ def test_shared_cores_never_overlap_unasked():
 def test_rows_that_cost_a_pass_each_are_not_hedged():
     """A CPU draft steps several rows at nearly the cost of as many passes: hedges would delay
     the pre-draft past its verify."""
-    dear_rows = flat(4.0, 20.0, batch=1)
+    dear_rows = flat(4.0, 20.0, rows_cost=True)
     chosen = choose_overlap(dear_rows, 0.8, KS, *AUTO)
     assert chosen.pipelined and chosen.hedges == 0 and chosen.bonus_guesses == 1
 
@@ -81,10 +86,14 @@ def test_rescue_share_grows_with_hedges_to_the_runner_ups_whole_share():
 
 
 def test_the_branch_calls_rows_and_guesses_are_costed():
-    costs = flat(2.0, 20.0, batch=1)
+    costs = flat(2.0, 20.0, rows_cost=True)
     wide = Overlap(True, 3, 2).costs(costs)
     assert wide.branch_rows == 5 and wide.guess_share == RUNNER_UP_SHARES[0]
-    assert wide.predraft_ms(5) == pytest.approx(0.5 + 5 * 5 * 2.0)  # five rows, one pass each
+    assert wide.predraft_ms(5) == pytest.approx(0.5 + 5 * 5 * 2.0)  # five rows at a pass each, five steps
+    assert Overlap(True, 3, 2).costs(costs, guesses=False).guess_share == 0.0  # the K chooser's
+    # Rows past the draft's batch size are priced as further passes (their forks' own work).
+    one_at_a_time = RoundCosts((2.0,) * 16, (20.0,) * 16, 0.5, 0.5, draft_batch=BatchCosts((2.0,) * 16, (), 1))
+    assert Overlap(True, 3, 2).costs(one_at_a_time).predraft_ms(5) == pytest.approx(0.5 + 5 * 5 * 2.0)
     assert Overlap(True).costs(costs).predraft_ms(5) == pytest.approx(costs.draft_ms(5))
     # A second guess makes a pipelined round's pre-draft likelier kept.
     plain = Overlap(True).costs(flat(2.0, 20.0))
