@@ -48,7 +48,7 @@ from pathlib import Path
 import grpc
 
 from bench.accelerator import PROFILES, PROMPTS, overruns, profile
-from bench.modes import drafter_args, model_infos, target_service_args
+from bench.modes import drafter_args, model_infos, overlap_flags, target_service_args
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.runner import kv_bytes_per_token
@@ -138,6 +138,7 @@ class Stack:
                 str(tokenizer),
                 "--max-new-tokens-limit",
                 "4096",
+                *overlap_flags(),  # sequential rounds, as its figures were measured
                 *args,
             ],
             {},

@@ -52,6 +52,8 @@ def processes(tiny_pair, tmp_path_factory):
         "on",
         "--hedges",
         "2",
+        "--bonus-guesses",
+        "1",
         "--cpus",
         str(CORES[-1]),
         logs=logs,
