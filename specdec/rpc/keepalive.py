@@ -19,7 +19,6 @@ def options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
         ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ]
 
