@@ -52,10 +52,13 @@ class Choosers:
     def overlap(self, job: Job, pair: PairInfo) -> Overlap:
         """What the request's rounds draft during their verify (coordinator.overlap): the flags'
         choice, or the cost model's at the acceptance the request's K chooser starts from."""
-        chooses_k = job.num_speculative_tokens_unset and job.num_speculative_tokens and pair.costs is not None
-        ks = tuple(range(1, pair.max_num_speculative_tokens + 1)) if chooses_k else (job.num_speculative_tokens,)
+        ks = (
+            tuple(range(1, pair.max_num_speculative_tokens + 1))
+            if chooses_k(job, pair)
+            else (job.num_speculative_tokens,)
+        )
         alpha = DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior
-        config = self.config
+        config, sampled = self.config, not job.params.greedy
         # A tree round is never pipelined: a tree request, or one the tree chooser may give a
         # tree, runs sequential rounds unless the flags say otherwise.
         costs = None if job.tree_widths or config.tree_chooser else pair.costs
@@ -66,10 +69,9 @@ class Choosers:
             config.pipeline,
             config.hedges,
             config.bonus_guesses,
-            sampled=not job.params.greedy,
+            sampled=sampled,
         )
         shape = (overlap.pipelined, overlap.hedges, overlap.bonus_guesses)
-        sampled = not job.params.greedy
         if shape != self._overlap.get(sampled):  # said when it changes (greedy and sampled apart)
             self._overlap[sampled] = shape
             logger.info(
@@ -84,10 +86,9 @@ class Choosers:
 
     def k_chooser(self, job: Job, pair: PairInfo, overlap: Overlap) -> AdaptiveK | None:
         """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
-        if not (job.num_speculative_tokens_unset and job.num_speculative_tokens):
-            return None
-        if pair.costs is None:
-            return None  # no measured costs to choose from: the default K
+        if not chooses_k(job, pair):
+            return None  # K fixed, or no measured costs to choose from: the default K
+        assert pair.costs is not None
         return AdaptiveK(
             k_max=pair.max_num_speculative_tokens,
             pipelined=overlap.pipelined,
@@ -139,3 +140,9 @@ def learned_prior(prior: float, chooser: AdaptiveK | None) -> float:
     if chooser is None or chooser.reached <= PRIOR_WEIGHT:
         return prior
     return 0.8 * prior + 0.2 * chooser.alpha
+
+
+def chooses_k(job: Job, pair: PairInfo) -> bool:
+    """K is the chooser's: neither the request nor --num-speculative-tokens fixed it (nor 0),
+    and the services measured the costs to choose from."""
+    return bool(job.num_speculative_tokens_unset and job.num_speculative_tokens) and pair.costs is not None

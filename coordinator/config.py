@@ -41,19 +41,15 @@ MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its 
 FALLBACK_K = 4  # K for a request that leaves it unset where the chooser has no measured costs
 
 
-def parse_k(text: str) -> int | None:
-    """--num-speculative-tokens: "auto" (None: the K chooser) or a fixed K."""
+def parse_auto_count(text: str) -> int | None:
+    """--num-speculative-tokens, --hedges, --bonus-guesses: "auto" (None: chosen per request,
+    by the K chooser or coordinator.overlap) or a count."""
     return None if text == "auto" else int(text)
 
 
 def parse_auto_switch(text: str) -> bool | None:
     """--pipeline: "auto" (None: chosen per request, coordinator.overlap), "on" or "off"."""
     return None if text == "auto" else on_off(text)
-
-
-def parse_auto_count(text: str) -> int | None:
-    """--hedges, --bonus-guesses: "auto" (None: chosen per request) or a count."""
-    return None if text == "auto" else int(text)
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ class CoordinatorConfig:
         "K per round for requests that leave it unset: auto (the K chooser picks it each round, K = 0 "
         f"included, from the services' calibrated pass costs and the request's acceptance; K = {FALLBACK_K} "
         "where the services measured no costs) or a fixed K for every such request",
-        parse=parse_k,
+        parse=parse_auto_count,
         shown="auto",
         more="See [The K chooser](design.md#the-k-chooser).",
     )
