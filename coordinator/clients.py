@@ -43,6 +43,12 @@ class CallRejected(SpecDecError):
     to a public client (never the client's fault); a draft's is a fallback round instead."""
 
 
+# EndSession's deadline. Nothing waits on it but the session's place on the replica, and a
+# service whose event loop stalls a few seconds (a loaded host) answers a burst of them late:
+# each one given up on holds its session, and one of its --max-sessions, until its TTL.
+END_SESSION_TIMEOUT_S = 15.0
+
+
 class ServiceClient:
     """One channel to a model service; the subclass's `role` ("draft"/"target") names it in
     errors and its `stub_class` is the service's generated stub."""
@@ -112,13 +118,19 @@ class ServiceClient:
         return await self.call(self._stub.Info, common_pb2.InfoRequest(), timeout_s)
 
     async def end_session(self, session_id: str, discard: bool = False) -> None:
-        """Best effort: a session that cannot be ended expires by TTL on the service.
-        `discard`: its sequence is no request's output (EndSessionRequest.discard)."""
+        """Best effort: a session that cannot be ended expires by TTL on the service, holding
+        one of its --max-sessions till then. `discard`: its sequence is no request's output
+        (EndSessionRequest.discard)."""
         try:
             request = common_pb2.EndSessionRequest(session_id=session_id, discard=discard)
-            await self.call(self._stub.EndSession, request, 2.0)
+            await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
         except SpecDecError as exc:
-            logger.debug("could not end %s session %s: %s", self.role, session_id, exc)
+            logger.warning(
+                "could not end %s session %s (it expires by the service's --session-ttl): %s",
+                self.role,
+                session_id,
+                exc,
+            )
 
     async def serving(self, timeout_s: float = 1.0) -> bool:
         """The standard health check: is the service up and SERVING (a draining one, after

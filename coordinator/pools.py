@@ -64,6 +64,7 @@ class Replica:
     refused: str = ""  # why it serves no session: another model
     gone: bool = False  # no longer among the pool's DNS records: no new sessions
     sessions: int = 0  # this coordinator's requests placed on it now
+    ending: int = 0  # this coordinator's sessions done with, their EndSession not answered yet
     reserved_bytes: int = 0  # the KV those sessions may grow to (`room`)
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
@@ -84,7 +85,7 @@ class Replica:
         """Its Info has answered."""
         self.info = info
         held = info.open_sessions - info.fork_sessions
-        self.others_seen = (self.others_seen[1], max(0, held - self.sessions))
+        self.others_seen = (self.others_seen[1], max(0, held - self.sessions - self.ending))
 
     @property
     def load(self) -> tuple[int, int]:
@@ -113,7 +114,7 @@ class Replica:
         info = self.info
         if info is None:
             return True
-        if info.max_sessions and self.sessions + self.others >= info.max_sessions:
+        if info.max_sessions and self.sessions + self.ending + self.others >= info.max_sessions:
             return False
         if not info.max_kv_cache_bytes or not self.sessions:
             return True
@@ -422,12 +423,25 @@ class Pool:
         chosen.reserved_bytes += reserve
         return chosen
 
-    def release(self, replica: Replica, reserve: int = 0) -> None:
-        """A request's session, placed with `reserve` bytes, left `replica` (ended or moved)."""
+    def release(self, replica: Replica, reserve: int = 0, ending: bool = False) -> None:
+        """A request's session, placed with `reserve` bytes, left `replica` (ended or moved).
+        `ending`: its EndSession is not answered yet, so it keeps its place there (`room`),
+        though no longer the replica's load, until `ended`."""
         replica.sessions -= 1
+        if ending:
+            replica.ending += 1
+        else:
+            self._freed(replica, reserve)
+
+    def ended(self, replica: Replica, reserve: int = 0) -> None:
+        """The EndSession of a session `release`d as ending has been answered (or has failed)."""
+        replica.ending -= 1
+        self._freed(replica, reserve)
+
+    def _freed(self, replica: Replica, reserve: int) -> None:
         replica.reserved_bytes -= reserve
         self._wake()
-        if replica.gone and replica.sessions <= 0:
+        if replica.gone and replica.sessions <= 0 and replica.ending <= 0:
             self.replicas.pop(replica.address, None)
             task = asyncio.get_running_loop().create_task(replica.client.close())
             self._closing.add(task)  # held until done: the loop keeps only a weak reference

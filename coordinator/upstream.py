@@ -191,12 +191,10 @@ class Upstream:
         if new is None:
             return False
         if old is not None:
-            if view.opened:
-                self.end_later(old.client, view.session_id, discard=True)
             for session_id in unused_forks or ():
                 self.end_later(old.client, session_id, discard=True)
             old.moves += 1
-            pool.release(old, view.reserved)
+            self.end_and_release(pool, old, view, discard=True)
             logger.info("%s session %s moves from %s to %s", pool.role, view.session_id, old.address, new.address)
             trace.get_current_span().add_event(
                 "replica.moved", {"specdec.service": pool.role, "specdec.from": old.address, "specdec.to": new.address}
@@ -406,20 +404,33 @@ class Upstream:
     def end_sessions(self, draft_view: SessionView, target_view: SessionView) -> None:
         """Ends a finished request's sessions (in the background) and frees their places."""
         for pool, view in ((self.drafts, draft_view), (self.targets, target_view)):
-            if view.replica is None:
-                continue
-            if view.opened:
-                self.end_later(view.replica.client, view.session_id)
-            pool.release(view.replica, view.reserved)
+            if view.replica is not None:
+                self.end_and_release(pool, view.replica, view)
+
+    def end_and_release(self, pool: Pool, replica: Replica, view: SessionView, discard: bool = False) -> None:
+        """Ends `view`'s session on `replica` in the background and frees its place there once
+        the replica has answered: until then the session still holds one of its --max-sessions,
+        and a request placed in it meanwhile would be refused (RESOURCE_EXHAUSTED)."""
+        reserved = view.reserved
+        if not view.opened:
+            pool.release(replica, reserved)
+            return
+        pool.release(replica, reserved, ending=True)
+        self.end_later(replica.client, view.session_id, discard, then=lambda: pool.ended(replica, reserved))
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""
         while self._cleanup:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
-    def end_later(self, client: ServiceClient, session_id: str, discard: bool = False) -> None:
+    def end_later(
+        self, client: ServiceClient, session_id: str, discard: bool = False, then: Callable[[], None] | None = None
+    ) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request;
-        `discard`: its sequence is not the request's output, so the service keeps nothing of it."""
+        `discard`: its sequence is not the request's output, so the service keeps nothing of it;
+        `then()` once the service has answered (or the call has failed)."""
         task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard))
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())

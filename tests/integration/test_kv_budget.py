@@ -15,6 +15,7 @@ from specdec.engine.modeling import load_causal_lm
 from specdec.engine.runner import kv_bytes_per_token
 from specdec.errors import ResourceExhausted
 from specdec.v1 import coordinator_pb2 as pb
+from target_service.servicer import TargetServicer
 from tests.stack import inprocess_stack
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "SELECT name, count(*) FROM"]
@@ -30,6 +31,20 @@ async def generate_all(stack) -> list[pb.GenerateResponse]:
             for prompt in PROMPTS
         )
     )
+
+
+async def generate_once_there_is_room(stack, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    """Generate, asked again while the target is refused for want of room: a finished request's
+    session holds its place until the target has answered its end (`Upstream.end_and_release`),
+    which a 1 ms --queue-timeout does not wait for."""
+    for _ in range(100):
+        try:
+            return await stack.stub.Generate(request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            await asyncio.sleep(0.05)
+    raise AssertionError("no room on the target 5 s after every other request had finished")
 
 
 def budget_unsaid(_draft_runner, target_runner) -> None:
@@ -86,6 +101,28 @@ async def test_a_full_target_queues_requests_instead_of_evicting_their_sessions(
         assert list(response.token_ids) == reference(PROMPTS[0])
 
 
+async def test_a_session_holds_its_place_until_the_target_has_ended_it(tiny_pair, reference, monkeypatch):
+    """A target with room for one session, whose EndSession answers late (a loaded host): the
+    finished request's place is freed once the end is answered, not as it is sent, so the next
+    request waits for it rather than being refused RESOURCE_EXHAUSTED by the target."""
+    end_session = TargetServicer.EndSession
+
+    async def late_end(self, request, context):
+        await asyncio.sleep(0.5)
+        return await end_session(self, request, context)
+
+    monkeypatch.setattr(TargetServicer, "EndSession", late_end)
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, target_overrides={"max_sessions": 1}
+    ) as stack:
+        for prompt in PROMPTS:
+            response = await stack.stub.Generate(
+                pb.GenerateRequest(prompt=prompt, max_new_tokens=8, num_speculative_tokens=2), timeout=60
+            )
+            assert list(response.token_ids) == reference(prompt)[:8]
+        assert response.stats.queued_ms >= 200  # the last waited for the previous one's end
+
+
 async def test_waiting_requests_beyond_the_bound_or_the_timeout_are_refused_clearly(tiny_pair, reference):
     """--max-waiting-requests and --queue-timeout: one request holds the only room, one waits,
     a third is refused at once; a wait longer than the timeout is refused; none of it stops the
@@ -127,7 +164,7 @@ async def test_waiting_requests_beyond_the_bound_or_the_timeout_are_refused_clea
         assert len(late) == 1 and late[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "(--queue-timeout) for room on the target pool" in late[0].details()
         for prompt in PROMPTS[:2]:
-            response = await stack.stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40), timeout=60)
+            response = await generate_once_there_is_room(stack, pb.GenerateRequest(prompt=prompt, max_new_tokens=40))
             assert list(response.token_ids) == reference(prompt)
 
 

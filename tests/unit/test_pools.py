@@ -91,6 +91,25 @@ def test_other_coordinators_sessions_count_where_two_infos_in_a_row_saw_them():
     assert loads == [1, 1, 4, 2, 1]
 
 
+def test_a_session_being_ended_keeps_its_place_but_is_no_load():
+    """Between a request's end and its EndSession's answer the replica still holds the session:
+    it fills one of --max-sessions (a new one placed in it would be refused), and an Info taken
+    meanwhile counts it as this coordinator's, not another's; it no longer loads the replica's
+    rounds (`load`)."""
+    pool = pool_of("a:1")
+    (replica,) = pool.replicas.values()
+    replica.info.max_sessions = 2
+    first, second = pool.place(reserve=10), pool.place(reserve=10)
+    assert first is second is replica and not replica.room(0)
+    pool.release(replica, 10, ending=True)
+    assert replica.load[0] == 1 and not replica.room(0) and replica.reserved_bytes == 20
+    for _ in range(2):
+        replica.seen(common_pb2.ModelInfo(model_id="m", open_sessions=2, max_sessions=2))
+    assert replica.others == 0
+    pool.ended(replica, 10)
+    assert replica.room(0) and replica.reserved_bytes == 10 and replica.ending == 0
+
+
 def test_forks_on_a_draft_are_no_other_coordinators_load():
     """A draft's Info counts a request's hedges (forks) among its sessions; they are stepped in
     their request's passes, so load counts the sessions beside them. Counting this coordinator's
