@@ -106,7 +106,10 @@ class CoordinatorConfig:
         "copy runs no draft pass, so it may be longer than K (also capped by the services' --max-speculative-tokens)",
     )
     default_max_new_tokens: int = setting(
-        64, "--default-max-new-tokens", "max_new_tokens when a request leaves it unset"
+        64,
+        "--default-max-new-tokens",
+        "max_new_tokens when a gRPC request leaves it unset (an HTTP request without max_tokens gets the rest of "
+        "the context, up to --max-new-tokens-limit, as vLLM's)",
     )
     max_new_tokens_limit: int = setting(2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for")
     draft_timeout_s: float = setting(30.0, "--draft-timeout", "deadline of one draft call, seconds")

@@ -59,6 +59,17 @@ T = TypeVar("T")
 PATHS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
+IGNORED_HEADER = "X-Specdec-Ignored-Fields"
+
+
+def ignored_header(parsed: Parsed) -> dict[str, str]:
+    """The response header naming the request's fields this server left out (none: no header),
+    so a client can see what it was not served without reading the server's log."""
+    if not parsed.ignored:
+        return {}
+    return {IGNORED_HEADER: ", ".join(ascii(name)[1:-1] for name in parsed.ignored)[:1000]}
+
+
 def error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
@@ -205,7 +216,8 @@ class OpenAIApi:
                 "choices": choices,
                 "usage": usage(*finals),
                 "speculation": speculation(*finals),
-            }
+            },
+            headers=ignored_header(parsed),
         )
 
     def _logprobs(self, parsed: Parsed, token_ids: list[int], entries: list, offset: int = 0) -> dict | None:
@@ -237,7 +249,9 @@ class OpenAIApi:
         except BaseException:
             await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
             raise
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **ignored_header(parsed)}
+        )
         await response.prepare(request)
         queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
         relays: list[asyncio.Task] = []

@@ -280,6 +280,7 @@ def _generation_request(body: dict, chat: bool, fields: dict[str, Any], max_toke
     request = GenerationRequest(
         **fields,
         max_new_tokens=max_tokens,
+        fill_context=True,  # an unset max_tokens: the rest of the context, as vLLM's server
         # OpenAI's default temperature is 1; 0 is greedy, as in the gRPC API.
         temperature=_number(body, "temperature", float, 1.0),
         top_p=_number(body, "top_p", float),

@@ -36,6 +36,9 @@ class GenerationRequest:
     prompt: str = ""
     prompt_token_ids: Sequence[int] = ()
     max_new_tokens: int | None = None
+    # Where max_new_tokens is unset: the rest of the model's context (up to the server's
+    # --max-new-tokens-limit), as vLLM's HTTP API does; otherwise --default-max-new-tokens.
+    fill_context: bool = False
     temperature: float = 0.0
     top_k: int = 0
     top_p: float | None = None
@@ -226,7 +229,7 @@ def prepare_job(
 ) -> Job:
     """Validates a request; every failure says what was wrong and what is accepted."""
     prompt_ids = prompt_ids_of(request, pair, tokenizer)
-    max_new_tokens = max_new_tokens_of(request, config)
+    max_new_tokens = max_new_tokens_of(request, config, pair.max_context - len(prompt_ids))
     top_p = checked_top_p(request)
     k, k_chosen = speculative_tokens_of(request, config, pair)
     check_stop_strings(request.stop)
@@ -259,8 +262,12 @@ def prepare_job(
     )
 
 
-def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig) -> int:
-    """The request's token budget, or the server's default where it sets none."""
+def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig, context_left: int) -> int:
+    """The request's token budget, or where it sets none the server's default or, for a
+    request that fills the context, the `context_left` after its prompt (at least 1: a prompt
+    is shorter than the context), within --max-new-tokens-limit."""
+    if request.max_new_tokens is None and request.fill_context:
+        return min(context_left, config.max_new_tokens_limit)
     max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(

@@ -250,6 +250,25 @@ def test_stop_seed_and_max_tokens(served, client):
     assert short.choices[0].finish_reason in ("length", "stop")
 
 
+def test_an_unset_max_tokens_runs_to_the_end_of_the_context_and_unknown_fields_are_named(served, client):
+    """As vLLM's server: no max_tokens is the rest of the model's context (here within the
+    server's --max-new-tokens-limit, 2048), and a field the server does not know is left out,
+    named in the X-Specdec-Ignored-Fields header."""
+    raw = client.completions.with_raw_response.create(
+        model="tiny-coder", prompt="def add(a, b):", temperature=0, extra_body={"frobnicate": 1}
+    )
+    reply = raw.parse()
+    assert raw.headers["X-Specdec-Ignored-Fields"] == "frobnicate"
+    context = served["info"]["target"](common_pb2.InfoRequest(), timeout=10).max_context
+    rest = context - reply.usage.prompt_tokens
+    expected = grpc_generate(served, prompt="def add(a, b):", max_new_tokens=rest)
+    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids)
+    if reply.choices[0].finish_reason == "length":
+        assert reply.usage.completion_tokens == rest
+    plain = client.completions.with_raw_response.create(model="tiny-coder", prompt="x", max_tokens=2)
+    assert "X-Specdec-Ignored-Fields" not in plain.headers
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
