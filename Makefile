@@ -111,18 +111,20 @@ DEPLOY_TOOLS := kubernetes-validate==1.37.0 check-jsonschema==0.39.0 hadolint-bi
 # The oldest and newest Kubernetes minor versions the manifests are checked against (schemas
 # bundled with kubernetes-validate); gRPC probes need 1.27 or later.
 K8S_VERSIONS := 1.30.0 1.37.0
-K8S_RENDERED := .cache/deploy/k8s.yaml .cache/deploy/k8s-tls.yaml
+K8S_RENDERED := .cache/deploy/k8s.yaml .cache/deploy/k8s-tls.yaml .cache/deploy/k8s-monitoring.yaml
 
 $(VENV)/.deploy-installed: $(VENV)/.installed Makefile
 	$(PIP) install -q $(DEPLOY_TOOLS)
 	touch $@
 
 # kubernetes-validate only warns on a kind it has no schema for; such a warning fails here.
-# The base and the TLS overlay (deploy/k8s/tls) are rendered and validated separately.
+# The base and the TLS and monitoring overlays (deploy/k8s/tls, deploy/k8s/monitoring) are
+# rendered and validated separately; the ServiceMonitor, a custom resource, by the tests.
 deploy-check: install $(VENV)/.deploy-installed
 	@mkdir -p .cache/deploy
 	$(PY) deploy/render.py deploy/k8s > .cache/deploy/k8s.yaml
 	$(PY) deploy/render.py deploy/k8s/tls > .cache/deploy/k8s-tls.yaml
+	$(PY) deploy/render.py --skip-kind ServiceMonitor deploy/k8s/monitoring > .cache/deploy/k8s-monitoring.yaml
 	@for rendered in $(K8S_RENDERED); do \
 	  out=$$($(VENV)/bin/kubernetes-validate --strict --quiet $(addprefix -k ,$(K8S_VERSIONS)) $$rendered); rc=$$?; \
 	  [ -z "$$out" ] || echo "$$out"; \

@@ -27,6 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import coordinator.config
 import draft_service.config
 import target_service.config
+from coordinator.metrics import PoolCollector
+from coordinator.pools import Pool
 from specdec.rpc.dns import parse_pool
 from specdec.rpc.serving import LIVENESS
 
@@ -274,6 +276,7 @@ def compose_containers(
 
 K8S = render.render(DEPLOY / "k8s")
 K8S_TLS = render.render(DEPLOY / "k8s" / "tls")
+K8S_MONITORING = render.render(DEPLOY / "k8s" / "monitoring")
 NAMESPACE = render.load_kustomization(DEPLOY / "k8s")["namespace"]
 
 
@@ -543,7 +546,7 @@ def test_k8s_probes_container_and_service_ports_match_the_listening_port(name):
             f"{name} {probe} asks port {manifest[probe]['grpc']['port']}, the service listens on {port}"
         )
     service_ports = {p["name"]: target_port(p, manifest) for p in service_for(deployment)["spec"]["ports"]}
-    assert service_ports == {name: expected[name] for name in ("grpc", "http") if name in expected}
+    assert service_ports == expected  # metrics too: the ServiceMonitor scrapes through the Service
 
 
 @pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
@@ -702,6 +705,59 @@ def test_kustomization_lists_every_manifest():
     listed = set(render.load_kustomization(DEPLOY / "k8s")["resources"])
     on_disk = {path.name for path in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk
+    monitoring = render.load_kustomization(DEPLOY / "k8s" / "monitoring")
+    used = set(monitoring["resources"]) | {patch["path"] for patch in monitoring["patches"]}
+    on_disk = {path.name for path in (DEPLOY / "k8s" / "monitoring").glob("*.yaml")} - {"kustomization.yaml"}
+    assert used == on_disk | {".."}
+
+
+def matches(selector: dict, labels: Mapping[str, str]) -> bool:
+    """A label selector with matchLabels and matchExpressions (In) against labels."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions)
+    return selects(selector.get("matchLabels", {}), labels) and all(
+        labels.get(e["key"]) in e["values"] for e in expressions
+    )
+
+
+def test_the_service_monitor_scrapes_each_services_metrics_port_and_nothing_else():
+    """deploy/k8s/monitoring: the ServiceMonitor (a custom resource, which kubernetes-validate
+    has no schema for) selects the coordinator, draft and target Services, each through a
+    `metrics` port that reaches its container's --metrics-port; the rest is deploy/k8s as is."""
+    (monitor,) = k8s("ServiceMonitor", K8S_MONITORING).values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["namespace"] == NAMESPACE
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["interval"].endswith("s")
+    selected = {
+        name
+        for name, service in k8s("Service", K8S_MONITORING).items()
+        if matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    }
+    assert selected == {"specdec-coordinator", "specdec-draft", "specdec-target"}
+    for container, manifest, deployment in K8S_CONTAINERS.values():
+        ports = {p["name"]: target_port(p, manifest) for p in service_for(deployment)["spec"]["ports"]}
+        assert ports[endpoint["port"]] == container.config().metrics_port
+    base = {(doc["kind"], doc["metadata"]["name"]) for doc in K8S}
+    added = {(doc["kind"], doc["metadata"]["name"]) for doc in K8S_MONITORING} - base
+    assert added == {("ServiceMonitor", "specdec"), ("HorizontalPodAutoscaler", "specdec-target")}
+
+
+def test_the_target_autoscaler_scales_the_target_on_the_coordinators_queue():
+    """The HorizontalPodAutoscaler owns the target Deployment's replica count (the overlay
+    removes the fixed one) and reads the coordinators' own queue metric, by its exported name."""
+    (hpa,) = k8s("HorizontalPodAutoscaler", K8S_MONITORING).values()
+    reference = hpa["spec"]["scaleTargetRef"]
+    target = k8s("Deployment", K8S_MONITORING)[reference["name"]]
+    assert (
+        reference["kind"] == "Deployment"
+        and target["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "target"
+    )
+    assert "replicas" not in target["spec"] and "replicas" in k8s("Deployment")[reference["name"]]["spec"]
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    [metric] = hpa["spec"]["metrics"]
+    name = metric["external"]["metric"]["name"]
+    collected = {family.name for family in PoolCollector([Pool("target", parse_pool("t:1"), object)]).collect()}  # type: ignore[arg-type]
+    assert name in collected and metric["external"]["metric"]["selector"]["matchLabels"] == {"pool": "target"}
 
 
 def test_render_applies_namespace_and_image_overrides():
