@@ -58,7 +58,8 @@ class CoordinatorConfig:
         "",
         "--draft",
         "the draft pool: HOST:PORT, several (comma-separated, or the flag repeated), or dns:///NAME:PORT "
-        "(every address record, re-read each --pool-refresh; dns://SERVER/NAME:PORT asks that DNS server)",
+        "(every address record, re-read each --pool-refresh; dns://SERVER/NAME:PORT asks that DNS server; "
+        "dns:///_SERVICE._PROTO.NAME reads SRV records)",
         required=True,
         repeated=True,
         more="See [Replica pools](operations.md#replica-pools).",

@@ -3,6 +3,7 @@ coordinator over them, and a DNS server the test controls."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -13,6 +14,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import dns.exception
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
 import grpc
 
 from specdec.tools.launch import ServiceProcess, free_port, spawn
@@ -134,48 +141,87 @@ def metric(process: ServiceProcess, name: str, labels: dict[str, str]) -> float 
 
 
 class DnsServer:
-    """A DNS server on 127.0.0.1 (UDP) answering A queries for one name from `records`, which
-    the test changes; NXDOMAIN while `records` is empty. `queries` counts what it answered."""
+    """A DNS server on 127.0.0.1, over UDP and TCP on one port, for names the test sets and
+    changes: `records` (A) and `aaaa` of `name`, and `srv` (name -> [(priority, port,
+    target)]). A name with no records at all is NXDOMAIN; a UDP answer over 512 bytes is sent
+    truncated, so the client asks again over TCP. `queries` counts the questions answered, by
+    transport and type."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.records: list[str] = []
-        self.queries = 0
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._socket.bind(("127.0.0.1", 0))
-        self._socket.settimeout(0.2)
-        self.port = self._socket.getsockname()[1]
+        self.aaaa: list[str] = []
+        self.srv: dict[str, list[tuple[int, int, str]]] = {}
+        self.queries: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._udp.bind(("127.0.0.1", 0))
+        self.port = self._udp.getsockname()[1]
+        self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._tcp.bind(("127.0.0.1", self.port))
+        self._tcp.listen()
+        for sock in (self._udp, self._tcp):
+            sock.settimeout(0.2)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._threads = [threading.Thread(target=serve, daemon=True) for serve in (self._serve_udp, self._serve_tcp)]
 
     def __enter__(self) -> DnsServer:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
-        self._socket.close()
+        for thread in self._threads:
+            thread.join()
+        self._udp.close()
+        self._tcp.close()
 
-    def _serve(self) -> None:
+    def _serve_udp(self) -> None:
         while not self._stop.is_set():
             try:
-                query, client = self._socket.recvfrom(512)
+                query, client = self._udp.recvfrom(512)
             except TimeoutError:
                 continue
-            self.queries += 1
-            self._socket.sendto(self.answer(query), client)
+            self._udp.sendto(self.answer(query, "udp"), client)
 
-    def answer(self, query: bytes) -> bytes:
-        (query_id,) = struct.unpack(">H", query[:2])
-        end = query.index(b"\0", 12) + 5  # the question: name, type, class
-        question = query[12:end]
-        labels, offset = [], 12
-        while query[offset]:
-            labels.append(query[offset + 1 : offset + 1 + query[offset]].decode())
-            offset += 1 + query[offset]
-        records = list(self.records) if ".".join(labels) == self.name else []
-        flags = 0x8180 if records else 0x8183  # a response; NXDOMAIN when none
-        header = struct.pack(">HHHHHH", query_id, flags, 1, len(records), 0, 0)
-        answers = b"".join(struct.pack(">HHHIH", 0xC00C, 1, 1, 0, 4) + socket.inet_aton(address) for address in records)
-        return header + question + answers
+    def _serve_tcp(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._tcp.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.settimeout(2.0)
+                (length,) = struct.unpack(">H", connection.recv(2))
+                query = b""
+                while len(query) < length:
+                    query += connection.recv(length - len(query))
+                reply = self.answer(query, "tcp")
+                connection.sendall(struct.pack(">H", len(reply)) + reply)
+
+    def _rrsets(self, name: str) -> dict[str, list[str]]:
+        """The records of `name` by type, as zone-file text."""
+        sets = {}
+        if name == self.name:
+            sets = {"A": list(self.records), "AAAA": list(self.aaaa)}
+        if name in self.srv:
+            sets["SRV"] = [f"{priority} 1 {port} {target}." for priority, port, target in self.srv[name]]
+        return {kind: records for kind, records in sets.items() if records}
+
+    def answer(self, query: bytes, transport: str) -> bytes:
+        request = dns.message.from_wire(query)
+        question = request.question[0]
+        name, kind = question.name.to_text(omit_final_dot=True), dns.rdatatype.to_text(question.rdtype)
+        self.queries[(transport, kind)] += 1
+        response = dns.message.make_response(request)
+        sets = self._rrsets(name)
+        if not sets:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+        elif kind in sets:
+            response.answer.append(dns.rrset.from_text_list(question.name, 0, "IN", kind, sets[kind]))
+        try:
+            return response.to_wire(max_size=512 if transport == "udp" else 65535)
+        except dns.exception.TooBig:
+            truncated = dns.message.make_response(request)
+            truncated.flags |= dns.flags.TC
+            return truncated.to_wire()

@@ -3,24 +3,31 @@
 The spellings follow gRPC's name syntax, so an address that works in a gRPC client works here:
 - `host:port,host:port`: the replicas, as given (a name among them resolves as usual, to one
   replica);
-- `dns:///name:port`: every A/AAAA record of `name` (the system resolver), read again each
-  time the pool is refreshed: a Kubernetes headless Service lists its ready pods this way;
-- `dns://SERVER[:PORT]/name:port`: the same, asking the DNS server at SERVER directly (A
-  records over UDP), as gRPC's `dns://authority/` does.
+- `dns:///name:port`: every A/AAAA record of `name` (the system resolver, /etc/hosts and
+  search domains included), read again each time the pool is refreshed: a Kubernetes
+  headless Service lists its ready pods this way;
+- `dns://SERVER[:PORT]/name:port`: the same, asking the DNS server at SERVER directly, as
+  gRPC's `dns://authority/` does;
+- `dns:///_service._proto.name` (no port; `dns://SERVER/` too): the SRV records of the name,
+  each a replica's host and port (those of the lowest priority: the others are backups). A
+  Kubernetes headless Service publishes `_grpc._tcp.SERVICE.NAMESPACE.svc.cluster.local` for
+  its port named grpc.
 
-Why not hand a DNS name to one gRPC channel: a channel balances calls, not sessions, so a
-session's next call could land on a replica that never saw it. The coordinator resolves the
-name itself and keeps one channel per replica.
+Lookups go through dnspython (UDP, then TCP where an answer is truncated). Why not hand a DNS
+name to one gRPC channel: a channel balances calls, not sessions, so a session's next call
+could land on a replica that never saw it. The coordinator resolves the name itself and keeps
+one channel per replica.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import secrets
 import socket
-import struct
 from dataclasses import dataclass
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
 
 DNS_TIMEOUT_S = 2.0
 
@@ -31,13 +38,17 @@ class PoolSpec:
 
     text: str  # as given, for messages
     addresses: tuple[str, ...] = ()  # a fixed list
-    name: str = ""  # a DNS name to resolve (with `port`)
+    name: str = ""  # a DNS name to resolve (with `port`; 0: an SRV name, whose records give the ports)
     port: int = 0
     server: tuple[str, int] | None = None  # dns://SERVER/: ask this DNS server directly
 
     @property
     def dynamic(self) -> bool:
         return bool(self.name)
+
+    @property
+    def srv(self) -> bool:
+        return self.dynamic and not self.port
 
 
 def parse_pool(text: str) -> PoolSpec:
@@ -46,13 +57,16 @@ def parse_pool(text: str) -> PoolSpec:
     if text.startswith("dns:"):
         rest = text[len("dns:") :]
         if not rest.startswith("//"):
-            raise ValueError(f"{text!r}: write dns:///NAME:PORT or dns://SERVER/NAME:PORT")
+            raise ValueError(f"{text!r}: write dns:///NAME:PORT, dns://SERVER/NAME:PORT or dns:///_SERVICE._PROTO.NAME")
         authority, _, target = rest[2:].partition("/")
-        name, port = split_host_port(target, text)
+        if target.startswith("_") and ":" not in target:
+            name, port = target.rstrip("."), 0  # an SRV name: its records give the ports
+        else:
+            name, port = split_host_port(target, text)
         server = None
         if authority:
             host, _, server_port = authority.rpartition(":") if authority.count(":") == 1 else (authority, "", "53")
-            server = (host, int(server_port or 53))
+            server = (host.strip("[]"), int(server_port or 53))
         return PoolSpec(text, name=name, port=port, server=server)
     # As gRPC takes them (HOST:PORT, unix:PATH, ...): a channel to a bad one fails at its calls.
     addresses = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -75,71 +89,61 @@ def join_host_port(host: str, port: int) -> str:
 
 
 async def resolve(spec: PoolSpec) -> tuple[str, ...]:
-    """The pool's replica addresses now, sorted; OSError when the name does not resolve."""
+    """The pool's replica addresses now, sorted; OSError, saying why, when the name does not
+    resolve."""
     if not spec.dynamic:
         return spec.addresses
-    if spec.server is not None:
-        hosts = await query_a(spec.server, spec.name)
+    if spec.srv:
+        targets = await lookup_srv(spec.server, spec.name)
     else:
-        infos = await asyncio.get_running_loop().getaddrinfo(spec.name, spec.port, type=socket.SOCK_STREAM)
-        hosts = [info[4][0] for info in infos]
-    if not hosts:
+        targets = [(spec.name, spec.port)]
+    addresses: set[str] = set()
+    for host, port in targets:
+        hosts = await lookup(spec.server, host, port)
+        addresses.update(join_host_port(address, port) for address in hosts)
+    if not addresses:
         raise OSError(f"{spec.name} has no address records")
-    return tuple(sorted({join_host_port(host, spec.port) for host in hosts}))
+    return tuple(sorted(addresses))
 
 
-async def query_a(server: tuple[str, int], name: str) -> list[str]:
-    """The A records of `name` from the DNS server at `server` (RFC 1035, one UDP query)."""
-    query_id = secrets.randbits(16)
-    question = b"".join(bytes([len(label)]) + label.encode("idna") for label in name.rstrip(".").split("."))
-    packet = struct.pack(">HHHHHH", query_id, 0x0100, 1, 0, 0, 0) + question + b"\0" + struct.pack(">HH", 1, 1)
-    loop = asyncio.get_running_loop()
-    reply: asyncio.Future[bytes] = loop.create_future()
-
-    class Protocol(asyncio.DatagramProtocol):
-        def datagram_received(self, data: bytes, addr) -> None:
-            if len(data) >= 2 and struct.unpack(">H", data[:2])[0] == query_id and not reply.done():
-                reply.set_result(data)
-
-        def error_received(self, exc: Exception) -> None:
-            if not reply.done():
-                reply.set_exception(exc)
-
-    transport, _ = await loop.create_datagram_endpoint(Protocol, remote_addr=server)
-    try:
-        transport.sendto(packet)
-        try:
-            data = await asyncio.wait_for(reply, DNS_TIMEOUT_S)
-        except TimeoutError:
-            raise OSError(f"DNS server {server[0]}:{server[1]} did not answer for {name}") from None
-    finally:
-        transport.close()
-    return parse_a_records(data, name)
-
-
-def parse_a_records(data: bytes, name: str) -> list[str]:
-    flags, questions, answers = struct.unpack(">HHH", data[2:8])
-    if flags & 0x000F:
-        raise OSError(f"DNS lookup of {name} failed (rcode {flags & 0x000F})")
-    offset = 12
-    for _ in range(questions):
-        offset = _skip_name(data, offset) + 4
-    hosts = []
-    for _ in range(answers):
-        offset = _skip_name(data, offset)
-        kind, klass, _ttl, length = struct.unpack(">HHIH", data[offset : offset + 10])
-        offset += 10
-        if kind == 1 and klass == 1 and length == 4:
-            hosts.append(str(ipaddress.IPv4Address(data[offset : offset + 4])))
-        offset += length
+async def lookup(server: tuple[str, int] | None, name: str, port: int) -> list[str]:
+    """The addresses of `name`: from the system resolver, or the A and AAAA records the DNS
+    server at `server` has for it."""
+    if server is None:
+        infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+        return [info[4][0] for info in infos]
+    hosts: list[str] = []
+    for kind in ("A", "AAAA"):
+        answer = await _query(server, name, kind)
+        hosts.extend(record.address for record in answer or ())
     return hosts
 
 
-def _skip_name(data: bytes, offset: int) -> int:
-    while True:
-        length = data[offset]
-        if length == 0:
-            return offset + 1
-        if length & 0xC0 == 0xC0:  # a pointer ends the name
-            return offset + 2
-        offset += 1 + length
+async def lookup_srv(server: tuple[str, int] | None, name: str) -> list[tuple[str, int]]:
+    """The (host, port) of each SRV record of `name` with the lowest priority."""
+    answer = await _query(server, name, "SRV")
+    records = list(answer or ())
+    if not records:
+        raise OSError(f"{name} has no SRV records")
+    first = min(record.priority for record in records)
+    return [(record.target.to_text(omit_final_dot=True), record.port) for record in records if record.priority == first]
+
+
+async def _query(server: tuple[str, int] | None, name: str, kind: str) -> dns.resolver.Answer | None:
+    """The `kind` records of `name` (None: the name has none of that kind); OSError where the
+    name does not exist or the server does not answer."""
+    resolver = dns.asyncresolver.Resolver(configure=server is None)
+    if server is not None:
+        resolver.nameservers = [server[0]]
+        resolver.port = server[1]
+    where = "the system's DNS servers" if server is None else f"DNS server {server[0]}:{server[1]}"
+    try:
+        return await resolver.resolve(name, kind, search=False, lifetime=DNS_TIMEOUT_S)
+    except dns.resolver.NoAnswer:
+        return None
+    except dns.resolver.NXDOMAIN:
+        raise OSError(f"{where} knows no name {name} (NXDOMAIN)") from None
+    except dns.exception.Timeout:
+        raise OSError(f"{where} did not answer for {name} within {DNS_TIMEOUT_S} s") from None
+    except dns.exception.DNSException as exc:
+        raise OSError(f"DNS lookup of {name} ({kind}) at {where} failed: {exc}") from None

@@ -4,6 +4,7 @@ fails or serves another model gets no session."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from coordinator.pools import HUNG_AFTER_PROBES, Pool
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.rpc import wire
-from specdec.rpc.dns import parse_pool, query_a, resolve
+from specdec.rpc.dns import parse_pool, resolve
 from specdec.rpc.security import ChannelSecurity
 from specdec.tools.testing import build_model, word_tokenizer
 from specdec.v1 import common_pb2
@@ -24,27 +25,51 @@ from tests.pool_helpers import DnsServer
 def test_pool_specs():
     assert parse_pool("a:1, b:2").addresses == ("a:1", "b:2")
     spec = parse_pool("dns:///target.svc:50062")
-    assert spec.dynamic and (spec.name, spec.port, spec.server) == ("target.svc", 50062, None)
+    assert spec.dynamic and (spec.name, spec.port, spec.server) == ("target.svc", 50062, None) and not spec.srv
     assert parse_pool("dns://10.0.0.2:5353/t.svc:1").server == ("10.0.0.2", 5353)
     assert parse_pool("dns://10.0.0.2/t.svc:1").server == ("10.0.0.2", 53)
-    for bad in ("", "a:1,a:1", "dns:target:1", "dns:///target", "dns:///target:0"):
+    srv = parse_pool("dns:///_grpc._tcp.target.ns.svc.cluster.local")
+    assert srv.srv and (srv.name, srv.port) == ("_grpc._tcp.target.ns.svc.cluster.local", 0)
+    for bad in ("", "a:1,a:1", "dns:target:1", "dns:///target", "dns:///target:0", "dns:///_grpc._tcp.t:"):
         with pytest.raises(ValueError):
             parse_pool(bad)
 
 
 def test_a_dns_pool_reads_its_records_from_the_server_named():
+    """A and AAAA records, SRV records (each a host and port), an answer too long for UDP read
+    again over TCP, and a name the server does not know: an OSError that says so."""
+
     async def lookups(dns: DnsServer):
         spec = parse_pool(f"dns://127.0.0.1:{dns.port}/targets.pool.test:7")
-        with pytest.raises(OSError, match="rcode 3"):
+        with pytest.raises(OSError, match="NXDOMAIN"):
             await resolve(spec)
         dns.records = ["127.0.0.2", "127.0.0.1"]
         assert await resolve(spec) == ("127.0.0.1:7", "127.0.0.2:7")
-        assert await query_a(("127.0.0.1", dns.port), "other.test") == []  # NXDOMAIN is an error...
+        dns.aaaa = ["::1"]
+        assert await resolve(spec) == ("127.0.0.1:7", "127.0.0.2:7", "[::1]:7")
+        assert dns.queries[("tcp", "A")] == 0
+        dns.records = [f"10.0.{i // 250}.{i % 250}" for i in range(60)]  # 60 answers: over 512 bytes
+        assert len(await resolve(spec)) == 61 and dns.queries[("tcp", "A")] == 1
+        # SRV: the lowest priority's targets, each at its own port; the backup is left out.
+        dns.records = ["127.0.0.3"]
+        dns.aaaa = []
+        dns.srv["_grpc._tcp.pool.test"] = [(0, 50062, "targets.pool.test"), (0, 50063, "targets.pool.test")]
+        dns.srv["_grpc._tcp.pool.test"].append((10, 9, "backup.pool.test"))
+        srv = parse_pool(f"dns://127.0.0.1:{dns.port}/_grpc._tcp.pool.test")
+        assert await resolve(srv) == ("127.0.0.3:50062", "127.0.0.3:50063")
+        with pytest.raises(OSError, match="NXDOMAIN"):
+            await resolve(parse_pool(f"dns://127.0.0.1:{dns.port}/_grpc._tcp.other.test"))
 
     with DnsServer("targets.pool.test") as dns:
-        with pytest.raises(OSError):  # ...for any name it does not know
-            asyncio.run(lookups(dns))
-        assert dns.queries == 3
+        asyncio.run(lookups(dns))
+
+
+def test_a_dns_server_that_does_not_answer_is_an_oserror_naming_it():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        spec = parse_pool(f"dns://127.0.0.1:{silent.getsockname()[1]}/t.test:1")
+        with pytest.raises(OSError, match="did not answer"):
+            asyncio.run(resolve(spec))
 
 
 class FakeClient:
