@@ -248,6 +248,25 @@ class Testbed:
         self.processes.append(service)
         return service
 
+    def serve_direct(
+        self,
+        host: str,
+        module: str,
+        args: Sequence[str],
+        port: int,
+        log: Path,
+        env: Mapping[str, str | None] | None = None,
+        cwd: Path | None = None,
+    ) -> ServiceProcess:
+        """`python -m module args --port port` in `host`'s namespace with no forwarder (and no
+        delay): it binds what its own flags say, so other hosts reach it only if those bind an
+        address they can reach. The returned address is the host's, at `port`."""
+        service = spawn(host, module, list(args), port, log, env, cwd, prefix=self.hosts[host].command([]))
+        service.address = f"{self.hosts[host].address}:{port}"
+        service.local_address = f"127.0.0.1:{port}"
+        self.processes.append(service)
+        return service
+
     def run(self, host: str, argv: Sequence[str], timeout_s: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
         """Runs a command on `host` to completion (stdout and stderr captured as text)."""
         return subprocess.run(

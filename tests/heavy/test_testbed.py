@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -105,3 +106,50 @@ def test_a_testbed_left_by_a_killed_process_is_swept():
         assert name not in ip("netns", "list").stdout.split()
     finally:
         ip("netns", "delete", name, check=False)
+
+
+def readme_ports(args: list[str]) -> int:
+    return int(args[args.index("--port") + 1])
+
+
+def wait_logged(log: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"{log.name} never logged {text!r}: {log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_readmes_cross_host_commands_run_as_written_on_hosts_of_their_own(tiny_pair, reference, tmp_path):
+    """README's three commands exactly as written, their ports and --host included, each on a
+    host of its own with nothing in front of it: HOST_A and HOST_B are the draft's and the
+    target's hosts, and the client calls the coordinator as README's client does, on its host.
+    A service that bound only its own loopback would be unreachable from the coordinator."""
+    problem = available()
+    assert problem is None, f"a testbed cannot be built here: {problem}"
+    commands = readme_commands()
+    with Testbed({"draft": LinkDelay(), "target": LinkDelay(), "coordinator": LinkDelay()}) as bed:
+        values = {
+            "DRAFT_FOLDER": str(tiny_pair.draft),
+            "TARGET_FOLDER": str(tiny_pair.target),
+            "HOST_A": bed.hosts["draft"].address,
+            "HOST_B": bed.hosts["target"].address,
+        }
+
+        def as_written(module: str) -> list[str]:
+            return [re.sub(r"[A-Z_]+_FOLDER|HOST_[AB]", lambda m: values[m.group(0)], w) for w in commands[module]]
+
+        services = {}
+        for host, module in (("draft", "draft_service"), ("target", "target_service")):
+            args = as_written(module)
+            services[host] = bed.serve_direct(host, module, args, readme_ports(args), tmp_path / f"{host}.log")
+        for service in services.values():
+            service.wait_healthy(120)  # from this machine's namespace, through the bridge
+        args = as_written("coordinator")
+        bed.serve_direct("coordinator", "coordinator", args, readme_ports(args), tmp_path / "coordinator.log")
+        wait_logged(tmp_path / "coordinator.log", f"on 127.0.0.1:{readme_ports(args)}", 120)
+        argv = [sys.executable, "-m", "specdec.tools.client", "--address", f"127.0.0.1:{readme_ports(args)}", "--json"]
+        run = bed.run("coordinator", [*argv, "--max-new-tokens", str(NEW_TOKENS), PROMPTS[0]], cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-2000:]
+        response = json.loads(run.stdout)
+        assert [int(i) for i in response["token_ids"]] == reference(PROMPTS[0], NEW_TOKENS)
+        assert int(response["stats"].get("proposed_tokens", 0)) > 0, "the draft host was never used"
