@@ -29,6 +29,7 @@ from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.rpc.ports import free_port
 from specdec.rpc.security import read_tokens
 from specdec.tools.launch import local_stack
+from specdec.tools.loadgen import Load, run_load, summarise
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.otlp_receiver import OtlpTraceReceiver
@@ -409,6 +410,11 @@ async def test_https_with_a_client_certificate_and_tokens_as_for_grpc(tiny_pair,
             await bare.models.list()
         await trusted.aclose()
         await anonymous.aclose()
+        # The load generator takes the same files, over HTTPS and over gRPC.
+        for address in (base_url, f"127.0.0.1:{stack.coordinator.port}"):
+            load = Load(address, None, 2, 2, None, 4, 0.0, prompts=["def f():"], security=client_security)
+            summary = summarise(*await run_load(load))
+            assert (summary["succeeded"], summary["errors"]) == (2, {}), (address, summary)
 
 
 def ssl_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
