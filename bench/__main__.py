@@ -12,6 +12,7 @@ import torch
 
 from bench import accelerator, concurrency, drafts, live_costs, multiturn, overhead, pools, relaxed
 from bench.harness import load_prompts, machine_info, parse_args, run_bench
+from bench.plots import plot_suite
 from bench.report import by_kind, markdown_table, plot, summarise
 
 
@@ -56,16 +57,16 @@ def _write(results: dict, out_dir: Path) -> int:
     if results.get("suite") == "accelerator":
         return _save(results, accelerator.markdown(results), out_dir, accelerator.plot(results, out_dir))
     if results.get("suite") == "links":
-        return _save(results, accelerator.links_markdown(results), out_dir)
+        return _save(results, accelerator.links_markdown(results), out_dir, plot_suite(results, out_dir))
     if results.get("suite") == "multiturn":
-        return _save(results, multiturn.markdown(results), out_dir)
+        return _save(results, multiturn.markdown(results), out_dir, plot_suite(results, out_dir))
     if results.get("suite") == "live-costs":
         results["summary"] = live_costs.summarise(results)
         return _save(results, live_costs.markdown(results), out_dir)
     if results.get("suite") == "drafts":
         return _save(results, drafts.markdown(results), out_dir)
     if results.get("suite") == "pools":
-        return _save(results, pools.markdown(results), out_dir)
+        return _save(results, pools.markdown(results), out_dir, plot_suite(results, out_dir))
     if results.get("suite") == "relaxed":
         return _save(results, relaxed.markdown(results), out_dir)
     if results.get("suite") == "concurrency":
