@@ -10,25 +10,57 @@ and none equals a stream of another seed (plain `default_rng(x + 2**32)` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 SEED_BOUND = 2**63  # per-call seeds sent to the services (uint64 on the wire)
 
 
-@dataclass(frozen=True)
+STREAMS = ("coins", "draft", "target", "predraft", "hedge")  # child i of the seed's SeedSequence
+
+
 class RequestStreams:
-    coins: np.random.Generator  # the rounds' acceptance uniforms
-    draft: np.random.Generator  # a seed per Propose call
-    target: np.random.Generator  # a seed per Verify call
-    predraft: np.random.Generator  # a seed per pre-draft
-    hedge: np.random.Generator  # a seed per hedge
+    """A request's streams, each the Generator of one spawned child of `SeedSequence(seed)`:
+    `coins` the rounds' acceptance uniforms, `draft` a seed per Propose call, `target` a seed per
+    Verify call, `predraft` a seed per pre-draft, `hedge` a seed per hedge. Each is made on its
+    first use (SeedSequence(seed, spawn_key=(i,)) is spawn()'s i-th child): most requests never
+    pre-draft or hedge, and making all five cost a tenth of a millisecond per request."""
+
+    __slots__ = ("_seed", "_made")
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+        self._made: list[np.random.Generator | None] = [None] * len(STREAMS)
 
     @classmethod
     def of(cls, seed: int) -> RequestStreams:
-        children = np.random.SeedSequence(seed).spawn(5)
-        return cls(*(np.random.Generator(np.random.PCG64(child)) for child in children))
+        return cls(seed)
+
+    def _stream(self, index: int) -> np.random.Generator:
+        made = self._made[index]
+        if made is None:
+            child = np.random.SeedSequence(self._seed, spawn_key=(index,))
+            made = self._made[index] = np.random.Generator(np.random.PCG64(child))
+        return made
+
+    @property
+    def coins(self) -> np.random.Generator:
+        return self._stream(0)
+
+    @property
+    def draft(self) -> np.random.Generator:
+        return self._stream(1)
+
+    @property
+    def target(self) -> np.random.Generator:
+        return self._stream(2)
+
+    @property
+    def predraft(self) -> np.random.Generator:
+        return self._stream(3)
+
+    @property
+    def hedge(self) -> np.random.Generator:
+        return self._stream(4)
 
 
 def next_seed(stream: np.random.Generator) -> int:

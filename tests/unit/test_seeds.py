@@ -7,11 +7,11 @@ import itertools
 
 import numpy as np
 
-from specdec.sampling.seeds import RequestStreams
+from specdec.sampling.seeds import STREAMS, RequestStreams
 
 
 def first_draws(streams: RequestStreams) -> dict[str, tuple[float, ...]]:
-    return {name: tuple(getattr(streams, name).random(8)) for name in ("coins", "draft", "target", "predraft", "hedge")}
+    return {name: tuple(getattr(streams, name).random(8)) for name in STREAMS}
 
 
 def test_no_two_streams_of_a_request_are_equal():
@@ -37,3 +37,14 @@ def test_no_stream_equals_a_plain_seed_stream():
 
 def test_the_same_seed_gives_the_same_streams():
     assert first_draws(RequestStreams.of(5)) == first_draws(RequestStreams.of(5))
+
+
+def test_each_stream_is_the_seeds_spawned_child_whichever_is_used_first():
+    """Streams made on first use are spawn()'s children, in any order of use: a seed names the
+    same output as when all five were spawned at once."""
+    for seed in (0, 12345, 2**63 - 1):
+        children = np.random.SeedSequence(seed).spawn(len(STREAMS))
+        spawned = {name: tuple(np.random.Generator(np.random.PCG64(c)).random(8)) for name, c in zip(STREAMS, children)}
+        streams = RequestStreams.of(seed)
+        used = {name: tuple(getattr(streams, name).random(8)) for name in reversed(STREAMS)}
+        assert used == spawned

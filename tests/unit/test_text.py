@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from coordinator.text import TextAssembler
-from specdec.tools.testing import byte_level_tokenizer
+from specdec.tools.testing import byte_level_tokenizer, word_tokenizer
 
 TEXT = "Résumé: naïve café — 東京 🙂 and SELECT name FROM users;"
 
@@ -58,3 +60,18 @@ def test_max_new_tokens_and_eos(tokenizer):
     assert assembler.finish_reason == "eos"
     assert assembler.token_ids == ids[:4] + [eos]
     assert "".join(d.text for d in deltas) == tokenizer.decode(ids[:4])
+
+
+@pytest.mark.parametrize("make", [byte_level_tokenizer, lambda: word_tokenizer(12)], ids=["byte-level", "words"])
+def test_the_fast_decoder_gives_what_decode_gives(make):
+    """TextAssembler decodes with a fast tokenizer's backend directly: the same text as
+    `decode(skip_special_tokens=True, clean_up_tokenization_spaces=False)` for any ids,
+    special ones included (left out of both)."""
+    tokenizer = make()
+    assembler = TextAssembler(tokenizer, [], set(), (), 10)
+    assert assembler._backend is not None
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+        expected = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert assembler._decode(ids) == expected, ids
