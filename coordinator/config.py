@@ -16,7 +16,7 @@ from specdec.config.services import (
     port_setting,
     shutdown_grace_setting,
 )
-from specdec.config.settings import group, on_off, parse_settings, setting
+from specdec.config.settings import group, parse_settings, setting
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
@@ -44,12 +44,20 @@ FALLBACK_K = 4  # K for a request that leaves it unset where the chooser has no 
 def parse_auto_count(text: str) -> int | None:
     """--num-speculative-tokens, --hedges, --bonus-guesses: "auto" (None: chosen per request,
     by the K chooser or coordinator.overlap) or a count."""
-    return None if text == "auto" else int(text)
+    if text == "auto":
+        return None
+    if not text.strip().lstrip("-").isdigit():
+        raise ValueError(f"{text!r} is neither auto nor a whole number")
+    return int(text)
 
 
 def parse_auto_switch(text: str) -> bool | None:
     """--pipeline: "auto" (None: chosen per request, coordinator.overlap), "on" or "off"."""
-    return None if text == "auto" else on_off(text)
+    if text == "auto":
+        return None
+    if text not in ("on", "off"):
+        raise ValueError(f"{text!r}: choose from auto, on, off")
+    return text == "on"
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def group(default: Any, flag_prefix: str = "") -> Any:
 def on_off(text: str) -> bool:
     """'on' / 'off' -> bool: the flags' spelling of a switch."""
     if text not in ("on", "off"):
-        raise ValueError("choose from on, off")
+        raise ValueError(f"{text!r}: choose from on, off")
     return text == "on"
 
 
@@ -141,6 +141,20 @@ def env_value(env: Mapping[str, str], name: str, parse: Callable[[str], Any], ch
         raise SystemExit(f"environment variable {name}={text!r} is invalid: {exc}") from exc
 
 
+def _saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` as an argparse type whose ValueError message reaches the user (argparse shows
+    only "invalid parse_bytes value" for a plain ValueError)."""
+
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parsed.__name__ = getattr(parse, "__name__", "value")
+    return parsed
+
+
 def parse_settings(
     cls: type[C],
     env_prefix: str,
@@ -163,7 +177,7 @@ def parse_settings(
         parser.add_argument(
             flag.name,
             dest=item.dest,
-            type=parse,
+            type=parse if parse in (int, float, str) else _saying_why(parse),
             action="append" if flag.repeated else "store",
             default=None if flag.repeated else default,
             choices=list(flag.choices) if flag.choices else None,

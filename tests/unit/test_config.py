@@ -46,6 +46,27 @@ def test_environment_values_outside_the_choices_are_refused():
     assert coordinator_config([], {**base, "SPECDEC_COORDINATOR_PIPELINE": "on"}).pipeline
 
 
+@pytest.mark.parametrize(
+    "parse, argv, said",
+    [
+        (coordinator_config, ["--hedges", "two"], "argument --hedges: 'two' is neither auto nor a whole number"),
+        (coordinator_config, ["--pipeline", "yes"], "argument --pipeline: 'yes': choose from auto, on, off"),
+        (target_config, ["--max-kv-bytes", "2XB"], "argument --max-kv-bytes: '2XB' is not a size; use bytes"),
+        (target_config, ["--cpus", "a-b"], "argument --cpus: 'a-b' is not a CPU list"),
+        (target_config, ["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    ],
+)
+def test_a_malformed_flag_says_what_is_accepted(parse, argv, said, capsys):
+    """argparse shows only "invalid parse_bytes value" for a parser's ValueError: the services
+    show the parser's own message, as for an environment variable."""
+    required = (
+        ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"] if parse is coordinator_config else ["--model", "m"]
+    )
+    with pytest.raises(SystemExit):
+        parse([*required, *argv], {})
+    assert said in capsys.readouterr().err
+
+
 def test_required_settings_are_named(capsys):
     with pytest.raises(SystemExit):
         coordinator_config(["--draft", "a:1", "--target", "b:2"], {})
