@@ -252,6 +252,7 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
         max_receive_bytes=request_limit,
+        public=True,
     )
     running.http_port = http_port if http is not None else None
 

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+# The coordinator's public server, whose clients are users, not our own channels: a connection
+# idle this long is closed (a client reconnects on its next call), and one this old is asked to
+# go (GOAWAY; its calls get MAX_CONNECTION_GRACE_MS to finish), so clients behind a layer-4
+# balancer (a Kubernetes Service) spread over coordinator replicas added since they connected.
+MAX_CONNECTION_IDLE_MS = 300_000
+MAX_CONNECTION_AGE_MS = 1_800_000
+MAX_CONNECTION_GRACE_MS = 300_000
 
 
 def options() -> list[tuple[str, int]]:
@@ -30,4 +37,14 @@ def server_options() -> list[tuple[str, int]]:
         *options(),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ]
+
+
+def public_server_options() -> list[tuple[str, int]]:
+    """The coordinator's public server: `server_options`, and idle and old connections closed."""
+    return [
+        *server_options(),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_GRACE_MS),
     ]

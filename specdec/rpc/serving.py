@@ -57,16 +57,18 @@ def create_server(
     max_message_bytes: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_receive_bytes: int | None = None,
+    public: bool = False,
 ) -> grpc.aio.Server:
     """Tracing first (so the span covers a refused token too), then the security interceptors.
     `max_receive_bytes` (default `max_message_bytes`): gRPC refuses a larger request with
-    RESOURCE_EXHAUSTED before anything decodes it."""
+    RESOURCE_EXHAUSTED before anything decodes it. `public`: users' clients connect (the
+    coordinator), so idle and old connections are closed (keepalive.public_server_options)."""
     chain = [*telemetry.server_interceptors(), *interceptors]
     options = [
         *message_size_options(max_message_bytes, max_receive_bytes),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
-        *keepalive.server_options(),
+        *(keepalive.public_server_options() if public else keepalive.server_options()),
     ]
     return grpc.aio.server(interceptors=chain or None, options=options)
 
@@ -431,11 +433,12 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: tuple[CollectorRegistry, int] | None = None,
     max_receive_bytes: int | None = None,
+    public: bool = False,
 ) -> RunningServer:
     """Creates, binds and starts a server with health (SERVING once started), reflection,
     and `metrics` = (registry, port) served over HTTP on the same host; `credentials` and
     `interceptors` come from `specdec.rpc.security.load_server_security`."""
-    server = create_server(max_message_bytes, interceptors, max_receive_bytes)
+    server = create_server(max_message_bytes, interceptors, max_receive_bytes, public)
     register(server)
     health_servicer = add_health_and_reflection(server, service_names)
     bound = bind(server, host, port, credentials)

@@ -14,6 +14,8 @@ from coordinator.clients import DraftClient
 from specdec.rpc import keepalive
 from specdec.rpc.security import aio_channel
 from specdec.rpc.serving import create_server
+from specdec.v1 import coordinator_pb2 as pb
+from tests.stack import inprocess_stack
 
 FAST = {"KEEPALIVE_TIME_MS": 300, "KEEPALIVE_TIMEOUT_MS": 300}
 
@@ -94,3 +96,27 @@ async def test_a_lost_peer_fails_the_calls_on_its_connection_within_the_keepaliv
     # Without the pings, the same call waits on a link that carries nothing.
     code, after_s = await watch_then_stall(with_keepalive=False)
     assert code is None, (code, after_s)
+
+
+async def test_the_coordinator_closes_a_users_idle_connection_and_the_client_reconnects(tiny_pair, monkeypatch):
+    """The public server closes a connection idle past MAX_CONNECTION_IDLE_MS (its client's
+    channel goes IDLE, and its next call connects again and is served); the model services'
+    servers, whose clients are the coordinator's long-lived channels, do not."""
+    monkeypatch.setattr(keepalive, "MAX_CONNECTION_IDLE_MS", 300)
+    async with inprocess_stack(tiny_pair) as stack:
+        request = pb.GenerateRequest(prompt="def f():", max_new_tokens=2)
+        await stack.stub.Generate(request, timeout=30)
+        assert stack.channel.get_state() == grpc.ChannelConnectivity.READY
+        deadline = time.monotonic() + 10
+        while stack.channel.get_state() == grpc.ChannelConnectivity.READY:
+            assert time.monotonic() < deadline, "the idle connection was never closed"
+            await asyncio.sleep(0.1)
+        assert len((await stack.stub.Generate(request, timeout=30)).token_ids) >= 1
+        draft = aio_channel(f"127.0.0.1:{stack.draft.port}", [])
+        try:
+            stub = health_pb2_grpc.HealthStub(draft)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            await asyncio.sleep(1.0)
+            assert draft.get_state() == grpc.ChannelConnectivity.READY
+        finally:
+            await draft.close()
