@@ -11,6 +11,7 @@ import torch
 
 from specdec.engine.calls import ModelDescription
 from specdec.engine.sessions import SessionStore
+from specdec.errors import InvalidArgument
 from specdec.sampling.probs import SamplingParams
 
 
@@ -90,3 +91,22 @@ class Drafter(Protocol):
     def end_session(self, session_id: str, keep: bool = True) -> bool: ...
 
     def expire_sessions(self) -> int: ...
+
+
+def stops_on_confidence(drawn_prob: float, min_confidence: float, runner_up_guess: bool = False) -> bool:
+    """Whether a proposal ends after a token the draft drew with probability `drawn_prob`
+    (its belief in its own argmax when greedy). The token itself is still proposed: the
+    decision looks only at draws already made (see DraftRunner._done).
+
+    A `runner_up_guess` (a fork's first token, a runner-up guessed for the bonus token:
+    ProposeRequest.guess_rank > 0) never stops it: a runner-up is below 0.5 by definition and
+    nearly always below the default 0.4, so such forks would end at their guess, with no draft
+    past it to keep. Whether it is right is the target's bonus sample's to decide; the drafts
+    after it stop on their own confidence."""
+    return drawn_prob < min_confidence and not runner_up_guess
+
+
+def check_confidence(min_confidence: float) -> float:
+    if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
+        raise InvalidArgument(f"min_confidence must be in [0, 1] (0 = never stop early); got {min_confidence}")
+    return min_confidence

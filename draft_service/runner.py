@@ -3,32 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from draft_service.drafter import Proposal, ProposeCall
+from draft_service.batched import ProposalBatch
+from draft_service.drafter import Proposal, ProposeCall, check_confidence, stops_on_confidence
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
+from draft_service.trees import propose_tree
 from draft_service.vocab_bridge import VocabBridge
-from specdec.engine.batched_pass import DecodeBatch
-from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession, batchable_cache
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.sampling.probs import logits_to_probs, one_hot_argmax, one_hot_at, sample, top_k_with_support
-from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
+from specdec.sampling.probs import logits_to_probs, one_hot_at, sample, top_k_with_support
 
 PROPOSAL_MODES = ("sample", "greedy")
 # The service's top-k: sampled rows ship sparse, 2 KiB a token, not 0.6 MB dense (bench.draft_truncation: its cost).
 PROPOSAL_TOP_K = 256
-ARGMAX = "argmax"  # _step_all: rows that take their argmax
 
 
 @dataclass
@@ -190,171 +186,7 @@ class DraftRunner(ModelRunner):
         batching), so no call waits for a batch's longest call to end. The j-th call joined is
         item len(calls) + j of the result, and is answered through `answer`.
         """
-        calls = list(calls)
-        results: list[Proposal | Exception | None] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        while todo:  # calls that could not join the batch they arrived in run after it
-            todo = self._propose_waves(calls, todo, results, answer, join)
-        return results  # type: ignore[return-value]
-
-    def _propose_waves(
-        self,
-        calls: list[ProposeCall],
-        todo: list[int],
-        results: list,
-        answer: Callable | None,
-        join: Callable[[int], list[ProposeCall]] | None,
-    ) -> list[int]:
-        """propose_batch for the calls `todo` indexes; calls joined grow `calls` and `results`.
-        → the joined calls to run next (the batch could not take them)."""
-        if any(calls[index].tree_widths for index in todo):
-            # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
-            for index in todo:
-                self._settle(index, result_or_error(self.propose_one, calls[index]), results, answer)
-            return []
-        reads = [(calls[index].fork_from,) if calls[index].fork_from else () for index in todo]
-        waves = call_waves([(calls[index].session_id,) for index in todo], reads)
-        later: list[int] = []
-        for number, wave in enumerate(waves):
-            joins = join if number == len(waves) - 1 else None  # after every call already here
-            active = start_each([todo[i] for i in wave], lambda index: self._begin(calls[index]), results)
-            self._settle_failed([todo[i] for i in wave], results, answer)
-            while active := [item for item in active if not self._ended(*item, results, answer)]:
-                if all(self._decodable(drafting) for _, drafting in active) and (len(active) > 1 or joins is not None):
-                    later += self._decode_together(active, calls, results, answer, joins)
-                    break
-                for group in batch_groups([len(drafting.feed) for _, drafting in active], self.max_padding_ratio):
-                    self._pass(active, group, results)
-        return later
-
-    def _pass(self, active: list[tuple[int, _Drafting]], group: list[int], results: list) -> None:
-        """One pass over active[position] for each position in `group`, and a draw for each."""
-        members = [active[position] for position in group]
-        outputs = self.forward_batch(
-            [drafting.session for _, drafting in members],
-            [drafting.feed for _, drafting in members],
-            [1] * len(members),
-        )
-        stepped = []
-        for (index, drafting), logits in zip(members, outputs):
-            if isinstance(logits, Exception):
-                results[index] = logits
-                drafting.failed = True
-            else:
-                stepped.append((index, drafting, logits[-1]))
-        self._step_all(stepped, len(members), results)
-
-    @staticmethod
-    def _settle(index: int, result: Proposal | Exception, results: list, answer: Callable | None) -> None:
-        results[index] = result
-        if answer is not None:
-            answer(index, result)
-
-    def _settle_failed(self, indices: list[int], results: list, answer: Callable | None) -> None:
-        """Answers the calls that failed to start (their exception is in `results`)."""
-        for index in indices:
-            if results[index] is not None:
-                self._settle(index, results[index], results, answer)
-
-    def _ended(
-        self,
-        index: int,
-        drafting: _Drafting,
-        results: list,
-        answer: Callable | None = None,
-        leave: Callable[[], None] | None = None,
-    ) -> bool:
-        """Whether the call is over: failed (its exception in `results`), or done and its
-        proposal in `results`; either is given to `answer`, after `leave()` (a decode batch
-        handing its session's cache back, before its caller can call again)."""
-        if not (drafting.failed or self._done(drafting)):
-            return False
-        if leave is not None:
-            leave()
-        self._settle(index, results[index] if drafting.failed else self._finish(drafting), results, answer)
-        return True
-
-    def _decode_together(
-        self,
-        active: list[tuple[int, _Drafting]],
-        calls: list[ProposeCall],
-        results: list,
-        answer: Callable | None,
-        join: Callable[[int], list[ProposeCall]] | None,
-    ) -> list[int]:
-        """The calls' remaining steps in one DecodeBatch, each one token a session after its
-        first (a round's tokens or a short prompt, `_decodable`): their caches are padded into
-        a batch once and split back once, not at every step. A call that is done leaves the
-        batch (its session's cache back) before it is answered, and calls from `join` enter it
-        between passes. → the joined calls it could not take, to run after
-        it (a call on a session still in the batch, a tree); from the first of them on, it takes
-        no more, so it ends within K passes."""
-        batch, failures = self.decode_batch(
-            [drafting.session for _, drafting in active], [self._tokens_left(drafting) for _, drafting in active]
-        )
-        members: dict[str, tuple[int, _Drafting]] = {}  # by session id
-        for (index, drafting), failure in zip(active, failures):
-            if failure is None:
-                members[drafting.session.session_id] = (index, drafting)
-            else:
-                self._settle(index, failure, results, answer)
-        later: list[int] = []
-        try:
-            while True:
-                for session_id, (index, drafting) in list(members.items()):
-                    if self._ended(index, drafting, results, answer, functools.partial(batch.leave, session_id)):
-                        del members[session_id]
-                if join is not None and not later:
-                    for call in join(len(members)):
-                        calls.append(call)
-                        results.append(None)
-                        if not self._admit(len(calls) - 1, calls, members, batch, results, answer):
-                            later.append(len(calls) - 1)
-                if not members:
-                    return later
-                logits = batch.step({session_id: drafting.feed for session_id, (_, drafting) in members.items()})
-                size = len(members)
-                self._step_all(
-                    [(index, drafting, logits[sid]) for sid, (index, drafting) in members.items()], size, results
-                )
-        except Exception as exc:  # noqa: BLE001 - a failed pass ended every session of the batch
-            for index, _ in members.values():
-                self._settle(index, exc, results, answer)
-            return later
-        finally:
-            batch.close()
-
-    def _admit(
-        self,
-        index: int,
-        calls: list[ProposeCall],
-        members: dict[str, tuple[int, _Drafting]],
-        batch: DecodeBatch,
-        results: list,
-        answer: Callable | None,
-    ) -> bool:
-        """Starts joined call `index` in the running decode batch: False if it must wait for
-        the batch to end (its session, or the one it forks, is drafting in it; a tree). Its
-        tokens run in the batch's next pass when `_decodable`; a longer prompt or a re-prefill
-        runs in a pass of its own first."""
-        call = calls[index]
-        if call.tree_widths or call.session_id in members or call.fork_from in members:
-            return False
-        try:
-            drafting = self._begin(call)
-        except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-            self._settle(index, exc, results, answer)
-            return True
-        while not self._ended(index, drafting, results, answer):
-            if self._decodable(drafting):
-                failure = batch.join(drafting.session, self._tokens_left(drafting))
-                if failure is None:
-                    members[drafting.session.session_id] = (index, drafting)
-                else:
-                    self._settle(index, failure, results, answer)
-                return True
-            self._pass([(index, drafting)], [0], results)
-        return True
+        return ProposalBatch(self, list(calls), answer, join).run()
 
     def _decodable(self, drafting: _Drafting) -> bool:
         """Whether the call's next tokens can run in a decode batch's pass beside the others'
@@ -374,115 +206,9 @@ class DraftRunner(ModelRunner):
         now, then one for each draft after the next."""
         return len(drafting.feed) + drafting.limit - len(drafting.token_ids) - 1
 
-    def _step_all(self, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list) -> None:
-        """`_step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
-        are drawn together, a few tensor ops for the whole pass instead of a few per row: those
-        that take their argmax (greedy, or a guessed first token), and sampled rows with the
-        same settings (each with its own generator's next draw, as alone). A row with a vocab
-        limit or the draft's own top-k runs alone; a row whose step fails gets its exception
-        in `results` alone."""
-        groups: dict[object, list[tuple[int, _Drafting, torch.Tensor]]] = {}
-        for item in stepped:
-            drafting = item[1]
-            key: object = None  # alone
-            if drafting.call.vocab_limit or drafting.guessing and drafting.call.guess_rank:
-                pass
-            elif drafting.deterministic or drafting.guessing:
-                key = ARGMAX
-            elif self.proposal_top_k <= 0:
-                key = drafting.call.params
-            groups.setdefault(key, []).append(item)
-        for key, items in groups.items():
-            if key is not None and len(items) > 1 and self._step_together(items, key is ARGMAX, batch_size):
-                continue
-            for index, drafting, logits in items:
-                try:
-                    self._step(drafting, logits, batch_size)
-                except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
-                    results[index] = exc
-                    drafting.failed = True
-
-    def _step_together(self, items: list[tuple[int, _Drafting, torch.Tensor]], argmax: bool, batch_size: int) -> bool:
-        """`_step` for rows drawn alike (`_step_all`): False, drawing nothing, when some logit
-        is NaN or infinite, so that each row's own check names the bad one."""
-        logits = torch.stack([row_logits for _, _, row_logits in items])  # [B, N]
-        if not math.isfinite(float(logits.sum())):
-            return False
-        if argmax:
-            heads = logits.argmax(dim=-1)  # [B]
-            head_probs = one_hot_argmax(logits)  # [B, N]
-            belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
-        else:
-            head_probs = belief = logits_to_probs(logits, items[0][1].call.params)  # [B, N]
-            heads = sample(head_probs, [drafting.generator for _, drafting, _ in items])  # [B]
-        drawn = belief.gather(1, heads[:, None])[:, 0].tolist()  # [B]
-        count = max(drafting.call.runner_ups for _, drafting, _ in items)
-        top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
-        top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
-        for b, ((_, drafting, _), row) in enumerate(zip(items, heads.tolist())):
-            runner_ups = self._others(top_ids[b], top_probs[b], row, drafting.call.runner_ups)
-            # The support a sampled call sends: a guess's one id; a draw's unknown (no top-k).
-            support = None if drafting.deterministic or not argmax else torch.tensor([row])
-            self._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)
-        return True
-
     def propose_tree(self, call: ProposeCall) -> Proposal:
-        """A token tree: every node at depth d gets tree_widths[d] children, grown a level per
-        pass (the root's pass, then each level but the last on top of the cached levels above,
-        with a tree mask: specdec.engine.tree_pass). Nodes come in level order.
-
-        Why the target can verify it exactly (specdec.sampling.tree_sampling): a node's children are
-        independent draws, each sent with the distribution it was drawn from. Sampled, they
-        are i.i.d. from the node's distribution (with replacement, so siblings may repeat);
-        deterministic (greedy), they are the node's top tokens, each sent one-hot. The levels
-        stay cached behind the session's sequence, which remains the committed one; the next
-        call keeps the branch its new tokens spell out (KVSession.tree). Trees take no copies
-        and no confidence stop.
-        """
-        widths = check_tree_widths(call, self.max_speculative_tokens)
-        session, pending, deterministic, generator, clock = self._open(call, len(widths))
-        frontier = [(0, self.forward(session, pending, logits_to_keep=1)[-1])]  # (node, logits [N_head])
-        processed = len(pending)
-        token_ids: list[int] = []  # the model's ids (what the tree pass runs)
-        proposed: list[int] = []  # the caller's
-        parents: list[int] = []
-        rows: list[torch.Tensor] = []  # per node, the distribution it was drawn from: [V]
-        supports: list[torch.Tensor | None] = []
-        for depth, width in enumerate(widths):
-            first = len(token_ids) + 1
-            for node, logits in frontier:
-                self.check_logits(logits, call.session_id)
-                if call.vocab_limit:
-                    logits = self._below(logits, call.vocab_limit)
-                if deterministic:  # the top tokens by logit (the softmax keeps the order)
-                    allowed = width if not call.vocab_limit else min(width, int(torch.isfinite(logits).sum()))
-                    chosen = logits.topk(allowed).indices.tolist()
-                else:
-                    head_probs, support = top_k_with_support(logits_to_probs(logits, call.params), self.proposal_top_k)
-                    chosen = sample(head_probs.expand(width, -1), generator).tolist()  # i.i.d.
-                    row = self._over_vocab(head_probs)  # [V]
-                    mapped = self._caller_support(support)
-                for head_row in chosen:
-                    token_ids.append(self._model_id(head_row))
-                    proposed.append(self._caller_id(head_row))
-                    parents.append(node)
-                    if not deterministic:
-                        rows.append(row)
-                        supports.append(mapped)
-            if depth + 1 < len(widths):  # the last level's nodes have no children to draw
-                logits_by_node = self.forward_tree(session, [], token_ids, parents, first_node=first)  # [R, N_head]
-                frontier = list(zip(range(first, len(token_ids) + 1), logits_by_node))
-                processed += len(logits_by_node)
-        return Proposal(
-            token_ids=proposed,
-            probs=None if deterministic else torch.stack(rows),  # [N, V]
-            deterministic=deterministic,
-            processed_tokens=processed,
-            sequence_length=self._caller_length(session),
-            compute_ms=clock.ms(),
-            supports=None if deterministic else supports,
-            parents=parents,
-        )
+        """A token tree (draft_service.trees)."""
+        return propose_tree(self, call)
 
     def _open(self, call: ProposeCall, drafts: int):
         """Checks the call's tokens and length (with `drafts` more to come), rolls its session
@@ -715,51 +441,3 @@ def ranked_row(logits: torch.Tensor, rank: int) -> int:
     if not rank:
         return int(logits.argmax())
     return int(logits.topk(min(rank + 1, logits.numel())).indices[-1])
-
-
-def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:
-    """A tree call's shape: widths >= 1, a depth within max_speculative_tokens, at most
-    MAX_TREE_NODES nodes, and no chain length or copies beside it."""
-    widths = call.tree_widths
-    if call.num_tokens or call.max_copied_tokens:
-        raise InvalidArgument("a tree proposal (tree_widths) takes num_tokens 0 and no max_copied_tokens")
-    if any(width < 1 for width in widths) or len(widths) > max_speculative_tokens:
-        raise InvalidArgument(
-            f"tree_widths {list(widths)}: each width must be >= 1 and the depth at most {max_speculative_tokens}"
-        )
-    if tree_size(widths) > MAX_TREE_NODES:
-        raise InvalidArgument(f"tree_widths {list(widths)} make {tree_size(widths)} nodes; at most {MAX_TREE_NODES}")
-    return widths
-
-
-def stops_on_confidence(drawn_prob: float, min_confidence: float, runner_up_guess: bool = False) -> bool:
-    """Whether a proposal ends after a token the draft drew with probability `drawn_prob`
-    (its belief in its own argmax when greedy). The token itself is still proposed: the
-    decision looks only at draws already made (see DraftRunner._done).
-
-    A `runner_up_guess` (a fork's first token, a runner-up guessed for the bonus token:
-    ProposeRequest.guess_rank > 0) never stops it: a runner-up is below 0.5 by definition and
-    nearly always below the default 0.4, so such forks would end at their guess, with no draft
-    past it to keep. Whether it is right is the target's bonus sample's to decide; the drafts
-    after it stop on their own confidence."""
-    return drawn_prob < min_confidence and not runner_up_guess
-
-
-def check_confidence(min_confidence: float) -> float:
-    if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
-        raise InvalidArgument(f"min_confidence must be in [0, 1] (0 = never stop early); got {min_confidence}")
-    return min_confidence
-
-
-def frequent_token_ids(tokenizer, vocab_size: int, keep: int, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """The `keep` lowest ids plus every special and EOS id: [N] int64, ascending.
-
-    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) number tokens in merge order, and
-    merges are learned most-frequent first, so low ids approximate the most frequent tokens
-    without a corpus. Special tokens stay so the draft can still propose the end of a turn.
-    """
-    if not 0 < keep < vocab_size:
-        raise ValueError(f"the reduced vocabulary must keep between 1 and {vocab_size - 1} ids; got {keep}")
-    special = {int(i) for i in tokenizer.all_special_ids} | set(eos_token_ids)
-    ids = set(range(keep)) | {i for i in special if 0 <= i < vocab_size}
-    return torch.tensor(sorted(ids), dtype=torch.long)

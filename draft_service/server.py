@@ -10,12 +10,13 @@ import torch
 
 from draft_service.config import DraftConfig, parse_config
 from draft_service.ngram import Lookup, NgramDrafter, PromptLookup
-from draft_service.runner import DraftRunner, frequent_token_ids
+from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
 from draft_service.vocab_bridge import VocabBridge
 from specdec.config.services import pin_cpus
 from specdec.engine.modeling import (
+    frequent_token_ids,
     load_causal_lm,
     load_tokenizer_info,
     restrict_output_head,

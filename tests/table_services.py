@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from draft_service.runner import stops_on_confidence
+from draft_service.drafter import stops_on_confidence
 from specdec.engine.costs import CALIBRATION_CONTEXT
 from specdec.engine.sessions import SessionStore
 from specdec.rpc import wire

@@ -246,3 +246,17 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),
     }
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+def frequent_token_ids(tokenizer, vocab_size: int, keep: int, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """The `keep` lowest ids plus every special and EOS id: [N] int64, ascending.
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) number tokens in merge order, and
+    merges are learned most-frequent first, so low ids approximate the most frequent tokens
+    without a corpus. Special tokens stay so the draft can still propose the end of a turn.
+    """
+    if not 0 < keep < vocab_size:
+        raise ValueError(f"the reduced vocabulary must keep between 1 and {vocab_size - 1} ids; got {keep}")
+    special = {int(i) for i in tokenizer.all_special_ids} | set(eos_token_ids)
+    ids = set(range(keep)) | {i for i in special if 0 <= i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)

@@ -13,8 +13,8 @@ from draft_service.config import DraftConfig
 from draft_service.config import parse_config as draft_config
 from draft_service.drafter import ProposeCall
 from draft_service.ngram import NgramDrafter, lookup
-from draft_service.runner import DraftRunner, frequent_token_ids
-from specdec.engine.modeling import load_causal_lm, load_tokenizer_info, restrict_output_head
+from draft_service.runner import DraftRunner
+from specdec.engine.modeling import frequent_token_ids, load_causal_lm, load_tokenizer_info, restrict_output_head
 from specdec.engine.quantize import RowwiseInt8Linear
 from specdec.errors import InvalidArgument, SessionNotFound
 from specdec.sampling.probs import SamplingParams
