@@ -22,7 +22,7 @@ from specdec.engine.batching import batch_groups, call_waves, result_or_error, s
 from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample
 
 if TYPE_CHECKING:
-    from draft_service.runner import DraftRunner, _Drafting
+    from draft_service.stepping import DraftStepper, _Drafting
 
 Answer = Callable[[int, Proposal | Exception], None]
 Join = Callable[[int], list[ProposeCall]]
@@ -32,8 +32,16 @@ class ProposalBatch:
     """One propose_batch: `calls` and their `results` by index (calls joined while it runs are
     appended to both), each result handed to `answer` as soon as it is known."""
 
-    def __init__(self, runner: DraftRunner, calls: list[ProposeCall], answer: Answer | None, join: Join | None) -> None:
+    def __init__(
+        self,
+        runner: DraftStepper,
+        propose_one: Callable[[ProposeCall], Proposal],
+        calls: list[ProposeCall],
+        answer: Answer | None,
+        join: Join | None,
+    ) -> None:
         self.runner = runner
+        self.propose_one = propose_one  # a call that cannot share passes (a tree) runs alone
         self.calls = calls
         self.results: list[Proposal | Exception | None] = [None] * len(calls)
         self.answer = answer
@@ -52,7 +60,7 @@ class ProposalBatch:
         if any(calls[index].tree_widths for index in todo):
             # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
             for index in todo:
-                self._settle(index, result_or_error(runner.propose_one, calls[index]))
+                self._settle(index, result_or_error(self.propose_one, calls[index]))
             return []
         reads = [(calls[index].fork_from,) if calls[index].fork_from else () for index in todo]
         waves = call_waves([(calls[index].session_id,) for index in todo], reads)
@@ -183,9 +191,9 @@ ARGMAX = "argmax"  # step_all: rows that take their argmax
 
 
 def step_all(
-    runner: DraftRunner, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list
+    runner: DraftStepper, stepped: list[tuple[int, _Drafting, torch.Tensor]], batch_size: int, results: list
 ) -> None:
-    """`DraftRunner._step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
+    """`DraftStepper._step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
     are drawn together, a few tensor ops for the whole pass instead of a few per row: those
     that take their argmax (greedy, or a guessed first token), and sampled rows with the
     same settings (each with its own generator's next draw, as alone). A row with a vocab
@@ -214,9 +222,9 @@ def step_all(
 
 
 def step_together(
-    runner: DraftRunner, items: list[tuple[int, _Drafting, torch.Tensor]], argmax: bool, batch_size: int
+    runner: DraftStepper, items: list[tuple[int, _Drafting, torch.Tensor]], argmax: bool, batch_size: int
 ) -> bool:
-    """`DraftRunner._step` for rows drawn alike (`step_all`): False, drawing nothing, when some logit
+    """`DraftStepper._step` for rows drawn alike (`step_all`): False, drawing nothing, when some logit
     is NaN or infinite, so that each row's own check names the bad one."""
     logits = torch.stack([row_logits for _, _, row_logits in items])  # [B, N]
     if not math.isfinite(float(logits.sum())):

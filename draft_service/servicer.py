@@ -11,8 +11,8 @@ import grpc
 from draft_service.drafter import Drafter, Proposal, ProposeCall
 from specdec.errors import InvalidArgument, error_fields, grpc_errors
 from specdec.rpc import wire
+from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
-from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 

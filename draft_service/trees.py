@@ -15,10 +15,10 @@ from specdec.sampling.probs import logits_to_probs, sample, top_k_with_support
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 if TYPE_CHECKING:
-    from draft_service.runner import DraftRunner
+    from draft_service.stepping import DraftStepper
 
 
-def propose_tree(runner: DraftRunner, call: ProposeCall) -> Proposal:
+def propose_tree(runner: DraftStepper, call: ProposeCall) -> Proposal:
     """A token tree: every node at depth d gets tree_widths[d] children, grown a level per
     pass (the root's pass, then each level but the last on top of the cached levels above,
     with a tree mask: specdec.engine.tree_pass). Nodes come in level order.
