@@ -11,8 +11,8 @@ import grpc
 
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.rpc import wire
+from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
-from specdec.rpc.serving import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, Verification, VerifyCall, next_step

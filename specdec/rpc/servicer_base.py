@@ -11,7 +11,7 @@ import grpc
 from specdec.engine.calls import ModelDescription
 from specdec.errors import error_fields, grpc_errors
 from specdec.rpc import wire
-from specdec.rpc.serving import ModelThread
+from specdec.rpc.model_thread import ModelThread
 from specdec.v1 import common_pb2
 
 

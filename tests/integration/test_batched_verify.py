@@ -8,7 +8,7 @@ import time
 
 import pytest_asyncio
 
-from specdec.rpc.serving import ACTIVE_SESSION_S
+from specdec.rpc.model_thread import ACTIVE_SESSION_S
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
 

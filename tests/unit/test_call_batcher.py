@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from specdec.errors import InvalidArgument
-from specdec.rpc.serving import CallBatcher, ModelThread
+from specdec.rpc.model_thread import CallBatcher, ModelThread
 
 
 class Recorder:

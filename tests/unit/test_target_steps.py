@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from specdec.rpc.serving import ModelThread
+from specdec.rpc.model_thread import ModelThread
 from specdec.sampling.probs import SamplingParams
 from target_service.runner import VerifyCall
 
