@@ -18,7 +18,7 @@ from coordinator.clients import DraftClient
 from coordinator.hedging import Hedge, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
-from coordinator.pools import Replica
+from coordinator.replica import Replica
 from coordinator.rounds import RequestState, k_limit
 from coordinator.state import Round, SessionView, Settled, Source, check_reply
 from coordinator.upstream import Upstream

@@ -32,7 +32,7 @@ Prompt = tuple[str, Sequence[int]]
 
 
 class Replica(Protocol):
-    """What placement reads of a replica (coordinator.pools.Replica)."""
+    """What placement reads of a replica (coordinator.replica.Replica)."""
 
     @property
     def address(self) -> str: ...

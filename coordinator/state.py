@@ -18,7 +18,7 @@ from specdec.v1 import draft_pb2
 
 if TYPE_CHECKING:
     from coordinator.clients import ServiceClient
-    from coordinator.pools import Replica
+    from coordinator.replica import Replica
 
 
 @dataclass

@@ -17,7 +17,8 @@ from coordinator.clients import CallRejected, DraftClient, ServiceClient, Target
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo, pair_info
-from coordinator.pools import Pool, Replica, watch
+from coordinator.pools import Pool, watch
+from coordinator.replica import Replica
 from coordinator.state import Round, SessionView, Source, round_from
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.rpc import wire

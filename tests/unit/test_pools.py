@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from coordinator.placement import PREFIX_AFFINITY_SLACK, prefix_keys
-from coordinator.pools import HUNG_AFTER_PROBES, Pool
+from coordinator.pools import Pool
+from coordinator.replica import HUNG_AFTER_PROBES
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.rpc import wire

@@ -1,0 +1,97 @@
+"""One replica of a pool as the coordinator sees it: its channel, its breaker, its last Info,
+this coordinator's sessions there and other coordinators' (coordinator.pools keeps the
+replicas and refreshes them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.breaker import CircuitBreaker
+from coordinator.clients import ServiceClient
+from specdec.v1 import common_pb2
+
+PROBE_TIMEOUT_S = 2.0
+# A replica whose Info has gone unanswered this many refreshes in a row (each waiting
+# PROBE_TIMEOUT_S) is hung: a frozen process, or a machine or network gone without closing its
+# connections. Calls in flight there would wait out their deadline (--target-timeout, 60 s) and
+# fail the request; they are given up on and go to another replica (module docstring).
+HUNG_AFTER_PROBES = 2
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica of a pool, and what the coordinator knows of it."""
+
+    address: str
+    client: ServiceClient
+    breaker: CircuitBreaker  # consecutive failed calls (the draft's: rounds skip it while open)
+    info: common_pb2.ModelInfo | None = None  # its last Info
+    serving: bool = False  # serves the pool's model and its health says SERVING
+    refused: str = ""  # why it serves no session: another model
+    gone: bool = False  # no longer among the pool's DNS records: no new sessions
+    sessions: int = 0  # this coordinator's requests placed on it now
+    ending: int = 0  # this coordinator's sessions done with, their EndSession not answered yet
+    reserved_bytes: int = 0  # the KV those sessions may grow to (`room`)
+    others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
+    moves: int = 0  # sessions moved off it after a failed call
+    unanswered: int = 0  # refreshes in a row whose Info probe got no answer within PROBE_TIMEOUT_S
+    abandoned: int = 0  # calls given up on there while it did not answer
+
+    @property
+    def others(self) -> int:
+        """Sessions other coordinators held on it at both of its last two Infos (the replica's
+        count beyond this coordinator's, forks left out: a draft steps a request's branches in
+        its own passes, so a request's hedges are no load of their own, and this coordinator's
+        would otherwise count as others'). Both: a neighbour's request that ended just after an
+        Info is not counted for another refresh, which would have a request beside it costed at
+        a load that is gone (on a shared host, no drafting)."""
+        return min(self.others_seen)
+
+    def seen(self, info: common_pb2.ModelInfo) -> None:
+        """Its Info has answered."""
+        self.info = info
+        held = info.open_sessions - info.fork_sessions
+        self.others_seen = (self.others_seen[1], max(0, held - self.sessions - self.ending))
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """Sessions on it, this coordinator's now and others' at the last Info, then the KV
+        bytes its sessions hold (not its prefix cache's: those wait to be reused)."""
+        if self.info is None:
+            return (self.sessions, 0)
+        return (self.sessions + self.others, self.info.kv_cache_bytes - self.info.prefix_cache.bytes)
+
+    @property
+    def others_bytes(self) -> int:
+        """KV bytes other coordinators' sessions held at its last Info: its sessions' bytes
+        (not its prefix cache's, given up first) in the share of them that are others'."""
+        info = self.info
+        if info is None or not self.others:
+            return 0
+        held = info.open_sessions - info.fork_sessions
+        return (info.kv_cache_bytes - info.prefix_cache.bytes) * min(self.others, held) // held if held > 0 else 0
+
+    def room(self, reserve: int) -> bool:
+        """Whether a new session that may grow to `reserve` bytes of KV fits: under its
+        --max-sessions, and within its --max-kv-bytes beside what this coordinator's sessions
+        there may grow to and what others' hold. With none of this coordinator's sessions
+        there, one always fits the budget: a request larger than it runs alone (the replica
+        refuses it if it outgrows the budget), never waits for good."""
+        info = self.info
+        if info is None:
+            return True
+        if info.max_sessions and self.sessions + self.ending + self.others >= info.max_sessions:
+            return False
+        if not info.max_kv_cache_bytes or not self.sessions:
+            return True
+        return self.reserved_bytes + self.others_bytes + reserve <= info.max_kv_cache_bytes
+
+    @property
+    def hung(self) -> bool:
+        """Has not answered HUNG_AFTER_PROBES probes in a row: its sessions leave at their next call."""
+        return self.unanswered >= HUNG_AFTER_PROBES
+
+    @property
+    def usable(self) -> bool:
+        """May take new sessions."""
+        return self.serving and not self.gone and self.breaker.allow()
