@@ -15,6 +15,7 @@ from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
 from draft_service.vocab_bridge import VocabBridge
 from specdec.config.services import pin_cpus
+from specdec.engine.calibration import calibrate_costs
 from specdec.engine.modeling import (
     frequent_token_ids,
     load_causal_lm,
@@ -102,7 +103,7 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:
-        runner.calibrate_costs(keep_all_logits=False)
+        calibrate_costs(runner, keep_all_logits=False)
     return runner
 
 

@@ -10,6 +10,7 @@ import os
 import torch
 
 from specdec.engine import attention
+from specdec.engine.calibration import calibrate_costs
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.pace import Pacer, load_profile
 from specdec.engine.quantize import INT8_LABEL, quantize_int8
@@ -58,5 +59,5 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:
         # Under --tensor-parallel every rank runs this, so the passes' collectives line up.
-        runner.calibrate_costs(keep_all_logits=True)
+        calibrate_costs(runner, keep_all_logits=True)
     return runner

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.engine.calibration import calibrate_costs
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
 from target_service.runner import TargetRunner
@@ -63,7 +64,7 @@ def measure(model: str, dtype: str, quantize: str, k: int) -> tuple[float, ...]:
         quantize_int8(loaded.model)
         loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
     runner = TargetRunner(loaded, max_sessions=1, session_ttl_s=60.0, max_speculative_tokens=k)
-    costs = runner.calibrate_costs(keep_all_logits=True).calibrated_ms
+    costs = calibrate_costs(runner, keep_all_logits=True).calibrated_ms
     del runner, loaded
     gc.collect()
     return costs

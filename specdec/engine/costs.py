@@ -85,7 +85,7 @@ def calibrate(
     chooser's K; twelve sweeps' lower quartiles put it at 1.37-1.48× (sd 0.025). It costs about
     6 s of that target's start-up. A size whose first run takes longer than REPEAT_BELOW_MS is
     timed once, so calibration stays within seconds (a float32 target on 2 cores). Batched
-    passes (runner._calibrate_batches) are the fastest of three runs each."""
+    passes (specdec.engine.calibration) are the fastest of three runs each."""
     for _ in range(warmup):
         run_pass(1)
     times: list[list[float]] = [[] for _ in range(max_new_tokens)]

@@ -3,7 +3,6 @@ forward pass that runs only the tokens the session's KV cache has not seen."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -18,12 +17,7 @@ from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass,
 from specdec.engine.batching import MAX_PADDING_RATIO, result_or_error
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
-    CALIBRATION_CONTEXT,
-    CALIBRATION_MAX_TOKENS,
     PassCosts,
-    batch_grid,
-    calibrate,
-    fastest,
 )
 from specdec.engine.fingerprint import served_weights
 from specdec.engine.modeling import LoadedModel, with_cache
@@ -81,74 +75,10 @@ class ModelRunner:
         self.batched_forwards = 0
         self.batched_sessions_total = 0
         self.max_batch_size_seen = 0
-        self.pass_costs: PassCosts | None = None  # set by calibrate_costs
+        self.pass_costs: PassCosts | None = None  # set by specdec.engine.calibration
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
         # --pass-cost-profile: every pass is held to an accelerator's time (specdec.engine.pace).
         self.pacer: Pacer | None = None
-
-    def calibrate_costs(self, keep_all_logits: bool, context_tokens: int = CALIBRATION_CONTEXT) -> PassCosts:
-        """Times passes over 1..max_speculative_tokens + 1 new tokens (at most
-        CALIBRATION_MAX_TOKENS) on top of a cached context, on this process's own hardware, dtype
-        and threads (see specdec.engine.costs).
-
-        `keep_all_logits`: the target scores every new token (K + 1 logits); the draft only
-        needs the last one. The scratch session lives outside the store and no counter moves.
-        """
-        context_tokens = max(1, min(context_tokens, self.loaded.max_context - self.max_speculative_tokens - 2))
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(
-            0, self.loaded.vocab_size, (context_tokens + self.max_speculative_tokens + 1,), generator=generator
-        ).tolist()
-        session = KVSession("calibration", cache=DynamicCache(config=self.model.config))
-        processed = self.processed_tokens_total
-        with torch.inference_mode():
-            self._forward_admitted(session, ids[:context_tokens], logits_to_keep=1)
-
-            def run_pass(n: int) -> None:
-                self._forward_admitted(
-                    session, ids[context_tokens : context_tokens + n], logits_to_keep=n if keep_all_logits else 1
-                )
-                self._synchronize()
-                session.model_cache().crop(-n)
-
-            self.pass_costs = None  # the timed passes are not live traffic
-            costs = calibrate(run_pass, min(self.max_speculative_tokens + 1, CALIBRATION_MAX_TOKENS))
-            batch_ms = self._calibrate_batches(session, ids[context_tokens:], len(costs), keep_all_logits)
-        self.processed_tokens_total = processed
-        self.pass_costs = PassCosts(costs, context_tokens, batch_ms=batch_ms)
-        logger.info(
-            "forward pass cost over a %d-token context, by new tokens: %s",
-            context_tokens,
-            ", ".join(f"{n + 1}: {ms:.1f} ms" for n, ms in enumerate(costs)),
-        )
-        if batch_ms:
-            logger.info(
-                "batched pass cost, sessions x new tokens: %s",
-                ", ".join(f"{b}x{n}: {ms:.1f} ms" for b, n, ms in batch_ms),
-            )
-        return self.pass_costs
-
-    def _calibrate_batches(
-        self, session: KVSession, new_ids: list[int], max_new_tokens: int, keep_all_logits: bool
-    ) -> tuple[tuple[int, int, float], ...]:
-        """Times batched passes (costs.batch_grid) of copies of the calibration session, each
-        on the same cached context. None under tensor parallelism or for caches that cannot be
-        batched: the coordinator then costs a batch as one pass over all its tokens."""
-        if self.max_batch_size < 2 or self.loaded.tensor_parallel_size > 1 or not batchable_cache(session.cache):
-            return ()
-        timed = []
-        for sessions, n in batch_grid(self.max_batch_size, max_new_tokens):
-            rows = [KVSession(f"calibration-{i}", cache=copy.deepcopy(session.cache)) for i in range(sessions)]
-
-            def run_batch(rows=rows, n=n) -> None:
-                padded_pass(self, rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
-                self._synchronize()
-                for row in rows:
-                    row.model_cache().crop(-n)
-
-            run_batch()  # warm-up: the first pass of a new shape
-            timed.append((sessions, n, fastest(run_batch)))
-        return tuple(timed)
 
     def describe(self) -> ModelDescription:
         dtype = str(self.model.dtype).removeprefix("torch.")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from specdec.engine.calibration import calibrate_costs
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack
@@ -41,7 +42,7 @@ def calibrated(target_extra_s: Callable[[int], float]):
     def prepare(draft_runner, target_runner) -> None:
         slow_passes(target_runner, target_extra_s)
         for runner, keep_all_logits in ((draft_runner, False), (target_runner, True)):
-            runner.calibrate_costs(keep_all_logits=keep_all_logits)
+            calibrate_costs(runner, keep_all_logits=keep_all_logits)
 
     return prepare
 
@@ -136,8 +137,8 @@ def dear_draft_flat_verify(draft_runner, target_runner) -> None:
     not pay, but a copy (no pass) does."""
     slow_passes(draft_runner, flat(0.040))
     slow_passes(target_runner, flat(0.045))
-    draft_runner.calibrate_costs(keep_all_logits=False)
-    target_runner.calibrate_costs(keep_all_logits=True)
+    calibrate_costs(draft_runner, keep_all_logits=False)
+    calibrate_costs(target_runner, keep_all_logits=True)
 
 
 async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
