@@ -15,7 +15,6 @@ committed sequence, so no request fails because of it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -29,9 +28,9 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.acceptance import check_verification, decide, round_mode
 from coordinator.branches import BranchCall, Branches
 from coordinator.choosers import Choosers
-from coordinator.clients import CallRejected
-from coordinator.commit import RoundResult, commit_round, ends_request
+from coordinator.commit import RoundResult, commit_round
 from coordinator.config import CoordinatorConfig
+from coordinator.drafting import Drafting
 from coordinator.hedging import runner_ups_for
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
@@ -41,32 +40,22 @@ from coordinator.rounds import (
     DEFAULT_RULES,
     RequestState,
     RoundDraws,
-    RoundKind,
     RoundPlan,
     RoundRules,
     draw_round,
-    k_limit,
     plan_round,
 )
-from coordinator.state import Round, RoundRecord, SessionView, Settled, Source
+from coordinator.state import RoundRecord, SessionView
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream, verify_fields
-from specdec.errors import ResourceExhausted, Unavailable
 from specdec.rpc import wire
 from specdec.rpc.telemetry import tracer
 from specdec.sampling.relaxed import AcceptanceMode
 from specdec.sampling.seeds import RequestStreams
-from specdec.sampling.tree_sampling import tree_size
 from specdec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# What a round that asks the draft for nothing has as drafts, by its kind.
-NO_DRAFTS = {
-    RoundKind.CATCH_UP: Source.CATCH_UP,
-    RoundKind.FALLBACK: Source.FALLBACK,
-    RoundKind.TARGET_ONLY: Source.NONE,
-}
 
 
 class Engine:
@@ -87,6 +76,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.upstream = Upstream(config, drafts, targets, pair, target_info)
         self.branches = Branches(self.upstream)
+        self.drafting = Drafting(self.upstream, self.branches)
         self.choosers = Choosers(config, rules)
         # Validation, chat templating and tokenising run here, one request at a time (as vLLM's
         # tokenizer thread), never on the event loop: a large request costs its own latency, not
@@ -158,7 +148,7 @@ class Engine:
                     result, branches = await self._run_round(state, plan, draws)
                     settled = None
                     if branches is not None:
-                        settled = await self._settle(state, branches, result)
+                        settled = await self.drafting.settle(state, branches, result)
                         branches = None
                     record = commit_round(state, plan, result, settled)
                     state.stats.observe(record)
@@ -243,7 +233,8 @@ class Engine:
         """The round's calls: its drafts (ready, or a draft call that may fall back to none),
         the verify, and the branches drafted while it runs; then the outcome, decided."""
         pair = state.pair
-        round_, took, refused, reread = await self._drafts(state, plan, draws)
+        drafted = await self.drafting.draft(state, plan, draws)
+        round_ = drafted.round
         mode = round_mode(state.job, round_)
         job = state.job
         fields = verify_fields(
@@ -261,7 +252,7 @@ class Engine:
         )
         branches = None
         try:
-            branches = self._start_branches(state, plan, draws, round_)
+            branches = self.drafting.start_branches(state, plan, draws, round_)
             if branches is None:  # no branch call to carry the unused forks: end them now
                 self.branches.end_now(state.unused_forks, state.draft_view)
             verification = await verify
@@ -279,91 +270,7 @@ class Engine:
                 verify.cancel()
         state.stats.target_compute_ms += verification.compute_ms
         outcome = decide(round_, verification, draws.uniforms, mode)
-        return RoundResult(round_, verification, outcome, took, refused, reread), branches
-
-    async def _drafts(
-        self, state: RequestState, plan: RoundPlan, draws: RoundDraws
-    ) -> tuple[Round, bool, bool, PairInfo | None]:
-        """The round's drafts as its plan says: ready ones, none, or a draft call's; and whether
-        the draft took the call, refused the request, or (rejecting the call) changed the pair."""
-        if plan.ready is not None:
-            return plan.ready, False, False, None
-        if plan.kind is not RoundKind.DRAFT_CALL:
-            return Round(NO_DRAFTS[plan.kind]), False, False, None
-        pair = state.pair
-        try:
-            proposal = await self.upstream.propose(
-                state.draft_view,
-                state.sequence,
-                plan.k,
-                state.sampling,
-                draws.draft_seed,
-                state.stats,
-                pair,
-                max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
-                tree_widths=plan.widths,
-            )
-        except (Unavailable, CallRejected, ResourceExhausted) as exc:
-            # Target-only for this round: the same output, only slower. Not only UNAVAILABLE: a
-            # draft restarted with other capabilities rejects calls it used to take, one short of
-            # sessions or memory refuses this request (target-only rounds, then it asks again:
-            # DraftRefusals), and the draft only ever speeds a request up. A broken draft (NaN
-            # logits: INTERNAL) still fails the request, loudly (tests/integration/test_guards.py).
-            self.upstream.draft_failed(exc, state.draft_view, state.stats)
-            reread = None
-            if isinstance(exc, CallRejected):
-                # The one point where a request's pair may change: a draft restarted with other
-                # capabilities (no trees, no copies, a lower K) rejects what this request's
-                # snapshot allowed, so the request takes the Info read after the rejection.
-                reread = await self.upstream.reread_pair(state.draft_view)
-            return Round(Source.FALLBACK), False, isinstance(exc, ResourceExhausted), reread
-        assert state.draft_view.replica is not None  # it answered the call
-        state.draft_view.replica.breaker.record_success()
-        state.stats.draft_compute_ms += proposal.compute_ms
-        k = tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k)
-        return self.upstream.round_from(proposal, k, state.draft_view.address), True, False, None
-
-    def _start_branches(
-        self, state: RequestState, plan: RoundPlan, draws: RoundDraws, round_: Round
-    ) -> BranchCall | None:
-        """The branches to draft during the verify: a pre-draft (pipelined) and hedges, when the
-        round speculates and a fully accepted round would leave room for another. A catch-up
-        step's pre-draft carries the tokens the draft session lacks, guesses the step's token
-        and drafts up to K after it (no hedges: there are no runner-ups to hedge on)."""
-        catch_up = plan.kind is RoundKind.CATCH_UP
-        proposed = len(round_.draft_token_ids)
-        hedging = state.hedging and (plan.overlapping or not state.overlap.chosen)  # auto's: only pre-drafting
-        if not ((plan.overlapping or hedging) and plan.k and (proposed or catch_up) and plan.draft_allowed):
-            return None
-        # Room after a fully accepted round: the bonus guess plus up to K drafts for it (K - 1
-        # where that last step comes back after the verify: PredraftDepth).
-        pair = state.pair
-        next_limit = k_limit(pair, len(state.sequence) + proposed + 1, state.remaining - proposed - 1)
-        most = min(plan.k, next_limit)
-        predraft_k = state.predraft_depth.steps(most) if plan.overlapping and next_limit else 0
-        hedge_k = plan.k if hedging else 0
-        call = self.branches.start(state, pair, round_, predraft_k, hedge_k, draws.predraft_seed, catch_up)
-        if call is not None:
-            call.predraft_full = predraft_k == most + 1
-        return call
-
-    async def _settle(self, state: RequestState, call: BranchCall, result: RoundResult) -> Settled:
-        """What the branch call left: the branch the outcome selected (if any) as the next
-        round's drafts, and what commit_round learns from the call."""
-        outcome, proposed = result.outcome, len(result.drafts.draft_token_ids)
-        live = not ends_request(state, result)
-        settled = await self.branches.settle(
-            call, outcome, proposed, live, state.draft_view, len(state.sequence), state.stats, state.unused_forks,
-            state.round_index,
-        )  # fmt: skip
-        replied, verified, slack = call.replied_ms, call.verified_ms, None
-        if call.predraft is not None and replied is not None and verified is not None:
-            slack = verified - replied
-        rescued = None
-        if call.hedged and outcome.num_accepted < proposed:
-            # A rejection: whether a hedge assumed it (the outcome and the plan alone decide, as for K).
-            rescued = call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None
-        return dataclasses.replace(settled, slack_ms=slack, predraft_full=call.predraft_full, rescued=rescued)
+        return RoundResult(round_, verification, outcome, drafted.took, drafted.refused, drafted.pair), branches
 
     def _close_round(
         self,
