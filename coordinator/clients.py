@@ -342,7 +342,7 @@ def check_pair(
             raise InvalidArgument(
                 f"draft {bridge.draft_model_id!r} at {draft_address} shares {bridge.shared_tokens} tokens with "
                 f"target {target.model_id!r}'s tokenizer, {share:.1%} of its {bridge.target_vocab_tokens}; "
-                f"--min-vocab-overlap asks for at least {min_vocab_overlap:.1%}"
+                f"the coordinator asks for at least {min_vocab_overlap:.1%} (a pair this far apart drafts little)"
             )
     if tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(

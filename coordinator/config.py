@@ -16,19 +16,13 @@ from specdec.config.services import (
     port_setting,
     shutdown_grace_setting,
 )
-from specdec.config.settings import group, parse_settings, setting
-from specdec.errors import InvalidArgument
+from specdec.config.settings import fixed, group, parse_settings, setting
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
 from specdec.sampling.relaxed import (
     DEFAULT_DELTA,
     DEFAULT_TOP_N,
-    MAX_DELTA,
-    MAX_TOP_N,
-    MIN_DELTA,
-    MIN_TOP_N,
     AcceptanceMode,
-    check_relaxed,
 )
 
 DEFAULT_PORT = 50051
@@ -84,14 +78,6 @@ class CoordinatorConfig:
         "--tokenizer",
         "tokenizer folder or id (the pair's), for text in and out; checked against the target's fingerprint",
         required=True,
-    )
-    min_vocab_overlap: float = setting(
-        0.1,
-        "--min-vocab-overlap",
-        "a draft with its own tokenizer (draft --target-tokenizer) must share at least this share of the target "
-        "tokenizer's tokens, or the pair is refused at start-up",
-        more="Qwen2.5 and SmolLM2 share 25.8% of Qwen's 151,936; see "
-        "[Drafts with another tokenizer](design.md#drafts-with-another-tokenizer).",
     )
     host: str = host_setting()
     port: int = port_setting(DEFAULT_PORT)
@@ -179,22 +165,10 @@ class CoordinatorConfig:
         "--acceptance",
         "acceptance rule for requests that leave acceptance_mode unset: exact (lossless: the output is the "
         "target's distribution) or relaxed (lossy: a draft token is also kept when the target ranks it among its "
-        "--relaxed-top-n likeliest within --relaxed-delta of its first; the output is not the target's). Tree "
-        "requests stay exact",
+        f"relaxed_top_n likeliest within relaxed_delta of its first, the request's or {DEFAULT_TOP_N} and "
+        f"{DEFAULT_DELTA:g}; the output is not the target's). Tree requests stay exact",
         choices=AcceptanceMode.names(),
         more="See [Relaxed acceptance](design.md#relaxed-acceptance).",
-    )
-    relaxed_top_n: int = setting(
-        DEFAULT_TOP_N,
-        "--relaxed-top-n",
-        f"relaxed requests that leave relaxed_top_n unset: the target's top-N rank a draft token must be within "
-        f"(in [{MIN_TOP_N}, {MAX_TOP_N}])",
-    )
-    relaxed_delta: float = setting(
-        DEFAULT_DELTA,
-        "--relaxed-delta",
-        "relaxed requests that leave relaxed_delta unset: how far below the target's top-1 probability a draft "
-        f"token's may be (a probability gap in [{MIN_DELTA:g}, {MAX_DELTA:g}])",
     )
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     http_port: int = setting(
@@ -218,9 +192,6 @@ class CoordinatorConfig:
         shown="1 MiB",
         more="Parsing JSON holds the interpreter: at worst about 60 ms a MiB of tiny arrays, a stall of every "
         "stream in flight, so the default stays at 1 MiB (a 32k-token text prompt is about 130 KB).",
-    )
-    breaker_failures: int = setting(
-        3, "--breaker-failures", "consecutive failed draft calls after which rounds skip the draft (target-only)"
     )
     pool_refresh_s: float = setting(
         2.0,
@@ -250,6 +221,20 @@ class CoordinatorConfig:
     )
     cpus: tuple[int, ...] = cpus_setting()
     security: ServerSecurity = group(ServerSecurity())  # the public API: TLS, client certificates, tokens
+    # No flags (issue 66: a surface a user can hold): one value for every deployment.
+    min_vocab_overlap: float = fixed(
+        0.1,
+        "a draft with its own tokenizer (draft --target-tokenizer) must share at least this share of the "
+        "target tokenizer's tokens, or the pair is refused at start-up: a sanity bar, not a tuning knob "
+        "(Qwen2.5 and SmolLM2 share 25.8% of Qwen's 151,936)",
+    )
+    breaker_failures: int = fixed(
+        3,
+        "consecutive failed draft calls after which rounds skip the draft until a pool refresh finds it "
+        "serving; a refresh every --pool-refresh seconds bounds what a wrong guess costs either way",
+    )
+    relaxed_top_n: int = fixed(DEFAULT_TOP_N, "a relaxed request's top-N where it leaves relaxed_top_n unset")
+    relaxed_delta: float = fixed(DEFAULT_DELTA, "a relaxed request's gap where it leaves relaxed_delta unset")
     upstream: ClientSecurity = group(ClientSecurity(), "upstream-")  # calls to draft and target
 
     def problem(self) -> str | None:
@@ -259,27 +244,14 @@ class CoordinatorConfig:
             return "--num-speculative-tokens must be auto or in [0, --max-num-speculative-tokens]"
         if self.max_copied_tokens < 0:
             return f"--max-copied-tokens must be >= 0; got {self.max_copied_tokens}"
-        if (
-            self.breaker_failures < 1
-            or self.pool_refresh_s <= 0
-            or self.queue_timeout_s < 0
-            or self.max_waiting_requests < 0
-        ):
-            return (
-                "--breaker-failures must be >= 1, --pool-refresh > 0, --queue-timeout and --max-waiting-requests >= 0"
-            )
+        if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.max_waiting_requests < 0:
+            return "--pool-refresh must be > 0, --queue-timeout and --max-waiting-requests >= 0"
         if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be auto or in [0, {MAX_HEDGES}]"
         if self.bonus_guesses is not None and not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:
             return f"--bonus-guesses must be auto or in [1, {MAX_BONUS_GUESSES}]"
-        if not 0.0 <= self.min_vocab_overlap <= 1.0:  # NaN fails too
-            return f"--min-vocab-overlap must be in [0, 1]; got {self.min_vocab_overlap}"
         if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
             return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
-        try:
-            check_relaxed(self.relaxed_top_n, self.relaxed_delta, "--relaxed-top-n", "--relaxed-delta")
-        except InvalidArgument as exc:
-            return str(exc)
         for flag, spec in (("--draft", self.draft_address), ("--target", self.target_address)):
             try:
                 parse_pool(spec)

@@ -57,7 +57,7 @@ async def retry_unavailable(
 
 # A draft call that fails UNAVAILABLE is tried once more, 50 ms later, before its round runs
 # target-only: a draft only ever speeds a request up, so a round never waits longer on one
-# (the breaker, --breaker-failures, stops asking a replica that keeps failing).
+# (the breaker, three failures in a row, stops asking a replica that keeps failing).
 DRAFT_ATTEMPTS = 2
 DRAFT_RETRY_BACKOFF_S = 0.05
 REREAD_WAIT_S = 0.5  # how long a request whose draft call was rejected waits for the draft's Info

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 C = TypeVar("C")
 _FLAG = "specdec.setting"
 _GROUP = "specdec.group"
+_FIXED = "specdec.fixed"
 REQUIRED_HINT = "(or set the environment variable named in --help)"
 
 
@@ -40,6 +41,12 @@ class Flag:
 def setting(default: Any, flag: str, help: str, **options: Any) -> Any:
     """A config field that is also a flag (see the module docstring)."""
     return field(default=default, metadata={_FLAG: Flag(flag, help, **options)})
+
+
+def fixed(default: Any, why: str) -> Any:
+    """A config field that is no flag: one value for every deployment, which code that builds the
+    config may still set (tests, an embedding program). `why` says what it is and why it is fixed."""
+    return field(default=default, metadata={_FIXED: why})
 
 
 def group(default: Any, flag_prefix: str = "") -> Any:
@@ -110,8 +117,8 @@ def declared(cls: type, flag_prefix: str = "", path: tuple[str, ...] = ()) -> It
             yield Declared((*path, item.name), dataclasses.replace(flag, name=name), item.default)
         elif _GROUP in item.metadata:
             yield from declared(type(item.default), flag_prefix + item.metadata[_GROUP], (*path, item.name))
-        else:
-            raise TypeError(f"{cls.__name__}.{item.name} is declared with neither setting() nor group()")
+        elif _FIXED not in item.metadata:
+            raise TypeError(f"{cls.__name__}.{item.name} is declared with neither setting(), fixed() nor group()")
 
 
 class _HasProblem(Protocol):
@@ -124,7 +131,7 @@ def _build(cls: type[C], values: Mapping[tuple[str, ...], Any]) -> C:
         if _GROUP in item.metadata:
             inner = {path[1:]: value for path, value in values.items() if path[0] == item.name}
             kwargs[item.name] = _build(type(item.default), inner)
-        else:
+        elif _FIXED not in item.metadata:  # a fixed field keeps its default
             kwargs[item.name] = values[(item.name,)]
     return cls(**kwargs)
 

@@ -74,7 +74,7 @@ async def test_pipelined_hedged_sampled_requests_through_a_bridged_draft(bridged
 
 
 async def test_the_coordinator_refuses_a_pair_below_its_minimum_overlap(bridged_pair):
-    with pytest.raises(InvalidArgument, match=r"shares \d+ tokens with target .*--min-vocab-overlap asks for at least"):
+    with pytest.raises(InvalidArgument, match=r"shares \d+ tokens with target .*the coordinator asks for at least"):
         async with local_stack(
             bridged_pair,
             draft_overrides=bridged(bridged_pair, quantize="none"),

@@ -20,7 +20,7 @@ PROMPT = "The quick brown fox"
 
 
 def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_returns(tiny_pair, reference, tmp_path):
-    args = ["--breaker-failures", "2", "--pool-refresh", "0.3", "--draft-timeout", "5"]
+    args = ["--pool-refresh", "0.3", "--draft-timeout", "5"]
     with ProcessStack(tiny_pair, tmp_path, args) as stack, stack.channel() as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=200, num_speculative_tokens=4)

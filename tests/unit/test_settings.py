@@ -54,6 +54,18 @@ def test_every_config_field_is_a_flag_whose_default_is_the_fields(cls):
     assert len(names) == len(set(names)), "two fields share a flag"
 
 
+def test_a_fixed_field_is_no_flag_keeps_its_default_and_code_may_set_it(capsys):
+    """fixed(): no flag, no variable, nothing in --help or the docs; parsing leaves its default;
+    a config built in code (tests) may still set it."""
+    config = coordinator_config(["--draft", "d", "--target", "t", "--tokenizer", "k"], {})
+    assert (config.breaker_failures, config.min_vocab_overlap) == (3, 0.1)
+    assert "breaker" not in " ".join(item.flag.name for item in declared(CoordinatorConfig))
+    with pytest.raises(SystemExit):
+        coordinator_config(["--draft", "d", "--target", "t", "--tokenizer", "k", "--breaker-failures", "1"], {})
+    assert "unrecognized arguments: --breaker-failures" in capsys.readouterr().err
+    assert CoordinatorConfig(breaker_failures=1).breaker_failures == 1
+
+
 def test_every_flag_reads_its_variable_and_says_so_in_help(capsys):
     for cls, (parse, _, _) in REQUIRED.items():
         prefix = {DraftConfig: "SPECDEC_DRAFT", TargetConfig: "SPECDEC_TARGET"}.get(cls, "SPECDEC_COORDINATOR")

@@ -176,7 +176,7 @@ def test_coordinator_refuses_a_pair_below_the_minimum_overlap_naming_it():
         vocab_bridge=common_pb2.VocabBridgeInfo(draft_model_id="small", shared_tokens=50, target_vocab_tokens=1000),
     )
     check_pair(draft, target, "abc", "d:1", "t:1", min_vocab_overlap=0.05)
-    with pytest.raises(InvalidArgument, match=r"shares 50 tokens .* 5\.0% of its 1000; --min-vocab-overlap asks"):
+    with pytest.raises(InvalidArgument, match=r"shares 50 tokens .* 5\.0% of its 1000; the coordinator asks"):
         check_pair(draft, target, "abc", "d:1", "t:1", min_vocab_overlap=0.1)
     unbridged = common_pb2.ModelInfo(model_id="d", tokenizer_fingerprint="xyz")
     with pytest.raises(InvalidArgument, match="--target-tokenizer"):
