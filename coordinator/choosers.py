@@ -128,7 +128,7 @@ class Choosers:
         """Carries the finished request's acceptance, of its drafts and of its copies, into the
         next request's priors; a relaxed request's, higher than exact acceptance, would mislead
         the exact requests after it. (A request whose copies were right ramps its copies up to
-        --max-copied-tokens within a few rounds; the next one starts nearer where it ended.)"""
+        max_copied_tokens within a few rounds; the next one starts nearer where it ended.)"""
         if state.job.relaxed is None:
             self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
             self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)

@@ -94,12 +94,6 @@ class CoordinatorConfig:
     max_num_speculative_tokens: int = setting(
         8, "--max-num-speculative-tokens", "largest K a request may ask for (also capped by the services)"
     )
-    max_copied_tokens: int = setting(
-        32,
-        "--max-copied-tokens",
-        "most tokens a copy (prompt lookup, suffix drafter) may carry in a round whose K the chooser picks; a "
-        "copy runs no draft pass, so it may be longer than K (also capped by the services' --max-speculative-tokens)",
-    )
     default_max_new_tokens: int = setting(
         64,
         "--default-max-new-tokens",
@@ -233,6 +227,11 @@ class CoordinatorConfig:
         "consecutive failed draft calls after which rounds skip the draft until a pool refresh finds it "
         "serving; a refresh every --pool-refresh seconds bounds what a wrong guess costs either way",
     )
+    max_copied_tokens: int = fixed(
+        32,
+        "most tokens a copy (prompt lookup, suffix drafter) may carry in a round whose K the chooser picks; a "
+        "copy runs no draft pass, so it may be longer than K; the services' --max-speculative-tokens caps it too",
+    )
     relaxed_top_n: int = fixed(DEFAULT_TOP_N, "a relaxed request's top-N where it leaves relaxed_top_n unset")
     relaxed_delta: float = fixed(DEFAULT_DELTA, "a relaxed request's gap where it leaves relaxed_delta unset")
     upstream: ClientSecurity = group(ClientSecurity(), "upstream-")  # calls to draft and target
@@ -242,8 +241,6 @@ class CoordinatorConfig:
         k = self.default_num_speculative_tokens
         if k is not None and not 0 <= k <= self.max_num_speculative_tokens:
             return "--num-speculative-tokens must be auto or in [0, --max-num-speculative-tokens]"
-        if self.max_copied_tokens < 0:
-            return f"--max-copied-tokens must be >= 0; got {self.max_copied_tokens}"
         if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.max_waiting_requests < 0:
             return "--pool-refresh must be > 0, --queue-timeout and --max-waiting-requests >= 0"
         if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:

@@ -25,7 +25,7 @@ IDENTITY = {
         "quantization",
         "device_kind",
         "tensor_parallel_size",
-        # Copies run up to the first replica's cap (--max-copied-tokens), and a replica with a
+        # Copies run up to the first replica's cap (max_copied_tokens), and a replica with a
         # lower one (an older build's default of 16) would refuse such verifies.
         "max_speculative_tokens",
     ),

@@ -182,7 +182,7 @@ def copy_limit(state: RequestState, pair: PairInfo, k: int, chooser: AdaptiveK |
     """ProposeRequest.max_copied_tokens for this round, an exact cap (0: no copy; with K = 0
     too, no draft call), and the copy chooser's pick where it was asked. A request that fixes
     K copies at most K; target-only requests (K = 0) never copy. A chosen copy may be longer
-    than the largest K (--max-copied-tokens): it runs no draft pass, so only the verify grows
+    than the largest K (max_copied_tokens, 32): it runs no draft pass, so only the verify grows
     with it. `chooser`: the copy chooser at this round's costs."""
     if not pair.draft_copies or state.job.num_speculative_tokens == 0:
         return 0, None

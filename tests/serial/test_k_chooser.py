@@ -144,7 +144,7 @@ def dear_draft_flat_verify(draft_runner, target_runner) -> None:
 async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
     """With a hybrid draft and the chooser, the model's K settles low where its drafts are dear,
     while copies, which cost no pass, carry more tokens than the model's K, and more than the
-    largest K (--max-copied-tokens); output unchanged and seeds reproduce."""
+    largest K (CoordinatorConfig.max_copied_tokens); output unchanged and seeds reproduce."""
     repeating = "x = x + 1\nx = x + 1\nx = x + 1\nx = x"
     async with inprocess_stack(
         tiny_pair,

@@ -316,7 +316,7 @@ def test_a_lookup_that_found_nothing_is_not_repeated_for_a_few_target_only_round
 
 
 def test_a_chosen_copy_may_be_longer_than_the_largest_k_within_the_room_left():
-    """A copy runs no draft pass, so the copy chooser may pick up to --max-copied-tokens (16
+    """A copy runs no draft pass, so the copy chooser may pick up to max_copied_tokens (16
     here, K at most 8), cut to the room the sequence and max_new_tokens leave; a request that
     fixes K copies at most K."""
     free = RoundCosts(draft_pass_ms=(0.0,) * 9, target_pass_ms=(1.0,) * 9)  # a verify costs the same at any size
