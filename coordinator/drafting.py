@@ -46,7 +46,8 @@ class Drafted:
 
 
 class DraftSource(Protocol):
-    """A round's drafts of one kind (`sources()`): reads the request's state, writes none of it."""
+    """A round's drafts of one kind (`sources()`): reads the request's state, writes none of what
+    commit_round owns (the module docstring)."""
 
     async def draft(self, state: RequestState, plan: RoundPlan, draws: RoundDraws) -> Drafted: ...
 
