@@ -1,7 +1,7 @@
 """`--suite accelerator`: the design where it is meant to run, emulated.
 
 Each model service runs a tiny model and holds every pass to a published H100 profile
-(`--pass-cost-profile`, bench/profiles/), so a pass leaves the host idle and a 16-token verify
+(bench.emulated, bench/profiles/), so a pass leaves the host idle and a 16-token verify
 costs about what a 1-token step does, as on a GPU. The draft and the target run pinned to a core
 each, one torch thread, on loopback (same-host links). The pairs come from bench.synthetic, with
 the draft's greedy agreement α set to about 0.6, 0.8 or 0.9.
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.emulated import service_command
 from bench.modes import model_infos, overlap_flags
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
@@ -134,18 +135,19 @@ def start_services(
     # stopped at 1.5 drafts a round of K = 4 at α 0.78), so K means K.
     draft_only = ["--min-confidence", "0", "--quantize", "none"]
     env = {"OMP_NUM_THREADS": "1"}
-    draft_args = ["--model", str(pair.draft), "--pass-cost-profile", str(draft_profile), "--cpus", "0"]
-    target_args = ["--model", str(pair.target), "--pass-cost-profile", str(target_profile), "--cpus", "1"]
+    draft_args = ["--model", str(pair.draft), "--pass-cost-profile", str(draft_profile)]
+    target_args = ["--model", str(pair.target), "--pass-cost-profile", str(target_profile)]
 
-    def start(name: str, module: str, args: list[str]) -> ServiceProcess:
+    def start(name: str, args: list[str], core: int) -> ServiceProcess:
+        module, args = service_command(name, args)
         if bed is not None:  # the testbed stops what it started
-            return bed.serve(name, module, args, logs / f"{name}.log", env, ROOT)
-        service = spawn(name, module, args, free_port(), logs / f"{name}.log", env, ROOT)
+            return bed.serve(name, module, args, logs / f"{name}.log", env, ROOT, cpus=(core,))
+        service = spawn(name, module, args, free_port(), logs / f"{name}.log", env, ROOT, cpus=(core,))
         stack.callback(service.stop)
         return service
 
-    draft = start("draft", "draft_service", [*draft_args, *common, *draft_only])
-    target = start("target", "target_service", [*target_args, *common])
+    draft = start("draft", [*draft_args, *common, *draft_only], 0)
+    target = start("target", [*target_args, *common], 1)
     draft.wait_healthy(300)
     target.wait_healthy(300)
     return draft, target

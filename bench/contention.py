@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import time
 from pathlib import Path
 
-from specdec.config.services import pin_cpus
 from specdec.tools.real_models import DRAFT, TARGET
 
 MODELS = Path(__file__).resolve().parents[1] / ".cache/models"
@@ -27,7 +27,7 @@ PHASES = ("target", "draft", "together")  # who times passes: each model alone, 
 
 
 def _worker(role: str, model: str, core: int, new_tokens: int, seconds: float, ready, go, results) -> None:
-    pin_cpus((core,))
+    os.sched_setaffinity(0, (core,))  # before torch starts its threads: they inherit it
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 

@@ -6,7 +6,7 @@
    1 to 512 new tokens after a short context, and one token after longer contexts; each the
    lower quartile of `--pass-repeats` passes, as the services calibrate. Written as
    pass-cost profiles (`profile-target.json`, `profile-draft.json`, the `bench/profiles/` format
-   that `--pass-cost-profile` loads), so the emulated suites can be anchored to the card.
+   that bench.emulated loads), so the emulated suites can be anchored to the card.
 2. **Greedy identity.** The three services on the device; every prompt greedy, target-only
    (K = 0: the target's own output), with the K chooser, with K = 4, and pipelined with hedges.
    Each output is compared with target-only's token by token, and with in-process transformers

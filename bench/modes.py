@@ -32,7 +32,7 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
         "int8+lookup3": ["--dtype", "float32", "--quantize", "int8", "--drafter", "hybrid", "--ngram-min", "3"],
         "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
         # The nodes suite: the draft's own "node" is core 0 (the target's is core 1).
-        "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"]],
+        "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"].args],
     }[name]
 
 
@@ -85,18 +85,32 @@ def model_infos(draft: ServiceProcess, target: ServiceProcess, timeout: float = 
     return found
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one service runs: the cores (specdec.tools.launch.spawn's `cpus`; () = every one)
+    and the flags that go with them."""
+
+    cpus: tuple[int, ...] = ()
+    args: tuple[str, ...] = ()
+
+
 # Where the services run. "shared": every service may use every core (torch --threads each).
 # "pinned": one machine standing in for separate nodes, the draft on core 0 and the target on
 # core 1, one thread each. The coordinator shares the target's core: it works between a
 # verify's reply and the next verify, exactly when the target's core is idle.
-PLACEMENTS: dict[str, dict[str, list[str]]] = {
-    "shared": {"draft": [], "target": [], "coordinator": []},
+PLACEMENTS: dict[str, dict[str, Placement]] = {
+    "shared": {"draft": Placement(), "target": Placement(), "coordinator": Placement()},
     "pinned": {
-        "draft": ["--cpus", "0", "--threads", "1"],
-        "target": ["--cpus", "1", "--threads", "1"],
-        "coordinator": ["--cpus", "1"],
+        "draft": Placement((0,), ("--threads", "1")),
+        "target": Placement((1,), ("--threads", "1")),
+        "coordinator": Placement((1,)),
     },
 }
+
+
+def drafter_cpus(name: str) -> tuple[int, ...]:
+    """The cores a draft service variant runs on (the nodes suite's draft: its own core)."""
+    return PLACEMENTS["pinned"]["draft"].cpus if name == "int8@core0" else ()
 
 
 def overlap_flags(pipeline: str = "off", hedges: int = 0, bonus_guesses: int = 1) -> list[str]:

@@ -48,6 +48,7 @@ from pathlib import Path
 import grpc
 
 from bench.accelerator import PROFILES, PROMPTS, overruns, profile
+from bench.emulated import service_command
 from bench.modes import drafter_args, model_infos, overlap_flags, target_service_args
 from bench.synthetic import pair_with_acceptance
 from specdec.engine.modeling import load_causal_lm
@@ -119,7 +120,7 @@ class Stack:
         self.processes: list[ServiceProcess] = []  # every one started, the coordinator too
 
     def spawn(self, role: str, args: list[str], env: dict[str, str]) -> ServiceProcess:
-        module = f"{role}_service" if role != "coordinator" else role
+        module, args = service_command(role, args) if role != "coordinator" else (role, args)
         name = f"{role}-{len(self.drafts) + len(self.targets)}"
         process = spawn(name, module, args, free_port(), self.logs / f"{name}.log", env, ROOT)
         self._stack.callback(process.stop)

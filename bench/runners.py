@@ -13,7 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from bench.modes import COORDINATORS, PLACEMENTS, ROOT, BenchConfig, Mode, Sample, drafter_args, target_service_args
+from bench.modes import (
+    COORDINATORS,
+    PLACEMENTS,
+    ROOT,
+    BenchConfig,
+    Mode,
+    Sample,
+    drafter_args,
+    drafter_cpus,
+    target_service_args,
+)
 from bench.rules_coordinator import coordinator_module
 from specdec.engine.modeling import DTYPES
 from specdec.engine.quantize import quantize_int8
@@ -38,9 +48,10 @@ class OursRunner:
             for placement in dict.fromkeys(placement for _, _, placement in variants):
                 targets[placement] = self._start(
                     "target_service",
-                    [*target_service_args(config), *model_args, *PLACEMENTS[placement]["target"]],
+                    [*target_service_args(config), *model_args, *PLACEMENTS[placement]["target"].args],
                     log_dir / f"target-{placement}.log",
                     env,
+                    PLACEMENTS[placement]["target"].cpus,
                 )
                 # One at a time: each service times its own passes at start-up (--calibrate), which a
                 # neighbour loading its weights on the same cores would skew.
@@ -59,6 +70,7 @@ class OursRunner:
                     ],
                     log_dir / f"draft-{name}.log",
                     env,
+                    drafter_cpus(name),
                 )
                 drafts[name].wait_healthy(900)
             self.channels: dict[tuple[str, str, str], grpc.Channel] = {}
@@ -75,10 +87,11 @@ class OursRunner:
                         "--max-new-tokens-limit",
                         "4096",
                         *COORDINATORS[variant],
-                        *PLACEMENTS[placement]["coordinator"],
+                        *PLACEMENTS[placement]["coordinator"].args,
                     ],
                     ROOT,
                     coordinator_module(COORDINATORS[variant]),
+                    PLACEMENTS[placement]["coordinator"].cpus,
                 )
                 self._processes.callback(coordinator.stop)
                 key = (drafter, variant, placement)
@@ -88,8 +101,8 @@ class OursRunner:
             self._processes.close()
             raise
 
-    def _start(self, module: str, args: list[str], log: Path, env: dict[str, str]):
-        process = spawn(module, module, args, free_port(), log, env, ROOT)
+    def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], cpus: tuple[int, ...]):
+        process = spawn(module, module, args, free_port(), log, env, ROOT, cpus=cpus)
         self._processes.callback(process.stop)
         return process
 

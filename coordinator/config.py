@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from specdec.config.services import (
     ClientSecurity,
     ServerSecurity,
-    cpus_setting,
     host_setting,
     max_message_bytes_setting,
     metrics_port_setting,
@@ -213,7 +212,6 @@ class CoordinatorConfig:
     trust_remote_code: bool = setting(
         False, "--trust-remote-code", "on: run Python code that comes with the tokenizer (only for ones you trust)"
     )
-    cpus: tuple[int, ...] = cpus_setting()
     security: ServerSecurity = group(ServerSecurity())  # the public API: TLS, client certificates, tokens
     # No flags (issue 66: a surface a user can hold): one value for every deployment.
     min_vocab_overlap: float = fixed(

@@ -21,7 +21,6 @@ from coordinator.pools import Pool
 from coordinator.requests import longest_token_bytes, request_limit_bytes
 from coordinator.rounds import DEFAULT_RULES, RoundRules
 from coordinator.servicer import CoordinatorServicer, add_to_server
-from specdec.config.services import pin_cpus
 from specdec.engine.calls import numerics
 from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.rpc.dns import PoolSpec, parse_pool
@@ -183,8 +182,8 @@ async def measure_round_costs(
 def shares_cores(draft_info, target_info) -> bool:
     """Whether both services compute on the same cores of one machine (ModelInfo.host_id, and
     CPUs that overlap where both say which), so that a draft pass and a target pass take turns
-    on them. Not where either runs on an accelerator, is pinned apart (--cpus), or is held to
-    an emulated accelerator's timing (--pass-cost-profile)."""
+    on them. Not where either runs on an accelerator, is pinned apart (taskset, cpusets), or is held to
+    an emulated accelerator's timing (bench.emulated)."""
     draft_cpus, target_cpus = set(draft_info.cpus), set(target_info.cpus)
     return (
         draft_info.device.split(":")[0] == target_info.device.split(":")[0] == "cpu"
@@ -274,7 +273,6 @@ def served_name(model_id: str) -> str:
 
 def main(argv: list[str] | None = None, rules: RoundRules = DEFAULT_RULES) -> None:
     config = parse_config(argv)
-    pin_cpus(config.cpus)
     asyncio.run(
         serve_forever(
             lambda: build_server(config, rules), config.log_level, "specdec-coordinator", config.shutdown_grace_s

@@ -65,9 +65,9 @@ class DraftConfig(ModelServiceConfig):
         if self.drafter == "ngram":
             if not 1 <= self.ngram_min <= self.ngram_max:
                 return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
-            if self.quantize == "int8" or self.draft_vocab or self.pass_cost_profile or self.target_tokenizer:
+            if self.quantize == "int8" or self.draft_vocab or self.target_tokenizer:
                 return (
-                    "--quantize int8, --draft-vocab, --pass-cost-profile and --target-tokenizer apply to a drafter "
+                    "--quantize int8, --draft-vocab and --target-tokenizer apply to a drafter "
                     "with a model; the ngram drafter has no weights, runs no pass and speaks its --model's ids"
                 )
             return super().problem()

@@ -14,7 +14,6 @@ from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
 from draft_service.vocab_bridge import VocabBridge
-from specdec.config.services import pin_cpus
 from specdec.engine.calibration import calibrate_costs
 from specdec.engine.modeling import (
     frequent_token_ids,
@@ -132,8 +131,10 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
-    pin_cpus(config.cpus)
+def main(argv: list[str] | None = None, pass_cost_profile: str = "") -> None:
+    """`python -m draft_service`; `pass_cost_profile` emulates an accelerator (bench.emulated)."""
+    config = dataclasses.replace(parse_config(argv), pass_cost_profile=pass_cost_profile)
+    if pass_cost_profile and config.drafter == "ngram":
+        raise SystemExit("an emulated pass cost needs a drafter with a model; the ngram drafter runs no pass")
     config = leave_torch_to_the_model_thread(config)
     asyncio.run(serve_forever(lambda: build_server(config), config.log_level, "specdec-draft", config.shutdown_grace_s))

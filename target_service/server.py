@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import cast
 
 from transformers import AutoConfig
 
-from specdec.config.services import pin_cpus
 from specdec.engine.modeling import check_tensor_parallel
 from specdec.rpc.ports import free_port
 from specdec.rpc.security import load_server_security
@@ -46,9 +46,9 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
-    pin_cpus(config.cpus)  # tensor-parallel ranks it spawns inherit it
+def main(argv: list[str] | None = None, pass_cost_profile: str = "") -> None:
+    """`python -m target_service`; `pass_cost_profile` emulates an accelerator (bench.emulated)."""
+    config = dataclasses.replace(parse_config(argv), pass_cost_profile=pass_cost_profile)
     if config.tensor_parallel > 1:
         return main_tensor_parallel(config)
     config = leave_torch_to_the_model_thread(config)

@@ -22,6 +22,7 @@ import dns.rdatatype
 import dns.rrset
 import grpc
 
+from bench.emulated import service_command
 from specdec.tools.launch import ServiceProcess, free_port, spawn
 from specdec.v1 import common_pb2, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
@@ -46,11 +47,12 @@ class Processes:
 
     def spawn(self, role: str, model: Path, port: int, host: str = "127.0.0.1", args=()) -> ServiceProcess:
         name = f"{role}-{len(self.started)}"
-        module = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}[role]
+        args = ["--host", host, *(["--model", str(model)] if role != "coordinator" else []), *args]
+        module, args = service_command(role, args) if role != "coordinator" else ("coordinator", args)
         process = spawn(
             name,
             module,
-            ["--host", host, *(["--model", str(model)] if role != "coordinator" else []), *args],
+            args,
             port,
             self.logs / f"{name}.log",
             env={"OMP_NUM_THREADS": "1"},

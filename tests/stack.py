@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from bench.emulated import service_command
 from coordinator import server as coordinator_server
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
@@ -238,11 +239,13 @@ class ProcessStack:
         self.current: dict[str, ServiceProcess] = {}
 
     def start(self, role: str) -> ServiceProcess:
-        module = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}[role]
         name = f"{role}-{sum(p.name.startswith(role) for p in self.processes)}"
         args = self.args[role]
         if role == "coordinator":
+            module = "coordinator"
             args = ["--draft", self.current["draft"].address, "--target", self.current["target"].address, *args]
+        else:
+            module, args = service_command(role, args)
         process = spawn(
             name, module, args, self.ports[role], self.logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT
         )

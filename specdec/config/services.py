@@ -10,10 +10,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from specdec.config.settings import group, setting
+from specdec.config.settings import fixed, group, setting
 from specdec.engine.attention import MAX_ROWS
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
-from specdec.engine.pace import load_profile
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
 
@@ -37,35 +36,14 @@ _BYTE_UNITS = {
 }
 
 
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """'0', '0,2', '0-3' (lscpu's and taskset's list syntax) -> sorted core ids; '' -> () (no pinning)."""
-    cpus: set[int] = set()
-    for part in filter(None, (piece.strip() for piece in text.split(","))):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match:
-            raise ValueError(f"{text!r} is not a CPU list; use ids and ranges such as 0, 0,2 or 0-3")
-        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
-        if high < low:
-            raise ValueError(f"range {part!r} runs backwards")
-        cpus.update(range(low, high + 1))
-    return tuple(sorted(cpus))
-
-
-def pin_cpus(cpus: tuple[int, ...]) -> None:
-    """Pins this process (and the threads it starts later) to `cpus`; () leaves it as it is.
-
-    Called first thing in a service's main, before torch starts its thread pool, so one
-    machine can stand in for separate nodes: the draft on one core, the target on another,
-    neither taking cycles from the other. A core this process may not use is a start-up error.
-    """
-    if not cpus:
-        return
-    allowed = os.sched_getaffinity(0)
-    if missing := sorted(set(cpus) - allowed):
-        raise SystemExit(
-            f"--cpus names cores {missing} that this process may not run on (it may use {sorted(allowed)})"
-        )
-    os.sched_setaffinity(0, cpus)
+def pinned_cores() -> int:
+    """How many cores this process may run on, where that is fewer than the machine has
+    (started under `taskset`, or in a container given a cpuset); 0 where it may use them all."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 0
+    return allowed if allowed < (os.cpu_count() or allowed) else 0
 
 
 def parse_bytes(text: str) -> int:
@@ -163,16 +141,6 @@ def client_security(
     return settings, settings.problem(flag_prefix)
 
 
-def cpus_setting() -> tuple[int, ...]:
-    return setting(
-        (),
-        "--cpus",
-        "pin the process to these cores, e.g. 0 or 0-3 (empty = not pinned): one machine standing in for "
-        "separate nodes",
-        parse=parse_cpu_list,
-    )
-
-
 def port_setting(default: int) -> int:
     return setting(default, "--port", "port to listen on (0 picks a free one)")
 
@@ -225,9 +193,11 @@ class ModelServiceConfig:
     host: str = host_setting()
     port: int = port_setting(0)
     threads: int = setting(
-        0, "--threads", "torch intra-op threads (0 = one per --cpus core, or torch's default when not pinned)"
+        0,
+        "--threads",
+        "torch intra-op threads (0 = one per core the process may run on where it is pinned, as by taskset or a "
+        "container's cpuset; else torch's default)",
     )
-    cpus: tuple[int, ...] = cpus_setting()
     max_sessions: int = setting(
         256, "--max-sessions", "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED"
     )
@@ -278,14 +248,10 @@ class ModelServiceConfig:
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
     quantize: str = quantize_setting("auto")  # the draft's: its numerics change only speed
-    pass_cost_profile: str = setting(
+    pass_cost_profile: str = fixed(
         "",
-        "--pass-cost-profile",
-        "emulate an accelerator: hold every forward pass until this JSON profile's time for it has passed "
-        "(sleeping, as a host does beside a GPU); empty = run at this host's own speed",
-        more="The profile gives ms by new tokens and per 1k cached tokens; `bench/profiles/` holds published ones "
-        "and the format is in `specdec/engine/pace.py`. Calibration, `Info` and the K chooser see the emulated "
-        "costs; a pass whose real compute overruns the profile is counted (`Info.emulation_overruns`).",
+        "emulation only (python -m bench.emulated): hold every forward pass to this JSON profile's time for "
+        "it, as a host beside an accelerator waits; a deployment runs at its hardware's own speed",
     )
     calibrate: bool = setting(
         True,
@@ -299,8 +265,9 @@ class ModelServiceConfig:
 
     @property
     def torch_threads(self) -> int:
-        """Intra-op threads to set: --threads, else one per pinned core, else 0 (torch's default)."""
-        return self.threads or len(self.cpus)
+        """Intra-op threads to set: --threads, else one per pinned core, else 0 (torch's default,
+        which counts the machine's cores, not the ones this process may use)."""
+        return self.threads or pinned_cores()
 
     def resolved_quantize(self) -> str:
         """ "int8" or "none": what `auto` means for this device and dtype."""
@@ -311,15 +278,6 @@ class ModelServiceConfig:
     def quantize_problem(self) -> str | None:
         if self.quantize == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             return f"--quantize int8 needs --device cpu and --dtype float32; got {self.device} and {self.dtype}"
-        return None
-
-    def profile_problem(self) -> str | None:
-        if not self.pass_cost_profile:
-            return None
-        try:
-            load_profile(self.pass_cost_profile)
-        except ValueError as exc:
-            return f"--pass-cost-profile {self.pass_cost_profile}: {exc}"
         return None
 
     def problem(self) -> str | None:
@@ -337,4 +295,4 @@ class ModelServiceConfig:
                 f"--prefix-cache-bytes ({self.prefix_cache_bytes}) is counted in --max-kv-bytes "
                 f"({self.max_kv_bytes}) and cannot exceed it"
             )
-        return self.security.problem() or self.quantize_problem() or self.profile_problem()
+        return self.security.problem() or self.quantize_problem()

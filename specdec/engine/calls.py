@@ -24,7 +24,7 @@ def this_host() -> str:
 
 
 def these_cpus() -> tuple[int, ...]:
-    """ModelInfo.cpus: the CPUs this process may run on (after --cpus pinned it); () where the
+    """ModelInfo.cpus: the CPUs this process may run on (taskset, a cpuset); () where the
     platform does not say."""
     try:
         return tuple(sorted(os.sched_getaffinity(0)))
@@ -62,7 +62,7 @@ class ModelDescription:
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
     weights_fingerprint: str = ""  # of the weights as served (specdec.engine.fingerprint); "" = no model
     device_kind: str = ""  # where the weights sit: "cpu", "cuda", "cpu+cuda"; "" = no model
-    pass_cost_profile: str = ""  # the accelerator the passes are held to (--pass-cost-profile), "" = none
+    pass_cost_profile: str = ""  # the accelerator the passes are held to (bench.emulated), "" = none
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
     # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,
     # hits, tokens_saved; () when it is off.

@@ -1,4 +1,4 @@
-"""Emulated accelerator timing (`--pass-cost-profile FILE`).
+"""Emulated accelerator timing (`python -m bench.emulated --pass-cost-profile FILE`).
 
 A model service with a profile runs its real model (tiny in tests), then holds each forward
 pass until the profile's time for that pass has passed since the pass began. It sleeps while it

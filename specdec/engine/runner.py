@@ -77,7 +77,7 @@ class ModelRunner:
         self.max_batch_size_seen = 0
         self.pass_costs: PassCosts | None = None  # set by specdec.engine.calibration
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
-        # --pass-cost-profile: every pass is held to an accelerator's time (specdec.engine.pace).
+        # bench.emulated: every pass is held to an accelerator's time (specdec.engine.pace).
         self.pacer: Pacer | None = None
 
     def describe(self) -> ModelDescription:

@@ -235,7 +235,7 @@ class ModelServiceMetrics:
         budget.set_function(lambda: runner.sessions.max_kv_bytes)
         overruns = Gauge(
             "specdec_emulation_overruns",
-            "Passes whose real compute took longer than --pass-cost-profile allows (0 without a profile)",
+            "Passes whose real compute took longer than the emulated profile allows (0 without one: bench.emulated)",
             registry=registry,
         )
         overruns.set_function(lambda: getattr(getattr(runner, "pacer", None), "overruns", 0))

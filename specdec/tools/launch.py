@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +74,15 @@ def spawn(
     env: Mapping[str, str | None] | None = None,
     cwd: Path | None = None,
     prefix: Sequence[str] = (),
+    cpus: Collection[int] = (),
 ) -> ServiceProcess:
     """`python -m module args --port port --metrics-port 0`, output to `log`. Metrics take a free
     port, so several local stacks never collide (the log names the port). `env` adds to this
     process's environment; a variable given as None is left out. `prefix` goes before the
-    command (`ip netns exec NAME` runs it on a testbed's host: specdec.tools.testbed)."""
+    command (`ip netns exec NAME` runs it on a testbed's host: specdec.tools.testbed). `cpus`:
+    the cores it may run on (`taskset`; one machine standing in for separate nodes, each
+    service's threads one per core: ModelServiceConfig.torch_threads); () leaves it as this
+    process is."""
     log.parent.mkdir(parents=True, exist_ok=True)
     given: dict[str, str | None] = {
         **os.environ,
@@ -89,13 +93,24 @@ def spawn(
     }
     full_env = {name: value for name, value in given.items() if value is not None}
     process = subprocess.Popen(
-        [*prefix, sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
+        [*prefix, *pinned_to(cpus), sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
         cwd=cwd,
         env=full_env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log)
+
+
+def pinned_to(cpus: Collection[int]) -> list[str]:
+    """The `taskset` prefix that runs a command on `cpus` (every thread it starts too); [] for
+    none. A core this process may not use is refused here, not in the child's log."""
+    if not cpus:
+        return []
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cpus) - allowed):
+        raise ValueError(f"cores {missing} are not ones this process may run on ({sorted(allowed)})")
+    return ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus)))]
 
 
 def model_service_args(device: str, threads: int) -> tuple[list[str], dict[str, str]]:
@@ -112,9 +127,10 @@ def spawn_coordinator(
     args: Sequence[str] = (),
     cwd: Path | None = None,
     module: str = "coordinator",
+    cpus: Collection[int] = (),
 ) -> ServiceProcess:
     """A coordinator for a running draft and target, healthy on return; `module` runs it
-    (bench.rules_coordinator: with a benchmark's round rules)."""
+    (bench.rules_coordinator: with a benchmark's round rules), on `cpus` (spawn)."""
     coordinator = spawn(
         "coordinator",
         module,
@@ -123,6 +139,7 @@ def spawn_coordinator(
         log,
         {},
         cwd,
+        cpus=cpus,
     )
     try:
         coordinator.wait_healthy(120)

@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,10 +225,11 @@ class Testbed:
         log: Path,
         env: Mapping[str, str | None] | None = None,
         cwd: Path | None = None,
+        cpus: Collection[int] = (),
     ) -> ServiceProcess:
-        """`python -m module args` in `host`'s namespace on its loopback, behind a forwarder on
-        the host's address that adds the link's delay. The returned address is the forwarder's,
-        reachable from every host and from this namespace."""
+        """`python -m module args` in `host`'s namespace on its loopback, on `cpus` (spawn),
+        behind a forwarder on the host's address that adds the link's delay. The returned
+        address is the forwarder's, reachable from every host and from this namespace."""
         where = self.hosts[host]
         inner, public = free_port(), free_port()
         link_log = log.with_name(f"{log.stem}-link.log")
@@ -242,7 +243,7 @@ class Testbed:
         link = ServiceProcess(f"{host}-link", f"{where.address}:{public}", process, link_log)
         self.processes.append(link)
         _wait_listening(link, timeout_s=30)
-        service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]))
+        service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]), cpus=cpus)
         service.address = f"{where.address}:{public}"
         service.local_address = f"127.0.0.1:{inner}"  # for a service on the same host: no link
         self.processes.append(service)

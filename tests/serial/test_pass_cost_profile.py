@@ -1,4 +1,4 @@
-"""`--pass-cost-profile`: a model service stands in for an accelerator. Every pass of the real
+"""`python -m bench.emulated --pass-cost-profile`: a model service stands in for an accelerator. Every pass of the real
 (tiny) model is held to the profile's time, sleeping, so it takes that time even while the
 other core is busy; start-up calibration measures the emulated costs; Info names the profile;
 a malformed profile stops the service at start-up naming the field."""
@@ -88,8 +88,8 @@ def test_a_malformed_profile_stops_the_service_at_start_up_naming_the_field(tiny
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**PROFILE, "pass_ms": [[4, 10.0], [2, 20.0]]}))
     result = subprocess.run(
-        [sys.executable, "-m", "target_service", "--model", str(tiny_pair.target), "--port", "0",
-         "--pass-cost-profile", str(bad)],
+        [sys.executable, "-m", "bench.emulated", "--service", "target", "--model", str(tiny_pair.target),
+         "--port", "0", "--pass-cost-profile", str(bad)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]

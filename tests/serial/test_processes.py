@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.rpc.ports import free_port
-from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.launch import ServiceProcess, pinned_to, spawn
 from specdec.tools.testing import build_model, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -22,21 +22,22 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
 
 
-def start(name: str, module: str, *args: str, logs: Path) -> ServiceProcess:
-    return spawn(name, module, list(args), free_port(), logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"}, cwd=ROOT)
-
-
 # As deployed on separate nodes, emulated on this machine: draft and target each pinned to a
 # core of their own (the same one on a 1-core machine), the coordinator pre-drafting and hedging.
 CORES = sorted(os.sched_getaffinity(0))
 PINS = {"draft": (CORES[0],), "target": (CORES[-1],), "coordinator": (CORES[-1],)}
 
 
+def start(name: str, module: str, *args: str, logs: Path) -> ServiceProcess:
+    log = logs / f"{name}.log"
+    return spawn(name, module, list(args), free_port(), log, env={"OMP_NUM_THREADS": "1"}, cwd=ROOT, cpus=PINS[name])
+
+
 @pytest.fixture(scope="module")
 def processes(tiny_pair, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    draft = start("draft", "draft_service", "--model", str(tiny_pair.draft), "--cpus", str(CORES[0]), logs=logs)
-    target = start("target", "target_service", "--model", str(tiny_pair.target), "--cpus", str(CORES[-1]), logs=logs)
+    draft = start("draft", "draft_service", "--model", str(tiny_pair.draft), logs=logs)
+    target = start("target", "target_service", "--model", str(tiny_pair.target), logs=logs)
     coordinator = start(
         "coordinator",
         "coordinator",
@@ -54,8 +55,6 @@ def processes(tiny_pair, tmp_path_factory):
         "2",
         "--bonus-guesses",
         "1",
-        "--cpus",
-        str(CORES[-1]),
         logs=logs,
     )
     services = {"draft": draft, "target": target, "coordinator": coordinator}
@@ -164,3 +163,10 @@ def test_coordinator_refuses_pair_with_different_tokenizers(tiny_pair, tmp_path)
     finally:
         draft.stop()
         target.stop()
+
+
+def test_pinning_says_taskset_and_refuses_a_core_this_process_may_not_use():
+    assert pinned_to(()) == []
+    assert pinned_to(CORES[:1]) == ["taskset", "--cpu-list", str(CORES[0])]
+    with pytest.raises(ValueError, match="may run on"):
+        pinned_to((max(CORES) + 1000,))

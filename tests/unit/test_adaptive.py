@@ -320,7 +320,7 @@ def test_on_a_shared_host_under_load_even_drafts_that_are_always_accepted_stay_t
         ({"device": "cuda:0"}, {"device": "cuda:1"}, False),  # accelerators of one machine
         ({}, {"pass_cost_profile": "70B TP4 on H100"}, False),  # emulating one
         ({"host_id": ""}, {"host_id": ""}, False),  # an older service that does not say
-        ({"cpus": [0]}, {"cpus": [1]}, False),  # pinned apart (--cpus)
+        ({"cpus": [0]}, {"cpus": [1]}, False),  # pinned apart (taskset)
         ({"cpus": [0, 1]}, {"cpus": [1]}, True),
         ({"cpus": [0]}, {}, True),  # one does not say which
     ],

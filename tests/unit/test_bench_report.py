@@ -74,7 +74,7 @@ def test_rounds_without_drafts_reach_no_position():
 
 
 def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_split():
-    from bench.modes import PLACEMENTS, node_modes
+    from bench.modes import PLACEMENTS, drafter_cpus, node_modes
     from bench.report import markdown_table
 
     modes = node_modes()
@@ -82,8 +82,9 @@ def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_sp
     assert {m.coordinator for m in pinned} == {"sequential", "pipelined-waiting", "pipelined", "pipelined+hedged2"}
     assert {m.adaptive for m in pinned} == {True, False}
     assert all(m.drafter == "int8@core0" for m in pinned)
-    assert PLACEMENTS["pinned"]["draft"] == ["--cpus", "0", "--threads", "1"]
-    assert PLACEMENTS["pinned"]["target"] == ["--cpus", "1", "--threads", "1"]
+    assert PLACEMENTS["pinned"]["draft"].cpus == drafter_cpus("int8@core0") == (0,)
+    assert PLACEMENTS["pinned"]["target"].cpus == PLACEMENTS["pinned"]["coordinator"].cpus == (1,)
+    assert PLACEMENTS["pinned"]["target"].args == ("--threads", "1")
     assert any(m.family == "hf" and m.assisted == "default" for m in modes)
     base = _sample(
         "ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0, target=2000.0

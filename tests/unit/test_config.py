@@ -52,7 +52,6 @@ def test_environment_values_outside_the_choices_are_refused():
         (coordinator_config, ["--hedges", "two"], "argument --hedges: 'two' is neither auto nor a whole number"),
         (coordinator_config, ["--pipeline", "yes"], "argument --pipeline: 'yes': choose from auto, on, off"),
         (target_config, ["--max-kv-bytes", "2XB"], "argument --max-kv-bytes: '2XB' is not a size; use bytes"),
-        (target_config, ["--cpus", "a-b"], "argument --cpus: 'a-b' is not a CPU list"),
         (target_config, ["--port", "abc"], "argument --port: invalid int value: 'abc'"),
     ],
 )
@@ -107,32 +106,20 @@ def test_target_batching_flags_environment_and_limits():
         target_config(["--model", "m", "--max-batch-size", "0"], {})
 
 
-def test_cpus_pin_each_service_and_set_its_threads():
-    from specdec.config.services import parse_cpu_list
-
-    assert parse_cpu_list("0") == (0,) and parse_cpu_list("3,0-1") == (0, 1, 3) and parse_cpu_list("") == ()
-    for bad in ("a", "1-0", "0;1"):
-        with pytest.raises(ValueError):
-            parse_cpu_list(bad)
-    draft = draft_config(["--model", "m"], {"SPECDEC_DRAFT_CPUS": "0"})
-    assert draft.cpus == (0,) and draft.torch_threads == 1  # one thread per pinned core
-    target = target_config(["--model", "m", "--cpus", "0-1", "--threads", "3"])
-    assert target.cpus == (0, 1) and target.torch_threads == 3  # --threads wins
-    assert draft_config(["--model", "m"], {}).torch_threads == 0  # not pinned: torch's default
-    coordinator = coordinator_config(["--draft", "d", "--target", "t", "--tokenizer", "k", "--cpus", "1"])
-    assert coordinator.cpus == (1,)
-    with pytest.raises(SystemExit):
-        draft_config(["--model", "m", "--cpus", "zero"])
-
-
-def test_pinning_to_a_core_the_process_may_not_use_fails_at_start_up():
+def test_threads_follow_the_cores_the_process_may_use(monkeypatch):
+    """No --cpus: a service started under taskset (specdec.tools.launch.spawn's `cpus`) or in a
+    container's cpuset runs one torch thread per core it may use; --threads still wins."""
     import os
 
-    from specdec.config.services import pin_cpus
-
-    allowed = os.sched_getaffinity(0)
-    pin_cpus(())  # nothing to pin: untouched
-    assert os.sched_getaffinity(0) == allowed
-    with pytest.raises(SystemExit, match="may not run on"):
-        pin_cpus((max(allowed) + 1000,))
-    assert os.sched_getaffinity(0) == allowed
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    assert draft_config(["--model", "m"], {}).torch_threads == 0  # not pinned: torch's default
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3})
+    assert draft_config(["--model", "m"], {}).torch_threads == 2
+    assert target_config(["--model", "m", "--threads", "3"]).torch_threads == 3
+    for parse, args in (
+        (draft_config, ["--model", "m"]),
+        (coordinator_config, ["--draft", "d", "--target", "t", "--tokenizer", "k"]),
+    ):
+        with pytest.raises(SystemExit):
+            parse([*args, "--cpus", "0"])
