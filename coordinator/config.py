@@ -145,13 +145,12 @@ class CoordinatorConfig:
         shown="auto",
         more="See [Hedges](design.md#hedges).",
     )
-    target_only_steps: int = setting(
+    target_only_steps: int = fixed(
         4,
-        "--target-only-steps",
-        "a request with K = 0 samples up to this many tokens per Verify call, each with its own seed, "
-        "so a seed gives the same output whatever this is; fewer calls cost less, and the tokens "
-        f"stream in groups this long (1 = a call per token; at most {MAX_TARGET_ONLY_STEPS})",
-        more="See [The round loop](design.md#the-round-loop).",
+        "a request with K = 0 samples up to this many tokens per Verify call, each with its own seed, so a "
+        "seed gives the same output whatever this is; fewer calls cost less, and the tokens stream in groups "
+        f"this long (at most {MAX_TARGET_ONLY_STEPS}). Fixed: it changes only how a K = 0 request's tokens are "
+        "grouped on the stream and how many calls they take, never the output",
     )
     acceptance: str = setting(
         AcceptanceMode.EXACT.value,
@@ -245,8 +244,6 @@ class CoordinatorConfig:
             return f"--hedges must be auto or in [0, {MAX_HEDGES}]"
         if self.bonus_guesses is not None and not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:
             return f"--bonus-guesses must be auto or in [1, {MAX_BONUS_GUESSES}]"
-        if not 1 <= self.target_only_steps <= MAX_TARGET_ONLY_STEPS:
-            return f"--target-only-steps must be in [1, {MAX_TARGET_ONLY_STEPS}]"
         for flag, spec in (("--draft", self.draft_address), ("--target", self.target_address)):
             try:
                 parse_pool(spec)

@@ -16,7 +16,7 @@ output on one running deployment:
     DRAFT_CALL  a Propose call: a chain of K, a copy (prompt lookup) or a tree
     FALLBACK    the draft is skipped (breaker open, or it refused this request lately)
     TARGET_ONLY K = 0: the target samples one token (a request that fixes K = 0: up to
-                --target-only-steps, one seed each, in one Verify call)
+                target_only_steps, one seed each, in one Verify call)
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def plan_round(
     """The round's kind, K, copy cap and tree, from the request's state and these inputs alone,
     changing nothing: called twice, it plans the same round. `catch_up`: `RoundRules.catch_up`;
     `draft_allowed`: the breaker lets rounds call the draft; `target_steps`:
-    --target-only-steps; `costs`, `copy_costs`: the choosers' costs at the load now (None:
+    config.target_only_steps; `costs`, `copy_costs`: the choosers' costs at the load now (None:
     the ones they hold)."""
     pair = state.pair
     chooser = state.k_chooser.at(costs) if state.k_chooser is not None and costs is not None else state.k_chooser

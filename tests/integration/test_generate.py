@@ -83,7 +83,7 @@ async def test_stream_matches_unary(stack):
 
 
 async def test_k_zero_runs_several_steps_per_verify_call_and_a_seed_gives_the_same_output(stack, tiny_pair):
-    """--target-only-steps (4 here): a K = 0 request's Verify call samples up to 4 tokens, each
+    """target_only_steps (4 by default): a K = 0 request's Verify call samples up to 4 tokens, each
     with the seed a call of its own would use, so sampled output is the same as with one step a
     call (and greedy output the target's, above); its tokens stream 4 a chunk after the first
     token, and the target still runs each token once."""

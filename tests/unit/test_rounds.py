@@ -249,7 +249,7 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
 
 
 def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_seeds_of_single_steps():
-    """--target-only-steps: a K = 0 request's Verify call carries the seeds of the steps after
+    """target_only_steps: a K = 0 request's Verify call carries the seeds of the steps after
     its first, drawn from the target's stream as that many single-step rounds would draw them,
     so the output does not depend on the setting; room is left for the last token."""
 
