@@ -1,0 +1,140 @@
+"""The preallocated KV pool (specdec.engine.kv_pool): its page bookkeeping, and a cache over one
+extent that gives the logits a DynamicCache gives, bit for bit, through every kind of pass the
+services run, while extents grow in place and move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from specdec.engine import attention
+from specdec.engine.kv_pool import KVPool, PageAllocator, PoolFull
+from specdec.engine.modeling import with_cache
+from specdec.engine.tree_pass import keep_tree_path, tree_forward
+
+
+def test_pages_are_taken_first_fit_merged_when_freed_and_never_freed_twice():
+    pages = PageAllocator(10)
+    assert [pages.alloc(3), pages.alloc(2), pages.alloc(4)] == [0, 3, 5]
+    assert pages.runs() == [(9, 1)]
+    with pytest.raises(PoolFull, match="no free run of 2 pages"):
+        pages.alloc(2)
+    pages.free(3, 2)
+    assert pages.runs() == [(3, 2), (9, 1)]
+    assert not pages.extend(0, 3, 3) and pages.extend(0, 3, 2)  # only what is free after it
+    assert pages.runs() == [(9, 1)]
+    pages.free(0, 5)
+    pages.free(5, 4)  # merges with both neighbours: one run again
+    assert pages.runs() == [(0, 10)] and pages.free_pages == 10
+    with pytest.raises(ValueError, match="freed twice"):
+        pages.free(2, 1)
+    with pytest.raises(ValueError, match="at least one page"):
+        pages.alloc(0)
+
+
+CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    built = {}
+    for implementation in ("sdpa", "eager", attention.NAME, attention.EVERY_ROW):
+        model = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).eval()
+        model.config._attn_implementation = implementation
+        built[implementation] = model
+    reference = built["sdpa"].state_dict()
+    for model in built.values():
+        model.load_state_dict(reference)
+    return built
+
+
+def poisoned_pool(pages: int) -> KVPool:
+    """A pool of 4-token pages whose every entry is NaN: an entry read before it was written
+    makes the logits NaN, so equal logits prove no stale entry is ever attended."""
+    pool = KVPool(layers=2, kv_heads=2, head_dim=8, pages=pages, page_tokens=4)
+    with torch.inference_mode():
+        for arena in (*pool.keys, *pool.values):
+            arena.fill_(float("nan"))
+    return pool
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", attention.NAME, attention.EVERY_ROW])
+def test_a_pool_cache_gives_dynamic_cache_logits_bit_for_bit(models, implementation):
+    model = models[implementation]
+    pool = poisoned_pool(pages=40)
+    cache, reference = pool.open(4), DynamicCache(config=model.config)
+    neighbour = pool.open(4)  # takes the page after the cache's: its first growth moves it
+    assert (cache.extent.start, neighbour.extent.start) == (0, 1)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 60), generator=torch.Generator().manual_seed(1))
+    seen = [("opened", cache.extent)]
+
+    def both(run, what):
+        with torch.inference_mode():
+            expected, got = run(reference), run(cache)
+        assert torch.equal(expected, got), (what, (expected - got).abs().max().item())
+        assert cache.get_seq_length() == reference.get_seq_length(), what
+        seen.append((what, cache.extent))
+
+    def forward(ids):
+        return lambda kv: model(input_ids=ids, use_cache=True, **with_cache(model, kv)).logits
+
+    both(forward(tokens[:, :9]), "a 9-token prefill")  # outgrows its page: moved past the neighbour
+    for step in range(3):
+        both(forward(tokens[:, 9 + step : 10 + step]), f"decode {step}")
+    reference.crop(-2), cache.crop(-2)
+    both(forward(tokens[:, 10:15]), "a 5-token verify after a rollback of 2")
+    reference.crop(-4), cache.crop(-4)
+    both(forward(tokens[:, 11:12]), "a decode after a rollback of 4")
+    both(forward(tokens[:, 12:40]), "a 28-token chunk")
+    both(lambda kv: tree_forward(model, kv, [3], [5, 6, 7, 8, 9], [0, 0, 1, 1, 3]), "a tree verify")
+    committed = reference.get_seq_length() - 5
+    with torch.inference_mode():
+        keep_tree_path(reference, committed, [1, 3])
+        kept = torch.tensor([committed + node - 1 for node in (1, 3)])
+        for layer in cache.layers:  # keep_tree_path's gather, in place in the extent
+            start = cache.extent.start * pool.page_tokens
+            for arena in (pool.keys[layer._index], pool.values[layer._index]):
+                arena[:, start + committed : start + committed + 2] = arena[:, start + kept]
+            layer.truncate(committed + 2)
+    both(forward(tokens[:, 40:41]), "a decode after keeping a tree path")
+    extents = {extent for _, extent in seen}
+    assert pool.relocations == 1 and len({extent.start for extent in extents}) == 2  # moved once
+    assert len(extents) >= 4  # and grew in place after that
+    assert not torch.isnan(model(input_ids=tokens[:, :1]).logits).any()
+
+
+def test_a_full_pool_refuses_room_before_a_pass_and_a_released_extent_is_zeroed_and_reused():
+    pool = KVPool(layers=2, kv_heads=2, head_dim=8, pages=4, page_tokens=4)
+    first = pool.open(8)
+    second = pool.open(8)
+    with pytest.raises(PoolFull):
+        first.reserve(12)  # nothing after it is free, and no run of 4 pages is
+    assert first.extent.pages == 2 and max(first.lengths) == 0
+    with torch.inference_mode():
+        keys = torch.ones(1, 2, 3, 8)
+        for layer in second.layers:
+            layer.update(keys, keys)
+    assert second.reserved_bytes == 8 * pool.bytes_per_token and second.get_seq_length() == 3
+    second.release()
+    with pytest.raises(RuntimeError, match="released"):
+        second.reserve(1)
+    assert all(not arena.any() for arena in (*pool.keys, *pool.values))  # zeroed: nothing stale to read
+    assert pool.open(8).extent == second.extent
+
+
+def test_a_pool_sized_by_bytes_fits_them_and_commits_memory_only_as_written():
+    config = Qwen2Config(**{**CONFIG, "num_hidden_layers": 4})
+    pool = KVPool.for_bytes(config, 1 << 20, torch.float32)
+    # 2 · 4 layers · 2 KV heads · 8 dims · 4 bytes = 512 bytes a token; 1 MiB = 2,048 tokens = 32 pages.
+    assert pool.bytes_per_token == 512 and pool.capacity_tokens == 2048 and pool.allocator.pages == 32
+    assert pool.keys[0].shape == (2, 2048, 8) and not pool.keys[0].any()
