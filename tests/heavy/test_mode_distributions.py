@@ -3,8 +3,8 @@
 The real coordinator (coordinator.engine.Engine, built by coordinator.server.connect)
 drives in-process draft and target services whose models are lookup tables
 (tests/table_services.py): a few tokens, a few positions, so the target's distribution over
-whole continuations is known exactly and tens of thousands of generations take half a
-minute. Each mode is sampled and compared with that distribution by a χ² test.
+whole continuations is known exactly and tens of thousands of generations take a minute or
+two of one core. Each mode is sampled and compared with that distribution by a χ² test.
 
 Power. For any output distribution at total-variation distance δ from the target's, the χ²
 noncentrality is n·Σ(Δ²/p) ≥ n·(Σ|Δ|)² = 4nδ² (Cauchy-Schwarz), whatever the shape of the
