@@ -195,12 +195,34 @@ class KVPool:
         return moved
 
     def free(self, extent: Extent) -> None:
-        """Gives the extent's pages back, zeroed: nothing a later owner reads can be stale."""
+        """Gives the extent's pages back, zeroed: nothing a later owner reads can be stale. On
+        CPU the memory goes back to the system too (MADV_DONTNEED: private anonymous memory
+        reads zeros after it), so a pool's resident size follows what sessions hold."""
         columns = self.columns(extent)
         with torch.inference_mode():
-            for arena in (*self.keys, *self.values):
-                arena[:, columns].zero_()
+            for arena, memory in zip((*self.keys, *self.values), self._memory):
+                if memory is None:
+                    arena[:, columns].zero_()
+                    continue
+                for head in range(arena.shape[0]):
+                    self._release(arena, memory, head, columns)
         self.allocator.free(extent.start, extent.pages)
+
+    @staticmethod
+    def _release(arena: torch.Tensor, memory: mmap.mmap, head: int, columns: slice) -> None:
+        """Zeroes one head's columns of a CPU arena: the whole system pages inside them by
+        handing them back, the partial pages at either end by writing zeros."""
+        row = arena.shape[1] * arena.shape[2] * arena.element_size()  # bytes of one head
+        per_token = arena.shape[2] * arena.element_size()
+        begin, end = head * row + columns.start * per_token, head * row + columns.stop * per_token
+        first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            arena[head, columns].zero_()
+            return
+        memory.madvise(mmap.MADV_DONTNEED, first, last - first)
+        arena[head, columns.start : columns.start + -(-(first - begin) // per_token)].zero_()
+        arena[head, columns.start + (last - begin) // per_token : columns.stop].zero_()
 
 
 @dataclass(frozen=True)

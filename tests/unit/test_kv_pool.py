@@ -4,6 +4,8 @@ services run, while extents grow in place and move."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
@@ -138,3 +140,26 @@ def test_a_pool_sized_by_bytes_fits_them_and_commits_memory_only_as_written():
     # 2 · 4 layers · 2 KV heads · 8 dims · 4 bytes = 512 bytes a token; 1 MiB = 2,048 tokens = 32 pages.
     assert pool.bytes_per_token == 512 and pool.capacity_tokens == 2048 and pool.allocator.pages == 32
     assert pool.keys[0].shape == (2, 2048, 8) and not pool.keys[0].any()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_cpu_memory_is_committed_as_written_and_given_back_when_an_extent_is_freed():
+    """128 MiB of arenas: nothing resident at first, about what a session wrote once it has,
+    and that given back when it ends; the freed memory reads zeros."""
+    pool = KVPool(layers=2, kv_heads=2, head_dim=64, pages=256, page_tokens=256)
+    assert pool.capacity_tokens * pool.bytes_per_token == 128 << 20
+    entries = torch.full((1, 2, 32 * 1024, 64), 0.5)
+    before = resident_bytes()
+    cache = pool.open(32 * 1024)  # half the pool: 64 MiB once written
+    with torch.inference_mode():
+        for layer in cache.layers:
+            layer.update(entries, entries)
+    written = resident_bytes() - before
+    assert 60 << 20 <= written <= 68 << 20, written
+    cache.release()
+    assert resident_bytes() - before < 4 << 20
+    assert all(not arena.any() for arena in (*pool.keys, *pool.values))
