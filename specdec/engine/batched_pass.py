@@ -11,8 +11,9 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.engine.batching import padded_cache, row_cache
+from specdec.engine.batching import hand_back, padded_cache
 from specdec.engine.kv import plain_cache
+from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.sessions import CachedTree, KVSession, SessionStore
 from specdec.engine.tree_pass import tree_attention_mask, tree_position_ids
@@ -37,12 +38,14 @@ class BatchRunner(Protocol):
     def _synchronize(self) -> None: ...
 
 
-def admit_session(runner: BatchRunner, session: KVSession, extra_bytes: int, pending_bytes: int) -> Exception | None:
+def admit_session(
+    runner: BatchRunner, session: KVSession, extra_bytes: int, pending_bytes: int, busy: list[str]
+) -> Exception | None:
     """Makes room in the KV budget for `session` to grow by `extra_bytes`, beside the
-    `pending_bytes` that the other sessions of the same pass add. A session that does not
-    fit is ended, and its exception returned for its caller alone."""
+    `pending_bytes` that the other sessions of the same pass (`busy`, never evicted for it)
+    add. A session that does not fit is ended, and its exception returned for its caller alone."""
     try:
-        runner.sessions.make_room(session, extra_bytes, runner.kv_bytes_per_token, pending_bytes)
+        runner.sessions.make_room(session, extra_bytes, runner.kv_bytes_per_token, pending_bytes, busy)
     except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
         runner.sessions.end(session.session_id)
         return exc
@@ -88,7 +91,7 @@ def padded_pass(
             logits_to_keep=logit_positions,
         )
         for row, session in enumerate(sessions):
-            session.cache = row_cache(cache, row, max_past - past[row], max_past + new[row])
+            hand_back(session, cache, row, max_past - past[row], max_past + new[row])
         runner._synchronize()
     _count_pass(runner, sum(new), batch)
     logits = out.logits  # [B, width, V]
@@ -126,7 +129,7 @@ def padded_tree_pass(
         cache = padded_cache(sessions, past, max_past, runner.model.config)
         out = _tree_batch_pass(runner, input_ids, mask, positions, cache, logit_positions)
         for row, (session, run) in enumerate(zip(sessions, runs)):
-            session.cache = row_cache(cache, row, max_past - past[row], max_past + len(run))
+            hand_back(session, cache, row, max_past - past[row], max_past + len(run))
     results = []
     for row, (session, (nodes, parents)) in enumerate(zip(sessions, trees)):
         length = len(runs[row])
@@ -195,7 +198,8 @@ class DecodeBatch:
         sessions were admitted for, as `forward_batch` admits a pass; it joins at the next
         pass. One that does not fit is ended and its exception returned, for its caller alone."""
         extra_bytes = new_tokens * self._runner.kv_bytes_per_token
-        failure = admit_session(self._runner, session, extra_bytes, sum(self._reserved.values()))
+        busy = [member.session_id for member in (*self.sessions, *self._joining)]
+        failure = admit_session(self._runner, session, extra_bytes, sum(self._reserved.values()), busy)
         if failure is None:
             self._joining.append(session)
             self._reserved[session.session_id] = extra_bytes
@@ -314,10 +318,15 @@ class DecodeBatch:
             return
         real = self._mask[row].nonzero().squeeze(1)  # [L_b] the row's columns
         layers: list = self._cache.layers
-        self.sessions[row].cache = plain_cache(
+        entries = [
             (layer.keys[row : row + 1].index_select(2, real), layer.values[row : row + 1].index_select(2, real))
             for layer in layers
-        )
+        ]
+        session = self.sessions[row]
+        if isinstance(session.cache, PoolCache):
+            session.cache.load(entries)  # one copy into its extent
+        else:
+            session.cache = plain_cache(entries)
 
     def close(self) -> None:
         """Every session still in the batch leaves (`leave`)."""

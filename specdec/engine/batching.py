@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.engine.kv import plain_cache
+from specdec.engine.kv_pool import PoolCache
 from specdec.engine.sessions import KVSession
 
 T = TypeVar("T")
@@ -54,6 +55,18 @@ def row_cache(cache: DynamicCache, row: int, start: int, end: int) -> DynamicCac
         )
         for layer in layers
     )
+
+
+def hand_back(session: KVSession, cache: DynamicCache, row: int, start: int, end: int) -> None:
+    """Row `row`, columns [start, end) of a batched cache become the session's entries: copied
+    into its pool extent, or (a cache of another kind) as a cache of their own (`row_cache`)."""
+    if isinstance(session.cache, PoolCache):
+        layers: list[Any] = cache.layers
+        session.cache.load(
+            [(layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]) for layer in layers]
+        )
+    else:
+        session.cache = row_cache(cache, row, start, end)
 
 
 def batch_groups(lengths: list[int], max_padding_ratio: float) -> list[list[int]]:

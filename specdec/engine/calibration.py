@@ -4,16 +4,14 @@ copies of it, on this process's hardware, dtype and threads."""
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
-from transformers import DynamicCache
 
 from specdec.engine.batched_pass import padded_pass
 from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, batch_grid, calibrate, fastest
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sessions import KVSession, batchable_cache
+from specdec.engine.sessions import KVSession, batchable_cache, cache_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +29,7 @@ def calibrate_costs(runner: ModelRunner, keep_all_logits: bool, context_tokens: 
     ids = torch.randint(
         0, runner.loaded.vocab_size, (context_tokens + runner.max_speculative_tokens + 1,), generator=generator
     ).tolist()
-    session = KVSession("calibration", cache=DynamicCache(config=runner.model.config))
+    session = KVSession("calibration", cache=runner.new_cache())
     processed = runner.processed_tokens_total
     with torch.inference_mode():
         runner._forward_admitted(session, ids[:context_tokens], logits_to_keep=1)
@@ -71,7 +69,10 @@ def _calibrate_batches(
         return ()
     timed = []
     for sessions, n in batch_grid(runner.max_batch_size, max_new_tokens):
-        rows = [KVSession(f"calibration-{i}", cache=copy.deepcopy(session.cache)) for i in range(sessions)]
+        rows = [
+            KVSession(f"calibration-{i}", cache=cache_prefix(session.model_cache(), session.cached_tokens))
+            for i in range(sessions)
+        ]
 
         def run_batch(rows=rows, n=n) -> None:
             padded_pass(runner, rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
@@ -81,4 +82,5 @@ def _calibrate_batches(
 
         run_batch()  # warm-up: the first pass of a new shape
         timed.append((sessions, n, fastest(run_batch)))
+
     return tuple(timed)

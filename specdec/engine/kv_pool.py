@@ -1,23 +1,25 @@
-"""A preallocated KV pool: every session's cache an extent of one arena per layer, written in
-place. Not yet what the services run: a KVSession still holds a DynamicCache until sessions,
-forks, trees, batched passes and the prefix caches move onto this (issue 67).
+"""The preallocated KV pool both model services keep every session's cache in: an extent of
+one arena per layer, written in place.
 
-Today a session's cache is a transformers `DynamicCache`, which concatenates: each pass copies
-the session's whole KV into new tensors (about 122 µs a layer for the keys at 2k tokens, 721 µs
-at 8k, against 7-12 µs for an in-place write, one thread of a 2-core AMD EPYC). Here the
-memory is allocated once:
+A transformers `DynamicCache` concatenates: each pass copies the session's whole KV into new
+tensors (about 122 µs a layer for the keys at 2k tokens, 721 µs at 8k, against 7-12 µs for an
+in-place write, one thread of a 2-core AMD EPYC). Here the memory is allocated once:
 
 - `KVPool`: per layer, keys and values as [H, T, D] arenas (head-major: a session's entries
   for one head are contiguous, the layout SDPA reads fastest on CPU), T = pages × page tokens.
   On CPU the arenas are private anonymous memory, zero-filled and committed only as written,
-  so a large pool costs nothing until used.
+  so a large pool costs nothing until used. Its size: `pool_bytes`.
 - `PageAllocator`: which pages are free; a session owns one contiguous run of them (an
   extent), so attention reads its entries as a view, with no gather.
 - `PoolCache` / `PoolLayer`: a transformers cache over one extent. A pass writes its new
   entries after the session's length and attends to the [1, H, length, D] view; a rollback
   only moves the length. An extent too short for a pass grows in place when the next pages are
   free, else moves to a run twice its size (one copy of the entries, amortised over the
-  tokens that filled it: never a copy a step).
+  tokens that filled it: never a copy a step). A fork copies its prefix into an extent of its
+  own; a batched pass's rows and the prefix cache's blocks are copied in once (`load`).
+
+What stays on transformers' own cache: models whose cache has other layer kinds (sliding
+windows) and models spread over several devices (specdec.engine.runner.ModelRunner).
 
 Logits equal DynamicCache's bit for bit with every attention implementation the services use
 (tests/unit/test_kv_pool.py).
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +120,8 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     for size in shape:
         count *= size
     nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    memory = mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape), memory
 
 
@@ -152,10 +157,14 @@ class KVPool:
         self.relocations = 0  # extents moved to grow (each one copy of a session's entries)
 
     @classmethod
-    def for_bytes(cls, config, max_bytes: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPool:
-        """A pool of a model (its transformers config) holding at most `max_bytes` of KV."""
+    def for_bytes(
+        cls, config, max_bytes: int, dtype: torch.dtype, device: str | torch.device = "cpu", shards: int = 1
+    ) -> KVPool:
+        """A pool of a model (its transformers config) holding at most `max_bytes` of KV; under
+        tensor parallelism (`shards` ranks) each rank's pool holds its share of the KV heads."""
+        config = config.get_text_config()
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // shards
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_page = 2 * config.num_hidden_layers * kv_heads * head_dim * PAGE_TOKENS
         per_page *= torch.empty((), dtype=dtype).element_size()
@@ -231,29 +240,52 @@ class Extent:
     pages: int
 
 
+class Holding:
+    """What one cache holds of a pool: its extent and how many entries each layer has there.
+    Layers point here, never at their cache, so a cache no one refers to any more is freed at
+    once (no reference cycle for the collector to find), and its extent with it."""
+
+    def __init__(self, pool: KVPool, extent: Extent) -> None:
+        self.pool, self.extent = pool, extent
+        self.lengths = [0] * len(pool.keys)
+        self.released = False
+
+    def columns(self, tokens: int, offset: int = 0) -> slice:
+        """The arena columns of entries [offset, tokens)."""
+        start = self.extent.start * self.pool.page_tokens
+        return slice(start + offset, start + tokens)
+
+    def reserve(self, tokens: int) -> None:
+        if self.released:
+            raise RuntimeError("this pool cache was released; its extent belongs to another session")
+        if tokens > self.extent.pages * self.pool.page_tokens:
+            self.extent = self.pool.grow(self.extent, tokens, max(self.lengths))
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.free(self.extent)
+
+
 class PoolLayer(CacheLayerMixin):
     """One layer of a PoolCache: its `length` entries sit at the start of the cache's extent."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: PoolCache, index: int) -> None:
+    def __init__(self, holding: Holding, index: int) -> None:
         super().__init__()
-        self._cache, self._index = cache, index
-        self.device = cache.pool.device
+        self._holding, self._index = holding, index
+        self.device = holding.pool.device
         self.is_initialized = True
-
-    def _view(self, arena: torch.Tensor, length: int) -> torch.Tensor:
-        start = self._cache.extent.start * self._cache.pool.page_tokens
-        return arena[:, start : start + length].unsqueeze(0)  # [1, H, length, D], a view
 
     @property
     def length(self) -> int:
-        return self._cache.lengths[self._index]
+        return self._holding.lengths[self._index]
 
     @property
-    def keys(self) -> torch.Tensor:  # [1, H, length, D]
-        return self._view(self._cache.pool.keys[self._index], self.length)
+    def keys(self) -> torch.Tensor:  # [1, H, length, D], a view
+        return self._holding.pool.keys[self._index][:, self._holding.columns(self.length)].unsqueeze(0)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -261,8 +293,8 @@ class PoolLayer(CacheLayerMixin):
             raise AttributeError("a pool layer's keys are written by update(), not assigned")
 
     @property
-    def values(self) -> torch.Tensor:  # [1, H, length, D]
-        return self._view(self._cache.pool.values[self._index], self.length)
+    def values(self) -> torch.Tensor:  # [1, H, length, D], a view
+        return self._holding.pool.values[self._index][:, self._holding.columns(self.length)].unsqueeze(0)
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -275,14 +307,17 @@ class PoolLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Writes a pass's new entries [1, H, N, D] after the layer's own, in place; returns the
         [1, H, length + N, D] views attention reads."""
+        holding = self._holding
         if key_states.shape[0] != 1:
             raise ValueError(f"a pool cache holds one sequence; the pass has {key_states.shape[0]}")
+        if key_states.dtype != holding.pool.dtype:
+            raise TypeError(f"the pool holds {holding.pool.dtype}; the pass computed {key_states.dtype}")
         start, new = self.length, key_states.shape[-2]
-        self._cache.reserve(start + new)
-        begin = self._cache.extent.start * self._cache.pool.page_tokens + start
-        self._cache.pool.keys[self._index][:, begin : begin + new] = key_states[0]
-        self._cache.pool.values[self._index][:, begin : begin + new] = value_states[0]
-        self._cache.lengths[self._index] = start + new
+        holding.reserve(start + new)
+        columns = holding.columns(start + new, start)
+        holding.pool.keys[self._index][:, columns] = key_states[0]
+        holding.pool.values[self._index][:, columns] = value_states[0]
+        holding.lengths[self._index] = start + new
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -297,24 +332,39 @@ class PoolLayer(CacheLayerMixin):
     def crop(self, max_length: int) -> None:
         """DynamicLayer.crop's meaning: keep `max_length` entries, or drop -`max_length`."""
         keep = self.length + max_length if max_length < 0 else min(max_length, self.length)
-        self._cache.lengths[self._index] = max(keep, 0)
+        self._holding.lengths[self._index] = max(keep, 0)
 
     def truncate(self, length: int) -> None:
         """Keeps the first `length` entries (a kept tree path, written in place below it)."""
-        self._cache.lengths[self._index] = min(length, self.length)
+        self._holding.lengths[self._index] = min(length, self.length)
 
     def reset(self) -> None:
-        self._cache.lengths[self._index] = 0
+        self._holding.lengths[self._index] = 0
 
 
 class PoolCache(Cache):
-    """A session's KV: the first `lengths[layer]` entries of its extent in every layer."""
+    """A session's KV: the first `lengths[layer]` entries of its extent in every layer. Its
+    extent goes back to the pool when nothing refers to the cache any more (a session dropped
+    by the store while a call still runs it keeps its entries until that call is done), or at
+    `release`."""
 
     def __init__(self, pool: KVPool, extent: Extent) -> None:
-        self.pool, self.extent = pool, extent
-        self.lengths = [0] * len(pool.keys)
-        self.released = False
-        super().__init__(layers=[PoolLayer(self, index) for index in range(len(pool.keys))])
+        self.pool = pool
+        self._holding = Holding(pool, extent)
+        self._finalizer = weakref.finalize(self, self._holding.release)
+        super().__init__(layers=[PoolLayer(self._holding, index) for index in range(len(pool.keys))])
+
+    @property
+    def extent(self) -> Extent:
+        return self._holding.extent
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._holding.lengths
+
+    @property
+    def released(self) -> bool:
+        return self._holding.released
 
     @property
     def reserved_tokens(self) -> int:
@@ -327,13 +377,62 @@ class PoolCache(Cache):
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` entries in every layer (PoolFull if the pool has none), before a
         pass writes them: a pass never fails halfway through its layers for want of room."""
-        if self.released:
-            raise RuntimeError("this pool cache was released; its extent belongs to another session")
-        if tokens > self.reserved_tokens:
-            self.extent = self.pool.grow(self.extent, tokens, max(self.lengths))
+        self._holding.reserve(tokens)
+
+    def load(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Holds exactly these entries, per layer (keys, values) [1, H, L, D], in its extent (a
+        batched pass's row handed back, the prefix cache's blocks): one copy of each."""
+        length = layers[0][0].shape[-2]
+        self.reserve(length)
+        columns = self._holding.columns(length)
+        with torch.inference_mode():
+            for index, (keys, values) in enumerate(layers):
+                self.pool.keys[index][:, columns] = keys[0]
+                self.pool.values[index][:, columns] = values[0]
+        self._holding.lengths[:] = [length] * len(layers)
+
+    def fork(self, tokens: int) -> PoolCache:
+        """A cache of its own holding this one's first `tokens` entries (all, if it has fewer),
+        copied into a new extent: the two write apart from then on. PoolFull if none is free."""
+        child = self.pool.open(max(tokens, 1))
+        kept = [min(tokens, length) for length in self.lengths]
+        source, target = self._holding.columns(max(kept)), child._holding.columns(max(kept))
+        with torch.inference_mode():
+            for arena in (*self.pool.keys, *self.pool.values):
+                arena[:, target] = arena[:, source]
+        child._holding.lengths[:] = kept
+        return child
+
+    def __deepcopy__(self, memo: dict) -> PoolCache:
+        """A copy in an extent of its own (copy.deepcopy of a session): the arenas are shared."""
+        return self.fork(max(self.lengths))
+
+    def keep_path(self, committed: int, path: list[int]) -> None:
+        """specdec.engine.tree_pass.keep_tree_path in the extent: node path[j]'s entries (at
+        committed + path[j] − 1) move down to committed + j, then the rest is dropped."""
+        if path:
+            start = self._holding.columns(committed).stop
+            source = torch.tensor([start + node - 1 for node in path], dtype=torch.long, device=self.pool.device)
+            with torch.inference_mode():
+                for arena in (*self.pool.keys, *self.pool.values):
+                    arena[:, start : start + len(path)] = arena.index_select(1, source)
+        self._holding.lengths[:] = [min(length, committed + len(path)) for length in self.lengths]
 
     def release(self) -> None:
-        """Gives the extent back to the pool (the session ended); the cache is unusable after."""
-        if not self.released:
-            self.released = True
-            self.pool.free(self.extent)
+        """Gives the extent back to the pool now; the cache is unusable after."""
+        self._finalizer()
+
+
+def pool_bytes(budget: int, bytes_per_token: int, max_sessions: int, device: str) -> int:
+    """How large a model service's pool is. With a KV budget (--max-kv-bytes, counted in the
+    entries sessions hold, as SessionStore.make_room counts them): room for what the budget
+    admits to grow by doubling, plus a first page per session; on CPU the memory is committed
+    only as written, so the headroom costs nothing until used. Without one: half the
+    machine's memory on CPU, half the device's free memory (after the weights) on CUDA."""
+    pages = max_sessions * PAGE_TOKENS * bytes_per_token
+    if budget:
+        return (2 * budget if device.startswith("cpu") else budget) + pages
+    if device.startswith("cpu"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return free // 2

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from specdec.engine.kv import plain_cache
 
@@ -118,7 +119,7 @@ class PrefixCache:
         self.tokens_saved += len(found) * self.block_tokens
         return plain_cache(layers)  # the concatenated blocks: tensors of its own
 
-    def insert(self, namespace: str, token_ids: list[int], cache: DynamicCache, aligned_tokens: int) -> int:
+    def insert(self, namespace: str, token_ids: list[int], cache: Cache, aligned_tokens: int) -> int:
         """Copies the full blocks among the first `aligned_tokens` entries of `cache` (which
         hold `token_ids`' KV) that are not held yet; returns how many it added. Stops at the
         first block that will not fit `max_bytes` after evicting older blocks."""

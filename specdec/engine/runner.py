@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from specdec.engine import attention
 from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass
@@ -20,6 +21,7 @@ from specdec.engine.costs import (
     PassCosts,
 )
 from specdec.engine.fingerprint import served_weights
+from specdec.engine.kv_pool import KVPool, pool_bytes
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
@@ -64,11 +66,18 @@ class ModelRunner:
                     "has sliding-window or other layers, whose entries a block cannot be cut from"
                 )
             prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes)
-        self.sessions = SessionStore(
-            max_sessions, session_ttl_s, lambda: DynamicCache(config=self.model.config), max_kv_bytes, prefix
-        )
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
+        # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place.
+        # Not for models whose cache has other layer kinds (sliding windows) nor for layers spread
+        # over several devices (a device map): those keep transformers' own cache, copied each pass.
+        self.pool: KVPool | None = None
+        if batchable_cache(DynamicCache(config=self.model.config)) and loaded.device_label != "auto":
+            size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device)
+            self.pool = KVPool.for_bytes(
+                self.model.config, size, self.model.dtype, loaded.device, loaded.tensor_parallel_size
+            )
+        self.sessions = SessionStore(max_sessions, session_ttl_s, self.new_cache, max_kv_bytes, prefix)
         # Tokens run through the model since start; tests use it to prove prefixes are reused.
         self.processed_tokens_total = 0
         # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
@@ -79,6 +88,12 @@ class ModelRunner:
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
         # bench.emulated: every pass is held to an accelerator's time (specdec.engine.pace).
         self.pacer: Pacer | None = None
+
+    def new_cache(self) -> Cache:
+        """An empty cache for a new session: an extent of the pool (PoolFull when none is free)."""
+        if self.pool is not None:
+            return self.pool.open()
+        return DynamicCache(config=self.model.config)
 
     def describe(self) -> ModelDescription:
         dtype = str(self.model.dtype).removeprefix("torch.")
@@ -351,7 +366,8 @@ class ModelRunner:
         pending_bytes = 0
         for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
             extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
-            if (refused := admit_session(self, session, extra_bytes, pending_bytes)) is not None:
+            busy = [sessions[earlier].session_id for earlier in admitted]
+            if (refused := admit_session(self, session, extra_bytes, pending_bytes, busy)) is not None:
                 results[index] = refused
                 continue
             pending_bytes += extra_bytes

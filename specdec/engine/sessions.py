@@ -10,18 +10,21 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.engine.kv import plain_cache
+from specdec.engine.kv_pool import PoolCache, PoolFull
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class CachedTree:
 class KVSession:
     session_id: str
     tokens: list[int] = field(default_factory=list)  # full sequence; may run ahead of the cache
-    cache: DynamicCache | None = field(default_factory=DynamicCache)  # None: a model-free drafter
+    cache: Cache | None = field(default_factory=DynamicCache)  # a PoolCache or DynamicCache; None: a model-free drafter
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # newest call number served (ProposeRequest.epoch)
     tree: CachedTree | None = None  # tree nodes cached behind `tokens`, until the next call
@@ -79,7 +82,7 @@ class KVSession:
     # has not taken (ModelInfo.fork_sessions).
     forked: bool = False
 
-    def model_cache(self) -> DynamicCache:
+    def model_cache(self) -> Cache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""
         if self.cache is None:
             raise AssertionError(f"session {self.session_id} belongs to a model-free drafter and has no KV cache")
@@ -180,7 +183,7 @@ class SessionStore:
         self,
         max_sessions: int,
         ttl_s: float,
-        cache_factory: Callable[[], DynamicCache | None] = DynamicCache,
+        cache_factory: Callable[[], Cache | None] = DynamicCache,
         max_kv_bytes: int = 0,
         prefix: PrefixCache | None = None,
     ) -> None:
@@ -194,13 +197,29 @@ class SessionStore:
         # given up before any live session is evicted.
         self.prefix = prefix
 
-    def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int = 0) -> None:
+    def make_room(
+        self,
+        session: KVSession,
+        extra_bytes: int,
+        bytes_per_token: int,
+        pending_bytes: int = 0,
+        busy: Collection[str] = (),
+    ) -> None:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
         sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
         cannot fit, saying by how much. `pending_bytes`: what other sessions sharing the same
-        batched forward pass will add; they count toward the total but not toward `session`."""
-        if not self.max_kv_bytes:
-            return
+        batched forward pass will add; they count toward the total but not toward `session`,
+        and those sessions (`busy`) are not evicted. A pool-backed session then reserves the
+        room in its extent, so no pass fails halfway for want of it."""
+        if self.max_kv_bytes:
+            self._fit_budget(session, extra_bytes, bytes_per_token, pending_bytes, busy)
+        if isinstance(pooled := session.cache, PoolCache):
+            tokens = session.cached_tokens + extra_bytes // max(bytes_per_token, 1)
+            self._with_room(lambda: pooled.reserve(tokens), session, busy)
+
+    def _fit_budget(
+        self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int, busy: Collection[str]
+    ) -> None:
         needed = session.kv_bytes + extra_bytes
         if needed > self.max_kv_bytes:
             tokens = needed // bytes_per_token if bytes_per_token else 0
@@ -216,10 +235,32 @@ class SessionStore:
         for session_id in list(self._sessions):  # least recently used first
             if total <= self.max_kv_bytes:
                 break
-            if session_id == session.session_id:
+            if session_id == session.session_id or session_id in busy:
                 continue
-            total -= self._sessions.pop(session_id).kv_bytes
-            self.evicted += 1
+            total -= self._evict(session_id)
+
+    def _evict(self, session_id: str) -> int:
+        """Drops a session to make room; returns the bytes its entries held."""
+        evicted = self._sessions.pop(session_id)
+        self.evicted += 1
+        return evicted.kv_bytes
+
+    def _with_room(self, take: Callable[[], T], session: KVSession | None = None, busy: Collection[str] = ()) -> T:
+        """take(), which takes pages of the KV pool: where none are free, the least recently
+        used sessions (not `session`, nor `busy` ones) are evicted one by one until it fits;
+        RESOURCE_EXHAUSTED once none is left to evict."""
+        spared = {*busy, *((session.session_id,) if session is not None else ())}
+        while True:
+            try:
+                return take()
+            except PoolFull as full:
+                victim = next((sid for sid in self._sessions if sid not in spared), None)
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"the KV pool has no room left for this call ({full}) and no other session to evict; "
+                        "retry later, or raise --max-kv-bytes"
+                    ) from None
+                self._evict(victim)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -237,9 +278,9 @@ class SessionStore:
                 f"session {session_id!r} is not held here (expired, evicted or the service restarted); "
                 "re-send the whole sequence with keep_tokens=0"
             )
-        return self._add(session_id, self._cache_factory(), namespace)
+        return self._add(session_id, self._with_room(self._cache_factory), namespace)
 
-    def _add(self, session_id: str, cache: DynamicCache | None, namespace: str) -> KVSession:
+    def _add(self, session_id: str, cache: Cache | None, namespace: str) -> KVSession:
         """A new session holding `cache`, within --max-sessions once idle ones have expired."""
         self.expire()
         if len(self._sessions) >= self.max_sessions:
@@ -265,7 +306,12 @@ class SessionStore:
             cache = self.prefix.lookup(session.namespace, new_tokens, len(new_tokens) - scored)
             if cache is not None:
                 hit = cache.get_seq_length()
-                session.cache, session.aligned_tokens, session.tokens = cache, hit, list(new_tokens[:hit])
+                if isinstance(pooled := session.cache, PoolCache):  # the blocks copied into the session's extent
+                    layers: list = cache.layers
+                    self._with_room(lambda: pooled.load([(lr.keys, lr.values) for lr in layers]), session)
+                else:
+                    session.cache = cache
+                session.aligned_tokens, session.tokens = hit, list(new_tokens[:hit])
                 return session.extend(hit, new_tokens[hit:])
         return session.extend(keep_tokens, new_tokens)
 
@@ -308,7 +354,10 @@ class SessionStore:
                 f"a fork keeps between 1 and {len(parent.tokens)}"
             )
         check_session_id(session_id)
-        cache = cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory()
+        cache = self._with_room(
+            lambda: cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory(),
+            parent,
+        )
         session = self._add(session_id, cache, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
         session.forked = True
@@ -372,7 +421,7 @@ def check_session_id(session_id: str) -> None:
 
 
 @torch.inference_mode()  # the cache's tensors are inference tensors
-def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
+def cache_prefix(cache: Cache, tokens: int) -> Cache:
     """A cache of its own holding the first `tokens` entries of `cache` (all, if it has fewer).
 
     Plain full-attention layers (`batchable_cache`) hold views of that slice, per layer
@@ -381,6 +430,8 @@ def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
     of its own. Any other kind (sliding windows, quantised, offloaded) is deep-copied and
     cropped. That is what makes a fork cheap: a deep copy walks every object of the cache and
     copies the entries the crop then drops."""
+    if isinstance(cache, PoolCache):
+        return cache.fork(tokens)  # a copy into an extent of its own (PoolFull if none is free)
     layers: list[Any] = cache.layers  # checked below: plain DynamicLayers, or deep-copied
     if batchable_cache(cache) and all(layer.is_initialized for layer in layers):
         return plain_cache((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers)
@@ -391,9 +442,11 @@ def cache_prefix(cache: DynamicCache, tokens: int) -> DynamicCache:
     return copied
 
 
-def batchable_cache(cache: DynamicCache | None) -> bool:
+def batchable_cache(cache: Cache | None) -> bool:
     """Only plain full-attention layers can be padded and split again (not sliding windows,
     quantised or offloaded caches)."""
+    if isinstance(cache, PoolCache):
+        return True
     return (
         isinstance(cache, DynamicCache)
         and not getattr(cache, "offloading", False)

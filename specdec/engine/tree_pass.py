@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
+from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import with_cache
 from specdec.sampling.tree_sampling import ancestors
 
@@ -58,7 +59,7 @@ def tree_position_ids(paths: list[list[int]], past: int, num_new: int, first_nod
 @torch.inference_mode()
 def tree_forward(
     model: torch.nn.Module,
-    cache: DynamicCache,
+    cache: Cache,
     new_tokens: Sequence[int],
     token_ids: Sequence[int],
     parents: Sequence[int],
@@ -93,7 +94,7 @@ def tree_forward(
 
 
 @torch.inference_mode()  # the cache's tensors are inference tensors: updated in place in that mode only
-def keep_tree_path(cache: DynamicCache, committed: int, path: Sequence[int]) -> None:
+def keep_tree_path(cache: Cache, committed: int, path: Sequence[int]) -> None:
     """Keeps the first `committed` entries (the sequence before the tree) and the entries of
     the accepted `path` nodes, in order; drops the other nodes. The cache must hold the
     sequence before the tree followed by at least the path's nodes (in node order).
@@ -101,6 +102,9 @@ def keep_tree_path(cache: DynamicCache, committed: int, path: Sequence[int]) -> 
     Only the tail moves: each path entry is copied down to its place (node path[j], at
     committed + path[j] − 1, goes to committed + j, never above its source, and every later
     source lies above this destination), then the cache is cut after it."""
+    if isinstance(cache, PoolCache):
+        cache.keep_path(committed, list(path))  # the same gather, in the session's extent
+        return
     kept = committed + len(path)
     source = torch.tensor([committed + node - 1 for node in path], dtype=torch.long)  # [len(path)]
     for layer in cache.layers:

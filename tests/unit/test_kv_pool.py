@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.engine import attention
-from specdec.engine.kv_pool import KVPool, PageAllocator, PoolFull
+from specdec.engine.kv_pool import KVPool, PageAllocator, PoolCache, PoolFull
 from specdec.engine.modeling import with_cache
 from specdec.engine.tree_pass import keep_tree_path, tree_forward
 
@@ -163,3 +163,38 @@ def test_cpu_memory_is_committed_as_written_and_given_back_when_an_extent_is_fre
     cache.release()
     assert resident_bytes() - before < 4 << 20
     assert all(not arena.any() for arena in (*pool.keys, *pool.values))
+
+
+def test_a_model_service_keeps_every_session_in_its_pool_and_frees_what_it_drops(tiny_pair):
+    """The runners' one KV path: a session's cache is an extent of the runner's pool; a fork
+    copies into an extent of its own; ending a session, or the store evicting it, gives the
+    pages back; a session the store dropped while a call still holds it keeps its entries."""
+    from specdec.engine.modeling import load_causal_lm
+    from specdec.sampling.probs import SamplingParams
+    from target_service.runner import TargetRunner, VerifyCall
+
+    loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    runner = TargetRunner(loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
+    pool = runner.pool
+    assert pool is not None and pool.allocator.free_pages == pool.allocator.pages
+
+    def verify(session_id: str, keep: int, tokens: list[int]) -> None:
+        runner.verify_one(
+            VerifyCall(session_id, keep, tokens, [], torch.zeros(0, loaded.vocab_size), SamplingParams(), 0)
+        )
+
+    verify("a", 0, list(range(3, 100)))  # 97 tokens: two 64-token pages
+    session = runner.sessions.peek("a")
+    assert isinstance(session.cache, PoolCache) and session.cached_tokens == 97
+    assert pool.allocator.free_pages == pool.allocator.pages - 2
+    fork = runner.sessions.fork("a", "b", 40, epoch=0)
+    assert isinstance(fork.cache, PoolCache) and fork.cache.extent != session.cache.extent
+    assert torch.equal(fork.cache.layers[0].keys, session.cache.layers[0].keys[:, :, :40])
+    held = runner.sessions.peek("b")
+    runner.sessions.end("b")
+    assert pool.allocator.free_pages == pool.allocator.pages - 3  # a call still holds "b"
+    del held, fork
+    assert pool.allocator.free_pages == pool.allocator.pages - 2  # now nothing does
+    del session
+    runner.end_session("a")
+    assert pool.allocator.free_pages == pool.allocator.pages
