@@ -219,7 +219,10 @@ class ModelServiceConfig:
         "(their generations re-send and go on); 0 = no budget",
         parse=parse_bytes,
         more="A session that cannot fit alone gets RESOURCE_EXHAUSTED with the numbers; `Info` and the metrics "
-        "report bytes held, the budget, bytes per token and evictions.",
+        "report bytes held, the budget, bytes per token and evictions. Sessions' KV sits in a pool allocated at "
+        "start-up and sized from this (twice it, plus a page a session: on CPU memory is committed only as "
+        "written), or, at 0, half the machine's memory (CPU) or half the device's free memory (CUDA); see "
+        "[KV pool](design.md#kv-pool).",
     )
     prefix_cache_bytes: int = setting(
         0,
