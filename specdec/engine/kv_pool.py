@@ -374,6 +374,11 @@ class PoolCache(Cache):
     def reserved_bytes(self) -> int:
         return self.reserved_tokens * self.pool.bytes_per_token
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the entries it holds, over every layer (what its views' nbytes sum to)."""
+        return sum(self.lengths) * self.pool.bytes_per_token // len(self.lengths)
+
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` entries in every layer (PoolFull if the pool has none), before a
         pass writes them: a pass never fails halfway through its layers for want of room."""

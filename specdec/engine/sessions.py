@@ -94,9 +94,12 @@ class KVSession:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes held by the cache's key and value tensors."""
+        """Bytes held by the cache's key and value tensors (a pool cache's entries, not its
+        extent's spare room: what --max-kv-bytes counts)."""
         if self.cache is None:
             return 0
+        if isinstance(self.cache, PoolCache):
+            return self.cache.used_bytes
         return sum(
             tensor.nbytes
             for layer in getattr(self.cache, "layers", ())

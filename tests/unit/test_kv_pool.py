@@ -186,6 +186,8 @@ def test_a_model_service_keeps_every_session_in_its_pool_and_frees_what_it_drops
     verify("a", 0, list(range(3, 100)))  # 97 tokens: two 64-token pages
     session = runner.sessions.peek("a")
     assert isinstance(session.cache, PoolCache) and session.cached_tokens == 97
+    views = sum(t.nbytes for layer in session.cache.layers for t in (layer.keys, layer.values))
+    assert session.kv_bytes == session.cache.used_bytes == views == 97 * runner.kv_bytes_per_token
     assert pool.allocator.free_pages == pool.allocator.pages - 2
     fork = runner.sessions.fork("a", "b", 40, epoch=0)
     assert isinstance(fork.cache, PoolCache) and fork.cache.extent != session.cache.extent
