@@ -162,13 +162,11 @@ class KVPool:
     ) -> KVPool:
         """A pool of a model (its transformers config) holding at most `max_bytes` of KV; under
         tensor parallelism (`shards` ranks) each rank's pool holds its share of the KV heads."""
-        config = config.get_text_config()
-        heads = config.num_attention_heads
-        kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // shards
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        per_page = 2 * config.num_hidden_layers * kv_heads * head_dim * PAGE_TOKENS
+        layers, kv_heads, head_dim = kv_geometry(config)
+        kv_heads //= shards
+        per_page = 2 * layers * kv_heads * head_dim * PAGE_TOKENS
         per_page *= torch.empty((), dtype=dtype).element_size()
-        return cls(config.num_hidden_layers, kv_heads, head_dim, max(max_bytes // per_page, 1), dtype, device)
+        return cls(layers, kv_heads, head_dim, max(max_bytes // per_page, 1), dtype, device)
 
     @property
     def capacity_tokens(self) -> int:
@@ -334,10 +332,6 @@ class PoolLayer(CacheLayerMixin):
         keep = self.length + max_length if max_length < 0 else min(max_length, self.length)
         self._holding.lengths[self._index] = max(keep, 0)
 
-    def truncate(self, length: int) -> None:
-        """Keeps the first `length` entries (a kept tree path, written in place below it)."""
-        self._holding.lengths[self._index] = min(length, self.length)
-
     def reset(self) -> None:
         self._holding.lengths[self._index] = 0
 
@@ -426,6 +420,14 @@ class PoolCache(Cache):
     def release(self) -> None:
         """Gives the extent back to the pool now; the cache is unusable after."""
         self._finalizer()
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model's KV cache, from its transformers config."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def pool_bytes(budget: int, bytes_per_token: int, max_sessions: int, device: str) -> int:

@@ -21,7 +21,7 @@ from specdec.engine.costs import (
     PassCosts,
 )
 from specdec.engine.fingerprint import served_weights
-from specdec.engine.kv_pool import KVPool, pool_bytes
+from specdec.engine.kv_pool import KVPool, kv_geometry, pool_bytes
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
@@ -416,8 +416,5 @@ class ModelRunner:
 def kv_bytes_per_token(model) -> int:
     """Key + value bytes one token adds to a DynamicCache: 2 · layers · KV heads · head dim ·
     element size (the cache holds activations, float32 for an int8-quantised model)."""
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * config.num_hidden_layers * heads * head_dim * element
+    layers, heads, head_dim = kv_geometry(model.config)
+    return 2 * layers * heads * head_dim * torch.empty((), dtype=model.dtype).element_size()

@@ -100,14 +100,8 @@ def test_a_pool_cache_gives_dynamic_cache_logits_bit_for_bit(models, implementat
     both(forward(tokens[:, 12:40]), "a 28-token chunk")
     both(lambda kv: tree_forward(model, kv, [3], [5, 6, 7, 8, 9], [0, 0, 1, 1, 3]), "a tree verify")
     committed = reference.get_seq_length() - 5
-    with torch.inference_mode():
-        keep_tree_path(reference, committed, [1, 3])
-        kept = torch.tensor([committed + node - 1 for node in (1, 3)])
-        for layer in cache.layers:  # keep_tree_path's gather, in place in the extent
-            start = cache.extent.start * pool.page_tokens
-            for arena in (pool.keys[layer._index], pool.values[layer._index]):
-                arena[:, start + committed : start + committed + 2] = arena[:, start + kept]
-            layer.truncate(committed + 2)
+    keep_tree_path(reference, committed, [1, 3])
+    keep_tree_path(cache, committed, [1, 3])  # PoolCache.keep_path: the same gather, in the extent
     both(forward(tokens[:, 40:41]), "a decode after keeping a tree path")
     extents = {extent for _, extent in seen}
     assert pool.relocations == 1 and len({extent.start for extent in extents}) == 2  # moved once
