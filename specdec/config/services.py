@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 
 from specdec.config.settings import fixed, group, setting
-from specdec.engine.attention import MAX_ROWS
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
+from specdec.engine.rows import MAX_ROWS
 
 # 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -35,9 +35,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.engine.rows import MAX_ROWS
+
 NAME = "specdec_rowwise"
 EVERY_ROW = "specdec_rowwise_every_row"
-MAX_ROWS = 65  # NAME: a verify has K + 1 rows, and --max-speculative-tokens is at most 64; a longer pass is a prefill
 
 
 def rowwise_attention_forward(

@@ -8,16 +8,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    # transformers' modeling stack takes seconds to import; the coordinator, which imports this
+    # module for its tokenizer functions, never needs it (load_causal_lm imports it to load).
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +77,8 @@ def load_causal_lm(
     warn_if_trusting_remote_code(model_id, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     kwargs = _from_pretrained_kwargs(model_id, dtype, device_map, trust_remote_code, tensor_parallel)
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     if not device_map and tensor_parallel == 1:
         model.to(device)  # type: ignore[arg-type]  # in place; transformers types to() by its decorator

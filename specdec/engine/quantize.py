@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from specdec.engine.fingerprint import tensor_digest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # fbgemm (x86) or qnnpack (ARM): the int8 GEMM engines torch ships for CPU.
 INT8_ENGINES = ("fbgemm", "x86", "qnnpack")

@@ -40,7 +40,7 @@ import torch
 
 from specdec.sampling.probs import residual_probs, sample
 
-MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.engine.attention.MAX_ROWS
+MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.engine.rows.MAX_ROWS
 
 
 def tree_size(widths: Sequence[int]) -> int:
