@@ -167,7 +167,13 @@ class RoundCosts:
     guess_share: float = 0.0
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
-        return dataclasses.replace(self, target_sessions=max(target_sessions, 1), draft_sessions=max(draft_sessions, 1))
+        """These costs with `target_sessions` and `draft_sessions` sharing the services; this
+        very object where those are the ones it has (so what it has worked out, `_ms`, is kept
+        from round to round)."""
+        target_sessions, draft_sessions = max(target_sessions, 1), max(draft_sessions, 1)
+        if (target_sessions, draft_sessions) == (self.target_sessions, self.draft_sessions):
+            return self
+        return dataclasses.replace(self, target_sessions=target_sessions, draft_sessions=draft_sessions)
 
     def with_passes(self, target_pass_ms: Sequence[float], draft_pass_ms: Sequence[float] = ()) -> RoundCosts:
         """These one-session pass costs (a service's Info.live_pass_ms) in place of the
@@ -177,17 +183,26 @@ class RoundCosts:
         def either(given: Sequence[float], held: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(given) if len(given) == len(held) else held
 
-        return dataclasses.replace(
-            self,
-            target_pass_ms=either(target_pass_ms, self.target_pass_ms),
-            draft_pass_ms=either(draft_pass_ms, self.draft_pass_ms),
-        )
+        target, draft = either(target_pass_ms, self.target_pass_ms), either(draft_pass_ms, self.draft_pass_ms)
+        if (target, draft) == (self.target_pass_ms, self.draft_pass_ms):
+            return self  # at_load: kept, and what it has worked out with it
+        return dataclasses.replace(self, target_pass_ms=target, draft_pass_ms=draft)
+
+    @functools.cached_property
+    def _ms(self) -> dict[tuple[str, int], float]:
+        """What the calls below have worked out, by (call, tokens): the K chooser asks each
+        round for every K up to its largest, several times over, on the coordinator's one event
+        loop; these depend only on the (frozen) costs."""
+        return {}
 
     def draft_step_ms(self) -> float:
-        if self.draft_sessions == 1:
-            return cost_at(self.draft_pass_ms, 1)
-        batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
-        return batch.load_ms(self.draft_sessions, 1)
+        if ("step", 1) not in self._ms:
+            if self.draft_sessions == 1:
+                self._ms["step", 1] = cost_at(self.draft_pass_ms, 1)
+            else:
+                batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
+                self._ms["step", 1] = batch.load_ms(self.draft_sessions, 1)
+        return self._ms["step", 1]
 
     def draft_ms(self, k: int) -> float:
         """K one-token steps (the first also feeds the committed token, counted as one)."""
@@ -196,14 +211,20 @@ class RoundCosts:
     def predraft_ms(self, steps: int) -> float:  # a branch call: its rows stepped together
         if self.branch_rows == 1:
             return self.draft_ms(steps)
-        batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
-        return self.draft_rpc_ms + steps * batch.load_ms(self.draft_sessions + self.branch_rows - 1, 1)
+        if ("branch", steps) not in self._ms:
+            batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
+            rows = self.draft_sessions + self.branch_rows - 1
+            self._ms["branch", steps] = self.draft_rpc_ms + steps * batch.load_ms(rows, 1)
+        return self._ms["branch", steps]
 
     def verify_ms(self, k: int) -> float:
-        if self.target_sessions == 1:
-            return self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
-        batch = self.target_batch or BatchCosts(self.target_pass_ms)
-        return self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
+        if ("verify", k) not in self._ms:
+            if self.target_sessions == 1:
+                self._ms["verify", k] = self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
+            else:
+                batch = self.target_batch or BatchCosts(self.target_pass_ms)
+                self._ms["verify", k] = self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
+        return self._ms["verify", k]
 
     def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:
         """`rescue`: with hedges, the chance that a hedge assumed a rejection that happened.
