@@ -36,7 +36,7 @@ from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
 from specdec.tools.delay_link import LinkDelay
-from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator
+from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator, stop_together
 from specdec.tools.testbed import Testbed, available
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -143,9 +143,11 @@ def start_services(
         if bed is not None:  # the testbed stops what it started
             return bed.serve(name, module, args, logs / f"{name}.log", env, ROOT, cpus=(core,))
         service = spawn(name, module, args, free_port(), logs / f"{name}.log", env, ROOT, cpus=(core,))
-        stack.callback(service.stop)
+        started.append(service)
         return service
 
+    started: list[ServiceProcess] = []
+    stack.callback(stop_together, started)
     draft = start("draft", [*draft_args, *common, *draft_only], 0)
     target = start("target", [*target_args, *common], 1)
     draft.wait_healthy(300)
@@ -225,9 +227,11 @@ def run_modes(
     runs = [(mode, temperature) for mode in modes for temperature in ((0.0, SAMPLED) if mode.sampled else (0.0,))]
     with ExitStack() as stack:
         stubs = {}
+        coordinators: list[ServiceProcess] = []
+        stack.callback(stop_together, coordinators)
         for variant in dict.fromkeys(mode.coordinator for mode in modes):
             coordinator = start_coordinator(draft, target, pair, variant, logs, bed, coordinator_host)
-            stack.callback(coordinator.stop)
+            coordinators.append(coordinator)
             channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
             stubs[variant] = coordinator_pb2_grpc.CoordinatorStub(channel)
             stubs[variant].Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=8), timeout=120)

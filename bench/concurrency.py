@@ -31,7 +31,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.modes import ROOT, drafter_args, target_service_args  # noqa: E402
 from specdec.rpc.ports import free_port  # noqa: E402
-from specdec.tools.launch import ServiceProcess, model_service_args, spawn, spawn_coordinator  # noqa: E402
+from specdec.tools.launch import (  # noqa: E402
+    COORDINATOR_START_S,
+    ServiceProcess,
+    model_service_args,
+    spawn,
+    spawn_coordinator,
+    stop_together,
+)
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -65,6 +72,8 @@ class ConcurrencyRunner:
 
     def __init__(self, config, log_dir: Path) -> None:
         self._processes = ExitStack()
+        self._services: list[ServiceProcess] = []  # stopped together, after the coordinators
+        self._processes.callback(stop_together, self._services)
         model_args, env = model_service_args(config.device, config.threads)
         try:
             self.metrics_ports: dict[tuple[str, str], int] = {}
@@ -108,6 +117,8 @@ class ConcurrencyRunner:
                     self.metrics_ports[batching, role] = process.metrics_port()
             self.channels: dict[str, grpc.Channel] = {}
             self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
+            coordinators: list[ServiceProcess] = []
+            self._processes.callback(stop_together, coordinators)
             for batching, pair in services.items():
                 draft, target = pair["draft"], pair["target"]
                 coordinator = spawn_coordinator(
@@ -117,17 +128,20 @@ class ConcurrencyRunner:
                     log_dir / f"coordinator-batching-{batching}.log",
                     ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"],
                     ROOT,
+                    wait=False,
                 )
-                self._processes.callback(coordinator.stop)
+                coordinators.append(coordinator)
                 self.channels[batching] = grpc.insecure_channel(coordinator.address)
                 self.stubs[batching] = coordinator_pb2_grpc.CoordinatorStub(self.channels[batching])
+            for coordinator in coordinators:
+                coordinator.wait_healthy(COORDINATOR_START_S)
         except BaseException:
             self._processes.close()
             raise
 
     def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], root: Path) -> ServiceProcess:
         process = spawn(module, module, args, free_port(), log, env, root)
-        self._processes.callback(process.stop)
+        self._services.append(process)
         return process
 
     def batch_totals(self, batching: str, role: str) -> tuple[float, float]:

@@ -28,7 +28,14 @@ from bench.rules_coordinator import coordinator_module
 from specdec.engine.modeling import DTYPES
 from specdec.engine.quantize import quantize_int8
 from specdec.rpc.ports import free_port
-from specdec.tools.launch import model_service_args, spawn, spawn_coordinator
+from specdec.tools.launch import (
+    COORDINATOR_START_S,
+    ServiceProcess,
+    model_service_args,
+    spawn,
+    spawn_coordinator,
+    stop_together,
+)
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -42,6 +49,8 @@ class OursRunner:
         draft service per drafter."""
         drafters = list(dict.fromkeys(drafter for drafter, _, _ in variants))
         self._processes = ExitStack()
+        self._services: list[ServiceProcess] = []  # the model services, stopped together
+        self._processes.callback(stop_together, self._services)
         model_args, env = model_service_args(config.device, config.threads)
         try:
             targets = {}
@@ -75,6 +84,8 @@ class OursRunner:
                 drafts[name].wait_healthy(900)
             self.channels: dict[tuple[str, str, str], grpc.Channel] = {}
             self.stubs: dict[tuple[str, str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
+            coordinators: list[ServiceProcess] = []
+            self._processes.callback(stop_together, coordinators)  # before the services they call
             for drafter, variant, placement in variants:
                 coordinator = spawn_coordinator(
                     drafts[drafter],
@@ -92,18 +103,21 @@ class OursRunner:
                     ROOT,
                     coordinator_module(COORDINATORS[variant]),
                     PLACEMENTS[placement]["coordinator"].cpus,
+                    wait=False,
                 )
-                self._processes.callback(coordinator.stop)
+                coordinators.append(coordinator)
                 key = (drafter, variant, placement)
                 self.channels[key] = grpc.insecure_channel(coordinator.address)
                 self.stubs[key] = coordinator_pb2_grpc.CoordinatorStub(self.channels[key])
+            for coordinator in coordinators:
+                coordinator.wait_healthy(COORDINATOR_START_S)
         except BaseException:
             self._processes.close()
             raise
 
     def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], cpus: tuple[int, ...]):
         process = spawn(module, module, args, free_port(), log, env, ROOT, cpus=cpus)
-        self._processes.callback(process.stop)
+        self._services.append(process)
         return process
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:

@@ -28,7 +28,7 @@ from specdec.rpc.local import LocalChannel
 from specdec.rpc.ports import free_port
 from specdec.rpc.security import aio_channel, load_client_security
 from specdec.rpc.serving import RunningServer, build_model_servicer
-from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.launch import ServiceProcess, spawn, stop_all
 from specdec.tools.testing import TinyPair
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from target_service import server as target_server
@@ -270,8 +270,7 @@ class ProcessStack:
         return self
 
     def __exit__(self, *exc) -> None:
-        for process in reversed(self.processes):
-            process.stop()
+        stop_all(self.processes)
 
     def channel(self, role: str = "coordinator") -> grpc.Channel:
         return grpc.insecure_channel(self.current[role].address)

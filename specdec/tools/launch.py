@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.rpc.ports import free_port
 
+COORDINATOR_START_S = 120.0  # a coordinator loads no model: a minute or two is a hung one
+
 
 @dataclass
 class ServiceProcess:
@@ -27,6 +29,7 @@ class ServiceProcess:
     process: subprocess.Popen
     log: Path
     local_address: str | None = None  # on a testbed host: the service itself, behind its link
+    coordinator: bool = False  # calls the other services, so stop_all stops it before them
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Blocks until the gRPC health service says SERVING; raises with the log if it exits."""
@@ -56,13 +59,32 @@ class ServiceProcess:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_together([self], timeout_s)
+
+
+def stop_all(services: Iterable[ServiceProcess], timeout_s: float = 15.0) -> None:
+    """Stops `services`: the coordinators among them first (a request one drains may still call
+    the others), then the rest; each group together (stop_together)."""
+    services = list(services)
+    stop_together([service for service in services if service.coordinator], timeout_s)
+    stop_together([service for service in services if not service.coordinator], timeout_s)
+
+
+def stop_together(services: Iterable[ServiceProcess], timeout_s: float = 15.0) -> None:
+    """SIGTERM to every one of `services` at once, then waits for them all; one still running
+    after `timeout_s` is killed. Each spends about two seconds between the signal and its exit
+    (a second of NOT_SERVING notice, the drain, the interpreter's exit), so stopping a stack's
+    services one after another adds those up."""
+    running = [service for service in services if service.process.poll() is None]
+    for service in running:
+        service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for service in running:
+        try:
+            service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
 
 
 def spawn(
@@ -99,7 +121,7 @@ def spawn(
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-    return ServiceProcess(name, f"127.0.0.1:{port}", process, log)
+    return ServiceProcess(name, f"127.0.0.1:{port}", process, log, coordinator=module.endswith("coordinator"))
 
 
 def pinned_to(cpus: Collection[int]) -> list[str]:
@@ -128,9 +150,12 @@ def spawn_coordinator(
     cwd: Path | None = None,
     module: str = "coordinator",
     cpus: Collection[int] = (),
+    wait: bool = True,
 ) -> ServiceProcess:
     """A coordinator for a running draft and target, healthy on return; `module` runs it
-    (bench.rules_coordinator: with a benchmark's round rules), on `cpus` (spawn)."""
+    (bench.rules_coordinator: with a benchmark's round rules), on `cpus` (spawn). `wait=False`
+    returns it started, for the caller to wait on: coordinators time nothing at start-up, so
+    several may start at once."""
     coordinator = spawn(
         "coordinator",
         module,
@@ -142,7 +167,8 @@ def spawn_coordinator(
         cpus=cpus,
     )
     try:
-        coordinator.wait_healthy(120)
+        if wait:
+            coordinator.wait_healthy(COORDINATOR_START_S)
     except BaseException:
         coordinator.stop()
         raise
@@ -205,5 +231,4 @@ def local_stack(
         )
         yield services
     finally:
-        for service in reversed(list(services.values())):
-            service.stop()
+        stop_all(services.values())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from specdec.rpc.ports import free_port
 from specdec.tools.delay_link import LinkDelay
-from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.launch import ServiceProcess, spawn, stop_all
 
 PREFIX = "sdtb"  # names: sdtb<pid>-<host> (namespaces), sdtb<pid> (bridge), sdtb<pid>h<i> (veths)
 
@@ -275,8 +275,7 @@ class Testbed:
         )
 
     def close(self) -> None:
-        for process in reversed(self.processes):
-            process.stop(timeout_s=10)
+        stop_all(self.processes, timeout_s=10)
         self.processes.clear()
         for host in self.hosts.values():
             _kill_inside(host.namespace)

@@ -23,7 +23,7 @@ import pytest
 
 from specdec.rpc.ports import free_port
 from specdec.sampling.probs import SamplingParams
-from specdec.tools.launch import ServiceProcess, spawn
+from specdec.tools.launch import ServiceProcess, spawn, stop_all
 from specdec.tools.testing import TinyPair
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
@@ -77,8 +77,7 @@ def started_as_readme_says(pair: TinyPair, logs: Path) -> Iterator[dict[str, Ser
             process.wait_healthy(120)
         yield {process.name: process for process in started}
     finally:
-        for process in reversed(started):
-            process.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")
