@@ -208,7 +208,9 @@ class KVPool:
         columns = self.columns(extent)
         with torch.inference_mode():
             for arena, memory in zip((*self.keys, *self.values), self._memory):
-                if memory is None:
+                span = (columns.stop - columns.start) * arena.shape[2] * arena.element_size()  # bytes per head
+                if memory is None or span < 2 * mmap.PAGESIZE:
+                    # No whole page worth a system call per head: one write of zeros for all.
                     arena[:, columns].zero_()
                     continue
                 for head in range(arena.shape[0]):
