@@ -36,7 +36,7 @@ from bench.synthetic import pair_with_acceptance
 from specdec.engine.pace import PassCostProfile, load_profile
 from specdec.rpc.ports import free_port
 from specdec.tools.delay_link import LinkDelay
-from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator, stop_together
+from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator, stop_all
 from specdec.tools.testbed import Testbed, available
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -147,7 +147,7 @@ def start_services(
         return service
 
     started: list[ServiceProcess] = []
-    stack.callback(stop_together, started)
+    stack.callback(stop_all, started)
     draft = start("draft", [*draft_args, *common, *draft_only], 0)
     target = start("target", [*target_args, *common], 1)
     draft.wait_healthy(300)
@@ -228,7 +228,7 @@ def run_modes(
     with ExitStack() as stack:
         stubs = {}
         coordinators: list[ServiceProcess] = []
-        stack.callback(stop_together, coordinators)
+        stack.callback(stop_all, coordinators)
         for variant in dict.fromkeys(mode.coordinator for mode in modes):
             coordinator = start_coordinator(draft, target, pair, variant, logs, bed, coordinator_host)
             coordinators.append(coordinator)

@@ -37,7 +37,7 @@ from specdec.tools.launch import (  # noqa: E402
     model_service_args,
     spawn,
     spawn_coordinator,
-    stop_together,
+    stop_all,
 )
 from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from specdec.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -72,8 +72,8 @@ class ConcurrencyRunner:
 
     def __init__(self, config, log_dir: Path) -> None:
         self._processes = ExitStack()
-        self._services: list[ServiceProcess] = []  # stopped together, after the coordinators
-        self._processes.callback(stop_together, self._services)
+        self._started: list[ServiceProcess] = []  # stopped together, coordinators first (stop_all)
+        self._processes.callback(stop_all, self._started)
         model_args, env = model_service_args(config.device, config.threads)
         try:
             self.metrics_ports: dict[tuple[str, str], int] = {}
@@ -118,7 +118,6 @@ class ConcurrencyRunner:
             self.channels: dict[str, grpc.Channel] = {}
             self.stubs: dict[str, coordinator_pb2_grpc.CoordinatorStub] = {}
             coordinators: list[ServiceProcess] = []
-            self._processes.callback(stop_together, coordinators)
             for batching, pair in services.items():
                 draft, target = pair["draft"], pair["target"]
                 coordinator = spawn_coordinator(
@@ -131,6 +130,7 @@ class ConcurrencyRunner:
                     wait=False,
                 )
                 coordinators.append(coordinator)
+                self._started.append(coordinator)
                 self.channels[batching] = grpc.insecure_channel(coordinator.address)
                 self.stubs[batching] = coordinator_pb2_grpc.CoordinatorStub(self.channels[batching])
             for coordinator in coordinators:
@@ -141,7 +141,7 @@ class ConcurrencyRunner:
 
     def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], root: Path) -> ServiceProcess:
         process = spawn(module, module, args, free_port(), log, env, root)
-        self._services.append(process)
+        self._started.append(process)
         return process
 
     def batch_totals(self, batching: str, role: str) -> tuple[float, float]:

@@ -34,7 +34,7 @@ from specdec.tools.launch import (
     model_service_args,
     spawn,
     spawn_coordinator,
-    stop_together,
+    stop_all,
 )
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc
@@ -49,8 +49,8 @@ class OursRunner:
         draft service per drafter."""
         drafters = list(dict.fromkeys(drafter for drafter, _, _ in variants))
         self._processes = ExitStack()
-        self._services: list[ServiceProcess] = []  # the model services, stopped together
-        self._processes.callback(stop_together, self._services)
+        self._started: list[ServiceProcess] = []  # stopped together, coordinators first (stop_all)
+        self._processes.callback(stop_all, self._started)
         model_args, env = model_service_args(config.device, config.threads)
         try:
             targets = {}
@@ -85,7 +85,6 @@ class OursRunner:
             self.channels: dict[tuple[str, str, str], grpc.Channel] = {}
             self.stubs: dict[tuple[str, str, str], coordinator_pb2_grpc.CoordinatorStub] = {}
             coordinators: list[ServiceProcess] = []
-            self._processes.callback(stop_together, coordinators)  # before the services they call
             for drafter, variant, placement in variants:
                 coordinator = spawn_coordinator(
                     drafts[drafter],
@@ -106,6 +105,7 @@ class OursRunner:
                     wait=False,
                 )
                 coordinators.append(coordinator)
+                self._started.append(coordinator)
                 key = (drafter, variant, placement)
                 self.channels[key] = grpc.insecure_channel(coordinator.address)
                 self.stubs[key] = coordinator_pb2_grpc.CoordinatorStub(self.channels[key])
@@ -117,7 +117,7 @@ class OursRunner:
 
     def _start(self, module: str, args: list[str], log: Path, env: dict[str, str], cpus: tuple[int, ...]):
         process = spawn(module, module, args, free_port(), log, env, ROOT, cpus=cpus)
-        self._services.append(process)
+        self._started.append(process)
         return process
 
     def run(self, mode: Mode, prompt: str, max_new_tokens: int, temperature: float, seed: int) -> Sample:
