@@ -12,6 +12,7 @@ import torch
 
 from specdec.engine.batching import batch_groups, call_waves, start_each
 from specdec.engine.calls import Stopwatch
+from specdec.engine.features import FeatureTap, check_feature_layers, decoder_parts
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
@@ -48,6 +49,7 @@ class VerifyCall:
     relaxed: RelaxedAcceptance | None = None  # VerifyRequest.relaxed: also test each draft (lossy); None exact
     top_logprobs: int | None = None  # VerifyRequest.return_logprobs: its top_logprobs; None: no logprobs
     output_start: int = 0  # VerifyRequest.output_start: where the generated tokens begin (penalties)
+    feature_layers: tuple[int, ...] = ()  # VerifyRequest.feature_layers: hidden states to return; empty: none
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Verification:
     batch_size: int = 1  # sessions that shared the forward pass
     relaxed_accepts: list[bool] = field(default_factory=list)  # [K] with VerifyCall.relaxed; empty otherwise
     logprobs: PositionLogprobs | None = None  # with VerifyCall.top_logprobs
+    # With VerifyCall.feature_layers: [processed_tokens, F], the hidden features of each position
+    # the call ran (the last processed_tokens of the sequence), in the model's dtype.
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,12 +77,20 @@ class _Admitted:
     session: KVSession
     pending: list[int]  # tokens the cache has not seen: [N]
     clock: Stopwatch
+    features: torch.Tensor | None = None  # [N, F] once the pass ran, with VerifyCall.feature_layers
 
 
 def next_step(first: VerifyCall, last: Verification, seed: int) -> VerifyCall:
     """A target-only step after `last` (VerifyRequest.step_seeds): `first` feeding the token
     `last` drew, drawing the next with `seed`."""
     return dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed)
+
+
+def joined_features(first: Verification, steps: list[Verification]) -> torch.Tensor | None:
+    """The features of a call and its target-only steps after it, in order: [N, F] (None without)."""
+    if first.features is None:
+        return None
+    return torch.cat([first.features, *(step.features for step in steps if step.features is not None)])
 
 
 class TargetRunner(ModelRunner):
@@ -117,7 +130,13 @@ class TargetRunner(ModelRunner):
     def _forward_round(self, admitted: _Admitted) -> torch.Tensor:
         if admitted.call.parents:
             return self._forward_tree_round(admitted)
-        return self._forward_chain_round(admitted)
+        if not admitted.call.feature_layers:
+            return self._forward_chain_round(admitted)
+        tap = FeatureTap(self.model, admitted.call.feature_layers)
+        with tap.recording():
+            logits = self._forward_chain_round(admitted)
+        admitted.features = tap.rows().to(self.model.dtype)  # [N, F]
+        return logits
 
     def _forward_tree_round(self, admitted: _Admitted) -> torch.Tensor:
         """Logits [N + 1, V] of the last committed token (the root) and the N tree nodes, in
@@ -163,6 +182,10 @@ class TargetRunner(ModelRunner):
         results: list[Verification | Exception | None] = [None] * len(calls)
         for wave in call_waves([(call.session_id,) for call in calls]):
             admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
+            for entry in [entry for entry in admitted if entry[1].call.feature_layers]:
+                # Its features are read off its own pass (FeatureTap); it runs alone.
+                self._verify_group([entry], False, results)
+                admitted.remove(entry)
             # Chains and trees share passes among their own kind (a tree pass needs a 4D mask).
             for trees in (False, True):
                 kind = [entry for entry in admitted if bool(entry[1].call.parents) == trees]
@@ -219,6 +242,10 @@ class TargetRunner(ModelRunner):
             )
         if not call.new_tokens:
             raise InvalidArgument("new_tokens is empty; each call must append at least one committed token")
+        if call.feature_layers:
+            if call.parents:
+                raise InvalidArgument("feature_layers is set with draft_parents: features come with a chain only")
+            check_feature_layers(call.feature_layers, len(decoder_parts(self.model)[1]))
         if call.params.logit_bias and call.params.logit_bias[-1][0] >= self.loaded.vocab_size:
             raise InvalidArgument(
                 f"logit_bias names token {call.params.logit_bias[-1][0]}; the vocabulary has "
@@ -299,6 +326,7 @@ class TargetRunner(ModelRunner):
             sequence_length=len(admitted.session.tokens),
             compute_ms=admitted.clock.ms(),
             batch_size=batch_size,
+            features=admitted.features,
             relaxed_accepts=[]
             if call.relaxed is None
             else self._relaxed_accepts(call.relaxed, call.params, scored, draft_ids, outputs),

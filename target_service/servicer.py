@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specdec.engine.features import feature_dtype
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.runner import TargetRunner, Verification, VerifyCall, next_step
+from target_service.runner import TargetRunner, Verification, VerifyCall, joined_features, next_step
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
@@ -73,6 +74,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         params = wire.params_from_pb(request.sampling)
         relaxed = wire.relaxed_from_pb(request)
         top_logprobs = wire.top_logprobs_from_pb(request)
+        features_dtype = feature_dtype(request.feature_dtype) if request.feature_layers else None
         # Width 0 still checks the messages' structure but builds no [K, V] rows.
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
@@ -100,6 +102,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 relaxed,
                 top_logprobs,
                 max(0, request.output_start),
+                tuple(request.feature_layers),
             )
             result = await self._verify(call)
             steps, step_logprobs, result = await self._steps(request, call, result)
@@ -128,6 +131,9 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             draft_token_logprobs=result.logprobs.draft if result.logprobs is not None else [],
             row_logprobs=wire.token_logprobs_to_pb(result.logprobs),
             step_logprobs=step_logprobs,
+            features=None
+            if result.features is None or features_dtype is None
+            else wire.features_to_pb(result.sequence_length - result.processed_tokens, result.features, features_dtype),
         )
 
     async def _verify(self, call: VerifyCall) -> Verification:
@@ -166,6 +172,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 sequence_length=steps[-1].sequence_length,
                 compute_ms=result.compute_ms + sum(step.compute_ms for step in steps),
                 processed_tokens=result.processed_tokens + sum(step.processed_tokens for step in steps),
+                features=joined_features(result, steps),
             ),
         )
 

@@ -62,6 +62,8 @@ class ModelDescription:
     quantization: str = ""  # the Linear layers' quantisation ("" = none), e.g. specdec.engine.quantize.INT8_LABEL
     weights_fingerprint: str = ""  # of the weights as served (specdec.engine.fingerprint); "" = no model
     device_kind: str = ""  # where the weights sit: "cpu", "cuda", "cpu+cuda"; "" = no model
+    feature_layers: tuple[int, ...] = ()  # an EAGLE head: the target's hidden states it reads
+    feature_target_fingerprint: str = ""  # an EAGLE head: the weights of the target it was made for
     pass_cost_profile: str = ""  # the accelerator the passes are held to (bench.emulated), "" = none
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
     # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,

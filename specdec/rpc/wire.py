@@ -244,6 +244,8 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         quantization=description.quantization,
         weights_fingerprint=description.weights_fingerprint,
         device_kind=description.device_kind,
+        feature_layers=list(description.feature_layers),
+        feature_target_fingerprint=description.feature_target_fingerprint,
         pass_cost_profile=description.pass_cost_profile,
         emulation_overruns=description.emulation_overruns,
         calibrated_batch_ms=[
@@ -272,3 +274,37 @@ def _bridge_to_pb(figures) -> common_pb2.VocabBridgeInfo | None:
         target_vocab_tokens=figures.caller_vocab_tokens,
         proposable=figures.proposable,
     )
+
+
+FEATURE_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def features_to_pb(start: int, rows: torch.Tensor, dtype: torch.dtype) -> common_pb2.Features:
+    """rows: [N, F] (any float dtype) → Features of positions start .. start + N - 1 in `dtype`."""
+    cast = rows.detach().to("cpu", dtype).contiguous()  # [N, F]
+    name = str(dtype).removeprefix("torch.")
+    data = cast.view(torch.int16 if cast.element_size() == 2 else torch.int32).numpy().tobytes()
+    return common_pb2.Features(
+        start=start, rows=cast.shape[0], width=cast.shape[1] if cast.dim() == 2 else 0, dtype=name, data=data
+    )
+
+
+def features_from_pb(features: common_pb2.Features) -> tuple[int, torch.Tensor]:
+    """Features → (start, rows [N, F] float32), after checking the message's sizes."""
+    item = FEATURE_ITEM_BYTES.get(features.dtype)
+    if item is None:
+        raise InvalidArgument(f"features.dtype {features.dtype!r} is not one of {sorted(FEATURE_ITEM_BYTES)}")
+    if features.start < 0 or features.rows < 0 or features.width < 0:
+        raise InvalidArgument("features: start, rows and width must be >= 0")
+    if len(features.data) != features.rows * features.width * item:
+        raise InvalidArgument(
+            f"features: {len(features.data)} bytes for {features.rows} × {features.width} {features.dtype} values"
+        )
+    if not features.rows:
+        return features.start, torch.empty(0, features.width)
+    raw = torch.frombuffer(bytearray(features.data), dtype=torch.int16 if item == 2 else torch.int32)
+    values = raw.view({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[features.dtype])
+    rows = values.float().view(features.rows, features.width)  # [N, F]
+    if not bool(torch.isfinite(rows).all()):
+        raise InvalidArgument("features hold a NaN or an infinity")
+    return features.start, rows
