@@ -11,7 +11,7 @@ from specdec.config.settings import parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
-DRAFTERS = ("model", "ngram", "hybrid", "suffix")
+DRAFTERS = ("model", "ngram", "hybrid", "suffix", "eagle")
 # HF assisted generation's default `assistant_confidence_threshold`; a request may set its own.
 DEFAULT_MIN_CONFIDENCE = 0.4
 # About 40 MB with its index; many times the text of a day's repeated agent runs at a few
@@ -27,10 +27,17 @@ class DraftConfig(ModelServiceConfig):
         "model",
         "--drafter",
         "how to propose: model (a causal LM), ngram (prompt lookup, no weights; the tokenizer comes from --model) "
-        "hybrid (prompt lookup where the sequence's last n-gram recurs, the model otherwise) or suffix (as hybrid, "
-        "also looking in earlier requests' prompts and outputs)",
+        "hybrid (prompt lookup where the sequence's last n-gram recurs, the model otherwise), suffix (as hybrid, "
+        "also looking in earlier requests' prompts and outputs) or eagle (a one-layer head reading the target's hidden "
+        "features: --model is then the target's folder, --draft-head the head's)",
         choices=DRAFTERS,
         more="See [Drafters](design.md#drafters).",
+    )
+    draft_head: str = setting(
+        "",
+        "--draft-head",
+        "eagle drafter: the head's folder (EAGLE-1 or EAGLE-3 as released, or one specdec.tools.train_head wrote)",
+        more="See [EAGLE heads](design.md#eagle-heads).",
     )
     draft_vocab: int = setting(
         0,
@@ -73,6 +80,13 @@ class DraftConfig(ModelServiceConfig):
             return super().problem()
         if problem := super().problem():
             return problem
+        if (self.drafter == "eagle") != bool(self.draft_head):
+            return "--draft-head goes with --drafter eagle, and --drafter eagle needs a --draft-head"
+        if self.drafter == "eagle" and (self.draft_vocab or self.target_tokenizer or self.prefix_cache_bytes):
+            return (
+                "--draft-vocab, --target-tokenizer and --prefix-cache-bytes do not apply to --drafter eagle: its "
+                "vocabulary is its head's, and its --model is its target's folder"
+            )
         if self.drafter == "suffix" and self.suffix_cache_tokens < 1:
             return f"--suffix-cache-tokens must be >= 1; got {self.suffix_cache_tokens}"
         if self.drafter == "suffix" and self.ngram_min > DEFAULT_MAX_MATCH:

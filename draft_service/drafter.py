@@ -59,6 +59,8 @@ class ProposeCall:
     own_sequence_only: bool = False  # copy from the session's own sequence alone (ProposeRequest)
     runner_ups: int = 1  # the likeliest other tokens to report per position (ProposeRequest.runner_ups)
     guess_rank: int = 0  # with guess_first, guess the draft's (rank + 1)-th likeliest token (ProposeRequest)
+    # ProposeRequest.features: (first position, [N, F] float32 rows) of the target's features; None: none sent
+    features: tuple[int, torch.Tensor] | None = None
 
     @property
     def copy_limit(self) -> int:

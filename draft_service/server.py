@@ -5,17 +5,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from draft_service.config import DraftConfig, parse_config
+from draft_service.eagle import EagleRunner
 from draft_service.ngram import Lookup, NgramDrafter, PromptLookup
 from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
 from draft_service.vocab_bridge import VocabBridge
 from specdec.engine.calibration import calibrate_costs
+from specdec.engine.eagle import load_head
 from specdec.engine.modeling import (
+    DTYPES,
+    LoadedModel,
     frequent_token_ids,
     load_causal_lm,
     load_tokenizer_info,
@@ -49,6 +55,8 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
             min_n=config.ngram_min,
             max_n=config.ngram_max,
         )
+    if config.drafter == "eagle":
+        return _eagle_runner(config, runner_options)
     # The target's tokenizer first: a wrong folder fails in seconds, before the weights load.
     caller = None
     if config.target_tokenizer:
@@ -100,6 +108,51 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
     )
     runner.max_batch_size = config.max_batch_size
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
+        runner.pacer = Pacer(load_profile(config.pass_cost_profile))
+    if config.calibrate:
+        calibrate_costs(runner, keep_all_logits=False)
+    return runner
+
+
+def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
+    """--drafter eagle: the head of --draft-head over the embedding (and EAGLE-1's LM head) of
+    the target in --model, whose tokenizer it speaks."""
+    info = load_tokenizer_info(config.model, config.trust_remote_code)
+    target_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+    head = load_head(Path(config.draft_head), Path(config.model), target_config, DTYPES[config.dtype], config.device)
+    loaded = LoadedModel(
+        model=head.head,  # type: ignore[arg-type]  # the runners' causal-LM surface (specdec.engine.eagle)
+        tokenizer=info.tokenizer,
+        model_id=config.draft_head,
+        device=config.device,
+        device_label=config.device,
+        vocab_size=int(target_config.vocab_size),
+        eos_token_ids=info.eos_token_ids,
+        max_context=info.max_context,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+    )
+    if config.resolved_quantize() == "int8":
+        quantize_int8(loaded.model)
+        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
+    logger.info(
+        "%s head %s for %s: reads the target's hidden states %s; %d draft tokens",
+        head.folder.kind,
+        config.draft_head,
+        config.model,
+        list(head.feature_layers),
+        head.head.lm_head.out_features,
+    )
+    runner = EagleRunner(
+        loaded,
+        head,
+        max_sessions=config.max_sessions,
+        session_ttl_s=config.session_ttl_s,
+        max_speculative_tokens=config.max_speculative_tokens,
+        max_kv_bytes=config.max_kv_bytes,
+        min_confidence=config.min_confidence,
+        **runner_options,
+    )
+    if config.pass_cost_profile:
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:
         calibrate_costs(runner, keep_all_logits=False)

@@ -205,6 +205,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
         request.own_sequence_only,
         max(request.runner_ups, 1),
         request.guess_rank,
+        wire.features_from_pb(request.features) if request.HasField("features") else None,
     )
 
 

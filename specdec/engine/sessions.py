@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -23,6 +23,9 @@ from specdec.engine.kv_pool import PoolCache, PoolFull
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
+
+if TYPE_CHECKING:
+    from specdec.engine.eagle import FeatureTrack
 
 T = TypeVar("T")
 
@@ -81,6 +84,9 @@ class KVSession:
     # Opened as a fork (SessionStore.fork) and continued by no call since: a branch its caller
     # has not taken (ModelInfo.fork_sessions).
     forked: bool = False
+    # An EAGLE head's session: the target's features and the head's predictions by position
+    # (specdec.engine.eagle.FeatureTrack); None for every other model.
+    features: FeatureTrack | None = None
 
     def model_cache(self) -> Cache:
         """The KV cache of a model's session (a model-free drafter's sessions have none)."""
@@ -364,6 +370,8 @@ class SessionStore:
         session = self._add(session_id, cache, parent.namespace)
         session.tokens = parent.tokens[:keep_tokens]
         session.forked = True
+        if parent.features is not None:
+            session.features = parent.features.fork(min(keep_tokens, session.cached_tokens))
         if parent.cache is not None:
             session.aligned_tokens = min(parent.aligned_tokens, session.cached_tokens)
         return session

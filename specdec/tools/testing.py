@@ -199,3 +199,56 @@ def build_bridged_draft(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
+
+
+def build_eagle_head(folder: Path, target: Path, kind: str, *, seed: int = 0, draft_vocab: int = 0) -> Path:
+    """A random EAGLE head for the tiny target in `target`, written as the public releases write
+    theirs: EAGLE-1 a `pytorch_model.bin` with `fc` (biased), `layers.0.*` and a copy of the
+    target's embedding; EAGLE-3 a `model.safetensors` with `fc`, `midlayer.*`, `norm`, an
+    `lm_head` over `draft_vocab` tokens (0: all), `d2t` and `t2d`, without the embedding. The
+    target's hidden states it reads: EAGLE-3 the embeddings', the middle and the final norm's
+    (a tiny target has too few layers for the releases' choice), EAGLE-1 the final norm's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdec.engine.eagle import EAGLE3, EagleHead, read_head_config
+
+    base = Qwen2ForCausalLM.from_pretrained(target)
+    vocab, width = base.config.vocab_size, base.config.hidden_size
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3" if kind == EAGLE3 else "LlamaForCausalLM"],
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": base.config.max_position_embeddings,
+        "tie_word_embeddings": False,
+    }
+    draft_rows = draft_vocab or vocab
+    if kind == EAGLE3:
+        config["draft_vocab_size"] = draft_rows
+        layers = base.config.num_hidden_layers
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers]}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    torch.manual_seed(seed)
+    head = EagleHead(read_head_config(folder), vocab)
+    state = {name: tensor.clone() for name, tensor in head.state_dict().items()}
+    state["embed_tokens.weight"] = base.model.embed_tokens.weight.detach().clone()
+    if kind == EAGLE3:
+        del state["embed_tokens.weight"]
+        used = torch.arange(draft_rows) * vocab // draft_rows  # ascending
+        state["lm_head.weight"] = base.lm_head.weight.detach()[used].clone() + 0.05 * torch.randn(len(used), width)
+        state["d2t"] = used - torch.arange(len(used))
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[used] = True
+        state["t2d"] = t2d
+        save_file(state, str(folder / "model.safetensors"))
+    else:
+        del state["lm_head.weight"]  # EAGLE-1 uses its target's
+        torch.save(state, folder / "pytorch_model.bin")
+    return folder

@@ -1,0 +1,409 @@
+"""An EAGLE-style draft head (issue 68): one decoder layer that drafts from its target's own
+hidden features, in the two layouts the public releases use.
+
+- EAGLE-1 (SafeAILab/EAGLE `cnets1.py`): the target's last hidden state after its final norm
+  (`hidden_states[L]`), f_{p-1}, and the embedding of token p go through `fc` ([H, 2H], with a
+  bias) as cat(embedding, feature), then one Llama decoder layer without its input norm
+  (`layers.0.*`); its output g_p goes to the target's LM head unnormed, and is the feature the
+  next step reads where the target has not given one.
+- EAGLE-3 (EAGLE-3 releases, SGLang `llama_eagle3.py`): three target layers (`hidden_states`
+  2, L // 2, L - 3) side by side, [3H], fused by `fc` ([H, 3H]); the layer (`midlayer.*`)
+  attends over cat(input_layernorm(embedding), hidden_norm(feature)), [2H], with the fused
+  feature as its residual; the sum it leaves is the next step's feature, and its own
+  `norm` and `lm_head` over a draft vocabulary of Vd tokens give the logits. Draft row i is
+  target token i + d2t[i].
+
+How a session's positions line up (`FeatureTrack`): the head's pass over token p of the
+sequence reads the feature of position p - 1 (the target's where it was sent, else the
+head's own prediction for p - 1, else zeros: position 0 and positions nobody computed) and
+predicts the feature of p, whose logits draft token p + 1. Which feature a pass read only
+moves how often drafts are accepted: every draft still travels with the exact distribution
+it was drawn from (draft_service.stepping).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+EAGLE1, EAGLE3 = "eagle1", "eagle3"
+HEAD_CONFIG = "config.json"
+HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# What our own heads' config.json adds to the Llama fields (specdec.tools.train_head writes them).
+SPECDEC_KEYS = ("eagle_kind", "eagle_feature_layers", "target_weights_fingerprint")
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target hidden states an EAGLE-3 head fuses (transformers' numbering), as its releases
+    pick them: the inputs of layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class FeatureTrack:
+    """One session's features by position, as the head's passes read them: the target's where
+    they were sent, the head's own predictions elsewhere. Rows are H wide (an EAGLE-3 target
+    row already through `fc`). Positions below `base` were dropped: every cache slot that read
+    them was computed from the target's features (`kv_exact`), so none is read again."""
+
+    width: int
+    base: int = 0
+    target: list[torch.Tensor | None] = field(default_factory=list)  # position base + i → [H] or None
+    predicted: list[torch.Tensor | None] = field(default_factory=list)
+    kv_exact: int = 0  # leading cache slots whose pass read the target's feature (or slot 0's zeros)
+
+    def fork(self, keep_tokens: int) -> FeatureTrack:
+        track = FeatureTrack(self.width, self.base, list(self.target), list(self.predicted), self.kv_exact)
+        track.rollback(keep_tokens)
+        return track
+
+    def rollback(self, keep_tokens: int) -> None:
+        """The sequence keeps its first `keep_tokens` tokens: features of later positions go,
+        and so do the cache slots past them."""
+        end = max(keep_tokens - self.base, 0)
+        del self.target[end:]
+        del self.predicted[end:]
+        self.kv_exact = min(self.kv_exact, keep_tokens)
+
+    def receive(self, start: int, rows: torch.Tensor) -> None:
+        """The target's features of positions start .. start + N - 1. rows: [N, H]"""
+        for offset in range(rows.shape[0]):
+            index = start + offset - self.base
+            if index < 0:
+                continue
+            self._grow(index + 1)
+            self.target[index] = rows[offset]
+
+    def has_target(self, position: int) -> bool:
+        index = position - self.base
+        return position < 0 or 0 <= index < len(self.target) and self.target[index] is not None
+
+    def stale_from(self, cached: int) -> int | None:
+        """The first cache slot to compute again now that the target's features reached it:
+        the first inexact slot, when its input has now come; None when none needs to."""
+        if self.kv_exact < cached and self.has_target(self.kv_exact - 1):
+            return self.kv_exact
+        return None
+
+    def inputs(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
+        """The feature each slot's pass reads: that of the position before it. → [N, H]"""
+        rows = []
+        for position in positions:
+            row = self._row(position - 1)
+            rows.append(torch.zeros(self.width, dtype=like.dtype, device=like.device) if row is None else row.to(like))
+        return torch.stack(rows)
+
+    def record(self, positions: list[int], outputs: torch.Tensor) -> None:
+        """The head's predictions for `positions` (outputs [N, H]), and which slots read the
+        target's features: the leading run of them extends `kv_exact`."""
+        for position, row in zip(positions, outputs):
+            index = position - self.base
+            if index >= 0:
+                self._grow(index + 1)
+                self.predicted[index] = row.detach()
+        for position in positions:
+            if position == self.kv_exact and self.has_target(position - 1):
+                self.kv_exact += 1
+        self._trim()
+
+    def _row(self, position: int) -> torch.Tensor | None:
+        index = position - self.base
+        if position < 0 or index < 0 or index >= len(self.target):
+            return None
+        target = self.target[index]
+        return target if target is not None else self.predicted[index]
+
+    def _grow(self, length: int) -> None:
+        while len(self.target) < length:
+            self.target.append(None)
+            self.predicted.append(None)
+
+    def _trim(self) -> None:
+        """Drops positions no slot will read again: those before the last exact slot's input."""
+        drop = min(self.kv_exact - 1 - self.base, len(self.target))
+        if drop > 0:
+            del self.target[:drop]
+            del self.predicted[:drop]
+            self.base += drop
+
+
+def _attention(config: LlamaConfig, width: int, qkv_bias: bool) -> LlamaAttention:
+    """A Llama attention whose q, k and v read `width` features (EAGLE-3: 2H), with biases
+    where the head has them (a Qwen2 EAGLE-1 head's `qkv_bias`); o_proj has none."""
+    attention = LlamaAttention(config, layer_idx=0)
+    heads, head_dim = int(config.num_attention_heads), int(attention.head_dim)
+    kv_heads = int(config.num_key_value_heads or heads)
+    attention.q_proj = nn.Linear(width, heads * head_dim, bias=qkv_bias)
+    attention.k_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
+    attention.v_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
+    return attention
+
+
+class _Eagle1Layer(nn.Module):
+    """EAGLE-1's decoder layer: a Llama layer whose input norm is left out."""
+
+    def __init__(self, config: LlamaConfig, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = _attention(config, config.hidden_size, qkv_bias)
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, position_embeddings, mask, cache) -> torch.Tensor:
+        attended, _ = self.self_attn(hidden, position_embeddings=position_embeddings, attention_mask=mask, cache=cache)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class _Eagle3Layer(nn.Module):
+    """EAGLE-3's `midlayer`: attention over cat(normed embedding, normed feature), [2H]."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        width = config.hidden_size
+        self.self_attn = _attention(config, 2 * width, qkv_bias=False)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+
+    def forward(self, embeds, feature, position_embeddings, mask, cache) -> torch.Tensor:
+        joined = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # [B, N, 2H]
+        attended, _ = self.self_attn(joined, position_embeddings=position_embeddings, attention_mask=mask, cache=cache)
+        hidden = feature + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleHead(nn.Module):
+    """The head as the model runners see a causal LM: `forward(input_ids, cache, cache_position,
+    logits_to_keep)` → `.logits`, a one-layer Llama `config` for the KV pool, `dtype`. What it
+    reads besides the tokens is `track`, the session's FeatureTrack, which its runner sets before
+    each pass (draft_service.eagle)."""
+
+    def __init__(self, folder: HeadFolder, target_vocab: int) -> None:
+        super().__init__()
+        config, kind = folder.config, folder.kind
+        self.config, self.kind = config, kind
+        width = config.hidden_size
+        self.embed_tokens = nn.Embedding(target_vocab, width)
+        if kind == EAGLE1:
+            self.fc = nn.Linear(2 * width, width, bias=folder.fc_bias)
+            self.layers = nn.ModuleList([_Eagle1Layer(config, folder.qkv_bias)])
+        else:
+            self.fc = nn.Linear(3 * folder.target_width, width, bias=False)
+            self.midlayer = _Eagle3Layer(config)
+            self.norm = LlamaRMSNorm(width, eps=config.rms_norm_eps)
+        # The width of the target's rows it reads: H per layer it reads (EAGLE-3: three).
+        self.feature_width = 3 * folder.target_width if kind == EAGLE3 else width
+        self.lm_head = nn.Linear(width, folder.draft_vocab if kind == EAGLE3 else target_vocab, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.track: FeatureTrack | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype  # the Linear layers' may be packed (int8)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, head: nn.Module) -> None:
+        self.lm_head = head  # type: ignore[assignment]
+
+    def fuse(self, target_rows: torch.Tensor) -> torch.Tensor:
+        """The target's features as the layer reads them: EAGLE-3's three layers through `fc`.
+        [N, F] → [N, H]"""
+        rows = target_rows.to(self.device, self.dtype)
+        return self.fc(rows) if self.kind == EAGLE3 else rows
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [1, N]
+        cache=None,
+        cache_position: torch.Tensor | None = None,  # [N]
+        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = True,
+        **_: object,
+    ) -> SimpleNamespace:
+        if self.track is None:
+            raise AssertionError("the head's runner sets the session's FeatureTrack before a pass")
+        if input_ids.shape[0] != 1:
+            raise AssertionError("the head runs one session a pass")
+        start = cache.get_seq_length() if cache is not None else 0
+        positions = (
+            list(range(start, start + input_ids.shape[1])) if cache_position is None else cache_position.tolist()
+        )
+        position_ids = torch.tensor([positions], device=input_ids.device)  # [1, N]
+        embeds = self.embed_tokens(input_ids)  # [1, N, H]
+        feature = self.track.inputs(positions, embeds)[None]  # [1, N, H]
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        rotary = self.rotary_emb(embeds, position_ids=position_ids)
+        if self.kind == EAGLE1:
+            hidden = self.layers[0](self.fc(torch.cat([embeds, feature], dim=-1)), rotary, mask, cache)  # [1, N, H]
+            normed = hidden
+        else:
+            hidden = self.midlayer(embeds, feature, rotary, mask, cache)  # [1, N, H]
+            normed = self.norm(hidden)
+        self.track.record(positions, hidden[0])
+        kept = normed[:, -logits_to_keep:] if logits_to_keep else normed
+        return SimpleNamespace(logits=self.lm_head(kept))  # [1, kept, Vd]
+
+
+@dataclass(frozen=True)
+class HeadFolder:
+    """What a head's folder says of it (`read_head_config`)."""
+
+    config: LlamaConfig
+    kind: str
+    feature_layers: tuple[int, ...]  # empty: the releases' choice for the target's depth
+    draft_vocab: int
+    target_weights_fingerprint: str  # "" where the folder does not say (a published head)
+    target_width: int  # the target's hidden size (EAGLE-3's `target_hidden_size`; H where unsaid)
+    fc_bias: bool  # EAGLE-1: `"bias": false` drops fc's bias (its LLaMA-3 heads)
+    qkv_bias: bool  # EAGLE-1 heads for Qwen2 targets: q, k and v have biases
+
+
+def read_head_config(folder: Path) -> HeadFolder:
+    """A head folder's config.json: a Llama config with one layer, and the kind from the
+    releases' `architectures` (…Eagle3… is EAGLE-3) or our own `eagle_kind`."""
+    path = folder / HEAD_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{folder} has no {HEAD_CONFIG}: not an EAGLE head folder")
+    raw = json.loads(path.read_text())
+    architectures = " ".join(raw.get("architectures") or [])
+    kind = raw.get("eagle_kind") or (
+        EAGLE3 if "eagle3" in architectures.lower() or "draft_vocab_size" in raw else EAGLE1
+    )
+    own = (*SPECDEC_KEYS, "architectures", "bias", "qkv_bias", "target_hidden_size", "draft_vocab_size")
+    fields = {key: value for key, value in raw.items() if key not in own}
+    fields["num_hidden_layers"] = 1
+    config = LlamaConfig(**fields)
+    config._attn_implementation = "sdpa"
+    draft_vocab = int(raw.get("draft_vocab_size") or config.vocab_size)
+    return HeadFolder(
+        config,
+        kind,
+        tuple(
+            raw.get("eagle_feature_layers")
+            or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            or ()
+        ),
+        draft_vocab,
+        str(raw.get("target_weights_fingerprint") or ""),
+        int(raw.get("target_hidden_size") or config.hidden_size),
+        bool(raw.get("bias", True)),
+        bool(raw.get("qkv_bias", False)),
+    )
+
+
+def read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of a checkpoint folder (safetensors, sharded or not, or a
+    pytorch_model.bin), those it has; reads only them from safetensors files."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in set(names) & set(handle.keys()):
+                found[name] = handle.get_tensor(name)
+    if not files and (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        found = {name: state[name] for name in names if name in state}
+    return found
+
+
+def head_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a head folder's weights (model.safetensors or pytorch_model.bin)."""
+    for name in HEAD_WEIGHTS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder} has none of {', '.join(HEAD_WEIGHTS)}: no head weights to load")
+
+
+@dataclass(frozen=True)
+class LoadedHead:
+    head: EagleHead
+    folder: HeadFolder
+    feature_layers: tuple[int, ...]  # the target's hidden states it reads (specdec.engine.features)
+    head_ids: torch.Tensor | None  # [Vd] ascending target ids of the head's rows (EAGLE-3); None: all V
+
+
+def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtype, device: str) -> LoadedHead:
+    """An EAGLE head from its folder, with the target's embedding and (EAGLE-1) LM head read
+    from the target's folder where the head does not carry them. Published EAGLE-1 and EAGLE-3
+    folders load as they are; a key missing or left over is an error naming it."""
+    folder = read_head_config(head_dir)
+    target_layers = int(target_config.num_hidden_layers)
+    target_vocab = int(target_config.vocab_size)
+    state = {name.removeprefix("model."): tensor for name, tensor in head_state(head_dir).items()}
+    state.pop("t2d", None)  # the membership mask d2t already says
+    d2t = state.pop("d2t", None)
+    head = EagleHead(folder, target_vocab)
+    wanted = []
+    if "embed_tokens.weight" not in state:
+        wanted.append("model.embed_tokens.weight")
+    if folder.kind == EAGLE1 and "lm_head.weight" not in state:
+        wanted.append("lm_head.weight")
+    head_ids = None
+    if folder.kind == EAGLE3:
+        draft_rows = torch.arange(folder.draft_vocab)
+        head_ids = draft_rows if d2t is None else draft_rows + d2t.to(torch.int64)  # [Vd] target ids
+        if bool((head_ids[1:] <= head_ids[:-1]).any()) or int(head_ids[-1]) >= target_vocab:
+            raise ValueError(f"{head_dir}: d2t does not map the draft rows to ascending ids below {target_vocab}")
+        if "lm_head.weight" not in state:
+            wanted.append("lm_head.weight")
+    target = read_tensors(target_dir, wanted) if wanted else {}
+    if "model.embed_tokens.weight" in wanted:
+        if "model.embed_tokens.weight" not in target:
+            raise ValueError(f"{target_dir} has no model.embed_tokens.weight for the head to embed tokens with")
+        state["embed_tokens.weight"] = target["model.embed_tokens.weight"]
+    if "lm_head.weight" in wanted:
+        weight = target.get("lm_head.weight", state["embed_tokens.weight"])  # a tied target: its embedding
+        state["lm_head.weight"] = weight if head_ids is None else weight[head_ids]
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not name.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{head_dir} is not an {folder.kind} head of this shape: missing {sorted(missing)[:6]}, "
+            f"unexpected {sorted(unexpected)[:6]}"
+        )
+    if head.embed_tokens.weight.shape != (target_vocab, folder.config.hidden_size):
+        raise ValueError(
+            f"the head embeds with [{target_vocab}, {folder.config.hidden_size}] rows; "
+            f"{target_dir}'s embedding is {list(head.embed_tokens.weight.shape)}"
+        )
+    head.to(device=device, dtype=dtype).eval()
+    head.requires_grad_(False)
+    if folder.feature_layers:
+        layers = folder.feature_layers
+    else:
+        layers = (target_layers,) if folder.kind == EAGLE1 else eagle3_layers(target_layers)
+    return LoadedHead(head, folder, tuple(layers), head_ids)

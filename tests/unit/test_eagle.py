@@ -1,0 +1,172 @@
+"""EAGLE heads (issue 68) piece by piece: the target's features are transformers' own hidden
+states, the released head layouts load as they are, the coordinator keeps and slices the rows
+it forwards, and the drafter refuses what it cannot read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from coordinator.clients import check_pair
+from coordinator.features import FeatureRows
+from draft_service.config import DraftConfig
+from draft_service.drafter import ProposeCall
+from draft_service.server import load_runner
+from specdec.engine.eagle import EAGLE1, EAGLE3, load_head
+from specdec.engine.modeling import load_causal_lm
+from specdec.errors import InvalidArgument
+from specdec.rpc import wire
+from specdec.sampling.probs import SamplingParams
+from specdec.tools.testing import build_eagle_head
+from specdec.v1 import common_pb2
+from target_service.runner import TargetRunner, VerifyCall
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        EAGLE1: build_eagle_head(root / EAGLE1, tiny_pair.target, EAGLE1),
+        EAGLE3: build_eagle_head(root / EAGLE3, tiny_pair.target, EAGLE3, draft_vocab=40),
+    }
+
+
+def eagle_runner(tiny_pair, head):
+    return load_runner(
+        DraftConfig(
+            model=str(tiny_pair.target),
+            drafter="eagle",
+            draft_head=str(head),
+            calibrate=False,
+            quantize="none",
+            min_confidence=0.0,
+        )
+    )
+
+
+def test_verify_features_are_transformers_hidden_states(target):
+    runner = TargetRunner(target, 4, 60, 4)
+    layers = target.model.config.num_hidden_layers
+    tokens = list(range(5, 30))
+    first = runner.verify_one(
+        VerifyCall("s", 0, tokens[:20], tokens[20:23], torch.zeros(0, 1), GREEDY, 0, feature_layers=(layers, 0, 1))
+    )
+    second = runner.verify_one(
+        VerifyCall("s", 21, tokens[21:24], [9], torch.zeros(0, 1), GREEDY, 0, feature_layers=(layers, 0, 1))
+    )
+    with torch.inference_mode():
+        hidden = target.model(torch.tensor([tokens[:24] + [9]]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[layers][0], hidden[0][0], hidden[1][0]], dim=-1)  # [25, 3H], in the order asked
+    assert first.features.shape == (23, expected.shape[1])
+    torch.testing.assert_close(first.features, expected[:23], atol=1e-5, rtol=1e-5)
+    assert second.features.shape[0] == second.processed_tokens == 4  # positions 21..24
+    torch.testing.assert_close(second.features, expected[21:], atol=1e-5, rtol=1e-5)
+
+
+def test_verify_refuses_feature_layers_it_does_not_have(target):
+    runner = TargetRunner(target, 4, 60, 4)
+    with pytest.raises(InvalidArgument, match="outside"):
+        runner.verify_one(VerifyCall("s", 0, [5, 6], [], torch.zeros(0, 1), GREEDY, 0, feature_layers=(99,)))
+
+
+def test_released_layouts_are_what_the_loader_reads(tiny_pair, heads):
+    """The files as the releases write them (the keys SGLang and vLLM map), and the head loaded from them."""
+    eagle3 = load_file(str(heads[EAGLE3] / "model.safetensors"))
+    width = json.loads((tiny_pair.target / "config.json").read_text())["hidden_size"]
+    assert eagle3["fc.weight"].shape == (width, 3 * width) and "fc.bias" not in eagle3
+    assert eagle3["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * width
+    assert {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight", "d2t", "t2d"} <= set(
+        eagle3
+    )
+    assert eagle3["lm_head.weight"].shape[0] == 40 and "embed_tokens.weight" not in eagle3
+    eagle1 = torch.load(heads[EAGLE1] / "pytorch_model.bin", weights_only=True)
+    assert eagle1["fc.weight"].shape == (width, 2 * width) and "fc.bias" in eagle1
+    assert "layers.0.input_layernorm.weight" not in eagle1 and "layers.0.post_attention_layernorm.weight" in eagle1
+    config = json.loads((tiny_pair.target / "config.json").read_text())
+    loaded = load_head(heads[EAGLE3], tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+    assert torch.equal(loaded.head_ids, torch.arange(40) + eagle3["d2t"])
+    assert loaded.feature_layers == (0, 1, 2)  # eagle_config.eagle_aux_hidden_state_layer_ids
+    assert load_head(heads[EAGLE1], tiny_pair.target, type("C", (), config), torch.float32, "cpu").feature_layers == (
+        2,
+    )
+
+
+def test_a_head_missing_a_weight_is_refused_by_name(tiny_pair, heads, tmp_path):
+    state = load_file(str(heads[EAGLE3] / "model.safetensors"))
+    del state["midlayer.hidden_norm.weight"]
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text((heads[EAGLE3] / "config.json").read_text())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config = json.loads((tiny_pair.target / "config.json").read_text())
+    with pytest.raises(ValueError, match="midlayer.hidden_norm.weight"):
+        load_head(tmp_path, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+
+
+def test_the_coordinator_keeps_committed_rows_and_drops_delivered_ones():
+    rows = torch.arange(12, dtype=torch.float32).view(6, 2)
+    message = wire.features_to_pb(10, rows, torch.float32)  # positions 10..15
+    kept = FeatureRows.committed(message, 14)  # 14 is the committed sequence's last position
+    assert (kept.start, kept.rows) == (10, 4)
+    later = FeatureRows.committed(wire.features_to_pb(13, rows[:3] + 100, torch.float32), 20)
+    joined = kept.then(later)  # position 13 from the later verify
+    start, values = wire.features_from_pb(joined.message())
+    assert start == 10 and values[:, 0].tolist() == [0, 2, 4, 100, 102, 104]
+    assert joined.after(12).start == 12 and joined.after(16) is None and joined.after(3) is joined
+    gap = FeatureRows.committed(wire.features_to_pb(30, rows[:1], torch.float32), 40)
+    assert kept.then(gap) is gap  # one message holds consecutive rows
+
+
+def test_features_on_the_wire_round_trip_in_bfloat16():
+    rows = torch.randn(3, 5)
+    start, back = wire.features_from_pb(wire.features_to_pb(7, rows, torch.bfloat16))
+    assert start == 7 and torch.equal(back, rows.to(torch.bfloat16).float())
+    with pytest.raises(InvalidArgument, match="bytes"):
+        wire.features_from_pb(common_pb2.Features(start=0, rows=2, width=5, dtype="bfloat16", data=b"\0" * 4))
+
+
+def test_the_drafter_refuses_features_it_cannot_read(tiny_pair, heads):
+    runner = eagle_runner(tiny_pair, heads[EAGLE3])
+    call = ProposeCall("s", 0, list(range(5, 15)), 3, GREEDY, 0, features=(0, torch.zeros(4, 7)))
+    with pytest.raises(InvalidArgument, match="wide"):
+        runner.propose_one(call)
+    width = runner.feature_width
+    with pytest.raises(InvalidArgument, match="run past"):
+        runner.propose_one(ProposeCall("t", 0, list(range(5, 15)), 3, GREEDY, 0, features=(8, torch.zeros(4, width))))
+    with pytest.raises(InvalidArgument, match="chains"):
+        runner.propose_one(ProposeCall("u", 0, [5, 6], 0, GREEDY, 0, tree_widths=(2, 1)))
+
+
+def test_slots_drafted_on_predictions_run_again_with_the_targets_features(tiny_pair, heads):
+    runner = eagle_runner(tiny_pair, heads[EAGLE1])
+    width = runner.feature_width
+    proposal = runner.propose_one(ProposeCall("s", 0, list(range(5, 15)), 3, GREEDY, 0))  # no features yet
+    session = runner.sessions.peek("s")
+    assert runner.track_of(session).kv_exact == 1  # slot 0 only: the prompt read zeros
+    sequence = list(range(5, 15)) + proposal.token_ids[:1] + [7]
+    runner.propose_one(ProposeCall("s", 11, [7], 3, GREEDY, 0, features=(0, torch.randn(11, width))))
+    # Slots 1..10 (the prompt's after slot 0, and the kept draft) read zeros or predictions: run again.
+    assert runner.recomputed_tokens == 10 and runner.track_of(session).kv_exact == len(sequence)
+
+
+def test_a_head_made_for_other_target_weights_is_refused():
+    draft = common_pb2.ModelInfo(tokenizer_fingerprint="t", feature_target_fingerprint="a" * 64, model_id="head")
+    target = common_pb2.ModelInfo(tokenizer_fingerprint="t", weights_fingerprint="b" * 64, model_id="target")
+    with pytest.raises(InvalidArgument, match="head made for"):
+        check_pair(draft, target, "t", "draft:1", "target:2")
+    check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", weights_fingerprint="a" * 64), "t", "d", "t")
+
+
+def test_the_eagle_drafter_needs_its_head_folder():
+    assert "--draft-head" in DraftConfig(model="m", drafter="eagle").problem()
+    assert "--draft-head" in DraftConfig(model="m", draft_head="h").problem()
