@@ -70,6 +70,7 @@ class BranchCall:
     replied_ms: float | None = None
     verified_ms: float | None = None
     predraft_full: bool = True  # its pre-draft took k + 1 steps (PredraftDepth.steps)
+    features_end: int = 0  # it carries the request's pending features (coordinator.features) before this position
 
     @property
     def predraft(self) -> BranchPlan | None:
@@ -146,6 +147,8 @@ class Branches:
         # session's next regular call is numbered after these.
         for request in requests:
             request.epoch = next(draft_view.calls)
+            if state.features is not None:  # an EAGLE-style draft's: each branch's session reads them
+                request.features.CopyFrom(state.features.message())
         stats = state.stats
         stats.predrafts += predraft_k > 0
         stats.hedges += sum(plan.hedge is not None for plan in plans)
@@ -157,6 +160,7 @@ class Branches:
         task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
         assert draft_view.replica is not None
         branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending)
+        branch_call.features_end = state.features.end if state.features is not None else 0
 
         def replied(task: asyncio.Future) -> None:
             if not task.cancelled() and task.exception() is None:

@@ -344,6 +344,13 @@ def check_pair(
                 f"target {target.model_id!r}'s tokenizer, {share:.1%} of its {bridge.target_vocab_tokens}; "
                 f"the coordinator asks for at least {min_vocab_overlap:.1%} (a pair this far apart drafts little)"
             )
+    made_for = draft.feature_target_fingerprint
+    if made_for and made_for != target.weights_fingerprint:
+        raise InvalidArgument(
+            f"draft {draft.model_id!r} at {draft_address} is a head made for the target whose weights fingerprint is "
+            f"{made_for[:16]}; target {target.model_id!r} at {target_address} serves {target.weights_fingerprint[:16]} "
+            "(other weights, dtype or quantisation): its features would not be the ones the head learned"
+        )
     if tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(
             f"the coordinator's --tokenizer (fingerprint {tokenizer_fingerprint[:16]}) differs from target "

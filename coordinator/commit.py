@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from coordinator.acceptance import committed_logprobs
+from coordinator.features import FeatureRows
 from coordinator.pair import PairInfo
 from coordinator.rounds import COPY_WAIT_ROUNDS, RequestState, RoundKind, RoundPlan
 from coordinator.state import Round, RoundRecord, Settled, Source
@@ -30,6 +31,7 @@ class RoundResult:
     draft_took_call: bool = False  # the draft answered the round's call: its refusals start over
     draft_refused: bool = False  # it refused the request (RESOURCE_EXHAUSTED): ask again later
     pair: PairInfo | None = None  # the pair as re-read after the draft rejected the call (None: unchanged)
+    features_end: int = 0  # the draft call delivered the request's pending features before this position
 
 
 def ends_request(state: RequestState, result: RoundResult) -> bool:
@@ -71,6 +73,7 @@ def commit_round(
     state.ready = None
     tokens, logprobs = outcome.committed(round_.draft_token_ids), committed_logprobs(outcome, verification)
     steps = _append(state, tokens, logprobs, verification.step_token_ids, max_context)
+    _keep_features(state, result, settled)
     state.round_index += 1 + steps
     if settled is not None:
         _take_branches(state, settled)
@@ -87,6 +90,19 @@ def commit_round(
         state.finished,
         state.text.take_delta(),
     )
+
+
+def _keep_features(state: RequestState, result: RoundResult, settled: Settled | None) -> None:
+    """The target's features of the tokens just committed, for the draft's next call, after
+    dropping those the round's draft call or branch call delivered (coordinator.features)."""
+    delivered = max(result.features_end, settled.features_end if settled is not None else 0)
+    if state.features is not None and delivered:
+        state.features = state.features.after(delivered)
+    if not result.verification.HasField("features"):
+        return
+    rows = FeatureRows.committed(result.verification.features, len(state.sequence) - 1)
+    if rows is not None:
+        state.features = rows if state.features is None else state.features.then(rows)
 
 
 def _observe_choosers(state: RequestState, plan: RoundPlan, round_: Round, outcome: RoundOutcome | TreeOutcome) -> None:

@@ -43,6 +43,7 @@ class Drafted:
     took: bool = False  # the draft answered the round's call: its refusals start over
     refused: bool = False  # it refused the request (RESOURCE_EXHAUSTED): ask again later
     pair: PairInfo | None = None  # re-read after the draft rejected the call (None: unchanged)
+    features_end: int = 0  # the call delivered the request's pending features before this position
 
 
 class DraftSource(Protocol):
@@ -91,6 +92,7 @@ class DraftCall:
                 pair,
                 max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
                 tree_widths=plan.widths,
+                features=state.features.message() if state.features is not None else None,
             )
         except (Unavailable, CallRejected, ResourceExhausted) as exc:
             # Target-only for this round: the same output, only slower. Not only UNAVAILABLE: a
@@ -110,7 +112,11 @@ class DraftCall:
         state.draft_view.replica.breaker.record_success()
         state.stats.draft_compute_ms += proposal.compute_ms
         k = tree_size(plan.widths) or (plan.copy_limit if proposal.copied else plan.k)
-        return Drafted(self.upstream.round_from(proposal, k, state.draft_view.address), took=True)
+        return Drafted(
+            self.upstream.round_from(proposal, k, state.draft_view.address),
+            took=True,
+            features_end=state.features.end if state.features is not None else 0,
+        )
 
 
 def sources(upstream: Upstream) -> dict[RoundKind, DraftSource]:
@@ -175,4 +181,12 @@ class Drafting:
         if call.hedged and outcome.num_accepted < proposed:
             # A rejection: whether a hedge assumed it (the outcome and the plan alone decide, as for K).
             rescued = call.hedge_for(outcome.num_accepted, outcome.next_token_id) is not None
-        return dataclasses.replace(settled, slack_ms=slack, predraft_full=call.predraft_full, rescued=rescued)
+        task = call.task
+        delivered = task.done() and not task.cancelled() and task.exception() is None  # its features too
+        return dataclasses.replace(
+            settled,
+            slack_ms=slack,
+            predraft_full=call.predraft_full,
+            rescued=rescued,
+            features_end=call.features_end if delivered else 0,
+        )

@@ -246,6 +246,7 @@ class Engine:
             job.relaxed if mode is AcceptanceMode.RELAXED else None,
             job.top_logprobs,
             len(job.prompt_ids),
+            pair.feature_layers,
         )
         verify = asyncio.ensure_future(
             self.upstream.verify(state.target_view, state.sequence, fields, state.stats, state.retry_until)
@@ -270,7 +271,10 @@ class Engine:
                 verify.cancel()
         state.stats.target_compute_ms += verification.compute_ms
         outcome = decide(round_, verification, draws.uniforms, mode)
-        return RoundResult(round_, verification, outcome, drafted.took, drafted.refused, drafted.pair), branches
+        result = RoundResult(
+            round_, verification, outcome, drafted.took, drafted.refused, drafted.pair, drafted.features_end
+        )
+        return result, branches
 
     def _close_round(
         self,

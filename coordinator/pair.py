@@ -29,6 +29,8 @@ class PairInfo:
     # A draft with its own tokenizer: the target ids it may propose, one bit each
     # (VocabBridgeInfo.proposable); empty: any id in the vocabulary.
     draft_proposable: bytes = b""
+    # An EAGLE-style draft: the target hidden states each verify returns for it (ModelInfo.feature_layers).
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def draft_vocab_limit(self) -> int:
@@ -65,4 +67,5 @@ def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCo
         trees=draft_info.trees and target_info.trees,
         target_numerics=numerics(target_info.dtype, target_info.quantization),
         draft_proposable=draft_info.vocab_bridge.proposable if draft_info.HasField("vocab_bridge") else b"",
+        feature_layers=tuple(draft_info.feature_layers),
     )

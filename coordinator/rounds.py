@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK, RoundCosts
+from coordinator.features import FeatureRows
 from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
 from coordinator.overlap import Overlap
@@ -140,6 +141,8 @@ class RequestState:
     copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
     predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
     round_index: int = 0  # the clock: rounds committed, a target-only call's steps each counted
+    # An EAGLE-style draft's: the target's features of committed tokens its session has not been sent.
+    features: FeatureRows | None = None
 
     @property
     def pipelined(self) -> bool:

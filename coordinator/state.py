@@ -153,6 +153,7 @@ class Settled:
     rescued: bool | None = None  # a hedged round's rejection: whether a hedge assumed it (None: no rejection)
     slack_ms: float | None = None  # how long before the verify the pre-draft's call replied (PredraftDepth)
     predraft_full: bool = True  # that pre-draft took k + 1 steps (PredraftDepth.steps)
+    features_end: int = 0  # the call delivered the request's pending features before this position
 
 
 @dataclass(frozen=True)

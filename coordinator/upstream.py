@@ -72,13 +72,15 @@ def verify_fields(
     relaxed: RelaxedAcceptance | None = None,
     top_logprobs: int | None = None,
     output_start: int = 0,
+    feature_layers: Sequence[int] = (),
 ) -> dict:
     """A round's VerifyRequest fields but the session's: its drafts, `sampling` and `seed`; a
     target-only call's further steps (`step_seeds`), stopping after a token in
     `stop_token_ids`; `relaxed`: the target also runs the relaxed test on each draft (an
     exact round's call carries nothing of it); `top_logprobs`: the reply carries
     log-probabilities (None: none); `output_start`: the prompt's length, from which penalties
-    count generated tokens."""
+    count generated tokens; `feature_layers`: the reply carries these hidden features (an
+    EAGLE-style draft's, PairInfo.feature_layers)."""
     return {
         "draft_token_ids": round_.draft_token_ids,
         "draft_distributions": round_.distributions,
@@ -91,6 +93,7 @@ def verify_fields(
         "return_logprobs": top_logprobs is not None,
         "top_logprobs": top_logprobs or 0,
         "output_start": output_start,
+        "feature_layers": feature_layers,
     }
 
 
@@ -217,12 +220,14 @@ class Upstream:
         pair: PairInfo,
         max_copied: int | None = None,
         tree_widths: tuple[int, ...] = (),
+        features: common_pb2.Features | None = None,
     ) -> draft_pb2.ProposeResponse:
         """A round's draft call, retried on UNAVAILABLE (a restarting draft, a dropped
         connection) but never on a missed deadline: a slow draft is skipped, not waited for.
         `pair`: the request's snapshot of the pair (the draft's vocabulary width).
         `max_copied`: ProposeRequest.max_copied_tokens for a draft that copies (k may then be
-        0); None leaves it unset. `tree_widths`: propose a tree instead (k 0)."""
+        0); None leaves it unset. `tree_widths`: propose a tree instead (k 0). `features`: the
+        target's features for an EAGLE-style draft (coordinator.features)."""
 
         def send(keep: int, new_tokens: list[int]):
             view.last_epoch = next(view.calls)
@@ -235,6 +240,7 @@ class Upstream:
                 seed=seed,
                 epoch=view.last_epoch,
                 tree_widths=tree_widths,
+                features=features,
                 **view.draft_fields(),
             )
             if max_copied is not None:  # unset means num_tokens

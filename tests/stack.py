@@ -37,12 +37,12 @@ from target_service.runner import TargetRunner
 from target_service.servicer import TargetServicer
 
 
-def model_service_config(cls, model, **overrides):
+def model_service_config(cls, folder, **overrides):
     """The service's declared defaults, with what tests need instead: a free port, no metrics
     server, fewer sessions, no start-up calibration (tested where it is the subject) and no
     confidence stops, so K means K."""
     base = dict(
-        model=str(model),
+        model=str(folder),  # an override's `model` wins (an EAGLE draft reads its target's folder)
         port=0,
         metrics_port=-1,
         max_sessions=64,
