@@ -1,0 +1,44 @@
+"""specdec.tools.train_head on the tiny target: it writes a head folder the drafter loads, with
+the command and seed that made it, and a run stopped and resumed ends where a straight run ends."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from specdec.engine.eagle import EAGLE3, load_head
+from specdec.tools import train_head
+
+
+def run(target, out, corpus, *more: str):
+    args = ["--target", str(target), "--out", str(out), "--corpus", str(corpus), "--windows", "16", "--seq-len", "32"]
+    args += ["--layers", "0", "1", "2", "--draft-vocab", "64", "--intermediate-size", "64", "--target-dtype", "float32"]
+    args += ["--steps", "6", "--save-every", "2", "--seed", "3", *more]
+    return train_head.train(train_head.parse_args(args))
+
+
+def test_a_resumed_run_ends_where_a_straight_one_does_and_the_head_loads(tiny_pair, tmp_path):
+    torch.set_num_threads(1)  # the same sums in the same order, run after run
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index, text in enumerate(
+        ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"]
+    ):
+        (corpus / f"{index}.txt").write_text(text * 60)
+    straight = run(tiny_pair.target, tmp_path / "straight", corpus)
+    shards = sorted((tmp_path / "straight" / "data").glob("shard-*.pt"))
+    run(tiny_pair.target, tmp_path / "resumed", corpus, "--stop-after", "3")
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()  # stopped: no head yet
+    resumed = run(tiny_pair.target, tmp_path / "resumed", corpus, "--resume")
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "d2t", "t2d"} <= set(a)
+    assert "lm_head.weight" not in a and "embed_tokens.weight" not in a  # the target's, read at load
+    config = json.loads((straight / "config.json").read_text())
+    assert config["trained_by"]["seed"] == 3 and "--target" in config["trained_by"]["command"]
+    assert len(shards) == 1
+    head = load_head(straight, tiny_pair.target, AutoConfig.from_pretrained(tiny_pair.target), torch.float32, "cpu")
+    assert head.folder.kind == EAGLE3 and head.feature_layers == (0, 1, 2) and len(head.head_ids) == 64
