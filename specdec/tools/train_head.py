@@ -291,7 +291,8 @@ def train(args) -> Path:
             lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, agreement = ttt_loss(head, target_head, batch, args.steps_ahead)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                loss, agreement = ttt_loss(head, target_head, batch, args.steps_ahead)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 0.5)
@@ -381,6 +382,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bfloat16",
         choices=("float32", "bfloat16"),
         help="the target's dtype for the features",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="train under bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state.pt")
     parser.add_argument(
