@@ -335,17 +335,65 @@ def read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def head_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a head folder's weights (model.safetensors or pytorch_model.bin)."""
-    for name in HEAD_WEIGHTS:
-        path = folder / name
-        if not path.is_file():
-            continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
+    """Every tensor of a head folder's weights: model.safetensors or its shards
+    (model-00001-of-0000N.safetensors ...), or pytorch_model.bin. A weight stored in our
+    compact form (int8 rows, `NAME.int8_scale` beside them: `save_compact`) comes back as
+    float32."""
+    shards = sorted(folder.glob("model*.safetensors"))
+    if shards:
+        from safetensors.torch import load_file
 
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state: dict[str, torch.Tensor] = {}
+        for path in shards:
+            state.update(load_file(str(path)))
+        return _dequantized(state)
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ValueError(f"{folder} has none of {', '.join(HEAD_WEIGHTS)}: no head weights to load")
+
+
+INT8_SCALE = ".int8_scale"
+SHARD_BYTES = 19 << 20  # every file under 20 MB, the limit for a tracked file
+
+
+def _dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name in [name for name in state if name.endswith(INT8_SCALE)]:
+        weight = name.removesuffix(INT8_SCALE)
+        state[weight] = state[weight].float() * state.pop(name).float()[:, None]  # [out, in]
+    return state
+
+
+def save_compact(state: dict[str, torch.Tensor], folder: Path, int8: bool) -> list[Path]:
+    """A head's tensors as safetensors files of at most SHARD_BYTES each: 2-D weights as int8
+    rows with a float16 scale per row (`int8`), or float16; vectors float16; integer and bool
+    tensors as they are."""
+    from safetensors.torch import save_file
+
+    packed: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dim() == 2 and int8:
+            scale = tensor.float().abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
+            packed[name] = torch.round(tensor.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            packed[name + INT8_SCALE] = scale.to(torch.float16)
+        elif tensor.is_floating_point():
+            packed[name] = tensor.to(torch.float16).contiguous()
+        else:
+            packed[name] = tensor.contiguous()
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(packed, key=lambda key: (key.removesuffix(INT8_SCALE), key)):
+        nbytes = packed[name].numel() * packed[name].element_size()
+        if size + nbytes > SHARD_BYTES and groups[-1] and not name.endswith(INT8_SCALE):
+            groups.append({})
+            size = 0
+        groups[-1][name] = packed[name]
+        size += nbytes
+    paths = []
+    for index, group in enumerate(groups, 1):
+        name = "model.safetensors" if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(folder / name))
+        paths.append(folder / name)
+    return paths
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec.engine.eagle import EAGLE3, EagleHead, HeadFolder, eagle3_layers, read_tensors
+from specdec.engine.eagle import EAGLE3, EagleHead, HeadFolder, eagle3_layers, read_tensors, save_compact
 from specdec.engine.features import FeatureTap, decoder_parts
 
 logger = logging.getLogger(__name__)
@@ -214,13 +214,18 @@ def _ttt_mask(length: int, step: int) -> torch.Tensor:
 
 
 def export(
-    head: EagleHead, folder: HeadFolder, head_ids: torch.Tensor, vocab: int, out: Path, trained_by: dict
+    head: EagleHead,
+    folder: HeadFolder,
+    head_ids: torch.Tensor,
+    vocab: int,
+    out: Path,
+    trained_by: dict,
+    int8: bool = False,
 ) -> None:
-    """The head's folder as the loader reads it: config.json and model.safetensors (float16)."""
-    from safetensors.torch import save_file
-
+    """The head's folder as the loader reads it: config.json and safetensors files under 20 MB
+    each (specdec.engine.eagle.save_compact): float16, or int8 rows with their scales."""
     state = {
-        name: tensor.detach().to(torch.float16).contiguous()
+        name: tensor.detach()
         for name, tensor in head.state_dict().items()
         if not name.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))
     }
@@ -228,7 +233,9 @@ def export(
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[head_ids] = True
     state["t2d"] = t2d
-    save_file(state, str(out / "model.safetensors"))
+    for old in out.glob("model*.safetensors"):
+        old.unlink()
+    save_compact(state, out, int8)
     config = folder.config.to_dict()
     for key in ("architectures", "dtype", "torch_dtype", "transformers_version", "_attn_implementation_autoset"):
         config.pop(key, None)
@@ -327,7 +334,7 @@ def train(args) -> Path:
         "top1_agreement_last_batch": [round(a, 3) for a in agreement],
         "finished": time.strftime("%Y-%m-%d"),
     }
-    export(head, folder, head_ids, vocab, out, trained_by)
+    export(head, folder, head_ids, vocab, out, trained_by, int8=args.int8)
     return out
 
 
@@ -385,6 +392,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--bf16", action="store_true", help="train under bfloat16 autocast (faster on CPUs with AVX512-BF16 or AMX)"
+    )
+    parser.add_argument(
+        "--int8", action="store_true", help="save the weights as int8 rows with a scale each (half of float16)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state.pt")
     parser.add_argument(

@@ -170,3 +170,22 @@ def test_a_head_made_for_other_target_weights_is_refused():
 def test_the_eagle_drafter_needs_its_head_folder():
     assert "--draft-head" in DraftConfig(model="m", drafter="eagle").problem()
     assert "--draft-head" in DraftConfig(model="m", draft_head="h").problem()
+
+
+def test_the_compact_form_shards_under_the_file_limit_and_loads_back(tmp_path, monkeypatch):
+    from specdec.engine import eagle
+
+    monkeypatch.setattr(eagle, "SHARD_BYTES", 3000)
+    state = {
+        "fc.weight": torch.randn(40, 48),  # 1,920 bytes as int8
+        "midlayer.mlp.up_proj.weight": torch.randn(40, 48),
+        "norm.weight": torch.rand(32),
+        "d2t": torch.arange(5),
+    }
+    paths = eagle.save_compact(state, tmp_path, int8=True)
+    assert len(paths) > 1 and all(path.stat().st_size < 3000 + 1024 for path in paths)
+    back = eagle.head_state(tmp_path)
+    assert set(back) == set(state) and torch.equal(back["d2t"], state["d2t"])
+    scale = state["fc.weight"].abs().amax(dim=1, keepdim=True) / 127
+    assert ((back["fc.weight"] - state["fc.weight"]).abs() <= scale / 2 + 1e-3).all()  # int8 rounding, per row
+    torch.testing.assert_close(back["norm.weight"].float(), state["norm.weight"], atol=1e-3, rtol=1e-3)
