@@ -1,5 +1,5 @@
 """The EAGLE head against the 0.5B draft and the target alone (issue 68), on the bench's own
-prompts that do not repeat themselves (code and explanation), greedy and sampled:
+prompts whose answers do not copy their prompt (code, chat, prose), greedy and sampled:
 
     python -m bench.eagle --head DIR [--out bench/results/eagle] [--repeats 3] [--max-new-tokens 128]
 
@@ -32,7 +32,7 @@ from specdec.v1 import coordinator_pb2_grpc
 MODELS = ROOT / ".cache" / "models"
 TARGET = MODELS / "qwen2.5-coder-1.5b-instruct"
 DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct"
-KINDS = ("code", "explanation")
+KINDS = ("code", "chat", "prose")  # the bench prompts whose answers do not copy their prompt
 SYSTEMS = {"baseline": ["--drafter", "hybrid"], "eagle": None}  # None: the head's flags
 
 
@@ -139,6 +139,8 @@ def summarise(results: dict) -> dict:
     for kind in KINDS:
         for temperature in sorted({s["temperature"] for s in samples}):
             rows = [s for s in samples if s["kind"] == kind and s["temperature"] == temperature]
+            if not rows:
+                continue
             out[f"{kind} T={temperature}"] = {
                 "0.5B draft / target-only": _ratio(rows, "0.5B draft", "target-only"),
                 "head / target-only": _ratio(rows, "eagle head", "target-only"),
