@@ -65,6 +65,7 @@ class BranchCall:
     task: asyncio.Future  # the ProposeBranches call
     replica: Replica  # the draft replica the call went to, where its forks live
     ending: tuple[str, ...] = ()  # the unused forks of earlier calls that this call ends
+    epoch: int = 0  # the newest call number it sent: its forks, ended, are retired up to it
     # Request times (GenerationStats.elapsed_ms) its reply arrived (None: not yet, or it failed
     # or was cancelled) and the verify it ran beside answered: PredraftDepth's slack.
     replied_ms: float | None = None
@@ -159,7 +160,8 @@ class Branches:
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
         task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
         assert draft_view.replica is not None
-        branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending)
+        epoch = max(request.epoch for request in requests)
+        branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending, epoch)
         branch_call.features_end = state.features.end if state.features is not None else 0
 
         def replied(task: asyncio.Future) -> None:
@@ -413,14 +415,15 @@ class Branches:
             unused.extend(forks)
         else:
             for session_id in forks:
-                self.upstream.end_later(call.replica.client, session_id)
+                self.upstream.end_later(call.replica.client, session_id, epoch=call.epoch)
 
     def end_now(self, session_ids: list[str], draft_view: SessionView) -> None:
         """Ends draft sessions on the request's draft replica by EndSession calls (in the
         background) and empties the list: forks no branch call will carry."""
         if draft_view.replica is not None:
+            client = draft_view.replica.client
             for session_id in session_ids:
-                self.upstream.end_later(draft_view.replica.client, session_id, discard=True)
+                self.upstream.end_later(client, session_id, discard=True, epoch=next(draft_view.calls))
         session_ids.clear()
 
 

@@ -117,12 +117,12 @@ class ServiceClient:
     async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:
         return await self.call(self._stub.Info, common_pb2.InfoRequest(), timeout_s)
 
-    async def end_session(self, session_id: str, discard: bool = False) -> None:
+    async def end_session(self, session_id: str, discard: bool = False, epoch: int = 0) -> None:
         """Best effort: a session that cannot be ended expires by TTL on the service, holding
-        one of its --max-sessions till then. `discard`: its sequence is no request's output
-        (EndSessionRequest.discard)."""
+        one of its --max-sessions till then. `discard`: its sequence is no request's output;
+        `epoch`: the newest call number sent for it (EndSessionRequest)."""
         try:
-            request = common_pb2.EndSessionRequest(session_id=session_id, discard=discard)
+            request = common_pb2.EndSessionRequest(session_id=session_id, discard=discard, epoch=epoch)
             await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
         except SpecDecError as exc:
             logger.warning(

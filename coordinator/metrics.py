@@ -113,6 +113,8 @@ class GenerationStats:
             self.copied_accepted += record.accepted
         for _ in range(record.steps):
             self.record_round(0, 0)
+        if self.sessions_per_round:  # the call's further steps ran at the load its first was costed at
+            self.sessions_per_round += [self.sessions_per_round[-1]] * record.steps
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self._start) * 1e3

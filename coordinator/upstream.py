@@ -196,7 +196,7 @@ class Upstream:
             return False
         if old is not None:
             for session_id in unused_forks or ():
-                self.end_later(old.client, session_id, discard=True)
+                self.end_later(old.client, session_id, discard=True, epoch=next(view.calls))
             old.moves += 1
             self.end_and_release(pool, old, view, discard=True)
             logger.info("%s session %s moves from %s to %s", pool.role, view.session_id, old.address, new.address)
@@ -423,7 +423,8 @@ class Upstream:
             pool.release(replica, reserved)
             return
         pool.release(replica, reserved, ending=True)
-        self.end_later(replica.client, view.session_id, discard, then=lambda: pool.ended(replica, reserved))
+        epoch = next(view.calls)
+        self.end_later(replica.client, view.session_id, discard, lambda: pool.ended(replica, reserved), epoch)
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""
@@ -431,12 +432,19 @@ class Upstream:
             await asyncio.gather(*self._cleanup, return_exceptions=True)
 
     def end_later(
-        self, client: ServiceClient, session_id: str, discard: bool = False, then: Callable[[], None] | None = None
+        self,
+        client: ServiceClient,
+        session_id: str,
+        discard: bool = False,
+        then: Callable[[], None] | None = None,
+        epoch: int = 0,
     ) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request;
         `discard`: its sequence is not the request's output, so the service keeps nothing of it;
-        `then()` once the service has answered (or the call has failed)."""
-        task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard))
+        `then()` once the service has answered (or the call has failed); `epoch`: a number
+        after every call sent for the session, none of which may open it afterwards (a
+        cancelled call still on its way: EndSessionRequest.epoch)."""
+        task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard, epoch))
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
         if then is not None:

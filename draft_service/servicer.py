@@ -155,16 +155,19 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         if self._batcher is None:
             return await self._model_thread.run(self._end_then_propose, ending, calls)
         if ending:
-            await self._model_thread.run_brief(self._end_sessions, ending)
+            await self._model_thread.run_brief(self._end_sessions, ending, _before(calls))
         return await self._batcher.submit_all(calls)
 
     def _end_then_propose(self, ending: list[str], calls: list[ProposeCall]) -> list:
         """On the model thread: ends the sessions the caller is done with, then drafts the branches."""
-        self._end_sessions(ending)
+        self._end_sessions(ending, _before(calls))
         return self._runner.propose_batch(calls)
 
-    def _end_sessions(self, ending: list[str]) -> None:
-        for session_id in ending:  # unused branches: their sequences are no output to learn from
+    def _end_sessions(self, ending: list[str], epoch: int) -> None:
+        """Unused branches of earlier calls, numbered up to `epoch`: their sequences are no
+        output to learn from, and a call of theirs still queued forks nothing."""
+        for session_id in ending:
+            self._runner.sessions.retire(session_id, epoch)
             self._runner.sessions.end(session_id)
 
     async def _propose(self, request: draft_pb2.ProposeRequest):
@@ -177,6 +180,11 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         except asyncio.CancelledError:
             stop.set()  # the client cancelled: stop drafting at the next step
             raise
+
+
+def _before(calls: list[ProposeCall]) -> int:
+    """The newest call number before a ProposeBranches call's own (0: it numbers none)."""
+    return max(0, min(call.epoch for call in calls) - 1)
 
 
 def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:

@@ -176,6 +176,9 @@ class KVSession:
         self.epoch = max(self.epoch, epoch)
 
 
+RETIRED_KEPT = 4096  # ended session ids remembered (SessionStore.retire): about 200 KB
+
+
 class SessionStore:
     """Sessions by id with an idle TTL, a cap on how many are held, and a KV byte budget
     enforced by evicting the least recently used sessions.
@@ -205,6 +208,11 @@ class SessionStore:
         # Finished and idle sessions' prompt blocks; its bytes count in the KV budget and are
         # given up before any live session is evicted.
         self.prefix = prefix
+        # Ended session ids → the newest call number their caller had sent when it ended them
+        # (`retire`), the most recent RETIRED_KEPT: a call so numbered that arrives later opens
+        # nothing (a cancelled branch call still queued behind the EndSession would otherwise
+        # fork a session nobody ends, held till its TTL).
+        self._retired: OrderedDict[str, int] = OrderedDict()
 
     def make_room(
         self,
@@ -328,7 +336,13 @@ class SessionStore:
         self, session_id: str, keep_tokens: int, epoch: int, fork_from: str = "", namespace: str = ""
     ) -> KVSession:
         """The session a numbered Propose call works on: resumed, opened, or forked from
-        `fork_from`; a call older than one already served is refused."""
+        `fork_from`; a call older than one already served, or than the end of its session
+        (`retire`), is refused."""
+        if epoch and epoch <= self._retired.get(session_id, 0):
+            raise StaleRequest(
+                f"session {session_id!r} was ended after call epoch {self._retired[session_id]} was sent; "
+                f"call epoch {epoch} reached the service later and opens nothing"
+            )
         if fork_from:
             session = self.fork(fork_from, session_id, keep_tokens, epoch)
         else:
@@ -403,6 +417,15 @@ class SessionStore:
     def end(self, session_id: str) -> bool:
         """Drops a session and its cache (a failed pass's cache is not to be trusted)."""
         return self._sessions.pop(session_id, None) is not None
+
+    def retire(self, session_id: str, epoch: int) -> None:
+        """Its caller ends the session having sent calls up to `epoch` (0: it numbers none):
+        any of them still on its way is refused (`for_call`), though the session may not be
+        open yet. A later call (a session that moves back to this replica) opens it again."""
+        if epoch:
+            self._retired[session_id] = max(epoch, self._retired.pop(session_id, 0))
+            while len(self._retired) > RETIRED_KEPT:
+                self._retired.popitem(last=False)
 
     def finish(self, session_id: str) -> bool:
         """Ends a session its caller is done with, keeping its prompt blocks in the prefix cache."""

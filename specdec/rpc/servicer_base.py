@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import grpc
 
 from specdec.engine.calls import ModelDescription
+from specdec.engine.sessions import SessionStore
 from specdec.errors import error_fields, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.model_thread import ModelThread
@@ -17,6 +18,8 @@ from specdec.v1 import common_pb2
 
 class SessionRunner(Protocol):
     """What EndSession and Info need of a service's runner (a model runner or a drafter)."""
+
+    sessions: SessionStore
 
     def end_session(self, session_id: str, keep: bool = True) -> bool: ...
 
@@ -33,8 +36,15 @@ class SessionServicerMixin:
     async def EndSession(
         self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EndSessionResponse:
-        existed = await self._model_thread.run_brief(self._runner.end_session, request.session_id, not request.discard)
+        ended = request.session_id, request.discard, request.epoch
+        existed = await self._model_thread.run_brief(self._end_session, *ended)
         return common_pb2.EndSessionResponse(existed=existed)
+
+    def _end_session(self, session_id: str, discard: bool, epoch: int) -> bool:
+        """On the model thread: the session's calls numbered up to `epoch` open nothing from now
+        on (SessionStore.retire), and the session ends."""
+        self._runner.sessions.retire(session_id, epoch)
+        return self._runner.end_session(session_id, not discard)
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:

@@ -17,8 +17,8 @@ from coordinator.overlap import HEDGE_COUNTS
 from specdec.engine.costs import PassCosts
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import draft_pb2, draft_pb2_grpc
 from tests.stack import inprocess_stack, slow_down
 
 MODES = {
@@ -90,7 +90,7 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
     await _until_no_sessions(stack.draft_runner)
 
 
-async def _until_no_sessions(runner, timeout_s: float = 5.0) -> None:
+async def _until_no_sessions(runner, timeout_s: float = 10.0) -> None:
     """Sessions are freed right after each response, without the client waiting: poll."""
     deadline = time.monotonic() + timeout_s
     while len(runner.sessions) and time.monotonic() < deadline:
@@ -213,6 +213,22 @@ async def test_propose_branches_steps_forks_with_their_parent_and_fails_each_bra
                 )
             )
             assert [r.error_code for r in reply.results] == [0] and "h0" not in runner.sessions.ids()
+            # An end that overtakes a cancelled call (EndSession, or a later call's end_session_ids,
+            # before the call that forks) retires the id up to the epoch sent: the late fork opens
+            # nothing, where it would be held till its TTL, and a newer call opens it again.
+            await draft.EndSession(common_pb2.EndSessionRequest(session_id="h2", discard=True, epoch=7))
+            for fork, epoch in (("h0", 3), ("h2", 7), ("h2", 8)):
+                late = draft_pb2.ProposeRequest(
+                    session_id=fork, fork_from="s", keep_tokens=4, new_tokens=[9], num_tokens=1, sampling=sampling
+                )
+                late.epoch = epoch
+                reply = await draft.ProposeBranches(draft_pb2.ProposeBranchesRequest(branches=[late]))
+                opened = epoch == 8
+                assert (reply.results[0].error_code == 0) == opened, reply.results[0].error_message
+                assert (fork in runner.sessions.ids()) == opened
+                if not opened:
+                    assert reply.results[0].error_code == grpc.StatusCode.ABORTED.value[0]
+                    assert "was ended" in reply.results[0].error_message
             for ending in (["s"], [f"e{i}" for i in range(65)]):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await draft.ProposeBranches(

@@ -279,7 +279,9 @@ def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_se
 def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
     request = state(k=0)
     plan = plan_round(request, True, True, target_steps=3)
+    request.stats.sessions_per_round.append(2)  # the load its K was costed at (Choosers.costs_at_load)
     request.stats.observe(commit_round(request, plan, verified(Round(Source.NONE), RoundOutcome(0, 80), [81, 82])))
+    assert request.stats.sessions_per_round == [2, 2, 2], "each step ran at the load the call was costed at"
     assert request.sequence == PROMPT + [80, 81, 82]
     assert request.target_view.synced == len(PROMPT) + 2, "the target fed every token but the last"
     assert (request.stats.rounds, request.stats.k_per_round, request.stats.bonus_tokens) == (3, [0, 0, 0], 3)
