@@ -49,7 +49,7 @@ from coordinator.state import RoundRecord, SessionView
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream, verify_fields
 from specdec.rpc import wire
-from specdec.rpc.telemetry import tracer
+from specdec.rpc.telemetry import traced_span
 from specdec.sampling.relaxed import AcceptanceMode
 from specdec.sampling.seeds import RequestStreams
 from specdec.v1 import common_pb2
@@ -136,7 +136,7 @@ class Engine:
         try:
             while True:
                 attributes = {"specdec.round.index": state.round_index}
-                with tracer.start_as_current_span("round", attributes=attributes) as span:
+                with traced_span("round", attributes=attributes) as span:
                     started = state.stats.elapsed_ms()
                     compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)

@@ -13,7 +13,7 @@ from specdec.errors import InvalidArgument, error_fields, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
-from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
+from specdec.rpc.telemetry import ModelServiceMetrics, context_of, traced_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -64,7 +64,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             yield reply
 
     async def _answer(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        with tracer.start_as_current_span("draft.propose", context=context_of(request.trace_context)) as span:
+        with traced_span("draft.propose", context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.session_id": request.session_id,
@@ -116,7 +116,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         named = {b.session_id for b in request.branches} | {b.fork_from for b in request.branches}
         if clash := next((session for session in ending if session in named), None):
             raise InvalidArgument(f"end_session_ids names {clash!r}, which a branch of the same call uses")
-        with tracer.start_as_current_span("draft.propose_branches", context=context_of(request.trace_context)) as span:
+        with traced_span("draft.propose_branches", context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.branches": len(request.branches),

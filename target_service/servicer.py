@@ -14,7 +14,7 @@ from specdec.errors import InvalidArgument, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
-from specdec.rpc.telemetry import ModelServiceMetrics, context_of, tracer
+from specdec.rpc.telemetry import ModelServiceMetrics, context_of, traced_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, Verification, VerifyCall, joined_features, next_step
 
@@ -79,7 +79,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
-        with tracer.start_as_current_span("target.verify", context=context_of(request.trace_context)) as span:
+        with traced_span("target.verify", context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
                     "specdec.session_id": request.session_id,

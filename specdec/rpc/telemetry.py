@@ -118,11 +118,31 @@ def tracing_on() -> bool:
     return _provider is not None
 
 
-@contextlib.contextmanager
-def client_span(name: str, carrier) -> Iterator[trace.Span]:
+# What `traced_span` and `client_span` give where tracing is off: the no-op span, the context untouched.
+_NO_SPAN: contextlib.AbstractContextManager[trace.Span] = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def traced_span(
+    name: str, context=None, attributes: dict | None = None
+) -> contextlib.AbstractContextManager[trace.Span]:
+    """`tracer.start_as_current_span` where tracing is on. Where it is off, the no-op span
+    without entering it into the context: the API's own no-op spans cost a context switch
+    each, about a tenth of the coordinator's time per round with the table services."""
+    if _provider is None:
+        return _NO_SPAN
+    return tracer.start_as_current_span(name, context=context, attributes=attributes)
+
+
+def client_span(name: str, carrier) -> contextlib.AbstractContextManager[trace.Span]:
     """A client span for one call sent as a stream message, its context written into the
     message's `carrier` map: a message has no metadata of its own, and the service's span for
-    the call continues this one (`context_of`), as it would a unary call's."""
+    the call continues this one (`context_of`), as it would a unary call's. None where tracing
+    is off (`traced_span`)."""
+    return _NO_SPAN if _provider is None else _client_span(name, carrier)
+
+
+@contextlib.contextmanager
+def _client_span(name: str, carrier) -> Iterator[trace.Span]:
     service, _, method = name.lstrip("/").rpartition("/")
     attributes: dict[str, str | bool] = {
         "rpc.system": "grpc",
