@@ -100,15 +100,7 @@ class EagleRunner(DraftRunner):
         track = self.track_of(session)
         start, done, logits = session.cached_tokens, 0, None
         while done < len(token_ids):
-            count = 1
-            while done + count < len(token_ids):
-                position = start + done + count
-                if (
-                    not track.has_target(position - 1)
-                    and len(token_ids) - done - count <= self.max_speculative_tokens + 2
-                ):
-                    break
-                count += 1
+            count = track.runnable(start + done, len(token_ids) - done, self.max_speculative_tokens + 2)
             logits = super().forward(session, token_ids[done : done + count], min(logits_to_keep, count))
             done += count
         assert logits is not None

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig
@@ -35,6 +36,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+R = TypeVar("R", bound=DraftRunner)
 
 
 def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDrafter:
@@ -88,10 +90,7 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
         head_ids = frequent_token_ids(loaded.tokenizer, loaded.vocab_size, config.draft_vocab, loaded.eos_token_ids)
         restrict_output_head(loaded.model, head_ids)
         logger.info("draft output head restricted to %d of %d ids", len(head_ids), loaded.vocab_size)
-    if config.resolved_quantize() == "int8":
-        quantize_int8(loaded.model)
-        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
-        logger.info("draft Linear layers quantised to int8 (per-token activation scales)")
+    loaded = _quantized(config, loaded)
     runner = DraftRunner(
         loaded,
         max_sessions=config.max_sessions,
@@ -107,11 +106,7 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
         **runner_options,
     )
     runner.max_batch_size = config.max_batch_size
-    if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
-        runner.pacer = Pacer(load_profile(config.pass_cost_profile))
-    if config.calibrate:
-        calibrate_costs(runner, keep_all_logits=False)
-    return runner
+    return _paced_and_calibrated(config, runner)
 
 
 def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
@@ -131,9 +126,7 @@ def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
         max_context=info.max_context,
         tokenizer_fingerprint=info.tokenizer_fingerprint,
     )
-    if config.resolved_quantize() == "int8":
-        quantize_int8(loaded.model)
-        loaded = dataclasses.replace(loaded, quantization=INT8_LABEL)
+    loaded = _quantized(config, loaded)
     logger.info(
         "%s head %s for %s: reads the target's hidden states %s; %d draft tokens",
         head.folder.kind,
@@ -152,6 +145,21 @@ def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
         min_confidence=config.min_confidence,
         **runner_options,
     )
+    return _paced_and_calibrated(config, runner)
+
+
+def _quantized(config: DraftConfig, loaded: LoadedModel) -> LoadedModel:
+    """--quantize: the model's Linear layers in int8 where it resolves to int8."""
+    if config.resolved_quantize() != "int8":
+        return loaded
+    quantize_int8(loaded.model)
+    logger.info("draft Linear layers quantised to int8 (per-token activation scales)")
+    return dataclasses.replace(loaded, quantization=INT8_LABEL)
+
+
+def _paced_and_calibrated(config: DraftConfig, runner: R) -> R:
+    """--pass-cost-profile (before calibration, which then measures the emulated passes) and
+    --calibrate, for either model runner."""
     if config.pass_cost_profile:
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:

@@ -86,6 +86,16 @@ class FeatureTrack:
         index = position - self.base
         return position < 0 or 0 <= index < len(self.target) and self.target[index] is not None
 
+    def runnable(self, start: int, tokens: int, short_tail: int) -> int:
+        """How many of `tokens` tokens, from cache slot `start` on, one pass may run: a slot
+        reads the slot before's output unless the target's feature for it is here, except in a
+        long run (more than `short_tail` tokens left: a prompt before its first verify), which
+        reads zeros where it has nothing better, in one pass."""
+        count = 1
+        while count < tokens and (self.has_target(start + count - 1) or tokens - count > short_tail):
+            count += 1
+        return count
+
     def stale_from(self, cached: int) -> int | None:
         """The first cache slot to compute again now that the target's features reached it:
         the first inexact slot, when its input has now come; None when none needs to."""

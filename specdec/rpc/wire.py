@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from specdec.engine.calls import ModelDescription
+from specdec.engine.features import FEATURE_DTYPES
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import (
     PositionLogprobs,
@@ -276,7 +277,7 @@ def _bridge_to_pb(figures) -> common_pb2.VocabBridgeInfo | None:
     )
 
 
-FEATURE_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FEATURE_ITEM_BYTES = {name: dtype.itemsize for name, dtype in FEATURE_DTYPES.items()}
 
 
 def features_to_pb(start: int, rows: torch.Tensor, dtype: torch.dtype) -> common_pb2.Features:
@@ -303,7 +304,7 @@ def features_from_pb(features: common_pb2.Features) -> tuple[int, torch.Tensor]:
     if not features.rows:
         return features.start, torch.empty(0, features.width)
     raw = torch.frombuffer(bytearray(features.data), dtype=torch.int16 if item == 2 else torch.int32)
-    values = raw.view({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[features.dtype])
+    values = raw.view(FEATURE_DTYPES[features.dtype])
     rows = values.float().view(features.rows, features.width)  # [N, F]
     if not bool(torch.isfinite(rows).all()):
         raise InvalidArgument("features hold a NaN or an infinity")

@@ -15,7 +15,7 @@ from coordinator.features import FeatureRows
 from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
 from draft_service.server import load_runner
-from specdec.engine.eagle import EAGLE1, EAGLE3, load_head
+from specdec.engine.eagle import EAGLE1, EAGLE3, FeatureTrack, load_head
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
@@ -157,6 +157,17 @@ def test_slots_drafted_on_predictions_run_again_with_the_targets_features(tiny_p
     runner.propose_one(ProposeCall("s", 11, [7], 3, GREEDY, 0, features=(0, torch.randn(11, width))))
     # Slots 1..10 (the prompt's after slot 0, and the kept draft) read zeros or predictions: run again.
     assert runner.recomputed_tokens == 10 and runner.track_of(session).kv_exact == len(sequence)
+
+
+def test_a_pass_runs_a_slot_after_one_without_the_targets_feature_alone():
+    """FeatureTrack.runnable: tokens whose input is the target's feature (or, in a long run, a
+    prompt's zeros) share a pass; a short tail's slot after one lacking it waits for its output."""
+    track = FeatureTrack(4)
+    track.receive(0, torch.ones(3, 4))  # the target's features of positions 0..2
+    assert track.runnable(0, 3, short_tail=6) == 3
+    assert track.runnable(0, 6, short_tail=6) == 4, "slot 4 reads position 3's, not here yet"
+    assert track.runnable(3, 2, short_tail=6) == 1
+    assert track.runnable(3, 10, short_tail=6) == 4, "a long run reads zeros until its short tail"
 
 
 def test_a_head_made_for_other_target_weights_is_refused():
