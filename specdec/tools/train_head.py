@@ -3,7 +3,11 @@
     python -m specdec.tools.train_head --target DIR --out DIR
 
 1. Text any machine has: the Python standard library's sources and docstrings (or the files
-   under --corpus), cut into windows of --seq-len tokens. Never the benchmark's prompts.
+   under --corpus), cut into windows of --seq-len tokens; and with --conversations N, N prompts
+   written from the library's docstrings (requests to write, explain or use its functions, in
+   the target's chat template, and story openers) followed by the target's own sampled answers
+   (specdec.tools.conversations). Never the benchmark's prompts. --init starts from an earlier
+   head (its weights and draft vocabulary), to train it on more of these.
 2. The target runs over each window once; the hidden states the head will read (the inputs of
    layers 2, L // 2, L - 3) and its final hidden state (whose LM head gives the labels) are kept
    in bfloat16 shards under OUT/data, so a stopped run starts where it was.
@@ -38,8 +42,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec.engine.eagle import EAGLE3, EagleHead, HeadFolder, eagle3_layers, read_tensors, save_compact
+from specdec.engine.eagle import EAGLE3, EagleHead, HeadFolder, eagle3_layers, head_state, read_tensors, save_compact
 from specdec.engine.features import FeatureTap, decoder_parts
+from specdec.tools import conversations
 
 logger = logging.getLogger(__name__)
 SHARD_WINDOWS = 16  # windows per data shard
@@ -77,27 +82,52 @@ def windows(tokenizer, files: list[Path], seq_len: int, count: int, seed: int) -
 
 
 def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
-    """The data shards (OUT/data/shard-N.pt: ids [W, T] int32, features [W, T, 3H] and final
-    hidden states [W, T, H] in bfloat16), making those not yet there."""
+    """The data shards (OUT/data/shard-N.pt from the corpus, then conversations-N.pt from
+    --conversations: ids [W, T] int32, features [W, T, 3H] and final hidden states [W, T, H] in
+    bfloat16), making those not yet there."""
     data = Path(args.out) / "data"
     data.mkdir(parents=True, exist_ok=True)
-    num_layers = len(decoder_parts(target)[1])
     shards = math.ceil(args.windows / SHARD_WINDOWS)
     paths = [data / f"shard-{index:05d}.pt" for index in range(shards)]
+    if any(not path.is_file() for path in paths):
+        stream = windows(tokenizer, corpus_files(args.corpus), args.seq_len, shards * SHARD_WINDOWS, args.seed)
+        batches = [list(batch) for batch in _chunks(stream, SHARD_WINDOWS)]
+        if len(batches) < shards:
+            raise SystemExit(
+                f"the corpus holds {len(batches) * SHARD_WINDOWS} windows of {args.seq_len} tokens; ask fewer"
+            )
+        _features(target, layers, paths, batches)
+    if not args.conversations:
+        return paths
+    texts = conversations.prompts(tokenizer, args.conversations, args.seed)
+    sequences = conversations.answered(
+        target,
+        tokenizer,
+        texts,
+        args.answer_tokens,
+        args.answer_batch,
+        args.answer_temperature,
+        args.seed,
+        Path(args.out) / "conversations.pt",
+    )
+    cut = conversations.cut(sequences, args.seq_len, tokenizer.eos_token_id)
+    batches = [list(batch) for batch in _chunks(iter(cut), SHARD_WINDOWS)]
+    spoken = [data / f"conversations-{index:05d}.pt" for index in range(len(batches))]
+    _features(target, layers, spoken, batches)
+    return paths + spoken
+
+
+def _features(target, layers: tuple[int, ...], paths: list[Path], batches: list[list[list[int]]]) -> None:
+    """The target over each batch of windows whose shard is not there yet, saved to its path."""
     todo = [index for index, path in enumerate(paths) if not path.is_file()]
     if not todo:
-        return paths
-    stream = windows(tokenizer, corpus_files(args.corpus), args.seq_len, shards * SHARD_WINDOWS, args.seed)
-    batches = [list(batch) for batch in _chunks(stream, SHARD_WINDOWS)]
+        return
+    num_layers = len(decoder_parts(target)[1])
     tapped = tuple(dict.fromkeys((*layers, num_layers)))  # the final norm's output may be one of them
     tap = FeatureTap(target, tapped)
     width = target.config.get_text_config().hidden_size
     with tqdm(total=len(todo) * SHARD_WINDOWS, desc="target features", unit="window") as bar:
         for index in todo:
-            if index >= len(batches):
-                raise SystemExit(
-                    f"the corpus holds {len(batches) * SHARD_WINDOWS} windows of {args.seq_len} tokens; ask fewer"
-                )
             ids = torch.tensor(batches[index], dtype=torch.int64)  # [W, T]
             features, final = [], []
             for row in ids:
@@ -110,7 +140,6 @@ def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
             shard = {"ids": ids.to(torch.int32), "features": torch.stack(features), "final": torch.stack(final)}
             torch.save(shard, paths[index].with_suffix(".tmp"))
             paths[index].with_suffix(".tmp").rename(paths[index])
-    return paths
 
 
 def _chunks(stream: Iterator[list[int]], size: int) -> Iterator[list[list[int]]]:
@@ -261,9 +290,18 @@ def train(args) -> Path:
     paths = collect(args, target, tokenizer, layers)
     vocab = target_config.get_text_config().vocab_size
     eos = tuple(token for token in [tokenizer.eos_token_id] if token is not None)
-    head_ids = draft_vocabulary(paths, args.draft_vocab, vocab, eos)
+    init = head_state(Path(args.init)) if args.init else None
+    if init is not None:  # the earlier head's draft vocabulary, so its weights fit
+        head_ids = init.pop("t2d").nonzero().flatten()
+        init.pop("d2t", None)
+    else:
+        head_ids = draft_vocabulary(paths, args.draft_vocab, vocab, eos)
     folder = head_config(target_config, args, layers, len(head_ids))
     head = EagleHead(folder, vocab)
+    if init is not None:
+        missing, unexpected = head.load_state_dict(init, strict=False)
+        if unexpected or any(not name.startswith(("embed_tokens.", "lm_head.")) for name in missing):
+            raise SystemExit(f"--init {args.init}: its weights do not fit this head ({missing=}, {unexpected=})")
     weights = read_tensors(Path(args.target), ["model.embed_tokens.weight", "lm_head.weight"])
     with torch.no_grad():
         head.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
@@ -330,6 +368,7 @@ def train(args) -> Path:
         "seed": args.seed,
         "steps": args.steps,
         "windows": args.windows,
+        "conversations": args.conversations,
         "seq_len": args.seq_len,
         "top1_agreement_last_batch": [round(a, 3) for a in agreement],
         "finished": time.strftime("%Y-%m-%d"),
@@ -395,6 +434,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--int8", action="store_true", help="save the weights as int8 rows with a scale each (half of float16)"
+    )
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="also train on this many prompts written from the standard library, answered by the target",
+    )
+    parser.add_argument("--answer-tokens", type=int, default=192, help="the longest answer the target writes")
+    parser.add_argument("--answer-batch", type=int, default=16, help="prompts the target answers at once")
+    parser.add_argument("--answer-temperature", type=float, default=0.7)
+    parser.add_argument(
+        "--init", default="", help="start from this head folder's weights and draft vocabulary (a fresh optimizer)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state.pt")
     parser.add_argument(

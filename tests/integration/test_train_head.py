@@ -42,3 +42,41 @@ def test_a_resumed_run_ends_where_a_straight_one_does_and_the_head_loads(tiny_pa
     assert len(shards) == 1
     head = load_head(straight, tiny_pair.target, AutoConfig.from_pretrained(tiny_pair.target), torch.float32, "cpu")
     assert head.folder.kind == EAGLE3 and head.feature_layers == (0, 1, 2) and len(head.head_ids) == 64
+
+
+def test_conversations_the_target_answers_join_the_data_and_a_head_starts_from_another(tiny_pair, tmp_path):
+    """--conversations: prompts written from the standard library (chat-formatted) and story
+    openers, each followed by the target's own sampled answer, kept so a second run answers
+    none again; their windows are shards of their own. --init starts from an earlier head's
+    weights and draft vocabulary."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 60)
+    first = run(tiny_pair.target, tmp_path / "first", corpus)
+    talk = ["--conversations", "10", "--answer-tokens", "12", "--answer-batch", "4", "--init", str(first)]
+    second = run(tiny_pair.target, tmp_path / "second", corpus, *talk)
+    answered = torch.load(second / "conversations.pt")
+    assert len(answered) == 10 and all(len(sequence) > 12 for sequence in answered)
+    spoken = sorted((second / "data").glob("conversations-*.pt"))
+    assert spoken and torch.load(spoken[0])["ids"].shape == (16, 32)
+    assert torch.equal(
+        load_file(str(first / "model.safetensors"))["t2d"], load_file(str(second / "model.safetensors"))["t2d"]
+    )
+    saved = (second / "conversations.pt").stat().st_mtime_ns
+    run(tiny_pair.target, tmp_path / "second", corpus, *talk)  # answers and features kept: nothing made again
+    assert (second / "conversations.pt").stat().st_mtime_ns == saved
+
+
+def test_conversation_prompts_are_seeded_and_never_the_benchmarks(tiny_pair):
+    from transformers import AutoTokenizer
+
+    from bench.eagle import prompts as bench_prompts
+    from specdec.tools import conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    made = conversations.prompts(tokenizer, 200, seed=0)
+    assert made == conversations.prompts(tokenizer, 200, seed=0) != conversations.prompts(tokenizer, 200, seed=1)
+    assert sum(text.endswith(", and") for text in made) == 40  # one in five continues a story
+    bench = [prompt["text"] for prompt in bench_prompts()]
+    requests = {text.split("user")[-1][:60] for text in made}
+    assert not any(request in text for text in bench for request in requests)
