@@ -373,6 +373,9 @@ def train(args) -> Path:
         "top1_agreement_last_batch": [round(a, 3) for a in agreement],
         "finished": time.strftime("%Y-%m-%d"),
     }
+    if args.init:  # the head it started from, and how that was made
+        earlier = json.loads((Path(args.init) / "config.json").read_text()).get("trained_by", {})
+        trained_by["init"] = {"folder": args.init, "trained_by": earlier}
     export(head, folder, head_ids, vocab, out, trained_by, int8=args.int8)
     return out
 

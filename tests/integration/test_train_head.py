@@ -62,6 +62,7 @@ def test_conversations_the_target_answers_join_the_data_and_a_head_starts_from_a
     assert torch.equal(
         load_file(str(first / "model.safetensors"))["t2d"], load_file(str(second / "model.safetensors"))["t2d"]
     )
+    assert json.loads((second / "config.json").read_text())["trained_by"]["init"]["trained_by"]["seed"] == 3
     saved = (second / "conversations.pt").stat().st_mtime_ns
     run(tiny_pair.target, tmp_path / "second", corpus, *talk)  # answers and features kept: nothing made again
     assert (second / "conversations.pt").stat().st_mtime_ns == saved
