@@ -43,8 +43,24 @@ from specdec.v1 import coordinator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "bench/profiles"
-PAIRS = {"70b+1b": ("h100-70b-tp4", "h100-1b"), "8b+0.5b": ("h100-8b", "h100-0.5b"), "8b+3b": ("h100-8b", "h100-3b")}
-CELLS = [("70b+1b", 0.6), ("70b+1b", 0.8), ("70b+1b", 0.9), ("8b+0.5b", 0.8), ("8b+3b", 0.8)]
+PAIRS = {
+    "70b+1b": ("h100-70b-tp4", "h100-1b"),
+    "8b+0.5b": ("h100-8b", "h100-0.5b"),
+    "8b+3b": ("h100-8b", "h100-3b"),
+    # EAGLE-3 heads as their own drafts' profiles (issue 68): the step's cost only; the drafts
+    # come from the same synthetic pair at the same α, and the features' bytes are not carried.
+    "70b+eagle3": ("h100-70b-tp4", "h100-70b-eagle3"),
+    "8b+eagle3": ("h100-8b", "h100-8b-eagle3"),
+}
+CELLS = [
+    ("70b+1b", 0.6),
+    ("70b+1b", 0.8),
+    ("70b+1b", 0.9),
+    ("8b+0.5b", 0.8),
+    ("8b+3b", 0.8),
+    ("70b+eagle3", 0.8),
+    ("8b+eagle3", 0.8),
+]
 QUICK_CELLS = [("70b+1b", 0.8)]
 # Coordinator variants: extra flags for `python -m coordinator`.
 COORDINATORS = {
