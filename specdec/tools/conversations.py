@@ -11,16 +11,12 @@ sampled continuation, so the head learns the target's distribution where it will
 from __future__ import annotations
 
 import ast
-import logging
 import random
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-
-logger = logging.getLogger(__name__)
 
 SYSTEMS = (
     "You are a helpful assistant.",
@@ -92,13 +88,12 @@ def _documented(path: Path) -> Iterator[tuple[str, str, str, str]]:
             yield module, name, params, summary
 
 
-def prompts(tokenizer, count: int, seed: int) -> list[str]:
+def prompts(tokenizer, stdlib: list[Path], count: int, seed: int) -> list[str]:
     """`count` prompt texts, seeded: about four in five chat-formatted requests about the
-    standard library, one in five story openers to continue."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo"}
-    files = sorted(path for path in root.rglob("*.py") if not skip.intersection(path.parts))
-    items = [item for path in files for item in _documented(path)]
+    standard library's files `stdlib` (train_head.corpus_files), one in five story openers to
+    continue."""
+    skip = {"test", "tests", "idlelib", "lib2to3", "turtledemo"}
+    items = [item for path in stdlib if not skip.intersection(path.parts) for item in _documented(path)]
     rng = random.Random(seed)
     rng.shuffle(items)
     made: list[str] = []

@@ -99,7 +99,7 @@ def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
         _features(target, layers, paths, batches)
     if not args.conversations:
         return paths
-    texts = conversations.prompts(tokenizer, args.conversations, args.seed)
+    texts = conversations.prompts(tokenizer, corpus_files(""), args.conversations, args.seed)
     sequences = conversations.answered(
         target,
         tokenizer,

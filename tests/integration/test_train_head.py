@@ -75,8 +75,13 @@ def test_conversation_prompts_are_seeded_and_never_the_benchmarks(tiny_pair):
     from specdec.tools import conversations
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
-    made = conversations.prompts(tokenizer, 200, seed=0)
-    assert made == conversations.prompts(tokenizer, 200, seed=0) != conversations.prompts(tokenizer, 200, seed=1)
+    stdlib = train_head.corpus_files("")
+    made = conversations.prompts(tokenizer, stdlib, 200, seed=0)
+    assert (
+        made
+        == conversations.prompts(tokenizer, stdlib, 200, seed=0)
+        != conversations.prompts(tokenizer, stdlib, 200, seed=1)
+    )
     assert sum(text.endswith(", and") for text in made) == 40  # one in five continues a story
     bench = [prompt["text"] for prompt in bench_prompts()]
     requests = {text.split("user")[-1][:60] for text in made}
