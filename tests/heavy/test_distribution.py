@@ -307,8 +307,13 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
     if c.coordinator.get("tree_chooser"):
         assert sum(s.tree_rounds for s in stats) > SAMPLES // 2, "the chooser rarely chose a tree"
     if c.tree:
-        # Every round is a tree but one with no room left for drafts (one token to go).
-        assert all(s.tree_rounds >= s.rounds - 1 for s in stats)
+        # Every round is a tree but one with no room left for drafts (one token to go), and
+        # any the draft could not serve in time (a fallback: one target-only step, exact too;
+        # a loaded CI machine sees a few).
+        odd = [s for s in stats if s.tree_rounds + s.fallback_rounds < s.rounds - 1]
+        assert not odd, [(s.rounds, s.tree_rounds, s.fallback_rounds, s.draft_failures, list(s.k_per_round)) for s in odd[:5]]
+        fallbacks = sum(s.fallback_rounds for s in stats)
+        assert fallbacks < SAMPLES // 20, f"{fallbacks} fallback rounds; the draft barely served trees"
         accepted = sum(s.accepted_tokens for s in stats)
         assert accepted > SAMPLES // 2, f"only {accepted} tree nodes were accepted; the tree path is barely exercised"
     if c.coordinator.get("pipeline"):
