@@ -12,6 +12,13 @@ os.environ.setdefault("SPECDEC_TARGET_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
 # ... and drafts of exactly K (confidence stops have tests of their own).
 os.environ.setdefault("SPECDEC_DRAFT_MIN_CONFIDENCE", "0")
+# The parallel tier's workers (pytest-xdist) share the machine's cores, three on two. Each
+# would run torch with one intra-op thread per core, and OpenMP's idle threads spin after
+# every op of the tiny models: they took cores from the other workers. One thread each, as
+# the services the tests start get already (tests/stack.py): on this 2-core machine eleven
+# χ² cases of test_distribution.py at -n 3 took 130 s instead of 180 s.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from hypothesis import settings
