@@ -311,7 +311,8 @@ async def test_sampled_output_has_target_distribution(word_pair, case):
         # any the draft could not serve in time (a fallback: one target-only step, exact too;
         # a loaded CI machine sees a few).
         odd = [s for s in stats if s.tree_rounds + s.fallback_rounds < s.rounds - 1]
-        assert not odd, [(s.rounds, s.tree_rounds, s.fallback_rounds, s.draft_failures, list(s.k_per_round)) for s in odd[:5]]
+        shown = [(s.rounds, s.tree_rounds, s.fallback_rounds, s.draft_failures, list(s.k_per_round)) for s in odd]
+        assert not odd, f"(rounds, tree rounds, fallbacks, draft failures, K per round): {shown[:5]}"
         fallbacks = sum(s.fallback_rounds for s in stats)
         assert fallbacks < SAMPLES // 20, f"{fallbacks} fallback rounds; the draft barely served trees"
         accepted = sum(s.accepted_tokens for s in stats)
