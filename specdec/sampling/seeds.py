@@ -64,4 +64,8 @@ class RequestStreams:
 
 
 def next_seed(stream: np.random.Generator) -> int:
-    return int(stream.integers(0, SEED_BOUND))
+    """`stream.integers(0, SEED_BOUND)`, the same value from the same draw, at a sixth of the
+    cost (0.27 against 1.6 µs; a round draws three or more): over a range of 2**63, Lemire's
+    method, which numpy's Generator uses, never rejects and returns the top 63 bits of one
+    64-bit draw. tests/unit/test_seeds.py checks the two agree."""
+    return int(stream.bit_generator.random_raw()) >> 1

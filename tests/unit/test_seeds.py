@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from specdec.sampling.seeds import STREAMS, RequestStreams
+from specdec.sampling.seeds import SEED_BOUND, STREAMS, RequestStreams, next_seed
 
 
 def first_draws(streams: RequestStreams) -> dict[str, tuple[float, ...]]:
@@ -48,3 +48,14 @@ def test_each_stream_is_the_seeds_spawned_child_whichever_is_used_first():
         streams = RequestStreams.of(seed)
         used = {name: tuple(getattr(streams, name).random(8)) for name in reversed(STREAMS)}
         assert used == spawned
+
+
+def test_next_seed_is_numpys_integers_over_the_seed_bound():
+    """next_seed reads the bit generator directly; it must give what
+    `Generator.integers(0, SEED_BOUND)` gives, draw for draw, and leave the stream where that
+    leaves it (the seeded outputs of every mode rest on it)."""
+    for seed in range(100):
+        fast, plain = RequestStreams.of(seed), RequestStreams.of(seed)
+        for _ in range(20):
+            assert next_seed(fast.target) == int(plain.target.integers(0, SEED_BOUND))
+        assert fast.target.random() == plain.target.random()
