@@ -247,6 +247,39 @@ class RoundCosts:
             return self.host_tokens_per_ms(k, alpha)
         return expected_tokens(alpha, k) / max(self.round_ms(k, alpha, pipelined, rescue), 1e-9)
 
+    def rates(self, alpha: float, k_max: int, pipelined: bool, rescue: float = 0.0) -> list[float]:
+        """[k_max + 1]: `tokens_per_ms` of every K from 0, the same figures worked out in one
+        pass: the K chooser asks for all of them two or three times a round, and call by call
+        they cost a twentieth of a millisecond a round on the coordinator's event loop."""
+        if self.shared_host and self.target_sessions > 1:
+            return [self.host_tokens_per_ms(k, alpha) for k in range(k_max + 1)]
+        verify, draft, predraft = self._rows(k_max)
+        overlapped = pipelined and self.overlaps
+        guessed = alpha + (1.0 - alpha) * self.guess_share  # round_ms's, for every K
+        rates = []
+        for k in range(k_max + 1):
+            if overlapped and k:
+                miss = 1.0 - alpha**k * guessed - (1.0 - alpha**k) * rescue
+                ms = max(verify[k], predraft[k]) + miss * draft[k]
+            else:
+                ms = verify[k] + draft[k]
+            rates.append(expected_tokens(alpha, k) / max(ms, 1e-9))
+        return rates
+
+    @functools.cached_property
+    def _rows_by_k_max(self) -> dict[int, tuple[list[float], list[float], list[float]]]:
+        return {}
+
+    def _rows(self, k_max: int) -> tuple[list[float], list[float], list[float]]:
+        """[k_max + 1] each, by K: verify_ms(K), draft_ms(K) and predraft_ms(K + 1), kept."""
+        rows = self._rows_by_k_max.get(k_max)
+        if rows is None:
+            ks = range(k_max + 1)
+            verify, draft = [self.verify_ms(k) for k in ks], [self.draft_ms(k) for k in ks]
+            rows = verify, draft, [self.predraft_ms(k + 1) for k in ks]
+            self._rows_by_k_max[k_max] = rows
+        return rows
+
     def host_tokens_per_ms(self, k: int, alpha: float) -> float:
         """Tokens the shared host commits per millisecond while the other sessions step and this
         one drafts K (module docstring): C / S_C at K = 0, else (C − 1 + E(K)) / (S_{C−1} +
@@ -269,7 +302,8 @@ class RoundCosts:
 
 def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0, rescue: float = 0.0) -> int:
     """argmax over K in [k_min, k_max] of expected tokens per millisecond (ties: smaller K)."""
-    return max(range(k_min, k_max + 1), key=lambda k: (costs.tokens_per_ms(k, alpha, pipelined, rescue), -k))
+    rates = costs.rates(alpha, k_max, pipelined, rescue)
+    return max(range(k_min, k_max + 1), key=lambda k: (rates[k], -k))
 
 
 def best_tree(alpha: float, beta: float, costs: RoundCosts, k_max: int) -> tuple[tuple[int, ...], float]:

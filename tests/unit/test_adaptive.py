@@ -4,6 +4,7 @@ costs, K = 0 included; pure functions."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -346,3 +347,27 @@ def test_with_passes_takes_live_costs_of_the_right_length_and_keeps_the_rest():
     # The chooser's K moves with them: a draft step grown to a verify's cost no longer pays.
     assert best_k(0.6, costs, 8, False) > 0
     assert best_k(0.6, costs.with_passes((40.0, 41.0, 42.0), (60.0, 60.0)), 8, False) == 0
+
+
+def test_rates_are_tokens_per_ms_of_every_k_to_the_bit():
+    """RoundCosts.rates works out every K's rate in one pass for the chooser; each must be
+    exactly what tokens_per_ms gives (the chooser's picks, and so seeded outputs, rest on
+    them): alone and loaded, pipelined or not, with hedges and guesses, on a shared host."""
+    rng = random.Random(0)
+    for _ in range(300):
+        costs = RoundCosts(
+            tuple(sorted(rng.uniform(0.5, 30) for _ in range(9))),
+            tuple(sorted(rng.uniform(5, 80) for _ in range(9))),
+            draft_rpc_ms=rng.choice([0.0, 0.7]),
+            target_rpc_ms=rng.choice([0.0, 1.1]),
+            draft_sessions=rng.choice([1, 3]),
+            target_sessions=rng.choice([1, 4]),
+            shared_host=rng.random() < 0.3,
+            branch_rows=rng.choice([1, 3]),
+            guess_share=rng.choice([0.0, 0.3]),
+        )
+        for alpha in (0.0, 0.31, 0.77, 0.999, 1.0):
+            for pipelined in (False, True):
+                rescue, k_max = rng.choice([0.0, 0.4]), rng.choice([0, 1, 4, 8])
+                expected = [costs.tokens_per_ms(k, alpha, pipelined, rescue) for k in range(k_max + 1)]
+                assert costs.rates(alpha, k_max, pipelined, rescue) == expected
