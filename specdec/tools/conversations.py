@@ -11,6 +11,7 @@ sampled continuation, so the head learns the target's distribution where it will
 from __future__ import annotations
 
 import ast
+import functools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +68,15 @@ PLACES = (
 )
 
 
-def _documented(path: Path) -> Iterator[tuple[str, str, str, str]]:
+@functools.lru_cache(maxsize=None)
+def _documented(path: Path) -> tuple[tuple[str, str, str, str], ...]:
     """(module, name, params, summary) of a stdlib file's public functions with a one-line
-    summary; name and params are "" for the module's own docstring."""
+    summary; name and params are "" for the module's own docstring. Kept: parsing the whole
+    standard library takes seconds, and its files do not change under a running process."""
+    return tuple(_summaries(path))
+
+
+def _summaries(path: Path) -> Iterator[tuple[str, str, str, str]]:
     module = path.with_suffix("").name
     try:
         tree = ast.parse(path.read_text(errors="replace"))
