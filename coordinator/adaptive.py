@@ -231,8 +231,9 @@ class RoundCosts:
         Pipelined rounds overlap only for a session alone on its target (`overlaps`)."""
         if pipelined and k and self.overlaps:
             guessed = alpha + (1.0 - alpha) * self.guess_share  # the bonus token among the guesses
-            miss = 1.0 - alpha**k * guessed - (1.0 - alpha**k) * rescue
-            return max(self.verify_ms(k), self.predraft_ms(k + 1)) + miss * self.draft_ms(k)
+            return overlapped_ms(
+                self.verify_ms(k), self.predraft_ms(k + 1), self.draft_ms(k), alpha, k, guessed, rescue
+            )
         return self.verify_ms(k) + self.draft_ms(k)
 
     @property
@@ -259,8 +260,7 @@ class RoundCosts:
         rates = []
         for k in range(k_max + 1):
             if overlapped and k:
-                miss = 1.0 - alpha**k * guessed - (1.0 - alpha**k) * rescue
-                ms = max(verify[k], predraft[k]) + miss * draft[k]
+                ms = overlapped_ms(verify[k], predraft[k], draft[k], alpha, k, guessed, rescue)
             else:
                 ms = verify[k] + draft[k]
             rates.append(expected_tokens(alpha, k) / max(ms, 1e-9))
@@ -298,6 +298,17 @@ class RoundCosts:
         the root and width · depth nodes."""
         draft = self.draft_rpc_ms + cost_at(self.draft_pass_ms, 1) + (depth - 1) * cost_at(self.draft_pass_ms, width)
         return draft + self.target_rpc_ms + cost_at(self.target_pass_ms, width * depth + 1)
+
+
+def overlapped_ms(
+    verify_ms: float, predraft_ms: float, draft_ms: float, alpha: float, k: int, guessed: float, rescue: float
+) -> float:
+    """A pipelined round alone on its target (RoundCosts.round_ms): the verify and the next
+    round's pre-draft side by side, and a fresh draft where the pre-draft is not kept: not
+    every draft accepted with the bonus token among the guesses, nor a rejection a hedge
+    assumed (`guessed`: that chance for the bonus token; `rescue`: for a rejection)."""
+    miss = 1.0 - alpha**k * guessed - (1.0 - alpha**k) * rescue
+    return max(verify_ms, predraft_ms) + miss * draft_ms
 
 
 def best_k(alpha: float, costs: RoundCosts, k_max: int, pipelined: bool, k_min: int = 0, rescue: float = 0.0) -> int:
