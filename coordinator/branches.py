@@ -90,9 +90,8 @@ class BranchCall:
         """The fork that assumed exactly this rejection: draft `num_accepted` rejected and
         `next_token_id` recovered."""
         assumed = (num_accepted, next_token_id)
-        return next(
-            (b for b in self.forks if b.hedge and (b.hedge.position, b.hedge.recovered_token_id) == assumed), None
-        )
+        hedges = (b for b in self.forks if b.hedge and (b.hedge.position, b.hedge.recovered_token_id) == assumed)
+        return next(hedges, None)
 
     def cancel(self) -> None:
         """Cancels the RPC (the draft stops every branch at its next step); a reply that
@@ -150,11 +149,17 @@ class Branches:
             request.epoch = next(draft_view.calls)
             if state.features is not None:  # an EAGLE-style draft's: each branch's session reads them
                 request.features.CopyFrom(state.features.message())
-        stats = state.stats
-        stats.predrafts += predraft_k > 0
-        stats.hedges += sum(plan.hedge is not None for plan in plans)
-        # Earlier rounds' unused forks end in this call, not in an EndSession call each.
-        self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :], draft_view)  # any more: EndSession calls
+        state.stats.predrafts += predraft_k > 0
+        state.stats.hedges += sum(plan.hedge is not None for plan in plans)
+        return self._call(state, plans, requests)
+
+    def _call(
+        self, state: RequestState, plans: list[BranchPlan], requests: list[draft_pb2.ProposeRequest]
+    ) -> BranchCall:
+        """Sends the branches' one ProposeBranches call; the reply's time is kept on the call."""
+        draft_view, stats = state.draft_view, state.stats
+        # Earlier rounds' unused forks end in this call (any past the first few: EndSession calls).
+        self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :], draft_view)
         ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
         state.unused_forks[:] = ending
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)

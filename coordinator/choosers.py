@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK, RoundCosts
+from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.config import CoordinatorConfig
 from coordinator.overlap import Overlap, choose_overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
+from coordinator.round_costs import RoundCosts
 from coordinator.rounds import RequestState, RoundRules
 
 logger = logging.getLogger(__name__)

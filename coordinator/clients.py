@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from typing import Any, TypeVar
@@ -35,6 +36,32 @@ T = TypeVar("T")
 # gRPC's default reconnect backoff grows to 120 s, so a service that restarts after a long
 # outage would stay unused for minutes; retry the connection at least every 2 s instead.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+async def retry_unavailable(
+    call: Callable[[], Awaitable[T]],
+    give_up: Callable[[int], bool],
+    backoff_s: float,
+    on_failure: Callable[[], bool] | None = None,
+) -> T:
+    """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s; a random half
+    to all of it, so coordinators that lost a target together do not retry it in step) each
+    time it raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never
+    retried.
+    `on_failure()` runs after each failure that is retried; True: the next try goes elsewhere
+    (another replica), at once. A plain loop: it runs on every round, where a retry
+    library's per-call set-up cost a tenth of the coordinator's own time per round."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return await call()
+        except Unavailable as exc:
+            if isinstance(exc, DeadlineExceeded) or give_up(attempts):
+                raise
+        if on_failure is not None and on_failure():
+            continue
+        await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0) * (0.5 + 0.5 * random.random()))
 
 
 class CallRejected(SpecDecError):

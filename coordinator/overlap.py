@@ -42,7 +42,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from coordinator.adaptive import DEFAULT_RESCUE_PRIOR, RoundCosts
+from coordinator.adaptive import DEFAULT_RESCUE_PRIOR
+from coordinator.round_costs import RoundCosts
 
 # Given a disagreement, the chance that the target's token is the draft's r-th likeliest other one.
 RUNNER_UP_SHARES = (0.5, 0.25, 0.125, 0.0625)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.adaptive import RoundCosts
 from coordinator.config import CoordinatorConfig
+from coordinator.round_costs import RoundCosts
 from specdec.engine.calls import numerics
 
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from coordinator.adaptive import AdaptiveK, RoundCosts
+from coordinator.adaptive import AdaptiveK
 from coordinator.features import FeatureRows
 from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
 from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
+from coordinator.round_costs import RoundCosts
 from coordinator.state import DraftRefusals, Round, SessionView
 from coordinator.text import TextAssembler
 from specdec.sampling.seeds import RequestStreams, next_seed

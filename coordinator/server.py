@@ -10,7 +10,6 @@ from pathlib import PurePath
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from coordinator.adaptive import BatchCosts, RoundCosts
 from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair, shared_share
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.engine import Engine
@@ -19,6 +18,7 @@ from coordinator.openai_api import start_http
 from coordinator.pair import PairInfo, pair_info
 from coordinator.pools import Pool
 from coordinator.requests import longest_token_bytes, request_limit_bytes
+from coordinator.round_costs import BatchCosts, RoundCosts
 from coordinator.rounds import DEFAULT_RULES, RoundRules
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.engine.calls import numerics

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import TypeVar, cast
+from typing import cast
 
 from opentelemetry import trace
 
-from coordinator.clients import CallRejected, DraftClient, ServiceClient, TargetClient, check_pair
+from coordinator.clients import CallRejected, DraftClient, ServiceClient, TargetClient, check_pair, retry_unavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo, pair_info
@@ -26,33 +25,6 @@ from specdec.sampling.relaxed import RelaxedAcceptance
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-async def retry_unavailable(
-    call: Callable[[], Awaitable[T]],
-    give_up: Callable[[int], bool],
-    backoff_s: float,
-    on_failure: Callable[[], bool] | None = None,
-) -> T:
-    """Awaits `call()`, again after backoff_s · 2^(n−1) seconds (at most 1 s; a random half
-    to all of it, so coordinators that lost a target together do not retry it in step) each
-    time it raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never
-    retried.
-    `on_failure()` runs after each failure that is retried; True: the next try goes elsewhere
-    (another replica), at once. A plain loop: it runs on every round, where a retry
-    library's per-call set-up cost a tenth of the coordinator's own time per round."""
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            return await call()
-        except Unavailable as exc:
-            if isinstance(exc, DeadlineExceeded) or give_up(attempts):
-                raise
-        if on_failure is not None and on_failure():
-            continue
-        await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0) * (0.5 + 0.5 * random.random()))
 
 
 # A draft call that fails UNAVAILABLE is tried once more, 50 ms later, before its round runs

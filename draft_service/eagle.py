@@ -18,7 +18,8 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.engine.calls import ModelDescription
-from specdec.engine.eagle import EagleHead, FeatureTrack, LoadedHead
+from specdec.engine.eagle import EagleHead, LoadedHead
+from specdec.engine.features import FeatureTrack
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
 

@@ -16,10 +16,11 @@ from draft_service.drafter import Proposal, ProposeCall, check_confidence, stops
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from draft_service.vocab_bridge import VocabBridge
 from specdec.engine.calls import ModelDescription, Stopwatch
+from specdec.engine.kv import batchable_cache
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sessions import KVSession, batchable_cache
+from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling.probs import logits_to_probs, one_hot_at, sample, top_k_with_support
 

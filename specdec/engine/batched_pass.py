@@ -15,8 +15,8 @@ from specdec.engine.batching import hand_back, padded_cache
 from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
-from specdec.engine.sessions import CachedTree, KVSession, SessionStore
-from specdec.engine.tree_pass import tree_attention_mask, tree_position_ids
+from specdec.engine.sessions import KVSession, SessionStore
+from specdec.engine.tree_pass import CachedTree, tree_attention_mask, tree_position_ids
 from specdec.sampling.tree_sampling import ancestors
 
 

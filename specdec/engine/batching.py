@@ -41,7 +41,7 @@ def padded_cache(sessions: list[KVSession], past: list[int], max_past: int, conf
                 keys[row, :, max_past - length :] = layer.keys[0]
                 values[row, :, max_past - length :] = layer.values[0]
         layers.append((keys, values))
-    return plain_cache(layers)  # plain layers (sessions.batchable_cache), holding the new tensors
+    return plain_cache(layers)  # plain layers (kv.batchable_cache), holding the new tensors
 
 
 def row_cache(cache: DynamicCache, row: int, start: int, end: int) -> DynamicCache:

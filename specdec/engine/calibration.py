@@ -10,8 +10,9 @@ import torch
 
 from specdec.engine.batched_pass import padded_pass
 from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, batch_grid, calibrate, fastest
+from specdec.engine.kv import batchable_cache, cache_prefix
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sessions import KVSession, batchable_cache, cache_prefix
+from specdec.engine.sessions import KVSession
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,13 @@ from specdec.engine.costs import (
     PassCosts,
 )
 from specdec.engine.fingerprint import served_weights
+from specdec.engine.kv import batchable_cache
 from specdec.engine.kv_pool import KVPool, kv_geometry, pool_bytes
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
-from specdec.engine.sessions import CachedTree, KVSession, SessionStore, batchable_cache
-from specdec.engine.tree_pass import tree_forward
+from specdec.engine.sessions import KVSession, SessionStore
+from specdec.engine.tree_pass import CachedTree, tree_forward
 from specdec.errors import ModelOutputError
 
 # A per-token exact runner's longest pass over tokens it only needs the last logits of (a

@@ -7,58 +7,25 @@ its cache to that prefix and hands back only the tokens the model has not seen y
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from specdec.engine.kv import plain_cache
+from specdec.engine.kv import cache_prefix
 from specdec.engine.kv_pool import PoolCache, PoolFull
 from specdec.engine.prefix_cache import PrefixCache
-from specdec.engine.tree_pass import keep_tree_path
+from specdec.engine.tree_pass import CachedTree, keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
 
 if TYPE_CHECKING:
-    from specdec.engine.eagle import FeatureTrack
+    from specdec.engine.features import FeatureTrack
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CachedTree:
-    """Token-tree nodes a pass left in a session's cache behind its sequence (a tree verify,
-    or the levels a tree proposal ran). The next call keeps those on the path its new tokens
-    spell out, so a round that accepted a branch runs none of it again."""
-
-    start: int  # the session's sequence length; node i's entry sits at start + i − 1
-    token_ids: tuple[int, ...]  # [N]
-    parents: tuple[int, ...]  # [N]
-    cached_nodes: int  # nodes 1..M are in the cache
-
-    def path(self, tokens: list[int]) -> list[int]:
-        """The cached nodes whose root-to-node tokens are a prefix of `tokens`. Siblings with
-        the same token (i.i.d. children) have the same entries, so the first one serves."""
-        node, path = 0, []
-        for token in tokens:
-            child = next(
-                (
-                    c
-                    for c in range(node + 1, self.cached_nodes + 1)
-                    if self.parents[c - 1] == node and self.token_ids[c - 1] == token
-                ),
-                None,
-            )
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        return path
 
 
 @dataclass
@@ -85,7 +52,7 @@ class KVSession:
     # has not taken (ModelInfo.fork_sessions).
     forked: bool = False
     # An EAGLE head's session: the target's features and the head's predictions by position
-    # (specdec.engine.eagle.FeatureTrack); None for every other model.
+    # (specdec.engine.features.FeatureTrack); None for every other model.
     features: FeatureTrack | None = None
 
     def model_cache(self) -> Cache:
@@ -452,37 +419,3 @@ class SessionStore:
 def check_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidArgument("session_id is empty; pass a unique id per generation")
-
-
-@torch.inference_mode()  # the cache's tensors are inference tensors
-def cache_prefix(cache: Cache, tokens: int) -> Cache:
-    """A cache of its own holding the first `tokens` entries of `cache` (all, if it has fewer).
-
-    Plain full-attention layers (`batchable_cache`) hold views of that slice, per layer
-    [1, H, P, D] → [1, H, tokens, D]: no copy, as no cache writes into another's entries
-    (specdec.engine.kv.plain_cache), and the fork's first pass concatenates them into tensors
-    of its own. Any other kind (sliding windows, quantised, offloaded) is deep-copied and
-    cropped. That is what makes a fork cheap: a deep copy walks every object of the cache and
-    copies the entries the crop then drops."""
-    if isinstance(cache, PoolCache):
-        return cache.fork(tokens)  # a copy into an extent of its own (PoolFull if none is free)
-    layers: list[Any] = cache.layers  # checked below: plain DynamicLayers, or deep-copied
-    if batchable_cache(cache) and all(layer.is_initialized for layer in layers):
-        return plain_cache((layer.keys[..., :tokens, :], layer.values[..., :tokens, :]) for layer in layers)
-    copied = copy.deepcopy(cache)
-    surplus = copied.get_seq_length() - tokens
-    if surplus > 0:
-        copied.crop(-surplus)
-    return copied
-
-
-def batchable_cache(cache: Cache | None) -> bool:
-    """Only plain full-attention layers can be padded and split again (not sliding windows,
-    quantised or offloaded caches)."""
-    if isinstance(cache, PoolCache):
-        return True
-    return (
-        isinstance(cache, DynamicCache)
-        and not getattr(cache, "offloading", False)
-        and all(type(layer) is DynamicLayer for layer in cache.layers)
-    )

@@ -20,6 +20,7 @@ contiguous), so the cache is again exactly that of the committed sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -27,6 +28,37 @@ from transformers.cache_utils import Cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import with_cache
 from specdec.sampling.tree_sampling import ancestors
+
+
+@dataclass(frozen=True)
+class CachedTree:
+    """Token-tree nodes a pass left in a session's cache behind its sequence (a tree verify,
+    or the levels a tree proposal ran). The next call keeps those on the path its new tokens
+    spell out, so a round that accepted a branch runs none of it again."""
+
+    start: int  # the session's sequence length; node i's entry sits at start + i − 1
+    token_ids: tuple[int, ...]  # [N]
+    parents: tuple[int, ...]  # [N]
+    cached_nodes: int  # nodes 1..M are in the cache
+
+    def path(self, tokens: list[int]) -> list[int]:
+        """The cached nodes whose root-to-node tokens are a prefix of `tokens`. Siblings with
+        the same token (i.i.d. children) have the same entries, so the first one serves."""
+        node, path = 0, []
+        for token in tokens:
+            child = next(
+                (
+                    c
+                    for c in range(node + 1, self.cached_nodes + 1)
+                    if self.parents[c - 1] == node and self.token_ids[c - 1] == token
+                ),
+                None,
+            )
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
 
 
 def tree_attention_mask(

@@ -97,7 +97,7 @@ def _summaries(path: Path) -> Iterator[tuple[str, str, str, str]]:
 
 def prompts(tokenizer, stdlib: list[Path], count: int, seed: int) -> list[str]:
     """`count` prompt texts, seeded: about four in five chat-formatted requests about the
-    standard library's files `stdlib` (train_head.corpus_files), one in five story openers to
+    standard library's files `stdlib` (head_data.corpus_files), one in five story openers to
     continue."""
     skip = {"test", "tests", "idlelib", "lib2to3", "turtledemo"}
     items = [item for path in stdlib if not skip.intersection(path.parts) for item in _documented(path)]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from draft_service import stepping
-from specdec.engine.eagle import EAGLE1, EAGLE3, FeatureTrack
+from specdec.engine.eagle import EAGLE1, EAGLE3
+from specdec.engine.features import FeatureTrack
 from specdec.tools.testing import build_eagle_head
 from tests.heavy.test_distribution import (
     LOCAL_BATCH,

@@ -72,10 +72,10 @@ def test_conversation_prompts_are_seeded_and_never_the_benchmarks(tiny_pair):
     from transformers import AutoTokenizer
 
     from bench.eagle import prompts as bench_prompts
-    from specdec.tools import conversations
+    from specdec.tools import conversations, head_data
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
-    stdlib = train_head.corpus_files("")
+    stdlib = head_data.corpus_files("")
     made = conversations.prompts(tokenizer, stdlib, 200, seed=0)
     assert (
         made

@@ -8,15 +8,8 @@ import random
 
 import pytest
 
-from coordinator.adaptive import (
-    LOAD_GAIN,
-    AdaptiveK,
-    BatchCosts,
-    RoundCosts,
-    best_k,
-    expected_tokens,
-    expected_tree_tokens,
-)
+from coordinator.adaptive import LOAD_GAIN, AdaptiveK
+from coordinator.round_costs import BatchCosts, RoundCosts, best_k, expected_tokens, expected_tree_tokens
 
 # Shapes of the cost curves measured on real machines (ms per pass over 1..9 new tokens).
 FLAT_TARGET = tuple(150.0 + 5.0 * n for n in range(9))  # int8 1.5B on 2 AVX2 cores: ~flat to 5

@@ -15,7 +15,8 @@ from coordinator.features import FeatureRows
 from draft_service.config import DraftConfig
 from draft_service.drafter import ProposeCall
 from draft_service.server import load_runner
-from specdec.engine.eagle import EAGLE1, EAGLE3, FeatureTrack, load_head
+from specdec.engine.eagle import EAGLE1, EAGLE3, load_head
+from specdec.engine.features import FeatureTrack
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdec.engine.kv import plain_cache
-from specdec.engine.sessions import cache_prefix
+from specdec.engine.kv import cache_prefix, plain_cache
 from specdec.engine.tree_pass import keep_tree_path
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import DEFAULT_RESCUE_PRIOR, BatchCosts, RoundCosts
+from coordinator.adaptive import DEFAULT_RESCUE_PRIOR
 from coordinator.overlap import RUNNER_UP_SHARES, Overlap, best_rate, choose_overlap, rescue_share
+from coordinator.round_costs import BatchCosts, RoundCosts
 
 KS = tuple(range(1, 9))
 AUTO = (None, None, None)

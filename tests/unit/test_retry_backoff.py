@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator import upstream
-from coordinator.upstream import retry_unavailable
+from coordinator.clients import retry_unavailable
 from specdec.errors import DeadlineExceeded, Unavailable
 
 

@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, BatchCosts, RoundCosts
+from coordinator.adaptive import AdaptiveK
 from coordinator.commit import RoundResult, commit_round
 from coordinator.metrics import GenerationStats
 from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
+from coordinator.round_costs import BatchCosts, RoundCosts
 from coordinator.rounds import (
     COPY_WAIT_ROUNDS,
     RequestState,

@@ -12,8 +12,8 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from specdec.engine import attention
 from specdec.engine.modeling import with_cache
 from specdec.engine.quantize import quantize_int8
-from specdec.engine.sessions import CachedTree, KVSession
-from specdec.engine.tree_pass import keep_tree_path, tree_forward
+from specdec.engine.sessions import KVSession
+from specdec.engine.tree_pass import CachedTree, keep_tree_path, tree_forward
 from specdec.sampling.tree_sampling import ancestors
 
 PROMPT = [3, 7, 11, 5, 2]
