@@ -289,12 +289,15 @@ async def test_a_sampled_stop_commits_exactly_the_tokens_up_to_it(stack, tiny_pa
 async def test_sampled_eos_is_the_last_token_committed(stack, tiny_pair, k):
     """A round that accepts EOS mid-way commits nothing after it, sampled as greedy."""
     ended = 0
-    # A flat distribution (temperature 2) reaches EOS in some of them; run together, so
-    # they share passes.
+    # A flat distribution (temperature 2) reaches EOS in few runs: 4 of seeds 0-59 at K = 0 and
+    # 5 at K = 4 (the seeds listed first), run here with 3 that do not; run together, so they
+    # share passes. A seeded run's tokens are its own, whatever runs beside it; the bound below
+    # leaves room for a CPU whose rounding moves a draw.
+    seeds = (0, 19, 31, 44, 2, 3, 13, 25, 37, 1, 4, 5)
     responses = await asyncio.gather(
         *(
             generate(stack, prompt=PROMPTS[1], max_new_tokens=64, num_speculative_tokens=k, temperature=2.0, seed=seed)
-            for seed in range(60)
+            for seed in seeds
         )
     )
     for response in responses:
@@ -305,4 +308,4 @@ async def test_sampled_eos_is_the_last_token_committed(stack, tiny_pair, k):
             assert response.stats.generated_tokens == len(ids)
         else:
             assert tiny_pair.eos_token_id not in ids
-    assert ended >= 3, f"only {ended} of 60 sampled generations ended at EOS; the test needs more"
+    assert ended >= 3, f"only {ended} of {len(seeds)} sampled generations ended at EOS; the test needs more"
