@@ -28,7 +28,7 @@ from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, pena
 from specdec.v1 import coordinator_pb2 as pb
 from target_service import runner as target_runner_module
 from tests.stack import inprocess_stack, local_stack
-from tests.stats import P_VALUE_FLOOR, chi_square_p_value
+from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value
 
 PROMPT = [3, 7]
 LENGTH = 3
@@ -363,7 +363,7 @@ async def test_tree_distribution_test_detects_siblings_tried_against_the_target_
         samples = await sample_continuations(
             stack.stub, params, range(SAMPLES), k=None, concurrency=LOCAL_CONCURRENCY, tree=(3, 1)
         )
-    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+    assert chi_square_p_value(samples, expected) < MUTANT_P_VALUE
 
 
 async def two_token_p_value(word_pair, params: SamplingParams) -> float:
@@ -382,7 +382,7 @@ async def test_distribution_test_detects_a_target_that_samples_without_its_logit
     """Mutant for the logit_bias case: the target biases nothing (its argmax and its rows
     alike), so the banned token comes back and the χ² test must fail."""
     monkeypatch.setattr(target_runner_module, "biased", lambda logits, params: logits)
-    assert await two_token_p_value(word_pair, LOGIT_BIAS) < P_VALUE_FLOOR
+    assert await two_token_p_value(word_pair, LOGIT_BIAS) < MUTANT_P_VALUE
 
 
 async def test_distribution_test_detects_a_target_that_penalises_rows_without_their_drafts(word_pair, monkeypatch):
@@ -395,4 +395,4 @@ async def test_distribution_test_detects_a_target_that_penalises_rows_without_th
         "penalized",
         lambda logits, params, history, start, drafts=(): plain(logits, params, history, start),
     )
-    assert await two_token_p_value(word_pair, PENALTIES) < P_VALUE_FLOOR
+    assert await two_token_p_value(word_pair, PENALTIES) < MUTANT_P_VALUE

@@ -22,7 +22,7 @@ from tests.heavy.test_distribution import (
     sample_continuations,
 )
 from tests.stack import local_stack
-from tests.stats import P_VALUE_FLOOR, chi_square_p_value
+from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value
 
 CASES = {
     "eagle1_sequential": (EAGLE1, {}, False),
@@ -76,4 +76,4 @@ async def test_a_head_shipping_rows_it_did_not_draw_from_fails(word_pair, tmp_pa
     head = build_eagle_head(tmp_path / EAGLE1, word_pair.target, EAGLE1)
     samples, _ = await eagle_samples(word_pair, head, {})
     expected = exact_target_distribution(word_pair.target, T1, word_pair.vocab_size)
-    assert chi_square_p_value(samples, expected) < P_VALUE_FLOOR
+    assert chi_square_p_value(samples, expected) < MUTANT_P_VALUE
