@@ -17,9 +17,10 @@ end-to-end proof that the real services draw what they send.
 Mutation checks. Each mode's test must fail when only that mode's own path is made inexact
 in a way a real bug could: a token emitted from the wrong position, drafts paired with the
 wrong distributions, or drafts chosen, kept or dropped by looking at their own draws. A
-mutant is sampled 10,000 times (the hedge picked by its drafts, a milder bias: 75,000 in the
-two-token mode, the mode's 40,000 in the fan-out) and must fail at p < 1e-8, far below the
-χ² bound, so that the test catches it in nearly every draw of seeds, not only in this one.
+mutant is sampled 3,000 or 10,000 times (the hedge picked by its drafts, a milder bias:
+75,000 in the two-token mode, the mode's 40,000 in the fan-out) and must fail at p < 1e-8,
+far below the χ² bound, so that the test catches it in nearly every draw of seeds, not only
+in this one.
 A branch used for the wrong outcome is *not* among them: its drafts come with the
 distributions they were drawn from, so rejection sampling keeps the output exact and only
 acceptance suffers.
@@ -77,8 +78,10 @@ class Mode:
     exercised: Callable[[list, TableDraft], str | None] = field(default=lambda stats, draft: None)
     prompt: tuple[int, ...] = (1, 0, 1)
     draft_noise: float = 0.8  # how far the draft's logits are from the target's
-    # Samples for the mutation check, enough that it fails at MUTANT_P_VALUE: fewer where the
-    # mutant's bias is plain at 10,000, more where it is mild; None: the mode's own count.
+    # Samples for the mutation check, enough that it fails at MUTANT_P_VALUE: 10,000 where its
+    # bias is plain, 3,000 where at 10,000 it failed with a χ² noncentrality near 600 or more
+    # (about 180 at 3,000, where p < 1e-8 needs a χ² of 66), more where it is mild; None: the
+    # mode's own count.
     mutant_samples: int | None = None
     # Every pre-draft of k >= 2 drafts takes k steps, the bonus guess and k - 1 drafts, as
     # where its last step comes back after the verify (PredraftDepth; a seeded request, as
@@ -166,10 +169,10 @@ MODES = {
     # With catch-up steps (the default): the first round, and any after a miss, is a target-only
     # step whose pre-draft drafts the round after it.
     "pipelined": Mode(
-        {"pipeline": True}, vocab=2, length=4, k=1, exercised=catch_ups_and_pre_drafts_used, mutant_samples=10_000
+        {"pipeline": True}, vocab=2, length=4, k=1, exercised=catch_ups_and_pre_drafts_used, mutant_samples=3_000
     ),
     "pipelined_waiting": Mode(
-        {"pipeline": True, "catch_up": False}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=10_000
+        {"pipeline": True, "catch_up": False}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=3_000
     ),
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
     # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%).
@@ -210,7 +213,7 @@ MODES = {
         length=4,
         k=2,
         exercised=pre_drafts_used,
-        mutant_samples=10_000,
+        mutant_samples=3_000,
         short_predrafts=True,
     ),
     "confidence_stopped": Mode(
@@ -241,7 +244,7 @@ MODES = {
         costs=ACCELERATOR_COSTS,
         draft_batch=32,
         exercised=pipelining_chosen,
-        mutant_samples=10_000,
+        mutant_samples=3_000,
     ),
 }
 
