@@ -5,9 +5,10 @@ own classes, saved and loaded back through the services' real --model path, the 
 tokenizer beside it) serves as both draft and target, so model compute is small and every
 draft is accepted: what remains of a round's wall time after the compute the services report
 is RPCs, serialisation, queueing and the coordinator's own work. For greedy and sampled
-decoding at K = 0 and K = 4 it prints p50 and p90 of that overhead per round and per call
-(K = 0 makes one call per round, K = 4 two), from every round but each request's first
-(which carries the prompt).
+decoding at K = 0 and K = 4 it prints p50 and p90 of that overhead per round and per call,
+from every round but each request's first (which carries the prompt). A K = 4 round makes two
+calls; a K = 0 call steps up to four rounds (the coordinator's target_only_steps), and the
+stats share its time evenly among them, so its rounds are told apart by their equal figures.
 
 It also times the floor under those figures from a grpc.aio client, the kind the coordinator
 uses (FLOORS): a bare unary call, a message on an open call stream answered from the model
@@ -165,6 +166,20 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
     }
 
 
+def call_overheads(round_ms: list[float], overhead_ms: list[float]) -> list[float]:
+    """Per call, the overhead of a K = 0 request's calls: a call's rounds follow each other
+    with the same figures (its time shared evenly)."""
+    calls: list[float] = []
+    previous = None
+    for whole, overhead in zip(round_ms, overhead_ms):
+        if (whole, overhead) == previous:
+            calls[-1] += overhead
+        else:
+            calls.append(overhead)
+        previous = (whole, overhead)
+    return calls
+
+
 def summarise(results: dict) -> list[dict]:
     rows = []
     for decoding, _, k in CELLS:
@@ -173,7 +188,15 @@ def summarise(results: dict) -> list[dict]:
         ]
         rounds = [ms for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for ms in s["round_ms"]]
         drafts = [d for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k) for d in s["k_per_round"]]
-        rpcs = 1 if k == 0 else 2
+        if k == 0:  # one call, several rounds: the call's overhead is its rounds' together
+            calls = [
+                call
+                for s in results["samples"]
+                if (s["decoding"], s["k"]) == (decoding, k)
+                for call in call_overheads(s["round_ms"], s["round_overhead_ms"])
+            ]
+        else:  # one round, two calls
+            calls = [ms / 2 for ms in overheads]
         rows.append(
             {
                 "decoding": decoding,
@@ -183,8 +206,8 @@ def summarise(results: dict) -> list[dict]:
                 "round_ms_p50": percentile(rounds, 50),
                 "overhead_ms_p50": percentile(overheads, 50),
                 "overhead_ms_p90": percentile(overheads, 90),
-                "per_rpc_ms_p50": percentile(overheads, 50) / rpcs,
-                "per_rpc_ms_p90": percentile(overheads, 90) / rpcs,
+                "per_rpc_ms_p50": percentile(calls, 50),
+                "per_rpc_ms_p90": percentile(calls, 90),
             }
         )
     return rows

@@ -285,13 +285,16 @@ class Engine:
         record: RoundRecord,
         plan: RoundPlan,
     ) -> None:
-        """The round's timings and its span's attributes."""
+        """The round's timings and its span's attributes. A target-only call's further steps
+        each count as a round (`GenerationStats.observe`), so its time is shared out among them
+        evenly: one figure a round, as `k_per_round` has."""
         stats = state.stats
         stats.mark_first_token()
-        stats.round_ms.append(stats.elapsed_ms() - started)
-        stats.round_overhead_ms.append(
-            stats.round_ms[-1] - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
-        )
+        rounds = 1 + record.steps
+        whole_ms = stats.elapsed_ms() - started
+        overhead_ms = whole_ms - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
+        stats.round_ms += [whole_ms / rounds] * rounds
+        stats.round_overhead_ms += [overhead_ms / rounds] * rounds
         span.set_attributes(
             {
                 "specdec.round.k": record.proposed,

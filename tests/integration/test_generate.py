@@ -58,6 +58,8 @@ async def test_speculation_accepts_tokens_and_reports_stats(stack):
     assert 0 < stats.target_compute_ms <= stats.target_ms and 0 < stats.draft_compute_ms <= stats.draft_ms
     assert sum(stats.accepted_per_position) == stats.accepted_tokens
     assert list(stats.accepted_per_position) == sorted(stats.accepted_per_position, reverse=True)
+    assert len(stats.round_ms) == len(stats.round_overhead_ms) == stats.rounds
+    assert all(0 < overhead < whole for overhead, whole in zip(stats.round_overhead_ms, stats.round_ms))
     assert response.finish_reason in ("length", "eos")
 
 
@@ -102,6 +104,11 @@ async def test_k_zero_runs_several_steps_per_verify_call_and_a_seed_gives_the_sa
             alone = await single.stub.Generate(pb.GenerateRequest(**request), timeout=60)
             assert list(alone.token_ids) == list(response.token_ids), request
             assert alone.stats.rounds == response.stats.rounds == len(response.token_ids)
+            # One timing a round either way: a call's steps share its time.
+            for stats in (alone.stats, response.stats):
+                assert len(stats.round_ms) == len(stats.round_overhead_ms) == len(stats.k_per_round) == stats.rounds
+    calls = stepped[0].stats.round_ms
+    assert calls[1] == calls[2] == calls[3] == calls[4] and calls[4] != calls[5], "steps 1-4 were one call"
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

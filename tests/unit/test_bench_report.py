@@ -124,12 +124,16 @@ def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     from bench.overhead import markdown_table
     from bench.overhead import summarise as summarise_overhead
 
+    one_round = {"round_ms": [10.0, 12.0], "round_overhead_ms": [2.0, 4.0], "k_per_round": [4, 4]}
+    # K = 0: the first two rounds are one call's steps, its time shared between them.
+    stepped = {"round_ms": [5.0, 5.0, 12.0], "round_overhead_ms": [1.0, 1.0, 4.0], "k_per_round": [0, 0, 0]}
     samples = [
-        {"decoding": decoding, "k": k, "round_ms": [10.0, 12.0], "round_overhead_ms": [2.0, 4.0], "k_per_round": [k, k]}
+        {"decoding": decoding, "k": k, **(stepped if k == 0 else one_round)}
         for decoding, k in (("greedy", 0), ("greedy", 4), ("sampled", 0), ("sampled", 4))
     ]
     rows = summarise_overhead({"samples": samples})
-    assert [r["per_rpc_ms_p50"] for r in rows] == [3.0, 1.5, 3.0, 1.5]  # K > 0 makes two calls per round
+    assert [r["per_rpc_ms_p50"] for r in rows] == [3.0, 1.5, 3.0, 1.5]  # calls of 2 and 4 ms; two calls a round
+    assert [r["overhead_ms_p50"] for r in rows] == [1.0, 3.0, 1.0, 3.0]
     machine = {"cpu": "cpu", "cpu_flags": "avx2", "cores": 2, "torch": "2.13", "date": "today"}
     table = markdown_table(rows, machine, floors={"unary": [0.5] * 10 + [0.9] * 10, "stream_idle": [0.8] * 3})
     assert "| greedy | 4 | 4.0 | 2 | 11.00 | 3.00 |" in table
