@@ -147,10 +147,11 @@ class CoordinatorConfig:
     )
     target_only_steps: int = fixed(
         4,
-        "a request with K = 0 samples up to this many tokens per Verify call, each with its own seed, so a "
-        "seed gives the same output whatever this is; fewer calls cost less, and the tokens stream in groups "
-        f"this long (at most {MAX_TARGET_ONLY_STEPS}). Fixed: it changes only how a K = 0 request's tokens are "
-        "grouped on the stream and how many calls they take, never the output",
+        "a request with K = 0 samples up to this many tokens per Verify call (more where the target's pass "
+        "is short: coordinator.rounds.steps_per_call), each with its own seed, so a seed gives the same output "
+        "whatever this is; fewer calls cost less, and the tokens stream in groups this long (at most "
+        f"{MAX_TARGET_ONLY_STEPS}). Fixed: it changes only how a K = 0 request's tokens are grouped on the "
+        "stream and how many calls they take, never the output",
     )
     acceptance: str = setting(
         AcceptanceMode.EXACT.value,

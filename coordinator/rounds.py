@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
+from coordinator.config import MAX_TARGET_ONLY_STEPS
 from coordinator.features import FeatureRows
 from coordinator.hedging import Acceptance, PredraftDepth
 from coordinator.metrics import GenerationStats
@@ -34,6 +35,7 @@ from coordinator.requests import Job
 from coordinator.round_costs import RoundCosts
 from coordinator.state import DraftRefusals, Round, SessionView
 from coordinator.text import TextAssembler
+from specdec.engine.costs import cost_at
 from specdec.sampling.seeds import RequestStreams, next_seed
 from specdec.sampling.tree_sampling import tree_size
 from specdec.v1 import common_pb2
@@ -45,6 +47,9 @@ from specdec.v1 import common_pb2
 # concurrent requests with the hybrid drafter looked up every round and ran at 0.58-0.82x
 # target-only (docs/design.md, "The K chooser", under load).
 COPY_WAIT_ROUNDS = 2
+# A K = 0 call runs at least config.target_only_steps steps, more where passes are short: as
+# many as take about this long (`steps_per_call`).
+STEP_CALL_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -319,10 +324,10 @@ def draw_round(streams: RequestStreams, plan: RoundPlan) -> RoundDraws:
 
 
 def step_count(state: RequestState, kind: RoundKind, target_steps: int, chooser: AdaptiveK | None) -> int:
-    """A request that fixes K = 0 runs up to `target_steps` target-only steps per Verify call:
+    """A request that fixes K = 0 runs up to `steps_per_call` target-only steps per Verify call:
     the number after the first, whose seeds come from the target's stream as the rounds they
     replace would draw them (a K = 0 request reads no other stream), so the output does not
-    depend on `target_steps`. Room is left for the last step's token in the length and the
+    depend on how many a call runs. Room is left for the last step's token in the length and the
     context. A request's first round steps once, so its first token comes as soon as the
     prompt's pass ends; so does a tree request served target-only (its next round may
     speculate). A request whose K is chosen steps once too where its seed must keep one output
@@ -335,5 +340,18 @@ def step_count(state: RequestState, kind: RoundKind, target_steps: int, chooser:
         return 0
     if chooser is None and (state.job.num_speculative_tokens or state.job.tree_widths):
         return 0
-    more = min(target_steps - 1, state.remaining - 1, state.pair.max_context - len(state.sequence) - 1)
+    per_call = steps_per_call(target_steps, state.pair.costs)
+    more = min(per_call - 1, state.remaining - 1, state.pair.max_context - len(state.sequence) - 1)
     return max(0, more)
+
+
+def steps_per_call(target_steps: int, costs: RoundCosts | None) -> int:
+    """A K = 0 call's steps: `target_steps` (config.target_only_steps), or more where the
+    target's one-token pass is short, as many as take about STEP_CALL_MS of passes (at most
+    MAX_TARGET_ONLY_STEPS). A call costs its framework's part (gRPC and both ends' Python, a
+    millisecond or more) however short its passes, so on a 2 ms pass four steps a call leave a
+    third of the time outside the passes; its tokens still stream every STEP_CALL_MS or so."""
+    if costs is None or not costs.target_pass_ms:
+        return target_steps
+    fitting = int(STEP_CALL_MS // max(cost_at(costs.target_pass_ms, 1), 1e-3))
+    return max(target_steps, min(fitting, MAX_TARGET_ONLY_STEPS))

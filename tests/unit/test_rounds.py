@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.commit import RoundResult, commit_round
+from coordinator.config import MAX_TARGET_ONLY_STEPS
 from coordinator.metrics import GenerationStats
 from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
@@ -16,12 +17,14 @@ from coordinator.requests import Job
 from coordinator.round_costs import BatchCosts, RoundCosts
 from coordinator.rounds import (
     COPY_WAIT_ROUNDS,
+    STEP_CALL_MS,
     RequestState,
     RoundKind,
     RoundPlan,
     draw_round,
     k_limit,
     plan_round,
+    steps_per_call,
 )
 from coordinator.state import DraftRefusals, Round, SessionView, Source
 from coordinator.text import TextAssembler
@@ -275,6 +278,28 @@ def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_se
     chosen.load_aware = True  # greedy or unseeded: its K follows the load, and a chosen K = 0 steps on
     assert plan_round(chosen, True, True, target_steps=4).steps == 3
     assert plan_round(after_a_round(k=4), True, True, target_steps=4).steps == 0
+
+
+def test_a_k_zero_call_steps_more_where_the_targets_passes_are_short():
+    """steps_per_call: at least target_only_steps, else as many as fill about STEP_CALL_MS of
+    one-token passes, at most MAX_TARGET_ONLY_STEPS; without calibrated costs, the setting."""
+
+    def costs(pass_ms: float) -> RoundCosts:
+        return RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(pass_ms,) * 9)
+
+    assert steps_per_call(4, None) == 4
+    assert steps_per_call(4, costs(55.0)) == 4  # a CPU's 1.5B pass: the setting
+    assert steps_per_call(4, costs(2.0)) == int(STEP_CALL_MS // 2.0)  # a captured GPU pass
+    assert steps_per_call(4, costs(0.01)) == MAX_TARGET_ONLY_STEPS
+    request = dataclasses.replace(state(k=0), pair=dataclasses.replace(PAIR, costs=costs(2.0)))
+    request.round_index = 1
+    plan = plan_round(request, True, True, target_steps=4)
+    assert plan.steps == int(STEP_CALL_MS // 2.0) - 1
+    single = state(k=0)
+    single.round_index = 1
+    seeds = [draw_round(single.streams, plan_round(single, True, True)).target_seed for _ in range(plan.steps + 1)]
+    draws = draw_round(request.streams, plan)
+    assert [draws.target_seed, *draws.step_seeds] == seeds  # the seeds of single steps: the same output
 
 
 def test_a_target_only_calls_steps_are_committed_as_rounds_of_their_own():
