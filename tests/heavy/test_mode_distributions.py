@@ -17,13 +17,11 @@ end-to-end proof that the real services draw what they send.
 Mutation checks. Each mode's test must fail when only that mode's own path is made inexact
 in a way a real bug could: a token emitted from the wrong position, drafts paired with the
 wrong distributions, or drafts chosen, kept or dropped by looking at their own draws. A
-mutant is sampled 3,000 or 10,000 times (the hedge picked by its drafts, a milder bias:
-75,000 in the two-token mode, the mode's 40,000 in the fan-out) and must fail at p < 1e-8,
-far below the χ² bound, so that the test catches it in nearly every draw of seeds, not only
-in this one.
-A branch used for the wrong outcome is *not* among them: its drafts come with the
-distributions they were drawn from, so rejection sampling keeps the output exact and only
-acceptance suffers.
+mutant is sampled 3,000 or 10,000 times (the hedge picked by its drafts, a milder bias: the
+modes' own 30,000 and 40,000) and must fail at p < 1e-8, far below the χ² bound, so that the
+test catches it in nearly every draw of seeds, not only in this one. A branch used for the
+wrong outcome is *not* among them: its drafts come with the distributions they were drawn
+from, so rejection sampling keeps the output exact and only acceptance suffers.
 """
 
 from __future__ import annotations
@@ -175,12 +173,12 @@ MODES = {
         {"pipeline": True, "catch_up": False}, vocab=2, length=4, k=1, exercised=pre_drafts_used, mutant_samples=3_000
     ),
     # Two tokens, so a rejected draft's recovered token is the hedge's (the draft's runner-up),
-    # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%).
-    # Its mutant's bias is mild (noncentrality about 1.4 per thousand samples): at the mode's
-    # 30,000 it failed at p = 4.9e-5 on seeds 0-29,999 and passed (3.1e-4) on 30,000-59,999.
-    "hedged": Mode(
-        {"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.5, exercised=hedges_used, mutant_samples=75_000
-    ),
+    # and a noisier draft, so rejections and hedge hits are common (`hedges_used` needs > 5%;
+    # about 11,600 of 30,000 generations hit one). Its mutant's bias grows as the draft comes
+    # closer to the target, past a point: at draft_noise 1.5 its χ² noncentrality was about 1.4
+    # per thousand samples (it failed at p = 4.9e-5 on seeds 0-29,999, passed at 3.1e-4 on
+    # 30,000-59,999), at 1.0 about 2.6 (p = 2e-13 on seeds 0-29,999), at 0.5 about 2.4.
+    "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.0, exercised=hedges_used),
     # Three tokens, so a rejected draft leaves two candidates for its recovered token, and a
     # hedge for each (the draft's two runner-ups): the fan-out.
     "hedged_fanout": Mode({"hedges": 4}, vocab=3, length=3, k=2, draft_noise=1.5, exercised=fanned_hedges_used),
