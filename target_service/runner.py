@@ -105,6 +105,18 @@ class TargetRunner(ModelRunner):
         admitted = self._admit(call)
         return self._conclude(admitted, self._forward_round(admitted), batch_size=1)
 
+    def verify_then_steps(
+        self,
+        first: VerifyCall,
+        seeds: list[int],
+        stop_token_ids: Collection[int],
+        yield_now: Callable[[], bool],
+    ) -> tuple[Verification, list[Verification]]:
+        """`verify_one(first)` and then `verify_steps` after it, in one job of the model thread:
+        a target-only call's first token and its steps without a trip to the event loop."""
+        result = self.verify_one(first)
+        return result, self.verify_steps(first, result, seeds, stop_token_ids, yield_now)
+
     def verify_steps(
         self,
         first: VerifyCall,

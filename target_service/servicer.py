@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -17,6 +18,8 @@ from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, traced_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runner import TargetRunner, Verification, VerifyCall, joined_features, next_step
+
+T = TypeVar("T")
 
 
 class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
@@ -104,8 +107,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 max(0, request.output_start),
                 tuple(request.feature_layers),
             )
-            result = await self._verify(call)
-            steps, step_logprobs, result = await self._steps(request, call, result)
+            steps, step_logprobs, result = await self._steps(request, call)
             span.set_attributes(
                 {
                     "specdec.processed_tokens": result.processed_tokens,
@@ -142,23 +144,28 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         return await self._model_thread.run(self._runner.verify_one, call)
 
     async def _steps(
-        self, request: target_pb2.VerifyRequest, first: VerifyCall, result: Verification
+        self, request: target_pb2.VerifyRequest, first: VerifyCall
     ) -> tuple[list[int], list[common_pb2.TokenLogprobs], Verification]:
-        """VerifyRequest.step_seeds: each step a target-only call of its own after the one
-        before, feeding the last token and drawing the next with its seed. Returns the steps'
-        tokens, their log-probabilities (VerifyRequest.return_logprobs), and the first call's
-        result (its bonus token) with their work and the session's length added.
+        """`first`, then VerifyRequest.step_seeds: each step a target-only call of its own after
+        the one before, feeding the last token and drawing the next with its seed. Returns the
+        steps' tokens, their log-probabilities (VerifyRequest.return_logprobs), and the first
+        call's result (its bonus token) with their work and the session's length added.
 
-        A session decoding alone runs its steps in one job of the model thread
-        (TargetRunner.verify_steps), which yields as soon as another call waits; otherwise
-        each step goes through the batcher, so other sessions' calls share its passes."""
+        A session decoding alone runs the call and its steps in one job of the model thread
+        (TargetRunner.verify_then_steps: one hop of the thread, not two), which yields as soon
+        as another call waits; otherwise each goes through the batcher, so other sessions'
+        calls share its passes."""
         steps: list[Verification] = []
         stops = set(request.stop_token_ids)
         seeds = list(request.step_seeds)
+        if seeds and self._alone():
+            result, steps = await self._in_one_job(self._runner.verify_then_steps, first, seeds, stops)
+        else:
+            result = await self._verify(first)
         while len(steps) < len(seeds) and (last := steps[-1] if steps else result).bonus_token_id not in stops:
             rest = seeds[len(steps) :]
-            if self._batcher is None or self._runner.sessions.active(ACTIVE_SESSION_S) <= 1:
-                steps += await self._steps_in_one_job(first, last, rest, stops)
+            if self._alone():
+                steps += await self._in_one_job(self._runner.verify_steps, first, last, rest, stops)
             else:
                 steps.append(await self._verify(next_step(first, last, rest[0])))
         if not steps:
@@ -176,18 +183,17 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             ),
         )
 
-    async def _steps_in_one_job(
-        self, first: VerifyCall, last: Verification, seeds: list[int], stops: set[int]
-    ) -> list[Verification]:
-        cancelled = threading.Event()  # the job runs on; it stops at its next step instead
+    def _alone(self) -> bool:
+        """No other session decodes now: nothing would share this session's passes."""
+        return self._batcher is None or self._runner.sessions.active(ACTIVE_SESSION_S) <= 1
+
+    async def _in_one_job(self, steps_fn: Callable[..., T], *args: Any) -> T:
+        """`steps_fn(*args, yield_now)` on the model thread, `yield_now` saying that another
+        call waits or that this one was cancelled (the job runs on; it stops at its next step)."""
+        cancelled = threading.Event()
         try:
             return await self._model_thread.run(
-                self._runner.verify_steps,
-                first,
-                last,
-                seeds,
-                stops,
-                lambda: cancelled.is_set() or self._model_thread.queued(),
+                steps_fn, *args, lambda: cancelled.is_set() or self._model_thread.queued()
             )
         except asyncio.CancelledError:
             cancelled.set()

@@ -1,5 +1,6 @@
-"""Target-only steps in one job of the model thread (TargetRunner.verify_steps): the tokens
-single calls give, and the job yields to a call that queues behind it."""
+"""Target-only steps in one job of the model thread (TargetRunner.verify_steps, and with the
+call before them verify_then_steps): the tokens single calls give, and the job yields to a
+call that queues behind it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def test_steps_in_one_job_give_the_single_calls_tokens_and_stop_before_a_stop_to
     after = target_runner.verify_one(first)
     steps = target_runner.verify_steps(first, after, seeds, {expected[2]}, lambda: False)
     assert [step.bonus_token_id for step in steps] == expected[1:3]  # fed nothing after the stop token
+    target_runner.end_session("job")
+
+    # The call and its steps in one job (a K = 0 call's first token too): the same tokens.
+    after, steps = target_runner.verify_then_steps(first, seeds, set(), lambda: False)
+    assert [after.bonus_token_id] + [step.bonus_token_id for step in steps] == expected
     target_runner.end_session("job")
 
 
