@@ -14,14 +14,22 @@ It also times the floor under those figures from a grpc.aio client, the kind the
 uses (FLOORS): a bare unary call, a message on an open call stream answered from the model
 thread without model work, and the same after 10 ms idle. A round with K > 0 makes two calls
 in a row, each to a service that sat idle while the other worked, so it cannot cost less than
-twice the last.
+twice the last. Beside them, the same message and answer without gRPC (`serve_framed`): 4-byte
+length frames on an asyncio TCP connection to a process that parses the message and answers it
+from a worker thread, as the service's model thread does, without the servicer's own code:
+what a leaner transport would cost on the same machine (docs/design.md, "Framework overhead").
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
+import struct
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -67,32 +75,96 @@ FLOORS = {
     "unary": "a bare unary call (health Check, no handler work)",
     "stream": "a message on an open ProposeStream that the service refuses on its model thread (unknown session)",
     "stream_idle": "the same message after 10 ms idle, as a round's call finds a service that waited for the other",
+    "framed": "the same message without gRPC: length-framed on asyncio TCP, answered from a worker thread "
+    "(serve_framed, no servicer code)",
+    "framed_idle": "that after 10 ms idle",
 }
+FRAME = struct.Struct("<I")  # serve_framed: each message's length, then the message
 
 
-async def floor_ms(address: str, calls: int = 300) -> dict[str, list[float]]:
-    """The transport under the figures, in ms per call (after 20 to warm up): see FLOORS."""
+def serve_framed(port: int) -> None:
+    """The floor of a transport without gRPC's layers (FLOORS' framed lines): reads
+    length-framed ProposeRequests on asyncio TCP, hands each to a worker thread (the hop to a
+    service's model thread), which refuses it as the draft service refuses an unknown
+    session, and writes back the framed BranchResult. Runs until killed."""
+    worker = ThreadPoolExecutor(max_workers=1)
+
+    def refuse(payload: bytes) -> bytes:
+        request = draft_pb2.ProposeRequest.FromString(payload)
+        return draft_pb2.BranchResult(
+            error_code=grpc.StatusCode.NOT_FOUND.value[0], error_message=f"unknown session {request.session_id}"
+        ).SerializeToString()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                (length,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+                reply = await loop.run_in_executor(worker, refuse, await reader.readexactly(length))
+                writer.write(FRAME.pack(len(reply)) + reply)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(connection, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(serve())
+
+
+def spawn_framed(port: int, log: Path) -> subprocess.Popen:
+    """`serve_framed` in a process of its own (one torch-free thread plus its worker), once it accepts."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", f"from bench.overhead import serve_framed; serve_framed({port})"],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the framed floor's server exited:\n{log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the framed floor's server did not accept connections within 60 s")
+
+
+async def floor_ms(address: str, framed_port: int, calls: int = 300) -> dict[str, list[float]]:
+    """The transport under the figures, in ms per call (after 20 to warm up): see FLOORS.
+    `framed_port`: where serve_framed listens."""
     ghost = draft_pb2.ProposeRequest(
         session_id="overhead-floor", keep_tokens=1, new_tokens=[1], num_tokens=1, sampling=GREEDY
     )
+    frame = FRAME.pack(ghost.ByteSize()) + ghost.SerializeToString()
     floors: dict[str, list[float]] = {name: [] for name in FLOORS}
+    reader, writer = await asyncio.open_connection("127.0.0.1", framed_port)
     async with grpc.aio.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stream = draft_pb2_grpc.DraftStub(channel).ProposeStream()
         for name in FLOORS:
             for i in range(calls + 20):
-                if name == "stream_idle":
+                if name.endswith("_idle"):
                     await asyncio.sleep(0.01)
                 started = time.perf_counter()
                 if name == "unary":
                     await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                    reply = None
+                elif name.startswith("framed"):
+                    writer.write(frame)
+                    (length,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+                    reply = draft_pb2.BranchResult.FromString(await reader.readexactly(length))
                 else:
                     await stream.write(ghost)
                     reply = await stream.read()
-                    assert reply.error_code == grpc.StatusCode.NOT_FOUND.value[0], reply
+                assert reply is None or reply.error_code == grpc.StatusCode.NOT_FOUND.value[0], reply
                 if i >= 20:
                     floors[name].append((time.perf_counter() - started) * 1e3)
         stream.cancel()
+    writer.close()
     return floors
 
 
@@ -128,7 +200,10 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         channel = stack.enter_context(grpc.insecure_channel(coordinator.address))
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         stub.Generate(pb.GenerateRequest(prompt="warm up", max_new_tokens=8, num_speculative_tokens=4), timeout=60)
-        floors = asyncio.run(floor_ms(services["draft"].address))
+        framed_port = free_port()
+        framed = spawn_framed(framed_port, logs / "framed.log")
+        stack.callback(framed.kill)
+        floors = asyncio.run(floor_ms(services["draft"].address, framed_port))
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):
                 for decoding, temperature, k in CELLS:
@@ -232,7 +307,12 @@ def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float
             f"{r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
         )
     if floors:
-        lines += ["", "Floor: what the transport alone costs per call on the same loopback (draft service):", ""]
+        lines += [
+            "",
+            "Floor: what the transport alone costs per call on the same loopback (the draft service; the framed "
+            "lines a process of their own):",
+            "",
+        ]
         for name, times in floors.items():
             lines.append(
                 f"- {FLOORS.get(name, name)}: {percentile(times, 50):.2f} ms p50, {percentile(times, 90):.2f} ms p90 "

@@ -3,15 +3,20 @@ works and reports every figure; it asserts no speed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
+import grpc
 import pytest
 
 from bench import relaxed
 from bench.__main__ import main as bench_main
 from bench.accelerator import LINK_MODES, TOPOLOGIES
+from bench.overhead import FRAME, spawn_framed
+from specdec.rpc.ports import free_port
 from specdec.tools.testbed import leftovers
+from specdec.v1 import draft_pb2
 
 # One mode per feature the tables report, from each of the three suites `--suite all` merges
 # (substrings of mode names, as --only takes them).
@@ -209,3 +214,22 @@ def test_the_links_suite_runs_on_separate_hosts_and_leaves_nothing(tmp_path):
         assert all(len(sample["repeat_tokens_per_s"]) == 2 for sample in link["samples"])
     assert "EMULATED" in (out / "table.md").read_text()
     assert not leftovers()  # this process's testbed: the suite ran in it
+
+
+async def test_the_overhead_suites_framed_floor_answers_as_the_draft_service_refuses(tmp_path):
+    """The overhead suite's gRPC-free floor (bench.overhead.serve_framed): a framed ProposeRequest
+    comes back as the framed NOT_FOUND BranchResult the draft service sends for an unknown session."""
+    port = free_port()
+    server = spawn_framed(port, tmp_path / "framed.log")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = draft_pb2.ProposeRequest(session_id="nobody", num_tokens=1).SerializeToString()
+        for _ in range(2):  # the connection serves one message after another
+            writer.write(FRAME.pack(len(request)) + request)
+            (length,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+            reply = draft_pb2.BranchResult.FromString(await reader.readexactly(length))
+            assert reply.error_code == grpc.StatusCode.NOT_FOUND.value[0] and "nobody" in reply.error_message
+        writer.close()
+    finally:
+        server.kill()
+        server.wait()
