@@ -113,8 +113,12 @@ class TargetRunner(ModelRunner):
         yield_now: Callable[[], bool],
     ) -> tuple[Verification, list[Verification]]:
         """`verify_one(first)` and then `verify_steps` after it, in one job of the model thread:
-        a target-only call's first token and its steps without a trip to the event loop."""
+        a target-only call's first token and its steps without a trip to the event loop. Where
+        `yield_now()` already says so after the first token, no step runs (the caller runs them),
+        as when the steps were a job of their own behind it."""
         result = self.verify_one(first)
+        if yield_now():
+            return result, []
         return result, self.verify_steps(first, result, seeds, stop_token_ids, yield_now)
 
     def verify_steps(

@@ -54,6 +54,11 @@ def test_steps_in_one_job_give_the_single_calls_tokens_and_stop_before_a_stop_to
     assert [after.bonus_token_id] + [step.bonus_token_id for step in steps] == expected
     target_runner.end_session("job")
 
+    # A call waiting (or this one cancelled) by the end of the first token: the steps are left to the caller.
+    after, steps = target_runner.verify_then_steps(first, seeds, set(), lambda: True)
+    assert after.bonus_token_id == expected[0] and steps == []
+    target_runner.end_session("job")
+
 
 async def test_a_stepping_job_yields_after_its_step_when_another_call_queues(target_runner):
     """A job of 40 steps holds at its first step until a second call has queued behind it,
