@@ -23,7 +23,6 @@ what a leaner transport would cost on the same machine (docs/design.md, "Framewo
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 import struct
 import subprocess
@@ -39,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.rpc.ports import free_port
-from specdec.tools.launch import spawn, spawn_coordinator
+from specdec.tools.launch import ServiceProcess, spawn, spawn_coordinator
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 
@@ -112,7 +111,7 @@ def serve_framed(port: int) -> None:
     asyncio.run(serve())
 
 
-def spawn_framed(port: int, log: Path) -> subprocess.Popen:
+def spawn_framed(port: int, log: Path) -> ServiceProcess:
     """`serve_framed` in a process of its own (one torch-free thread plus its worker), once it accepts."""
     process = subprocess.Popen(
         [sys.executable, "-c", f"from bench.overhead import serve_framed; serve_framed({port})"],
@@ -120,17 +119,13 @@ def spawn_framed(port: int, log: Path) -> subprocess.Popen:
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the framed floor's server exited:\n{log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the framed floor's server did not accept connections within 60 s")
+    framed = ServiceProcess("the framed floor's server", f"127.0.0.1:{port}", process, log)
+    try:
+        framed.wait_listening(60)
+    except BaseException:
+        process.kill()
+        raise
+    return framed
 
 
 async def floor_ms(address: str, framed_port: int, calls: int = 300) -> dict[str, list[float]]:
@@ -202,7 +197,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         stub.Generate(pb.GenerateRequest(prompt="warm up", max_new_tokens=8, num_speculative_tokens=4), timeout=60)
         framed_port = free_port()
         framed = spawn_framed(framed_port, logs / "framed.log")
-        stack.callback(framed.kill)
+        stack.callback(framed.stop)
         floors = asyncio.run(floor_ms(services["draft"].address, framed_port))
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):

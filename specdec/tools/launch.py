@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,25 @@ class ServiceProcess:
                     pass
                 time.sleep(0.2)
         raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.log.read_text()[-4000:]}")
+
+    def wait_listening(self, timeout_s: float) -> None:
+        """Blocks until its address accepts TCP connections (a process that serves no gRPC
+        health: a forwarder, a framed server); raises with the log if it exits or never does."""
+        host, port = self.address.rsplit(":", 1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}:\n{self.log.read_text()[-2000:]}"
+                )
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(
+            f"{self.name} not listening on {self.address} after {timeout_s:.0f} s:\n{self.log.read_text()[-2000:]}"
+        )
 
     def metrics_port(self) -> int:
         """The Prometheus port the service bound (spawn passes --metrics-port 0), from its log."""

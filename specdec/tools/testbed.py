@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,23 +133,6 @@ def sweep(everything: bool = False) -> list[str]:
     return removed
 
 
-def _wait_listening(link: ServiceProcess, timeout_s: float) -> None:
-    """Until the forwarder accepts connections; raises with its log if it exits or never does."""
-    host, port = link.address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if link.process.poll() is not None:
-            raise RuntimeError(f"{link.name} exited with {link.process.returncode}:\n{link.log.read_text()[-2000:]}")
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(
-        f"{link.name} not listening on {link.address} after {timeout_s:.0f} s:\n{link.log.read_text()[-2000:]}"
-    )
-
-
 @dataclass
 class Host:
     name: str
@@ -242,7 +223,7 @@ class Testbed:
         process = subprocess.Popen(where.command(command), cwd=cwd, stdout=link_log.open("w"), stderr=subprocess.STDOUT)
         link = ServiceProcess(f"{host}-link", f"{where.address}:{public}", process, link_log)
         self.processes.append(link)
-        _wait_listening(link, timeout_s=30)
+        link.wait_listening(timeout_s=30)
         service = spawn(host, module, list(args), inner, log, env, cwd, prefix=where.command([]), cpus=cpus)
         service.address = f"{where.address}:{public}"
         service.local_address = f"127.0.0.1:{inner}"  # for a service on the same host: no link

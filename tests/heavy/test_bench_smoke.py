@@ -231,5 +231,4 @@ async def test_the_overhead_suites_framed_floor_answers_as_the_draft_service_ref
             assert reply.error_code == grpc.StatusCode.NOT_FOUND.value[0] and "nobody" in reply.error_message
         writer.close()
     finally:
-        server.kill()
-        server.wait()
+        server.stop()
