@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.config.services import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -28,7 +27,7 @@ from specdec.errors import (
 )
 from specdec.rpc import keepalive, telemetry
 from specdec.rpc.security import ChannelSecurity, aio_channel
-from specdec.rpc.serving import message_size_options
+from specdec.rpc.serving import GRPC_MAX_MESSAGE_BYTES, message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,7 +87,6 @@ class ServiceClient:
         self,
         address: str,
         timeout_s: float,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: ChannelSecurity | None = None,
         channel=None,
     ):
@@ -97,7 +95,9 @@ class ServiceClient:
         self.timeout_s = timeout_s
         self.channel = channel or aio_channel(
             address,
-            [*message_size_options(max_message_bytes), *RECONNECT_OPTIONS, *keepalive.options()],
+            # No limit of the coordinator's own: each service's (serving.model_message_bytes,
+            # from its model's shape) bounds what it accepts and sends.
+            [*message_size_options(GRPC_MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS, *keepalive.options()],
             security,
             telemetry.client_interceptors(),
         )

@@ -9,7 +9,6 @@ from specdec.config.services import (
     ClientSecurity,
     ServerSecurity,
     host_setting,
-    max_message_bytes_setting,
     metrics_port_setting,
     parse_bytes,
     port_setting,
@@ -105,7 +104,6 @@ class CoordinatorConfig:
     connect_timeout_s: float = setting(
         120.0, "--connect-timeout", "how long start-up waits for draft and target to answer Info, seconds"
     )
-    max_message_bytes: int = max_message_bytes_setting()
     log_level: str = setting("INFO", "--log-level", "logging level")
     pipeline: bool | None = setting(
         None,

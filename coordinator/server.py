@@ -25,7 +25,7 @@ from specdec.engine.calls import numerics
 from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.rpc.dns import PoolSpec, parse_pool
 from specdec.rpc.security import ChannelSecurity, load_client_security, load_server_security
-from specdec.rpc.serving import RunningServer, serve_forever, set_serving, start_server
+from specdec.rpc.serving import GRPC_MAX_MESSAGE_BYTES, RunningServer, serve_forever, set_serving, start_server
 from specdec.v1 import common_pb2, coordinator_pb2
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,13 @@ def build_pools(
     drafts = Pool(
         "draft",
         draft_spec,
-        lambda address: DraftClient(address, config.draft_timeout_s, config.max_message_bytes, draft_security),
+        lambda address: DraftClient(address, config.draft_timeout_s, draft_security),
         config.breaker_failures,
     )
     targets = Pool(
         "target",
         target_spec,
-        lambda address: TargetClient(address, config.target_timeout_s, config.max_message_bytes, target_security),
+        lambda address: TargetClient(address, config.target_timeout_s, target_security),
     )
     for pool, client in ((drafts, draft), (targets, target)):
         if client is not None:
@@ -245,7 +245,7 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
         [SERVICE_NAME],
         config.host,
         config.port,
-        config.max_message_bytes,
+        GRPC_MAX_MESSAGE_BYTES,  # what it sends: its replies, bounded by the request's limits
         on_stop=close,
         credentials=credentials,
         interceptors=interceptors,

@@ -69,6 +69,8 @@ class DraftConfig(ModelServiceConfig):
 
     def problem(self) -> str | None:
         """A contradiction between flags, said in words; None if the config is consistent."""
+        if self.device == "auto":
+            return "--device auto (layers over every visible GPU) is the target's; give the draft one device"
         if self.drafter == "ngram":
             if not 1 <= self.ngram_min <= self.ngram_max:
                 return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"

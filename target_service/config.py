@@ -18,16 +18,18 @@ class TargetConfig(ModelServiceConfig):
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     # The model it is given, unless int8 is asked for by name: the target's numerics are the output's.
     quantize: str = quantize_setting("none")
-    device_map: str | None = setting(
-        None, "--device-map", "'auto' shards the model's layers over all visible GPUs (accelerate; overrides --device)"
-    )
     tensor_parallel: int = setting(
         1,
         "--tensor-parallel",
         "split every layer over N processes, one per GPU (cuda:0..N-1; gloo on CPU); the "
         "service starts the other ranks itself, or joins the ranks torchrun started",
-        more="Exclusive with `--device-map`.",
+        more="Exclusive with `--device auto`.",
     )
+
+    @property
+    def device_map(self) -> str | None:
+        """accelerate's device map: "auto" (--device auto: consecutive layers over every visible GPU) or None."""
+        return "auto" if self.device == "auto" else None
 
     def resolved_quantize(self) -> str:
         """A split model (device map, tensor parallel) is never quantised by `auto`."""
@@ -40,7 +42,7 @@ class TargetConfig(ModelServiceConfig):
         if self.tensor_parallel < 1:
             return f"--tensor-parallel must be >= 1; got {self.tensor_parallel}"
         if self.tensor_parallel > 1 and self.device_map:
-            return "--tensor-parallel and --device-map are exclusive: choose one way to split the model"
+            return "--tensor-parallel and --device auto are exclusive: choose one way to split the model"
         if self.tensor_parallel > 1 and self.device not in ("cpu", "cuda"):
             return f"--tensor-parallel puts rank r on cuda:r; pass --device cuda or cpu, not {self.device!r}"
         if problem := super().problem():
@@ -50,7 +52,7 @@ class TargetConfig(ModelServiceConfig):
         if self.quantize == "int8" and (self.tensor_parallel > 1 or self.device_map):
             return (
                 "--quantize int8 runs the whole model on one CPU; it cannot be combined with --tensor-parallel or "
-                "--device-map"
+                "--device auto"
             )
         return None
 

@@ -16,8 +16,6 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
 from specdec.engine.rows import MAX_ROWS
 
-# 64 MiB: a round of K dense draft distributions over a 152k vocab is 0.6 MB per token.
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 QUANTIZE = ("auto", "none", "int8")
 SECURITY_DOC = "See [Security](operations.md#security)."
 
@@ -177,19 +175,18 @@ def quantize_setting(default: str) -> str:
     )
 
 
-def max_message_bytes_setting() -> int:
-    return setting(
-        DEFAULT_MAX_MESSAGE_BYTES, "--max-message-bytes", "largest gRPC message sent or received", shown="64 MiB"
-    )
-
-
 @dataclass(frozen=True)
 class ModelServiceConfig:
     """Settings both model services share (each service declares its own ports)."""
 
     model: str = setting("", "--model", "Hugging Face model id or local folder", required=True)
     dtype: str = setting("float32", "--dtype", "weights dtype", choices=("float32", "bfloat16", "float16"))
-    device: str = setting("cpu", "--device", "torch device: cpu, cuda or cuda:N")
+    device: str = setting(
+        "cpu",
+        "--device",
+        "torch device: cpu, cuda or cuda:N; the target also takes auto, its layers over every visible GPU "
+        "(accelerate's device map)",
+    )
     host: str = host_setting()
     port: int = port_setting(0)
     threads: int = setting(
@@ -208,7 +205,6 @@ class ModelServiceConfig:
         f"largest K, or copy, accepted per call (at most {MAX_ROWS - 1}: a verify's passes attend row by row up to "
         f"{MAX_ROWS} rows)",
     )
-    max_message_bytes: int = max_message_bytes_setting()
     log_level: str = setting("INFO", "--log-level", "logging level")
     metrics_port: int = metrics_port_setting(-1)
     shutdown_grace_s: float = shutdown_grace_setting()

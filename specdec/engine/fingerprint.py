@@ -98,7 +98,7 @@ def served_tensor_digests(model: torch.nn.Module) -> Iterator[tuple[str, bytes]]
 
 def _served_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """(name, tensor, resident) for each state_dict entry as it computes: a DTensor's shard
-    (tensor parallelism); a weight accelerate offloaded (--device-map; on the meta device and
+    (tensor parallelism); a weight accelerate offloaded (--device auto; on the meta device and
     brought in by a hook at each pass) brought in the same way, one module at a time."""
     onloaded: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():

@@ -105,7 +105,7 @@ def _from_pretrained_kwargs(
     layers over devices (`device_map`) or of each layer over tensor-parallel ranks, never both."""
     kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if device_map and tensor_parallel > 1:
-        raise ValueError("--device-map and --tensor-parallel are exclusive: choose one way to split the model")
+        raise ValueError("--device auto and --tensor-parallel are exclusive: choose one way to split the model")
     if device_map:
         kwargs["device_map"] = device_map
     if tensor_parallel > 1:
@@ -151,7 +151,7 @@ def check_tensor_parallel(config, size: int) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(
-            f"{type(config).__name__} has no tensor-parallel plan in transformers; use --device-map instead"
+            f"{type(config).__name__} has no tensor-parallel plan in transformers; use --device auto instead"
         )
     if heads is None or kv_heads is None or heads % size or kv_heads % size:
         raise ValueError(

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from specdec.engine.rows import MAX_ROWS
 from specdec.rpc import keepalive, telemetry
 from specdec.rpc.model_thread import ModelThread
 
@@ -44,6 +45,24 @@ def configure_logging(level: str) -> None:
 # A call's metadata may be this large (gRPC's default is 8 KiB): a bearer token longer than any
 # accepted one is read and refused as UNAUTHENTICATED, not cut off as RESOURCE_EXHAUSTED.
 MAX_METADATA_BYTES = 1 << 20
+
+
+# What every message limit starts from: a round of K dense draft distributions over a 152k
+# vocabulary is 0.6 MB per token.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# gRPC's own ceiling for one message: its length is a signed 32-bit integer.
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+def model_message_bytes(vocab_size: int, max_context: int) -> int:
+    """A model service's message limit, from its model's shape: a call's rows (MAX_ROWS) each
+    carrying a distribution over the vocabulary (wire.encode_distributions sends a row sparse
+    only while it has at most half the vocabulary's entries, so at most 4.5 bytes an entry,
+    dense 4), ids for a sequence as long as the context (a re-sent session; at most 5 bytes each,
+    counted twice), and a MiB for the rest. Never under DEFAULT_MAX_MESSAGE_BYTES, nor over
+    gRPC's ceiling. The coordinator's channels to the services set no limit of their own."""
+    bound = MAX_ROWS * (9 * vocab_size // 2 + 32) + 10 * max_context + (1 << 20)
+    return min(max(bound, DEFAULT_MAX_MESSAGE_BYTES), GRPC_MAX_MESSAGE_BYTES)
 
 
 def message_size_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
@@ -262,12 +281,15 @@ async def start_model_server(
     if runner is None:
         runner = await model_thread.run(load)
     servicer, model_thread, registry = build_model_servicer(config, runner, make_servicer, service_name, model_thread)
+    description = runner.describe()
+    message_bytes = model_message_bytes(description.vocab_size, description.max_context)
+    logger.info("messages larger than %d bytes are refused", message_bytes)
     return await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],
         config.host,
         config.port,
-        config.max_message_bytes,
+        message_bytes,
         background=[
             lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))
         ],

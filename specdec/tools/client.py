@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf import json_format
 
-from specdec.config.services import DEFAULT_MAX_MESSAGE_BYTES, ClientSecurity, client_security
+from specdec.config.services import ClientSecurity, client_security
 from specdec.rpc.security import channel, load_client_security
-from specdec.rpc.serving import message_size_options
+from specdec.rpc.serving import DEFAULT_MAX_MESSAGE_BYTES, message_size_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 

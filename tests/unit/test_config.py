@@ -19,10 +19,14 @@ def test_environment_sets_defaults_and_flags_win():
         config.port = 1  # type: ignore[misc]
 
 
-def test_target_device_map_and_defaults():
-    config = target_config(["--model", "m", "--device-map", "auto"], {})
-    assert config.device_map == "auto" and config.device == "cpu" and config.dtype == "float32"
+def test_target_device_auto_and_defaults():
+    config = target_config(["--model", "m", "--device", "auto"], {})
+    assert config.device_map == "auto" and config.dtype == "float32" and config.problem() is None
     assert target_config(["--model", "m"], {}).device_map is None
+    with pytest.raises(SystemExit):
+        draft_config(["--model", "m", "--device", "auto"], {})
+    with pytest.raises(SystemExit):
+        target_config(["--model", "m", "--device", "auto", "--tensor-parallel", "2"], {})
 
 
 def test_malformed_environment_value_is_a_clear_start_up_error():

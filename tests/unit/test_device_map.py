@@ -1,10 +1,10 @@
-"""Device-map sharding (`--device-map`), on a CPU-only host.
+"""Device-map sharding (`--device auto`), on a CPU-only host.
 
-`--device-map auto` must load and serve where there is no GPU (accelerate then keeps every
+`--device auto` must load and serve where there is no GPU (accelerate then keeps every
 layer on the CPU). To exercise a real split, the second test dispatches the model with
 accelerate over two placements, layer 1's weights offloaded to disk and brought in by
 accelerate's hooks at every forward pass: the same hook path that moves activations from one
-GPU to the next under `--device-map auto`. Verification through it (lone, batched, rolled
+GPU to the next under `--device auto`. Verification through it (lone, batched, rolled
 back) must give what the plain model gives, and the KV cache must stay with its layer.
 """
 

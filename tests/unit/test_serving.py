@@ -37,3 +37,26 @@ def test_a_service_serves_with_what_start_up_made_out_of_the_collectors_sight(mo
     finally:
         gc.unfreeze()
         serving.freeze_start_up_objects()  # as the test session had it (tests/conftest.py)
+
+
+def test_a_services_message_limit_holds_a_calls_rows_over_its_vocabulary():
+    """`model_message_bytes` replaces --max-message-bytes: it must hold MAX_ROWS rows in their
+    largest wire form for the model's vocabulary, a context's ids, and never go under what every
+    model was served with before, nor over gRPC's ceiling."""
+    import torch
+
+    from specdec.engine.rows import MAX_ROWS
+    from specdec.rpc import wire
+
+    vocab = 300_000  # larger than any served today, so the bound is above the floor
+    half = torch.zeros(2, vocab)
+    half[0, vocab - vocab // 2 :] = 1.0 / (vocab // 2)  # the largest sparse row: the highest ids
+    half[1, :] = 1.0 / vocab  # a dense row
+    rows = wire.encode_distributions(half, 2, deterministic=False)
+    assert rows[0].HasField("sparse") and rows[1].HasField("dense")
+    largest_row = max(row.ByteSize() for row in rows) + 8  # and its field header in the message
+    context = 131_072
+    limit = serving.model_message_bytes(vocab, context)
+    assert MAX_ROWS * largest_row + 10 * context < limit < 2 * MAX_ROWS * largest_row
+    assert serving.model_message_bytes(1000, 2048) == serving.DEFAULT_MAX_MESSAGE_BYTES
+    assert serving.model_message_bytes(10**8, 1 << 20) == serving.GRPC_MAX_MESSAGE_BYTES

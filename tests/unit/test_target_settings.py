@@ -28,7 +28,7 @@ def test_auto_asked_for_means_int8_on_cpu_float32_and_never_for_a_split_model():
     assert base.quantize == "auto" and base.resolved_quantize() == "int8"
     assert dataclasses.replace(base, dtype="bfloat16").resolved_quantize() == "none"
     assert dataclasses.replace(base, device="cuda").resolved_quantize() == "none"
-    assert dataclasses.replace(base, device_map="auto").resolved_quantize() == "none"
+    assert dataclasses.replace(base, device="auto").resolved_quantize() == "none"
     assert parse_config(["--model", "m", "--quantize", "none"], env={}).resolved_quantize() == "none"
     assert parse_config(["--model", "m"], env={"SPECDEC_TARGET_QUANTIZE": "auto"}).quantize == "auto"
     for bad in (["--quantize", "int8", "--dtype", "bfloat16"], ["--quantize", "int8", "--tensor-parallel", "2"]):
