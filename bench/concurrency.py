@@ -125,7 +125,7 @@ class ConcurrencyRunner:
                     target,
                     config.target_model,
                     log_dir / f"coordinator-batching-{batching}.log",
-                    ["--max-num-speculative-tokens", "8", "--max-new-tokens-limit", "4096"],
+                    ["--max-new-tokens-limit", "4096"],
                     ROOT,
                     wait=False,
                 )

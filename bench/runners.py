@@ -92,8 +92,6 @@ class OursRunner:
                     config.target_model,
                     log_dir / f"coordinator-{drafter}-{variant}-{placement}.log",
                     [
-                        "--max-num-speculative-tokens",
-                        "8",
                         "--max-new-tokens-limit",
                         "4096",
                         *COORDINATORS[variant],

@@ -53,11 +53,7 @@ class Choosers:
     def overlap(self, job: Job, pair: PairInfo) -> Overlap:
         """What the request's rounds draft during their verify (coordinator.overlap): the flags'
         choice, or the cost model's at the acceptance the request's K chooser starts from."""
-        ks = (
-            tuple(range(1, pair.max_num_speculative_tokens + 1))
-            if chooses_k(job, pair)
-            else (job.num_speculative_tokens,)
-        )
+        ks = tuple(range(1, pair.chooser_max_k + 1)) if chooses_k(job, pair) else (job.num_speculative_tokens,)
         alpha = DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior
         config, sampled = self.config, not job.params.greedy
         # A tree round is never pipelined: a tree request, or one the tree chooser may give a
@@ -91,7 +87,7 @@ class Choosers:
             return None  # K fixed, or no measured costs to choose from: the default K
         assert pair.costs is not None
         return AdaptiveK(
-            k_max=pair.max_num_speculative_tokens,
+            k_max=pair.chooser_max_k,
             pipelined=overlap.pipelined,
             costs=overlap.costs(pair.costs, guesses=False),
             # A seeded sampled request's output depends on K, so its K may depend on nothing but

@@ -15,6 +15,7 @@ from specdec.config.services import (
     shutdown_grace_setting,
 )
 from specdec.config.settings import fixed, group, parse_settings, setting
+from specdec.engine.rows import MAX_ROWS
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
 from specdec.sampling.relaxed import (
@@ -88,9 +89,6 @@ class CoordinatorConfig:
         parse=parse_auto_count,
         shown="auto",
         more="See [The K chooser](design.md#the-k-chooser).",
-    )
-    max_num_speculative_tokens: int = setting(
-        8, "--max-num-speculative-tokens", "largest K a request may ask for (also capped by the services)"
     )
     default_max_new_tokens: int = setting(
         64,
@@ -223,6 +221,11 @@ class CoordinatorConfig:
         "consecutive failed draft calls after which rounds skip the draft until a pool refresh finds it "
         "serving; a refresh every --pool-refresh seconds bounds what a wrong guess costs either way",
     )
+    chooser_max_k: int = fixed(
+        8,
+        "the largest K the K chooser picks (and the overlap chooser prices), within what both services accept; a "
+        "request may fix a larger K, up to the services' --max-speculative-tokens, the one bound on a request's K",
+    )
     max_copied_tokens: int = fixed(
         32,
         "most tokens a copy (prompt lookup, suffix drafter) may carry in a round whose K the chooser picks; a "
@@ -235,8 +238,8 @@ class CoordinatorConfig:
     def problem(self) -> str | None:
         """A contradiction between flags, said in words; None if the config is consistent."""
         k = self.default_num_speculative_tokens
-        if k is not None and not 0 <= k <= self.max_num_speculative_tokens:
-            return "--num-speculative-tokens must be auto or in [0, --max-num-speculative-tokens]"
+        if k is not None and not 0 <= k < MAX_ROWS:
+            return f"--num-speculative-tokens must be auto or in [0, {MAX_ROWS - 1}] (the services' bound applies too)"
         if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.max_waiting_requests < 0:
             return "--pool-refresh must be > 0, --queue-timeout and --max-waiting-requests >= 0"
         if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:

@@ -19,7 +19,8 @@ class PairInfo:
     eos_token_ids: frozenset[int]
     max_context: int  # the target's
     draft_max_context: int
-    max_num_speculative_tokens: int  # the config's maximum, capped by both services'
+    max_num_speculative_tokens: int  # the largest K a request may ask for: both services' bound
+    chooser_max_k: int = 8  # the largest K the chooser picks (CoordinatorConfig.chooser_max_k, within the above)
     max_copied_tokens: int = 0  # the longest copy a chosen round may carry, capped by both services'
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
@@ -59,7 +60,8 @@ def pair_info(config: CoordinatorConfig, draft_info, target_info, costs: RoundCo
         eos_token_ids=frozenset(target_info.eos_token_ids),
         max_context=target_info.max_context,
         draft_max_context=draft_info.max_context,
-        max_num_speculative_tokens=min(config.max_num_speculative_tokens, services_max),
+        max_num_speculative_tokens=services_max,
+        chooser_max_k=min(config.chooser_max_k, services_max),
         max_copied_tokens=min(config.max_copied_tokens, services_max) if draft_info.copies else 0,
         costs=costs,
         target_model_id=target_info.model_id,

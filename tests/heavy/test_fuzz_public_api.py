@@ -295,9 +295,7 @@ def limits(stack, tiny_pair) -> Limits:
     return Limits(
         vocab_size=min(draft.vocab_size, target.vocab_size),
         max_context=target.max_context,
-        max_num_speculative_tokens=min(
-            config.max_num_speculative_tokens, draft.max_speculative_tokens, target.max_speculative_tokens
-        ),
+        max_num_speculative_tokens=min(draft.max_speculative_tokens, target.max_speculative_tokens),
         max_new_tokens_limit=config.max_new_tokens_limit,
         max_stop_strings=MAX_STOP_STRINGS,
         max_stop_string_chars=MAX_STOP_STRING_CHARS,

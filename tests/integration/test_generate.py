@@ -251,8 +251,8 @@ BAD_REQUESTS = {
     "zero max_new_tokens": (dict(prompt="hi", max_new_tokens=0), r"max_new_tokens must be in \[1, 2048\]"),
     "huge max_new_tokens": (dict(prompt="hi", max_new_tokens=100_000), r"max_new_tokens must be in \[1, 2048\]"),
     "prompt longer than context": (dict(prompt_token_ids=[5] * 256), "the model's context is 256"),
-    "K above maximum": (dict(prompt="hi", num_speculative_tokens=9), r"num_speculative_tokens must be in \[0, 8\]"),
-    "negative K": (dict(prompt="hi", num_speculative_tokens=-1), r"num_speculative_tokens must be in \[0, 8\]"),
+    "K above maximum": (dict(prompt="hi", num_speculative_tokens=33), r"num_speculative_tokens must be in \[0, 32\]"),
+    "negative K": (dict(prompt="hi", num_speculative_tokens=-1), r"num_speculative_tokens must be in \[0, 32\]"),
     "empty stop string": (dict(prompt="hi", stop=[""]), "stop strings must have 1 to 256 characters"),
     "too many stop strings": (dict(prompt="hi", stop=["x"] * 17), "at most 16 are accepted"),
 }

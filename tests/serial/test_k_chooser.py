@@ -151,7 +151,7 @@ async def test_copies_are_chosen_apart_from_model_drafts(tiny_pair, reference):
         draft_overrides={"drafter": "hybrid", "quantize": "none", "ngram_min": 1, "ngram_max": 4},
         # The costs calibrated here, held: live figures of 40-45 ms sleeps under CI moved the
         # copy chooser off copies longer than K once (a flake); live costs have their own tests.
-        coordinator_overrides={"max_num_speculative_tokens": 4, "max_copied_tokens": 12, "live_costs": False},
+        coordinator_overrides={"chooser_max_k": 4, "max_copied_tokens": 12, "live_costs": False},
         prepare_runners=dear_draft_flat_verify,
     ) as stack:
         assert stack.draft_runner.describe().copies

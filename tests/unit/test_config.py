@@ -94,7 +94,7 @@ def test_required_settings_are_named(capsys):
     )
     with pytest.raises(SystemExit):
         coordinator_config(
-            ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t", "--num-speculative-tokens", "9"], {}
+            ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t", "--num-speculative-tokens", "65"], {}
         )
     assert "--num-speculative-tokens must be auto or in [0" in capsys.readouterr().err
 
