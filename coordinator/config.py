@@ -90,12 +90,6 @@ class CoordinatorConfig:
         shown="auto",
         more="See [The K chooser](design.md#the-k-chooser).",
     )
-    default_max_new_tokens: int = setting(
-        64,
-        "--default-max-new-tokens",
-        "max_new_tokens when a gRPC request leaves it unset (an HTTP request without max_tokens gets the rest of "
-        "the context, up to --max-new-tokens-limit, as vLLM's)",
-    )
     max_new_tokens_limit: int = setting(2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for")
     draft_timeout_s: float = setting(30.0, "--draft-timeout", "deadline of one draft call, seconds")
     target_timeout_s: float = setting(60.0, "--target-timeout", "deadline of one target call, seconds")
@@ -210,6 +204,12 @@ class CoordinatorConfig:
     )
     security: ServerSecurity = group(ServerSecurity())  # the public API: TLS, client certificates, tokens
     # No flags (issue 66: a surface a user can hold): one value for every deployment.
+    default_max_new_tokens: int = fixed(
+        64,
+        "max_new_tokens when a gRPC request leaves it unset (an HTTP request without max_tokens gets the rest of "
+        "the context, up to --max-new-tokens-limit, as vLLM's): the API's documented default, which a client "
+        "overrides per request",
+    )
     min_vocab_overlap: float = fixed(
         0.1,
         "a draft with its own tokenizer (draft --target-tokenizer) must share at least this share of the "

@@ -37,7 +37,7 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int] = ()
     max_new_tokens: int | None = None
     # Where max_new_tokens is unset: the rest of the model's context (up to the server's
-    # --max-new-tokens-limit), as vLLM's HTTP API does; otherwise --default-max-new-tokens.
+    # --max-new-tokens-limit), as vLLM's HTTP API does; otherwise CoordinatorConfig.default_max_new_tokens.
     fill_context: bool = False
     temperature: float = 0.0
     top_k: int = 0

@@ -265,7 +265,22 @@ def render_tables(services: Sequence[Service], shared: tuple[str, str] | None = 
         ]
         title = f"{service.name.title()} only" if own else service.name.title()
         out += [f"### {title} (`python -m {_module(service)} --help`)", "", *_table(rows), ""]
+    out += _fixed_table(services)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _fixed_table(services: Sequence[Service]) -> list[str]:
+    """The values that are no flag (`fixed`), with why: what a deployment cannot change."""
+    rows = [
+        f"| {service.name} | `{item.name}` | {item.default!r} | {item.metadata[_FIXED]} |".replace("\n", " ")
+        for service in services
+        for item in fields(service.config)
+        if _FIXED in item.metadata
+    ]
+    if not rows:
+        return []
+    head = ["### Fixed values (no flag; code that builds a config, such as the tests, may set them)", ""]
+    return [*head, "| Service | Field | Value | What it is, and why it is fixed |", "|---|---|---|---|", *rows, ""]
 
 
 def _module(service: Service) -> str:

@@ -63,6 +63,6 @@ def test_an_unset_max_tokens_is_the_rest_of_the_context(body, limit, expected):
     tokenizer = byte_level_tokenizer()
     job = prepare_job(parse_body(body, chat=False).request, config, PAIR, tokenizer)
     assert job.max_new_tokens == expected
-    # The gRPC API's unset max_new_tokens stays the server's --default-max-new-tokens.
+    # The gRPC API's unset max_new_tokens stays the server's default_max_new_tokens (64).
     grpc_request = dataclasses.replace(GenerationRequest(prompt="abc"), max_new_tokens=None)
     assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == 8
