@@ -267,7 +267,7 @@ class Pool:
 
     @property
     def block_tokens(self) -> int:
-        """The replicas' prefix-cache block (ModelServiceConfig.prefix_block_tokens); 0 where they keep none."""
+        """The replicas' prefix-cache block (--prefix-block-tokens); 0 where they keep none."""
         cache = self.reference.prefix_cache if self.reference is not None else None
         return cache.block_tokens if cache is not None and cache.max_bytes else 0
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from draft_service.suffix import DEFAULT_MAX_MATCH
 from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting
-from specdec.config.settings import fixed, parse_settings, setting
+from specdec.config.settings import parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
@@ -53,11 +53,12 @@ class DraftConfig(ModelServiceConfig):
     )
     ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid, suffix): shortest suffix n-gram to match")
     ngram_max: int = setting(4, "--ngram-max", "prompt lookup (ngram, hybrid): longest suffix n-gram, tried first")
-    suffix_cache_tokens: int = fixed(
+    suffix_cache_tokens: int = setting(
         DEFAULT_SUFFIX_CACHE_TOKENS,
-        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from per cache namespace "
-        "(a request's cache_salt and bearer token), oldest dropped first: about 40 MB with its index, next to "
-        "nothing beside a model, and no measurement used another size",
+        "--suffix-cache-tokens",
+        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from, oldest dropped first",
+        more="Kept per cache namespace (a request's `cache_salt` and bearer token); see "
+        "[Suffix drafter](design.md#suffix-drafter).",
     )
     min_confidence: float = setting(
         DEFAULT_MIN_CONFIDENCE,
@@ -89,7 +90,7 @@ class DraftConfig(ModelServiceConfig):
                 "vocabulary is its head's, and its --model is its target's folder"
             )
         if self.drafter == "suffix" and self.suffix_cache_tokens < 1:
-            return f"suffix_cache_tokens must be >= 1; got {self.suffix_cache_tokens}"
+            return f"--suffix-cache-tokens must be >= 1; got {self.suffix_cache_tokens}"
         if self.drafter == "suffix" and self.ngram_min > DEFAULT_MAX_MATCH:
             return f"--ngram-min is the suffix drafter's shortest match; it must be <= {DEFAULT_MAX_MATCH}"
         if self.drafter in ("hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:

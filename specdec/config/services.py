@@ -227,13 +227,13 @@ class ModelServiceConfig:
         "that starts the same way prefills only the rest; 0 = off",
         parse=parse_bytes,
         more="Counted in --max-kv-bytes and given up, least recently used first, before any session is evicted. "
-        "With it on, prompts are prefilled in aligned blocks of 64 tokens, so a cached block holds "
+        "With it on, prompts are prefilled in aligned blocks of --prefix-block-tokens, so a cached block holds "
         "exactly what a fresh prefill computes. See [Prefix cache](design.md#prefix-cache).",
     )
-    prefix_block_tokens: int = fixed(
+    prefix_block_tokens: int = setting(
         DEFAULT_PREFIX_BLOCK_TOKENS,
-        "prefix cache: tokens per cached block (and per prefill pass while it is on); every measurement of the cache "
-        "used 64, and no other value was found to pay (tests use smaller blocks for their short prompts)",
+        "--prefix-block-tokens",
+        "prefix cache: tokens per cached block (and per prefill pass while it is on)",
     )
     trust_remote_code: bool = setting(
         False, "--trust-remote-code", "on: run Python code that comes with the model folder (only for models you trust)"
@@ -288,7 +288,7 @@ class ModelServiceConfig:
         if self.max_batch_size < 1:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
         if self.prefix_block_tokens < 1:
-            return f"prefix_block_tokens must be >= 1; got {self.prefix_block_tokens}"
+            return f"--prefix-block-tokens must be >= 1; got {self.prefix_block_tokens}"
         if self.max_kv_bytes and self.prefix_cache_bytes > self.max_kv_bytes:
             return (
                 f"--prefix-cache-bytes ({self.prefix_cache_bytes}) is counted in --max-kv-bytes "
