@@ -31,6 +31,7 @@ MAX_BONUS_GUESSES = wire.MAX_RUNNER_UPS + 1  # the argmax and each runner-up (Pr
 # Hedges, the pre-draft and its forks for other bonus guesses fit in one ProposeBranches call.
 assert MAX_HEDGES + MAX_BONUS_GUESSES <= wire.MAX_BRANCHES
 MAX_TARGET_ONLY_STEPS = wire.MAX_STEP_SEEDS + 1  # one Verify call's steps: its own and its step_seeds
+CHOOSER_MAX_K = 8  # the largest K the K chooser picks (CoordinatorConfig.chooser_max_k)
 FALLBACK_K = 4  # K for a request that leaves it unset where the chooser has no measured costs
 
 
@@ -222,7 +223,7 @@ class CoordinatorConfig:
         "serving; a refresh every --pool-refresh seconds bounds what a wrong guess costs either way",
     )
     chooser_max_k: int = fixed(
-        8,
+        CHOOSER_MAX_K,
         "the largest K the K chooser picks (and the overlap chooser prices), within what both services accept; a "
         "request may fix a larger K, up to the services' --max-speculative-tokens, the one bound on a request's K",
     )

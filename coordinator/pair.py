@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CHOOSER_MAX_K, CoordinatorConfig
 from coordinator.round_costs import RoundCosts
 from specdec.engine.calls import numerics
 
@@ -20,7 +20,7 @@ class PairInfo:
     max_context: int  # the target's
     draft_max_context: int
     max_num_speculative_tokens: int  # the largest K a request may ask for: both services' bound
-    chooser_max_k: int = 8  # the largest K the chooser picks (CoordinatorConfig.chooser_max_k, within the above)
+    chooser_max_k: int = CHOOSER_MAX_K  # the largest K the chooser picks (the config's, within the above)
     max_copied_tokens: int = 0  # the longest copy a chosen round may carry, capped by both services'
     costs: RoundCosts | None = None  # measured pass and RPC costs; None when a service did not calibrate
     target_model_id: str = ""  # as the target's Info reports it (the HTTP API's default model name)
