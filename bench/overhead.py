@@ -18,11 +18,17 @@ twice the last. Beside them, the same message and answer without gRPC (`serve_fr
 length frames on an asyncio TCP connection to a process that parses the message and answers it
 from a worker thread, as the service's model thread does, without the servicer's own code:
 what a leaner transport would cost on the same machine (docs/design.md, "Framework overhead").
+
+And the CPU each process spends per round outside the model passes (`thread_cpu_ms`: every
+thread's run time from /proc, the event loop's apart from the rest, less the compute the
+services report): the part of the overhead that is work, whatever the wall time adds by
+waiting for threads and idle vCPUs to wake.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import struct
 import subprocess
@@ -163,6 +169,27 @@ async def floor_ms(address: str, framed_port: int, calls: int = 300) -> dict[str
     return floors
 
 
+PROCESSES = ("coordinator", "draft", "target")
+
+
+def thread_cpu_ms(pid: int) -> tuple[float, float]:
+    """CPU time a process has run so far, ms: (its main thread, which runs the event loop; every
+    other live thread), from each thread's /proc schedstat (nanoseconds). Threads that have
+    exited are not counted."""
+    main = other = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                ms = int(f.read().split()[0]) / 1e6
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread exited meanwhile
+        if int(task) == pid:
+            main += ms
+        else:
+            other += ms
+    return main, other
+
+
 def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -199,9 +226,11 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         framed = spawn_framed(framed_port, logs / "framed.log")
         stack.callback(framed.stop)
         floors = asyncio.run(floor_ms(services["draft"].address, framed_port))
+        pids = {"coordinator": coordinator.process.pid, **{role: services[role].process.pid for role in services}}
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):
                 for decoding, temperature, k in CELLS:
+                    before = {name: thread_cpu_ms(pid) for name, pid in pids.items()}
                     response = stub.Generate(
                         pb.GenerateRequest(
                             prompt=prompt["text"],
@@ -215,6 +244,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                         ),
                         timeout=600,
                     )
+                    after = {name: thread_cpu_ms(pid) for name, pid in pids.items()}
                     s = response.stats
                     samples.append(
                         {
@@ -225,6 +255,10 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                             "round_ms": list(s.round_ms)[1:],
                             "round_overhead_ms": list(s.round_overhead_ms)[1:],
                             "k_per_round": list(s.k_per_round)[1:],
+                            # The whole request, its first round included: CPU and compute alike.
+                            "rounds_total": len(s.round_ms),
+                            "cpu_ms": {name: [a - b for a, b in zip(after[name], before[name])] for name in PROCESSES},
+                            "compute_ms": {"draft": s.draft_compute_ms, "target": s.target_compute_ms},
                         }
                     )
     return {
@@ -278,9 +312,29 @@ def summarise(results: dict) -> list[dict]:
                 "overhead_ms_p90": percentile(overheads, 90),
                 "per_rpc_ms_p50": percentile(calls, 50),
                 "per_rpc_ms_p90": percentile(calls, 90),
+                **cpu_per_round([s for s in results["samples"] if (s["decoding"], s["k"]) == (decoding, k)]),
             }
         )
     return rows
+
+
+def cpu_per_round(samples: list[dict]) -> dict:
+    """Per round of these requests, the CPU each process spent outside the model passes, ms:
+    {"cpu_ms_per_round": {process: [event loop, other threads]}, "cpu_total_ms_per_round"}. A
+    service's passes run on its model thread, so the compute it reports comes off its other
+    threads' time. Empty for samples without CPU figures (runs before they were taken)."""
+    if not samples or any("cpu_ms" not in s for s in samples):
+        return {}
+    rounds = sum(s["rounds_total"] for s in samples)
+    per_round = {}
+    for name in PROCESSES:
+        loop = sum(s["cpu_ms"][name][0] for s in samples)
+        other = sum(s["cpu_ms"][name][1] - s["compute_ms"].get(name, 0.0) for s in samples)
+        per_round[name] = [loop / rounds, other / rounds]
+    return {
+        "cpu_ms_per_round": per_round,
+        "cpu_total_ms_per_round": sum(sum(parts) for parts in per_round.values()),
+    }
 
 
 def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float]] | None = None) -> str:
@@ -301,6 +355,23 @@ def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float
             f"{r['round_ms_p50']:.2f} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p90']:.2f} | "
             f"{r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
         )
+    if any("cpu_ms_per_round" in r for r in rows):
+        lines += [
+            "",
+            "CPU per round outside the model passes, ms (each thread's run time from /proc; a service's "
+            "reported compute taken off its threads; loop: the event loop's thread; other: gRPC's threads, "
+            "the model thread's work outside the passes, the rest):",
+            "",
+            "| decoding | K | coordinator loop | coordinator other | draft loop | draft other | target loop "
+            "| target other | total |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if "cpu_ms_per_round" in r:
+                parts = [f"{ms:.2f}" for name in PROCESSES for ms in r["cpu_ms_per_round"][name]]
+                lines.append(
+                    f"| {r['decoding']} | {r['k']} | {' | '.join(parts)} | {r['cpu_total_ms_per_round']:.2f} |"
+                )
     if floors:
         lines += [
             "",

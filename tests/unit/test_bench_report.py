@@ -142,6 +142,57 @@ def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     assert "Floor" not in markdown_table(rows, machine)
 
 
+def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_services_threads():
+    """The CPU each process spent per round outside the passes: the requests' rounds pooled,
+    a service's reported compute off its other threads (where its model thread runs), the
+    coordinator's whole; no CPU figures in an older run's samples, no table."""
+    from bench.overhead import markdown_table
+    from bench.overhead import summarise as summarise_overhead
+
+    def sample(k, rounds, scale, decoding="greedy"):
+        return {
+            "decoding": decoding,
+            "k": k,
+            "round_ms": [10.0],
+            "round_overhead_ms": [2.0],
+            "k_per_round": [k],
+            "rounds_total": rounds,
+            "cpu_ms": {"coordinator": [2.0 * scale, 1.0 * scale], "draft": [1.0, 9.0], "target": [3.0, 25.0]},
+            "compute_ms": {"draft": 8.0, "target": 20.0},
+        }
+
+    samples = [sample(4, 2, 1.0), sample(4, 2, 3.0), sample(0, 1, 1.0), sample(0, 1, 1.0, "sampled")]
+    samples.append(sample(4, 1, 1.0, "sampled"))
+    rows = {(r["decoding"], r["k"]): r for r in summarise_overhead({"samples": samples})}
+    four = rows["greedy", 4]["cpu_ms_per_round"]
+    assert four["coordinator"] == pytest.approx([2.0, 1.0])  # (2 + 6) / 4 rounds, (1 + 3) / 4
+    assert four["draft"] == pytest.approx([0.5, 0.5])  # 2 / 4; (9 - 8) * 2 / 4
+    assert four["target"] == pytest.approx([1.5, 2.5])  # 6 / 4; (25 - 20) * 2 / 4
+    assert rows["greedy", 4]["cpu_total_ms_per_round"] == pytest.approx(8.0)
+    assert rows["greedy", 0]["cpu_ms_per_round"]["target"] == pytest.approx([3.0, 5.0])  # one round: 25 - 20
+    machine = {"cpu": "cpu", "cpu_flags": "avx2", "cores": 2, "torch": "2.13", "date": "today"}
+    assert "| greedy | 4 | 2.00 | 1.00 | 0.50 | 0.50 | 1.50 | 2.50 | 8.00 |" in markdown_table(
+        list(rows.values()), machine
+    )
+    older = [{key: value for key, value in s.items() if key not in ("cpu_ms", "compute_ms")} for s in samples]
+    assert "CPU per round" not in markdown_table(summarise_overhead({"samples": older}), machine)
+
+
+def test_overhead_thread_cpu_reads_this_process_threads():
+    """thread_cpu_ms reads /proc: the main thread's time grows with work done on it."""
+    import os
+    import time
+
+    from bench.overhead import thread_cpu_ms
+
+    main, _ = thread_cpu_ms(os.getpid())
+    started = time.thread_time()
+    while time.thread_time() - started < 0.05:
+        pass
+    later, other = thread_cpu_ms(os.getpid())
+    assert later - main >= 40.0 and other >= 0.0
+
+
 def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
     """`--suite multiturn`'s summary: first-token time of later turns against the uncached
     stack, tok/s against target-only and the hybrid drafter, outputs compared request by
