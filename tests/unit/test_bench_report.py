@@ -382,24 +382,39 @@ def test_a_dilated_pools_run_scales_every_profile_time_and_labels_its_tables(tmp
     assert "256 requests of 64 tokens, 8 a client in turn" in pools.markdown(results)
 
 
-def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_in_flight():
+def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_in_flight(monkeypatch):
     """bench.pools.load: two clients, requests of 20, 80 and 20 tokens taking 0.1, 0.4 and
     0.1 s. One client runs the 80-token request alone; the other the two short ones in turn.
     The whole run counts all 120 tokens over 0.4 s; the steady window is the short ones' 0.2 s,
-    holding their 40 tokens and half of the long one's 80."""
+    holding their 40 tokens and half of the long one's 80. The times are a clock of each
+    client thread's own, which its requests advance (the main thread reads the latest): a
+    loaded machine's scheduling does not move them. Real sleeps, a quarter as long, keep the
+    order in which the clients take the requests."""
+    import threading
     import time
+    from types import SimpleNamespace
 
     from bench import pools
     from specdec.v1 import coordinator_pb2 as pb
 
+    clocks: dict[int, float] = {}
+    main = threading.get_ident()
+
+    def now() -> float:
+        thread = threading.get_ident()
+        return max(clocks.values(), default=0.0) if thread == main else clocks.setdefault(thread, 0.0)
+
     class Stub:
         def Generate(self, request, timeout=None):
-            time.sleep(request.max_new_tokens / 200)
+            seconds = request.max_new_tokens / 200
+            time.sleep(seconds / 4)
+            clocks[threading.get_ident()] += seconds
             stats = pb.GenerationStats(generated_tokens=request.max_new_tokens)
             return pb.GenerateResponse(token_ids=[1] * request.max_new_tokens, stats=stats)
 
+    monkeypatch.setattr(pools, "time", SimpleNamespace(perf_counter=now))
     result = pools.load(Stub(), 2, [pools.request([1], None, tokens) for tokens in (20, 80, 20)], 1.0)
     assert result["tokens"] == 120 and not result["failed"]
-    assert result["tokens_per_s"] == pytest.approx(300, rel=0.1)
-    assert result["steady_s"] == pytest.approx(0.2, rel=0.1)
-    assert result["steady_tokens_per_s"] == pytest.approx(400, rel=0.05)
+    assert result["tokens_per_s"] == pytest.approx(300)
+    assert result["steady_s"] == pytest.approx(0.2)
+    assert result["steady_tokens_per_s"] == pytest.approx(400)
