@@ -53,7 +53,11 @@ def _write(results: dict, out_dir: Path) -> int:
     if results.get("suite") == "overhead":
         rows = overhead.summarise(results)
         results["summary"] = rows
-        return _save(results, overhead.markdown_table(rows, results["machine"], results.get("floor_ms")), out_dir)
+        return _save(
+            results,
+            overhead.markdown_table(rows, results["machine"], results.get("floor_ms"), results.get("floor_cpu_ms")),
+            out_dir,
+        )
     if results.get("suite") == "accelerator":
         return _save(results, accelerator.markdown(results), out_dir, accelerator.plot(results, out_dir))
     if results.get("suite") == "links":

@@ -134,20 +134,29 @@ def spawn_framed(port: int, log: Path) -> ServiceProcess:
     return framed
 
 
-async def floor_ms(address: str, framed_port: int, calls: int = 300) -> dict[str, list[float]]:
+async def floor_ms(
+    address: str, framed_port: int, calls: int = 300, server_pids: dict[str, int] | None = None
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """The transport under the figures, in ms per call (after 20 to warm up): see FLOORS.
-    `framed_port`: where serve_framed listens."""
+    `framed_port`: where serve_framed listens. Also the CPU of each line per call, ms: [this
+    client process, the server] where `server_pids` names the servers' processes ("grpc": the
+    draft service, "framed": serve_framed's), else [client] alone."""
     ghost = draft_pb2.ProposeRequest(
         session_id="overhead-floor", keep_tokens=1, new_tokens=[1], num_tokens=1, sampling=GREEDY
     )
     frame = FRAME.pack(ghost.ByteSize()) + ghost.SerializeToString()
     floors: dict[str, list[float]] = {name: [] for name in FLOORS}
+    cpu: dict[str, list[float]] = {}
     reader, writer = await asyncio.open_connection("127.0.0.1", framed_port)
     async with grpc.aio.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stream = draft_pb2_grpc.DraftStub(channel).ProposeStream()
         for name in FLOORS:
+            server = (server_pids or {}).get("framed" if name.startswith("framed") else "grpc")
             for i in range(calls + 20):
+                if i == 20:
+                    client_before = time.process_time()
+                    server_before = sum(thread_cpu_ms(server).values()) if server else 0.0
                 if name.endswith("_idle"):
                     await asyncio.sleep(0.01)
                 started = time.perf_counter()
@@ -164,30 +173,37 @@ async def floor_ms(address: str, framed_port: int, calls: int = 300) -> dict[str
                 assert reply is None or reply.error_code == grpc.StatusCode.NOT_FOUND.value[0], reply
                 if i >= 20:
                     floors[name].append((time.perf_counter() - started) * 1e3)
+            cpu[name] = [(time.process_time() - client_before) * 1e3 / calls]
+            if server:
+                cpu[name].append((sum(thread_cpu_ms(server).values()) - server_before) / calls)
         stream.cancel()
     writer.close()
-    return floors
+    return floors, cpu
 
 
 PROCESSES = ("coordinator", "draft", "target")
 
 
-def thread_cpu_ms(pid: int) -> tuple[float, float]:
-    """CPU time a process has run so far, ms: (its main thread, which runs the event loop; every
-    other live thread), from each thread's /proc schedstat (nanoseconds). Threads that have
-    exited are not counted."""
-    main = other = 0.0
+THREAD_KINDS = ("loop", "other", "model")
+
+
+def thread_cpu_ms(pid: int) -> dict[str, float]:
+    """CPU time a process has run so far, ms, by thread: "loop" its main thread (the event
+    loop), "model" a model service's model thread and the torch threads it started (their OS
+    name ends in "-model": specdec.rpc.model_thread.name_os_thread), "other" every other live
+    thread (gRPC's, executors'). From each thread's /proc schedstat (nanoseconds); threads that
+    have exited are not counted."""
+    spent = dict.fromkeys(THREAD_KINDS, 0.0)
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
                 ms = int(f.read().split()[0]) / 1e6
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = f.read().strip()
         except (FileNotFoundError, ProcessLookupError):
             continue  # the thread exited meanwhile
-        if int(task) == pid:
-            main += ms
-        else:
-            other += ms
-    return main, other
+        spent["loop" if int(task) == pid else "model" if name.endswith("-model") else "other"] += ms
+    return spent
 
 
 def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
@@ -225,8 +241,9 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         framed_port = free_port()
         framed = spawn_framed(framed_port, logs / "framed.log")
         stack.callback(framed.stop)
-        floors = asyncio.run(floor_ms(services["draft"].address, framed_port))
         pids = {"coordinator": coordinator.process.pid, **{role: services[role].process.pid for role in services}}
+        server_pids = {"grpc": pids["draft"], "framed": framed.process.pid}
+        floors, floor_cpu = asyncio.run(floor_ms(services["draft"].address, framed_port, server_pids=server_pids))
         for repeat in range(config.repeats):
             for index, prompt in enumerate(prompts):
                 for decoding, temperature, k in CELLS:
@@ -257,7 +274,10 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
                             "k_per_round": list(s.k_per_round)[1:],
                             # The whole request, its first round included: CPU and compute alike.
                             "rounds_total": len(s.round_ms),
-                            "cpu_ms": {name: [a - b for a, b in zip(after[name], before[name])] for name in PROCESSES},
+                            "cpu_ms": {
+                                name: {kind: after[name][kind] - before[name][kind] for kind in THREAD_KINDS}
+                                for name in PROCESSES
+                            },
                             "compute_ms": {"draft": s.draft_compute_ms, "target": s.target_compute_ms},
                         }
                     )
@@ -267,6 +287,7 @@ def run_overhead(config, prompts: list[dict], machine: dict) -> dict:
         "machine": machine,
         "samples": samples,
         "floor_ms": floors,
+        "floor_cpu_ms": floor_cpu,
     }
 
 
@@ -320,24 +341,37 @@ def summarise(results: dict) -> list[dict]:
 
 def cpu_per_round(samples: list[dict]) -> dict:
     """Per round of these requests, the CPU each process spent outside the model passes, ms:
-    {"cpu_ms_per_round": {process: [event loop, other threads]}, "cpu_total_ms_per_round"}. A
-    service's passes run on its model thread, so the compute it reports comes off its other
-    threads' time. Empty for samples without CPU figures (runs before they were taken)."""
+    {"cpu_ms_per_round": {process: {"loop", "other", "model"}}, "cpu_total_ms_per_round"}.
+    "model" is the model thread's CPU less the compute the service reports (the passes' wall
+    time, which also counts time the thread waited for a core, so on a busy host it can come
+    out below 0); the total is the event loops' and the other threads' alone. Empty for
+    samples without CPU figures (runs before they were taken)."""
     if not samples or any("cpu_ms" not in s for s in samples):
         return {}
     rounds = sum(s["rounds_total"] for s in samples)
-    per_round = {}
-    for name in PROCESSES:
-        loop = sum(s["cpu_ms"][name][0] for s in samples)
-        other = sum(s["cpu_ms"][name][1] - s["compute_ms"].get(name, 0.0) for s in samples)
-        per_round[name] = [loop / rounds, other / rounds]
+    per_round = {
+        name: {
+            kind: sum(
+                s["cpu_ms"][name][kind] - (s["compute_ms"].get(name, 0.0) if kind == "model" else 0.0) for s in samples
+            )
+            / rounds
+            for kind in THREAD_KINDS
+        }
+        for name in PROCESSES
+    }
     return {
         "cpu_ms_per_round": per_round,
-        "cpu_total_ms_per_round": sum(sum(parts) for parts in per_round.values()),
+        "cpu_total_ms_per_round": sum(parts["loop"] + parts["other"] for parts in per_round.values()),
     }
 
 
-def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float]] | None = None) -> str:
+def markdown_table(
+    rows: list[dict],
+    machine: dict,
+    floors: dict[str, list[float]] | None = None,
+    floor_cpu: dict[str, list[float]] | None = None,
+) -> str:
+    """`floor_cpu`: per floor line, [client, server] CPU per call in ms (floor_ms)."""
     lines = [
         f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cores']} cores; torch "
         f"{machine['torch']}; {machine['date']}",
@@ -358,20 +392,21 @@ def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float
     if any("cpu_ms_per_round" in r for r in rows):
         lines += [
             "",
-            "CPU per round outside the model passes, ms (each thread's run time from /proc; a service's "
-            "reported compute taken off its threads; loop: the event loop's thread; other: gRPC's threads, "
-            "the model thread's work outside the passes, the rest):",
+            "CPU per round outside the model passes, ms, each thread's run time from /proc: loop, the event loop's "
+            "thread; other, gRPC's and the rest; model, a service's model thread less the passes' reported time "
+            "(which counts waits for a core, so a busy host can take it below 0). Total: the loops and others.",
             "",
-            "| decoding | K | coordinator loop | coordinator other | draft loop | draft other | target loop "
-            "| target other | total |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| decoding | K | coordinator loop | coordinator other | draft loop | draft other | draft model | "
+            "target loop | target other | target model | total |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             if "cpu_ms_per_round" in r:
-                parts = [f"{ms:.2f}" for name in PROCESSES for ms in r["cpu_ms_per_round"][name]]
-                lines.append(
-                    f"| {r['decoding']} | {r['k']} | {' | '.join(parts)} | {r['cpu_total_ms_per_round']:.2f} |"
-                )
+                spent = r["cpu_ms_per_round"]
+                parts = [spent["coordinator"]["loop"], spent["coordinator"]["other"]]
+                parts += [spent[role][kind] for role in ("draft", "target") for kind in ("loop", "other", "model")]
+                cells = " | ".join(f"{ms:.2f}" for ms in parts)
+                lines.append(f"| {r['decoding']} | {r['k']} | {cells} | {r['cpu_total_ms_per_round']:.2f} |")
     if floors:
         lines += [
             "",
@@ -380,8 +415,10 @@ def markdown_table(rows: list[dict], machine: dict, floors: dict[str, list[float
             "",
         ]
         for name, times in floors.items():
+            cpu = (floor_cpu or {}).get(name) or []
+            spent = [f"client {cpu[0]:.2f} ms"] + [f"server {ms:.2f} ms" for ms in cpu[1:]] if cpu else []
             lines.append(
                 f"- {FLOORS.get(name, name)}: {percentile(times, 50):.2f} ms p50, {percentile(times, 90):.2f} ms p90 "
-                f"({len(times)} calls)"
+                f"({len(times)} calls{'; CPU a call: ' + ', '.join(spent) if spent else ''})"
             )
     return "\n".join(lines) + "\n"

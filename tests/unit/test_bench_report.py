@@ -140,12 +140,15 @@ def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     assert "bare unary call" in table and "0.70 ms p50" in table
     assert "after 10 ms idle" in table and "0.80 ms p50" in table
     assert "Floor" not in markdown_table(rows, machine)
+    with_cpu = markdown_table(rows, machine, {"unary": [0.5], "framed": [0.2]}, {"unary": [0.3, 0.6], "framed": [0.1]})
+    assert "(1 calls; CPU a call: client 0.30 ms, server 0.60 ms)" in with_cpu
+    assert "(1 calls; CPU a call: client 0.10 ms)" in with_cpu
 
 
-def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_services_threads():
+def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_model_threads():
     """The CPU each process spent per round outside the passes: the requests' rounds pooled,
-    a service's reported compute off its other threads (where its model thread runs), the
-    coordinator's whole; no CPU figures in an older run's samples, no table."""
+    a service's reported compute off its model thread's, the total the event loops' and the
+    other threads' alone; no CPU figures in an older run's samples, no table."""
     from bench.overhead import markdown_table
     from bench.overhead import summarise as summarise_overhead
 
@@ -157,7 +160,11 @@ def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_services_thre
             "round_overhead_ms": [2.0],
             "k_per_round": [k],
             "rounds_total": rounds,
-            "cpu_ms": {"coordinator": [2.0 * scale, 1.0 * scale], "draft": [1.0, 9.0], "target": [3.0, 25.0]},
+            "cpu_ms": {
+                "coordinator": {"loop": 2.0 * scale, "other": 1.0 * scale, "model": 0.0},
+                "draft": {"loop": 1.0, "other": 0.5, "model": 9.0},
+                "target": {"loop": 3.0, "other": 1.0, "model": 19.0},
+            },
             "compute_ms": {"draft": 8.0, "target": 20.0},
         }
 
@@ -165,32 +172,46 @@ def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_services_thre
     samples.append(sample(4, 1, 1.0, "sampled"))
     rows = {(r["decoding"], r["k"]): r for r in summarise_overhead({"samples": samples})}
     four = rows["greedy", 4]["cpu_ms_per_round"]
-    assert four["coordinator"] == pytest.approx([2.0, 1.0])  # (2 + 6) / 4 rounds, (1 + 3) / 4
-    assert four["draft"] == pytest.approx([0.5, 0.5])  # 2 / 4; (9 - 8) * 2 / 4
-    assert four["target"] == pytest.approx([1.5, 2.5])  # 6 / 4; (25 - 20) * 2 / 4
-    assert rows["greedy", 4]["cpu_total_ms_per_round"] == pytest.approx(8.0)
-    assert rows["greedy", 0]["cpu_ms_per_round"]["target"] == pytest.approx([3.0, 5.0])  # one round: 25 - 20
+    assert four["coordinator"] == pytest.approx({"loop": 2.0, "other": 1.0, "model": 0.0})  # (2 + 6) / 4 rounds
+    assert four["draft"] == pytest.approx({"loop": 0.5, "other": 0.25, "model": 0.5})  # (9 - 8) * 2 / 4
+    assert four["target"] == pytest.approx({"loop": 1.5, "other": 0.5, "model": -0.5})  # (19 - 20) * 2 / 4
+    assert rows["greedy", 4]["cpu_total_ms_per_round"] == pytest.approx(5.75)  # loops and others
+    assert rows["greedy", 0]["cpu_ms_per_round"]["target"]["model"] == pytest.approx(-1.0)  # one round
     machine = {"cpu": "cpu", "cpu_flags": "avx2", "cores": 2, "torch": "2.13", "date": "today"}
-    assert "| greedy | 4 | 2.00 | 1.00 | 0.50 | 0.50 | 1.50 | 2.50 | 8.00 |" in markdown_table(
-        list(rows.values()), machine
-    )
+    table = markdown_table(list(rows.values()), machine)
+    assert "| greedy | 4 | 2.00 | 1.00 | 0.50 | 0.25 | 0.50 | 1.50 | 0.50 | -0.50 | 5.75 |" in table
     older = [{key: value for key, value in s.items() if key not in ("cpu_ms", "compute_ms")} for s in samples]
     assert "CPU per round" not in markdown_table(summarise_overhead({"samples": older}), machine)
 
 
-def test_overhead_thread_cpu_reads_this_process_threads():
-    """thread_cpu_ms reads /proc: the main thread's time grows with work done on it."""
+def test_overhead_thread_cpu_tells_the_loop_from_a_model_thread():
+    """thread_cpu_ms reads /proc: work on the main thread is the loop's, work on a ModelThread
+    (named for the OS) the model's."""
+    import asyncio
     import os
     import time
 
     from bench.overhead import thread_cpu_ms
+    from specdec.rpc.model_thread import ModelThread
 
-    main, _ = thread_cpu_ms(os.getpid())
-    started = time.thread_time()
-    while time.thread_time() - started < 0.05:
-        pass
-    later, other = thread_cpu_ms(os.getpid())
-    assert later - main >= 40.0 and other >= 0.0
+    def burn(seconds: float) -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < seconds:
+            pass
+
+    async def main() -> None:
+        model = ModelThread("draft-model")
+        await model.run(burn, 0.0)  # the thread exists from here on
+        before = thread_cpu_ms(os.getpid())
+        burn(0.05)
+        await model.run(burn, 0.05)
+        after = thread_cpu_ms(os.getpid())
+        model.shutdown()
+        assert after["loop"] - before["loop"] >= 40.0
+        assert after["model"] - before["model"] >= 40.0
+        assert after["other"] - before["other"] < 40.0
+
+    asyncio.run(main())
 
 
 def test_the_multiturn_table_compares_each_stack_with_the_uncached_one():
