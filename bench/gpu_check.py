@@ -13,6 +13,11 @@
    `generate()` for information.
 3. **Speed.** tok/s of each mode from the coordinator's own request times, the modes
    interleaved over the repeats.
+4. **Captured against eager passes** (issue 67's goals), each model loaded twice, with
+   `--cuda-graphs on` (captured on CUDA) and `off`: a one-token pass, a verify of 8 tokens
+   (the target) and, for the target, a batched verify of 32 sessions × 5 tokens, after 128
+   cached tokens each; the same lower quartile. Steps 1-3 run with the services' default
+   (`auto`: captured on CUDA), so their profile is the captured passes'.
 
 Models: `--target` and `--draft` (default: the real pair `make run` prepares in .cache/models).
 A folder with a config and a tokenizer but no weights (a device machine reaches no model hub,
@@ -156,15 +161,8 @@ def measure_profile(runner, name: str, device: str, sizes: list[int], contexts: 
 
 
 def profiles(checked: list[Checked], args, device_name: str) -> None:
-    from draft_service.config import parse_config as draft_config
-    from draft_service.server import load_runner as load_draft
-    from target_service.config import parse_config as target_config
-    from target_service.loading import load_runner as load_target
-
     for model in checked:
-        flags = ["--model", str(model.folder), "--device", args.device, "--dtype", args.dtype, "--calibrate", "off"]
-        flags += ["--max-speculative-tokens", "8"]
-        runner = load_target(target_config(flags)) if model.role == "target" else load_draft(draft_config(flags))
+        runner = load_runner(model, args, "auto")
         figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.pass_repeats)
         weights = "random weights of its shape" if model.random_weights else "its own weights"
         model.profile = {
@@ -185,6 +183,74 @@ def profiles(checked: list[Checked], args, device_name: str) -> None:
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def load_runner(model: Checked, args, cuda_graphs: str, max_batch_size: int = 8):
+    """The service's runner for `model`, loaded as the service loads it, without calibration."""
+    from draft_service.config import parse_config as draft_config
+    from draft_service.server import load_runner as load_draft
+    from target_service.config import parse_config as target_config
+    from target_service.loading import load_runner as load_target
+
+    flags = ["--model", str(model.folder), "--device", args.device, "--dtype", args.dtype, "--calibrate", "off"]
+    flags += ["--max-speculative-tokens", "8", "--cuda-graphs", cuda_graphs, "--max-batch-size", str(max_batch_size)]
+    return load_target(target_config(flags)) if model.role == "target" else load_draft(draft_config(flags))
+
+
+def captured_against_eager(checked: list[Checked], args) -> dict:
+    """Per model and --cuda-graphs setting: ms of a one-token pass, an 8-token verify (the
+    target) and a batched verify of `args.batch_sessions` × 5 tokens (the target), each after
+    128 cached tokens; and the buckets the static passes ran."""
+    results: dict = {}
+    for model in checked:
+        results[model.role] = {}
+        for setting in ("off", "on"):
+            runner = load_runner(model, args, setting, max_batch_size=args.batch_sessions)
+            vocab, context = runner.loaded.vocab_size, 128
+            ids = torch.randint(0, vocab, (context + 8,), generator=torch.Generator().manual_seed(2)).tolist()
+            session = runner.sessions.open("graphs", 0)
+            with torch.inference_mode():
+                runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
+            keep_all = model.role == "target"
+            figures: dict[str, float | str] = {
+                "1 token": time_pass(
+                    runner, session, context, ids[context : context + 1], keep_all, args.device, args.pass_repeats
+                )
+            }
+            if model.role == "target":
+                figures["8 tokens"] = time_pass(
+                    runner, session, context, ids[context:], True, args.device, args.pass_repeats
+                )
+                figures[f"{args.batch_sessions} x 5 tokens"] = time_batch(runner, ids, context, args)
+            runner.end_session("graphs", keep=False)
+            figures["buckets"] = runner.static.describe() if runner.static is not None else "eager"
+            results[model.role][setting] = figures
+            del runner, session
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return results
+
+
+def time_batch(runner, ids: list[int], context: int, args) -> float:
+    """ms of one batched verify of `args.batch_sessions` sessions × 5 tokens after `context`
+    cached tokens each (their prompts prefilled first), the lower quartile of the repeats."""
+    sessions = [runner.sessions.open(f"batch-{i}", 0) for i in range(args.batch_sessions)]
+    with torch.inference_mode():
+        for session in sessions:
+            runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
+    times = []
+    for repeat in range(args.pass_repeats + 1):
+        feeds = [session.extend(context, ids[context : context + 5]) for session in sessions]
+        synchronize(args.device)
+        started = time.perf_counter()
+        runner.forward_batch(sessions, feeds, [5] * len(sessions))
+        synchronize(args.device)
+        if repeat:
+            times.append((time.perf_counter() - started) * 1e3)
+    for session in sessions:
+        runner.end_session(session.session_id, keep=False)
+    return settled(times)
 
 
 def generate(stub, prompt_ids: list[int], k: int | None, max_new_tokens: int) -> pb.GenerateResponse:
@@ -307,6 +373,15 @@ def report(results: dict, args) -> str:
     for role, profile in results["profiles"].items():
         cells = " | ".join(f"{ms:.2f}" for _, ms in profile["pass_ms"])
         lines.append(f"| {role} | {cells} | {profile['context_ms_per_1k']:.3f} |")
+    lines += ["", "## Captured (--cuda-graphs on) against eager (off) passes, ms after 128 cached tokens", ""]
+    lines += ["| model | pass | eager | static | static / eager |", "|---|---|---|---|---|"]
+    for role, settings in results["captured_against_eager"].items():
+        for name, eager in settings["off"].items():
+            if name != "buckets":
+                static = settings["on"][name]
+                lines.append(f"| {role} | {name} | {eager:.2f} | {static:.2f} | {static / eager:.2f} |")
+    for role, settings in results["captured_against_eager"].items():
+        lines.append(f"\n{role}'s static passes: {settings['on']['buckets']}")
     if results["services"] is None:
         return "\n".join(lines) + "\n\n--profiles-only: the services were not run.\n"
     lines += ["", "## Greedy identity and speed", ""]
@@ -339,6 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
+    parser.add_argument("--batch-sessions", type=int, default=32, help="sessions in the timed batched verify")
     args = parser.parse_args(argv)
     args.sizes = sorted({int(n) for n in args.sizes.split(",")})
     args.contexts = sorted({int(n) for n in args.contexts.split(",")})
@@ -359,6 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in checked.values()]}", flush=True)
         profiles(list(checked.values()), args, device_name)
         print("pass costs measured", flush=True)
+        graphs = captured_against_eager(list(checked.values()), args)
+        print("captured and eager passes compared", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
         prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
         served = None if args.profiles_only else services(checked, args, prompts)
@@ -372,6 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
             "random_weights": any(c.random_weights for c in checked.values()),
             "prompts": PROMPTS[: args.prompts],
             "profiles": {role: c.profile for role, c in checked.items()},
+            "captured_against_eager": graphs,
             "services": served,
             "transformers_generate": None
             if served is None

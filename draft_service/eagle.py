@@ -28,6 +28,7 @@ class EagleRunner(DraftRunner):
     """The model drafter over an EAGLE head (its settings: DraftStepper's)."""
 
     shares_passes = False  # a session's passes read its own track: the servicer runs calls one by one
+    takes_static_passes = False  # the head reads that track mid-pass: no fixed-shape or captured passes
 
     def __init__(self, loaded, head: LoadedHead, **settings) -> None:
         super().__init__(loaded, head_ids=head.head_ids, **settings)

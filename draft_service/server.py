@@ -159,7 +159,8 @@ def _quantized(config: DraftConfig, loaded: LoadedModel) -> LoadedModel:
 
 def _paced_and_calibrated(config: DraftConfig, runner: R) -> R:
     """--pass-cost-profile (before calibration, which then measures the emulated passes) and
-    --calibrate, for either model runner."""
+    --calibrate, for either model runner, after --cuda-graphs (so calibration times its passes)."""
+    runner.use_static_passes(config.cuda_graphs)
     if config.pass_cost_profile:
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:

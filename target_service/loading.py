@@ -55,6 +55,7 @@ def load_runner(config: TargetConfig) -> TargetRunner:
         prefix_block_tokens=config.prefix_block_tokens,
     )
     runner.max_batch_size = config.max_batch_size
+    runner.use_static_passes(config.cuda_graphs)  # before calibration, which then times its passes
     if config.pass_cost_profile:  # before calibration, which then measures the emulated passes
         runner.pacer = Pacer(load_profile(config.pass_cost_profile))
     if config.calibrate:

@@ -187,6 +187,17 @@ class ModelServiceConfig:
         "torch device: cpu, cuda or cuda:N; the target also takes auto, its layers over every visible GPU "
         "(accelerate's device map)",
     )
+    cuda_graphs: str = setting(
+        "auto",
+        "--cuda-graphs",
+        "auto: on for a CUDA device; on: decode, verify and tree passes of up to 64 tokens a session run in "
+        "shapes fixed ahead, over the KV pool, captured as CUDA graphs (on CPU: uncaptured, as the tests run "
+        "them); off: every pass eager",
+        choices=("auto", "on", "off"),
+        more="A bucket's graph is captured at its first pass; one-session passes of 1-8 tokens up to 2k tokens of "
+        "context at start-up. The start-up log and `Info` name the buckets. See "
+        "[Captured passes](design.md#captured-passes).",
+    )
     host: str = host_setting()
     port: int = port_setting(0)
     threads: int = setting(

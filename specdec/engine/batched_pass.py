@@ -16,6 +16,7 @@ from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.sessions import KVSession, SessionStore
+from specdec.engine.static_pass import Row, StaticPasses, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_attention_mask, tree_position_ids
 from specdec.sampling.tree_sampling import ancestors
 
@@ -139,6 +140,36 @@ def padded_tree_pass(
     return results
 
 
+def static_batch(
+    runner: BatchRunner,
+    static: StaticPasses,
+    sessions: list[KVSession],
+    token_ids: list[list[int]],
+    indices: list[int],
+    logits_to_keep: list[int],
+    trees: list[tuple[list[int], list[int]]] | None,
+) -> list[torch.Tensor]:
+    """`padded_pass` or `padded_tree_pass` as one static pass (specdec.engine.static_pass):
+    each session's entries stay in its own extent, read in place, with nothing padded in or
+    handed back. `indices`: each session's item of `logits_to_keep` and `trees`."""
+    rows = []
+    for session, tokens, index in zip(sessions, token_ids, indices):
+        if trees is None:
+            rows.append(Row(session.cache, tokens, keep=logits_to_keep[index]))
+        else:
+            rows.append(tree_row(session.cache, tokens, *trees[index]))
+    past = sum(session.cached_tokens for session in sessions)
+    with runner._paced(sum(len(row.token_ids) for row in rows), past):
+        logits = static.run(rows)
+        runner._synchronize()
+    if trees is not None:
+        for session, index in zip(sessions, indices):
+            nodes, parents = trees[index]
+            session.tree = CachedTree(len(session.tokens), tuple(nodes), tuple(parents), len(nodes))
+    _count_pass(runner, sum(len(row.token_ids) for row in rows), len(rows))
+    return logits
+
+
 def _tree_batch_pass(runner: BatchRunner, input_ids, mask, positions, cache, logit_positions):
     """The model over a batch of token trees (laid out by `padded_tree_pass`)."""
     device = runner.loaded.device
@@ -215,6 +246,12 @@ class DecodeBatch:
         if self._failed or sorted(feeds) != sorted(s.session_id for s in members) or not all(feeds.values()):
             raise AssertionError("a decode batch steps each of its sessions, one token or more, until a pass fails")
         new = sum(len(tokens) for tokens in feeds.values())
+        static = getattr(runner, "static", None)
+        if self._cache is None and static is not None:
+            if static.fits([(session.cache, len(feeds[session.session_id])) for session in members]):
+                return self._static_step(static, members, feeds)
+            # Padded from here on: every member's cache is its own and current, so all join anew.
+            self.sessions, self._lengths, self._left, self._joining = [], [], set(), members
         try:
             context = sum(session.cached_tokens for session in self._joining) + sum(
                 length for row, length in enumerate(self._lengths) if row not in self._left
@@ -253,6 +290,28 @@ class DecodeBatch:
         _count_pass(runner, new, batch)
         logits = out.logits[:, -1].float()  # [B, V]
         return {session.session_id: logits[row] for row, session in enumerate(self.sessions)}
+
+    def _static_step(
+        self, static: StaticPasses, members: list[KVSession], feeds: dict[str, list[int]]
+    ) -> dict[str, torch.Tensor]:
+        """`step` as one static pass (specdec.engine.static_pass): each member's entries stay
+        in its own extent, so nothing is padded in now or split back when it leaves."""
+        runner = self._runner
+        rows = [Row(session.cache, feeds[session.session_id]) for session in members]
+        new = sum(len(row.token_ids) for row in rows)
+        try:
+            with runner._paced(new, sum(session.cached_tokens for session in members)):
+                logits = static.run(rows)
+                runner._synchronize()
+        except BaseException:
+            self._failed = True
+            for session in members:
+                runner.sessions.end(session.session_id)
+            raise
+        self.sessions, self._joining, self._left = members, [], set()
+        self._lengths = [session.cached_tokens for session in members]
+        _count_pass(runner, new, len(rows))
+        return {session.session_id: row[-1] for session, row in zip(members, logits)}
 
     def _regroup(self) -> None:
         """Drops the rows that left and the columns no row holds any more, then pads in the

@@ -65,6 +65,7 @@ class ModelDescription:
     feature_layers: tuple[int, ...] = ()  # an EAGLE head: the target's hidden states it reads
     feature_target_fingerprint: str = ""  # an EAGLE head: the weights of the target it was made for
     pass_cost_profile: str = ""  # the accelerator the passes are held to (bench.emulated), "" = none
+    static_passes: str = ""  # --cuda-graphs: the buckets run so far (StaticPasses.describe), "" = eager
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
     # The prefix cache's figures (ModelInfo.prefix_cache): bytes, max_bytes, block_tokens, lookups,
     # hits, tokens_saved; () when it is off.

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from specdec.engine import attention
-from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass
+from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass, static_batch
 from specdec.engine.batching import MAX_PADDING_RATIO, result_or_error
 from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
@@ -27,6 +27,7 @@ from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import KVSession, SessionStore
+from specdec.engine.static_pass import Row, StaticPasses, static_passes_for, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_forward
 from specdec.errors import ModelOutputError
 
@@ -44,6 +45,7 @@ class ModelRunner:
     """A causal LM with per-session KV caches. Not thread-safe: one thread drives it."""
 
     max_padding_ratio = MAX_PADDING_RATIO  # batched calls: see batch_groups
+    takes_static_passes = True  # False: a runner whose passes read Python state mid-pass (an EAGLE head)
 
     def __init__(
         self,
@@ -89,6 +91,12 @@ class ModelRunner:
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
         # bench.emulated: every pass is held to an accelerator's time (specdec.engine.pace).
         self.pacer: Pacer | None = None
+        # --cuda-graphs: passes of fixed shapes over the pool, captured on CUDA (use_static_passes).
+        self.static: StaticPasses | None = None
+
+    def use_static_passes(self, setting: str) -> None:
+        """--cuda-graphs (specdec.engine.static_pass.static_passes_for); after max_batch_size is set."""
+        self.static = static_passes_for(self, setting)
 
     def new_cache(self) -> Cache:
         """An empty cache for a new session: an extent of the pool (PoolFull when none is free)."""
@@ -114,6 +122,7 @@ class ModelRunner:
             weights_fingerprint=self.weights.fingerprint,
             device_kind=self.weights.device_kind,
             pass_cost_profile=self.pacer.profile.name if self.pacer else "",
+            static_passes=self.static.describe() if self.static is not None else "",
             emulation_overruns=self.pacer.overruns if self.pacer else 0,
             trees=True,  # both model runners score token trees (forward_tree)
             max_batch_size=self.max_batch_size,
@@ -210,7 +219,15 @@ class ModelRunner:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
             new_tokens = self._prefill_blocks(session, new_tokens, 1)[0] if new_tokens else new_tokens
             with self._paced(len(new_tokens) + ran, session.cached_tokens):
-                logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
+                if (
+                    self.static is not None
+                    and first_node == 1
+                    and (new_tokens or session.cached_tokens)
+                    and self.static.fits([(session.cache, len(new_tokens) + ran)])
+                ):
+                    logits = self.static.run([tree_row(session.cache, new_tokens, token_ids, parents)])[0]
+                else:
+                    logits = tree_forward(self.model, session.model_cache(), new_tokens, token_ids, parents, first_node)
                 self._synchronize()
         except BaseException:
             self.sessions.end(session.session_id)  # as in `forward`: a half-updated cache is not kept
@@ -274,18 +291,21 @@ class ModelRunner:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
         cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
         with self._paced(len(token_ids), start):
-            out = self.model(
-                input_ids=input_ids,
-                **with_cache(self.model, session.cache),
-                cache_position=cache_position,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            if self.static is not None and self.static.fits([(session.cache, len(token_ids))]):
+                logits = self.static.run([Row(session.cache, token_ids, keep=logits_to_keep)])[0]
+            else:
+                out = self.model(
+                    input_ids=input_ids,
+                    **with_cache(self.model, session.cache),
+                    cache_position=cache_position,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                )
+                logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
             self._synchronize()
         self.processed_tokens_total += len(token_ids)
         if self.per_token_exact and session.aligned_tokens == start:
             session.aligned_tokens = start + len(token_ids)  # a solo pass: exact, however it was cut
-        logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
         if self.pass_costs is not None:
             self.pass_costs.observe(len(token_ids), (time.perf_counter() - started) * 1e3)
         return logits
@@ -394,7 +414,13 @@ class ModelRunner:
         trees: list[tuple[list[int], list[int]]] | None,
     ) -> list[torch.Tensor]:
         """The one pass over the admitted sessions (`chosen`, at indices `admitted` of the
-        call's lists): a padded tree pass, a solo pass for one session, else a padded pass."""
+        call's lists): a padded tree pass, a solo pass for one session, else a padded pass;
+        a static pass (`use_static_passes`) where it takes them all."""
+        tokens = [token_ids[i] for i in admitted]
+        if len(admitted) > 1 and self.static is not None:
+            sizes = [len(run) + (len(trees[i][0]) if trees is not None else 0) for run, i in zip(tokens, admitted)]
+            if self.static.fits([(session.cache, size) for session, size in zip(chosen, sizes)]):
+                return static_batch(self, self.static, chosen, tokens, admitted, logits_to_keep, trees)
         if trees is not None:
             return padded_tree_pass(self, chosen, [token_ids[i] for i in admitted], [trees[i] for i in admitted])
         if len(admitted) == 1:

@@ -248,6 +248,7 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         feature_layers=list(description.feature_layers),
         feature_target_fingerprint=description.feature_target_fingerprint,
         pass_cost_profile=description.pass_cost_profile,
+        static_passes=description.static_passes,
         emulation_overruns=description.emulation_overruns,
         calibrated_batch_ms=[
             common_pb2.BatchCost(sessions=sessions, new_tokens=new_tokens, ms=ms)

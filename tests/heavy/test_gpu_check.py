@@ -12,6 +12,7 @@ from specdec.engine.pace import load_profile
 
 QUICK = ["--device", "cpu", "--dtype", "float32", "--sizes", "1,4,16", "--contexts", "16,128"]
 QUICK += ["--pass-repeats", "3", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1"]
+QUICK += ["--batch-sessions", "4"]
 
 
 def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
@@ -35,6 +36,11 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     assert all(figures["tok_s"] > 0 for figures in modes.values())
     assert results["transformers_generate"]["identical"] == 2
     assert "identical to target-only" in (out / "report.md").read_text()
+    graphs = results["captured_against_eager"]  # on CPU: the static passes uncaptured
+    assert set(graphs["target"]["on"]) == {"1 token", "8 tokens", "4 x 5 tokens", "buckets"}
+    assert graphs["target"]["off"]["buckets"] == "eager"
+    assert "static, uncaptured" in graphs["target"]["on"]["buckets"] and "4x5x256" in graphs["target"]["on"]["buckets"]
+    assert "static, uncaptured" in graphs["draft"]["on"]["buckets"]
 
 
 def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_path):

@@ -1,0 +1,160 @@
+"""Static passes over the KV pool (specdec.engine.static_pass), run uncaptured on CPU: the
+logits an eager pass over the same pool gives (to float32 rounding; bit for bit with the
+row-wise attention one session at a time), every bucket edge crossed, pads never read or
+written where a session is, trees laid out as tree_forward lays them, and a watched model
+left to eager passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine import attention
+from specdec.engine.features import FeatureTap
+from specdec.engine.kv_pool import KVPool, PoolCache
+from specdec.engine.modeling import with_cache
+from specdec.engine.static_pass import (
+    MAX_TOKENS,
+    Bucket,
+    Row,
+    StaticPasses,
+    batch_bucket,
+    length_bucket,
+    token_bucket,
+    tree_row,
+)
+from specdec.engine.tree_pass import tree_forward
+from tests.unit import test_kv_pool
+from tests.unit.test_kv_pool import CONFIG
+from tests.unit.test_kv_pool import poisoned_pool as kv_pool_poisoned
+
+models = test_kv_pool.models  # the fixture: the same four models, one per attention
+IMPLEMENTATIONS = ["sdpa", "eager", attention.NAME, attention.EVERY_ROW]
+
+
+def poisoned_pool(pages: int = 1000) -> KVPool:
+    """4-token pages, every entry NaN: a pass that reads an entry no pass wrote gives NaN."""
+    return kv_pool_poisoned(pages)
+
+
+def eager(model, cache: PoolCache, tokens: list[int], keep: int) -> torch.Tensor:
+    """The eager pass the runners run: [keep, V] float32."""
+    start = cache.lengths[0]
+    with torch.inference_mode():
+        out = model(
+            input_ids=torch.tensor([tokens]),
+            **with_cache(model, cache),
+            position_ids=torch.arange(start, start + len(tokens))[None],
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+    return out.logits[0].float()
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, CONFIG["vocab_size"], (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_buckets():
+    assert [token_bucket(n) for n in (1, 5, 8, 9, 16, 17, 33, MAX_TOKENS)] == [1, 5, 8, 16, 16, 32, 64, 64]
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert [length_bucket(t) for t in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_static_passes_give_an_eager_passes_logits_over_the_same_pool(models, implementation):
+    model = models[implementation]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=4, max_length=1024, capture=False)
+    mine = [pool.open(4) for _ in range(3)]
+    theirs = [pool.open(4) for _ in range(3)]
+    # Prompts, then decode and verify passes: 1..8 tokens as they are, 9..33 padded to 16/32/64
+    # rows, a session crossing the 256-key bucket, batches of 1 to 3 padded to 1, 2, 4.
+    steps = [(40, 3, 290), (1, 5, 9), (8, 1, 2), (17, 33, 1), (1, 1, 1), (5, 2, 12)]
+    seed = 0
+    for counts in steps:
+        rows, wanted = [], []
+        for cache, reference, count in zip(mine, theirs, counts):
+            seed += 1
+            run = tokens(count, seed)
+            keep = min(count, 1 + seed % 4)
+            rows.append(Row(cache, run, keep=keep))
+            wanted.append(eager(model, reference, run, keep))
+        for width in (1, len(rows)):  # one session alone, then all in one pass
+            got = passes.run(rows[:width]) if width == 1 else passes.run(rows[1:])
+            want = wanted[:1] if width == 1 else wanted[1:]
+            for g, w in zip(got, want):
+                assert torch.isfinite(g).all()
+                torch.testing.assert_close(g, w, rtol=0, atol=2e-6)
+    assert [c.lengths for c in mine] == [r.lengths for r in theirs]
+    assert Bucket(2, 64, 512) in passes._passes and Bucket(1, 1, 256) in passes._passes
+    assert max(b.length for b in passes._passes) == 512  # the 290-token prompt and its tail
+
+
+def test_one_session_row_wise_is_bit_for_bit_the_eager_pass(models):
+    """The row-wise attention's promise (a token's logits are the same in every pass) holds in
+    a static pass: its rows attend to gathered copies of the same entries, one row at a time."""
+    model = models[attention.EVERY_ROW]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=1, max_length=1024, capture=False)
+    cache, reference = pool.open(4), pool.open(4)
+    for count in (30, 1, 5, 4, 1, 9):
+        run = tokens(count, count)
+        got = passes.run([Row(cache, run, keep=count)])[0]
+        assert torch.equal(got, eager(model, reference, run, count))
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", attention.EVERY_ROW])
+def test_a_tree_row_gives_tree_forwards_logits_and_leaves_its_entries(models, implementation):
+    model = models[implementation]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=2, max_length=1024, capture=False)
+    mine, theirs = pool.open(4), pool.open(4)
+    prompt = tokens(20, 3)
+    passes.run([Row(mine, prompt[:-2])])
+    eager(model, theirs, prompt[:-2], 1)
+    nodes, parents = [5, 9, 11, 7, 2, 40], [0, 0, 1, 1, 3, 2]
+    got = passes.run([tree_row(mine, prompt[-2:], nodes, parents)])[0]
+    with torch.inference_mode():
+        want = tree_forward(model, theirs, prompt[-2:], nodes, parents).float()
+    assert got.shape == want.shape == (1 + len(nodes), CONFIG["vocab_size"])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    for layer in range(2):  # the same entries, every node's included
+        length = theirs.lengths[layer]
+        assert mine.lengths[layer] == length
+        for arenas in (pool.keys, pool.values):
+            a, b = (arenas[layer][:, pool.columns(c.extent)][:, :length] for c in (mine, theirs))
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def test_pads_write_only_the_scratch_page(models):
+    model = models["sdpa"]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=4, max_length=1024, capture=False)
+    cache = pool.open(8)
+    neighbour = pool.open(4)  # right after it: a pad row written past its session's end would land here
+    passes.run([Row(cache, tokens(3, 1))])
+    passes.run([Row(cache, tokens(2, 2)), Row(neighbour, tokens(9, 3))])  # 16 rows each, 4 sessions
+    first = cache.extent.start * pool.page_tokens
+    for arena in (*pool.keys, *pool.values):
+        held = arena[:, first : first + 5]
+        assert torch.isfinite(held).all()
+        assert torch.isnan(arena[:, first + 5 : first + 8]).all()  # past its entries: untouched
+
+
+def test_a_watched_model_or_an_outside_session_runs_eagerly(models):
+    model = models["sdpa"]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=2, max_length=100, capture=False)
+    cache = pool.open(4)
+    assert passes.fits([(cache, 5)])
+    assert not passes.fits([(cache, MAX_TOKENS + 1)])  # a long prefill
+    assert not passes.fits([(cache, 5)] * 3)  # more sessions than a batch
+    assert not passes.fits([(pool.open(4), 1), (KVPool(2, 2, 8, 4, page_tokens=4).open(4), 1)])
+    passes.run([Row(cache, tokens(60, 1))])
+    assert passes.fits([(cache, 40)]) and not passes.fits([(cache, 41)])  # past max_length
+    tap = FeatureTap(model, [1])
+    with tap.recording():  # hooks see nothing of a replayed graph: the target's feature taps
+        assert not passes.fits([(cache, 1)])
+    assert passes.fits([(cache, 1)])
+    assert StaticPasses.supported(model) is None
