@@ -12,7 +12,8 @@
    Each output is compared with target-only's token by token, and with in-process transformers
    `generate()` for information.
 3. **Speed.** tok/s of each mode from the coordinator's own request times, the modes
-   interleaved over the repeats.
+   interleaved over the repeats; then in-process transformers `generate()`, eager and with its
+   static cache (which on CUDA it compiles with torch.compile).
 4. **Captured against eager passes** (issue 67's goals), each model loaded twice, with
    `--cuda-graphs on` (captured on CUDA) and `off`: a one-token pass, a verify of 8 tokens
    (the target) and, for the target, a batched verify of 32 sessions × 5 tokens, after 128
@@ -328,26 +329,42 @@ def first_difference(expected: list[int], got: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
 
 
-def in_process(checked: Checked, args, prompts: list[list[int]], reference: list[list[int]]) -> dict:
+def in_process(checked: Checked, args, prompts: list[list[int]], reference: list[list[int]], static: bool) -> dict:
     """transformers generate(), greedy, in this process on the device: agreement with the
-    services' target-only outputs, and its speed."""
+    services' target-only outputs, and its speed. `static`: with its static cache, which on
+    CUDA makes generate() compile the forward with torch.compile (the fastest in-process form a
+    GPU user would try; its compilation, in the first call, is timed apart); on CPU the static
+    cache runs uncompiled. A failure is reported, not raised: the lease's other figures stand."""
     from specdec.engine.modeling import load_causal_lm
 
     model = load_causal_lm(str(checked.folder), args.dtype, args.device).model
-    agree, tokens, seconds = 0, 0, 0.0
-    for prompt, expected in zip(prompts, reference):
+    options: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": 0, "min_new_tokens": 0}
+    if static:  # one cache size for every prompt: one compilation
+        options.update(cache_implementation="static", max_cache_len=max(map(len, prompts)) + args.max_new_tokens + 8)
+
+    def run(prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt], device=model.device)
-        synchronize(args.device)
-        started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(  # type: ignore[operator]
-                ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0, min_new_tokens=0
-            )[0, len(prompt) :].tolist()
-        synchronize(args.device)
-        seconds += time.perf_counter() - started
-        tokens += len(out)
-        agree += first_difference(expected, out[: len(expected)]) is None
-    return {"identical": agree, "tok_s": tokens / seconds if seconds else 0.0}
+            return model.generate(ids, **options)[0, len(prompt) :].tolist()  # type: ignore[operator]
+
+    agree, tokens, seconds, first_s = 0, 0, 0.0, 0.0
+    try:
+        if static:
+            started = time.perf_counter()
+            run(prompts[0])
+            synchronize(args.device)
+            first_s = time.perf_counter() - started
+        for prompt, expected in zip(prompts, reference):
+            synchronize(args.device)
+            started = time.perf_counter()
+            out = run(prompt)
+            synchronize(args.device)
+            seconds += time.perf_counter() - started
+            tokens += len(out)
+            agree += first_difference(expected, out[: len(expected)]) is None
+    except Exception as exc:  # noqa: BLE001 - reported in the results instead
+        return {"identical": agree, "tok_s": 0.0, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"identical": agree, "tok_s": tokens / seconds if seconds else 0.0, "first_call_s": round(first_s, 1)}
 
 
 def report(results: dict, args) -> str:
@@ -370,17 +387,17 @@ def report(results: dict, args) -> str:
         "| model | " + " | ".join(f"{n} tok" for n in args.sizes) + " | ms per 1k context |",
     ]
     lines.append("|---|" + "---|" * (len(args.sizes) + 1))
-    for role, profile in results["profiles"].items():
+    for role, profile in results.get("profiles", {}).items():
         cells = " | ".join(f"{ms:.2f}" for _, ms in profile["pass_ms"])
         lines.append(f"| {role} | {cells} | {profile['context_ms_per_1k']:.3f} |")
     lines += ["", "## Captured (--cuda-graphs on) against eager (off) passes, ms after 128 cached tokens", ""]
     lines += ["| model | pass | eager | static | static / eager |", "|---|---|---|---|---|"]
-    for role, settings in results["captured_against_eager"].items():
+    for role, settings in results.get("captured_against_eager", {}).items():
         for name, eager in settings["off"].items():
             if name != "buckets":
                 static = settings["on"][name]
                 lines.append(f"| {role} | {name} | {eager:.2f} | {static:.2f} | {static / eager:.2f} |")
-    for role, settings in results["captured_against_eager"].items():
+    for role, settings in results.get("captured_against_eager", {}).items():
         lines.append(f"\n{role}'s static passes: {settings['on']['buckets']}")
     if results["services"] is None:
         return "\n".join(lines) + "\n\n--profiles-only: the services were not run.\n"
@@ -394,8 +411,21 @@ def report(results: dict, args) -> str:
             f"| {mode} | {figures['identical']}/{count} | {figures['first_difference']} | "
             f"{figures['tok_s']:.1f} | {acceptance} |"
         )
-    hf = results["transformers_generate"]
-    lines.append(f"| transformers generate() in process | {hf['identical']}/{count} | | {hf['tok_s']:.1f} | |")
+    for name, label in (
+        ("transformers_generate", "transformers generate() in process"),
+        ("transformers_generate_static", "the same, static cache (+ torch.compile on CUDA)"),
+    ):
+        hf = results[name]
+        if hf is None:
+            continue
+        note = (
+            f" ({hf['error']})"
+            if "error" in hf
+            else f" (first call {hf['first_call_s']} s)"
+            if hf.get("first_call_s")
+            else ""
+        )
+        lines.append(f"| {label}{note} | {hf['identical']}/{count} | | {hf['tok_s']:.1f} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -422,42 +452,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The steps, the one issue 67 waits on first; results.json and report.md are written after
+    each, so a lease that runs out still brings back what was measured."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     from transformers import AutoTokenizer
+
+    results: dict = {
+        "device_name": device_name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "prompts": PROMPTS[: args.prompts],
+        "services": None,
+        "transformers_generate": None,
+        "transformers_generate_static": None,
+    }
+
+    def save(step: str) -> None:
+        (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "report.md").write_text(report(results, args))
+        print(step, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         checked = {
             role: with_weights(role, folder, args.dtype, Path(work), seed)
             for role, folder, seed in (("target", args.target, 0), ("draft", args.draft, 1))
         }
+        results["models"] = {role: c.folder.name for role, c in checked.items()}
+        results["random_weights"] = any(c.random_weights for c in checked.values())
         print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in checked.values()]}", flush=True)
+        results["captured_against_eager"] = captured_against_eager(list(checked.values()), args)
+        save("captured and eager passes compared")
         profiles(list(checked.values()), args, device_name)
-        print("pass costs measured", flush=True)
-        graphs = captured_against_eager(list(checked.values()), args)
-        print("captured and eager passes compared", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
-        prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
-        served = None if args.profiles_only else services(checked, args, prompts)
-        print("services skipped" if served is None else "services checked", flush=True)
-        results = {
-            "device_name": device_name,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__,
-            "dtype": args.dtype,
-            "models": {role: c.folder.name for role, c in checked.items()},
-            "random_weights": any(c.random_weights for c in checked.values()),
-            "prompts": PROMPTS[: args.prompts],
-            "profiles": {role: c.profile for role, c in checked.items()},
-            "captured_against_eager": graphs,
-            "services": served,
-            "transformers_generate": None
-            if served is None
-            else in_process(checked["target"], args, prompts, served["target_only"]),
-        }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "report.md").write_text(report(results, args))
+        results["profiles"] = {role: c.profile for role, c in checked.items()}
+        save("pass costs measured")
+        if not args.profiles_only:
+            tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
+            prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
+            results["services"] = served = services(checked, args, prompts)
+            save("services checked")
+            for key, static in (("transformers_generate", False), ("transformers_generate_static", True)):
+                results[key] = in_process(checked["target"], args, prompts, served["target_only"], static)
+                save(f"{key} measured")
     print(report(results, args), flush=True)
     return results
 

@@ -35,6 +35,7 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     assert all(figures["identical"] == 2 for figures in modes.values()), modes
     assert all(figures["tok_s"] > 0 for figures in modes.values())
     assert results["transformers_generate"]["identical"] == 2
+    assert results["transformers_generate_static"]["identical"] == 2, results["transformers_generate_static"]
     assert "identical to target-only" in (out / "report.md").read_text()
     graphs = results["captured_against_eager"]  # on CPU: the static passes uncaptured
     assert set(graphs["target"]["on"]) == {"1 token", "8 tokens", "4 x 5 tokens", "buckets"}
@@ -48,6 +49,7 @@ def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_
     pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft)]
     results = gpu_check.main([*pair, "--out", str(out), "--profiles-only", *QUICK])
     assert results["services"] is None and results["transformers_generate"] is None
+    assert results["transformers_generate_static"] is None
     assert not (out / "logs").exists()
     for role in ("target", "draft"):
         assert "lower quartile of 3 passes" in load_profile(str(out / f"profile-{role}.json")).source
