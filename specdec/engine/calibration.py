@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from specdec.engine.batched_pass import padded_pass
+from specdec.engine.batched_pass import padded_pass, static_batch
 from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, batch_grid, calibrate, fastest
 from specdec.engine.kv import batchable_cache, cache_prefix
 from specdec.engine.runner import ModelRunner
@@ -64,8 +64,9 @@ def _calibrate_batches(
     runner: ModelRunner, session: KVSession, new_ids: list[int], max_new_tokens: int, keep_all_logits: bool
 ) -> tuple[tuple[int, int, float], ...]:
     """Times batched passes (costs.batch_grid) of copies of the calibration session, each
-    on the same cached context. None under tensor parallelism or for caches that cannot be
-    batched: the coordinator then costs a batch as one pass over all its tokens."""
+    on the same cached context, as they are served (static passes under --cuda-graphs). None
+    under tensor parallelism or for caches that cannot be batched: the coordinator then costs
+    a batch as one pass over all its tokens."""
     if runner.max_batch_size < 2 or runner.loaded.tensor_parallel_size > 1 or not batchable_cache(session.cache):
         return ()
     timed = []
@@ -76,7 +77,11 @@ def _calibrate_batches(
         ]
 
         def run_batch(rows=rows, n=n) -> None:
-            padded_pass(runner, rows, [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows))
+            feeds, keep = [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows)
+            if runner.static is not None and runner.static.fits([(row.cache, n) for row in rows]):
+                static_batch(runner, runner.static, rows, feeds, list(range(len(rows))), keep, None)  # as served
+            else:
+                padded_pass(runner, rows, feeds, keep)
             runner._synchronize()
             for row in rows:
                 row.model_cache().crop(-n)

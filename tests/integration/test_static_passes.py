@@ -8,6 +8,7 @@ import asyncio
 
 import pytest_asyncio
 
+from specdec.engine.calibration import calibrate_costs
 from specdec.v1 import coordinator_pb2 as pb
 from tests.integration.test_batched_verify import REQUESTS, generate_request
 from tests.stack import inprocess_stack
@@ -68,3 +69,12 @@ async def test_seeded_sampling_is_what_eager_passes_give(stack):
         stack.target_runner.static, stack.draft_runner.static = held
     for request, a, b in zip(requests, static, eager):
         assert list(a.token_ids) == list(b.token_ids), request.prompt
+
+
+async def test_calibration_times_the_passes_as_served(stack):
+    """Start-up calibration times static passes where they are what runs, batched ones too."""
+    runner = stack.target_runner
+    before = runs(runner)
+    costs = await asyncio.to_thread(calibrate_costs, runner, True)
+    timed = more(runs(runner), before)
+    assert costs.batch_ms and {(b.sessions, b.tokens) for b in timed} >= {(1, 1), (2, 1), (8, 1)}, timed
