@@ -331,8 +331,17 @@ class TargetRunner(ModelRunner):
             )
             target_probs = None
         else:
-            target_probs = logits_to_probs(scored, call.params).cpu()  # [K + 1, V]
-            outputs = verify_outputs(target_probs, call.draft_probs, draft_ids, np.random.default_rng(call.seed))
+            # On the model's device: the residuals and the draws' CDFs (the uniforms come from the
+            # seed's stream on the host), and only [K] ids and probabilities cross back.
+            device = scored.device
+            target_probs = logits_to_probs(scored, call.params)  # [K + 1, V]
+            drawn = verify_outputs(
+                target_probs, call.draft_probs.to(device), draft_ids.to(device), np.random.default_rng(call.seed)
+            )
+            outputs = VerifyOutputs(
+                drawn.draft_token_target_probs.cpu(), drawn.recovered_token_ids.cpu(), drawn.bonus_token_id
+            )
+            target_probs = target_probs.cpu() if call.return_distributions else None
         return Verification(
             draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
             recovered_token_ids=outputs.recovered_token_ids.tolist(),

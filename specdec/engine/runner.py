@@ -288,16 +288,15 @@ class ModelRunner:
     def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         started = time.perf_counter()
         start = session.cached_tokens
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
-        cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
         with self._paced(len(token_ids), start):
             if self.static is not None and self.static.fits([(session.cache, len(token_ids))]):
                 logits = self.static.run([Row(session.cache, token_ids, keep=logits_to_keep)])[0]
             else:
+                device = self.loaded.device
                 out = self.model(
-                    input_ids=input_ids,
+                    input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),  # [1, N]
                     **with_cache(self.model, session.cache),
-                    cache_position=cache_position,
+                    cache_position=torch.arange(start, start + len(token_ids), device=device),  # [N]
                     use_cache=True,
                     logits_to_keep=logits_to_keep,
                 )

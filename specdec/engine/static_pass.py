@@ -17,9 +17,10 @@ each × L key columns each), and everything it reads is a tensor the host fills 
 Each layer writes its new entries into the pool's arenas in place (`index_copy_`) and reads
 its sessions' entries as one gather of L columns ([B, H, L, D]): a copy of what attention
 reads, which on a GPU costs microseconds (the 1.5B's 28 layers × 2 KV heads × 2k tokens ×
-128 × 2 B × 2 is 58 MB, about 15 µs at the H200's 4 TB/s) and which the eager path's views
-avoid on CPU. Padding (rows past a session's n, sessions past the batch's) writes to a
-scratch page of the pool and reads only it; real rows never read a pad.
+128 × 2 B × 2 is 58 MB, about 15 µs at the H200's 4 TB/s; transformers' SDPA then repeats
+the grouped heads, given a mask: ×6 that) and which the eager path's views avoid on CPU.
+Padding (rows past a session's n, sessions past the batch's) writes to a scratch page of
+the pool and reads only it; real rows never read a pad.
 
 Buckets: N is 1..8 as is, then the next power of two up to MAX_TOKENS (a verify is K + 1
 rows; a tree, its new tokens and nodes); B the next power of two up to the largest batch; L
@@ -35,6 +36,7 @@ taps for an EAGLE head), and models whose logits are more than their head's Line
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -168,6 +170,7 @@ class StaticPasses:
     def __post_init__(self) -> None:
         self._decoder = self.model.get_decoder()
         self._head = self.model.get_output_embeddings()
+        self._modules = list(self.model.modules())  # what a hook could watch (`_hooked`)
         scratch = self.pool.open(1)  # held for the passes' lifetime: its page never goes back
         self._scratch_cache = scratch
         self._scratch = scratch.extent.start * self.pool.page_tokens
@@ -207,17 +210,20 @@ class StaticPasses:
         return not self._hooked()
 
     def _hooked(self) -> bool:
-        decoder = self._decoder
-        modules = (decoder, *decoder.layers, self.model) if hasattr(decoder, "layers") else (decoder, self.model)
-        return any(module._forward_hooks or module._forward_pre_hooks for module in modules) or bool(
-            torch.nn.modules.module._global_forward_hooks
-        )
+        """Whether a forward hook watches any module (the feature taps hook the embeddings,
+        decoder layers or the final norm); a few hundred attribute reads a pass."""
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return True
+        return any(module._forward_hooks or module._forward_pre_hooks for module in self._modules)
 
     def describe(self) -> str:
         """The buckets run so far (captured on CUDA), for Info and the log."""
         kind = "captured" if self.capture else "static, uncaptured"
         buckets = sorted(self._passes, key=lambda b: (b.sessions, b.tokens, b.length))
-        return f"{kind}: {len(buckets)} buckets (sessions x tokens x length): " + " ".join(map(str, buckets))
+        eager = [b for b in buckets if self.capture and self._passes[b].graph is None]
+        text = f"{kind}: {len(buckets)} buckets (sessions x tokens x length): " + " ".join(map(str, buckets))
+        return text + (f"; not captured: {' '.join(map(str, eager))}" if eager else "")
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -306,7 +312,7 @@ class StaticPasses:
         if entry is None:
             entry = self._passes[bucket] = self._prepare(bucket)
         entry.runs += 1
-        if not self.capture:
+        if entry.graph is None:
             return self._forward(bucket, packed.to(self.pool.device))
         entry.packed.copy_(packed, non_blocking=True)
         entry.graph.replay()
@@ -315,23 +321,37 @@ class StaticPasses:
 
     def _prepare(self, bucket: Bucket) -> _Pass:
         """A bucket's buffers; on CUDA its graph, captured over passes of pads only (every
-        slot the scratch page), so capturing writes no session's entries."""
+        slot the scratch page), so capturing writes no session's entries. A bucket whose
+        capture fails (out of memory, say) runs uncaptured from then on, with a warning."""
         rows = 2 * bucket.tokens + 3 + bucket.tokens**2
         packed = torch.zeros(bucket.sessions, rows, dtype=torch.long, device=self.pool.device)
         packed[:, 2 * bucket.tokens] = self._scratch
         entry = _Pass(bucket, packed)
         if not self.capture:
             return entry
-        stream = torch.cuda.Stream(device=self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisations (cuBLAS workspaces, kernels) outside the capture
-                self._forward(bucket, packed)
-        torch.cuda.current_stream(self.pool.device).wait_stream(stream)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self._memory_pool, stream=stream):
-            entry.hidden = self._forward(bucket, packed)
-        logger.debug("captured a pass of %s sessions x tokens x length", bucket)
+        # No cyclic garbage collection inside a capture: a session's cache freed there would
+        # record its pages' zeroing into the graph, to run again at every replay on pages that
+        # by then are another session's (SGLang freezes the collector around capture too).
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            stream = torch.cuda.Stream(device=self.pool.device)
+            stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # lazy initialisations (cuBLAS workspaces, kernels) outside the capture
+                    self._forward(bucket, packed)
+            torch.cuda.current_stream(self.pool.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory_pool, stream=stream, capture_error_mode="thread_local"):
+                entry.hidden = self._forward(bucket, packed)
+            entry.graph = graph
+        except RuntimeError as exc:  # the bucket stays usable, uncaptured
+            logger.warning("no CUDA graph for %s sessions x tokens x length (%s); it runs eagerly", bucket, exc)
+            entry.hidden = None
+        finally:
+            if collecting:
+                gc.enable()
         return entry
 
     def warm(self, tokens: Sequence[int], lengths: Sequence[int]) -> None:

@@ -153,8 +153,9 @@ def test_a_watched_model_or_an_outside_session_runs_eagerly(models):
     assert not passes.fits([(pool.open(4), 1), (KVPool(2, 2, 8, 4, page_tokens=4).open(4), 1)])
     passes.run([Row(cache, tokens(60, 1))])
     assert passes.fits([(cache, 40)]) and not passes.fits([(cache, 41)])  # past max_length
-    tap = FeatureTap(model, [1])
-    with tap.recording():  # hooks see nothing of a replayed graph: the target's feature taps
-        assert not passes.fits([(cache, 1)])
+    for layers in ([0], [1], [2]):  # the embeddings, a decoder layer, the final norm
+        tap = FeatureTap(model, layers)
+        with tap.recording():  # hooks see nothing of a replayed graph: the target's feature taps
+            assert not passes.fits([(cache, 1)]), layers
     assert passes.fits([(cache, 1)])
     assert StaticPasses.supported(model) is None
