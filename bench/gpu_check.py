@@ -205,6 +205,7 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
     results: dict = {}
     for model in checked:
         results[model.role] = {}
+        scored: dict[str, torch.Tensor] = {}  # the 8-token pass's logits under each setting
         for setting in ("off", "on"):
             runner = load_runner(model, args, setting, max_batch_size=args.batch_sessions)
             vocab, context = runner.loaded.vocab_size, 128
@@ -213,6 +214,8 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
             with torch.inference_mode():
                 runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
             keep_all = model.role == "target"
+            with torch.inference_mode():
+                scored[setting] = runner.forward(session, session.extend(context, ids[context:]), 8).float().cpu()
             figures: dict[str, float | str] = {
                 "1 token": time_pass(
                     runner, session, context, ids[context : context + 1], keep_all, args.device, args.pass_repeats
@@ -230,6 +233,14 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        # How close a captured pass is to an eager one over the same tokens (the same weights:
+        # both loads read one folder): the largest logit difference, and argmax agreement.
+        results[model.role]["logits"] = {
+            "max_abs_diff": float((scored["on"] - scored["off"]).abs().max()),
+            "max_abs_logit": float(scored["off"].abs().max()),
+            "same_argmax": int((scored["on"].argmax(-1) == scored["off"].argmax(-1)).sum()),
+            "positions": int(scored["off"].shape[0]),
+        }
     return results
 
 
@@ -393,6 +404,12 @@ def report(results: dict, args) -> str:
     lines += ["", "## Captured (--cuda-graphs on) against eager (off) passes, ms after 128 cached tokens", ""]
     lines += ["| model | pass | eager | static | static / eager |", "|---|---|---|---|---|"]
     for role, settings in results.get("captured_against_eager", {}).items():
+        close = settings["logits"]
+        lines.append(
+            f"| {role} | logits of an 8-token pass | largest |logit| {close['max_abs_logit']:.2f} | "
+            f"largest difference {close['max_abs_diff']:.3g} | argmax agrees at "
+            f"{close['same_argmax']}/{close['positions']} |"
+        )
         for name, eager in settings["off"].items():
             if name != "buckets":
                 static = settings["on"][name]
