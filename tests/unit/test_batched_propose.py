@@ -23,9 +23,15 @@ def loaded(tiny_pair):
     return load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
 
 
-def make_runner(loaded) -> DraftRunner:
+def make_runner(loaded, static: bool = False) -> DraftRunner:
+    """`static`: its passes as --cuda-graphs on runs them (on CPU uncaptured): a decode batch
+    then steps every session in its own extent, nothing padded in or split back."""
     # Full rows (top-k 0): sampled calls alike then draw together in one batched step.
-    return DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=0)
+    runner = DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=0)
+    if static:
+        runner.max_batch_size = 8
+        runner.use_static_passes("on")
+    return runner
 
 
 def tokens(seed: int, count: int, vocab: int) -> list[int]:
@@ -320,15 +326,16 @@ def joining(waves: list[list[ProposeCall]]):
     return join, held
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, params):
+def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, params, static):
     """Iteration-level batching: calls handed over by `join` while a batch steps enter it
     between passes, each with a round's committed tokens or a short prompt (a row with no
     past; both run in the batch's next pass beside the others' one token) or a long prompt (a
     pass of its own first). Pasts longer and shorter
     than the batch's width; each call's proposal and every session's entries are what lone
     calls in the same order give, and every call is answered once."""
-    lone, batched = make_runner(loaded), make_runner(loaded)
+    lone, batched = make_runner(loaded), make_runner(loaded, static)
     vocab = loaded.vocab_size
     prompts = {"s0": tokens(20, 6, vocab), "s1": tokens(21, 9, vocab), "s2": tokens(22, 30, vocab)}
     prompts["s3"] = tokens(23, 3, vocab)
@@ -358,15 +365,17 @@ def test_calls_that_join_a_running_batch_between_passes_equal_lone_ones(loaded, 
     assert held[:3] == [2, 3, 4]  # the batch held s0 and s1, then s2, then q too
     assert min(result.batch_size for result in results[2:]) >= 3, "the joined calls did not share passes"
     assert own == [1], "only the long prompt had a pass of its own"
+    assert not static or any(bucket.sessions >= 4 for bucket in batched.static._passes), "no static batched step"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_batch_of_short_prompts_starts_with_no_cache_and_takes_more_as_they_come(loaded, params):
+def test_a_batch_of_short_prompts_starts_with_no_cache_and_takes_more_as_they_come(loaded, params, static):
     """New sessions' prompts (at most a round's tokens) start a decode batch with nothing
     cached, so the first pass makes its cache; a prompt joining later is a row of pads up to
     the batch's width. Every proposal and session equals lone calls', and no call ran a pass
     outside the batch."""
-    lone, batched = make_runner(loaded), make_runner(loaded)
+    lone, batched = make_runner(loaded), make_runner(loaded, static)
     vocab = loaded.vocab_size
     first = [ProposeCall(f"n{i}", 0, tokens(40 + i, 2 + i, vocab), 4 + i, params, seed=i) for i in range(3)]
     joined = [[], [ProposeCall("late", 0, tokens(50, 5, vocab), 3, params, seed=9)]]
@@ -376,6 +385,7 @@ def test_a_batch_of_short_prompts_starts_with_no_cache_and_takes_more_as_they_co
     assert_same(results, alone(lone, first + joined[1]))
     assert_same_sessions(batched, lone)
     assert own == [] and held[:2] == [3, 3]
+    assert not static or any(bucket.sessions >= 4 for bucket in batched.static._passes), "no static batched step"
     assert min(result.batch_size for result in results) >= 3, "the prompts did not share passes"
 
 
@@ -404,3 +414,36 @@ def test_a_call_on_a_session_still_drafting_runs_after_the_batch_which_takes_no_
     assert held[:2] == [1, 1] and len(results) == 3
     assert_same(results, alone(lone, [*first, again, other]))
     assert_same_sessions(batched, lone)
+
+
+def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
+    """A decode batch stepping as static passes, joined by a session past what one takes,
+    pads every session in and goes on as the eager batch does: the same logits, the same
+    entries left in each session."""
+    vocab = loaded.vocab_size
+    eager, static = make_runner(loaded), make_runner(loaded, static=True)
+    assert static.static is not None
+    static.static.max_sessions = 2  # three sessions: more than a static pass takes
+    steps = [
+        {"a": tokens(60, 3, vocab), "b": tokens(61, 5, vocab)},
+        {"a": [4], "b": [5]},
+        {"a": [6], "b": [7], "c": tokens(62, 4, vocab)},  # c joins: padded from here on
+        {"a": [8], "b": [9], "c": [10]},
+    ]
+    logits: dict = {}
+    for runner in (eager, static):
+        sessions = {sid: runner.sessions.open(sid, 0) for sid in "abc"}
+        batch, failures = runner.decode_batch([sessions["a"], sessions["b"]], [6, 6])
+        assert failures == [None, None]
+        for index, feeds in enumerate(steps):
+            if "c" in feeds and index == 2:
+                assert batch.join(sessions["c"], 5) is None
+            for sid, fed in feeds.items():
+                sessions[sid].tokens.extend(fed)
+            logits[runner, index] = batch.step(feeds)
+        batch.close()
+    for index in range(len(steps)):
+        for sid, row in logits[eager, index].items():
+            torch.testing.assert_close(logits[static, index][sid], row, **PROB_TOLERANCE)
+    assert_same_sessions(static, eager)
+    assert {(b.sessions, b.tokens) for b in static.static._passes} == {(2, 5), (2, 1)}  # the two static steps
