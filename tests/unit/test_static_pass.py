@@ -10,17 +10,20 @@ import copy
 
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.engine import attention
 from specdec.engine.features import FeatureTap
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import with_cache
 from specdec.engine.static_pass import (
+    GROUPED,
     MAX_TOKENS,
     Bucket,
     Row,
     StaticPasses,
     batch_bucket,
+    grouped_sdpa_forward,
     length_bucket,
     token_bucket,
     tree_row,
@@ -55,6 +58,22 @@ def eager(model, cache: PoolCache, tokens: list[int], keep: int) -> torch.Tensor
 
 def tokens(count: int, seed: int) -> list[int]:
     return torch.randint(0, CONFIG["vocab_size"], (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(12, 2), (4, 4)])
+def test_grouped_sdpa_reads_grouped_heads_in_place_with_sdpas_result(heads, kv_heads):
+    generator = torch.Generator().manual_seed(0)
+    batch, rows, length, dim = 3, 5, 256, 16
+    query = torch.randn(batch, heads, rows, dim, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
+    allowed = torch.rand(batch, 1, rows, length, generator=generator) > 0.3
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    module.eval()
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    got, _ = grouped_sdpa_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_buckets():
@@ -161,6 +180,7 @@ def test_a_watched_model_or_an_outside_session_runs_eagerly(models):
             assert not passes.fits([(cache, 1)]), layers
     assert passes.fits([(cache, 1)])
     assert StaticPasses.supported(model) is None
+    assert model.config._attn_implementation == GROUPED  # an SDPA model's grouped heads, read in place
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
