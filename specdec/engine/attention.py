@@ -1,5 +1,6 @@
 """Attention that computes each query row on its own, so a token's attention output is bitwise
-the same in a K + 1-token verify pass as in a one-token decode pass.
+the same in a K + 1-token verify pass as in a one-token decode pass; and SDPA that reads
+grouped KV heads in place under a mask (GROUPED: the static passes').
 
 A fused attention kernel tiles its work by the number of query rows, so row i of a 5-row pass
 and the single row of a 1-row pass at the same position sum in different orders: float32
@@ -39,6 +40,7 @@ from specdec.engine.rows import MAX_ROWS
 
 NAME = "specdec_rowwise"
 EVERY_ROW = "specdec_rowwise_every_row"
+GROUPED = "specdec_sdpa_grouped"  # SDPA reading grouped KV heads as they are (grouped_sdpa_forward)
 
 
 def rowwise_attention_forward(
@@ -124,3 +126,36 @@ AttentionInterface.register(EVERY_ROW, functools.partial(rowwise_attention_forwa
 # function of its own, transformers would build no mask at all for this implementation).
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(EVERY_ROW, sdpa_mask)
+
+
+def grouped_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, N, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA, except that with a mask the G query heads of each KV head are folded
+    into its rows ([B, Hkv, G·N, D], the mask's rows repeated G times), so keys and values are
+    read as they are: given a mask, transformers repeats them G times on CUDA (`repeat_kv`),
+    a copy of every gathered entry G times over (×6 for the 1.5B) in every layer of a static
+    pass (specdec.engine.static_pass). The same sums per row: SDPA's result (bit for bit on
+    CPU; tests/unit/test_static_pass.py)."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if groups == 1 or attention_mask is None or dropout or kwargs.get("sliding_window"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    folded = query.reshape(batch, kv_heads, groups * rows, dim)  # head h = kv · G + g → row g · N + n
+    mask = attention_mask[:, :, :, :length].expand(batch, 1, rows, length).repeat(1, 1, groups, 1)  # [B, 1, G·N, L]
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None  # [B, N, H, D]
+
+
+AttentionInterface.register(GROUPED, grouped_sdpa_forward)
+AttentionMaskInterface.register(GROUPED, sdpa_mask)

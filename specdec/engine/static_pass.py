@@ -17,7 +17,7 @@ each × L key columns each), and everything it reads is a tensor the host fills 
 Each layer writes its new entries into the pool's arenas in place (`index_copy_`) and reads
 its sessions' entries as one gather of L columns ([B, H, L, D]): a copy of what attention
 reads, which on a GPU costs microseconds (the 1.5B's 28 layers × 2 KV heads × 2k tokens ×
-128 × 2 B × 2 is 58 MB, about 15 µs at the H200's 4 TB/s; `grouped_sdpa_forward` reads
+128 × 2 B × 2 is 58 MB, about 15 µs at the H200's 4 TB/s; attention.GROUPED reads
 grouped heads in place) and which the eager path's views avoid on CPU.
 Padding (rows past a session's n, sessions past the batch's) writes to a scratch page of
 the pool and reads only it; real rows never read a pad.
@@ -45,11 +45,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.engine.attention import GROUPED
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.tree_pass import tree_attention_mask, tree_position_ids
@@ -57,42 +56,9 @@ from specdec.sampling.tree_sampling import ancestors
 
 logger = logging.getLogger(__name__)
 
-GROUPED = "specdec_sdpa_grouped"  # SDPA reading grouped KV heads as they are (grouped_sdpa_forward)
 MAX_TOKENS = 64  # most new tokens per session in a static pass (a verify's K + 1, a tree's rows)
 MIN_LENGTH = 256  # the shortest key length bucket
 EXACT_TOKEN_BUCKETS = 8  # 1..8 new tokens each have a bucket: decode steps and verifies of K < 8
-
-
-def grouped_sdpa_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [B, H, N, D]
-    key: torch.Tensor,  # [B, Hkv, L, D]
-    value: torch.Tensor,  # [B, Hkv, L, D]
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA, except that with a mask the G query heads of each KV head are folded
-    into its rows ([B, Hkv, G·N, D], the mask's rows repeated G times), so keys and values are
-    read as they are: given a mask, transformers repeats them G times on CUDA (`repeat_kv`),
-    a copy of every gathered entry G times over (×6 for the 1.5B) in every layer of a static
-    pass. The same sums per row: logits to rounding (tests/unit/test_static_pass.py)."""
-    batch, heads, rows, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    if groups == 1 or attention_mask is None or dropout or kwargs.get("sliding_window"):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    folded = query.reshape(batch, kv_heads, groups * rows, dim)  # head h = kv · G + g → row g · N + n
-    mask = attention_mask[:, :, :, :length].expand(batch, 1, rows, length).repeat(1, 1, groups, 1)  # [B, 1, G·N, L]
-    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None  # [B, N, H, D]
-
-
-AttentionInterface.register(GROUPED, grouped_sdpa_forward)
-AttentionMaskInterface.register(GROUPED, sdpa_mask)
 
 
 def token_bucket(tokens: int) -> int:

@@ -13,17 +13,16 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.engine import attention
+from specdec.engine.attention import GROUPED, grouped_sdpa_forward
 from specdec.engine.features import FeatureTap
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import with_cache
 from specdec.engine.static_pass import (
-    GROUPED,
     MAX_TOKENS,
     Bucket,
     Row,
     StaticPasses,
     batch_bucket,
-    grouped_sdpa_forward,
     length_bucket,
     token_bucket,
     tree_row,
