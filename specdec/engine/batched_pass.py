@@ -310,6 +310,9 @@ class DecodeBatch:
             raise
         self.sessions, self._joining, self._left = members, [], set()
         self._lengths = [session.cached_tokens for session in members]
+        for session in members:  # its new entries are in its own cache now, which the budget counts
+            fed = len(feeds[session.session_id]) * runner.kv_bytes_per_token
+            self._reserved[session.session_id] = max(0, self._reserved.get(session.session_id, 0) - fed)
         _count_pass(runner, new, len(rows))
         return {session.session_id: row[-1] for session, row in zip(members, logits)}
 

@@ -222,6 +222,7 @@ class ModelRunner:
                 if (
                     self.static is not None
                     and first_node == 1
+                    and token_ids
                     and (new_tokens or session.cached_tokens)
                     and self.static.fits([(session.cache, len(new_tokens) + ran)])
                 ):
@@ -288,20 +289,23 @@ class ModelRunner:
     def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         started = time.perf_counter()
         start = session.cached_tokens
-        with self._paced(len(token_ids), start):
-            if self.static is not None and self.static.fits([(session.cache, len(token_ids))]):
+        if self.static is not None and self.static.fits([(session.cache, len(token_ids))]):
+            with self._paced(len(token_ids), start):
                 logits = self.static.run([Row(session.cache, token_ids, keep=logits_to_keep)])[0]
-            else:
-                device = self.loaded.device
+                self._synchronize()
+        else:
+            input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)  # [1, N]
+            cache_position = torch.arange(start, start + len(token_ids), device=self.loaded.device)  # [N]
+            with self._paced(len(token_ids), start):
                 out = self.model(
-                    input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),  # [1, N]
+                    input_ids=input_ids,
                     **with_cache(self.model, session.cache),
-                    cache_position=torch.arange(start, start + len(token_ids), device=device),  # [N]
+                    cache_position=cache_position,
                     use_cache=True,
                     logits_to_keep=logits_to_keep,
                 )
-                logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
-            self._synchronize()
+                self._synchronize()
+            logits = out.logits[0].float()  # [min(logits_to_keep, N), V]
         self.processed_tokens_total += len(token_ids)
         if self.per_token_exact and session.aligned_tokens == start:
             session.aligned_tokens = start + len(token_ids)  # a solo pass: exact, however it was cut

@@ -419,7 +419,8 @@ def test_a_call_on_a_session_still_drafting_runs_after_the_batch_which_takes_no_
 def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
     """A decode batch stepping as static passes, joined by a session past what one takes,
     pads every session in and goes on as the eager batch does: the same logits, the same
-    entries left in each session."""
+    entries left in each session, and the same bytes counted against the KV budget (a static
+    step's entries are in the sessions' own caches, no longer in the batch's reservation)."""
     vocab = loaded.vocab_size
     eager, static = make_runner(loaded), make_runner(loaded, static=True)
     assert static.static is not None
@@ -431,6 +432,7 @@ def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
         {"a": [8], "b": [9], "c": [10]},
     ]
     logits: dict = {}
+    counted: dict = {}  # what the KV budget counts: entries held, and what the batch still reserves
     for runner in (eager, static):
         sessions = {sid: runner.sessions.open(sid, 0) for sid in "abc"}
         batch, failures = runner.decode_batch([sessions["a"], sessions["b"]], [6, 6])
@@ -441,7 +443,9 @@ def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
             for sid, fed in feeds.items():
                 sessions[sid].tokens.extend(fed)
             logits[runner, index] = batch.step(feeds)
+            counted[runner, index] = runner.sessions.kv_bytes() + sum(batch._reserved.values())
         batch.close()
+    assert [counted[static, i] for i in range(len(steps))] == [counted[eager, i] for i in range(len(steps))]
     for index in range(len(steps)):
         for sid, row in logits[eager, index].items():
             torch.testing.assert_close(logits[static, index][sid], row, **PROB_TOLERANCE)
