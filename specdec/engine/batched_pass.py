@@ -158,15 +158,15 @@ def static_batch(
             rows.append(Row(session.cache, tokens, keep=logits_to_keep[index]))
         else:
             rows.append(tree_row(session.cache, tokens, *trees[index]))
-    past = sum(session.cached_tokens for session in sessions)
-    with runner._paced(sum(len(row.token_ids) for row in rows), past):
+    new, past = sum(len(row.token_ids) for row in rows), sum(session.cached_tokens for session in sessions)
+    with runner._paced(new, past):
         logits = static.run(rows)
         runner._synchronize()
     if trees is not None:
         for session, index in zip(sessions, indices):
             nodes, parents = trees[index]
             session.tree = CachedTree(len(session.tokens), tuple(nodes), tuple(parents), len(nodes))
-    _count_pass(runner, sum(len(row.token_ids) for row in rows), len(rows))
+    _count_pass(runner, new, len(rows))
     return logits
 
 

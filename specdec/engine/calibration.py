@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from specdec.engine.batched_pass import padded_pass, static_batch
 from specdec.engine.costs import CALIBRATION_CONTEXT, CALIBRATION_MAX_TOKENS, PassCosts, batch_grid, calibrate, fastest
 from specdec.engine.kv import batchable_cache, cache_prefix
 from specdec.engine.runner import ModelRunner
@@ -77,11 +76,8 @@ def _calibrate_batches(
         ]
 
         def run_batch(rows=rows, n=n) -> None:
-            feeds, keep = [new_ids[:n]] * len(rows), [n if keep_all_logits else 1] * len(rows)
-            if runner.static is not None and runner.static.fits([(row.cache, n) for row in rows]):
-                static_batch(runner, runner.static, rows, feeds, list(range(len(rows))), keep, None)  # as served
-            else:
-                padded_pass(runner, rows, feeds, keep)
+            keep = [n if keep_all_logits else 1] * len(rows)
+            runner._pass_admitted(rows, list(range(len(rows))), [new_ids[:n]] * len(rows), keep, None)  # as served
             runner._synchronize()
             for row in rows:
                 row.model_cache().crop(-n)

@@ -425,10 +425,10 @@ class ModelRunner:
             if self.static.fits([(session.cache, size) for session, size in zip(chosen, sizes)]):
                 return static_batch(self, self.static, chosen, tokens, admitted, logits_to_keep, trees)
         if trees is not None:
-            return padded_tree_pass(self, chosen, [token_ids[i] for i in admitted], [trees[i] for i in admitted])
+            return padded_tree_pass(self, chosen, tokens, [trees[i] for i in admitted])
         if len(admitted) == 1:
-            return [self._forward_admitted(chosen[0], token_ids[admitted[0]], logits_to_keep[admitted[0]])]
-        return padded_pass(self, chosen, [token_ids[i] for i in admitted], [logits_to_keep[i] for i in admitted])
+            return [self._forward_admitted(chosen[0], tokens[0], logits_to_keep[admitted[0]])]
+        return padded_pass(self, chosen, tokens, [logits_to_keep[i] for i in admitted])
 
     def decode_batch(self, sessions: list[KVSession], steps: list[int]) -> tuple[DecodeBatch, list[Exception | None]]:
         """Sessions (distinct ids, each with a cache, empty for a prompt) that will run

@@ -149,7 +149,6 @@ class _StaticCache(Cache):
 class _Pass:
     """One bucket's pass: its input buffer and, on CUDA once captured, its graph and output."""
 
-    bucket: Bucket
     packed: torch.Tensor  # [B, 2N + 3 + N²] on the device
     graph: Any = None  # torch.cuda.CUDAGraph
     hidden: torch.Tensor | None = None  # [B, N, H]: the captured pass's output
@@ -181,6 +180,8 @@ class StaticPasses:
         dtype = self.pool.dtype
         self._blocked = torch.finfo(dtype if dtype.is_floating_point else torch.float32).min
         self._memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # The attention masks a pass hands its decoder, one per kind of layer (all full attention).
+        self._mask_kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         if self.model.config._attn_implementation == "sdpa":  # the same SDPA, grouped heads read in place
             self.model.set_attn_implementation(GROUPED)
 
@@ -249,11 +250,7 @@ class StaticPasses:
             for index, row in enumerate(rows)
         ]
         logits = self._head(torch.cat(picks))  # [Σ keep, V]: the head on the kept rows only
-        out, start = [], 0
-        for pick in picks:
-            out.append(logits[start : start + len(pick)].float())
-            start += len(pick)
-        return out
+        return [part.float() for part in logits.split([len(pick) for pick in picks])]
 
     def _pack(self, rows: Sequence[Row], caches: list[PoolCache], past: list[int], bucket: Bucket) -> torch.Tensor:
         """The pass's inputs, host-side: [B, 2N + 3 + N²] int64 (module docstring)."""
@@ -298,10 +295,9 @@ class StaticPasses:
         allowed = torch.where(real_row[:, :, None], allowed, column[None, None, :] == 0)
         mask = torch.where(allowed, 0.0, self._blocked).to(self.pool.dtype)[:, None]  # [B, 1, N, L]
         cache = _StaticCache(self.pool, slots.reshape(-1), columns.reshape(-1), length)
-        kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         out = self._decoder(
             input_ids=ids,
-            attention_mask={kind: mask for kind in kinds},
+            attention_mask={kind: mask for kind in self._mask_kinds},
             position_ids=positions,
             **with_cache(self._decoder, cache),
             use_cache=True,
@@ -329,7 +325,7 @@ class StaticPasses:
         rows = 2 * bucket.tokens + 3 + bucket.tokens**2
         packed = torch.zeros(bucket.sessions, rows, dtype=torch.long, device=self.pool.device)
         packed[:, 2 * bucket.tokens] = self._scratch
-        entry = _Pass(bucket, packed)
+        entry = _Pass(packed)
         if not self.capture:
             return entry
         # No cyclic garbage collection inside a capture: a session's cache freed there would
