@@ -17,6 +17,7 @@ from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_
 from draft_service.vocab_bridge import VocabBridge
 from specdec.engine.calls import ModelDescription, Stopwatch
 from specdec.engine.kv import batchable_cache
+from specdec.engine.memory import MemoryShare
 from specdec.engine.modeling import LoadedModel
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
@@ -91,7 +92,7 @@ class DraftStepper(ModelRunner):
         proposal_mode: str = "sample",
         proposal_top_k: int = PROPOSAL_TOP_K,
         head_ids: torch.Tensor | None = None,
-        max_kv_bytes: int = 0,
+        max_kv_bytes: int | MemoryShare = 0,
         min_confidence: float = 0.0,
         lookup: Lookup | None = None,
         prefix_cache_bytes: int = 0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from specdec.config.settings import fixed, group, setting
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
+from specdec.engine.memory import MemoryShare
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.quantize import int8_supported
 from specdec.engine.rows import MAX_ROWS
@@ -50,6 +51,17 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"{text!r} is not a size; use bytes or a unit such as 512MiB or 8GiB")
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def parse_kv_budget(text: str) -> int | MemoryShare:
+    """'8GiB' -> bytes (parse_bytes); '90%' -> MemoryShare(0.9)."""
+    if text.strip().endswith("%"):
+        try:
+            percent = float(text.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"{text!r} is not a share of memory; use a percentage such as 90%") from None
+        return MemoryShare(percent / 100)
+    return parse_bytes(text)
 
 
 # --- TLS and token settings (loaded and enforced by specdec.rpc.security) ---------------------
@@ -219,17 +231,18 @@ class ModelServiceConfig:
     log_level: str = setting("INFO", "--log-level", "logging level")
     metrics_port: int = metrics_port_setting(-1)
     shutdown_grace_s: float = shutdown_grace_setting()
-    max_kv_bytes: int = setting(
+    max_kv_bytes: int | MemoryShare = setting(
         0,
         "--max-kv-bytes",
-        "KV cache budget over all sessions, e.g. 8GiB; least recently used sessions are evicted "
-        "(their generations re-send and go on); 0 = no budget",
-        parse=parse_bytes,
-        more="A session that cannot fit alone gets RESOURCE_EXHAUSTED with the numbers; `Info` and the metrics "
-        "report bytes held, the budget, bytes per token and evictions. Sessions' KV sits in a pool allocated at "
-        "start-up and sized from this (twice it, plus a page a session: on CPU memory is committed only as "
-        "written), or, at 0, half the machine's memory (CPU) or half the device's free memory (CUDA); see "
-        "[KV pool](design.md#kv-pool).",
+        "KV cache budget over all sessions, e.g. 8GiB, or a share of the memory left after the weights, e.g. "
+        "90%; least recently used sessions are evicted (their generations re-send and go on); 0 = no budget",
+        parse=parse_kv_budget,
+        more="A share is of the device's free memory (CUDA) or the memory available (CPU) when the service "
+        "starts, before the CUDA graphs are captured: leave them room. A session that cannot fit alone gets "
+        "RESOURCE_EXHAUSTED with the numbers; `Info` and the metrics report bytes held, the budget in bytes, "
+        "bytes per token and evictions. Sessions' KV sits in a pool allocated at start-up and sized from this "
+        "(twice it, plus a page a session: on CPU memory is committed only as written), or, at 0, half the "
+        "machine's memory (CPU) or half the device's free memory (CUDA); see [KV pool](design.md#kv-pool).",
     )
     prefix_cache_bytes: int = setting(
         0,
@@ -300,7 +313,7 @@ class ModelServiceConfig:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
         if self.prefix_block_tokens < 1:
             return f"--prefix-block-tokens must be >= 1; got {self.prefix_block_tokens}"
-        if self.max_kv_bytes and self.prefix_cache_bytes > self.max_kv_bytes:
+        if isinstance(self.max_kv_bytes, int) and self.max_kv_bytes and self.prefix_cache_bytes > self.max_kv_bytes:
             return (
                 f"--prefix-cache-bytes ({self.prefix_cache_bytes}) is counted in --max-kv-bytes "
                 f"({self.max_kv_bytes}) and cannot exceed it"

@@ -8,7 +8,7 @@ in-place write, one thread of a 2-core AMD EPYC). Here the memory is allocated o
 - `KVPool`: per layer, keys and values as [H, T, D] arenas (head-major: a session's entries
   for one head are contiguous, the layout SDPA reads fastest on CPU), T = pages × page tokens.
   On CPU the arenas are private anonymous memory, zero-filled and committed only as written,
-  so a large pool costs nothing until used. Its size: `pool_bytes`.
+  so a large pool costs nothing until used. Its size: `specdec.engine.memory.pool_bytes`.
 - `PageAllocator`: which pages are free; a session owns one contiguous run of them (an
   extent), so attention reads its entries as a view, with no gather.
 - `PoolCache` / `PoolLayer`: a transformers cache over one extent. A pass writes its new
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import mmap
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -430,18 +429,3 @@ def kv_geometry(config) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return config.num_hidden_layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
-def pool_bytes(budget: int, bytes_per_token: int, max_sessions: int, device: str) -> int:
-    """How large a model service's pool is. With a KV budget (--max-kv-bytes, counted in the
-    entries sessions hold, as SessionStore.make_room counts them): room for what the budget
-    admits to grow by doubling, plus a first page per session; on CPU the memory is committed
-    only as written, so the headroom costs nothing until used. Without one: half the
-    machine's memory on CPU, half the device's free memory (after the weights) on CUDA."""
-    pages = max_sessions * PAGE_TOKENS * bytes_per_token
-    if budget:
-        return (2 * budget if device.startswith("cpu") else budget) + pages
-    if device.startswith("cpu"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    return free // 2

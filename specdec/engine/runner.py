@@ -22,7 +22,8 @@ from specdec.engine.costs import (
 )
 from specdec.engine.fingerprint import served_weights
 from specdec.engine.kv import batchable_cache
-from specdec.engine.kv_pool import KVPool, kv_geometry, pool_bytes
+from specdec.engine.kv_pool import KVPool, kv_geometry
+from specdec.engine.memory import MemoryShare, kv_budget, pool_bytes
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
@@ -53,7 +54,7 @@ class ModelRunner:
         max_sessions: int,
         session_ttl_s: float,
         max_speculative_tokens: int,
-        max_kv_bytes: int = 0,
+        max_kv_bytes: int | MemoryShare = 0,
         prefix_cache_bytes: int = 0,
         prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
     ):
@@ -71,15 +72,14 @@ class ModelRunner:
             prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes)
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
-        # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place.
-        # Not for models whose cache has other layer kinds (sliding windows) nor for layers spread
-        # over several devices (a device map): those keep transformers' own cache, copied each pass.
+        max_kv_bytes = kv_budget(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device)
+        # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place, but for
+        # models with other layer kinds (sliding windows) or over several devices: transformers' own cache.
         self.pool: KVPool | None = None
         if batchable_cache(DynamicCache(config=self.model.config)) and loaded.device_label != "auto":
-            size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device)
-            self.pool = KVPool.for_bytes(
-                self.model.config, size, self.model.dtype, loaded.device, loaded.tensor_parallel_size
-            )
+            device, parallel = loaded.device, loaded.tensor_parallel_size
+            size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, device)
+            self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel)
         self.sessions = SessionStore(max_sessions, session_ttl_s, self.new_cache, max_kv_bytes, prefix)
         # Tokens run through the model since start; tests use it to prove prefixes are reused.
         self.processed_tokens_total = 0

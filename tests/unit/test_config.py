@@ -56,6 +56,7 @@ def test_environment_values_outside_the_choices_are_refused():
         (coordinator_config, ["--hedges", "two"], "argument --hedges: 'two' is neither auto nor a whole number"),
         (coordinator_config, ["--pipeline", "yes"], "argument --pipeline: 'yes': choose from auto, on, off"),
         (target_config, ["--max-kv-bytes", "2XB"], "argument --max-kv-bytes: '2XB' is not a size; use bytes"),
+        (target_config, ["--max-kv-bytes", "120%"], "more than 0% and at most 100%; got 120%"),
         (target_config, ["--port", "abc"], "argument --port: invalid int value: 'abc'"),
     ],
 )

@@ -8,7 +8,10 @@ import torch
 
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
-from specdec.config.services import parse_bytes
+from specdec.config.services import parse_bytes, parse_kv_budget
+from specdec.engine import memory
+from specdec.engine.kv_pool import PAGE_TOKENS
+from specdec.engine.memory import MemoryShare, kv_budget
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.runner import kv_bytes_per_token
 from specdec.errors import ResourceExhausted, SessionNotFound
@@ -86,6 +89,34 @@ def test_sizes_parse_with_units():
     )
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+
+def test_a_share_of_memory_parses_and_becomes_bytes_of_what_is_available(loaded, monkeypatch):
+    """--max-kv-bytes 25%: a quarter of the memory available at start-up, less each session's
+    first page, so that the pool it sizes takes the quarter (on CUDA; on CPU twice the budget,
+    committed only as written)."""
+    assert parse_kv_budget("25%") == MemoryShare(0.25) and parse_kv_budget(" 90.5% ") == MemoryShare(0.905)
+    assert parse_kv_budget("8GiB") == 8 * 2**30
+    for bad in ("0%", "101%", "many%"):
+        with pytest.raises(ValueError, match="share of memory"):
+            parse_kv_budget(bad)
+    per_token = TargetRunner(loaded, 1, 60, 4).kv_bytes_per_token
+    available = 10_000 * per_token
+    monkeypatch.setattr(memory, "available_bytes", lambda device: available)
+    pages = 8 * PAGE_TOKENS * per_token
+    assert kv_budget(MemoryShare(0.25), per_token, 8, "cpu") == available // 4 - pages
+    assert kv_budget(4096, per_token, 8, "cpu") == 4096  # a size stays as it is
+    runner = TargetRunner(
+        loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=MemoryShare(0.25)
+    )
+    assert runner.describe().max_kv_cache_bytes == available // 4 - pages
+    verify(runner, "a", 0, [1, 2, 3])  # serves within it
+    with pytest.raises(ValueError, match=r"--max-kv-bytes 1% of .* leaves room for 0 tokens"):
+        kv_budget(MemoryShare(0.01), per_token, 8, "cpu")  # less than the sessions' first pages
+
+
+def test_the_memory_available_is_measured():
+    assert 0 < memory.available_bytes("cpu") <= memory.pool_bytes(0, 1, 1, "cpu") * 2
 
 
 def draft_runner(loaded, tokens: int, min_confidence: float = 0.4):
