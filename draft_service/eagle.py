@@ -6,7 +6,9 @@ features, sent with each Propose (ProposeRequest.features).
 What a pass reads, per session (FeatureTrack): the target's features where they came, the
 head's own predictions where they did not (a pipelined pre-draft, a hedge, a token drafted
 this call). A slot computed from a prediction is computed again once the target's feature for
-it arrives. A session runs alone in its passes: a slot's input may be the slot before's output.
+it arrives. A slot's input may be the slot before's output, so a session's tokens run in as
+many passes as that takes (`forward`); sessions whose tokens all run in one pass share it
+(the decode batches of draft_service.batched, each row reading its own track).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from draft_service.runner import DraftRunner
+from specdec.engine.batching import result_or_error
 from specdec.engine.calls import ModelDescription
 from specdec.engine.eagle import EagleHead, LoadedHead
 from specdec.engine.features import FeatureTrack
@@ -27,8 +30,7 @@ from specdec.errors import InvalidArgument
 class EagleRunner(DraftRunner):
     """The model drafter over an EAGLE head (its settings: DraftStepper's)."""
 
-    shares_passes = False  # a session's passes read its own track: the servicer runs calls one by one
-    takes_static_passes = False  # the head reads that track mid-pass: no fixed-shape or captured passes
+    takes_static_passes = False  # the head reads its rows' tracks mid-pass: no fixed-shape or captured passes
 
     def __init__(self, loaded, head: LoadedHead, **settings) -> None:
         super().__init__(loaded, head_ids=head.head_ids, **settings)
@@ -108,9 +110,26 @@ class EagleRunner(DraftRunner):
         assert logits is not None
         return logits
 
-    def _forward_admitted(self, session: KVSession, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        self.head.track = self.track_of(session)
-        try:
-            return super()._forward_admitted(session, token_ids, logits_to_keep)
-        finally:
-            self.head.track = None
+    def forward_batch(
+        self,
+        sessions: list[KVSession],
+        token_ids: list[list[int]],
+        logits_to_keep: list[int],
+        trees: list[tuple[list[int], list[int]]] | None = None,
+    ) -> list[torch.Tensor | Exception]:
+        """ModelRunner.forward_batch over the sessions whose tokens run in one pass; each other
+        session alone, in as many passes as its tokens need (`forward`)."""
+        calls = list(zip(sessions, token_ids, logits_to_keep))
+        shared = [b for b, (session, ids, _) in enumerate(calls) if trees is None and self._one_pass(session, len(ids))]
+        if len(shared) < 2:
+            shared = []
+        outputs = iter(super().forward_batch(*map(list, zip(*(calls[b] for b in shared)))) if shared else ())
+        return [next(outputs) if b in shared else result_or_error(self.forward, *call) for b, call in enumerate(calls)]
+
+    def _decodable(self, drafting) -> bool:
+        """DraftStepper._decodable, and the call's tokens run in one pass: a decode batch runs
+        them so."""
+        return super()._decodable(drafting) and self._one_pass(drafting.session, len(drafting.feed))
+
+    def _one_pass(self, session: KVSession, tokens: int) -> bool:
+        return self.track_of(session).runnable(session.cached_tokens, tokens, self.max_speculative_tokens + 2) >= tokens

@@ -145,6 +145,7 @@ def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
         min_confidence=config.min_confidence,
         **runner_options,
     )
+    runner.max_batch_size = config.max_batch_size
     return _paced_and_calibrated(config, runner)
 
 

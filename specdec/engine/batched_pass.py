@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdec.engine.batching import hand_back, padded_cache
 from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
-from specdec.engine.modeling import LoadedModel, with_cache
+from specdec.engine.modeling import LoadedModel, session_inputs, with_cache
 from specdec.engine.sessions import KVSession, SessionStore
 from specdec.engine.static_pass import Row, StaticPasses, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_attention_mask, tree_position_ids
@@ -87,6 +87,7 @@ def padded_pass(
             attention_mask=attention_mask,
             position_ids=position_ids,
             **with_cache(runner.model, cache),
+            **session_inputs(runner.model, sessions),
             cache_position=torch.arange(max_past, max_past + max_new, device=device),
             use_cache=True,
             logits_to_keep=logit_positions,
@@ -276,6 +277,7 @@ class DecodeBatch:
                     attention_mask=self._mask,
                     position_ids=positions,
                     **with_cache(runner.model, self._cache),
+                    **session_inputs(runner.model, self.sessions),
                     cache_position=torch.arange(start, start + width, device=device),
                     use_cache=True,
                     logits_to_keep=last,

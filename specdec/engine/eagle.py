@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdec.engine.features import FeatureTrack
@@ -98,8 +99,12 @@ class _Eagle3Layer(nn.Module):
 class EagleHead(nn.Module):
     """The head as the model runners see a causal LM: `forward(input_ids, cache, cache_position,
     logits_to_keep)` → `.logits`, a one-layer Llama `config` for the KV pool, `dtype`. What it
-    reads besides the tokens is `track`, the session's FeatureTrack, which its runner sets before
-    each pass (draft_service.eagle)."""
+    reads besides the tokens is each row's session's FeatureTrack, `feature_tracks`, which every
+    pass hands it (specdec.engine.modeling.session_inputs): one session alone, or a batch of
+    them padded as specdec.engine.batched_pass lays them out (real positions in
+    `position_ids`, the new tokens' real columns in the last N of `attention_mask`)."""
+
+    reads_features = True  # session_inputs: passes hand it their sessions' FeatureTracks
 
     def __init__(self, folder: HeadFolder, target_vocab: int) -> None:
         super().__init__()
@@ -118,7 +123,6 @@ class EagleHead(nn.Module):
         self.feature_width = 3 * folder.target_width if kind == EAGLE3 else width
         self.lm_head = nn.Linear(width, folder.draft_vocab if kind == EAGLE3 else target_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        self.track: FeatureTrack | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,26 +149,32 @@ class EagleHead(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [1, N]
+        input_ids: torch.Tensor,  # [B, N]
         cache=None,
         cache_position: torch.Tensor | None = None,  # [N]
-        logits_to_keep: int = 0,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        attention_mask: torch.Tensor | None = None,  # [B, past + N], a batch's: 1 at real entries
+        position_ids: torch.Tensor | None = None,  # [B, N], a batch's: each row's real positions
         use_cache: bool = True,
+        feature_tracks: list[FeatureTrack] | None = None,  # [B]
         **_: object,
     ) -> SimpleNamespace:
-        if self.track is None:
-            raise AssertionError("the head's runner sets the session's FeatureTrack before a pass")
-        if input_ids.shape[0] != 1:
-            raise AssertionError("the head runs one session a pass")
-        start = cache.get_seq_length() if cache is not None else 0
-        positions = (
-            list(range(start, start + input_ids.shape[1])) if cache_position is None else cache_position.tolist()
+        batch, width = input_ids.shape
+        if feature_tracks is None or len(feature_tracks) != batch:
+            raise AssertionError("every pass hands the head one FeatureTrack a row (session_inputs)")
+        if position_ids is None:  # one session, its cache its own
+            start = cache.get_seq_length() if cache is not None else 0
+            first = torch.arange(start, start + width) if cache_position is None else cache_position.cpu()
+            position_ids = first[None].to(input_ids.device)  # [1, N]
+        positions = position_ids.tolist()  # B × [N]
+        # A session no call opened (the calibration's copies) has no track: it reads zeros.
+        feature_tracks = [track or FeatureTrack(self.config.hidden_size) for track in feature_tracks]
+        # The new tokens' real columns: a batch's rows are right-padded to the widest.
+        real = [width] * batch if attention_mask is None else attention_mask[:, -width:].sum(dim=1).tolist()  # [B]
+        embeds = self.embed_tokens(input_ids)  # [B, N, H]
+        feature = torch.stack(
+            [track.inputs(row, embeds[b]) for b, (track, row) in enumerate(zip(feature_tracks, positions))]
         )
-        position_ids = torch.tensor([positions], device=input_ids.device)  # [1, N]
-        embeds = self.embed_tokens(input_ids)  # [1, N, H]
-        feature = self.track.inputs(positions, embeds)[None]  # [1, N, H]
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=embeds,
@@ -174,14 +184,14 @@ class EagleHead(nn.Module):
         )
         rotary = self.rotary_emb(embeds, position_ids=position_ids)
         if self.kind == EAGLE1:
-            hidden = self.layers[0](self.fc(torch.cat([embeds, feature], dim=-1)), rotary, mask, cache)  # [1, N, H]
+            hidden = self.layers[0](self.fc(torch.cat([embeds, feature], dim=-1)), rotary, mask, cache)  # [B, N, H]
             normed = hidden
         else:
-            hidden = self.midlayer(embeds, feature, rotary, mask, cache)  # [1, N, H]
+            hidden = self.midlayer(embeds, feature, rotary, mask, cache)  # [B, N, H]
             normed = self.norm(hidden)
-        self.track.record(positions, hidden[0])
-        kept = normed[:, -logits_to_keep:] if logits_to_keep else normed
-        return SimpleNamespace(logits=self.lm_head(kept))  # [1, kept, Vd]
+        for b, (track, row) in enumerate(zip(feature_tracks, positions)):
+            track.record(row[: real[b]], hidden[b, : real[b]])  # a pad's output is no prediction
+        return SimpleNamespace(logits=self.lm_head(slice_logits_to_keep(normed, logits_to_keep)))  # [B, kept, Vd]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,15 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
 _CACHE_KEYWORDS: dict[type, str] = {}
 
 
+def session_inputs(model: torch.nn.Module, sessions: list) -> dict:
+    """What a pass hands `model` of its sessions (KVSession, one a row) beside their tokens and
+    caches: an EAGLE head (specdec.engine.eagle, `reads_features`) reads each one's
+    FeatureTrack; a causal LM reads nothing more."""
+    if getattr(model, "reads_features", False):
+        return {"feature_tracks": [session.features for session in sessions]}
+    return {}
+
+
 def load_causal_lm(
     model_id: str,
     dtype: str,

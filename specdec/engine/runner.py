@@ -24,7 +24,7 @@ from specdec.engine.fingerprint import served_weights
 from specdec.engine.kv import batchable_cache
 from specdec.engine.kv_pool import KVPool, kv_geometry
 from specdec.engine.memory import MemoryShare, kv_budget, pool_bytes
-from specdec.engine.modeling import LoadedModel, with_cache
+from specdec.engine.modeling import LoadedModel, session_inputs, with_cache
 from specdec.engine.pace import Pacer
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import KVSession, SessionStore
@@ -81,8 +81,7 @@ class ModelRunner:
             size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, device)
             self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel)
         self.sessions = SessionStore(max_sessions, session_ttl_s, self.new_cache, max_kv_bytes, prefix)
-        # Tokens run through the model since start; tests use it to prove prefixes are reused.
-        self.processed_tokens_total = 0
+        self.processed_tokens_total = 0  # tokens run since start; tests use it to prove prefixes are reused
         # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
         self.batched_forwards = 0
         self.batched_sessions_total = 0
@@ -300,6 +299,7 @@ class ModelRunner:
                 out = self.model(
                     input_ids=input_ids,
                     **with_cache(self.model, session.cache),
+                    **session_inputs(self.model, [session]),
                     cache_position=cache_position,
                     use_cache=True,
                     logits_to_keep=logits_to_keep,

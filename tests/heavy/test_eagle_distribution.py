@@ -44,6 +44,7 @@ async def eagle_samples(word_pair, head, coordinator: dict) -> tuple[list, list]
         stats: list = []
         samples = await sample_continuations(stack.stub, T1, range(SAMPLES), stats=stats, concurrency=LOCAL_CONCURRENCY)
         assert stack.draft_runner.received_feature_rows > SAMPLES // 2, "the head was rarely sent the target's features"
+        assert stack.draft_runner.batched_forwards > 0, "no pass of the head was shared between sessions"
     return samples, stats
 
 

@@ -42,15 +42,15 @@ def heads(tiny_pair, tmp_path_factory):
     }
 
 
-def eagle_runner(tiny_pair, head):
+def eagle_runner(tiny_pair, head, **settings):
     return load_runner(
         DraftConfig(
             model=str(tiny_pair.target),
             drafter="eagle",
             draft_head=str(head),
-            calibrate=False,
             quantize="none",
             min_confidence=0.0,
+            **{"calibrate": False, **settings},
         )
     )
 
@@ -201,3 +201,53 @@ def test_the_compact_form_shards_under_the_file_limit_and_loads_back(tmp_path, m
     scale = state["fc.weight"].abs().amax(dim=1, keepdim=True) / 127
     assert ((back["fc.weight"] - state["fc.weight"]).abs() <= scale / 2 + 1e-3).all()  # int8 rounding, per row
     torch.testing.assert_close(back["norm.weight"].float(), state["norm.weight"], atol=1e-3, rtol=1e-3)
+
+
+def test_sessions_share_the_heads_passes_and_draft_what_each_drafts_alone(tiny_pair, heads):
+    """propose_batch over an EAGLE head: each row of a shared pass reads its own session's
+    track, so every call drafts what it drafts alone. Round 2 brings the target's features; in
+    round 3 a call's second token reads the first's output, so that call runs alone, in two
+    passes, while the others still share theirs."""
+    lone, batched = eagle_runner(tiny_pair, heads[EAGLE3]), eagle_runner(tiny_pair, heads[EAGLE3])
+    width = lone.feature_width
+    prompts = {f"s{i}": list(range(5 + i, 12 + 3 * i)) for i in range(3)}
+    features = {
+        sid: torch.randn(len(p) + 1, width, generator=torch.Generator().manual_seed(len(p)))
+        for sid, p in prompts.items()
+    }
+    rounds = [[ProposeCall(sid, 0, prompt, 3, GREEDY, 0) for sid, prompt in prompts.items()]]
+
+    def check(calls):
+        want = [lone.propose_one(call) for call in calls]
+        got = batched.propose_batch(calls)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids and a.sequence_length == b.sequence_length
+            torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
+        return want
+
+    first = check(rounds[0])
+    assert batched.batched_forwards > 0, "the sessions' draft steps shared no pass"
+    second = check(
+        [
+            ProposeCall(sid, len(prompt) + 1, [7], 3, GREEDY, 0, features=(0, features[sid]))
+            for (sid, prompt), proposal in zip(prompts.items(), first)
+            if proposal.token_ids
+        ]
+    )
+    shared = batched.batched_forwards
+    third = [
+        ProposeCall(sid, proposal.sequence_length - 1, [8, 9] if sid == "s0" else [8], 2, GREEDY, 0)
+        for sid, proposal in zip(prompts, second)
+    ]
+    check(third)
+    assert batched.batched_forwards > shared
+    assert lone.received_feature_rows == batched.received_feature_rows > 0
+
+
+def test_the_heads_passes_are_calibrated_alone_and_batched(tiny_pair, heads):
+    """Its step cost and its batched passes' (copies of a session no call opened, which read
+    zeros), as any drafter's; Info says how many sessions a pass serves."""
+    runner = eagle_runner(tiny_pair, heads[EAGLE1], calibrate=True, max_batch_size=4)
+    assert runner.pass_costs is not None and runner.pass_costs.batch_ms
+    assert {sessions for sessions, _, _ in runner.pass_costs.batch_ms} >= {2, 4}
+    assert runner.describe().max_batch_size == 4
