@@ -112,9 +112,9 @@ def kill(process: ServiceProcess) -> None:
     process.process.wait()
 
 
-def open_sessions(target: ServiceProcess) -> int:
-    with grpc.insecure_channel(target.address) as channel:
-        return target_pb2_grpc.TargetStub(channel).Info(common_pb2.InfoRequest(), timeout=5).open_sessions
+def open_sessions(service: ServiceProcess, stub=target_pb2_grpc.TargetStub) -> int:
+    with grpc.insecure_channel(service.address) as channel:
+        return stub(channel).Info(common_pb2.InfoRequest(), timeout=5).open_sessions
 
 
 def generate(stub, max_new_tokens: int = 24) -> pb.GenerateResponse:

@@ -1,7 +1,7 @@
 """Replica pools with real processes: sessions spread over target replicas and stay put; a
 replica killed mid-request hands its sessions over with the output unchanged; a draining
 replica gets no new sessions; a replica that is missing, serves another model, or is found
-by DNS; and every target replica down."""
+by DNS; every target replica down; and a pool of EAGLE heads."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 
 import grpc
 
+from specdec.engine.eagle import EAGLE3
 from specdec.tools.launch import free_port
+from specdec.tools.testing import build_eagle_head
 from specdec.v1 import coordinator_pb2 as pb
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc
 from tests.pool_helpers import (
     PROMPT,
     DnsServer,
@@ -198,3 +200,34 @@ def test_a_hung_replica_hands_its_sessions_over(tiny_pair, reference, tmp_path):
                     process.process.send_signal(signal.SIGCONT)
             assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
             assert waited < 15.0, waited
+
+
+def test_a_pool_of_eagle_heads_serves_two_targets_and_hands_sessions_over(tiny_pair, reference, tmp_path):
+    """Heads pool as model drafts do (issue 68): sessions spread over two head replicas and two
+    target replicas, each head fed the features of the target its session verifies on. A head
+    killed mid-request hands its sessions to the other, which has none of their features (it
+    reads zeros until the next verify brings more), and every output is still the target's."""
+    head = build_eagle_head(tmp_path / "head", tiny_pair.target, EAGLE3, draft_vocab=96)
+    flags = ["--quantize", "none", "--drafter", "eagle", "--draft-head", str(head)]
+    with Processes(tiny_pair, tmp_path) as processes:
+        heads = [processes.spawn("draft", tiny_pair.target, free_port(), args=flags) for _ in range(2)]
+        targets = [processes.target(), processes.target()]
+        wait_all(*heads, *targets)
+        coordinator = processes.coordinator(",".join(h.address for h in heads), ",".join(t.address for t in targets))
+        wait_all(coordinator)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
+            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
+            chunks = [[next(stream)] for stream in streams]  # all four are running
+            assert all(open_sessions(h, draft_pb2_grpc.DraftStub) >= 1 for h in heads)
+            assert all(open_sessions(t) >= 1 for t in targets)
+            kill(heads[0])
+            for stream, got in zip(streams, chunks):
+                got += list(stream)
+            for got in chunks:
+                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+            stats = [got[-1].stats for got in chunks]
+            assert all(s.draft_replica == heads[1].address for s in stats)
+            assert sum(s.replica_moves for s in stats) >= 2  # the killed head's sessions moved
+            assert sum(s.proposed_tokens for s in stats) > 0
