@@ -19,7 +19,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
-from specdec.sampling.probs import logits_to_probs, one_hot_argmax, sample
+from specdec.sampling.probs import fetch, logits_to_probs, one_hot_argmax, sample
 
 if TYPE_CHECKING:
     from draft_service.stepping import DraftStepper, _Drafting
@@ -227,21 +227,28 @@ def step_together(
     """`DraftStepper._step` for rows drawn alike (`step_all`): False, drawing nothing, when some logit
     is NaN or infinite, so that each row's own check names the bad one."""
     logits = torch.stack([row_logits for _, _, row_logits in items])  # [B, N]
-    if not math.isfinite(float(logits.sum())):
-        return False
+    total = logits.sum()  # [] finite unless some logit is not
     if argmax:
         heads = logits.argmax(dim=-1)  # [B]
         head_probs = one_hot_argmax(logits)  # [B, N]
         belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
     else:
+        if not math.isfinite(float(total)):  # before any generator draws
+            return False
         head_probs = belief = logits_to_probs(logits, items[0][1].call.params)  # [B, N]
         heads = sample(head_probs, [drafting.generator for _, drafting, _ in items])  # [B]
-    drawn = belief.gather(1, heads[:, None])[:, 0].tolist()  # [B]
     count = max(drafting.call.runner_ups for _, drafting, _ in items)
-    top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)
-    top_ids, top_probs = top.indices.tolist(), top.values.tolist()  # [B, count + 1]
-    for b, ((_, drafting, _), row) in enumerate(zip(items, heads.tolist())):
-        runner_ups = runner._others(top_ids[b], top_probs[b], row, drafting.call.runner_ups)
+    top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)  # [B, count + 1]
+    # What the host needs, in one transfer from the device (probs.fetch).
+    finite, rows, drawn, top_ids, top_probs = fetch(
+        total, heads, belief.gather(1, heads[:, None])[:, 0], top.indices, top.values
+    )
+    if not math.isfinite(finite[0]):
+        return False
+    width = top.indices.shape[1]
+    for b, ((_, drafting, _), row) in enumerate(zip(items, map(int, rows))):
+        ids, probs = [int(i) for i in top_ids[b * width : (b + 1) * width]], top_probs[b * width : (b + 1) * width]
+        runner_ups = runner._others(ids, probs, row, drafting.call.runner_ups)
         # The support a sampled call sends: a guess's one id; a draw's unknown (no top-k).
         support = None if drafting.deterministic or not argmax else torch.tensor([row])
         runner._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)

@@ -7,6 +7,7 @@ draft_service.batched's; trees are draft_service.trees'."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.sampling.probs import logits_to_probs, one_hot_at, sample, top_k_with_support
+from specdec.sampling.probs import fetch, logits_to_probs, one_hot_at, sample, support_of, top_k_parts
 
 PROPOSAL_MODES = ("sample", "greedy")
 # The service's top-k: sampled rows ship sparse, 2 KiB a token, not 0.6 MB dense (bench.draft_truncation: its cost).
@@ -296,26 +297,38 @@ class DraftStepper(ModelRunner):
         return False
 
     def _step(self, drafting: _Drafting, logits: torch.Tensor, batch_size: int) -> None:
-        """Draws the next token from the draft's distribution at the last fed position.
+        """Draws the next token from the draft's distribution at the last fed position. What
+        the host needs of it (whether the logits are finite, the token, its probability, the
+        runner-ups, the support) crosses from the device in one transfer (`fetch`).
 
         logits: [N] (N = V without a reduced head)
         """
-        self.check_logits(logits, drafting.call.session_id)
+        total = logits.sum()  # [] finite unless some logit is not (check_logits)
+        checked = logits
         if drafting.call.vocab_limit:
             logits = self._below(logits, drafting.call.vocab_limit)
         guess = drafting.guessing
-        support: torch.Tensor | None
+        parts: torch.Tensor | None = None
         if drafting.deterministic or guess:
-            row = ranked_row(logits, drafting.call.guess_rank if guess else 0)
-            head_probs = one_hot_at(logits, torch.tensor([row], device=logits.device))  # [N]
+            row = ranked_row(logits, drafting.call.guess_rank if guess else 0)  # []
+            head_probs = one_hot_at(logits, row.reshape(1))  # [N]
             belief = torch.softmax(logits, dim=-1)  # [N] the draft's own view: to rank hedges and stop on confidence
-            support = torch.tensor([row])  # [1] the one-hot row's only id
         else:
-            head_probs, support = top_k_with_support(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
-            row = int(sample(head_probs[None], drafting.generator)[0])
+            head_probs, parts = top_k_parts(logits_to_probs(logits, drafting.call.params), self.proposal_top_k)
+            row = sample(head_probs[None], drafting.generator)[0]  # []
             belief = head_probs
-        runner_ups = self._runner_ups(belief, row, drafting.call.runner_ups)
-        self._take(drafting, row, float(belief[row]), runner_ups, head_probs, support, batch_size)
+        top = belief.topk(min(drafting.call.runner_ups + 1, belief.numel()))
+        fetched = fetch(total, row, belief[row], top.indices, top.values, *(() if parts is None else (parts,)))
+        if not math.isfinite(fetched[0][0]):
+            self.check_logits(checked, drafting.call.session_id)
+        chosen = int(fetched[1][0])
+        support: torch.Tensor | None  # the ids the shipped row is non-zero at, where known
+        if drafting.deterministic or guess:
+            support = torch.tensor([chosen])  # [1] the one-hot row's only id
+        else:
+            support = None if parts is None else support_of(fetched[5])
+        runner_ups = self._others([int(i) for i in fetched[3]], fetched[4], chosen, drafting.call.runner_ups)
+        self._take(drafting, chosen, fetched[2][0], runner_ups, head_probs, support, batch_size)
 
     def _take(
         self,
@@ -378,12 +391,6 @@ class DraftStepper(ModelRunner):
             raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         return logits.masked_fill(outside, float("-inf"))
 
-    def _runner_ups(self, belief: torch.Tensor, row: int, count: int) -> list[tuple[int, float]]:
-        """The `count` likeliest head rows other than `row`, best first, as (token id,
-        probability): fewer only where the head has fewer other rows. belief: [N]"""
-        top = belief.topk(min(count + 1, belief.numel()))
-        return self._others(top.indices.tolist(), top.values.tolist(), row, count)
-
     def _others(self, top_ids: list[int], top_probs: list[float], row: int, count: int) -> list[tuple[int, float]]:
         """The first `count` of a row's top head rows (best first, one more than `count`) that are
         not `row` itself, as (the caller's token id, probability)."""
@@ -398,9 +405,9 @@ class DraftStepper(ModelRunner):
         return probs.index_copy_(0, self.head_caller_ids, head_probs)
 
 
-def ranked_row(logits: torch.Tensor, rank: int) -> int:
+def ranked_row(logits: torch.Tensor, rank: int) -> torch.Tensor:
     """The head row of the (rank + 1)-th largest logit (0: the argmax); the last row there is
-    where the head has fewer rows. logits: [N]"""
+    where the head has fewer rows. logits: [N] → [] (on the logits' device)"""
     if not rank:
-        return int(logits.argmax())
-    return int(logits.topk(min(rank + 1, logits.numel())).indices[-1])
+        return logits.argmax()
+    return logits.topk(min(rank + 1, logits.numel())).indices[-1]

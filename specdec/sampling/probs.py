@@ -205,16 +205,47 @@ def top_k_with_support(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
 
     probs: [V] → ([V], [k'] int64 ascending, or None)
     """
+    kept, parts = top_k_parts(probs, top_k)
+    return kept, None if parts is None else support_of(fetch(parts)[0])
+
+
+def top_k_parts(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`top_k_with_support` without leaving the device: the kept row, and what names its
+    support, for `support_of` once fetched (None: no truncation).
+
+    probs: [V] → ([V], [2k + 1]: the top k's ids, whether each is above zero, a tie at the k-th)
+    """
     if top_k <= 0 or top_k >= probs.shape[-1]:
         return probs, None
     top = torch.topk(probs, top_k + 1)  # values descending: [k + 1]
     kth, next_value = top.values[top_k - 1], top.values[top_k]
     kept = probs.masked_fill(probs < kth, 0.0)
     kept = kept / kept.sum()
-    if bool(next_value == kth) and bool(kth > 0):
-        return kept, None  # a tie at the k-th value keeps more than k entries
-    ids = top.indices[:top_k]
-    return kept, ids[kept[ids] > 0].sort().values
+    ids = top.indices[:top_k]  # [k]
+    tie = (next_value == kth) & (kth > 0)  # [] a tie at the k-th value keeps more than k entries
+    return kept, torch.cat([ids.double(), (kept[ids] > 0).double(), tie.double().reshape(1)])
+
+
+def support_of(parts: list[float]) -> torch.Tensor | None:
+    """`top_k_parts`'s parts, fetched: the support's ids ascending [k'], or None on a tie."""
+    if parts[-1]:
+        return None
+    top_k = (len(parts) - 1) // 2
+    ids = sorted(int(token) for token, kept in zip(parts[:top_k], parts[top_k:-1]) if kept)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def fetch(*tensors: torch.Tensor) -> list[list[float]]:
+    """Small tensors of one device as Python numbers, in one transfer: on an accelerator one
+    wait for the queued work instead of one per `.item()`. Each comes back flattened, as
+    float64, which holds every float32 and every id below 2**53 exactly."""
+    flat = [tensor.reshape(-1).double() for tensor in tensors]
+    values = torch.cat(flat).tolist()
+    out, start = [], 0
+    for tensor in flat:
+        out.append(values[start : start + tensor.numel()])
+        start += tensor.numel()
+    return out
 
 
 def sample(probs: torch.Tensor, generator: np.random.Generator | Sequence[np.random.Generator]) -> torch.Tensor:
