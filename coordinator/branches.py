@@ -96,8 +96,7 @@ class BranchCall:
     def cancel(self) -> None:
         """Cancels the RPC (the draft stops every branch at its next step); a reply that
         already arrived is dropped unread."""
-        self.task.cancel()
-        # Retrieve any exception so asyncio does not log it as never retrieved.
+        self.task.cancel()  # and its exception retrieved, so asyncio does not log it as never retrieved:
         self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
@@ -337,6 +336,7 @@ class Branches:
         failed = refused = False
         predraft = call.predraft
         for plan, branch, result, error in zip(call.branches, branches, reply.results, errors):
+            stats.branch_failures += error != 0
             if plan.guesses:
                 stats.predraft_compute_ms += result.proposal.compute_ms if not error else 0.0
                 stats.predrafted_tokens += len(branch.draft_token_ids)

@@ -49,6 +49,7 @@ class GenerationStats:
     hedge_hits: int = 0  # rounds that ended as a branch assumed, whose drafts were used
     hedged_tokens: int = 0  # drafts taken from hits
     hedge_wasted_tokens: int = 0  # drafts of hedges that were read but not used
+    branch_failures: int = 0  # branches the draft answered with an error (their rounds ran without them)
     branch_wait_ms: float = 0.0  # waiting on pre-draft/hedge replies after verifies returned
     ready_rounds: int = 0  # rounds whose drafts came from a pre-draft or hedge
     catch_up_rounds: int = 0  # pipelined rounds run target-only while the draft drafted the next
@@ -237,6 +238,9 @@ class CoordinatorMetrics:
             "specdec_fallback_rounds", "Rounds run target-only because the draft failed or was skipped"
         )
         self.draft_failures = counter("specdec_draft_failures", "Draft calls that failed after their retries")
+        self.branch_failures = counter(
+            "specdec_branch_failures", "Pre-draft, hedge and bonus-guess branches the draft answered with an error"
+        )
         self.foreign_tokens = counter(
             "specdec_draft_foreign_tokens",
             "Drafts a draft with its own tokenizer proposed outside the tokens it shares with the target "
@@ -291,6 +295,7 @@ class CoordinatorMetrics:
             self.predrafts.labels(outcome).inc(count)
         self.fallback_rounds.inc(stats.fallback_rounds)
         self.draft_failures.inc(stats.draft_failures)
+        self.branch_failures.inc(stats.branch_failures)
         self.foreign_tokens.inc(stats.foreign_tokens)
         self.degraded_requests.inc(stats.degraded)
         if stats.acceptance_mode == AcceptanceMode.RELAXED.value:

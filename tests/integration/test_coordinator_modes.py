@@ -15,6 +15,7 @@ import pytest_asyncio
 from coordinator import server as coordinator_server
 from coordinator.overlap import HEDGE_COUNTS
 from specdec.engine.costs import PassCosts
+from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -71,6 +72,7 @@ async def test_greedy_output_is_the_targets_in_every_mode(stack, reference):
             assert s.pipelined == ("pipeline" in MODES[stack.mode])
             assert sum(s.k_per_round) == s.proposed_tokens and len(s.k_per_round) == s.rounds
             assert s.predrafts == s.predraft_hits + s.predraft_misses + s.predraft_cancelled
+            assert s.branch_failures == 0, f"{stack.mode}: the draft failed a branch"
             totals["hits"] += s.predraft_hits
             assert s.bonus_guess_hits <= s.predraft_hits
             totals["bonus_guess_hits"] += s.bonus_guess_hits
@@ -96,6 +98,23 @@ async def _until_no_sessions(runner, timeout_s: float = 10.0) -> None:
     while len(runner.sessions) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert len(runner.sessions) == 0, f"{len(runner.sessions)} draft sessions outlived their requests"
+
+
+async def test_branches_the_draft_fails_are_counted_and_the_output_is_the_targets(tiny_pair, reference):
+    """A draft that answers every ProposeBranches branch with an error (as an EAGLE head's
+    batches did before its sessions shared passes): the rounds go on without them, and the
+    request's stats count them."""
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none", "batch_window_ms": 0},  # ProposeBranches calls propose_batch
+        coordinator_overrides={"pipeline": True, "hedges": 2},
+    ) as stack:
+        stack.draft_runner.propose_batch = lambda calls, *_: [InvalidArgument("no branches here")] * len(calls)
+        response = await stack.stub.Generate(
+            pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, num_speculative_tokens=3), timeout=60
+        )
+        assert list(response.token_ids) == reference(PROMPTS[0], 24)
+        assert response.stats.branch_failures > 0 and response.stats.predraft_hits == response.stats.hedge_hits == 0
 
 
 @pytest.mark.parametrize("overrides", [{"pipeline": True}, {"hedges": 3}], ids=["predraft", "hedges"])

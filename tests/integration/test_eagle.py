@@ -45,6 +45,7 @@ async def test_greedy_output_is_the_targets_with_an_eagle_head(stack, reference)
             pb.GenerateRequest(prompt=prompt, max_new_tokens=24, num_speculative_tokens=k), timeout=60
         )
         assert list(response.token_ids) == reference(prompt, 24), f"{stack.mode}: diverged on {prompt!r}"
+        assert response.stats.branch_failures == 0, f"{stack.mode}: the head failed a branch"
         # A random head is rarely right: pipelined rounds then run as catch-up steps whose
         # pre-drafts miss, and their drafts count as pre-drafted.
         proposed += response.stats.proposed_tokens + response.stats.predrafted_tokens
