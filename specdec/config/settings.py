@@ -189,7 +189,8 @@ def parse_settings(
             default=None if flag.repeated else default,
             choices=list(flag.choices) if flag.choices else None,
             metavar="{on,off}" if parse is on_off else None,
-            help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]",
+            # argparse %-formats help (%(default)s): a literal % is written %%.
+            help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]".replace("%", "%%"),
         )
     ns = parser.parse_args(argv)
     for item in settings:  # a repeated flag's values, joined; its environment value or default when not given
