@@ -29,7 +29,6 @@ def drafter_args(name: str, config: BenchConfig) -> list[str]:
         "ngram": ["--drafter", "ngram"],
         # Prompt lookup where the sequence's last n-gram recurs, the int8 model otherwise.
         "int8+lookup": ["--dtype", "float32", "--quantize", "int8", "--drafter", "hybrid"],
-        "int8+lookup3": ["--dtype", "float32", "--quantize", "int8", "--drafter", "hybrid", "--ngram-min", "3"],
         "int8@1thread": ["--dtype", "float32", "--quantize", "int8", "--threads", "1"],
         # The nodes suite: the draft's own "node" is core 0 (the target's is core 1).
         "int8@core0": ["--dtype", "float32", "--quantize", "int8", *PLACEMENTS["pinned"]["draft"].args],
@@ -275,7 +274,6 @@ def drafter_modes() -> list[Mode]:
         Mode("ours int8+lookup K=3", "ours", 3, drafter="int8+lookup"),
         Mode("ours int8, K chooser", "ours", 0, drafter="int8", adaptive=True),
         Mode("ours int8+lookup, K chooser", "ours", 0, drafter="int8+lookup", adaptive=True),
-        Mode("ours int8+lookup3, K chooser", "ours", 0, drafter="int8+lookup3", adaptive=True),
     ]
 
 

@@ -10,7 +10,6 @@ from specdec.config.services import (
     ServerSecurity,
     host_setting,
     metrics_port_setting,
-    parse_bytes,
     port_setting,
     shutdown_grace_setting,
 )
@@ -95,7 +94,11 @@ class CoordinatorConfig:
     draft_timeout_s: float = setting(30.0, "--draft-timeout", "deadline of one draft call, seconds")
     target_timeout_s: float = setting(60.0, "--target-timeout", "deadline of one target call, seconds")
     connect_timeout_s: float = setting(
-        120.0, "--connect-timeout", "how long start-up waits for draft and target to answer Info, seconds"
+        120.0,
+        "--connect-timeout",
+        "seconds a service that does not answer is waited for, as long as one takes to start: at start-up, for "
+        "draft and target to answer Info; mid-request, for a target call failing UNAVAILABLE (a restarting "
+        "target), never past the client's deadline",
     )
     log_level: str = setting("INFO", "--log-level", "logging level")
     pipeline: bool | None = setting(
@@ -144,16 +147,6 @@ class CoordinatorConfig:
         f"{MAX_TARGET_ONLY_STEPS}). Fixed: it changes only how a K = 0 request's tokens are grouped on the "
         "stream and how many calls they take, never the output",
     )
-    acceptance: str = setting(
-        AcceptanceMode.EXACT.value,
-        "--acceptance",
-        "acceptance rule for requests that leave acceptance_mode unset: exact (lossless: the output is the "
-        "target's distribution) or relaxed (lossy: a draft token is also kept when the target ranks it among its "
-        f"relaxed_top_n likeliest within relaxed_delta of its first, the request's or {DEFAULT_TOP_N} and "
-        f"{DEFAULT_DELTA:g}; the output is not the target's). Tree requests stay exact",
-        choices=AcceptanceMode.names(),
-        more="See [Relaxed acceptance](design.md#relaxed-acceptance).",
-    )
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     http_port: int = setting(
         -1,
@@ -167,16 +160,6 @@ class CoordinatorConfig:
         "--served-model-name",
         "the model name the HTTP API reports and accepts in `model` (empty = the target's model folder's name)",
     )
-    http_max_body_bytes: int = setting(
-        1 << 20,
-        "--http-max-body-bytes",
-        "largest HTTP request body read, e.g. 4MiB (larger ones get 413 unread; never more than the largest "
-        "request the model can take, which bounds gRPC requests)",
-        parse=parse_bytes,
-        shown="1 MiB",
-        more="Parsing JSON holds the interpreter: at worst about 60 ms a MiB of tiny arrays, a stall of every "
-        "stream in flight, so the default stays at 1 MiB (a 32k-token text prompt is about 130 KB).",
-    )
     pool_refresh_s: float = setting(
         2.0,
         "--pool-refresh",
@@ -189,17 +172,7 @@ class CoordinatorConfig:
         "seconds a request waits for room on a target replica (every one full: its --max-kv-bytes or "
         "--max-sessions) before RESOURCE_EXHAUSTED, never past the client's deadline",
     )
-    max_waiting_requests: int = setting(
-        1024,
-        "--max-waiting-requests",
-        "requests that may wait for room on a target replica at once; one more gets RESOURCE_EXHAUSTED",
-    )
     shutdown_grace_s: float = shutdown_grace_setting()
-    target_retry_s: float = setting(
-        30.0,
-        "--target-retry-timeout",
-        "seconds a target call failing UNAVAILABLE is retried (a restarting target), never past the client's deadline",
-    )
     trust_remote_code: bool = setting(
         False, "--trust-remote-code", "on: run Python code that comes with the tokenizer (only for ones you trust)"
     )
@@ -232,6 +205,24 @@ class CoordinatorConfig:
         "most tokens a copy (prompt lookup, suffix drafter) may carry in a round whose K the chooser picks; a "
         "copy runs no draft pass, so it may be longer than K; the services' --max-speculative-tokens caps it too",
     )
+    max_waiting_requests: int = fixed(
+        1024,
+        "requests that may wait for room on a target replica at once; one more gets RESOURCE_EXHAUSTED. A bound "
+        "on the coordinator's memory, not a tuning knob: --queue-timeout (and the client's deadline) says how "
+        "long a request may wait, 0 refusing at once",
+    )
+    http_max_body_bytes: int = fixed(
+        1 << 20,
+        "largest HTTP request body read (larger ones get 413 unread; never more than the largest request the "
+        "model can take, which bounds gRPC requests). Parsing JSON holds the interpreter: at worst about 60 ms "
+        "a MiB of tiny arrays, a stall of every stream in flight; 1 MiB holds a text prompt of 250k tokens",
+    )
+    acceptance: str = fixed(
+        AcceptanceMode.EXACT.value,
+        "acceptance rule for requests that leave acceptance_mode unset: exact. Relaxed acceptance (lossy: the "
+        "output is not the target's) is the request's own opt-in (acceptance_mode), labelled in its stats, never "
+        "a server-wide default that clients who did not ask for it would get",
+    )
     relaxed_top_n: int = fixed(DEFAULT_TOP_N, "a relaxed request's top-N where it leaves relaxed_top_n unset")
     relaxed_delta: float = fixed(DEFAULT_DELTA, "a relaxed request's gap where it leaves relaxed_delta unset")
     upstream: ClientSecurity = group(ClientSecurity(), "upstream-")  # calls to draft and target
@@ -241,8 +232,8 @@ class CoordinatorConfig:
         k = self.default_num_speculative_tokens
         if k is not None and not 0 <= k < MAX_ROWS:
             return f"--num-speculative-tokens must be auto or in [0, {MAX_ROWS - 1}] (the services' bound applies too)"
-        if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.max_waiting_requests < 0:
-            return "--pool-refresh must be > 0, --queue-timeout and --max-waiting-requests >= 0"
+        if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.connect_timeout_s < 0:
+            return "--pool-refresh must be > 0, --queue-timeout and --connect-timeout >= 0"
         if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be auto or in [0, {MAX_HEDGES}]"
         if self.bonus_guesses is not None and not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:

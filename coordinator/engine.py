@@ -180,7 +180,7 @@ class Engine:
         room on a target replica, if every one is full)."""
         # Give up on an unavailable target, or waiting for room, in time to tell the client so
         # before its own deadline.
-        retry_for, wait_for = self.config.target_retry_s, self.config.queue_timeout_s
+        retry_for, wait_for = self.config.connect_timeout_s, self.config.queue_timeout_s
         if time_remaining_s is not None:
             retry_for, wait_for = min(retry_for, 0.7 * time_remaining_s), min(wait_for, 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex

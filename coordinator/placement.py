@@ -95,7 +95,7 @@ class PrefixAffinity:
 
 
 def prefix_keys(prompt: Prompt | None, block_tokens: int) -> list[bytes]:
-    """Chain keys of the prompt's whole blocks (the replicas' --prefix-block-tokens), the
+    """Chain keys of the prompt's whole blocks (the replicas' prefix_block_tokens, from Info), the
     last token left out as a prefix cache leaves it; none without a prompt or a cache. The
     same in every process (no salted hash()), so coordinators agree on them."""
     if prompt is None or not block_tokens:

@@ -267,7 +267,7 @@ class Pool:
 
     @property
     def block_tokens(self) -> int:
-        """The replicas' prefix-cache block (--prefix-block-tokens); 0 where they keep none."""
+        """The replicas' prefix-cache block (prefix_block_tokens, from Info); 0 where they keep none."""
         cache = self.reference.prefix_cache if self.reference is not None else None
         return cache.block_tokens if cache is not None and cache.max_bytes else 0
 
@@ -292,7 +292,7 @@ class Pool:
         if len(self._waiting) >= max_waiting:
             raise ResourceExhausted(
                 f"every replica of {self.describe()} is full and {len(self._waiting)} requests already wait "
-                "(--max-waiting-requests); retry later"
+                "(the most that may); retry later"
             )
         loop = asyncio.get_running_loop()
         started = loop.time()

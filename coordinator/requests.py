@@ -367,7 +367,7 @@ def sampling_params_of(request: GenerationRequest, pair: PairInfo, top_p: float)
 
 def acceptance_of(request: GenerationRequest, config: CoordinatorConfig) -> RelaxedAcceptance | None:
     """The request's relaxed parameters, or None for exact acceptance. An unset mode takes the
-    server's default (--acceptance), except for a tree request: trees are verified exactly only.
+    server's default (exact), except for a tree request: trees are verified exactly only.
     Relaxed parameters in an exact request are refused rather than ignored: the client asked
     for something it would not get."""
     mode = request.acceptance_mode

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from draft_service.suffix import DEFAULT_MAX_MATCH
 from specdec.config.services import ModelServiceConfig, metrics_port_setting, port_setting
-from specdec.config.settings import parse_settings, setting
+from specdec.config.settings import fixed, parse_settings, setting
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9161
@@ -51,20 +51,21 @@ class DraftConfig(ModelServiceConfig):
         "target's ids and proposes only tokens both vocabularies share (token-level intersection; exact)",
         more="See [Drafts with another tokenizer](design.md#drafts-with-another-tokenizer).",
     )
-    ngram_min: int = setting(2, "--ngram-min", "prompt lookup (ngram, hybrid, suffix): shortest suffix n-gram to match")
-    ngram_max: int = setting(4, "--ngram-max", "prompt lookup (ngram, hybrid): longest suffix n-gram, tried first")
-    suffix_cache_tokens: int = setting(
-        DEFAULT_SUFFIX_CACHE_TOKENS,
-        "--suffix-cache-tokens",
-        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from, oldest dropped first",
-        more="Kept per cache namespace (a request's `cache_salt` and bearer token); see "
-        "[Suffix drafter](design.md#suffix-drafter).",
-    )
     min_confidence: float = setting(
         DEFAULT_MIN_CONFIDENCE,
         "--min-confidence",
         "stop a proposal early after a token the draft drew with less than this probability "
         "(HF's assistant_confidence_threshold; 0 = always propose K; a request may set its own); exact either way",
+    )
+    # No flags (issue 66: a surface a user can hold): one value for every deployment.
+    ngram_min: int = fixed(
+        2, "prompt lookup (ngram, hybrid, suffix): the shortest suffix n-gram to match; no other was measured to pay"
+    )
+    ngram_max: int = fixed(4, "prompt lookup (ngram, hybrid): the longest suffix n-gram, tried first")
+    suffix_cache_tokens: int = fixed(
+        DEFAULT_SUFFIX_CACHE_TOKENS,
+        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from per cache namespace "
+        "(a request's cache_salt and bearer token), oldest dropped first: about 40 MB with its index",
     )
 
     def problem(self) -> str | None:
@@ -73,7 +74,7 @@ class DraftConfig(ModelServiceConfig):
             return "--device auto (layers over every visible GPU) is the target's; give the draft one device"
         if self.drafter == "ngram":
             if not 1 <= self.ngram_min <= self.ngram_max:
-                return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
+                return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
             if self.quantize == "int8" or self.draft_vocab or self.target_tokenizer:
                 return (
                     "--quantize int8, --draft-vocab and --target-tokenizer apply to a drafter "
@@ -90,11 +91,11 @@ class DraftConfig(ModelServiceConfig):
                 "vocabulary is its head's, and its --model is its target's folder"
             )
         if self.drafter == "suffix" and self.suffix_cache_tokens < 1:
-            return f"--suffix-cache-tokens must be >= 1; got {self.suffix_cache_tokens}"
+            return f"suffix_cache_tokens must be >= 1; got {self.suffix_cache_tokens}"
         if self.drafter == "suffix" and self.ngram_min > DEFAULT_MAX_MATCH:
-            return f"--ngram-min is the suffix drafter's shortest match; it must be <= {DEFAULT_MAX_MATCH}"
+            return f"ngram_min is the suffix drafter's shortest match; it must be <= {DEFAULT_MAX_MATCH}"
         if self.drafter in ("hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
-            return f"--ngram-min and --ngram-max need 1 <= min <= max; got {self.ngram_min} and {self.ngram_max}"
+            return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
         if self.draft_vocab < 0:
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"
         if self.draft_vocab and self.target_tokenizer:

@@ -221,7 +221,6 @@ class ModelServiceConfig:
     max_sessions: int = setting(
         256, "--max-sessions", "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED"
     )
-    session_ttl_s: float = setting(300.0, "--session-ttl", "seconds an idle session is kept")
     max_speculative_tokens: int = setting(
         32,
         "--max-speculative-tokens",
@@ -251,13 +250,15 @@ class ModelServiceConfig:
         "that starts the same way prefills only the rest; 0 = off",
         parse=parse_bytes,
         more="Counted in --max-kv-bytes and given up, least recently used first, before any session is evicted. "
-        "With it on, prompts are prefilled in aligned blocks of --prefix-block-tokens, so a cached block holds "
+        "With it on, prompts are prefilled in aligned blocks of 64 tokens, so a cached block holds "
         "exactly what a fresh prefill computes. See [Prefix cache](design.md#prefix-cache).",
     )
-    prefix_block_tokens: int = setting(
+    prefix_block_tokens: int = fixed(
         DEFAULT_PREFIX_BLOCK_TOKENS,
-        "--prefix-block-tokens",
-        "prefix cache: tokens per cached block (and per prefill pass while it is on)",
+        "prefix cache: tokens per cached block, and per prefill pass while it is on; the coordinator reads it "
+        "from Info to place sessions by their cached prefixes. In 64-token passes a 512-token prompt "
+        "prefilled no slower than in one on CPU (specdec.engine.prefix_cache); a shorter block shares shorter "
+        "prefixes at more passes each",
     )
     trust_remote_code: bool = setting(
         False, "--trust-remote-code", "on: run Python code that comes with the model folder (only for models you trust)"
@@ -271,6 +272,12 @@ class ModelServiceConfig:
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
     quantize: str = quantize_setting("auto")  # the draft's: its numerics change only speed
+    session_ttl_s: float = fixed(
+        300.0,
+        "seconds an idle session is kept. The coordinator ends every session when its request ends, fails or is "
+        "cancelled, and a full KV budget evicts idle sessions first, so this only collects what a coordinator "
+        "that vanished left open: one value for every deployment",
+    )
     pass_cost_profile: str = fixed(
         "",
         "emulation only (python -m bench.emulated): hold every forward pass to this JSON profile's time for "
@@ -312,7 +319,7 @@ class ModelServiceConfig:
         if self.max_batch_size < 1:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
         if self.prefix_block_tokens < 1:
-            return f"--prefix-block-tokens must be >= 1; got {self.prefix_block_tokens}"
+            return f"prefix_block_tokens must be >= 1; got {self.prefix_block_tokens}"
         if isinstance(self.max_kv_bytes, int) and self.max_kv_bytes and self.prefix_cache_bytes > self.max_kv_bytes:
             return (
                 f"--prefix-cache-bytes ({self.prefix_cache_bytes}) is counted in --max-kv-bytes "

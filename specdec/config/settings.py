@@ -1,7 +1,7 @@
 """Settings declared once: each field of a service's config dataclass carries its flag.
 
 A field declared with `setting(default, "--flag", "help")` gives, from that one line, the
-argparse flag, its environment variable (`PREFIX_FLAG`, e.g. SPECDEC_TARGET_SESSION_TTL; the
+argparse flag, its environment variable (`PREFIX_FLAG`, e.g. SPECDEC_TARGET_MAX_SESSIONS; the
 flag wins), its default, its `--help` text, the frozen config's field, and its row in
 docs/configuration.md (`make docs` writes the tables; a test checks they are current). A
 nested settings dataclass (the TLS settings) is a `group`, its flags optionally prefixed.
@@ -28,7 +28,7 @@ REQUIRED_HINT = "(or set the environment variable named in --help)"
 
 @dataclass(frozen=True)
 class Flag:
-    name: str  # "--session-ttl"
+    name: str  # "--max-sessions"
     help: str
     parse: Callable[[str], Any] | None = None  # text -> value; None: from the default's type
     choices: tuple[str, ...] | None = None  # the texts accepted, where they are a closed set

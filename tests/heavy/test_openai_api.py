@@ -370,7 +370,7 @@ def test_metrics_count_http_requests_like_grpc_ones(served, client):
 
 async def test_an_unavailable_target_is_a_503(tiny_pair):
     async with inprocess_stack(
-        tiny_pair, coordinator_overrides={"http_port": 0, "target_retry_s": 0.5, "target_timeout_s": 5}
+        tiny_pair, coordinator_overrides={"http_port": 0, "connect_timeout_s": 0.5, "target_timeout_s": 5}
     ) as stack:
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{stack.coordinator.http_port}/v1", api_key="unused", max_retries=0

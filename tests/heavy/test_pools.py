@@ -35,7 +35,7 @@ def test_sessions_spread_stay_put_and_fail_over_and_a_draining_replica_gets_none
         a, b = processes.target(port_a), processes.target(args=["--shutdown-grace", "30"])
         wait_all(*drafts, a, b)
         coordinator = processes.coordinator(
-            f"{drafts[0].address},{drafts[1].address}", f"{a.address},{b.address}", "--target-retry-timeout", "20"
+            f"{drafts[0].address},{drafts[1].address}", f"{a.address},{b.address}", "--connect-timeout", "20"
         )
         wait_all(coordinator)
         with grpc.insecure_channel(coordinator.address) as channel:
@@ -81,7 +81,7 @@ def test_a_pool_starts_without_a_missing_replica_refuses_another_model_and_names
         port_c = free_port()  # nothing there yet
         c_address = f"127.0.0.1:{port_c}"
         pool = f"{a.address},{other.address},{c_address}"
-        coordinator = processes.coordinator(draft.address, pool, "--target-retry-timeout", "2")
+        coordinator = processes.coordinator(draft.address, pool, "--connect-timeout", "2")
         wait_all(coordinator)
         log = coordinator.log.read_text()
         assert f"target replica {c_address} is not serving" in log, log[-3000:]

@@ -4,14 +4,14 @@ of every layer and half of the KV heads; rank 0 serves and sends every call to r
 If the ranks' sessions ever differed (a call replayed out of order, a session evicted or
 expired on one rank only), rank 0 would combine attention over caches of different lengths
 and the output would stop being the target's greedy output, so these tests drive sessions
-through concurrency, batching, rollback, KV-budget eviction, TTL expiry and EndSession and
+through concurrency, batching, rollback, KV-budget eviction and EndSession (TTL expiry in
+test_tensor_parallel_ranks.py) and
 compare every output with transformers' greedy output.
 """
 
 from __future__ import annotations
 
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -25,7 +25,7 @@ from tests.stack import START_TIMEOUT_S, ProcessStack
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "import numpy as np"]
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
-TP_ARGS = ["--tensor-parallel", "2", "--threads", "1", "--session-ttl", "2"]
+TP_ARGS = ["--tensor-parallel", "2", "--threads", "1"]
 
 
 def _workers_of(pid: int) -> list[int]:
@@ -34,7 +34,7 @@ def _workers_of(pid: int) -> list[int]:
     return [int(line) for line in out.split()]
 
 
-def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_eviction_and_expiry(
+def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_eviction_and_ending(
     tiny_pair, reference, tmp_path
 ):
     # A budget of about 70 tokens of this rank's KV: the four generations below (prompt + 40
@@ -83,15 +83,14 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
         )
         assert len(sampled.token_ids) == 20
 
-        # TTL expiry is rank 0's decision, sent to rank 1: a session left open expires on both.
+        # Ending a session is rank 0's decision, sent to rank 1: it is gone on both (TTL expiry
+        # takes the same path: tests/heavy/test_tensor_parallel_ranks.py).
         ids = list(reference(PROMPTS[1], 3))
         target.Verify(
             target_pb2.VerifyRequest(session_id="left-open", keep_tokens=0, new_tokens=ids, sampling=GREEDY), timeout=30
         )
-        deadline = time.monotonic() + 10
-        while target.Info(common_pb2.InfoRequest(), timeout=10).open_sessions:
-            assert time.monotonic() < deadline, "an idle session outlived its 2 s TTL"
-            time.sleep(0.2)
+        assert target.EndSession(common_pb2.EndSessionRequest(session_id="left-open"), timeout=30).existed
+        assert not target.Info(common_pb2.InfoRequest(), timeout=10).open_sessions
         with pytest.raises(grpc.RpcError) as gone:
             target.Verify(
                 target_pb2.VerifyRequest(session_id="left-open", keep_tokens=len(ids), new_tokens=[1], sampling=GREEDY),
@@ -99,7 +98,7 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
             )
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
-        # After expiry, eviction and a NOT_FOUND, the ranks still agree.
+        # After an end, eviction and a NOT_FOUND, the ranks still agree.
         again = generate(
             pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40, num_speculative_tokens=3), timeout=300
         )
@@ -108,7 +107,7 @@ def test_tensor_parallel_target_serves_the_greedy_reference_through_batching_evi
 
 def test_a_dead_tensor_parallel_rank_stops_the_target_which_comes_back_whole(tiny_pair, reference, tmp_path):
     with (
-        ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "120"], TP_ARGS) as stack,
+        ProcessStack(tiny_pair, tmp_path, ["--connect-timeout", "120"], TP_ARGS) as stack,
         stack.channel() as channel,
     ):
         generate = coordinator_pb2_grpc.CoordinatorStub(channel).Generate

@@ -124,7 +124,7 @@ async def test_a_session_holds_its_place_until_the_target_has_ended_it(tiny_pair
 
 
 async def test_waiting_requests_beyond_the_bound_or_the_timeout_are_refused_clearly(tiny_pair, reference):
-    """--max-waiting-requests and --queue-timeout: one request holds the only room, one waits,
+    """max_waiting_requests (fixed) and --queue-timeout: one request holds the only room, one waits,
     a third is refused at once; a wait longer than the timeout is refused; none of it stops the
     coordinator serving."""
     per_token = kv_bytes_per_token(load_causal_lm(str(tiny_pair.target), "float32", "cpu").model)
@@ -143,7 +143,7 @@ async def test_waiting_requests_beyond_the_bound_or_the_timeout_are_refused_clea
         results = await asyncio.gather(*(generate(prompt) for prompt in PROMPTS), return_exceptions=True)
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "1 requests already wait (--max-waiting-requests)" in refused[0].details()
+        assert "1 requests already wait (the most that may)" in refused[0].details()
         for prompt, result in zip(PROMPTS, results):
             if not isinstance(result, grpc.aio.AioRpcError):
                 assert list(result.token_ids) == reference(prompt)

@@ -219,8 +219,9 @@ async def test_the_http_api_takes_the_mode_and_labels_its_responses(stack):
 
 
 async def test_a_coordinator_whose_default_is_relaxed(tiny_pair, reference):
-    """--acceptance relaxed: an unset mode is relaxed with the flags' parameters; exact on request
-    (and for a tree request, which is exact only) is the target's own output."""
+    """A coordinator built in code with acceptance "relaxed" (a fixed field: no flag sets it): an
+    unset mode is relaxed with the config's parameters; exact on request (and for a tree
+    request, which is exact only) is the target's own output."""
     overrides = {"acceptance": "relaxed", "relaxed_top_n": 4, "relaxed_delta": 0.5}
     async with local_stack(tiny_pair, coordinator_overrides=overrides) as relaxed_stack:
         unset = await generate(relaxed_stack, prompt=PROMPTS[0], max_new_tokens=40, num_speculative_tokens=4)

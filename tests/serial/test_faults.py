@@ -108,7 +108,7 @@ def test_a_draft_restarted_without_trees_degrades_a_tree_request_and_the_pair_fo
 def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_the_deadline(
     tiny_pair, reference, tmp_path
 ):
-    with ProcessStack(tiny_pair, tmp_path, ["--target-retry-timeout", "90"]) as stack, stack.channel() as channel:
+    with ProcessStack(tiny_pair, tmp_path, ["--connect-timeout", "90"]) as stack, stack.channel() as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
         # The target is killed after the first round and restarted on its address: the

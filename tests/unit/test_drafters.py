@@ -135,8 +135,10 @@ def test_auto_quantisation_and_contradictory_flags():
     assert "must be in [1, 64]" in dataclasses.replace(base, drafter="ngram", max_speculative_tokens=65).problem()
     with pytest.raises(SystemExit):
         draft_config(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"], {})
-    ngram = draft_config(["--model", "m", "--drafter", "ngram", "--ngram-min", "1"], {"SPECDEC_DRAFT_NGRAM_MAX": "6"})
-    assert (ngram.ngram_min, ngram.ngram_max) == (1, 6)
+    assert dataclasses.replace(base, drafter="hybrid", ngram_min=0).problem() == "ngram_min must be in [1, 4]; got 0"
+    for gone in (["--ngram-min", "1"], ["--ngram-max", "6"], ["--suffix-cache-tokens", "9"]):
+        with pytest.raises(SystemExit):
+            draft_config(["--model", "m", "--drafter", "ngram", *gone], {})
 
 
 def test_hybrid_drafter_copies_recurring_ngrams_and_drafts_with_the_model_otherwise(tiny_pair):

@@ -16,7 +16,6 @@ from specdec.sampling.probs import SamplingParams
 from specdec.sampling.relaxed import (
     DEFAULT_DELTA,
     DEFAULT_TOP_N,
-    AcceptanceMode,
     RelaxedAcceptance,
     check_relaxed,
     relaxed_accepts,
@@ -250,13 +249,15 @@ def test_a_requests_parameters_out_of_range_are_refused_by_name():
         acceptance_of(request, EXACT_DEFAULT)
 
 
-def test_the_coordinator_flag_sets_the_default_mode_and_is_checked(capsys):
-    """--acceptance relaxed makes relaxed the default; its parameters are the request's, or the
-    module's defaults (no flags: relaxed_top_n and relaxed_delta belong to the request)."""
-    config = parse_config(["--draft", "d:1", "--target", "t:1", "--tokenizer", "x", "--acceptance", "relaxed"], env={})
-    assert (config.acceptance, config.relaxed_top_n, config.relaxed_delta) == ("relaxed", DEFAULT_TOP_N, DEFAULT_DELTA)
-    assert AcceptanceMode(config.acceptance) is AcceptanceMode.RELAXED
-    for bad, said in ((["--relaxed-top-n", "4"], "unrecognized arguments"), (["--acceptance", "lossy"], "lossy")):
+def test_no_flag_makes_a_lossy_rule_the_servers_default(capsys):
+    """The default is exact, with no flag to change it: relaxed acceptance is the request's own
+    opt-in (its parameters the request's, or the module's defaults)."""
+    config = parse_config(["--draft", "d:1", "--target", "t:1", "--tokenizer", "x"], env={})
+    assert (config.acceptance, config.relaxed_top_n, config.relaxed_delta) == ("exact", DEFAULT_TOP_N, DEFAULT_DELTA)
+    for bad, said in (
+        (["--relaxed-top-n", "4"], "unrecognized arguments"),
+        (["--acceptance", "relaxed"], "unrecognized arguments"),
+    ):
         with pytest.raises(SystemExit):
             parse_config(["--draft", "d:1", "--target", "t:1", "--tokenizer", "x", *bad], env={})
         assert said in capsys.readouterr().err
