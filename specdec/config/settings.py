@@ -162,6 +162,12 @@ def _saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parsed
 
 
+def unknown_variables(env: Mapping[str, str], env_prefix: str, settings: Sequence[Declared]) -> Iterator[str]:
+    """The `env_prefix`_* variables in `env` that name none of `settings`."""
+    known = {item.env_name(env_prefix) for item in settings}
+    return (name for name in env if name.startswith(f"{env_prefix}_") and name not in known)
+
+
 def parse_settings(
     cls: type[C],
     env_prefix: str,
@@ -192,6 +198,8 @@ def parse_settings(
             # argparse %-formats help (%(default)s): a literal % is written %%.
             help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]".replace("%", "%%"),
         )
+    if unknown := sorted(unknown_variables(env, env_prefix, settings)):  # gone or misspelt: never ignored
+        parser.error(f"{', '.join(unknown)}: no setting of this service has that variable (`--help` lists every one)")
     ns = parser.parse_args(argv)
     for item in settings:  # a repeated flag's values, joined; its environment value or default when not given
         if item.flag.repeated:

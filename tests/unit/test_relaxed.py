@@ -254,6 +254,11 @@ def test_no_flag_makes_a_lossy_rule_the_servers_default(capsys):
     opt-in (its parameters the request's, or the module's defaults)."""
     config = parse_config(["--draft", "d:1", "--target", "t:1", "--tokenizer", "x"], env={})
     assert (config.acceptance, config.relaxed_top_n, config.relaxed_delta) == ("exact", DEFAULT_TOP_N, DEFAULT_DELTA)
+    with pytest.raises(SystemExit):
+        parse_config(
+            ["--draft", "d:1", "--target", "t:1", "--tokenizer", "x"], env={"SPECDEC_COORDINATOR_ACCEPTANCE": "relaxed"}
+        )
+    assert "SPECDEC_COORDINATOR_ACCEPTANCE: no setting of this service has that variable" in capsys.readouterr().err
     for bad, said in (
         (["--relaxed-top-n", "4"], "unrecognized arguments"),
         (["--acceptance", "relaxed"], "unrecognized arguments"),

@@ -80,3 +80,15 @@ def test_every_flag_reads_its_variable_and_says_so_in_help(capsys):
     assert coordinator_config([*REQUIRED[CoordinatorConfig][1], "--pipeline", "off"], env).pipeline is False
     with pytest.raises(SystemExit, match="SPECDEC_DRAFT_CALIBRATE='yes' is invalid"):
         draft_config(["--model", "m"], {"SPECDEC_DRAFT_CALIBRATE": "yes"})
+
+
+def test_a_variable_of_the_services_prefix_that_names_no_setting_is_refused(capsys):
+    """A misspelt variable, or one whose flag is gone (a fixed value now), stops start-up with
+    its name rather than being ignored; another service's variables are left alone, as in the
+    Kubernetes config map every pod reads whole."""
+    others = {"SPECDEC_TARGET_MODEL": "t", "SPECDEC_COORDINATOR_TARGET": "t:1", "SPECDEC_DRAFTS": "x"}
+    assert draft_config(["--model", "m"], others).model == "m"
+    for gone in ("SPECDEC_DRAFT_SESSION_TTL", "SPECDEC_DRAFT_NGRAM_MIN", "SPECDEC_DRAFT_MAX_SESION"):
+        with pytest.raises(SystemExit):
+            draft_config(["--model", "m"], {**others, gone: "1"})
+        assert f"error: {gone}: no setting of this service has that variable" in capsys.readouterr().err
