@@ -117,6 +117,23 @@ def open_sessions(service: ServiceProcess, stub=target_pb2_grpc.TargetStub) -> i
         return stub(channel).Info(common_pb2.InfoRequest(), timeout=5).open_sessions
 
 
+def start_streams(stub, count: int = 4) -> list[tuple]:
+    """`count` GenerateStreams of 60 tokens of PROMPT at K = 3, each read past its first chunk,
+    so that all of them are running: (stream, its chunks so far) each."""
+    request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
+    streams = [stub.GenerateStream(request, timeout=120) for _ in range(count)]
+    return [(stream, [next(stream)]) for stream in streams]
+
+
+def finish_streams(started: list[tuple]) -> list[list[pb.GenerateResponse]]:
+    """Each stream of `start_streams` read to its end: every stream's chunks, in order."""
+    return [got + list(stream) for stream, got in started]
+
+
+def streamed_tokens(chunks: list[pb.GenerateResponse]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
 def generate(stub, max_new_tokens: int = 24) -> pb.GenerateResponse:
     return stub.Generate(
         pb.GenerateRequest(prompt=PROMPT, max_new_tokens=max_new_tokens, num_speculative_tokens=3), timeout=60

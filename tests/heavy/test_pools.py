@@ -13,16 +13,18 @@ import grpc
 from specdec.engine.eagle import EAGLE3
 from specdec.tools.launch import free_port
 from specdec.tools.testing import build_eagle_head
-from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc
 from tests.pool_helpers import (
     PROMPT,
     DnsServer,
     Processes,
+    finish_streams,
     generate,
     kill,
     metric,
     open_sessions,
+    start_streams,
+    streamed_tokens,
     until_placed_on,
     wait_all,
 )
@@ -40,18 +42,15 @@ def test_sessions_spread_stay_put_and_fail_over_and_a_draining_replica_gets_none
         wait_all(coordinator)
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
-            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
-            chunks = [[next(stream)] for stream in streams]  # all four are running
+            started = start_streams(stub)
             # Placed by least load: two sessions on each replica of each pool.
             assert open_sessions(a) >= 1 and open_sessions(b) >= 1
             kill(a)  # mid-generation: its sessions move to b and are re-sent their sequences
             kill(drafts[0])  # and the draft's to the other draft replica
-            for stream, got in zip(streams, chunks):
-                got += list(stream)
+            chunks = finish_streams(started)
             stats = [got[-1].stats for got in chunks]
             for got in chunks:
-                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+                assert streamed_tokens(got) == reference(PROMPT, 60)
             assert all(s.target_replica == b.address and s.draft_replica == drafts[1].address for s in stats)
             assert sum(s.replica_moves for s in stats) == 4  # two target sessions, two draft sessions
             # Every session stayed on its replica between moves: a call landing on a replica
@@ -152,22 +151,19 @@ def test_a_hung_replica_hands_its_sessions_over(tiny_pair, reference, tmp_path):
         wait_all(coordinator)
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
-            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
-            chunks = [[next(stream)] for stream in streams]
+            running = start_streams(stub)
             assert open_sessions(a) >= 1 and open_sessions(b) >= 1
             started = time.monotonic()
             for process in (a, drafts[0]):
                 process.process.send_signal(signal.SIGSTOP)
             try:
-                for stream, got in zip(streams, chunks):
-                    got += list(stream)
+                chunks = finish_streams(running)
                 waited = time.monotonic() - started
             finally:
                 for process in (a, drafts[0]):
                     process.process.send_signal(signal.SIGCONT)
             for got in chunks:
-                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+                assert streamed_tokens(got) == reference(PROMPT, 60)
             stats = [got[-1].stats for got in chunks]
             assert all(s.target_replica == b.address and s.draft_replica == drafts[1].address for s in stats)
             assert sum(s.replica_moves for s in stats) == 4
@@ -187,18 +183,17 @@ def test_a_hung_replica_hands_its_sessions_over(tiny_pair, reference, tmp_path):
             assert sum(abandoned) >= 1, abandoned
 
             # Every draft replica hung: the rounds run target-only, not a draft deadline (30 s) each.
-            stream = stub.GenerateStream(request, timeout=120)
-            got = [next(stream)]
+            one = start_streams(stub, count=1)
             started = time.monotonic()
             for process in drafts:
                 process.process.send_signal(signal.SIGSTOP)
             try:
-                got += list(stream)
+                [got] = finish_streams(one)
                 waited = time.monotonic() - started
             finally:
                 for process in drafts:
                     process.process.send_signal(signal.SIGCONT)
-            assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+            assert streamed_tokens(got) == reference(PROMPT, 60)
             assert waited < 15.0, waited
 
 
@@ -217,16 +212,13 @@ def test_a_pool_of_eagle_heads_serves_two_targets_and_hands_sessions_over(tiny_p
         wait_all(coordinator)
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, num_speculative_tokens=3)
-            streams = [stub.GenerateStream(request, timeout=120) for _ in range(4)]
-            chunks = [[next(stream)] for stream in streams]  # all four are running
+            started = start_streams(stub)
             assert all(open_sessions(h, draft_pb2_grpc.DraftStub) >= 1 for h in heads)
             assert all(open_sessions(t) >= 1 for t in targets)
             kill(heads[0])
-            for stream, got in zip(streams, chunks):
-                got += list(stream)
+            chunks = finish_streams(started)
             for got in chunks:
-                assert [t for chunk in got for t in chunk.token_ids] == reference(PROMPT, 60)
+                assert streamed_tokens(got) == reference(PROMPT, 60)
             stats = [got[-1].stats for got in chunks]
             assert all(s.draft_replica == heads[1].address for s in stats)
             assert sum(s.replica_moves for s in stats) >= 2  # the killed head's sessions moved
