@@ -153,7 +153,7 @@ class ServiceClient:
             await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
         except SpecDecError as exc:
             logger.warning(
-                "could not end %s session %s (it expires after the service's idle TTL, 300 s): %s",
+                "could not end %s session %s (it expires once idle past the service's session TTL): %s",
                 self.role,
                 session_id,
                 exc,

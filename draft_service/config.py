@@ -72,9 +72,9 @@ class DraftConfig(ModelServiceConfig):
         """A contradiction between flags, said in words; None if the config is consistent."""
         if self.device == "auto":
             return "--device auto (layers over every visible GPU) is the target's; give the draft one device"
+        if self.drafter in ("ngram", "hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
+            return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
         if self.drafter == "ngram":
-            if not 1 <= self.ngram_min <= self.ngram_max:
-                return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
             if self.quantize == "int8" or self.draft_vocab or self.target_tokenizer:
                 return (
                     "--quantize int8, --draft-vocab and --target-tokenizer apply to a drafter "
@@ -94,8 +94,6 @@ class DraftConfig(ModelServiceConfig):
             return f"suffix_cache_tokens must be >= 1; got {self.suffix_cache_tokens}"
         if self.drafter == "suffix" and self.ngram_min > DEFAULT_MAX_MATCH:
             return f"ngram_min is the suffix drafter's shortest match; it must be <= {DEFAULT_MAX_MATCH}"
-        if self.drafter in ("hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
-            return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
         if self.draft_vocab < 0:
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"
         if self.draft_vocab and self.target_tokenizer:

@@ -32,9 +32,10 @@ from transformers.cache_utils import Cache
 
 from specdec.engine.kv import plain_cache
 
-# Tokens per block (ModelServiceConfig.prefix_block_tokens, fixed). Prefilling in aligned blocks costs extra passes: a
-# 512-token int8 1.5B prefill took 1.46 s in 256-token passes, 1.53 s in 128, 1.60-1.72 s in
-# 64 and 1.92-1.94 s in 32 (1.96 s in one pass), on a 2-core AVX-512 EPYC.
+# Tokens per block (ModelServiceConfig.prefix_block_tokens, a fixed value). Prefilling in
+# aligned blocks costs extra passes: a 512-token int8 1.5B prefill took 1.46 s in 256-token
+# passes, 1.53 s in 128, 1.60-1.72 s in 64 and 1.92-1.94 s in 32 (1.96 s in one pass), on a
+# 2-core AVX-512 EPYC.
 DEFAULT_PREFIX_BLOCK_TOKENS = 64
 
 

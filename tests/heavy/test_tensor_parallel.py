@@ -4,9 +4,8 @@ of every layer and half of the KV heads; rank 0 serves and sends every call to r
 If the ranks' sessions ever differed (a call replayed out of order, a session evicted or
 expired on one rank only), rank 0 would combine attention over caches of different lengths
 and the output would stop being the target's greedy output, so these tests drive sessions
-through concurrency, batching, rollback, KV-budget eviction and EndSession (TTL expiry in
-test_tensor_parallel_ranks.py) and
-compare every output with transformers' greedy output.
+through concurrency, batching, rollback, KV-budget eviction and EndSession (TTL expiry is in
+test_tensor_parallel_ranks.py) and compare every output with transformers' greedy output.
 """
 
 from __future__ import annotations
