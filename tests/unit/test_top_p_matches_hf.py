@@ -67,3 +67,19 @@ def test_float32_request_top_p_is_used_as_sent():
     assert not math.isclose(top_p, 0.9, rel_tol=0, abs_tol=1e-9)
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2))
     assert_same(logits, SamplingParams(temperature=1.0, top_p=top_p))
+
+
+def test_float32_rows_are_cut_from_their_sorted_values_without_torchs_sort(monkeypatch):
+    """A float32 row whose cut falls between two distinct values is cut from numpy's sort of
+    its values (a twentieth of torch's sort with indices over 152k ids): torch's sort is not
+    called, and the kept set is still transformers'."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 151_936, generator=generator) * 3  # [4, V]
+    expected = hf_probs(logits, SamplingParams(temperature=0.7, top_p=0.9))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.sort was called for rows without a tie at the cut")
+
+    monkeypatch.setattr(torch, "sort", refused)
+    ours = logits_to_probs(logits, SamplingParams(temperature=0.7, top_p=0.9))
+    assert torch.equal(ours > 0, expected > 0)
