@@ -174,19 +174,22 @@ def top_p_dropped(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     152k ids, numpy's 1 ms): equal values in any order give the same softmax and the same
     cumulative sums, so the same cut, and a token is dropped iff it lies below the first kept
     value. Only where the cut falls inside a run of equal values does torch's own order say
-    which of them go, and there the row takes torch's sort.
+    which of them go, and there the rows take its order for the same cut.
 
     logits: [..., V] float32 → [..., V] bool
     """
     if logits.device.type == "cpu":
         sorted_logits = torch.from_numpy(np.sort(logits.numpy(), axis=-1))  # [..., V]
-        dropped = _dropped_prefix(sorted_logits, top_p).sum(dim=-1, keepdim=True)  # [..., 1]
+        drop_sorted = _dropped_prefix(sorted_logits, top_p)
+        dropped = drop_sorted.sum(dim=-1, keepdim=True)  # [..., 1]
         first_kept = sorted_logits.gather(-1, dropped)  # [..., 1]
         last_dropped = sorted_logits.gather(-1, (dropped - 1).clamp(min=0))  # [..., 1]
         if not ((dropped > 0) & (last_dropped == first_kept)).any():
             return logits < first_kept
-    sorted_logits, order = torch.sort(logits, descending=False)  # [..., V]
-    drop_sorted = _dropped_prefix(sorted_logits, top_p)
+        order = torch.sort(logits, descending=False).indices  # [..., V]: the same values, torch's order
+    else:
+        sorted_logits, order = torch.sort(logits, descending=False)  # [..., V]
+        drop_sorted = _dropped_prefix(sorted_logits, top_p)
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 
