@@ -25,6 +25,7 @@ from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from specdec.config.services import ClientSecurity
 from specdec.rpc.local import LocalChannel
+from specdec.rpc.model_thread import ModelThread
 from specdec.rpc.ports import free_port
 from specdec.rpc.security import aio_channel, load_client_security
 from specdec.rpc.serving import RunningServer, build_model_servicer
@@ -104,21 +105,25 @@ async def local_stack(
     channels (specdec.rpc.local) instead of loopback gRPC: every message is still serialised and
     parsed, and errors still travel as status codes, but no socket, HTTP/2 or interceptor is
     involved. For tests that need thousands of generations and test the math, not the wire.
-    `draft_runner_overrides` as in `inprocess_stack`."""
+    `draft_runner_overrides` as in `inprocess_stack`.
+
+    Both services run their passes on one model thread. In one process two model threads can
+    only take turns with the GIL anyway, and every torch op releases and retakes it, so with
+    two the GIL changed hands at nearly every op: about 20,000 context switches a second, and
+    a case of test_distribution.py ran 18 s where one thread runs it in 14 (2-core EPYC)."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
     draft_runner = draft_server.load_runner(draft_config, **(draft_runner_overrides or {}))
     target_runner = target_server.load_runner(target_config)
     if prepare_runners is not None:
         prepare_runners(draft_runner, target_runner)
-    threads = []
+    model_thread = ModelThread("model")
     channels = {}
     for role, config, runner, make, add in (
         ("draft", draft_config, draft_runner, DraftServicer, draft_pb2_grpc.add_DraftServicer_to_server),
         ("target", target_config, target_runner, TargetServicer, target_pb2_grpc.add_TargetServicer_to_server),
     ):
-        servicer, model_thread, _ = build_model_servicer(config, runner, make, f"specdec.v1.{role.title()}")
-        threads.append(model_thread)
+        servicer, _, _ = build_model_servicer(config, runner, make, f"specdec.v1.{role.title()}", model_thread)
         channels[role] = LocalChannel()
         add(servicer, channels[role])
         health_servicer = health.aio.HealthServicer()
@@ -155,8 +160,7 @@ async def local_stack(
     finally:
         coordinator.close()
         await coordinator.wait_cleanup()
-        for model_thread in threads:
-            model_thread.shutdown()
+        model_thread.shutdown()
 
 
 @asynccontextmanager
