@@ -30,6 +30,7 @@ from specdec.engine.modeling import (
 )
 from specdec.engine.pace import Pacer, load_profile
 from specdec.engine.quantize import INT8_LABEL, quantize_int8
+from specdec.rpc.model_thread import ModelThread
 from specdec.rpc.security import load_server_security
 from specdec.rpc.serving import RunningServer, leave_torch_to_the_model_thread, serve_forever, start_model_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -178,8 +179,11 @@ def lookup_of(config: DraftConfig) -> Lookup | None:
     return None
 
 
-async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None) -> RunningServer:
-    """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
+async def build_server(
+    config: DraftConfig, runner: DraftRunner | NgramDrafter | None = None, model_thread: ModelThread | None = None
+) -> RunningServer:
+    """Starts the server (loading the model unless a runner is given); `.port` is the bound port.
+    `model_thread`: one its caller owns and may share (specdec.rpc.serving.start_model_server)."""
     # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
@@ -191,6 +195,7 @@ async def build_server(config: DraftConfig, runner: DraftRunner | NgramDrafter |
         SERVICE_NAME,
         credentials,
         interceptors,
+        model_thread,
     )
 
 

@@ -10,6 +10,7 @@ from typing import cast
 from transformers import AutoConfig
 
 from specdec.engine.modeling import check_tensor_parallel
+from specdec.rpc.model_thread import ModelThread
 from specdec.rpc.ports import free_port
 from specdec.rpc.security import load_server_security
 from specdec.rpc.serving import (
@@ -30,8 +31,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
-async def build_server(config: TargetConfig, runner: TargetRunner | None = None) -> RunningServer:
-    """Starts the server (loading the model unless a runner is given); `.port` is the bound port."""
+async def build_server(
+    config: TargetConfig, runner: TargetRunner | None = None, model_thread: ModelThread | None = None
+) -> RunningServer:
+    """Starts the server (loading the model unless a runner is given); `.port` is the bound port.
+    `model_thread`: one its caller owns and may share (specdec.rpc.serving.start_model_server)."""
     # Before the weights load: a bad certificate or token file fails in seconds, not minutes.
     credentials, interceptors = load_server_security(config.security)
     return await start_model_server(
@@ -43,6 +47,7 @@ async def build_server(config: TargetConfig, runner: TargetRunner | None = None)
         SERVICE_NAME,
         credentials,
         interceptors,
+        model_thread,
     )
 
 

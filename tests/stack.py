@@ -107,10 +107,11 @@ async def local_stack(
     involved. For tests that need thousands of generations and test the math, not the wire.
     `draft_runner_overrides` as in `inprocess_stack`.
 
-    Both services run their passes on one model thread. In one process two model threads can
-    only take turns with the GIL anyway, and every torch op releases and retakes it, so with
-    two the GIL changed hands at nearly every op: about 20,000 context switches a second, and
-    a case of test_distribution.py ran 18 s where one thread runs it in 14 (2-core EPYC)."""
+    Both services run their passes on one model thread (so do `inprocess_stack`'s). In one
+    process two model threads can only take turns with the GIL anyway, and every torch op
+    releases and retakes it, so with two the GIL changed hands at nearly every op: about 20,000
+    context switches a second, and a case of test_distribution.py ran 18 s where one thread
+    runs it in 14 (2-core EPYC)."""
     draft_config = model_service_config(DraftConfig, pair.draft, **(draft_overrides or {}))
     target_config = model_service_config(TargetConfig, pair.target, **(target_overrides or {}))
     draft_runner = draft_server.load_runner(draft_config, **(draft_runner_overrides or {}))
@@ -186,10 +187,11 @@ async def inprocess_stack(
         prepare_runners(draft_runner, target_runner)
     started: list[RunningServer] = []
     channel = None
+    model_thread = ModelThread("model")  # both services' passes, as in local_stack
     try:
-        draft = await draft_server.build_server(draft_config, draft_runner)
+        draft = await draft_server.build_server(draft_config, draft_runner, model_thread)
         started.append(draft)
-        target = await target_server.build_server(target_config, target_runner)
+        target = await target_server.build_server(target_config, target_runner, model_thread)
         started.append(target)
         coordinator_config = CoordinatorConfig(
             draft_address=f"127.0.0.1:{draft.port}",
@@ -220,6 +222,7 @@ async def inprocess_stack(
             await channel.close()
         for running in started:
             await running.stop(0)
+        model_thread.shutdown()
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -266,9 +266,12 @@ async def start_model_server(
     service_name: str,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    model_thread: ModelThread | None = None,
 ) -> RunningServer:
     """What the draft and target servers share: one model thread, the servicer, health and
-    reflection, and periodic expiry of idle sessions.
+    reflection, and periodic expiry of idle sessions. A `model_thread` given is its caller's
+    (services sharing one process, as tests' in-process stacks do), who shuts it down; else the
+    server makes its own and shuts it down when it stops.
 
     The model loads (weights, quantisation, cost calibration) on the model thread that then
     serves it, so all of a process's forward passes run on one thread. Why: torch's CPU
@@ -277,7 +280,8 @@ async def start_model_server(
     OpenMP threads than it has cores, libgomp then stops spinning between parallel regions,
     and every forward pass of a small model, made of many short parallel regions, pays for
     it (measured: docs/design.md, "Services sharing cores")."""
-    model_thread = model_thread_for(service_name)
+    owned = model_thread is None
+    model_thread = model_thread or model_thread_for(service_name)
     if runner is None:
         runner = await model_thread.run(load)
     servicer, model_thread, registry = build_model_servicer(config, runner, make_servicer, service_name, model_thread)
@@ -293,7 +297,7 @@ async def start_model_server(
         background=[
             lambda: expire_sessions_periodically(model_thread, runner.expire_sessions, min(config.session_ttl_s, 30.0))
         ],
-        on_stop=model_thread.shutdown,
+        on_stop=model_thread.shutdown if owned else None,
         credentials=credentials,
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
