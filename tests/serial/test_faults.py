@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import common_pb2, coordinator_pb2_grpc, draft_pb2_grpc, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
+from tests.pool_helpers import streamed_tokens
 from tests.stack import START_TIMEOUT_S, ProcessStack, inprocess_stack, slow_down
 
 PROMPT = "The quick brown fox"
@@ -30,7 +31,7 @@ def test_draft_death_falls_back_to_target_only_and_speculation_resumes_when_it_r
         chunks = [next(stream)]
         stack.kill("draft")
         chunks += list(stream)
-        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
+        assert streamed_tokens(chunks) == reference(PROMPT, 200)
         stats = chunks[-1].stats
         assert stats.degraded and stats.draft_failures >= 1 and stats.fallback_rounds > 0
         assert stats.accepted_tokens > 0, "the first round(s) should have speculated"
@@ -80,7 +81,7 @@ def test_a_draft_restarted_without_trees_degrades_a_tree_request_and_the_pair_fo
         stack.args["draft"] = ["--model", str(tiny_pair.draft), "--drafter", "ngram"]
         stack.start("draft").wait_healthy(START_TIMEOUT_S)
         chunks += list(stream)
-        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 120)
+        assert streamed_tokens(chunks) == reference(PROMPT, 120)
         stats = chunks[-1].stats
         assert stats.draft_failures >= 1 and stats.fallback_rounds > 0
         # The request took the pair read after the draft rejected its tree: it asked once
@@ -120,7 +121,7 @@ def test_target_restart_is_reprefilled_and_a_dead_target_is_unavailable_within_t
         stack.kill("target")
         stack.start("target")
         chunks += list(stream)
-        assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 200)
+        assert streamed_tokens(chunks) == reference(PROMPT, 200)
         stats = chunks[-1].stats
         assert stats.target_retries >= 1 and stats.reprefills >= 1 and chunks[-1].finish_reason == "length"
 
@@ -155,7 +156,7 @@ def test_sigterm_turns_health_not_serving_first_and_drains_the_request_in_flight
                 assert time.monotonic() < deadline, "health did not turn NOT_SERVING promptly after SIGTERM"
                 time.sleep(0.02)
             chunks += list(stream)
-            assert [t for chunk in chunks for t in chunk.token_ids] == reference(PROMPT, 230)
+            assert streamed_tokens(chunks) == reference(PROMPT, 230)
             assert chunks[-1].finish_reason == "length"
         assert coordinator.process.wait(timeout=30) == 0
         log = coordinator.log.read_text()
