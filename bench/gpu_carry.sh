@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 VENV_PY=.venv/bin/python
 # Not in the device image ('cuda', bench/.library device KINDS.md), or older there than pyproject allows.
 PACKAGES=(
-  transformers grpcio grpcio-health-checking grpcio-reflection protobuf
+  transformers huggingface-hub kernels httpx2 httpcore2 truststore tomlkit click hf-xet regex tokenizers
+  grpcio grpcio-health-checking grpcio-reflection protobuf dnspython opentelemetry-exporter-otlp-proto-http
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
   opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common
   opentelemetry-instrumentation opentelemetry-instrumentation-grpc googleapis-common-protos
@@ -26,15 +27,22 @@ for name in "${PACKAGES[@]}"; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .gpu/whl "$name==$version"
 done
-for role in target draft; do
-  name=$("$VENV_PY" -c "from specdec.tools.real_models import TARGET, DRAFT; print(${role^^}.name)")
-  mkdir -p ".gpu/models/$role"
+# Each model's folder keeps the model's name, which the profiles gpu_check writes carry.
+target=$("$VENV_PY" -c "from specdec.tools.real_models import TARGET; print(TARGET.name)")
+draft=$("$VENV_PY" -c "from specdec.tools.real_models import DRAFT; print(DRAFT.name)")
+for name in "$target" "$draft"; do
+  mkdir -p ".gpu/models/$name"
   for file in .cache/models/"$name"/*; do
-    case "$(basename "$file")" in model*.safetensors*|pytorch_model*|specdec-ready) ;; *) cp "$file" ".gpu/models/$role/" ;; esac
+    case "$(basename "$file")" in model*.safetensors*|pytorch_model*|specdec-ready) ;; *) cp "$file" ".gpu/models/$name/" ;; esac
   done
 done
+# The pair shares its tokenizer: the draft's files the target's have too travel as links.
+for file in ".gpu/models/$draft"/*; do
+  twin=".gpu/models/$target/$(basename "$file")"
+  if cmp -s "$file" "$twin"; then ln -sf "../$target/$(basename "$file")" "$file"; fi
+done
 du -sh .gpu specdec/v1
-cat <<'EOF'
+cat <<EOF
 Device command (carry: [".gpu", "specdec/v1"], timeout_s 540):
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && python3 -m bench.gpu_check --device cuda --dtype bfloat16 --target .gpu/models/target --draft .gpu/models/draft --out $OUT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && python3 -m bench.gpu_check --device cuda --dtype bfloat16 --target .gpu/models/$target --draft .gpu/models/$draft --out \$OUT
 EOF
