@@ -40,6 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ import torch
 
 from specdec.engine.costs import settled
 from specdec.engine.pace import load_profile
+from specdec.engine.static_pass import Bucket, length_bucket
 from specdec.tools.launch import ServiceProcess, local_stack, spawn_coordinator
 from specdec.tools.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
@@ -70,6 +72,12 @@ MODES = {
     "K=4": ("default", 4),
     "pipelined + 4 hedges, K chooser": ("pipelined", None),
 }
+# GenerationStats fields summed per mode and reported per token: where a mode's time went.
+SPENT = (
+    "draft_ms", "draft_compute_ms", "target_ms", "target_compute_ms", "rounds", "proposed_tokens", "copied_rounds",
+    "catch_up_rounds", "predrafts", "hedges", "fallback_rounds",
+)  # fmt: skip
+STEPS = ("captured_against_eager", "profiles", "services", "transformers_generate", "transformers_generate_static")
 COORDINATORS = {"default": [], "pipelined": ["--pipeline", "on", "--hedges", "4", "--bonus-guesses", "3"]}
 
 
@@ -161,7 +169,8 @@ def measure_profile(runner, name: str, device: str, sizes: list[int], contexts: 
     }
 
 
-def profiles(checked: list[Checked], args, device_name: str) -> None:
+def profiles(checked: list[Checked], args, device_name: str) -> dict:
+    """Each model's pass-cost profile, written to --out as profile-<role>.json."""
     for model in checked:
         runner = load_runner(model, args, "auto")
         figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.pass_repeats)
@@ -184,6 +193,7 @@ def profiles(checked: list[Checked], args, device_name: str) -> None:
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    return {model.role: model.profile for model in checked}
 
 
 def load_runner(model: Checked, args, cuda_graphs: str, max_batch_size: int = 8):
@@ -226,6 +236,8 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
                     runner, session, context, ids[context:], True, args.device, args.pass_repeats
                 )
                 figures[f"{args.batch_sessions} x 5 tokens"] = time_batch(runner, ids, context, args)
+            if setting == "on" and runner.static is not None and runner.static.capture:
+                figures["1 token, graph replay alone"] = time_replay(runner.static, args)
             runner.end_session("graphs", keep=False)
             figures["buckets"] = runner.static.describe() if runner.static is not None else "eager"
             results[model.role][setting] = figures
@@ -242,6 +254,23 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
             "positions": int(scored["off"].shape[0]),
         }
     return results
+
+
+def time_replay(static, args) -> float:
+    """ms of replaying the one-session one-token bucket's graph alone (on CUDA; 0 where it
+    has none): what the card takes for the pass, against what runner.forward takes around it."""
+    entry = static._passes.get(Bucket(1, 1, length_bucket(129)))
+    if entry is None or entry.graph is None:
+        return 0.0
+    times = []
+    for repeat in range(args.pass_repeats + 1):
+        synchronize(args.device)
+        started = time.perf_counter()
+        entry.graph.replay()
+        synchronize(args.device)
+        if repeat:
+            times.append((time.perf_counter() - started) * 1e3)
+    return settled(times)
 
 
 def time_batch(runner, ids: list[int], context: int, args) -> float:
@@ -279,6 +308,7 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
     ms = dict.fromkeys(MODES, 0.0)
     accepted = dict.fromkeys(MODES, 0)
     proposed = dict.fromkeys(MODES, 0)
+    spent: dict[str, dict[str, float]] = {mode: dict.fromkeys(SPENT, 0.0) for mode in MODES}
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     with ExitStack() as stack:
@@ -319,6 +349,8 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
                     tokens[mode] += response.stats.generated_tokens
                     ms[mode] += response.stats.total_ms
                     accepted[mode] += response.stats.accepted_tokens
+                    for name in SPENT:
+                        spent[mode][name] += getattr(response.stats, name)
                     proposed[mode] += response.stats.proposed_tokens
     reference = outputs["target-only (K=0)"]
     results = {}
@@ -329,6 +361,7 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
             "first_difference": divergence,
             "tok_s": tokens[mode] / ms[mode] * 1e3 if ms[mode] else 0.0,
             "acceptance": accepted[mode] / proposed[mode] if proposed[mode] else None,
+            "per_token": {name: round(value / max(tokens[mode], 1), 3) for name, value in spent[mode].items()},
         }
     return {"modes": results, "target_only": reference}
 
@@ -414,10 +447,16 @@ def report(results: dict, args) -> str:
             if name != "buckets":
                 static = settings["on"][name]
                 lines.append(f"| {role} | {name} | {eager:.2f} | {static:.2f} | {static / eager:.2f} |")
+        for name, static in settings["on"].items():
+            if name not in settings["off"]:
+                lines.append(f"| {role} | {name} | | {static:.2f} | |")
     for role, settings in results.get("captured_against_eager", {}).items():
         lines.append(f"\n{role}'s static passes: {settings['on']['buckets']}")
+    for name, error in results.get("errors", {}).items():
+        lines += ["", f"## Failed: {name}", "", "```", error.rstrip(), "```"]
     if results["services"] is None:
-        return "\n".join(lines) + "\n\n--profiles-only: the services were not run.\n"
+        why = "--profiles-only" if args.profiles_only else "they failed"
+        return "\n".join(lines) + f"\n\nThe services' modes were not measured: {why}.\n"
     lines += ["", "## Greedy identity and speed", ""]
     lines.append("| mode | identical to target-only | first difference | tok/s | acceptance |")
     lines.append("|---|---|---|---|---|")
@@ -443,6 +482,10 @@ def report(results: dict, args) -> str:
             else ""
         )
         lines.append(f"| {label}{note} | {hf['identical']}/{count} | | {hf['tok_s']:.1f} | |")
+    lines += ["", "Per generated token (sums over the mode's requests / tokens):", ""]
+    lines += ["| mode | " + " | ".join(SPENT) + " |", "|---|" + "---|" * len(SPENT)]
+    for mode, figures in results["services"]["modes"].items():
+        lines.append(f"| {mode} | " + " | ".join(f"{figures['per_token'][name]:.3g}" for name in SPENT) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -461,10 +504,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
+    parser.add_argument("--steps", default=",".join(STEPS), help="the steps to run, of: " + ", ".join(STEPS))
     parser.add_argument("--batch-sessions", type=int, default=32, help="sessions in the timed batched verify")
     args = parser.parse_args(argv)
     args.sizes = sorted({int(n) for n in args.sizes.split(",")})
     args.contexts = sorted({int(n) for n in args.contexts.split(",")})
+    args.steps = set(args.steps.split(","))
+    if args.steps - set(STEPS):
+        parser.error(f"--steps: no step {', '.join(sorted(args.steps - set(STEPS)))}; the steps are {', '.join(STEPS)}")
     return args
 
 
@@ -492,27 +539,41 @@ def main(argv: list[str] | None = None) -> dict:
         (args.out / "report.md").write_text(report(results, args))
         print(step, flush=True)
 
+    def step(key: str, run, *inputs):
+        """results[key] = run(*inputs), saved. A step that fails is reported (results' `errors`)
+        and the next runs: a lease brings back every figure that could be measured, and why
+        the rest failed."""
+        if key not in args.steps:
+            return None
+        try:
+            results[key] = run(*inputs)
+        except Exception:  # noqa: BLE001 - reported in the results instead
+            results.setdefault("errors", {})[key] = traceback.format_exc()[-4000:]
+            print(results["errors"][key], flush=True)
+        save(f"{key}: done")
+        if args.device.startswith("cuda"):
+            gc.collect()
+            torch.cuda.empty_cache()
+        return results.get(key)
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         checked = {
             role: with_weights(role, folder, args.dtype, Path(work), seed)
             for role, folder, seed in (("target", args.target, 0), ("draft", args.draft, 1))
         }
+        models = list(checked.values())
         results["models"] = {role: c.folder.name for role, c in checked.items()}
-        results["random_weights"] = any(c.random_weights for c in checked.values())
-        print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in checked.values()]}", flush=True)
-        results["captured_against_eager"] = captured_against_eager(list(checked.values()), args)
-        save("captured and eager passes compared")
-        profiles(list(checked.values()), args, device_name)
-        results["profiles"] = {role: c.profile for role, c in checked.items()}
-        save("pass costs measured")
+        results["random_weights"] = any(c.random_weights for c in models)
+        print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in models]}", flush=True)
+        step("captured_against_eager", captured_against_eager, models, args)
+        step("profiles", profiles, models, args, device_name)
         if not args.profiles_only:
             tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
             prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS[: args.prompts]]
-            results["services"] = served = services(checked, args, prompts)
-            save("services checked")
+            served = step("services", services, checked, args, prompts)
+            reference = served["target_only"] if served else [[] for _ in prompts]
             for key, static in (("transformers_generate", False), ("transformers_generate_static", True)):
-                results[key] = in_process(checked["target"], args, prompts, served["target_only"], static)
-                save(f"{key} measured")
+                step(key, in_process, checked["target"], args, prompts, reference, static)
     print(report(results, args), flush=True)
     return results
 

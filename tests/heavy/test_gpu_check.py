@@ -34,6 +34,9 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     modes = results["services"]["modes"]
     assert all(figures["identical"] == 2 for figures in modes.values()), modes
     assert all(figures["tok_s"] > 0 for figures in modes.values())
+    # Where each mode's time went, per token: K = 4 drafts and its target passes take time.
+    assert modes["K=4"]["per_token"]["proposed_tokens"] > 0 and modes["K=4"]["per_token"]["target_compute_ms"] > 0
+    assert modes["target-only (K=0)"]["per_token"]["draft_ms"] == 0
     assert results["transformers_generate"]["identical"] == 2
     assert results["transformers_generate_static"]["identical"] == 2, results["transformers_generate_static"]
     assert "identical to target-only" in (out / "report.md").read_text()
@@ -47,7 +50,13 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
         assert close["max_abs_diff"] < 1e-4 and close["same_argmax"] == close["positions"] == 8, (role, close)
 
 
-def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_path):
+def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_path, monkeypatch):
+    """With a step that fails (here the first), the report says why and the next steps run."""
+
+    def broken(*_):
+        raise RuntimeError("no graph today")
+
+    monkeypatch.setattr(gpu_check, "captured_against_eager", broken)
     out = tmp_path / "out"
     pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft)]
     results = gpu_check.main([*pair, "--out", str(out), "--profiles-only", *QUICK])
@@ -56,4 +65,6 @@ def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_
     assert not (out / "logs").exists()
     for role in ("target", "draft"):
         assert "lower quartile of 3 passes" in load_profile(str(out / f"profile-{role}.json")).source
-    assert "the services were not run" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## Failed: captured_against_eager" in report and "RuntimeError: no graph today" in report
+    assert "not measured: --profiles-only" in report
