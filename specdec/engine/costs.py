@@ -85,9 +85,16 @@ def calibrate(
     chooser's K; twelve sweeps' lower quartiles put it at 1.37-1.48× (sd 0.025). It costs about
     6 s of that target's start-up. A size whose first run takes longer than REPEAT_BELOW_MS is
     timed once, so calibration stays within seconds (a float32 target on 2 cores). Batched
-    passes (specdec.engine.calibration) are the fastest of three runs each."""
+    passes (specdec.engine.calibration) are the fastest of three runs each.
+
+    `warmup` passes of one token, then one of each other size, run untimed first: a size's
+    first pass may set up what the rest reuse (on CUDA a static pass's bucket is captured
+    then, which read as a 331 ms nine-token pass on an H200 whose others took 5 ms, and made
+    that size timed once)."""
     for _ in range(warmup):
         run_pass(1)
+    for n in range(2, max_new_tokens + 1) if warmup else ():
+        run_pass(n)
     times: list[list[float]] = [[] for _ in range(max_new_tokens)]
     for sweep in range(sweeps):
         sizes = range(1, max_new_tokens + 1) if sweep % 2 == 0 else range(max_new_tokens, 0, -1)

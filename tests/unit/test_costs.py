@@ -24,11 +24,12 @@ def test_calibrate_sweeps_every_size_keeps_the_quick_end_and_times_slow_passes_o
     import specdec.engine.costs as costs_module
 
     now = [0.0]
-    # Two warm-ups; a sweep up (sizes 1-4: 5, 7, 400, 200 ms); a sweep down (4, 2, 1: 150, 6,
-    # 3; size 3's 400 ms pass is not repeated); a sweep up again (1, 2, 4: 4, 8, 160). The
+    # Two warm-ups, and one of each other size; a sweep up (sizes 1-4: 5, 7, 400, 200 ms); a
+    # sweep down (4, 2, 1: 150, 6, 3; size 3's 400 ms pass is not repeated); a sweep up again
+    # (1, 2, 4: 4, 8, 160). The
     # quick end of three runs is the fastest: 3, 6, 400, 150; size 3 came out dearer than
     # size 4, so it was disturbed and takes 150.
-    durations = iter([1.0, 1.0, 5.0, 7.0, 400.0, 200.0, 150.0, 6.0, 3.0, 4.0, 8.0, 160.0])
+    durations = iter([1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 7.0, 400.0, 200.0, 150.0, 6.0, 3.0, 4.0, 8.0, 160.0])
     calls: list[int] = []
 
     def run_pass(n: int) -> None:
@@ -37,7 +38,7 @@ def test_calibrate_sweeps_every_size_keeps_the_quick_end_and_times_slow_passes_o
 
     monkeypatch.setattr(costs_module.time, "perf_counter", lambda: now[0])
     measured = calibrate(run_pass, 4, sweeps=3, warmup=2)
-    assert calls == [1, 1, 1, 2, 3, 4, 4, 2, 1, 1, 2, 4]
+    assert calls == [1, 1, 2, 3, 4, 1, 2, 3, 4, 4, 2, 1, 1, 2, 4]
     assert measured == pytest.approx((3.0, 6.0, 150.0, 150.0))
 
 
