@@ -51,6 +51,9 @@ PAIRS = {
     # come from the same synthetic pair at the same α, and the features' bytes are not carried.
     "70b+eagle3": ("h100-70b-tp4", "h100-70b-eagle3"),
     "8b+eagle3": ("h100-8b", "h100-8b-eagle3"),
+    # Measured, not published: our own captured passes on one H200 (random weights of the real
+    # pair's shapes; bench/results/gpu-h200-captured), with the real pair's acceptance on CPU.
+    "h200-1.5b+0.5b": ("h200-captured-1.5b", "h200-captured-0.5b"),
 }
 CELLS = [
     ("70b+1b", 0.6),
@@ -60,6 +63,7 @@ CELLS = [
     ("8b+3b", 0.8),
     ("70b+eagle3", 0.8),
     ("8b+eagle3", 0.8),
+    ("h200-1.5b+0.5b", 0.8),
 ]
 QUICK_CELLS = [("70b+1b", 0.8)]
 # Coordinator variants: extra flags for `python -m coordinator`.
@@ -292,7 +296,12 @@ def pooled(repeats: list[dict]) -> dict:
 
 
 def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
-    cells = QUICK_CELLS if quick else CELLS
+    cells = QUICK_CELLS if quick and not config.pairs else CELLS
+    if config.pairs:
+        unknown = set(config.pairs) - set(PAIRS)
+        if unknown:
+            raise ValueError(f"--pairs: no pair {', '.join(sorted(unknown))}; the pairs are {', '.join(PAIRS)}")
+        cells = [cell for cell in cells if cell[0] in config.pairs]
     modes = QUICK_MODES if quick else MODES
     cache = ROOT / ".cache/bench-accelerator"
     logs = config.out_dir / "logs"
@@ -358,8 +367,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"Emulated accelerators (`--suite accelerator`), {machine['date']}: {machine['cpu']} ({machine['cpu_flags']}),"
         f" {machine['cores']} cores, torch {machine['torch']}. Every figure below is EMULATED: tiny models whose passes"
-        " are held to published H100 profiles (bench/profiles/); the draft and the target pinned to a core each, one"
-        " torch thread, loopback links.",
+        " are held to pass-cost profiles (bench/profiles/: published H100 figures, or a card our runners were"
+        " measured on); the draft and the target pinned to a core each, one torch thread, loopback links.",
         "",
     ]
     for cell in results["cells"]:

@@ -199,7 +199,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "concurrency: aggregate tokens/s with --sessions generations at once, the target batching Verify calls "
             "or not (int8 draft, greedy); nodes: each service on its own core (pinned) sequential, pipelined and "
             "hedged, against HF assisted with the same int8 pair on all cores; accelerator: tiny pairs of chosen "
-            "acceptance whose passes are held to published H100 profiles (emulated), every mode against the bounds; "
+            "acceptance whose passes are held to pass-cost profiles (published H100 ones, or the H200 our runners "
+            "were measured on; emulated), every mode against the bounds (--pairs: only those pairs' cells); "
             "links: the 70B/1B accelerator cell with each service on its own network host (namespaces, as root) at "
             "each --link-ms; pools: replica pools and speculation under load, emulated (a concurrency sweep, 1 and "
             "4 target replicas, the same with replicas whose KV budget holds 8 requests, a replica killed "
@@ -228,6 +229,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "given in the accelerators' time, so this host's own work weighs 1/dilation (time dilation; labelled in "
             "the tables)"
         ),
+    )
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        default=[],
+        help="accelerator suite: only the cells of these profile pairs (bench.accelerator.PAIRS; default: every cell)",
     )
     parser.add_argument(
         "--link-ms", type=float, nargs="+", default=[0.05, 0.5, 2.0], help="links suite: one-way link delays to run"
@@ -298,6 +305,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         quick=args.quick,
         link_ms=tuple(args.link_ms),
         pools_parts=tuple(args.pools_parts),
+        pairs=tuple(args.pairs),
         dilation=args.dilation,
     )
     if args.quick:

@@ -173,6 +173,7 @@ class BenchConfig:
     link_ms: tuple[float, ...] = (0.05, 0.5, 2.0)  # links suite: one-way link delays
     pools_parts: tuple[str, ...] = POOLS_PARTS  # pools suite: parts to run
     dilation: float = 1.0  # pools suite, emulated parts: time dilation (bench.pools.Emulation)
+    pairs: tuple[str, ...] = ()  # accelerator suite: only the cells of these profile pairs (bench.accelerator.PAIRS)
 
 
 @dataclass(frozen=True)
