@@ -236,8 +236,10 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
                     runner, session, context, ids[context:], True, args.device, args.pass_repeats
                 )
                 figures[f"{args.batch_sessions} x 5 tokens"] = time_batch(runner, ids, context, args)
-            if setting == "on" and runner.static is not None and runner.static.capture:
-                figures["1 token, graph replay alone"] = time_replay(runner.static, args)
+            if setting == "on" and runner.static is not None:
+                if runner.static.capture:
+                    figures["1 token, graph replay alone"] = time_replay(runner.static, args)
+                results[model.role]["anatomy"] = anatomy(runner.static, args)
             runner.end_session("graphs", keep=False)
             figures["buckets"] = runner.static.describe() if runner.static is not None else "eager"
             results[model.role][setting] = figures
@@ -271,6 +273,41 @@ def time_replay(static, args) -> float:
         if repeat:
             times.append((time.perf_counter() - started) * 1e3)
     return settled(times)
+
+
+def anatomy(static, args, top: int = 12) -> dict:
+    """What the one-session one-token static pass runs (its bucket's pass, uncaptured, over
+    pads only: a graph replays these same kernels): under torch.profiler, the ops it calls and,
+    on CUDA, its kernels, their summed device time and the `top` dearest. Against the replay's
+    time it says whether a captured pass is its kernels' work or the gaps between them.
+    A failure is reported, not raised."""
+    try:
+        bucket = Bucket(1, 1, length_bucket(129))
+        entry = static._passes.get(bucket) or static._prepare(bucket)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.inference_mode():
+            static._forward(bucket, entry.packed)  # warm
+            synchronize(args.device)
+            with torch.profiler.profile(activities=activities) as profile:
+                static._forward(bucket, entry.packed)
+                synchronize(args.device)
+        events = profile.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")]
+        by_name: dict[str, list[float]] = {}
+        for kernel in kernels:
+            by_name.setdefault(kernel.name[:80], []).append(kernel.time_range.elapsed_us() / 1e3)
+        dearest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+        return {
+            "aten_ops": len(ops),
+            "kernels": len(kernels),
+            "kernel_ms": round(sum(sum(times) for times in by_name.values()), 3),
+            "top": [[name, len(times), round(sum(times), 3)] for name, times in dearest],
+        }
+    except Exception as exc:  # noqa: BLE001 - reported in the results instead
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def time_batch(runner, ids: list[int], context: int, args) -> float:
@@ -452,6 +489,15 @@ def report(results: dict, args) -> str:
                 lines.append(f"| {role} | {name} | | {static:.2f} | |")
     for role, settings in results.get("captured_against_eager", {}).items():
         lines.append(f"\n{role}'s static passes: {settings['on']['buckets']}")
+        parts = settings.get("anatomy", {})
+        if "error" in parts:
+            lines.append(f"\n{role}'s one-token static pass, profiled: {parts['error']}")
+        elif parts:
+            lines.append(
+                f"\n{role}'s one-token static pass, profiled uncaptured: {parts['aten_ops']} aten ops, "
+                f"{parts['kernels']} kernels, {parts['kernel_ms']:.2f} ms of them on the device; the dearest "
+                "(kernel, launches, ms): " + "; ".join(f"{name} {count} {ms:.3f}" for name, count, ms in parts["top"])
+            )
     for name, error in results.get("errors", {}).items():
         lines += ["", f"## Failed: {name}", "", "```", error.rstrip(), "```"]
     if results["services"] is None:
