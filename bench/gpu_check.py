@@ -41,9 +41,11 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -77,18 +79,19 @@ SPENT = (
     "draft_ms", "draft_compute_ms", "target_ms", "target_compute_ms", "rounds", "proposed_tokens", "copied_rounds",
     "catch_up_rounds", "predrafts", "hedges", "fallback_rounds",
 )  # fmt: skip
+GRAPH_CONTEXT = 128  # cached tokens under the captured-against-eager passes
+ONE_TOKEN = Bucket(1, 1, length_bucket(GRAPH_CONTEXT + 1))  # their one-token pass's static bucket
 STEPS = ("captured_against_eager", "profiles", "services", "transformers_generate", "transformers_generate_static")
 COORDINATORS = {"default": [], "pipelined": ["--pipeline", "on", "--hedges", "4", "--bonus-guesses", "3"]}
 
 
 @dataclass
 class Checked:
-    """One model: its folder (weights made here where it had none) and what was measured."""
+    """One model: its folder (weights made here where it had none)."""
 
     role: str
     folder: Path
     random_weights: bool
-    profile: dict = field(default_factory=dict)
 
 
 def synchronize(device: str) -> None:
@@ -116,13 +119,23 @@ def time_pass(runner, session, context: int, new_ids: list[int], keep_all: bool,
     quartile of `repeats` passes, as the services calibrate (specdec.engine.costs.settled). An
     eager pass on a GPU is bound by the host launching its kernels, so a disturbed host reads
     as a slow pass; a median of three let one such read set a size's cost."""
-    times = []
-    for repeat in range(repeats + 1):  # the first pass warms up
-        feed = session.extend(context, new_ids)
-        synchronize(device)
-        started = time.perf_counter()
+
+    def run(feed) -> None:
         with torch.inference_mode():
             runner.forward(session, feed, len(new_ids) if keep_all else 1)
+
+    return settled_ms(lambda: session.extend(context, new_ids), run, device, repeats)
+
+
+def settled_ms(prepare: Callable[[], Any], run: Callable[[Any], None], device: str, repeats: int) -> float:
+    """ms of `run(prepare())`, timed alone with the device synchronised around it: the lower
+    quartile (specdec.engine.costs.settled) of `repeats` runs after one that warms up."""
+    times = []
+    for repeat in range(repeats + 1):
+        prepared = prepare()
+        synchronize(device)
+        started = time.perf_counter()
+        run(prepared)
         synchronize(device)
         if repeat:
             times.append((time.perf_counter() - started) * 1e3)
@@ -171,11 +184,12 @@ def measure_profile(runner, name: str, device: str, sizes: list[int], contexts: 
 
 def profiles(checked: list[Checked], args, device_name: str) -> dict:
     """Each model's pass-cost profile, written to --out as profile-<role>.json."""
+    measured = {}
     for model in checked:
         runner = load_runner(model, args, "auto")
         figures = measure_profile(runner, model.role, args.device, args.sizes, args.contexts, args.pass_repeats)
         weights = "random weights of its shape" if model.random_weights else "its own weights"
-        model.profile = {
+        measured[model.role] = profile = {
             "name": f"{device_name} {model.folder.name} {args.dtype}",
             "source": (
                 f"MEASURED by python -m bench.gpu_check on {device_name}, torch {torch.__version__}, "
@@ -187,13 +201,13 @@ def profiles(checked: list[Checked], args, device_name: str) -> dict:
             **figures,
         }
         path = args.out / f"profile-{model.role}.json"
-        path.write_text(json.dumps(model.profile, indent=1) + "\n")
+        path.write_text(json.dumps(profile, indent=1) + "\n")
         load_profile(str(path))  # the services accept it, or this fails here
         del runner
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return {model.role: model.profile for model in checked}
+    return measured
 
 
 def load_runner(model: Checked, args, cuda_graphs: str, max_batch_size: int = 8):
@@ -218,7 +232,7 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
         scored: dict[str, torch.Tensor] = {}  # the 8-token pass's logits under each setting
         for setting in ("off", "on"):
             runner = load_runner(model, args, setting, max_batch_size=args.batch_sessions)
-            vocab, context = runner.loaded.vocab_size, 128
+            vocab, context = runner.loaded.vocab_size, GRAPH_CONTEXT
             ids = torch.randint(0, vocab, (context + 8,), generator=torch.Generator().manual_seed(2)).tolist()
             session = runner.sessions.open("graphs", 0)
             with torch.inference_mode():
@@ -261,18 +275,10 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
 def time_replay(static, args) -> float:
     """ms of replaying the one-session one-token bucket's graph alone (on CUDA; 0 where it
     has none): what the card takes for the pass, against what runner.forward takes around it."""
-    entry = static._passes.get(Bucket(1, 1, length_bucket(129)))
+    entry = static._passes.get(ONE_TOKEN)
     if entry is None or entry.graph is None:
         return 0.0
-    times = []
-    for repeat in range(args.pass_repeats + 1):
-        synchronize(args.device)
-        started = time.perf_counter()
-        entry.graph.replay()
-        synchronize(args.device)
-        if repeat:
-            times.append((time.perf_counter() - started) * 1e3)
-    return settled(times)
+    return settled_ms(lambda: None, lambda _: entry.graph.replay(), args.device, args.pass_repeats)
 
 
 def anatomy(static, args, top: int = 12) -> dict:
@@ -282,7 +288,7 @@ def anatomy(static, args, top: int = 12) -> dict:
     time it says whether a captured pass is its kernels' work or the gaps between them.
     A failure is reported, not raised."""
     try:
-        bucket = Bucket(1, 1, length_bucket(129))
+        bucket = ONE_TOKEN
         entry = static._passes.get(bucket) or static._prepare(bucket)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if args.device.startswith("cuda"):
@@ -317,18 +323,15 @@ def time_batch(runner, ids: list[int], context: int, args) -> float:
     with torch.inference_mode():
         for session in sessions:
             runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
-    times = []
-    for repeat in range(args.pass_repeats + 1):
-        feeds = [session.extend(context, ids[context : context + 5]) for session in sessions]
-        synchronize(args.device)
-        started = time.perf_counter()
-        runner.forward_batch(sessions, feeds, [5] * len(sessions))
-        synchronize(args.device)
-        if repeat:
-            times.append((time.perf_counter() - started) * 1e3)
+    ms = settled_ms(
+        lambda: [session.extend(context, ids[context : context + 5]) for session in sessions],
+        lambda feeds: runner.forward_batch(sessions, feeds, [5] * len(sessions)),
+        args.device,
+        args.pass_repeats,
+    )
     for session in sessions:
         runner.end_session(session.session_id, keep=False)
-    return settled(times)
+    return ms
 
 
 def generate(stub, prompt_ids: list[int], k: int | None, max_new_tokens: int) -> pb.GenerateResponse:
