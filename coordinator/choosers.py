@@ -13,7 +13,7 @@ from coordinator.overlap import Overlap, choose_overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.round_costs import RoundCosts
-from coordinator.rounds import RequestState, RoundRules
+from coordinator.rounds import RequestState, RoundRules, steps_per_call
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,13 @@ class Choosers:
         if not chooses_k(job, pair):
             return None  # K fixed, or no measured costs to choose from: the default K
         assert pair.costs is not None
+        costs = overlap.costs(pair.costs, guesses=False)
+        if not job.seeded_sampled:  # its K = 0 rounds run several steps a call (rounds.step_count)
+            costs = dataclasses.replace(costs, target_only_steps=steps_per_call(self.config.target_only_steps, costs))
         return AdaptiveK(
             k_max=pair.chooser_max_k,
             pipelined=overlap.pipelined,
-            costs=overlap.costs(pair.costs, guesses=False),
+            costs=costs,
             # A seeded sampled request's output depends on K, so its K may depend on nothing but
             # itself; greedy output is the target's whatever K is.
             alpha_prior=DEFAULT_ALPHA_PRIOR if job.seeded_sampled else self._alpha_prior,

@@ -4,15 +4,16 @@ maximises over K, from what passes cost on the services' own hardware.
 Leviathan et al.: with per-token acceptance α, a round of K drafts commits on average
 E(K) = (1 − α^(K+1)) / (1 − α) tokens (E(0) = 1: a target-only step). A sequential round
 costs T(K) = D(K) + V(K): the draft call, K one-token draft passes plus an RPC, and the
-verify call, one target pass over K + 1 new tokens plus an RPC. Pipelined, the next round's
-drafts (K + 1 steps: the bonus guess, then K) run during this round's verify, on the critical
-path only past its end, and are kept when every draft is accepted and the guess equals the
-bonus token (probability ≈ α^(K+1)) or, with hedges, when a hedge assumed the rejection that
-happened (probability ρ given a rejection, learned from the request's rounds); otherwise the
-next round drafts afresh. So T(K) = max(V(K), P(K + 1)) + m(K)·D(K): P the branch call (its
-rows as passes of at most the draft's batch), m(K) = 1 − α^K·g − (1 − α^K)·ρ, g ≈ α (a guess
-is the bonus token). K maximises E(K) / T(K): 0 where a K + 1-token verify costs several times
-one (bf16 on AVX2 only), or the draft is nearly as slow as the target.
+verify call, one target pass over K + 1 new tokens plus an RPC (a target-only call of several
+steps, coordinator.rounds.step_count, charging each step its share of that RPC). Pipelined,
+the next round's drafts (K + 1 steps: the bonus guess, then K) run during this round's verify,
+on the critical path only past its end, and are kept when every draft is accepted and the
+guess equals the bonus token (probability ≈ α^(K+1)) or, with hedges, when a hedge assumed the
+rejection that happened (probability ρ given a rejection, learned from the request's
+rounds); otherwise the next round drafts afresh. So T(K) = max(V(K), P(K + 1)) + m(K)·D(K):
+P the branch call (its rows as passes of at most the draft's batch), m(K) = 1 − α^K·g −
+(1 − α^K)·ρ, g ≈ α (a guess is the bonus token). K maximises E(K) / T(K): 0 where a K + 1-token
+verify costs several times one (bf16 on AVX2 only), or the draft is nearly as slow as the target.
 
 Under load, C sessions share a service. In lockstep, a round's verify is then one batched
 pass over every session's K + 1 tokens (in ⌈C / max batch⌉ passes where C is larger), and
@@ -140,6 +141,9 @@ class RoundCosts:
     # the first make it that a fully accepted round's pre-draft is kept.
     branch_rows: int = 1
     guess_share: float = 0.0
+    # The steps a K = 0 round's call runs (coordinator.rounds.steps_per_call), its call's cost
+    # shared among them: 1 for a request whose K = 0 rounds step once (a seeded sampled one).
+    target_only_steps: int = 1
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
         """These costs with `target_sessions` and `draft_sessions` sharing the services; this
@@ -193,12 +197,15 @@ class RoundCosts:
         return self._ms["branch", steps]
 
     def verify_ms(self, k: int) -> float:
+        """A verify of K drafts; at K = 0 a target-only step, its call shared among the call's
+        `target_only_steps`."""
         if ("verify", k) not in self._ms:
+            rpc_ms = self.target_rpc_ms / (1 if k else max(self.target_only_steps, 1))
             if self.target_sessions == 1:
-                self._ms["verify", k] = self.target_rpc_ms + cost_at(self.target_pass_ms, k + 1)
+                self._ms["verify", k] = rpc_ms + cost_at(self.target_pass_ms, k + 1)
             else:
                 batch = self.target_batch or BatchCosts(self.target_pass_ms)
-                self._ms["verify", k] = self.target_rpc_ms + batch.load_ms(self.target_sessions, k + 1)
+                self._ms["verify", k] = rpc_ms + batch.load_ms(self.target_sessions, k + 1)
         return self._ms["verify", k]
 
     def round_ms(self, k: int, alpha: float, pipelined: bool, rescue: float = 0.0) -> float:

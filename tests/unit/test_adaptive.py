@@ -364,3 +364,24 @@ def test_rates_are_tokens_per_ms_of_every_k_to_the_bit():
                 rescue, k_max = rng.choice([0.0, 0.4]), rng.choice([0, 1, 4, 8])
                 expected = [costs.tokens_per_ms(k, alpha, pipelined, rescue) for k in range(k_max + 1)]
                 assert costs.rates(alpha, k_max, pipelined, rescue) == expected
+
+
+def test_a_target_only_call_shares_its_cost_among_its_steps():
+    costs = RoundCosts(CHEAP_DRAFT, FLAT_TARGET, draft_rpc_ms=2.0, target_rpc_ms=4.0)
+    stepping = dataclasses.replace(costs, target_only_steps=4)
+    assert stepping.round_ms(0, 0.5, pipelined=False) == pytest.approx(1.0 + 150.0)
+    assert stepping.round_ms(3, 0.5, pipelined=False) == costs.round_ms(3, 0.5, pipelined=False)  # one call a verify
+    assert stepping.rates(0.5, 8, False)[0] == pytest.approx(1 / 151.0)
+
+
+def test_target_only_calls_of_several_steps_park_a_draft_that_cannot_pay():
+    """One H200's captured passes (bench/profiles/h200-captured-*: 4.2 ms target, 3.1 ms draft
+    step) at the start-up round trips: with every target-only step charged a whole call, K = 2-3
+    looked worth it from α 0.82 to 0.9, where K = 2 ran 0.81x target-only (emulated,
+    bench/results/cpu-accelerator-h200/). A greedy request's K = 0 round runs four steps a
+    call there (rounds.steps_per_call); so charged, no K pays up to α 0.9."""
+    target, draft = (4.2, 4.6, 4.61, 4.63, 4.63, 4.64, 4.65, 4.66, 4.66), (3.09,) * 9
+    whole_calls = RoundCosts(draft, target, draft_rpc_ms=0.84, target_rpc_ms=0.87)
+    shared = dataclasses.replace(whole_calls, target_only_steps=4)
+    assert [best_k(alpha, whole_calls, 8, False) for alpha in (0.82, 0.9)] == [2, 3]
+    assert [best_k(alpha, shared, 8, False) for alpha in (0.82, 0.9)] == [0, 0]
