@@ -326,10 +326,10 @@ class Branches:
         stats: GenerationStats,
         unused: list[str],
     ) -> Settled:
-        """Reads every branch's reply: the chosen branch's drafts become the next round's, the
-        rest are counted and their forks join `unused`. After a fully accepted round the chosen
-        branch is the first, by rank, whose guess (its first token) is the bonus token. The
-        request's draft session is left as it is: what it holds now is in the Settled."""
+        """Reads every branch's reply: the chosen branch's drafts become the next round's, the rest
+        are counted and their forks join `unused`. After a fully accepted round the chosen branch is
+        the first, by rank, whose guess (its first token) is the bonus token; what the request's
+        draft session holds now is in the Settled."""
         branches, errors = self._read(call, reply)
         chosen = chosen_branch(call, hit, branches, errors, outcome.next_token_id)
         used = Settled()
@@ -357,10 +357,9 @@ class Branches:
         if hit.guesses and chosen is None:
             stats.predraft_misses += 1
             if predraft is not None and not failed:
-                # It ran, so the session holds the round's committed prefix (a catch-up sent it):
-                # the next call need not send that again.
-                at_least = base + proposed
-        return dataclasses.replace(used, synced_at_least=at_least, failed=failed, refused=refused)
+                at_least = base + proposed  # it ran: the session holds the round's committed prefix
+        guessed = chosen is predraft if predraft is not None and not (failed or proposed) else None  # a catch-up's
+        return dataclasses.replace(used, synced_at_least=at_least, failed=failed, refused=refused, guessed=guessed)
 
     def _read(self, call: BranchCall, reply: draft_pb2.ProposeBranchesResponse) -> tuple[list[Round], list[int]]:
         """Each branch's drafts (none where it failed) and the gRPC status code it failed with

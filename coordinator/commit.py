@@ -175,6 +175,11 @@ def _take_branches(state: RequestState, settled: Settled) -> None:
         state.predraft_depth.observe(settled.slack_ms, step_ms, settled.predraft_full)
     if state.k_chooser is not None and settled.rescued is not None:
         state.k_chooser.observe_rescue(settled.rescued)  # for the chooser's ρ
+    if state.k_chooser is not None and settled.guessed is not None:
+        # A catch-up's guess is one draft, accepted or not. Without it a request whose rounds all
+        # catch up (their pre-drafts all missing) never learns its α: it stayed at its prior on
+        # one H200 with random weights, every round a catch-up, at 0.49x target-only.
+        state.k_chooser.observe_round(1, int(settled.guessed))
     # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
     # the regular draft call re-prefills and counts failures.
     state.branch_failed = settled.failed

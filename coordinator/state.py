@@ -151,6 +151,9 @@ class Settled:
     failed: bool = False  # the call, or its pre-draft, failed: the next round drafts afresh
     refused: bool = False  # of those, RESOURCE_EXHAUSTED: the draft cannot hold the request now
     rescued: bool | None = None  # a hedged round's rejection: whether a hedge assumed it (None: no rejection)
+    # A catch-up's pre-draft: whether its own guess (the draft's likeliest token) was the step's
+    # token, the one trial of the draft such a round makes (None: not a catch-up, or it failed).
+    guessed: bool | None = None
     slack_ms: float | None = None  # how long before the verify the pre-draft's call replied (PredraftDepth)
     predraft_full: bool = True  # that pre-draft took k + 1 steps (PredraftDepth.steps)
     features_end: int = 0  # the call delivered the request's pending features before this position

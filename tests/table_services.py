@@ -246,6 +246,16 @@ class TableTarget(TableService):
             response.draft_token_target_probs.append(float(target_row.probs[token]))
             response.recovered_token_ids.append(draw(self._residual_cdf(context, sent.dense), generator))
         response.bonus_token_id = draw(self.model.row(tuple(session.tokens)).cdf, generator)
+        # A target-only call's further steps (VerifyRequest.step_seeds): each draws as a call of
+        # its own with that seed would; the session holds every token but the last.
+        token = response.bonus_token_id
+        for seed in request.step_seeds:
+            if token in request.stop_token_ids:
+                break
+            session.extend(len(session.tokens), [token])
+            token = draw(self.model.row(tuple(session.tokens)).cdf, random.Random(seed))
+            response.step_token_ids.append(token)
+        response.sequence_length = len(session.tokens)
         return response
 
     def _residual_cdf(self, context: tuple[int, ...], dense: common_pb2.DenseProbs) -> np.ndarray:

@@ -26,7 +26,7 @@ from coordinator.rounds import (
     plan_round,
     steps_per_call,
 )
-from coordinator.state import DraftRefusals, Round, SessionView, Source
+from coordinator.state import DraftRefusals, Round, SessionView, Settled, Source
 from coordinator.text import TextAssembler
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
@@ -250,6 +250,20 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
     assert (k_chooser.reached, copy_chooser.reached) == (before[0], before[1] + 3)
     commit_round(request, plan, verified(chain_round(), RoundOutcome(1, 81)))
     assert k_chooser.reached == before[0] + 2
+
+
+def test_a_catch_ups_guess_is_one_draft_for_the_k_chooser():
+    """A catch-up proposes nothing: its pre-draft's own guess of the step's token is the only
+    draft it evaluates, and the chooser counts it (Settled.guessed; None: not a catch-up)."""
+    costs = RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(50.0,) * 9, draft_rpc_ms=0.1, target_rpc_ms=0.1)
+    chooser = AdaptiveK(k_max=8, pipelined=True, costs=costs)
+    request = state(pipelined=True, k_chooser=chooser, draft_view=OPENED)
+    plan = plan_round(request, True, True)
+    assert plan.kind is RoundKind.CATCH_UP
+    before = (chooser.accepted, chooser.reached)
+    for guessed in (False, True, None):  # missed, right, and no guess to learn from
+        commit_round(request, plan, verified(Round(Source.CATCH_UP), RoundOutcome(0, 82)), Settled(guessed=guessed))
+    assert (chooser.accepted - before[0], chooser.reached - before[1]) == pytest.approx((1, 2))
 
 
 def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_seeds_of_single_steps():
