@@ -87,8 +87,8 @@ class Choosers:
             return None  # K fixed, or no measured costs to choose from: the default K
         assert pair.costs is not None
         costs = overlap.costs(pair.costs, guesses=False)
-        if not job.seeded_sampled:  # its K = 0 rounds run several steps a call (rounds.step_count)
-            costs = dataclasses.replace(costs, target_only_steps=steps_per_call(self.config.target_only_steps, costs))
+        # Its K = 0 rounds run several steps a call (rounds.step_count), each charged a share.
+        costs = dataclasses.replace(costs, target_only_steps=steps_per_call(self.config.target_only_steps, costs))
         return AdaptiveK(
             k_max=pair.chooser_max_k,
             pipelined=overlap.pipelined,

@@ -330,13 +330,10 @@ def step_count(state: RequestState, kind: RoundKind, target_steps: int, chooser:
     depend on how many a call runs. Room is left for the last step's token in the length and the
     context. A request's first round steps once, so its first token comes as soon as the
     prompt's pass ends; so does a tree request served target-only (its next round may
-    speculate). A request whose K is chosen steps once too where its seed must keep one output
-    (its rounds also read the draft's streams); where its K follows the load (greedy, or
-    unseeded) a round the chooser made K = 0 runs the steps as well: under load the calls
-    saved are the coordinator's CPU, which a shared machine's target needs."""
+    speculate). A round a K chooser made K = 0 runs the steps as well: how many depends on the
+    calibrated costs and the request's own state, as its K does, so a seed keeps one output;
+    under load the calls saved are the coordinator's CPU, which a shared machine's target needs."""
     if kind is not RoundKind.TARGET_ONLY or not state.round_index:
-        return 0
-    if chooser is not None and not state.load_aware:
         return 0
     if chooser is None and (state.job.num_speculative_tokens or state.job.tree_widths):
         return 0

@@ -38,11 +38,13 @@ import torch
 from transformers import AutoTokenizer
 
 from coordinator import acceptance
+from coordinator import engine as coordinator_engine
 from coordinator import server as coordinator_server
 from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
 from coordinator.hedging import PredraftDepth
 from coordinator.requests import GenerationRequest
+from coordinator.rounds import draw_round
 from coordinator.state import Round
 from coordinator.upstream import Upstream
 from specdec.engine.modeling import tokenizer_fingerprint
@@ -155,6 +157,16 @@ def confidence_stops(stats, draft) -> str | None:
     return None if draft.confidence_stops > len(stats) // 20 else f"only {draft.confidence_stops} confidence stops"
 
 
+def chosen_k_zero_stepped(stats, draft) -> str | None:
+    """Rounds the chooser made K = 0 ran further steps in their call (their rounds share the
+    call's time evenly, GenerationStats.round_ms), and the chooser also speculated."""
+    stepped = sum(
+        1 for s in stats for k, a, b in zip(s.k_per_round[1:], s.round_ms[1:], s.round_ms[2:]) if not k and a == b
+    )
+    drafted = total(stats, "proposed_tokens")
+    return None if stepped > len(stats) // 5 and drafted else f"{stepped} steps, {drafted} drafts"
+
+
 def chooser_varied(stats, draft) -> str | None:
     ks = {k for s in stats for k in s.k_per_round}
     return pre_drafts_used(stats, draft) or (None if len(ks) > 1 else f"the chooser only ever chose K in {ks}")
@@ -233,6 +245,9 @@ MODES = {
         exercised=chooser_varied,
         mutant_samples=10_000,
     ),
+    # A draft nearly as slow as the target: the chooser mostly picks K = 0, and such a round
+    # runs several target-only steps in its call (rounds.step_count), between probes.
+    "chooser_steps": Mode({}, vocab=2, length=5, k=None, costs=(30.0, 40.0), exercised=chosen_k_zero_stepped),
     # No flags: the coordinator chooses the overlap (coordinator.overlap) and K.
     "chosen": Mode(
         {"pipeline": None, "hedges": None, "bonus_guesses": None},
@@ -378,6 +393,17 @@ def k_cut_after_drafting(monkeypatch) -> None:
     monkeypatch.setattr(Upstream, "round_from", cut)
 
 
+def step_seeds_repeated(monkeypatch) -> None:
+    """Chooser steps: a call's further steps all drawn with the seed of its first, so the
+    tokens of one call are drawn from one uniform."""
+
+    def repeated(streams, plan):
+        draws = draw_round(streams, plan)
+        return dataclasses.replace(draws, step_seeds=(draws.target_seed,) * len(draws.step_seeds))
+
+    monkeypatch.setattr(coordinator_engine, "draw_round", repeated)
+
+
 MUTANTS = {
     "sequential": recovered_one_late,
     "pipelined": pre_draft_rows_flattened,
@@ -389,6 +415,7 @@ MUTANTS = {
     "confidence_stopped": unsure_draft_dropped,
     "short_predrafts": pre_draft_rows_flattened,
     "adaptive": k_cut_after_drafting,
+    "chooser_steps": step_seeds_repeated,
     "chosen": pre_draft_rows_flattened,
 }
 

@@ -288,8 +288,8 @@ def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_se
     costs = RoundCosts(draft_pass_ms=(40.0,) * 9, target_pass_ms=(1.0,) * 9)
     chosen = state(k=4, k_chooser=AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.1, probe_every=0))
     chosen.round_index = 1
-    assert plan_round(chosen, True, True, target_steps=4).steps == 0, "a seeded K = 0 may speculate next"
-    chosen.load_aware = True  # greedy or unseeded: its K follows the load, and a chosen K = 0 steps on
+    assert plan_round(chosen, True, True, target_steps=4).steps == 3, "a chosen K = 0 steps on, seeded or not"
+    chosen.load_aware = True  # greedy or unseeded: its K follows the load
     assert plan_round(chosen, True, True, target_steps=4).steps == 3
     assert plan_round(after_a_round(k=4), True, True, target_steps=4).steps == 0
 
