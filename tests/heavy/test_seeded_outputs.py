@@ -11,6 +11,7 @@ diff says which modes it touched.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -36,17 +37,26 @@ def digest(outputs: list[tuple[int, ...]], stats: list) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def digests():
     found = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
-    yield found
-    if WRITE:
-        DIGESTS.write_text(json.dumps(dict(sorted(found.items())), indent=1) + "\n")
+    written: dict[str, dict[str, str]] = {}
+    yield found, written
+    if WRITE and written:
+        # Merged into the file as it is now, under a lock: each xdist worker writes its own modes.
+        with DIGESTS.open("a+") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            file.seek(0)
+            merged = {**json.loads(file.read() or "{}"), **written}
+            file.seek(0)
+            file.truncate()
+            file.write(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
 async def test_a_modes_seeded_outputs_are_as_committed(tokenizer_dir, digests, name):  # noqa: F811
+    committed, written = digests
     outputs, stats, _ = await sample_mode(tokenizer_dir, MODES[name], SEEDS)
     found = digest(outputs, stats)
     if WRITE:
-        digests[name] = found
-    assert found == digests.get(name), (
+        committed[name] = written[name] = found
+    assert found == committed.get(name), (
         f"{name}: seeded outputs or their rounds changed; if meant, rerun with SPECDEC_WRITE_SEEDED_OUTPUTS=1"
     )
