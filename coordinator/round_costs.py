@@ -142,7 +142,7 @@ class RoundCosts:
     branch_rows: int = 1
     guess_share: float = 0.0
     # The steps a K = 0 round's call runs (coordinator.rounds.steps_per_call), its call's cost
-    # shared among them: 1 for a request whose K = 0 rounds step once (a seeded sampled one).
+    # shared among them (Choosers.k_chooser sets it; 1: a call a step, as the copy chooser costs).
     target_only_steps: int = 1
 
     def at_load(self, target_sessions: int, draft_sessions: int) -> RoundCosts:
