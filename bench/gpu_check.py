@@ -347,7 +347,6 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
     tokens = dict.fromkeys(MODES, 0)
     ms = dict.fromkeys(MODES, 0.0)
     accepted = dict.fromkeys(MODES, 0)
-    proposed = dict.fromkeys(MODES, 0)
     spent: dict[str, dict[str, float]] = {mode: dict.fromkeys(SPENT, 0.0) for mode in MODES}
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
@@ -391,7 +390,6 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
                     accepted[mode] += response.stats.accepted_tokens
                     for name in SPENT:
                         spent[mode][name] += getattr(response.stats, name)
-                    proposed[mode] += response.stats.proposed_tokens
     reference = outputs["target-only (K=0)"]
     results = {}
     for mode in MODES:
@@ -400,7 +398,7 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
             "identical": sum(d is None for d in divergence),
             "first_difference": divergence,
             "tok_s": tokens[mode] / ms[mode] * 1e3 if ms[mode] else 0.0,
-            "acceptance": accepted[mode] / proposed[mode] if proposed[mode] else None,
+            "acceptance": accepted[mode] / proposed if (proposed := spent[mode]["proposed_tokens"]) else None,
             "per_token": {name: round(value / max(tokens[mode], 1), 3) for name, value in spent[mode].items()},
         }
     return {"modes": results, "target_only": reference}

@@ -26,9 +26,8 @@ def test_calibrate_sweeps_every_size_keeps_the_quick_end_and_times_slow_passes_o
     now = [0.0]
     # Two warm-ups, and one of each other size; a sweep up (sizes 1-4: 5, 7, 400, 200 ms); a
     # sweep down (4, 2, 1: 150, 6, 3; size 3's 400 ms pass is not repeated); a sweep up again
-    # (1, 2, 4: 4, 8, 160). The
-    # quick end of three runs is the fastest: 3, 6, 400, 150; size 3 came out dearer than
-    # size 4, so it was disturbed and takes 150.
+    # (1, 2, 4: 4, 8, 160). The quick end of three runs is the fastest: 3, 6, 400, 150; size 3
+    # came out dearer than size 4, so it was disturbed and takes 150.
     durations = iter([1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 7.0, 400.0, 200.0, 150.0, 6.0, 3.0, 4.0, 8.0, 160.0])
     calls: list[int] = []
 
