@@ -76,12 +76,14 @@ loadtest: install
 
 # The tiers are folders (each one's __init__.py says what it holds). `make test`: unit/,
 # integration/ and heavy/ three tests at a time (pytest-xdist; many wait on processes part of
-# the time, so a third worker keeps both cores busy), then serial/ one test at a time: its
-# tests check deadlines or measured times that a test beside them would stretch.
+# the time, so a third worker keeps both cores busy), then serial/ in two lanes: its tests
+# check deadlines or measured times that a test beside them would stretch, so one lane runs
+# them one at a time and the other the K chooser's, whose slowed passes are sleeps
+# (tests/serial/conftest.py).
 TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests/unit tests/integration tests/heavy
-	$(PY) -m pytest -q --durations=5 tests/serial
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=5 tests/serial
 
 # The quick tier for the edit-test loop (about a minute on 2 cores): no processes, no benchmarks,
 # no over-the-wire χ² runs. CI runs `make test`.

@@ -1,5 +1,5 @@
 """The tiers are folders: `make test-fast` runs unit/ and integration/; `make test` runs those
-and heavy/ three tests at a time, then serial/ one at a time. A module that starts processes
+and heavy/ three tests at a time, then serial/ in its two lanes. A module that starts processes
 cannot slip into the fast tier, and the Makefile selects by these folders."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_the_makefile_selects_the_tiers_by_folder():
     assert "tests/heavy" not in fast[0] and "tests/serial" not in fast[0]
     assert len(full) == 2, "make test: the parallel tiers, then the serial one"
     assert all(f"tests/{tier}" in full[0] for tier in (*FAST, "heavy")) and "tests/serial" not in full[0]
-    assert "tests/serial" in full[1] and "-n" not in full[1].split()
+    assert "tests/serial" in full[1] and "--dist loadgroup" in full[1], "serial/: its lanes (tests/serial/conftest.py)"
 
 
 def test_every_test_module_is_in_a_tier():
