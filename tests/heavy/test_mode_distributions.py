@@ -193,7 +193,17 @@ MODES = {
     "hedged": Mode({"hedges": 2}, vocab=2, length=4, k=2, draft_noise=1.0, exercised=hedges_used),
     # Three tokens, so a rejected draft leaves two candidates for its recovered token, and a
     # hedge for each (the draft's two runner-ups): the fan-out.
-    "hedged_fanout": Mode({"hedges": 4}, vocab=3, length=3, k=2, draft_noise=1.5, exercised=fanned_hedges_used),
+    # Its mutant's χ² noncentrality is about 4.8 per thousand samples (218.7 over 26 degrees of
+    # freedom at 40,000): at 25,000 its χ² sits 2.9 standard deviations above the 1e-8 bound.
+    "hedged_fanout": Mode(
+        {"hedges": 4},
+        vocab=3,
+        length=3,
+        k=2,
+        draft_noise=1.5,
+        exercised=fanned_hedges_used,
+        mutant_samples=25_000,
+    ),
     # Pre-draft and hedges in one ProposeBranches call, stepped together.
     "batched_hedges": Mode(
         # Without catch-up steps, so that every round after the first batches its branches.
@@ -247,7 +257,11 @@ MODES = {
     ),
     # A draft nearly as slow as the target: the chooser mostly picks K = 0, and such a round
     # runs several target-only steps in its call (rounds.step_count), between probes.
-    "chooser_steps": Mode({}, vocab=2, length=5, k=None, costs=(30.0, 40.0), exercised=chosen_k_zero_stepped),
+    # Its mutant's noncentrality is about 28 per thousand samples: each of eight runs of 5,000
+    # failed at p < 1e-16.
+    "chooser_steps": Mode(
+        {}, vocab=2, length=5, k=None, costs=(30.0, 40.0), exercised=chosen_k_zero_stepped, mutant_samples=5_000
+    ),
     # No flags: the coordinator chooses the overlap (coordinator.overlap) and K.
     "chosen": Mode(
         {"pipeline": None, "hedges": None, "bonus_guesses": None},
