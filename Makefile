@@ -10,6 +10,10 @@ MODELS_DIR ?= .cache/models
 PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export HF_HUB_OFFLINE := 1
+# Bytecode caches, pytest's rewritten test modules among them (git ignores __pycache__): where
+# the environment turns them off, as container images often do, every test worker compiles
+# each module anew. make test-fast: 81.5 -> 74 s, 152 -> 138 s of CPU on the 2-core AMD EPYC.
+unexport PYTHONDONTWRITEBYTECODE
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: help install netbed protos models run test test-fast lint docs bench bench-quick loadtest deploy-check clean
