@@ -1,7 +1,8 @@
 """Two lanes for the serial tier (`make test` runs it with `-n 2 --dist loadgroup`): the K
-chooser's module, whose slowed passes are sleeps and whose services spend a tenth of a core,
-beside every other module one at a time. No two tests that hold a core, or check a
-deadline, run side by side."""
+chooser's module beside every other module one test at a time. Its services spend a tenth of a
+core, and the target costs its chooser weighs are sleeps of 32 ms and more in slowed passes,
+which a test beside it stretches by little; no two of the other modules' tests, which hold a
+core or check a deadline, ever run side by side."""
 
 from __future__ import annotations
 
