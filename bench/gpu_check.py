@@ -14,11 +14,12 @@
 3. **Speed.** tok/s of each mode from the coordinator's own request times, the modes
    interleaved over the repeats; then in-process transformers `generate()`, eager and with its
    static cache (which on CUDA it compiles with torch.compile).
-4. **Captured against eager passes** (issue 67's goals), each model loaded twice, with
-   `--cuda-graphs on` (captured on CUDA) and `off`: a one-token pass, a verify of 8 tokens
-   (the target) and, for the target, a batched verify of 32 sessions × 5 tokens, after 128
-   cached tokens each; the same lower quartile. Steps 1-3 run with the services' default
-   (`auto`: captured on CUDA), so their profile is the captured passes'.
+4. **Captured against eager passes** (issue 67's goals), each model loaded once per
+   `--graph-settings`: `--cuda-graphs off`, `on` (captured on CUDA) and `compiled` (compiled by
+   torch.compile, then captured): a one-token pass, a verify of 8 tokens (the target) and, for
+   the target, a batched verify of 32 sessions × 5 tokens, after 128 cached tokens each; the
+   same lower quartile; and each setting's logits against eager's. Steps 1-3 run with the
+   services' default (`auto`: captured on CUDA), so their profile is the captured passes'.
 
 Models: `--target` and `--draft` (default: the real pair `make run` prepares in .cache/models).
 A folder with a config and a tokenizer but no weights (a device machine reaches no model hub,
@@ -230,7 +231,7 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
     for model in checked:
         results[model.role] = {}
         scored: dict[str, torch.Tensor] = {}  # the 8-token pass's logits under each setting
-        for setting in ("off", "on"):
+        for setting in args.graph_settings:
             runner = load_runner(model, args, setting, max_batch_size=args.batch_sessions)
             vocab, context = runner.loaded.vocab_size, GRAPH_CONTEXT
             ids = torch.randint(0, vocab, (context + 8,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -250,10 +251,10 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
                     runner, session, context, ids[context:], True, args.device, args.pass_repeats
                 )
                 figures[f"{args.batch_sessions} x 5 tokens"] = time_batch(runner, ids, context, args)
-            if setting == "on" and runner.static is not None:
+            if setting != "off" and runner.static is not None:
                 if runner.static.capture:
                     figures["1 token, graph replay alone"] = time_replay(runner.static, args)
-                results[model.role]["anatomy"] = anatomy(runner.static, args)
+                results[model.role][f"anatomy {setting}"] = anatomy(runner.static, args)
             runner.end_session("graphs", keep=False)
             figures["buckets"] = runner.static.describe() if runner.static is not None else "eager"
             results[model.role][setting] = figures
@@ -261,24 +262,26 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        # How close a captured pass is to an eager one over the same tokens (the same weights:
-        # both loads read one folder): the largest logit difference, and argmax agreement.
-        results[model.role]["logits"] = {
-            "max_abs_diff": float((scored["on"] - scored["off"]).abs().max()),
-            "max_abs_logit": float(scored["off"].abs().max()),
-            "same_argmax": int((scored["on"].argmax(-1) == scored["off"].argmax(-1)).sum()),
-            "positions": int(scored["off"].shape[0]),
-        }
+        # How close a captured (or compiled) pass is to an eager one over the same tokens (the
+        # same weights: every load reads one folder): the largest logit difference, and argmax
+        # agreement.
+        for setting in args.graph_settings[1:]:
+            results[model.role][f"logits {setting}"] = {
+                "max_abs_diff": float((scored[setting] - scored["off"]).abs().max()),
+                "max_abs_logit": float(scored["off"].abs().max()),
+                "same_argmax": int((scored[setting].argmax(-1) == scored["off"].argmax(-1)).sum()),
+                "positions": int(scored["off"].shape[0]),
+            }
     return results
 
 
 def time_replay(static, args) -> float:
     """ms of replaying the one-session one-token bucket's graph alone (on CUDA; 0 where it
     has none): what the card takes for the pass, against what runner.forward takes around it."""
-    entry = static._passes.get(ONE_TOKEN)
-    if entry is None or entry.graph is None:
+    _, replay = static.pass_over_pads(ONE_TOKEN)
+    if replay is None:
         return 0.0
-    return settled_ms(lambda: None, lambda _: entry.graph.replay(), args.device, args.pass_repeats)
+    return settled_ms(lambda: None, lambda _: replay(), args.device, args.pass_repeats)
 
 
 def anatomy(static, args, top: int = 12) -> dict:
@@ -288,16 +291,15 @@ def anatomy(static, args, top: int = 12) -> dict:
     time it says whether a captured pass is its kernels' work or the gaps between them.
     A failure is reported, not raised."""
     try:
-        bucket = ONE_TOKEN
-        entry = static._passes.get(bucket) or static._prepare(bucket)
+        run, _ = static.pass_over_pads(ONE_TOKEN)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if args.device.startswith("cuda"):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.inference_mode():
-            static._forward(bucket, entry.packed)  # warm
+            run()  # warm
             synchronize(args.device)
             with torch.profiler.profile(activities=activities) as profile:
-                static._forward(bucket, entry.packed)
+                run()
                 synchronize(args.device)
         events = profile.events()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -449,6 +451,46 @@ def in_process(checked: Checked, args, prompts: list[list[int]], reference: list
     return {"identical": agree, "tok_s": tokens / seconds if seconds else 0.0, "first_call_s": round(first_s, 1)}
 
 
+def graph_settings_report(compared: dict, settings: list[str]) -> list[str]:
+    """The captured-against-eager step's lines: per model and pass, ms under each --cuda-graphs
+    setting (the first, off, eager) and each one's ratio to eager; how close each setting's
+    logits are to eager's; the buckets run and the one-token pass's profile."""
+    others = settings[1:]
+    lines = ["", f"## --cuda-graphs {', '.join(others)} against eager (off) passes, ms after 128 cached tokens", ""]
+    lines += ["| model | pass | eager | " + " | ".join(f"{s} | {s} / eager" for s in others) + " |"]
+    lines += ["|---|---|---|" + "---|---|" * len(others)]
+    for role, measured in compared.items():
+        for setting in others:
+            close = measured[f"logits {setting}"]
+            lines.append(
+                f"| {role} | logits of an 8-token pass, {setting} | largest |logit| {close['max_abs_logit']:.2f} | "
+                f"largest difference {close['max_abs_diff']:.3g}, argmax agrees at "
+                f"{close['same_argmax']}/{close['positions']} |" + " |" * (2 * len(others) - 1)
+            )
+        names = [name for setting in settings for name in measured[setting] if name != "buckets"]
+        for name in dict.fromkeys(names):
+            eager = measured["off"].get(name)
+            cells = [f"{eager:.2f}" if eager is not None else ""]
+            for setting in others:
+                ms = measured[setting].get(name)
+                cells += [f"{ms:.2f}" if ms is not None else "", f"{ms / eager:.2f}" if ms and eager else ""]
+            lines.append(f"| {role} | {name} | " + " | ".join(cells) + " |")
+    for role, measured in compared.items():
+        for setting in others:
+            lines.append(f"\n{role}'s passes under {setting}: {measured[setting]['buckets']}")
+            parts = measured.get(f"anatomy {setting}", {})
+            if "error" in parts:
+                lines.append(f"\n{role}'s one-token pass under {setting}, profiled: {parts['error']}")
+            elif parts:
+                lines.append(
+                    f"\n{role}'s one-token pass under {setting}, profiled uncaptured: {parts['aten_ops']} aten ops, "
+                    f"{parts['kernels']} kernels, {parts['kernel_ms']:.2f} ms of them on the device; the dearest "
+                    "(kernel, launches, ms): "
+                    + "; ".join(f"{name} {count} {ms:.3f}" for name, count, ms in parts["top"])
+                )
+    return lines
+
+
 def report(results: dict, args) -> str:
     lines = [
         f"# gpu_check on {results['device_name']} ({results['date']})",
@@ -472,33 +514,7 @@ def report(results: dict, args) -> str:
     for role, profile in results.get("profiles", {}).items():
         cells = " | ".join(f"{ms:.2f}" for _, ms in profile["pass_ms"])
         lines.append(f"| {role} | {cells} | {profile['context_ms_per_1k']:.3f} |")
-    lines += ["", "## Captured (--cuda-graphs on) against eager (off) passes, ms after 128 cached tokens", ""]
-    lines += ["| model | pass | eager | static | static / eager |", "|---|---|---|---|---|"]
-    for role, settings in results.get("captured_against_eager", {}).items():
-        close = settings["logits"]
-        lines.append(
-            f"| {role} | logits of an 8-token pass | largest |logit| {close['max_abs_logit']:.2f} | "
-            f"largest difference {close['max_abs_diff']:.3g} | argmax agrees at "
-            f"{close['same_argmax']}/{close['positions']} |"
-        )
-        for name, eager in settings["off"].items():
-            if name != "buckets":
-                static = settings["on"][name]
-                lines.append(f"| {role} | {name} | {eager:.2f} | {static:.2f} | {static / eager:.2f} |")
-        for name, static in settings["on"].items():
-            if name not in settings["off"]:
-                lines.append(f"| {role} | {name} | | {static:.2f} | |")
-    for role, settings in results.get("captured_against_eager", {}).items():
-        lines.append(f"\n{role}'s static passes: {settings['on']['buckets']}")
-        parts = settings.get("anatomy", {})
-        if "error" in parts:
-            lines.append(f"\n{role}'s one-token static pass, profiled: {parts['error']}")
-        elif parts:
-            lines.append(
-                f"\n{role}'s one-token static pass, profiled uncaptured: {parts['aten_ops']} aten ops, "
-                f"{parts['kernels']} kernels, {parts['kernel_ms']:.2f} ms of them on the device; the dearest "
-                "(kernel, launches, ms): " + "; ".join(f"{name} {count} {ms:.3f}" for name, count, ms in parts["top"])
-            )
+    lines += graph_settings_report(results.get("captured_against_eager", {}), args.graph_settings)
     for name, error in results.get("errors", {}).items():
         lines += ["", f"## Failed: {name}", "", "```", error.rstrip(), "```"]
     if results["services"] is None:
@@ -553,10 +569,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
     parser.add_argument("--steps", default=",".join(STEPS), help="the steps to run, of: " + ", ".join(STEPS))
     parser.add_argument("--batch-sessions", type=int, default=32, help="sessions in the timed batched verify")
+    parser.add_argument(
+        "--graph-settings",
+        default="off,on,compiled",
+        help="the --cuda-graphs settings the captured_against_eager step loads each model with, off first",
+    )
     args = parser.parse_args(argv)
     args.sizes = sorted({int(n) for n in args.sizes.split(",")})
     args.contexts = sorted({int(n) for n in args.contexts.split(",")})
     args.steps = set(args.steps.split(","))
+    args.graph_settings = args.graph_settings.split(",")
+    if args.graph_settings[0] != "off" or set(args.graph_settings) - {"off", "on", "compiled"}:
+        parser.error(f"--graph-settings: off, then any of on and compiled; got {','.join(args.graph_settings)}")
     if args.steps - set(STEPS):
         parser.error(f"--steps: no step {', '.join(sorted(args.steps - set(STEPS)))}; the steps are {', '.join(STEPS)}")
     return args

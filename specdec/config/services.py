@@ -204,10 +204,13 @@ class ModelServiceConfig:
         "--cuda-graphs",
         "auto: on for a CUDA device; on: decode, verify and tree passes of up to 64 tokens a session run in "
         "shapes fixed ahead, over the KV pool, captured as CUDA graphs (on CPU: uncaptured, as the tests run "
-        "them); off: every pass eager",
-        choices=("auto", "on", "off"),
+        "them); compiled: on, each pass compiled by torch.compile (Inductor) before it is captured; off: every "
+        "pass eager",
+        choices=("auto", "on", "compiled", "off"),
         more="A bucket's graph is captured at its first pass; one-session passes of 1-8 tokens up to 2k tokens of "
-        "context at start-up. The start-up log and `Info` name the buckets. See "
+        "context at start-up. `compiled` compiles one pass for every bucket (sizes symbolic; up to four "
+        "variants, for one session or more and one token or more) at start-up: 10-20 s a variant for a 2-layer "
+        "test model on 2 CPU cores, not yet measured on a GPU. The start-up log and `Info` name the buckets. See "
         "[Captured passes](design.md#captured-passes).",
     )
     host: str = host_setting()

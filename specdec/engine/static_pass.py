@@ -6,10 +6,10 @@ graph replays a pass's kernels without the host, but only over tensors of fixed 
 fixed addresses. So a pass here is one of a few shapes, a bucket (B sessions × N new tokens
 each × L key columns each), and everything it reads is a tensor the host fills before it runs:
 
-- `packed` [B, 2N + 3 + N²] int64: per session its new tokens [N], their positions [N], where
-  its extent starts in the arenas, its past (entries cached), its new tokens' count n, and
-  which new tokens each new token sees [N, N] (causal, or a token tree's ancestors). One
-  host-to-device copy a pass.
+- `packed` [B, N, 5 + N] int64: per session and new token, the token, its position, in every
+  row alike where the session's extent starts in the arenas, its past (entries cached) and
+  its new tokens' count n, then which new tokens it sees [N] (causal, or a token tree's
+  ancestors). One host-to-device copy a pass.
 - On the device, inside the pass: the arena columns the new entries go to (`slots` [B·N]:
   start + past + j), the columns attention reads (`columns` [B·L]: the session's past, then
   its new entries), and the additive mask [B, 1, N, L] from past, n and the visibility.
@@ -39,18 +39,19 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from specdec.engine.attention import GROUPED
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
+from specdec.engine.pass_cache import PassCache
 from specdec.engine.tree_pass import tree_attention_mask, tree_position_ids
 from specdec.sampling.tree_sampling import ancestors
 
@@ -97,59 +98,12 @@ class Bucket:
         return f"{self.sessions}x{self.tokens}x{self.length}"
 
 
-class _Layer(CacheLayerMixin):
-    """A layer of the static pass's cache: writes the pass's new entries at the pass's slots in
-    the pool's arenas and returns its sessions' entries gathered at the pass's columns."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, cache: _StaticCache, index: int) -> None:
-        super().__init__()
-        self._cache, self._index = cache, index
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states: [B, H, N, D] → the sessions' entries [B, H, L, D] (gathered)."""
-        cache = self._cache
-        batch, heads, tokens, dim = key_states.shape
-        out = []
-        for arena, states in (
-            (cache.pool.keys[self._index], key_states),
-            (cache.pool.values[self._index], value_states),
-        ):
-            arena.index_copy_(1, cache.slots, states.transpose(0, 1).reshape(heads, batch * tokens, dim))
-            gathered = arena.index_select(1, cache.columns)  # [H, B·L, D]
-            out.append(gathered.view(heads, batch, -1, dim).transpose(0, 1))  # [B, H, L, D]
-        return out[0], out[1]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.length, 0
-
-    def get_seq_length(self) -> int:
-        return 0  # positions and the mask are given: never read
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _StaticCache(Cache):
-    """The cache a static pass hands the model: the pool's arenas, and the pass's slots and
-    columns (static buffers under a CUDA graph)."""
-
-    def __init__(self, pool: KVPool, slots: torch.Tensor, columns: torch.Tensor, length: int) -> None:
-        self.pool, self.slots, self.columns, self.length = pool, slots, columns, length
-        super().__init__(layers=[_Layer(self, index) for index in range(len(pool.keys))])
-
-
 @dataclass
 class _Pass:
     """One bucket's pass: its input buffer and, on CUDA once captured, its graph and output."""
 
-    packed: torch.Tensor  # [B, 2N + 3 + N²] on the device
+    packed: torch.Tensor  # [B, N, 5 + N] on the device
+    column: torch.Tensor  # [L] 0..L-1 on the device: its length is the bucket's L
     graph: Any = None  # torch.cuda.CUDAGraph
     hidden: torch.Tensor | None = None  # [B, N, H]: the captured pass's output
     runs: int = 0
@@ -164,6 +118,7 @@ class StaticPasses:
     max_sessions: int  # most sessions in one pass (the batch bucket's cap)
     max_length: int  # longest session (past + new) a pass takes; longer ones run eagerly
     capture: bool  # CUDA graphs (on a CUDA device); else the same passes uncaptured
+    compile: bool = False  # the pass compiled by torch.compile (Inductor) first, then captured
     _passes: dict[Bucket, _Pass] = field(default_factory=dict)
     _scratch: int = 0  # the scratch page's first column: where pads write, and what they read
 
@@ -184,6 +139,14 @@ class StaticPasses:
         self._mask_kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         if self.model.config._attn_implementation == "sdpa":  # the same SDPA, grouped heads read in place
             self.model.set_attn_implementation(GROUPED)
+        # Compiled with its sizes symbolic (B, N and L are sizes of packed and column),
+        # so every bucket shares one compiled pass: Dynamo specialises only sizes of 1, so at most
+        # four (one session or more, one token or more). Inductor fuses the norms, rotary
+        # embeddings, activations and residual adds, which eagerly are a few hundred kernels of
+        # a few microseconds each; the matrix products stay cuBLAS's (SGLang compiles the same
+        # way and captures on top).
+        self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True) if self.compile else None
+        (self._cache_keyword,) = with_cache(self._decoder, None)  # read once: a lookup in a pass is a guard
 
     @staticmethod
     def supported(model: PreTrainedModel) -> str | None:
@@ -223,7 +186,7 @@ class StaticPasses:
 
     def describe(self) -> str:
         """The buckets run so far (captured on CUDA), for Info and the log."""
-        kind = "captured" if self.capture else "static, uncaptured"
+        kind = ("compiled, " if self.compile else "") + ("captured" if self.capture else "static, uncaptured")
         buckets = sorted(self._passes, key=lambda b: (b.sessions, b.tokens, b.length))
         eager = [b for b in buckets if self.capture and self._passes[b].graph is None]
         text = f"{kind}: {len(buckets)} buckets (sessions x tokens x length): " + " ".join(map(str, buckets))
@@ -253,34 +216,31 @@ class StaticPasses:
         return [part.float() for part in logits.split([len(pick) for pick in picks])]
 
     def _pack(self, rows: Sequence[Row], caches: list[PoolCache], past: list[int], bucket: Bucket) -> torch.Tensor:
-        """The pass's inputs, host-side: [B, 2N + 3 + N²] int64 (module docstring)."""
+        """The pass's inputs, host-side: [B, N, 5 + N] int64 (module docstring)."""
         n = bucket.tokens
-        packed = np.zeros((bucket.sessions, 2 * n + 3 + n * n), dtype=np.int64)
-        packed[:, 2 * n] = self._scratch  # pad sessions: an extent at the scratch page, nothing cached
+        packed = np.zeros((bucket.sessions, n, 5 + n), dtype=np.int64)
+        packed[:, :, 2] = self._scratch  # pad sessions: an extent at the scratch page, nothing cached
         causal = np.tril(np.ones((n, n), dtype=np.int64))
         for index, (row, cache, length) in enumerate(zip(rows, caches, past)):
             count = len(row.token_ids)
-            line = packed[index]
-            line[:count] = row.token_ids
-            line[n : n + count] = row.positions if row.positions is not None else range(length, length + count)
-            line[2 * n : 2 * n + 3] = (cache.extent.start * self.pool.page_tokens, length, count)
-            visible = line[2 * n + 3 :].reshape(n, n)
-            if row.visible is None:
-                visible[:count, :count] = causal[:count, :count]
-            else:
-                visible[:count, :count] = row.visible.numpy()
+            block = packed[index]  # [N, 5 + N]
+            block[:count, 0] = row.token_ids
+            block[:count, 1] = row.positions if row.positions is not None else range(length, length + count)
+            block[:, 2:5] = (cache.extent.start * self.pool.page_tokens, length, count)
+            block[:count, 5 : 5 + count] = causal[:count, :count] if row.visible is None else row.visible.numpy()
         return torch.from_numpy(packed)
 
-    def _forward(self, bucket: Bucket, packed: torch.Tensor) -> torch.Tensor:
-        """The pass itself, all on the device from `packed` (captured as it is on CUDA).
+    def _forward(self, packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """The pass itself, all on the device from `packed` (captured as it is on CUDA), over
+        key columns `column` [L] (0..L-1): the bucket's sizes are its tensors' (`_Pass`), so
+        one compiled pass serves every bucket.
         → the decoder's last hidden states [B, N, H]"""
-        sessions, n, length = bucket.sessions, bucket.tokens, bucket.length
-        device = packed.device
-        ids, positions = packed[:, :n], packed[:, n : 2 * n]  # [B, N] each
-        start, past, count = packed[:, 2 * n], packed[:, 2 * n + 1], packed[:, 2 * n + 2]  # [B] each
-        visible = packed[:, 2 * n + 3 :].view(sessions, n, n).bool()  # [B, N, N]
-        row = torch.arange(n, device=device)  # [N]
-        column = torch.arange(length, device=device)  # [L]
+        sessions, n, length = packed.shape[0], packed.shape[1], column.shape[0]
+        # Fields at fixed columns: an index that is a size would fix the size (Dynamo specialises it).
+        ids, positions = packed[:, :, 0], packed[:, :, 1]  # [B, N] each
+        start, past, count = packed[:, 0, 2], packed[:, 0, 3], packed[:, 0, 4]  # [B] each
+        visible = packed[:, :, 5:].bool()  # [B, N, N]
+        row = torch.arange(n, device=packed.device)  # [N]
         real_row = row[None, :] < count[:, None]  # [B, N]
         scratch = torch.full_like(start, self._scratch)
         slots = torch.where(real_row, start[:, None] + past[:, None] + row, scratch[:, None])  # [B, N]
@@ -294,12 +254,12 @@ class StaticPasses:
         # row of the softmax is empty, and no pad reads anything a real row wrote after it.
         allowed = torch.where(real_row[:, :, None], allowed, column[None, None, :] == 0)
         mask = torch.where(allowed, 0.0, self._blocked).to(self.pool.dtype)[:, None]  # [B, 1, N, L]
-        cache = _StaticCache(self.pool, slots.reshape(-1), columns.reshape(-1), length)
+        cache = PassCache(self.pool, slots.reshape(-1), columns.reshape(-1), length)
         out = self._decoder(
             input_ids=ids,
             attention_mask={kind: mask for kind in self._mask_kinds},
             position_ids=positions,
-            **with_cache(self._decoder, cache),
+            **{self._cache_keyword: cache},
             use_cache=True,
         )
         return out.last_hidden_state  # [B, N, H]
@@ -312,20 +272,48 @@ class StaticPasses:
             entry = self._passes[bucket] = self._prepare(bucket)
         entry.runs += 1
         if entry.graph is None:
-            return self._forward(bucket, packed.to(self.pool.device))
+            return self._pass(packed.to(self.pool.device), entry.column)
         entry.packed.copy_(packed, non_blocking=True)
         entry.graph.replay()
         assert entry.hidden is not None
         return entry.hidden
 
+    def _pass(self, packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """`_forward`, compiled where `compile` is set, its sizes marked symbolic (else Dynamo
+        fixes a size that stayed the same over its first compilations). A compilation that
+        fails (Dynamo's recompile limit, a backend error) leaves the pass uncompiled from then
+        on, with a warning: running it again writes the same entries to the same columns."""
+        if self._compiled is None:
+            return self._forward(packed, column)
+        for tensor in (packed, column):
+            for dim in range(tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        try:
+            return self._compiled(packed, column)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager pass is the same pass
+            logger.warning("compiling the static pass failed (%s: %s); it runs uncompiled", type(exc).__name__, exc)
+            self._compiled, self.compile = None, False
+            return self._forward(packed, column)
+
+    def pass_over_pads(self, bucket: Bucket) -> tuple[Callable[[], torch.Tensor], Callable[[], None] | None]:
+        """For benchmarks: the bucket's pass over pads only (every slot the scratch page, so it
+        writes no session's entries), uncaptured, as its graph replays it; and the graph's
+        replay, where it has one (prepared, or captured, now if not yet)."""
+        entry = self._passes.get(bucket)
+        if entry is None:
+            with torch.inference_mode():
+                entry = self._passes[bucket] = self._prepare(bucket)
+        graph = entry.graph
+        return (lambda: self._pass(entry.packed, entry.column)), (graph.replay if graph is not None else None)
+
     def _prepare(self, bucket: Bucket) -> _Pass:
         """A bucket's buffers; on CUDA its graph, captured over passes of pads only (every
         slot the scratch page), so capturing writes no session's entries. A bucket whose
         capture fails (out of memory, say) runs uncaptured from then on, with a warning."""
-        rows = 2 * bucket.tokens + 3 + bucket.tokens**2
-        packed = torch.zeros(bucket.sessions, rows, dtype=torch.long, device=self.pool.device)
-        packed[:, 2 * bucket.tokens] = self._scratch
-        entry = _Pass(packed)
+        n, device = bucket.tokens, self.pool.device
+        packed = torch.zeros(bucket.sessions, n, 5 + n, dtype=torch.long, device=device)
+        packed[:, :, 2] = self._scratch
+        entry = _Pass(packed, torch.arange(bucket.length, device=device))
         if not self.capture:
             return entry
         # No cyclic garbage collection inside a capture: a session's cache freed there would
@@ -338,12 +326,12 @@ class StaticPasses:
             stream = torch.cuda.Stream(device=self.pool.device)
             stream.wait_stream(torch.cuda.current_stream(self.pool.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # lazy initialisations (cuBLAS workspaces, kernels) outside the capture
-                    self._forward(bucket, packed)
+                for _ in range(2):  # lazy initialisations (cuBLAS workspaces, kernels, compiling) outside the capture
+                    self._pass(packed, entry.column)
             torch.cuda.current_stream(self.pool.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._memory_pool, stream=stream, capture_error_mode="thread_local"):
-                entry.hidden = self._forward(bucket, packed)
+                entry.hidden = self._pass(packed, entry.column)
             entry.graph = graph
         except RuntimeError as exc:  # the bucket stays usable, uncaptured
             logger.warning("no CUDA graph for %s sessions x tokens x length (%s); it runs eagerly", bucket, exc)
@@ -353,15 +341,16 @@ class StaticPasses:
                 gc.enable()
         return entry
 
-    def warm(self, tokens: Sequence[int], lengths: Sequence[int]) -> None:
-        """Prepares (captures, on CUDA) the one-session buckets of these new-token counts and
-        session lengths now, so no request waits for a capture."""
+    def warm(self, tokens: Sequence[int], lengths: Sequence[int], sessions: Sequence[int] = (1,)) -> None:
+        """Prepares (captures, on CUDA; compiles, if compiling) the buckets of these session
+        counts, new-token counts and session lengths now, so no request waits for a capture."""
         for count in sorted({token_bucket(t) for t in tokens if 0 < t <= MAX_TOKENS}):
             for length in sorted({length_bucket(t) for t in lengths if t <= self.max_length}):
-                bucket = Bucket(1, count, length)
-                if bucket not in self._passes:
-                    with torch.inference_mode():
-                        self._passes[bucket] = self._prepare(bucket)
+                for batch in sorted({batch_bucket(b) for b in sessions if 0 < b <= self.max_sessions}):
+                    bucket = Bucket(batch, count, length)
+                    if bucket not in self._passes:
+                        with torch.inference_mode():
+                            self._passes[bucket] = self._prepare(bucket)
 
 
 def _pooled(cache: Cache | None) -> PoolCache:
@@ -383,8 +372,11 @@ class _Runner(Protocol):
 
 def static_passes_for(runner: _Runner, setting: str) -> StaticPasses | None:
     """--cuda-graphs for a runner: `auto` (on for a CUDA device), `on` (on CPU: the same passes
-    uncaptured, which the tests run), `off`. On CUDA the one-session decode and verify buckets
-    up to 2k tokens are captured now. ValueError where `on` cannot be, with the reason."""
+    uncaptured, which the tests run), `compiled` (`on`, the pass compiled by torch.compile
+    first), `off`. On CUDA the one-session decode and verify buckets up to 2k tokens are
+    captured now; compiled, two-session ones too, so that every variant Dynamo compiles (one
+    session or more, one token or more) is compiled before a request comes. ValueError where
+    `on` or `compiled` cannot be, with the reason."""
     cuda = runner.loaded.device.startswith("cuda")
     if setting == "off" or setting == "auto" and not cuda:
         return None
@@ -397,20 +389,37 @@ def static_passes_for(runner: _Runner, setting: str) -> StaticPasses | None:
         why = f"{type(runner).__name__}'s passes read state of their own mid-pass"
     else:
         why = StaticPasses.supported(runner.model)
+    if why is None and setting == "compiled":
+        why = _uncompilable(runner)
     if why is not None:
-        if setting == "on":
-            raise ValueError(f"--cuda-graphs on: {runner.loaded.model_id} cannot run static passes: {why}")
+        if setting in ("on", "compiled"):
+            raise ValueError(f"--cuda-graphs {setting}: {runner.loaded.model_id} cannot run static passes: {why}")
         logger.info("no CUDA graphs for %s: %s; passes run eagerly", runner.loaded.model_id, why)
         return None
     assert runner.pool is not None
     max_length = min(runner.loaded.max_context, runner.pool.capacity_tokens)
-    passes = StaticPasses(runner.model, runner.pool, runner.max_batch_size, max_length, capture=cuda)
+    compiled = setting == "compiled"
+    passes = StaticPasses(runner.model, runner.pool, runner.max_batch_size, max_length, capture=cuda, compile=compiled)
     if cuda:
         started = time.perf_counter()
         tokens = range(1, min(runner.max_speculative_tokens + 1, EXACT_TOKEN_BUCKETS) + 1)
         passes.warm(tokens, [MIN_LENGTH * 2**i for i in range(4)])
+        if compiled:
+            passes.warm([1, 2], [MIN_LENGTH], sessions=[2])
         logger.info("%s: %s in %.1f s", runner.loaded.model_id, passes.describe(), time.perf_counter() - started)
     return passes
+
+
+def _uncompilable(runner: _Runner) -> str | None:
+    """Why torch.compile cannot trace `runner`'s static pass whole, or None: the CPU target's
+    row-wise attention reads its masks on the host (data-dependent sizes), and int8 Linear
+    layers (CPU, float32) call quantized kernels Dynamo does not trace."""
+    if runner.loaded.quantization:
+        return f"its Linear layers are {runner.loaded.quantization}, which torch.compile cannot trace"
+    implementation = getattr(runner.model.config, "_attn_implementation", "")
+    if implementation.startswith("specdec_rowwise"):
+        return "its row-wise attention (a CPU target's) reads its masks on the host, which torch.compile cannot trace"
+    return None
 
 
 def tree_row(cache: Cache | None, new_tokens: Sequence[int], token_ids: Sequence[int], parents: Sequence[int]) -> Row:

@@ -12,7 +12,7 @@ from specdec.engine.pace import load_profile
 
 QUICK = ["--device", "cpu", "--dtype", "float32", "--sizes", "1,4,16", "--contexts", "16,128"]
 QUICK += ["--pass-repeats", "3", "--repeats", "1", "--prompts", "2", "--max-new-tokens", "16", "--threads", "1"]
-QUICK += ["--batch-sessions", "4"]
+QUICK += ["--batch-sessions", "4", "--graph-settings", "off,on"]  # compiled: tests/heavy/test_compiled_passes.py
 
 
 def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
@@ -45,10 +45,10 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     assert graphs["target"]["off"]["buckets"] == "eager"
     assert "static, uncaptured" in graphs["target"]["on"]["buckets"] and "4x5x256" in graphs["target"]["on"]["buckets"]
     assert "static, uncaptured" in graphs["draft"]["on"]["buckets"]
-    parts = graphs["target"]["anatomy"]  # on CPU: the ops alone (kernels are a device's)
+    parts = graphs["target"]["anatomy on"]  # on CPU: the ops alone (kernels are a device's)
     assert "error" not in parts and parts["aten_ops"] > 0 and parts["kernels"] == 0, parts
     for role in ("target", "draft"):  # float32 on CPU: static and eager passes to rounding
-        close = graphs[role]["logits"]
+        close = graphs[role]["logits on"]
         assert close["max_abs_diff"] < 1e-4 and close["same_argmax"] == close["positions"] == 8, (role, close)
 
 

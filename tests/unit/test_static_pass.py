@@ -7,16 +7,18 @@ left to eager passes."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from draft_service.runner import DraftRunner
 from specdec.engine import attention
 from specdec.engine.attention import GROUPED, grouped_sdpa_forward
 from specdec.engine.features import FeatureTap
 from specdec.engine.kv_pool import KVPool, PoolCache
-from specdec.engine.modeling import with_cache
+from specdec.engine.modeling import load_causal_lm, with_cache
 from specdec.engine.static_pass import (
     MAX_TOKENS,
     Bucket,
@@ -24,6 +26,7 @@ from specdec.engine.static_pass import (
     StaticPasses,
     batch_bucket,
     length_bucket,
+    static_passes_for,
     token_bucket,
     tree_row,
 )
@@ -33,6 +36,13 @@ from tests.unit.test_kv_pool import CONFIG
 from tests.unit.test_kv_pool import poisoned_pool as kv_pool_poisoned
 
 models = test_kv_pool.models  # the fixture: the same four models, one per attention
+
+
+@pytest.fixture(scope="module")
+def loaded_draft(tiny_pair):
+    return load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+
+
 IMPLEMENTATIONS = ["sdpa", "eager", attention.NAME, attention.EVERY_ROW]
 
 
@@ -205,3 +215,58 @@ def test_captured_passes_give_an_eager_passes_logits_on_cuda(models, dtype):
                 assert torch.equal(got.argmax(-1), want.argmax(-1))
     replayed = [bucket for bucket, entry in passes._passes.items() if entry.graph is not None and entry.runs > 1]
     assert replayed, passes.describe()
+
+
+def test_a_pass_that_fails_to_compile_runs_uncompiled_from_then_on(models, caplog):
+    """--cuda-graphs compiled: a compiler failure (Dynamo's recompile limit, a backend error)
+    costs the compilation, not the request: the same pass runs eagerly, with a warning."""
+    model = models["sdpa"]
+    pool = poisoned_pool()
+    passes = StaticPasses(model, pool, max_sessions=2, max_length=1024, capture=False, compile=True)
+    assert passes.describe().startswith("compiled, ")
+
+    def broken(*_):
+        raise RuntimeError("recompile limit")
+
+    passes._compiled = broken
+    cache, reference = pool.open(4), pool.open(4)
+    for count in (7, 1):
+        run = tokens(count, count)
+        got = passes.run([Row(cache, run, keep=1)])[0]
+        torch.testing.assert_close(got, eager(model, reference, run, 1), rtol=0, atol=2e-6)
+    assert not passes.compile and not passes.describe().startswith("compiled")
+    assert "runs uncompiled" in caplog.text and "recompile limit" in caplog.text
+
+
+def test_the_compiled_setting_reaches_the_runners_passes(loaded_draft):
+    runner = DraftRunner(loaded_draft, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
+    runner.max_batch_size = 4
+    runner.use_static_passes("compiled")
+    assert runner.static is not None and runner.static.compile and not runner.static.capture
+    runner.use_static_passes("on")
+    assert runner.static is not None and not runner.static.compile
+
+
+@pytest.mark.parametrize(
+    ("implementation", "quantization", "why"),
+    [(attention.NAME, "", "row-wise attention"), ("sdpa", "int8 (per-channel weights)", "int8")],
+)
+def test_compiled_is_refused_at_start_up_where_torch_compile_cannot_trace_the_pass(
+    models, implementation, quantization, why
+):
+    """A CPU target's row-wise attention and int8 Linear layers cannot be traced: `compiled`
+    says so when the service starts, as `on` does for a model without static passes."""
+    model = models[implementation]
+    runner = SimpleNamespace(
+        loaded=SimpleNamespace(
+            device="cpu", tensor_parallel_size=1, quantization=quantization, model_id="tiny", max_context=256
+        ),
+        model=model,
+        pool=poisoned_pool(),
+        takes_static_passes=True,
+        max_batch_size=2,
+        max_speculative_tokens=4,
+    )
+    with pytest.raises(ValueError, match=f"--cuda-graphs compiled: tiny cannot run static passes: .*{why}"):
+        static_passes_for(runner, "compiled")
+    assert static_passes_for(runner, "on") is not None
