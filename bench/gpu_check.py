@@ -223,16 +223,22 @@ def load_runner(model: Checked, args, cuda_graphs: str, max_batch_size: int = 8)
     return load_target(target_config(flags)) if model.role == "target" else load_draft(draft_config(flags))
 
 
-def captured_against_eager(checked: list[Checked], args) -> dict:
-    """Per model and --cuda-graphs setting: ms of a one-token pass, an 8-token verify (the
-    target) and a batched verify of `args.batch_sessions` × 5 tokens (the target), each after
-    128 cached tokens; and the buckets the static passes ran."""
-    results: dict = {}
+def captured_against_eager(
+    checked: list[Checked], args, results: dict | None = None, measured: Callable[[], None] = lambda: None
+) -> dict:
+    """Per model and --cuda-graphs setting: s to load it (capturing and compiling included),
+    ms of a one-token pass, an 8-token verify (the target) and a batched verify of
+    `args.batch_sessions` × 5 tokens (the target), each after 128 cached tokens; and the
+    buckets the static passes ran. Filled into `results` as each setting is measured, and
+    `measured` called then: a lease that ends mid-step keeps what it measured."""
+    results = {} if results is None else results
     for model in checked:
         results[model.role] = {}
         scored: dict[str, torch.Tensor] = {}  # the 8-token pass's logits under each setting
         for setting in args.graph_settings:
+            started = time.perf_counter()
             runner = load_runner(model, args, setting, max_batch_size=args.batch_sessions)
+            loaded_s = time.perf_counter() - started
             vocab, context = runner.loaded.vocab_size, GRAPH_CONTEXT
             ids = torch.randint(0, vocab, (context + 8,), generator=torch.Generator().manual_seed(2)).tolist()
             session = runner.sessions.open("graphs", 0)
@@ -257,22 +263,28 @@ def captured_against_eager(checked: list[Checked], args) -> dict:
                 results[model.role][f"anatomy {setting}"] = anatomy(runner.static, args)
             runner.end_session("graphs", keep=False)
             figures["buckets"] = runner.static.describe() if runner.static is not None else "eager"
+            figures["load s"] = round(loaded_s, 1)
             results[model.role][setting] = figures
+            if setting != "off" and "off" in scored:
+                results[model.role][f"logits {setting}"] = closeness(scored[setting], scored["off"])
+            measured()
             del runner, session
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        # How close a captured (or compiled) pass is to an eager one over the same tokens (the
-        # same weights: every load reads one folder): the largest logit difference, and argmax
-        # agreement.
-        for setting in args.graph_settings[1:]:
-            results[model.role][f"logits {setting}"] = {
-                "max_abs_diff": float((scored[setting] - scored["off"]).abs().max()),
-                "max_abs_logit": float(scored["off"].abs().max()),
-                "same_argmax": int((scored[setting].argmax(-1) == scored["off"].argmax(-1)).sum()),
-                "positions": int(scored["off"].shape[0]),
-            }
     return results
+
+
+def closeness(got: torch.Tensor, eager: torch.Tensor) -> dict:
+    """How close a captured (or compiled) pass's logits are to an eager pass's over the same
+    tokens (the same weights: every load reads one folder): the largest difference, and
+    argmax agreement."""
+    return {
+        "max_abs_diff": float((got - eager).abs().max()),
+        "max_abs_logit": float(eager.abs().max()),
+        "same_argmax": int((got.argmax(-1) == eager.argmax(-1)).sum()),
+        "positions": int(eager.shape[0]),
+    }
 
 
 def time_replay(static, args) -> float:
@@ -461,22 +473,24 @@ def graph_settings_report(compared: dict, settings: list[str]) -> list[str]:
     lines += ["|---|---|---|" + "---|---|" * len(others)]
     for role, measured in compared.items():
         for setting in others:
-            close = measured[f"logits {setting}"]
+            close = measured.get(f"logits {setting}")
+            if close is None:  # not measured (a lease that ended mid-step)
+                continue
             lines.append(
                 f"| {role} | logits of an 8-token pass, {setting} | largest |logit| {close['max_abs_logit']:.2f} | "
                 f"largest difference {close['max_abs_diff']:.3g}, argmax agrees at "
                 f"{close['same_argmax']}/{close['positions']} |" + " |" * (2 * len(others) - 1)
             )
-        names = [name for setting in settings for name in measured[setting] if name != "buckets"]
+        names = [name for setting in settings for name in measured.get(setting, {}) if name != "buckets"]
         for name in dict.fromkeys(names):
-            eager = measured["off"].get(name)
+            eager = measured.get("off", {}).get(name)
             cells = [f"{eager:.2f}" if eager is not None else ""]
             for setting in others:
-                ms = measured[setting].get(name)
+                ms = measured.get(setting, {}).get(name)
                 cells += [f"{ms:.2f}" if ms is not None else "", f"{ms / eager:.2f}" if ms and eager else ""]
             lines.append(f"| {role} | {name} | " + " | ".join(cells) + " |")
     for role, measured in compared.items():
-        for setting in others:
+        for setting in [s for s in others if s in measured]:
             lines.append(f"\n{role}'s passes under {setting}: {measured[setting]['buckets']}")
             parts = measured.get(f"anatomy {setting}", {})
             if "error" in parts:
@@ -571,7 +585,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sessions", type=int, default=32, help="sessions in the timed batched verify")
     parser.add_argument(
         "--graph-settings",
-        default="off,on,compiled",
+        default="off,compiled,on",
         help="the --cuda-graphs settings the captured_against_eager step loads each model with, off first",
     )
     args = parser.parse_args(argv)
@@ -636,7 +650,14 @@ def main(argv: list[str] | None = None) -> dict:
         results["models"] = {role: c.folder.name for role, c in checked.items()}
         results["random_weights"] = any(c.random_weights for c in models)
         print(f"models ready: {[(c.role, str(c.folder), c.random_weights) for c in models]}", flush=True)
-        step("captured_against_eager", captured_against_eager, models, args)
+        step(
+            "captured_against_eager",
+            captured_against_eager,
+            models,
+            args,
+            results.setdefault("captured_against_eager", {}),
+            lambda: save("captured_against_eager: a setting measured"),
+        )
         step("profiles", profiles, models, args, device_name)
         if not args.profiles_only:
             tokenizer = AutoTokenizer.from_pretrained(checked["target"].folder)
