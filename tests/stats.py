@@ -9,6 +9,8 @@ noncentrality, at the P_VALUE_FLOOR bound (`guaranteed_power`)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import numpy as np
 from scipy import stats
 
@@ -20,6 +22,11 @@ P_VALUE_FLOOR = 1e-4
 # half the draws (the hedge mutant of test_mode_distributions.py did, at 4.9e-5, and passed on
 # the next 30,000 seeds).
 MUTANT_P_VALUE = 1e-8
+# A mutant check may stop early (`mutant_p_value`): at a look before its last, only below this.
+# Ten times stricter than the final bound, so over a few looks a bias too mild to fail the full
+# sample is no likelier to be declared caught than at the full sample alone, and the χ² tail's
+# approximation over cells of few expected samples has room to err.
+INTERIM_P_VALUE = MUTANT_P_VALUE / 10
 
 
 def chi_square_p_value(
@@ -104,3 +111,26 @@ def worst_case_bias(
     biased[~head] += tv * probs[~head] / probs[~head].sum()
     assert np.isclose(0.5 * np.abs(biased - probs).sum(), tv)
     return keys, biased
+
+
+async def mutant_p_value(
+    draw: Callable[[range], Awaitable[list[tuple[int, ...]]]],
+    expected_probs: dict[tuple[int, ...], float],
+    samples: int,
+    cells: frozenset[tuple[int, ...]] | None = None,
+    looks: int = 4,
+) -> tuple[float, int]:
+    """A mutant check's χ² p-value over seeds 0..samples-1, drawn in `looks` equal parts
+    (`draw(seeds)` → their outcomes), stopping at the first part after which the p-value over
+    everything drawn is below INTERIM_P_VALUE: a noncentrality grows with the samples, so a
+    mutant caught that clearly on fewer would be caught on all. Interim looks pool outcomes
+    expected fewer than 5 times so far; the last uses `cells`. → (p-value, samples drawn)."""
+    drawn: list[tuple[int, ...]] = []
+    for look in range(1, looks + 1):
+        drawn += await draw(range(len(drawn), samples * look // looks))
+        if look == looks:
+            return chi_square_p_value(drawn, expected_probs, cells), len(drawn)
+        p_value = chi_square_p_value(drawn, expected_probs)
+        if p_value < INTERIM_P_VALUE:
+            return p_value, len(drawn)
+    raise AssertionError("unreachable")  # looks >= 1

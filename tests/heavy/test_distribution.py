@@ -28,7 +28,7 @@ from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, pena
 from specdec.v1 import coordinator_pb2 as pb
 from target_service import runner as target_runner_module
 from tests.stack import inprocess_stack, local_stack
-from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value
+from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value, mutant_p_value
 
 PROMPT = [3, 7]
 LENGTH = 3
@@ -360,22 +360,29 @@ async def test_tree_distribution_test_detects_siblings_tried_against_the_target_
     expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size)
     draft = {**LOCAL_BATCH, "quantize": "none"}
     async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
-        samples = await sample_continuations(
-            stack.stub, params, range(SAMPLES), k=None, concurrency=LOCAL_CONCURRENCY, tree=(3, 1)
+        p_value, _ = await mutant_p_value(
+            lambda seeds: sample_continuations(
+                stack.stub, params, seeds, k=None, concurrency=LOCAL_CONCURRENCY, tree=(3, 1)
+            ),
+            expected,
+            SAMPLES,
         )
-    assert chi_square_p_value(samples, expected) < MUTANT_P_VALUE
+    assert p_value < MUTANT_P_VALUE
 
 
 async def two_token_p_value(word_pair, params: SamplingParams) -> float:
-    """χ² p-value of SAMPLES two-token continuations through the services (an unquantised
-    model draft) against the target's exact distribution under `params`."""
+    """A mutant check's χ² p-value (tests/stats.py, `mutant_p_value`: up to SAMPLES two-token
+    continuations through the services, an unquantised model draft) against the target's
+    exact distribution under `params`."""
     expected = exact_target_distribution(word_pair.target, params, word_pair.vocab_size, length=2)
     draft = {**LOCAL_BATCH, "quantize": "none"}
     async with local_stack(word_pair, draft_overrides=draft, target_overrides=LOCAL_BATCH) as stack:
-        samples = await sample_continuations(
-            stack.stub, params, range(SAMPLES), length=2, concurrency=LOCAL_CONCURRENCY
+        p_value, _ = await mutant_p_value(
+            lambda seeds: sample_continuations(stack.stub, params, seeds, length=2, concurrency=LOCAL_CONCURRENCY),
+            expected,
+            SAMPLES,
         )
-    return chi_square_p_value(samples, expected)
+    return p_value
 
 
 async def test_distribution_test_detects_a_target_that_samples_without_its_logit_bias(word_pair, monkeypatch):

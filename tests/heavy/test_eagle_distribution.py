@@ -22,7 +22,7 @@ from tests.heavy.test_distribution import (
     sample_continuations,
 )
 from tests.stack import local_stack
-from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value
+from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value, mutant_p_value
 
 CASES = {
     "eagle1_sequential": (EAGLE1, {}, False),
@@ -30,7 +30,7 @@ CASES = {
 }
 
 
-async def eagle_samples(word_pair, head, coordinator: dict) -> tuple[list, list]:
+async def eagle_samples(word_pair, head, coordinator: dict, seeds: range = range(SAMPLES)) -> tuple[list, list]:
     draft = {
         **LOCAL_BATCH,
         "model": str(word_pair.target),
@@ -42,8 +42,10 @@ async def eagle_samples(word_pair, head, coordinator: dict) -> tuple[list, list]
         word_pair, draft_overrides=draft, coordinator_overrides=coordinator, target_overrides=LOCAL_BATCH
     ) as stack:
         stats: list = []
-        samples = await sample_continuations(stack.stub, T1, range(SAMPLES), stats=stats, concurrency=LOCAL_CONCURRENCY)
-        assert stack.draft_runner.received_feature_rows > SAMPLES // 2, "the head was rarely sent the target's features"
+        samples = await sample_continuations(stack.stub, T1, seeds, stats=stats, concurrency=LOCAL_CONCURRENCY)
+        assert stack.draft_runner.received_feature_rows > len(seeds) // 2, (
+            "the head was rarely sent the target's features"
+        )
         assert stack.draft_runner.batched_forwards > 0, "no pass of the head was shared between sessions"
     return samples, stats
 
@@ -75,6 +77,10 @@ async def test_a_head_shipping_rows_it_did_not_draw_from_fails(word_pair, tmp_pa
 
     monkeypatch.setattr(stepping.DraftStepper, "_take", sharpened)
     head = build_eagle_head(tmp_path / EAGLE1, word_pair.target, EAGLE1)
-    samples, _ = await eagle_samples(word_pair, head, {})
     expected = exact_target_distribution(word_pair.target, T1, word_pair.vocab_size)
-    assert chi_square_p_value(samples, expected) < MUTANT_P_VALUE
+
+    async def draw(seeds: range) -> list[tuple[int, ...]]:
+        return (await eagle_samples(word_pair, head, {}, seeds))[0]
+
+    p_value, _ = await mutant_p_value(draw, expected, SAMPLES)
+    assert p_value < MUTANT_P_VALUE

@@ -19,7 +19,8 @@ in a way a real bug could: a token emitted from the wrong position, drafts paire
 wrong distributions, or drafts chosen, kept or dropped by looking at their own draws. A
 mutant is sampled 3,000 or 10,000 times (the hedge picked by its drafts, a milder bias: the
 modes' own 30,000 and 40,000) and must fail at p < 1e-8, far below the χ² bound, so that the
-test catches it in nearly every draw of seeds, not only in this one. A branch used for the
+test catches it in nearly every draw of seeds, not only in this one. It is drawn in four parts
+and stops after one where it already fails at p < 1e-9 (tests/stats.py, `mutant_p_value`). A branch used for the
 wrong outcome is *not* among them: its drafts come with the distributions they were drawn
 from, so rejection sampling keeps the output exact and only acceptance suffers.
 """
@@ -52,7 +53,14 @@ from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
 from specdec.v1 import common_pb2
 from tests.stack import configured
-from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value, guaranteed_power, worst_case_bias
+from tests.stats import (
+    MUTANT_P_VALUE,
+    P_VALUE_FLOOR,
+    chi_square_p_value,
+    guaranteed_power,
+    mutant_p_value,
+    worst_case_bias,
+)
 from tests.table_services import TableDraft, TableModel, TableTarget
 
 DETECTABLE_TV = 0.02
@@ -445,8 +453,9 @@ def tables(mode: Mode) -> tuple[TableModel, TableModel]:
     return target, TableModel(mode.vocab, salt=2, base=target, noise=mode.draft_noise)
 
 
-async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tuple[int, ...]], list, TableDraft]:
-    """`samples` seeded generations (seeds 0..samples-1) through a coordinator in `mode`."""
+async def sample_mode(tokenizer_dir, mode: Mode, seeds: int | range) -> tuple[list[tuple[int, ...]], list, TableDraft]:
+    """Seeded generations through a coordinator in `mode`, one per seed (an int n: 0..n-1)."""
+    seeds = range(seeds) if isinstance(seeds, int) else seeds
     target_model, draft_model = tables(mode)
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
     draft_ms, target_ms = mode.costs or (None, None)
@@ -488,8 +497,8 @@ async def sample_mode(tokenizer_dir, mode: Mode, samples: int) -> tuple[list[tup
         return tuple(token_ids)
 
     try:
-        outputs = await asyncio.gather(*(one(seed) for seed in range(samples)))
-        repeat = await asyncio.gather(*(one(seed) for seed in range(20)))
+        outputs = await asyncio.gather(*(one(seed) for seed in seeds))
+        repeat = await asyncio.gather(*(one(seed) for seed in seeds[:20]))
     finally:
         if mode.short_predrafts:
             short.stop()
@@ -516,9 +525,13 @@ async def test_mode_has_target_distribution(tokenizer_dir, name):
 async def test_mode_test_detects_its_mutant(tokenizer_dir, name, monkeypatch):
     mode = MODES[name]
     MUTANTS[name](monkeypatch)
-    outputs, _, _ = await sample_mode(tokenizer_dir, mode, mode.mutant_samples or mode.samples)
     expected = tables(mode)[0].continuations(mode.prompt, mode.length)
-    p_value = chi_square_p_value(outputs, expected)
+
+    async def draw(seeds: range) -> list[tuple[int, ...]]:
+        return (await sample_mode(tokenizer_dir, mode, seeds))[0]
+
+    p_value, drawn = await mutant_p_value(draw, expected, mode.mutant_samples or mode.samples)
+    print(f"{name}'s mutant: p = {p_value:.2e} after {drawn} samples")
     assert p_value < MUTANT_P_VALUE, f"{name}: the mutant failed only at p = {p_value:.2e}; the test lacks power"
 
 
