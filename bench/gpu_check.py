@@ -269,6 +269,9 @@ def captured_against_eager(
                 results[model.role][f"logits {setting}"] = closeness(scored[setting], scored["off"])
             measured()
             del runner, session
+            # Dynamo keeps compiled passes by code, not by runner: the next model's would count
+            # against the same recompile limit (a service compiles its one model's alone).
+            torch._dynamo.reset()
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -477,7 +480,7 @@ def graph_settings_report(compared: dict, settings: list[str]) -> list[str]:
             if close is None:  # not measured (a lease that ended mid-step)
                 continue
             lines.append(
-                f"| {role} | logits of an 8-token pass, {setting} | largest |logit| {close['max_abs_logit']:.2f} | "
+                f"| {role} | logits of an 8-token pass, {setting} | largest abs. logit {close['max_abs_logit']:.2f} | "
                 f"largest difference {close['max_abs_diff']:.3g}, argmax agrees at "
                 f"{close['same_argmax']}/{close['positions']} |" + " |" * (2 * len(others) - 1)
             )
