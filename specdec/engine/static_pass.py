@@ -48,7 +48,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from specdec.engine.attention import GROUPED
+from specdec.engine.attention import EVERY_ROW, GROUPED, NAME
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pass_cache import PassCache
@@ -159,7 +159,7 @@ class StaticPasses:
         if not isinstance(model.get_output_embeddings(), torch.nn.Module):
             return "it has no output head"
         implementation = getattr(model.config, "_attn_implementation", "sdpa")
-        if implementation not in ("sdpa", "eager", GROUPED) and not implementation.startswith("specdec_rowwise"):
+        if implementation not in ("sdpa", "eager", GROUPED, NAME, EVERY_ROW):
             return f"its attention ({implementation}) does not take a given 4D mask"
         return None
 
@@ -267,9 +267,7 @@ class StaticPasses:
     def _replay(self, bucket: Bucket, packed: torch.Tensor) -> torch.Tensor:
         """Runs the bucket's pass on `packed` (host tensor): uncaptured on CPU; on CUDA the
         bucket's graph, captured at its first use."""
-        entry = self._passes.get(bucket)
-        if entry is None:
-            entry = self._passes[bucket] = self._prepare(bucket)
+        entry = self._entry(bucket)
         entry.runs += 1
         if entry.graph is None:
             return self._pass(packed.to(self.pool.device), entry.column)
@@ -299,12 +297,17 @@ class StaticPasses:
         """For benchmarks: the bucket's pass over pads only (every slot the scratch page, so it
         writes no session's entries), uncaptured, as its graph replays it; and the graph's
         replay, where it has one (prepared, or captured, now if not yet)."""
+        entry = self._entry(bucket)
+        graph = entry.graph
+        return (lambda: self._pass(entry.packed, entry.column)), (graph.replay if graph is not None else None)
+
+    def _entry(self, bucket: Bucket) -> _Pass:
+        """The bucket's pass, prepared (captured, on CUDA) at its first use."""
         entry = self._passes.get(bucket)
         if entry is None:
             with torch.inference_mode():
                 entry = self._passes[bucket] = self._prepare(bucket)
-        graph = entry.graph
-        return (lambda: self._pass(entry.packed, entry.column)), (graph.replay if graph is not None else None)
+        return entry
 
     def _prepare(self, bucket: Bucket) -> _Pass:
         """A bucket's buffers; on CUDA its graph, captured over passes of pads only (every
@@ -347,10 +350,7 @@ class StaticPasses:
         for count in sorted({token_bucket(t) for t in tokens if 0 < t <= MAX_TOKENS}):
             for length in sorted({length_bucket(t) for t in lengths if t <= self.max_length}):
                 for batch in sorted({batch_bucket(b) for b in sessions if 0 < b <= self.max_sessions}):
-                    bucket = Bucket(batch, count, length)
-                    if bucket not in self._passes:
-                        with torch.inference_mode():
-                            self._passes[bucket] = self._prepare(bucket)
+                    self._entry(Bucket(batch, count, length))
 
 
 def _pooled(cache: Cache | None) -> PoolCache:
@@ -417,7 +417,7 @@ def _uncompilable(runner: _Runner) -> str | None:
     if runner.loaded.quantization:
         return f"its Linear layers are {runner.loaded.quantization}, which torch.compile cannot trace"
     implementation = getattr(runner.model.config, "_attn_implementation", "")
-    if implementation.startswith("specdec_rowwise"):
+    if implementation in (NAME, EVERY_ROW):
         return "its row-wise attention (a CPU target's) reads its masks on the host, which torch.compile cannot trace"
     return None
 

@@ -18,7 +18,7 @@ from specdec.engine import attention
 from specdec.engine.attention import GROUPED, grouped_sdpa_forward
 from specdec.engine.features import FeatureTap
 from specdec.engine.kv_pool import KVPool, PoolCache
-from specdec.engine.modeling import load_causal_lm, with_cache
+from specdec.engine.modeling import with_cache
 from specdec.engine.static_pass import (
     MAX_TOKENS,
     Bucket,
@@ -31,16 +31,13 @@ from specdec.engine.static_pass import (
     tree_row,
 )
 from specdec.engine.tree_pass import tree_forward
-from tests.unit import test_kv_pool
+from tests.unit import test_batched_propose, test_kv_pool
 from tests.unit.test_kv_pool import CONFIG
 from tests.unit.test_kv_pool import poisoned_pool as kv_pool_poisoned
 
 models = test_kv_pool.models  # the fixture: the same four models, one per attention
 
-
-@pytest.fixture(scope="module")
-def loaded_draft(tiny_pair):
-    return load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+loaded = test_batched_propose.loaded  # the fixture: the tiny draft, float32 on CPU
 
 
 IMPLEMENTATIONS = ["sdpa", "eager", attention.NAME, attention.EVERY_ROW]
@@ -238,8 +235,8 @@ def test_a_pass_that_fails_to_compile_runs_uncompiled_from_then_on(models, caplo
     assert "runs uncompiled" in caplog.text and "recompile limit" in caplog.text
 
 
-def test_the_compiled_setting_reaches_the_runners_passes(loaded_draft):
-    runner = DraftRunner(loaded_draft, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
+def test_the_compiled_setting_reaches_the_runners_passes(loaded):
+    runner = DraftRunner(loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=4)
     runner.max_batch_size = 4
     runner.use_static_passes("compiled")
     assert runner.static is not None and runner.static.compile and not runner.static.capture
