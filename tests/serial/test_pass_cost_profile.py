@@ -53,6 +53,18 @@ def timed(run) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def least_late(run, expected, times: int = 3) -> float:
+    """The smallest of `times` runs' time over its expected time (`expected()` is read before
+    each run, as each adds to the session's context). A loaded 2-core host only ever makes a
+    pass late (a sleeper woken a few ms after its deadline while a neighbour holds the core);
+    a pacer that holds a pass short or long makes every run so, and the least late shows it."""
+    ratios = []
+    for _ in range(times):
+        ms = expected()
+        ratios.append(timed(run) / ms)
+    return min(ratios)
+
+
 def test_passes_take_the_profiles_time_while_the_other_core_is_busy(tiny_pair, profile_file, busy_core):
     profile = load_profile(str(profile_file))
     config = model_service_config(
@@ -65,23 +77,23 @@ def test_passes_take_the_profiles_time_while_the_other_core_is_busy(tiny_pair, p
         assert ms == pytest.approx(profile.ms(n, runner.pass_costs.context_tokens), rel=TOLERANCE), n
     first, second = runner.sessions.open("a", 0), runner.sessions.open("b", 0)
     cases = [
-        ("a 40-token prefill", lambda: runner.forward(first, list(range(40)), 1), profile.ms(40, 0)),
-        ("a decode step", lambda: runner.forward(first, [7], 1), profile.ms(1, 40)),
-        ("an 8-token verify", lambda: runner.forward(first, list(range(8)), 8), profile.ms(8, 41)),
+        ("a 40-token prefill", lambda: runner.forward(first, list(range(40)), 1), 40),
+        ("a decode step", lambda: runner.forward(first, [7], 1), 1),
+        ("an 8-token verify", lambda: runner.forward(first, list(range(8)), 8), 8),
     ]
-    for what, run, expected in cases:
-        assert timed(run) == pytest.approx(expected, rel=TOLERANCE), (
-            what,
-            runner.pacer.overruns,
-            runner.pacer.worst_overrun_ms,
-        )
+    for what, run, tokens in cases:
+        ratio = least_late(run, lambda: profile.ms(tokens, first.cached_tokens))  # noqa: B023 (read at once)
+        assert ratio == pytest.approx(1.0, rel=TOLERANCE), (what, runner.pacer.overruns, runner.pacer.worst_overrun_ms)
     runner.forward(second, list(range(10)), 1)
     # A batched pass over both sessions costs the profile at their tokens summed.
-    batched = timed(lambda: runner.forward_batch([first, second], [[1, 2, 3], [4, 5, 6]], [3, 3]))
-    assert batched == pytest.approx(profile.ms(6, 49 + 10), rel=TOLERANCE)
+    batched = least_late(
+        lambda: runner.forward_batch([first, second], [[1, 2, 3], [4, 5, 6]], [3, 3]),
+        lambda: profile.ms(6, first.cached_tokens + second.cached_tokens),
+    )
+    assert batched == pytest.approx(1.0, rel=TOLERANCE)
     description = runner.describe()
     assert description.pass_cost_profile == "slow-card" and description.emulation_overruns == 0
-    assert runner.pacer is not None and runner.pacer.passes >= 4 + len(calibrated)
+    assert runner.pacer is not None and runner.pacer.passes >= 12 + len(calibrated)
 
 
 def test_a_malformed_profile_stops_the_service_at_start_up_naming_the_field(tiny_pair, tmp_path):
