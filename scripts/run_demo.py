@@ -30,6 +30,7 @@ from specdec.v1 import coordinator_pb2 as pb  # noqa: E402
 from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess  # noqa: E402
 
 TARGET_SETTINGS = FLAGS  # --target-setting: the target service's --dtype and --quantize
+HEAD_NAME = "qwen2.5-coder-1.5b-eagle-head"  # the head `make head` trains, under --models-dir
 
 
 def chat(question: str) -> list[pb.ChatMessage]:
@@ -48,9 +49,16 @@ def main() -> int:
     )
     parser.add_argument(
         "--drafter",
-        choices=["model", "ngram", "hybrid"],
+        choices=["model", "ngram", "hybrid", "eagle"],
         default="hybrid",
-        help="draft service drafter (hybrid: prompt lookup where the text repeats itself, the model elsewhere)",
+        help="draft service drafter (hybrid: prompt lookup where the text repeats itself, the model elsewhere; "
+        "eagle: the head in --draft-head, fed the target's features)",
+    )
+    parser.add_argument(
+        "--draft-head",
+        type=Path,
+        default=None,
+        help=f"with --drafter eagle: the head's folder (default: MODELS_DIR/{HEAD_NAME}, which `make head` trains)",
     )
     parser.add_argument(
         "--target-setting",
@@ -76,12 +84,24 @@ def main() -> int:
     args = parser.parse_args()
 
     draft_dir, target_dir = args.models_dir / DRAFT.name, args.models_dir / TARGET.name
+    draft_args, draft_name = ["--drafter", args.drafter], DRAFT.name
+    if args.drafter == "eagle":
+        # The head drafts from the target's own embedding and features: its service loads the target's folder.
+        head = args.draft_head or args.models_dir / HEAD_NAME
+        if not (head / "config.json").is_file():
+            print(
+                f"no EAGLE head in {head}: `make head` trains one for this pair (hours on 2 cores), "
+                "or pass --draft-head DIR",
+                file=sys.stderr,
+            )
+            return 2
+        draft_dir, draft_args, draft_name = target_dir, [*draft_args, "--draft-head", str(head)], head.name
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-logs-"))
     print(cpu_line())
     setting = args.target_setting if args.target_setting != "auto" else pick_target(target_dir, args.threads)
     args.target_dtype, target_quantize = TARGET_SETTINGS[setting]
     print(
-        f"starting draft ({DRAFT.name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, "
+        f"starting draft ({draft_name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, "
         f"{setting}: --dtype {args.target_dtype} --quantize {target_quantize}); logs in {log_dir}\n"
         f"target {setting}: {OUTPUT[setting]}"
     )
@@ -92,8 +112,7 @@ def main() -> int:
         draft_dtype=args.draft_dtype,
         target_dtype=args.target_dtype,
         threads=args.threads,
-        draft_args=["--drafter", args.drafter]
-        + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
+        draft_args=draft_args + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
         target_args=["--quantize", target_quantize],
         coordinator_args=["--pipeline", args.pipeline],
         cwd=ROOT,
