@@ -26,7 +26,8 @@ from specdec.sampling.probs import (
     position_logprobs,
     verify_outputs,
 )
-from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_accepts
+from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
+from specdec.sampling.together import verify_outputs_together
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
 
@@ -228,7 +229,11 @@ class TargetRunner(ModelRunner):
             [len(item.call.draft_token_ids) + 1 for _, item in members],
             [(item.call.draft_token_ids, list(item.call.parents)) for _, item in members] if trees else None,
         )
+        together = self._conclude_together(members, outputs)
         for (index, item), logits in zip(members, outputs):
+            if index in together:
+                results[index] = together[index]
+                continue
             if isinstance(logits, Exception):
                 results[index] = logits
                 continue
@@ -236,6 +241,35 @@ class TargetRunner(ModelRunner):
                 results[index] = self._conclude(item, logits, batch_size=len(members))
             except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
                 results[index] = exc
+
+    def _conclude_together(
+        self, members: list[tuple[int, _Admitted]], outputs: list[torch.Tensor | Exception]
+    ) -> dict[int, Verification]:
+        """The chains of one batched pass with the same sampling settings, concluded together
+        (specdec.sampling.together). A call with penalties, relaxed acceptance, log-probabilities,
+        distributions or features to return, and every call of a group that fails together (a NaN
+        logit: each call's own check then names it), is concluded alone (`_conclude`)."""
+        groups: dict[SamplingParams, list[tuple[int, _Admitted, torch.Tensor]]] = {}
+        for (index, item), logits in zip(members, outputs):
+            call = item.call
+            alone = call.parents or call.params.penalizes or call.relaxed is not None or call.return_distributions
+            if not (isinstance(logits, Exception) or alone or call.top_logprobs is not None or call.feature_layers):
+                groups.setdefault(call.params, []).append((index, item, logits))
+        concluded: dict[int, Verification] = {}
+        for params, group in [(params, group) for params, group in groups.items() if len(group) > 1]:
+            calls = [item.call for _, item, _ in group]
+            try:
+                drafts = torch.cat([call.draft_probs for call in calls]) if not params.greedy else torch.empty(0)
+                stacked = torch.cat([logits for *_, logits in group])  # [R, V]
+                seeds = [call.seed for call in calls]
+                drawn = verify_outputs_together(
+                    params, stacked, drafts, [call.draft_token_ids for call in calls], seeds
+                )
+            except Exception:  # noqa: BLE001 - each call concluded alone, its error its own
+                drawn = None
+            for (index, item, _), outputs_of_call in zip(group, drawn or ()):
+                concluded[index] = self._verification(item, outputs_of_call, len(members), None)
+        return concluded
 
     def _admit(self, call: VerifyCall) -> _Admitted:
         """Checks the call, then rolls its session back to `keep_tokens` and appends its tokens."""
@@ -342,19 +376,16 @@ class TargetRunner(ModelRunner):
                 drawn.draft_token_target_probs.cpu(), drawn.recovered_token_ids.cpu(), drawn.bonus_token_id
             )
             target_probs = target_probs.cpu() if call.return_distributions else None
-        return Verification(
-            draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
-            recovered_token_ids=outputs.recovered_token_ids.tolist(),
-            bonus_token_id=outputs.bonus_token_id,
-            target_probs=target_probs if call.return_distributions else None,
-            processed_tokens=len(admitted.pending),
-            sequence_length=len(admitted.session.tokens),
-            compute_ms=admitted.clock.ms(),
-            batch_size=batch_size,
-            features=admitted.features,
+        return self._verification(
+            admitted,
+            outputs,
+            batch_size,
+            target_probs if call.return_distributions else None,
             relaxed_accepts=[]
             if call.relaxed is None
-            else self._relaxed_accepts(call.relaxed, call.params, scored, draft_ids, outputs),
+            else relaxed_verdicts(
+                call.relaxed, call.params.greedy, scored, draft_ids, outputs.draft_token_target_probs
+            ),
             logprobs=None
             if call.top_logprobs is None
             else position_logprobs(
@@ -367,24 +398,22 @@ class TargetRunner(ModelRunner):
         )
 
     @staticmethod
-    def _relaxed_accepts(
-        relaxed: RelaxedAcceptance,
-        params: SamplingParams,
-        logits: torch.Tensor,  # [K + 1, V]: after the request's logit_bias and penalties
-        draft_ids: torch.Tensor,  # [K] int64
-        outputs: VerifyOutputs,
-    ) -> list[bool]:
-        """The relaxed test of each draft (specdec.sampling.relaxed), on the raw distribution:
-        softmax of the logits at temperature 1, never the request's processed one (one-hot when
-        greedy). The logits carry the request's logit_bias and penalties, so a banned token is
-        never relaxed in. A sampled request's draft must also keep mass under the request's own
-        top-k / top-p, so relaxed never emits a token the request's truncation excludes. [K]"""
-        num_draft = draft_ids.shape[0]
-        raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]
-        passes = relaxed_accepts(raw_probs, draft_ids.to(raw_probs.device), relaxed.top_n, relaxed.delta).cpu()  # [K]
-        if not params.greedy:
-            passes &= outputs.draft_token_target_probs.cpu() > 0
-        return passes.tolist()
+    def _verification(
+        admitted: _Admitted, outputs: VerifyOutputs, batch_size: int, target_probs: torch.Tensor | None, **extra
+    ) -> Verification:
+        """A chain's Verification: its outputs, and what its admission and pass recorded."""
+        return Verification(
+            draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
+            recovered_token_ids=outputs.recovered_token_ids.tolist(),
+            bonus_token_id=outputs.bonus_token_id,
+            target_probs=target_probs,
+            processed_tokens=len(admitted.pending),
+            sequence_length=len(admitted.session.tokens),
+            compute_ms=admitted.clock.ms(),
+            batch_size=batch_size,
+            features=admitted.features,
+            **extra,
+        )
 
     def _conclude_tree(
         self, admitted: _Admitted, logits: torch.Tensor, draft_ids: torch.Tensor, batch_size: int

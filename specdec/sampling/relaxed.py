@@ -95,3 +95,23 @@ def relaxed_accepts(
     among_top_n = draft_token_raw >= top[:, -1]
     within_delta = draft_token_raw >= top[:, 0] - delta
     return among_top_n & within_delta & (draft_token_raw > 0)
+
+
+def relaxed_verdicts(
+    relaxed: RelaxedAcceptance,
+    greedy: bool,
+    logits: torch.Tensor,  # [K + 1, V]: after the request's logit_bias and penalties
+    draft_token_ids: torch.Tensor,  # [K] int64
+    draft_token_target_probs: torch.Tensor,  # [K]: under the request's own distribution
+) -> list[bool]:
+    """The relaxed test of each draft on the raw distribution: softmax of the logits at
+    temperature 1, never the request's processed one (one-hot when greedy). The logits carry
+    the request's logit_bias and penalties, so a banned token is never relaxed in. A sampled
+    request's draft must also keep mass under the request's own top-k / top-p, so relaxed
+    never emits a token the request's truncation excludes. [K]"""
+    num_draft = draft_token_ids.shape[0]
+    raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]
+    passes = relaxed_accepts(raw_probs, draft_token_ids.to(raw_probs.device), relaxed.top_n, relaxed.delta).cpu()
+    if not greedy:
+        passes &= draft_token_target_probs.cpu() > 0
+    return passes.tolist()

@@ -18,6 +18,7 @@ from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec.sampling.probs import SamplingParams
 from specdec.sampling.relaxed import RelaxedAcceptance
+from target_service import runner as runner_module
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
@@ -158,6 +159,32 @@ def test_sampled_target_probs_equal_unbatched_within_float32_rounding(loaded):
         # Same seed, probabilities equal to a few ulps: the inverse-CDF draws land on the same tokens.
         assert got.recovered_token_ids == want.recovered_token_ids and got.bonus_token_id == want.bonus_token_id
     assert_same_caches(solo, batched, [call.session_id for call in calls])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_alike_calls_are_concluded_together_as_each_alone(loaded, params, monkeypatch):
+    """Calls with the same settings and nothing extra to return share one conclusion
+    (specdec.sampling.together): the same tokens as each call alone; a call with penalties
+    among them is concluded on its own."""
+    solo, batched = make_runner(loaded), make_runner(loaded)
+    batched.max_padding_ratio = float("inf")
+    calls = mixed_calls([solo, batched], params, return_distributions=False)
+    calls[1] = dataclasses.replace(calls[1], params=dataclasses.replace(params, presence_penalty=0.5))
+    expected = alone(solo, calls)
+    together = []
+    real = runner_module.verify_outputs_together
+    monkeypatch.setattr(runner_module, "verify_outputs_together", lambda *args: together.append(args[3]) or real(*args))
+    results = batched.verify_batch(calls)
+    assert len(together) == 1  # one group, in the pass's order
+    assert sorted(together[0]) == sorted(call.draft_token_ids for i, call in enumerate(calls) if i != 1)
+    for call, want, got in zip(calls, expected, results):
+        assert got.batch_size == len(calls)
+        torch.testing.assert_close(
+            torch.tensor(got.draft_token_target_probs), torch.tensor(want.draft_token_target_probs), **PROB_TOLERANCE
+        )
+        assert got.recovered_token_ids == want.recovered_token_ids, call.session_id
+        assert got.bonus_token_id == want.bonus_token_id, call.session_id
+        assert (got.processed_tokens, got.sequence_length) == (want.processed_tokens, want.sequence_length)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

@@ -1,0 +1,81 @@
+"""The target's side of rejection sampling for the calls of one batched pass at once: a few
+tensor ops and one transfer from the device for all of them, where each call alone takes a few
+of each (`probs.verify_outputs`; on a GPU every one of them a kernel launch or a wait). A
+draft's decode batch draws its rows the same way (draft_service/batched.py, `step_together`).
+Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from specdec.sampling.probs import (
+    SamplingParams,
+    VerifyOutputs,
+    biased,
+    fetch,
+    logits_to_probs,
+    residual_probs,
+    sample,
+)
+
+
+def verify_outputs_together(
+    params: SamplingParams,
+    logits: torch.Tensor,  # [R, V]: each call's K_c + 1 rows in turn, R = Σ (K_c + 1)
+    draft_probs: torch.Tensor,  # [Σ K_c, V]: the calls' draft rows in turn (unused when greedy)
+    draft_token_ids: list[list[int]],  # [C][K_c]
+    seeds: list[int],  # [C]: each call's own
+) -> list[VerifyOutputs] | None:
+    """What `verify_outputs` (or, greedy, the target's argmax) gives each of C calls with the
+    same sampling settings and no penalties, alone: the same rows, and each call's generator
+    drawing its K_c recovered tokens, then its bonus, in that order (`sample` with a generator
+    per row). None, drawing nothing, where a logit is NaN or infinite: each call's own check
+    then names it. One sum over several calls' rows may round apart from one call's (a row
+    summed alone may be split over threads), which moves a residual's mass in its last bit,
+    not its distribution."""
+    counts = [len(ids) for ids in draft_token_ids]  # [C]
+    ends = np.cumsum([k + 1 for k in counts])  # [C]: where each call's rows end
+    device = logits.device
+    scored = biased(logits, params)  # [R, V]
+    total = logits.sum()  # [] finite unless some logit is not
+    if params.greedy:
+        finite, heads = fetch(total, scored.argmax(dim=-1))  # [1], [R]
+        if not math.isfinite(finite[0]):
+            return None
+        outputs = []
+        for end, k, call_ids in zip(ends, counts, draft_token_ids):
+            argmax = torch.tensor([int(token) for token in heads[end - k - 1 : end]], dtype=torch.int64)  # [K + 1]
+            drafted = torch.tensor(call_ids, dtype=torch.int64)  # [K]
+            outputs.append(VerifyOutputs((drafted == argmax[:k]).float(), argmax[:k], int(argmax[k])))
+        return outputs
+    if not math.isfinite(float(total)):
+        return None
+    probs = logits_to_probs(scored, params)  # [R, V]
+    bonus_rows = torch.as_tensor(ends - 1, dtype=torch.int64, device=device)  # [C]
+    draft_rows = torch.tensor([row for end, k in zip(ends, counts) for row in range(end - k - 1, end - 1)])  # [Σ K]
+    ids = torch.tensor([token for call in draft_token_ids for token in call], dtype=torch.int64)  # [Σ K]
+    drafted_probs = probs.index_select(0, draft_rows.to(device))  # [Σ K, V]
+    token_probs = drafted_probs.gather(-1, ids.to(device)[:, None]).squeeze(-1)  # [Σ K]
+    generators = [np.random.default_rng(seed) for seed in seeds]
+    row_generators = [generator for generator, k in zip(generators, counts) for _ in range(k)]
+    recovered = (
+        sample(residual_probs(drafted_probs, draft_probs.to(device)), row_generators)
+        if row_generators
+        else ids.to(device)
+    )  # [Σ K]
+    bonus = sample(probs.index_select(0, bonus_rows), generators)  # [C], each after its call's K
+    fetched_probs, fetched_recovered, fetched_bonus = fetch(token_probs, recovered, bonus)
+    outputs = []
+    for call, (end, k) in enumerate(zip(ends, counts)):
+        part = slice(int(end) - k - 1 - call, int(end) - 1 - call)  # the call's draft rows among Σ K
+        outputs.append(
+            VerifyOutputs(
+                torch.tensor(fetched_probs[part], dtype=torch.float32),
+                torch.tensor([int(token) for token in fetched_recovered[part]], dtype=torch.int64),
+                int(fetched_bonus[call]),
+            )
+        )
+    return outputs
