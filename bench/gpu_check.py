@@ -17,8 +17,9 @@
 4. **Captured against eager passes** (issue 67's goals), each model loaded once per
    `--graph-settings`: `--cuda-graphs off`, `on` (captured on CUDA) and `compiled` (compiled by
    torch.compile, then captured): a one-token pass, a verify of 8 tokens (the target) and, for
-   the target, a batched verify of 32 sessions × 5 tokens, after 128 cached tokens each; the
-   same lower quartile; and each setting's logits against eager's. Steps 1-3 run with the
+   the target, a batched pass of 32 sessions × 5 tokens, after 128 cached tokens each, and the
+   whole batched verify of such rounds, greedy and at T = 1 (the pass and the draws from it);
+   the same lower quartile; and each setting's logits against eager's. Steps 1-3 run with the
    services' default (`auto`: captured on CUDA), so their profile is the captured passes'.
 
 Models: `--target` and `--draft` (default: the real pair `make run` prepares in .cache/models).
@@ -54,6 +55,7 @@ import torch
 from specdec.engine.costs import settled
 from specdec.engine.pace import load_profile
 from specdec.engine.static_pass import Bucket, length_bucket
+from specdec.sampling.probs import SamplingParams
 from specdec.tools.launch import ServiceProcess, local_stack, spawn_coordinator
 from specdec.tools.real_models import DRAFT, TARGET
 from specdec.v1 import coordinator_pb2 as pb
@@ -227,8 +229,8 @@ def captured_against_eager(
     checked: list[Checked], args, results: dict | None = None, measured: Callable[[], None] = lambda: None
 ) -> dict:
     """Per model and --cuda-graphs setting: s to load it (capturing and compiling included),
-    ms of a one-token pass, an 8-token verify (the target) and a batched verify of
-    `args.batch_sessions` × 5 tokens (the target), each after 128 cached tokens; and the
+    ms of a one-token pass, an 8-token verify (the target) and a batched pass and verify of
+    `args.batch_sessions` × 5 tokens (the target, `time_batch`), each after 128 cached tokens; and the
     buckets the static passes ran. Filled into `results` as each setting is measured, and
     `measured` called then: a lease that ends mid-step keeps what it measured."""
     results = {} if results is None else results
@@ -256,7 +258,7 @@ def captured_against_eager(
                 figures["8 tokens"] = time_pass(
                     runner, session, context, ids[context:], True, args.device, args.pass_repeats
                 )
-                figures[f"{args.batch_sessions} x 5 tokens"] = time_batch(runner, ids, context, args)
+                figures.update(time_batch(runner, ids, context, args))
             if setting != "off" and runner.static is not None:
                 if runner.static.capture:
                     figures["1 token, graph replay alone"] = time_replay(runner.static, args)
@@ -333,22 +335,40 @@ def anatomy(static, args, top: int = 12) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def time_batch(runner, ids: list[int], context: int, args) -> float:
-    """ms of one batched verify of `args.batch_sessions` sessions × 5 tokens after `context`
-    cached tokens each (their prompts prefilled first), the lower quartile of the repeats."""
+def time_batch(runner, ids: list[int], context: int, args) -> dict[str, float]:
+    """ms of one batched pass of `args.batch_sessions` sessions × 5 tokens after `context`
+    cached tokens each (their prompts prefilled first), and of the whole batched verify of
+    such rounds (a token and 4 drafts each), greedy and at T = 1: the pass and what the target
+    draws from it (specdec.sampling.together). Each the lower quartile of the repeats."""
+    from target_service.runner import VerifyCall
+
     sessions = [runner.sessions.open(f"batch-{i}", 0) for i in range(args.batch_sessions)]
     with torch.inference_mode():
         for session in sessions:
             runner.forward(session, session.extend(0, ids[:context]), logits_to_keep=1)
-    ms = settled_ms(
-        lambda: [session.extend(context, ids[context : context + 5]) for session in sessions],
-        lambda feeds: runner.forward_batch(sessions, feeds, [5] * len(sessions)),
-        args.device,
-        args.pass_repeats,
-    )
+    rows = f"{args.batch_sessions} x 5"
+    figures = {
+        f"{rows} tokens": settled_ms(
+            lambda: [session.extend(context, ids[context : context + 5]) for session in sessions],
+            lambda feeds: runner.forward_batch(sessions, feeds, [5] * len(sessions)),
+            args.device,
+            args.pass_repeats,
+        )
+    }
+    vocab, drafts = runner.loaded.vocab_size, ids[context + 1 : context + 5]
+    rows_drawn = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)), dim=-1)  # [4, V]
+    for name, params in (("greedy", SamplingParams()), ("T=1", SamplingParams(temperature=1.0))):
+        calls = [
+            VerifyCall(session.session_id, context, ids[context : context + 1], drafts, rows_drawn, params, seed)
+            for seed, session in enumerate(sessions)
+        ]  # each rolls its session back to `context` first
+        with torch.inference_mode():
+            figures[f"{rows} verify, {name}"] = settled_ms(
+                calls.copy, runner.verify_batch, args.device, args.pass_repeats
+            )
     for session in sessions:
         runner.end_session(session.session_id, keep=False)
-    return ms
+    return figures
 
 
 def generate(stub, prompt_ids: list[int], k: int | None, max_new_tokens: int) -> pb.GenerateResponse:

@@ -41,7 +41,9 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     assert results["transformers_generate_static"]["identical"] == 2, results["transformers_generate_static"]
     assert "identical to target-only" in (out / "report.md").read_text()
     graphs = results["captured_against_eager"]  # on CPU: the static passes uncaptured
-    assert set(graphs["target"]["on"]) == {"1 token", "8 tokens", "4 x 5 tokens", "buckets", "load s"}
+    batched = {"4 x 5 tokens", "4 x 5 verify, greedy", "4 x 5 verify, T=1"}
+    assert set(graphs["target"]["on"]) == {"1 token", "8 tokens", *batched, "buckets", "load s"}
+    assert all(graphs["target"][setting][figure] > 0 for setting in ("off", "on") for figure in batched)
     assert graphs["target"]["off"]["buckets"] == "eager"
     assert "static, uncaptured" in graphs["target"]["on"]["buckets"] and "4x5x256" in graphs["target"]["on"]["buckets"]
     assert "static, uncaptured" in graphs["draft"]["on"]["buckets"]
