@@ -27,7 +27,7 @@ from specdec.sampling.probs import (
     verify_outputs,
 )
 from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
-from specdec.sampling.together import verify_outputs_together
+from specdec.sampling.together import together_pays, verify_outputs_together
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
 
 
@@ -245,10 +245,9 @@ class TargetRunner(ModelRunner):
     def _conclude_together(
         self, members: list[tuple[int, _Admitted]], outputs: list[torch.Tensor | Exception]
     ) -> dict[int, Verification]:
-        """The chains of one batched pass with the same sampling settings, concluded together
-        (specdec.sampling.together). A call with penalties, relaxed acceptance, log-probabilities,
-        distributions or features to return, and every call of a group that fails together (a NaN
-        logit: each call's own check then names it), is concluded alone (`_conclude`)."""
+        """The chains of one pass with the same settings, concluded together where it pays (specdec.sampling.
+        together). Calls with penalties, relaxed acceptance, logprobs, distributions or features to return,
+        and a group that fails together (a NaN: each call's check names it), are concluded alone."""
         groups: dict[SamplingParams, list[tuple[int, _Admitted, torch.Tensor]]] = {}
         for (index, item), logits in zip(members, outputs):
             call = item.call
@@ -256,7 +255,8 @@ class TargetRunner(ModelRunner):
             if not (isinstance(logits, Exception) or alone or call.top_logprobs is not None or call.feature_layers):
                 groups.setdefault(call.params, []).append((index, item, logits))
         concluded: dict[int, Verification] = {}
-        for params, group in [(params, group) for params, group in groups.items() if len(group) > 1]:
+        paying = {params: group for params, group in groups.items() if together_pays([t for *_, t in group])}
+        for params, group in paying.items():
             calls = [item.call for _, item, _ in group]
             try:
                 drafts = torch.cat([call.draft_probs for call in calls]) if not params.greedy else torch.empty(0)

@@ -21,6 +21,21 @@ from specdec.sampling.probs import (
     sample,
 )
 
+# On a CPU, calls are concluded together only while their rows hold at most this many values
+# (`together_pays`).
+CPU_TOGETHER_VALUES = 1 << 18
+
+
+def together_pays(logits: list[torch.Tensor]) -> bool:
+    """Whether calls with these logits ([K_c + 1, V] each) are better concluded together than
+    alone: on a GPU always, saving launches and waits; on a CPU only while their rows are
+    small, since a call's own rows stay in cache where a batch's do not (16 calls of 5 rows
+    over Qwen's 151,936 ids drew in 162 ms together against 28-62 ms alone, over 320 ids in
+    0.8 against 2.8 ms; 2-core AMD EPYC)."""
+    if len(logits) < 2:
+        return False
+    return logits[0].device.type != "cpu" or sum(rows.numel() for rows in logits) <= CPU_TOGETHER_VALUES
+
 
 def verify_outputs_together(
     params: SamplingParams,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, verify_outputs
-from specdec.sampling.together import verify_outputs_together
+from specdec.sampling.together import together_pays, verify_outputs_together
 
 V = 64
 SETTINGS = {
@@ -65,3 +65,8 @@ def test_a_nan_logit_draws_nothing(name):
     logits, drafts, ids, seeds = calls([2, 3])
     logits[1][0, 5] = float("nan")
     assert verify_outputs_together(SETTINGS[name], torch.cat(logits), torch.cat(drafts), ids, seeds) is None
+
+
+def test_on_a_cpu_only_small_rows_are_concluded_together():
+    small, large = [torch.zeros(5, 320)] * 16, [torch.zeros(5, 151_936)] * 2
+    assert together_pays(small) and not together_pays(large) and not together_pays(small[:1])
