@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.engine.costs import PassCosts
 from specdec.engine.quantize import quantize_int8
+from specdec.sampling import together as together_module
 from specdec.sampling import tree_sampling
 from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, penalized
 from specdec.v1 import coordinator_pb2 as pb
@@ -387,8 +388,10 @@ async def two_token_p_value(word_pair, params: SamplingParams) -> float:
 
 async def test_distribution_test_detects_a_target_that_samples_without_its_logit_bias(word_pair, monkeypatch):
     """Mutant for the logit_bias case: the target biases nothing (its argmax and its rows
-    alike), so the banned token comes back and the χ² test must fail."""
-    monkeypatch.setattr(target_runner_module, "biased", lambda logits, params: logits)
+    alike, alone or with the other calls of its pass), so the banned token comes back and the
+    χ² test must fail."""
+    for module in (target_runner_module, together_module):
+        monkeypatch.setattr(module, "biased", lambda logits, params: logits)
     assert await two_token_p_value(word_pair, LOGIT_BIAS) < MUTANT_P_VALUE
 
 

@@ -23,6 +23,7 @@ from coordinator.state import Round, Source
 from coordinator.upstream import Upstream
 from draft_service.runner import DraftRunner
 from specdec.sampling import probs as probs_module
+from specdec.sampling import together as together_module
 from specdec.sampling.probs import SamplingParams
 from specdec.tools.testing import TinyPair
 from tests.heavy.test_distribution import exact_target_distribution, sample_continuations
@@ -94,8 +95,9 @@ def refuse_mid_proposal(monkeypatch) -> None:
 
 def recovered_from_the_target(monkeypatch) -> None:
     """Mutant for the default path: a rejected draft is replaced by a sample of p itself, not of
-    the residual max(0, p − q)."""
-    monkeypatch.setattr(probs_module, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    the residual max(0, p − q), by a call concluded alone or with the others of its pass."""
+    for module in (probs_module, together_module):
+        monkeypatch.setattr(module, "residual_probs", lambda target_probs, draft_probs: target_probs)
 
 
 def rows_not_renormalised(monkeypatch) -> None:
