@@ -20,6 +20,7 @@ from specdec.sampling.probs import (
     PositionLogprobs,
     SamplingParams,
     VerifyOutputs,
+    argmax_outputs,
     biased,
     logits_to_probs,
     penalized,
@@ -357,12 +358,7 @@ class TargetRunner(ModelRunner):
             history = tokens[: len(tokens) - num_draft]
             scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
         if self._greedy_fast_path(call):
-            # The one-hot special case of verify_outputs, without building or sampling one-hots:
-            # every residual of a one-hot target is one-hot at the same argmax.
-            argmax = scored.argmax(dim=-1).cpu()  # [K + 1]
-            outputs = VerifyOutputs(
-                (draft_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft])
-            )
+            outputs = argmax_outputs(scored.argmax(dim=-1).cpu(), draft_ids)  # verify_outputs, one-hot
             target_probs = None
         else:
             # On the model's device: the residuals and the draws' CDFs (the uniforms come from the

@@ -345,6 +345,13 @@ def verify_outputs(
     return VerifyOutputs(draft_token_target_probs, recovered, bonus)
 
 
+def argmax_outputs(argmax: torch.Tensor, draft_token_ids: torch.Tensor) -> VerifyOutputs:
+    """`verify_outputs` for a one-hot target, without building or sampling one-hots: every
+    residual of a one-hot is one-hot at the same argmax. argmax: [K + 1] (CPU), draft_token_ids: [K]."""
+    num_draft = draft_token_ids.shape[0]
+    return VerifyOutputs((draft_token_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft]))
+
+
 MAX_TOP_LOGPROBS = 20  # likeliest tokens a position's log-probabilities may list (OpenAI's bound)
 
 

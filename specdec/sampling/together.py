@@ -14,6 +14,7 @@ import torch
 from specdec.sampling.probs import (
     SamplingParams,
     VerifyOutputs,
+    argmax_outputs,
     biased,
     fetch,
     logits_to_probs,
@@ -63,8 +64,7 @@ def verify_outputs_together(
         outputs = []
         for end, k, call_ids in zip(ends, counts, draft_token_ids):
             argmax = torch.tensor([int(token) for token in heads[end - k - 1 : end]], dtype=torch.int64)  # [K + 1]
-            drafted = torch.tensor(call_ids, dtype=torch.int64)  # [K]
-            outputs.append(VerifyOutputs((drafted == argmax[:k]).float(), argmax[:k], int(argmax[k])))
+            outputs.append(argmax_outputs(argmax, torch.tensor(call_ids, dtype=torch.int64)))
         return outputs
     if not math.isfinite(float(total)):
         return None
