@@ -4,6 +4,7 @@ coordinator needs for exact rejection sampling; concurrent sessions can share th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from specdec.sampling.probs import (
 from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
 from specdec.sampling.together import together_pays, verify_outputs_together
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,7 @@ class TargetRunner(ModelRunner):
                     params, stacked, drafts, [call.draft_token_ids for call in calls], seeds
                 )
             except Exception:  # noqa: BLE001 - each call concluded alone, its error its own
+                logger.warning("%d calls of one pass drawn alone: together failed", len(calls), exc_info=True)
                 drawn = None
             for (index, item, _), outputs_of_call in zip(group, drawn or ()):
                 concluded[index] = self._verification(item, outputs_of_call, len(members), None)

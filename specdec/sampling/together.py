@@ -48,10 +48,10 @@ def verify_outputs_together(
     """What `verify_outputs` (or, greedy, the target's argmax) gives each of C calls with the
     same sampling settings and no penalties, alone: the same rows, and each call's generator
     drawing its K_c recovered tokens, then its bonus, in that order (`sample` with a generator
-    per row). None, drawing nothing, where a logit is NaN or infinite: each call's own check
-    then names it. One sum over several calls' rows may round apart from one call's (a row
-    summed alone may be split over threads), which moves a residual's mass in its last bit,
-    not its distribution."""
+    per row). None where a logit is NaN or infinite (-inf too, a masked id, which a call
+    alone takes): each call is then concluded alone, and its own check names a NaN. One sum
+    over several calls' rows may round apart from one call's (a row summed alone may be split
+    over threads), which moves a residual's mass in its last bit, not its distribution."""
     counts = [len(ids) for ids in draft_token_ids]  # [C]
     ends = np.cumsum([k + 1 for k in counts])  # [C]: where each call's rows end
     device = logits.device
@@ -66,11 +66,14 @@ def verify_outputs_together(
             argmax = torch.tensor([int(token) for token in heads[end - k - 1 : end]], dtype=torch.int64)  # [K + 1]
             outputs.append(argmax_outputs(argmax, torch.tensor(call_ids, dtype=torch.int64)))
         return outputs
-    if not math.isfinite(float(total)):
-        return None
+    # The draws come from generators made from the seeds here, so a group with a NaN is
+    # drawn and thrown away (sample() keeps ids in range), the finiteness read in the same
+    # transfer as the outputs: one wait for the device.
     probs = logits_to_probs(scored, params)  # [R, V]
     bonus_rows = torch.as_tensor(ends - 1, dtype=torch.int64, device=device)  # [C]
-    draft_rows = torch.tensor([row for end, k in zip(ends, counts) for row in range(end - k - 1, end - 1)])  # [Σ K]
+    draft_rows = torch.tensor(
+        [row for end, k in zip(ends, counts) for row in range(end - k - 1, end - 1)], dtype=torch.int64
+    )  # [Σ K]: empty where every call is a target-only step
     ids = torch.tensor([token for call in draft_token_ids for token in call], dtype=torch.int64)  # [Σ K]
     drafted_probs = probs.index_select(0, draft_rows.to(device))  # [Σ K, V]
     token_probs = drafted_probs.gather(-1, ids.to(device)[:, None]).squeeze(-1)  # [Σ K]
@@ -82,7 +85,9 @@ def verify_outputs_together(
         else ids.to(device)
     )  # [Σ K]
     bonus = sample(probs.index_select(0, bonus_rows), generators)  # [C], each after its call's K
-    fetched_probs, fetched_recovered, fetched_bonus = fetch(token_probs, recovered, bonus)
+    finite, fetched_probs, fetched_recovered, fetched_bonus = fetch(total, token_probs, recovered, bonus)
+    if not math.isfinite(finite[0]):
+        return None
     outputs = []
     for call, (end, k) in enumerate(zip(ends, counts)):
         part = slice(int(end) - k - 1 - call, int(end) - 1 - call)  # the call's draft rows among Σ K

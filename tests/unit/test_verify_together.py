@@ -61,6 +61,18 @@ def test_each_call_gets_what_it_draws_alone(name):
 
 
 @pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_target_only_steps_alone_in_a_group_are_concluded_together(name):
+    """Calls with no drafts (K = 0: concurrent target-only steps) draw only their bonus."""
+    params = SETTINGS[name]
+    logits, drafts, ids, seeds = calls([0] * 5)
+    together = verify_outputs_together(params, torch.cat(logits), torch.cat(drafts), ids, seeds)
+    assert together is not None
+    for call, got in enumerate(together):
+        want = alone(params, logits[call], drafts[call], ids[call], seeds[call])
+        assert (got.draft_token_target_probs.tolist(), got.recovered_token_ids.tolist(), got.bonus_token_id) == want
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
 def test_a_nan_logit_draws_nothing(name):
     logits, drafts, ids, seeds = calls([2, 3])
     logits[1][0, 5] = float("nan")
