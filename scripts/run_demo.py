@@ -82,6 +82,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampled runs")
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args()
+    if args.draft_head is not None and args.drafter != "eagle":
+        parser.error(f"--draft-head is a head for --drafter eagle; the drafter here is {args.drafter}")
 
     draft_dir, target_dir = args.models_dir / DRAFT.name, args.models_dir / TARGET.name
     draft_args, draft_name = ["--drafter", args.drafter], DRAFT.name
