@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -44,45 +45,57 @@ class PoolFull(Exception):
 
 
 class PageAllocator:
-    """Free runs of pages, kept sorted and merged; first fit. Pure bookkeeping, no tensors."""
+    """Free runs of pages, kept sorted and merged; first fit. Pure bookkeeping, no tensors.
+    Locked: the model thread takes pages, but an extent goes back on whichever thread drops
+    the last reference to its cache (a weakref finalizer: the event loop, a collection)."""
 
     def __init__(self, pages: int) -> None:
         self.pages = pages
         self._starts: list[int] = [0] if pages else []  # sorted starts of free runs
         self._lengths: dict[int, int] = {0: pages} if pages else {}  # start -> length
+        self._lock = threading.Lock()
 
     @property
     def free_pages(self) -> int:
-        return sum(self._lengths.values())
+        with self._lock:
+            return sum(self._lengths.values())
 
     def runs(self) -> list[tuple[int, int]]:
         """(start, length) of every free run, in order."""
-        return [(start, self._lengths[start]) for start in self._starts]
+        with self._lock:
+            return [(start, self._lengths[start]) for start in self._starts]
 
     def alloc(self, pages: int) -> int:
         """The first page of a run of `pages` now taken; PoolFull if no free run is that long."""
         if pages < 1:
             raise ValueError(f"an extent has at least one page; asked for {pages}")
-        for start in self._starts:
-            length = self._lengths[start]
-            if length >= pages:
-                self._take(start, length, start, pages)
-                return start
-        raise PoolFull(f"no free run of {pages} pages ({self.free_pages} of {self.pages} free, fragmented)")
+        with self._lock:
+            for start in self._starts:
+                length = self._lengths[start]
+                if length >= pages:
+                    self._take(start, length, start, pages)
+                    return start
+            free = sum(self._lengths.values())
+        raise PoolFull(f"no free run of {pages} pages ({free} of {self.pages} free, fragmented)")
 
     def extend(self, start: int, pages: int, more: int) -> bool:
         """Takes the `more` pages right after extent [start, start + pages) if they are free."""
         end = start + pages
-        length = self._lengths.get(end, 0)
-        if length < more:
-            return False
-        self._take(end, length, end, more)
-        return True
+        with self._lock:
+            length = self._lengths.get(end, 0)
+            if length < more:
+                return False
+            self._take(end, length, end, more)
+            return True
 
     def free(self, start: int, pages: int) -> None:
         """Returns [start, start + pages) to the free runs, merged with its neighbours."""
         if pages < 1 or start < 0 or start + pages > self.pages:
             raise ValueError(f"[{start}, {start + pages}) is not an extent of a {self.pages}-page pool")
+        with self._lock:
+            self._free(start, pages)
+
+    def _free(self, start: int, pages: int) -> None:
         index = bisect.bisect_left(self._starts, start)
         before = self._starts[index - 1] if index else None
         after = self._starts[index] if index < len(self._starts) else None
@@ -184,14 +197,18 @@ class KVPool:
     def grow(self, extent: Extent, tokens: int, used: int) -> Extent:
         """An extent with room for `tokens` holding the first `used` entries of `extent`: the
         same one extended in place where the pages after it are free, else a run of at least
-        twice its size with the entries copied there (and `extent` freed). PoolFull if neither."""
+        twice its size, or where none is free one of the size needed, with the entries copied
+        there (and `extent` freed). PoolFull if none."""
         pages = -(-tokens // self.page_tokens)
         if pages <= extent.pages:
             return extent
         if self.allocator.extend(extent.start, extent.pages, pages - extent.pages):
             return Extent(extent.start, pages)
-        pages = max(pages, 2 * extent.pages)
-        moved = Extent(self.allocator.alloc(pages), pages)
+        try:
+            doubled = max(pages, 2 * extent.pages)
+            moved = Extent(self.allocator.alloc(doubled), doubled)
+        except PoolFull:  # no run twice its size: the run it needs (the growth is not amortised then)
+            moved = Extent(self.allocator.alloc(pages), pages)
         source, target = self.columns(extent), self.columns(moved)
         with torch.inference_mode():
             for arena in (*self.keys, *self.values):

@@ -1,10 +1,14 @@
-"""The preallocated KV pool (specdec.engine.kv_pool): its page bookkeeping, and a cache over one
-extent that gives the logits a DynamicCache gives, bit for bit, through every kind of pass the
-services run, while extents grow in place and move."""
+"""The preallocated KV pool (specdec.engine.kv_pool): its page bookkeeping (safe from any thread,
+as extents go back on whichever thread drops their cache), and a cache over one extent that
+gives the logits a DynamicCache gives, bit for bit, through every kind of pass the services
+run, while extents grow in place and move (to a run of the size needed where none twice its
+size is free)."""
 
 from __future__ import annotations
 
 import mmap
+import sys
+import threading
 
 import pytest
 import torch
@@ -33,6 +37,52 @@ def test_pages_are_taken_first_fit_merged_when_freed_and_never_freed_twice():
         pages.free(2, 1)
     with pytest.raises(ValueError, match="at least one page"):
         pages.alloc(0)
+
+
+def test_pages_taken_and_given_back_on_two_threads_stay_consistent():
+    """An extent goes back on whichever thread drops its cache (a weakref finalizer), while the
+    model thread takes pages: unlocked, the runs' list and lengths went apart (a KeyError
+    within a few thousand rounds with the interpreter switching threads every microsecond)."""
+    pages, live, guard, problems = PageAllocator(64), set(), threading.Lock(), []
+
+    def churn() -> None:
+        for _ in range(20_000):
+            try:
+                start = pages.alloc(1)
+            except PoolFull:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the bookkeeping broke: reported below
+                problems.append(repr(exc))
+                return
+            with guard:
+                if start in live:
+                    problems.append(f"page {start} given out twice")
+                live.add(start)
+            with guard:
+                live.discard(start)
+            pages.free(start, 1)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert problems == [] and pages.runs() == [(0, 64)]
+
+
+def test_an_extent_that_cannot_double_moves_to_a_run_of_the_size_it_needs():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=4, pages=100, page_tokens=4)
+    grown = pool.open(40 * 4)  # pages [0, 40)
+    neighbour = pool.open(1)  # [40, 41): no growth in place
+    grown.lengths[:] = [40 * 4]
+    grown.reserve(41 * 4)  # no free run of 80 pages, one of 59
+    assert grown.extent.pages == 41 and pool.allocator.runs() == [(0, 40), (82, 18)]
+    assert neighbour.extent.start == 40
 
 
 CONFIG = dict(
