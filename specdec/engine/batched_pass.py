@@ -235,6 +235,7 @@ class DecodeBatch:
         if failure is None:
             self._joining.append(session)
             self._reserved[session.session_id] = extra_bytes
+            self._runner.sessions.hold(session.session_id, extra_bytes)
         return failure
 
     @torch.inference_mode()
@@ -371,6 +372,7 @@ class DecodeBatch:
         the next pass. One that joined and never ran leaves as it came; nothing to do after a
         failed pass (every session was ended)."""
         self._reserved.pop(session_id, None)
+        self._runner.sessions.release(session_id)
         if any(session.session_id == session_id for session in self._joining):
             self._joining = [session for session in self._joining if session.session_id != session_id]
             return

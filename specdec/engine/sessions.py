@@ -172,6 +172,10 @@ class SessionStore:
         self.evicted = 0  # sessions dropped to make room (not counting TTL expiry)
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
+        # Sessions a running decode batch holds (specdec.engine.batched_pass.DecodeBatch) → the
+        # bytes each was admitted to grow by there: counted for others' calls, never evicted
+        # (the batch would keep its pages, and the session would be lost for nothing).
+        self._held: dict[str, int] = {}
         # Finished and idle sessions' prompt blocks; its bytes count in the KV budget and are
         # given up before any live session is evicted.
         self.prefix = prefix
@@ -213,13 +217,15 @@ class SessionStore:
                 "bytes, "
                 f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
-        total = self.kv_bytes() + extra_bytes + pending_bytes
+        others = (grow for held, grow in self._held.items() if held != session.session_id and held not in busy)
+        held = sum(others)  # what a running decode batch's sessions may still add
+        total = self.kv_bytes() + extra_bytes + pending_bytes + held
         if total > self.max_kv_bytes and self.prefix is not None:
             total -= self.prefix.evict(total - self.max_kv_bytes)
         for session_id in list(self._sessions):  # least recently used first
             if total <= self.max_kv_bytes:
                 break
-            if session_id == session.session_id or session_id in busy:
+            if session_id == session.session_id or session_id in busy or session_id in self._held:
                 continue
             total -= self._evict(session_id)
 
@@ -233,7 +239,7 @@ class SessionStore:
         """take(), which takes pages of the KV pool: where none are free, the least recently
         used sessions (not `session`, nor `busy` ones) are evicted one by one until it fits;
         RESOURCE_EXHAUSTED once none is left to evict."""
-        spared = {*busy, *((session.session_id,) if session is not None else ())}
+        spared = {*busy, *self._held, *((session.session_id,) if session is not None else ())}
         while True:
             try:
                 return take()
@@ -380,6 +386,14 @@ class SessionStore:
     def peek(self, session_id: str) -> KVSession | None:
         """The session, if held, without touching its recency."""
         return self._sessions.get(session_id)
+
+    def hold(self, session_id: str, extra_bytes: int) -> None:
+        """A decode batch runs the session, admitted to grow by `extra_bytes` there."""
+        self._held[session_id] = extra_bytes
+
+    def release(self, session_id: str) -> None:
+        """The decode batch handed the session its cache back (`hold`)."""
+        self._held.pop(session_id, None)
 
     def end(self, session_id: str) -> bool:
         """Drops a session and its cache (a failed pass's cache is not to be trusted)."""

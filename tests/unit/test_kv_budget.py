@@ -63,6 +63,32 @@ def test_least_recently_used_sessions_are_evicted_to_fit_the_budget(loaded):
     assert info.kv_cache_bytes <= info.max_kv_cache_bytes == 70 * per_token and info.evicted_sessions == 1
 
 
+def test_a_decode_batch_s_sessions_count_what_they_may_add_and_are_never_evicted(loaded):
+    """While a decode batch runs, its sessions' entries sit in the batch and the store holds
+    none of them: a call beside it is admitted against what the batch may still add, and the
+    batch's sessions are never evicted for it (their pages stay with the batch), so an idle
+    session goes and the budget holds when the batch hands the caches back."""
+    per = kv_bytes_per_token(loaded.model)
+    runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=100 * per)
+
+    def opened(session_id: str, tokens: int):
+        session = runner.sessions.open(session_id, 0)
+        return session, session.extend(0, [1 + i % 10 for i in range(tokens)])
+
+    idle, prompt = opened("idle", 30)  # beside the batch's 64, within the budget
+    runner.forward(idle, prompt, 1)
+    (a, feed_a), (b, feed_b) = opened("a", 30), opened("b", 30)
+    batch, failures = runner.decode_batch([a, b], [32, 32])
+    assert failures == [None, None]
+    batch.step({"a": feed_a, "b": feed_b})
+    beside, prompt = opened("beside", 20)
+    runner.forward(beside, prompt, 1)  # 30 idle + 20 + what a and b may reach (64): over 100
+    assert runner.sessions.ids() == ["a", "b", "beside"] and runner.sessions.evicted == 1
+    batch.step({"a": [3], "b": [4]})
+    batch.close()
+    assert runner.sessions.kv_bytes() <= 100 * per
+
+
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
     per_token = TargetRunner(loaded, 1, 60, 4).kv_bytes_per_token
     runner = TargetRunner(
