@@ -221,20 +221,19 @@ class DecodeBatch:
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=runner.loaded.device)  # [B, W]: 1 at real entries
         self._joining: list[KVSession] = []  # padded in at the next pass
         self._left: set[int] = set()  # rows split back already, dropped at the next pass
-        self._reserved: dict[str, int] = {}  # KV bytes each session was admitted to grow by
         self._failed = False
 
     def join(self, session: KVSession, new_tokens: int) -> Exception | None:
         """Admits `session` (one with a cache, empty for a prompt; no other session of the
         batch has its id) to grow by `new_tokens` in this batch, beside what the batch's other
-        sessions were admitted for, as `forward_batch` admits a pass; it joins at the next
-        pass. One that does not fit is ended and its exception returned, for its caller alone."""
+        sessions were admitted for (the store holds that: `SessionStore.hold`), as
+        `forward_batch` admits a pass; it joins at the next pass. One that does not fit is ended
+        and its exception returned, for its caller alone."""
         extra_bytes = new_tokens * self._runner.kv_bytes_per_token
         busy = [member.session_id for member in (*self.sessions, *self._joining)]
-        failure = admit_session(self._runner, session, extra_bytes, sum(self._reserved.values()), busy)
+        failure = admit_session(self._runner, session, extra_bytes, 0, busy)
         if failure is None:
             self._joining.append(session)
-            self._reserved[session.session_id] = extra_bytes
             self._runner.sessions.hold(session.session_id, extra_bytes)
         return failure
 
@@ -314,8 +313,7 @@ class DecodeBatch:
         self.sessions, self._joining, self._left = members, [], set()
         self._lengths = [session.cached_tokens for session in members]
         for session in members:  # its new entries are in its own cache now, which the budget counts
-            fed = len(feeds[session.session_id]) * runner.kv_bytes_per_token
-            self._reserved[session.session_id] = max(0, self._reserved.get(session.session_id, 0) - fed)
+            runner.sessions.grown(session.session_id, len(feeds[session.session_id]) * runner.kv_bytes_per_token)
         _count_pass(runner, new, len(rows))
         return {session.session_id: row[-1] for session, row in zip(members, logits)}
 
@@ -371,7 +369,6 @@ class DecodeBatch:
         every token it ran (the batch's tensors are not kept alive by it). Its row is dropped at
         the next pass. One that joined and never ran leaves as it came; nothing to do after a
         failed pass (every session was ended)."""
-        self._reserved.pop(session_id, None)
         self._runner.sessions.release(session_id)
         if any(session.session_id == session_id for session in self._joining):
             self._joining = [session for session in self._joining if session.session_id != session_id]

@@ -217,9 +217,8 @@ class SessionStore:
                 "bytes, "
                 f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
-        others = (grow for held, grow in self._held.items() if held != session.session_id and held not in busy)
-        held = sum(others)  # what a running decode batch's sessions may still add
-        total = self.kv_bytes() + extra_bytes + pending_bytes + held
+        batched = sum(grow for held_id, grow in self._held.items() if held_id != session.session_id)
+        total = self.kv_bytes() + extra_bytes + pending_bytes + batched  # batched: what a decode batch may add
         if total > self.max_kv_bytes and self.prefix is not None:
             total -= self.prefix.evict(total - self.max_kv_bytes)
         for session_id in list(self._sessions):  # least recently used first
@@ -237,7 +236,7 @@ class SessionStore:
 
     def _with_room(self, take: Callable[[], T], session: KVSession | None = None, busy: Collection[str] = ()) -> T:
         """take(), which takes pages of the KV pool: where none are free, the least recently
-        used sessions (not `session`, nor `busy` ones) are evicted one by one until it fits;
+        used sessions (not `session`, nor `busy` or `hold`-held ones) are evicted one by one until it fits;
         RESOURCE_EXHAUSTED once none is left to evict."""
         spared = {*busy, *self._held, *((session.session_id,) if session is not None else ())}
         while True:
@@ -390,6 +389,11 @@ class SessionStore:
     def hold(self, session_id: str, extra_bytes: int) -> None:
         """A decode batch runs the session, admitted to grow by `extra_bytes` there."""
         self._held[session_id] = extra_bytes
+
+    def grown(self, session_id: str, nbytes: int) -> None:
+        """`nbytes` of what the session was held for are in its own cache now, which counts them."""
+        if session_id in self._held:
+            self._held[session_id] = max(0, self._held[session_id] - nbytes)
 
     def release(self, session_id: str) -> None:
         """The decode batch handed the session its cache back (`hold`)."""

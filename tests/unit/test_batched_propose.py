@@ -432,7 +432,7 @@ def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
         {"a": [8], "b": [9], "c": [10]},
     ]
     logits: dict = {}
-    counted: dict = {}  # what the KV budget counts: entries held, and what the batch still reserves
+    counted: dict = {}  # what the KV budget counts: entries held, and what the batch's sessions are held for
     for runner in (eager, static):
         sessions = {sid: runner.sessions.open(sid, 0) for sid in "abc"}
         batch, failures = runner.decode_batch([sessions["a"], sessions["b"]], [6, 6])
@@ -443,7 +443,7 @@ def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
             for sid, fed in feeds.items():
                 sessions[sid].tokens.extend(fed)
             logits[runner, index] = batch.step(feeds)
-            counted[runner, index] = runner.sessions.kv_bytes() + sum(batch._reserved.values())
+            counted[runner, index] = runner.sessions.kv_bytes() + sum(runner.sessions._held.values())
         batch.close()
     assert [counted[static, i] for i in range(len(steps))] == [counted[eager, i] for i in range(len(steps))]
     for index in range(len(steps)):
