@@ -208,6 +208,8 @@ class KVPool:
             doubled = max(pages, 2 * extent.pages)
             moved = Extent(self.allocator.alloc(doubled), doubled)
         except PoolFull:  # no run twice its size: the run it needs (the growth is not amortised then)
+            if doubled == pages:
+                raise
             moved = Extent(self.allocator.alloc(pages), pages)
         source, target = self.columns(extent), self.columns(moved)
         with torch.inference_mode():

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.engine import attention
-from specdec.engine.kv_pool import KVPool, PageAllocator, PoolCache, PoolFull
+from specdec.engine.kv_pool import Extent, KVPool, PageAllocator, PoolCache, PoolFull
 from specdec.engine.modeling import with_cache
 from specdec.engine.tree_pass import keep_tree_path, tree_forward
 
@@ -83,6 +83,18 @@ def test_an_extent_that_cannot_double_moves_to_a_run_of_the_size_it_needs():
     grown.reserve(41 * 4)  # no free run of 80 pages, one of 59
     assert grown.extent.pages == 41 and pool.allocator.runs() == [(0, 40), (82, 18)]
     assert neighbour.extent.start == 40
+
+
+def test_an_extent_whose_needed_run_is_its_doubled_one_asks_the_allocator_once():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=4, pages=10, page_tokens=4)
+    grown = pool.open(2 * 4)  # pages [0, 2)
+    others = [pool.open(1), pool.open(5 * 4)]  # [2, 3): no growth in place; [3, 8): two pages left
+    asked = []
+    alloc = pool.allocator.alloc
+    pool.allocator.alloc = lambda pages: asked.append(pages) or alloc(pages)
+    with pytest.raises(PoolFull):
+        grown.reserve(4 * 4)  # four pages: twice its two, the run it needs too
+    assert asked == [4] and grown.extent == Extent(0, 2) and len(others) == 2
 
 
 CONFIG = dict(
