@@ -19,6 +19,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each
+from specdec.errors import SpecDecError
 from specdec.sampling.probs import fetch, logits_to_probs, one_hot_argmax, sample
 from specdec.sampling.together import together_pays
 
@@ -116,7 +117,11 @@ class ProposalBatch:
         if not (drafting.failed or self.runner._done(drafting)):
             return False
         if leave is not None:
-            leave()
+            try:
+                leave()
+            except SpecDecError as exc:  # its cache could not be handed back: ended, the call fails
+                self._settle(index, exc)
+                return True
         result = self.results[index] if drafting.failed else self.runner._finish(drafting)
         self._settle(index, cast(Proposal | Exception, result))
         return True

@@ -5,6 +5,7 @@ sessions to the KV budget (forward_batch, decode_batch) and hands them here."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -18,7 +19,10 @@ from specdec.engine.modeling import LoadedModel, session_inputs, with_cache
 from specdec.engine.sessions import KVSession, SessionStore
 from specdec.engine.static_pass import Row, StaticPasses, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_attention_mask, tree_position_ids
+from specdec.errors import SpecDecError
 from specdec.sampling.tree_sampling import ancestors
+
+logger = logging.getLogger(__name__)
 
 
 class BatchRunner(Protocol):
@@ -387,14 +391,28 @@ class DecodeBatch:
         ]
         session = self.sessions[row]
         if isinstance(session.cache, PoolCache):
-            session.cache.load(entries)  # one copy into its extent
+            length, room = entries[0][0].shape[-2], session.cache.reserved_tokens
+            if length > room:
+                # Joining reserved room for every token the call may run, so this is a bug, not a
+                # full pool: it would fail only calls that drew long (issue 65's bias), so it
+                # fails loudly, and the session, whose cache lacks the batch's entries, ends.
+                self._runner.sessions.end(session_id)
+                raise SpecDecError(
+                    f"session {session_id!r} left a decode batch with {length} entries, more than the {room} "
+                    "its join reserved"
+                )
+            session.cache.load(entries)  # one copy into its extent, within that room
         else:
             session.cache = plain_cache(entries)
 
     def close(self) -> None:
-        """Every session still in the batch leaves (`leave`)."""
+        """Every session still in the batch leaves (`leave`); one that cannot is ended (and
+        logged), and the others still leave."""
         for session in [*self.sessions, *self._joining]:
-            self.leave(session.session_id)
+            try:
+                self.leave(session.session_id)
+            except SpecDecError:
+                logger.exception("a decode batch ended a session it could not hand back")
         self._cache = None
 
 

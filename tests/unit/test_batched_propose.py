@@ -5,12 +5,14 @@ the sessions left behind."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
 from draft_service.runner import DraftRunner, ProposeCall
+from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import load_causal_lm
-from specdec.errors import InvalidArgument, SessionNotFound
+from specdec.errors import InvalidArgument, SessionNotFound, SpecDecError
 from specdec.sampling.probs import SamplingParams
 
 GREEDY = SamplingParams()
@@ -451,3 +453,38 @@ def test_a_static_decode_batch_that_outgrows_its_passes_goes_on_padded(loaded):
             torch.testing.assert_close(logits[static, index][sid], row, **PROB_TOLERANCE)
     assert_same_sessions(static, eager)
     assert {(b.sessions, b.tokens) for b in static.static._passes} == {(2, 5), (2, 1)}  # the two static steps
+
+
+def test_a_session_that_outgrew_its_reserved_room_fails_alone_loudly_and_is_ended(loaded, monkeypatch):
+    """Joining a decode batch reserves each session's room for every token its call may run,
+    so handing the cache back never needs more of the pool. If it ever did (a bug), that call
+    fails with INTERNAL and its session is ended (its cache lacks the batch's entries); the
+    other calls finish as they would alone and no other session is evicted for it."""
+    lone, batched = make_runner(loaded), make_runner(loaded)
+    vocab = loaded.vocab_size
+    prompt = tokens(8, 12, vocab)
+    for runner in (lone, batched):
+        runner.propose_one(ProposeCall("parent", 0, prompt, 4, GREEDY, 0, epoch=1))
+    calls = [
+        ProposeCall(f"hedge{j}", len(prompt) + j, [20 + j], 2 + j, GREEDY, 0, epoch=2, fork_from="parent")
+        for j in range(3)
+    ]
+    reserved = PoolCache.reserved_tokens
+
+    def lost_for_hedge1(self):
+        hedge1 = batched.sessions.peek("hedge1")
+        return 1 if hedge1 is not None and self is hedge1.cache else reserved.fget(self)
+
+    monkeypatch.setattr(PoolCache, "reserved_tokens", property(lost_for_hedge1))
+    passes = batched.batched_forwards
+    results = batched.propose_batch(calls)
+    assert batched.batched_forwards - passes == 4  # the batch ran on: the failure came as hedge1 left it
+    assert isinstance(results[1], SpecDecError) and results[1].code == grpc.StatusCode.INTERNAL
+    assert "more than the 1 its join reserved" in str(results[1])
+    assert batched.sessions.peek("hedge1") is None and batched.sessions.evicted == 0
+    assert_same([results[0], results[2]], alone(lone, [calls[0], calls[2]]))
+    for session_id in ("parent", "hedge0", "hedge2"):
+        a, b = batched.sessions.peek(session_id), lone.sessions.peek(session_id)
+        assert a.tokens == b.tokens and a.cached_tokens == b.cached_tokens
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, atol=1e-5, rtol=1e-5)
