@@ -12,6 +12,9 @@ os.environ.setdefault("SPECDEC_TARGET_CALIBRATE", "off")
 os.environ.setdefault("SPECDEC_DRAFT_CALIBRATE", "off")
 # ... and drafts of exactly K (confidence stops have tests of their own).
 os.environ.setdefault("SPECDEC_DRAFT_MIN_CONFIDENCE", "0")
+# Services started as processes fork from one that imported torch and transformers once
+# (specdec.tools.forkserver): nearly all of a model service's start-up is those imports.
+os.environ.setdefault("SPECDEC_FORK_SERVICES", "1")
 # The parallel tier's workers (pytest-xdist) share the machine's cores, three on two. Each
 # would run torch with one intra-op thread per core, and OpenMP's idle threads spin after
 # every op of the tiny models: they took cores from the other workers. One thread each, as

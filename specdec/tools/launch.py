@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.rpc.ports import free_port
+from specdec.tools.forkserver import ForkedProcess, ForkServer
 
 COORDINATOR_START_S = 120.0  # a coordinator loads no model: a minute or two is a hung one
 
@@ -27,7 +28,7 @@ COORDINATOR_START_S = 120.0  # a coordinator loads no model: a minute or two is 
 class ServiceProcess:
     name: str
     address: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log: Path
     local_address: str | None = None  # on a testbed host: the service itself, behind its link
     coordinator: bool = False  # calls the other services, so stop_all stops it before them
@@ -124,7 +125,9 @@ def spawn(
     command (`ip netns exec NAME` runs it on a testbed's host: specdec.tools.testbed). `cpus`:
     the cores it may run on (`taskset`; one machine standing in for separate nodes, each
     service's threads one per core: ModelServiceConfig.torch_threads); () leaves it as this
-    process is."""
+    process is. With SPECDEC_FORK_SERVICES=1 in this process's environment (the tests set it),
+    a service with neither is forked from one that imported torch and transformers once
+    (specdec.tools.forkserver) instead of starting a fresh interpreter."""
     log.parent.mkdir(parents=True, exist_ok=True)
     given: dict[str, str | None] = {
         **os.environ,
@@ -134,13 +137,18 @@ def spawn(
         **(env or {}),
     }
     full_env = {name: value for name, value in given.items() if value is not None}
-    process = subprocess.Popen(
-        [*prefix, *pinned_to(cpus), sys.executable, "-m", module, "--metrics-port", "0", *args, "--port", str(port)],
-        cwd=cwd,
-        env=full_env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    argv = ["--metrics-port", "0", *args, "--port", str(port)]
+    process: subprocess.Popen | ForkedProcess
+    if os.environ.get("SPECDEC_FORK_SERVICES") == "1" and not prefix and not cpus:
+        process = ForkServer.shared().spawn(module, argv, full_env, cwd, log)  # imports done once
+    else:
+        process = subprocess.Popen(
+            [*prefix, *pinned_to(cpus), sys.executable, "-m", module, *argv],
+            cwd=cwd,
+            env=full_env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log, coordinator=module.endswith("coordinator"))
 
 

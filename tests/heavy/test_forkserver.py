@@ -1,0 +1,61 @@
+"""Services forked from one process that imported torch and transformers once
+(specdec.tools.forkserver): each child runs as `python -m module args` would, and its handle
+answers as subprocess.Popen's does."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from specdec.tools.forkserver import ForkServer
+
+PROBE = """\
+import os, random, sys, time
+print("argv", sys.argv[1:], "name", __name__)
+print("cwd", os.getcwd(), "env", os.environ.get("PROBE"), "home", os.environ.get("HOME"))
+print("random", random.random(), flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def probe(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def test_a_forked_child_runs_as_python_m_would_with_its_own_exit_code_log_and_draws(probe):
+    server = ForkServer.shared()
+    logs = [probe / f"child{i}.log" for i in range(2)]
+    children = [
+        server.spawn("probe", ["run", str(3 + i)], {"PROBE": f"p{i}"}, probe, log) for i, log in enumerate(logs)
+    ]
+    assert [child.wait(timeout=60) for child in children] == [3, 4]
+    assert [child.returncode for child in children] == [3, 4] and children[0].poll() == 3
+    texts = [log.read_text() for log in logs]
+    assert "argv ['run', '3'] name __main__" in texts[0] and "argv ['run', '4']" in texts[1]
+    assert f"cwd {probe} env p0 home None" in texts[0]  # exactly the environment given
+    draws = [text.split("random ")[1].split()[0] for text in texts]
+    assert draws[0] != draws[1]  # generators seeded again in each child
+
+
+def test_a_signalled_child_reports_it_as_popen_does_and_waiting_can_time_out(probe):
+    server = ForkServer.shared()
+    child = server.spawn("probe", ["sleep", "0"], {}, probe, probe / "sleep.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.5)
+    assert child.poll() is None
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM
+    child.kill()  # gone already: nothing happens
+
+
+def test_a_child_that_raises_exits_1_with_the_traceback_in_its_log(probe):
+    (probe / "broken.py").write_text("raise RuntimeError('boom')\n")
+    child = ForkServer.shared().spawn("broken", [], {}, probe, probe / "broken.log")
+    assert child.wait(timeout=60) == 1
+    assert "RuntimeError: boom" in (probe / "broken.log").read_text()
