@@ -59,10 +59,15 @@ def _child(request: dict) -> None:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
             if not isinstance(exit_.code, int | None):
                 print(exit_.code, file=sys.stderr)
-        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - the child's own failure, to its log
         traceback.print_exc()
     finally:
+        # As an interpreter's exit: wait for non-daemon threads, then the atexit handlers.
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -72,8 +77,13 @@ def _child(request: dict) -> None:
 
 
 def serve() -> None:
-    """The fork server: reads one JSON request a line on stdin, forks it, writes `pid N`, and
-    `exit N CODE` (Popen's returncode: -signal for a signal) as each child ends."""
+    """The fork server: reads one JSON request a line on stdin, forks it, writes `pid N` (or
+    `failed ERRNO`), and `exit N CODE` (Popen's returncode: -signal for a signal) as each
+    child ends. It ends at the end of its input; children still running go on, as Popen's
+    children do when their parent exits."""
+    from specdec.engine.openmp import limit_spinning
+
+    limit_spinning()  # as each service's __main__ does: libgomp reads it once, when torch loads
     for module in PRELOAD:
         __import__(module)
     wake_read, wake_write = os.pipe()
@@ -100,8 +110,16 @@ def serve() -> None:
             if not line:
                 return
             out.flush()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                out.write(f"failed {exc.errno}\n")
+                out.flush()
+                continue
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                os.close(wake_read)
+                os.close(wake_write)
                 _child(json.loads(line))
             out.write(f"pid {pid}\n")
             out.flush()
@@ -112,6 +130,7 @@ class ForkServer:
 
     _shared: ForkServer | None = None
     _shared_lock = threading.Lock()
+    owner = 0  # the pid of the process it answers: a forked copy of that process needs its own
 
     def __init__(self) -> None:
         root = Path(__file__).resolve().parents[2]
@@ -127,28 +146,32 @@ class ForkServer:
         self._pids: list[int] = []
         self.exits: dict[int, int] = {}
         self.gone = False
+        self.owner = os.getpid()
         threading.Thread(target=self._read, daemon=True, name="forkserver").start()
 
     @classmethod
     def shared(cls) -> ForkServer:
         with cls._shared_lock:
-            if cls._shared is None or cls._shared._process.poll() is not None:
-                cls._shared = ForkServer()
-            return cls._shared
+            shared = cls._shared
+            if shared is None or shared.gone or shared.owner != os.getpid():
+                cls._shared = shared = ForkServer()
+            return shared
 
     def _read(self) -> None:
         assert self._process.stdout is not None
-        for line in self._process.stdout:
-            kind, pid, *code = line.decode().split()
-            with self._changed:
-                if kind == "pid":
-                    self._pids.append(int(pid))
-                else:
-                    self.exits[int(pid)] = int(code[0])
+        try:
+            for line in self._process.stdout:
+                kind, *numbers = line.decode(errors="replace").split()
+                with self._changed:
+                    if kind in ("pid", "failed") and len(numbers) == 1:
+                        self._pids.append(int(numbers[0]) if kind == "pid" else -1)
+                    elif kind == "exit" and len(numbers) == 2:
+                        self.exits[int(numbers[0])] = int(numbers[1])
+                    self._changed.notify_all()
+        finally:
+            with self._changed:  # it exited (or this thread failed): no more answers will come
+                self.gone = True
                 self._changed.notify_all()
-        with self._changed:  # it exited: no child's end will be reported any more
-            self.gone = True
-            self._changed.notify_all()
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: Path | None, log: Path) -> ForkedProcess:
         request = {"module": module, "args": args, "env": env, "cwd": str(cwd or Path.cwd()), "log": str(log)}
@@ -157,11 +180,14 @@ class ForkServer:
             self._process.stdin.write((json.dumps(request) + "\n").encode())
             self._process.stdin.flush()
             with self._changed:
-                if not self._changed.wait_for(lambda: self._pids or self._process.poll() is not None, timeout=120):
+                if not self._changed.wait_for(lambda: self._pids or self.gone, timeout=120):
                     raise RuntimeError("the fork server did not answer")
                 if not self._pids:
-                    raise RuntimeError(f"the fork server exited with {self._process.returncode}")
-                return ForkedProcess(self._pids.pop(0), self)
+                    raise RuntimeError(f"the fork server exited with {self._process.poll()}")
+                pid = self._pids.pop(0)
+                if pid < 0:
+                    raise RuntimeError(f"the fork server could not fork {module}")
+                return ForkedProcess(pid, self)
 
 
 class ForkedProcess:

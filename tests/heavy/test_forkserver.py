@@ -54,8 +54,19 @@ def test_a_signalled_child_reports_it_as_popen_does_and_waiting_can_time_out(pro
     child.kill()  # gone already: nothing happens
 
 
-def test_a_child_that_raises_exits_1_with_the_traceback_in_its_log(probe):
-    (probe / "broken.py").write_text("raise RuntimeError('boom')\n")
-    child = ForkServer.shared().spawn("broken", [], {}, probe, probe / "broken.log")
-    assert child.wait(timeout=60) == 1
-    assert "RuntimeError: boom" in (probe / "broken.log").read_text()
+def test_a_child_ends_as_an_interpreter_does_waiting_for_threads_then_atexit(probe):
+    """Its non-daemon threads are joined and its atexit handlers run, after an exception too."""
+    (probe / "ending.py").write_text(
+        "import atexit, sys, threading, time\n"
+        "atexit.register(print, 'atexit ran', flush=True)\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise RuntimeError('boom')\n"
+    )
+    server = ForkServer.shared()
+    for how, code in (("return", 0), ("raise", 1)):
+        log = probe / f"{how}.log"
+        assert server.spawn("ending", [how], {}, probe, log).wait(timeout=60) == code
+        text = log.read_text()
+        assert text.index("thread done") < text.index("atexit ran"), text
+        assert ("RuntimeError: boom" in text) == (how == "raise")
