@@ -155,17 +155,19 @@ class AdaptiveK:
         self.history.append(k)
 
     def pick(self) -> int:
-        """The best K for the estimated α; but K = 1, not 0, while K > 0 would pay for an α
-        one standard error higher. Why: a K = 0 round teaches nothing about α, so choosing for
-        the estimate alone lets an early rejection (or the prior) park a request at K = 0
-        between probes although its drafts are good, which costs most where acceptance is
-        high. A one-draft round costs little where K = 0 and K = 1 are close in value, and the
-        uncertainty shrinks as drafts are evaluated, so a draft that is truly poor still
-        settles at K = 0 with probes. Evidence: docs/design.md, "The K chooser"."""
+        """The best K for the estimated α; but the best K > 0 for it (a probe's K), not 0,
+        while K > 0 would pay for an α one standard error higher. Why: a K = 0 round teaches
+        nothing about α, so choosing for the estimate alone lets an early rejection (or the
+        prior) park a request at K = 0 between probes although its drafts are good, which
+        costs most where acceptance is high. Such a round costs little where K = 0 and the
+        best K > 0 are close in value, and the uncertainty shrinks as drafts are evaluated, so
+        a draft that is truly poor still settles at K = 0 with probes. Not K = 1 whatever the
+        costs: where a draft step is dear and verifying more costs little (captured passes),
+        one draft is the worst K > 0. Evidence: docs/design.md, "The K chooser"."""
         k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
         if self.loaded:
-            # Shared services: speculate only for a clear gain, never on a hunch (no one-draft
-            # rounds, probes only where a plausible α would clear the bar). On a shared host
+            # Shared services: speculate only for a clear gain, never on a hunch (probes
+            # only where a plausible α would clear the bar). On a shared host
             # none at all: a probe's calls take its session out of the others' batch, and its
             # multi-step calls then miss that batch at every boundary after (module docstring).
             if k and self.gain(k, self.alpha) < LOAD_GAIN:
@@ -178,7 +180,7 @@ class AdaptiveK:
         else:
             plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
             if k == 0 and self.k_max and plausible:
-                k = 1
+                k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
             may_probe = True
         if k == 0 and self.k_max and self.probe_every and may_probe and self.zero_streak >= self.probe_interval:
             k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)

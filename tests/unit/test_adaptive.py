@@ -125,6 +125,24 @@ def test_an_early_rejection_does_not_park_a_request_for_the_full_probe_interval(
         assert sum(1 for k in ks[16:] if k) <= 3, ks
 
 
+# One H200's captured passes (bench/profiles/h200-captured-*.json, 1.5B target, 0.5B draft):
+# a draft step is 0.73 of a one-token target pass, and verifying 9 tokens costs 1.12 of one.
+CAPTURED_TARGET = (4.2, 4.6, 4.61, 4.62, 4.63, 4.64, 4.65, 4.66, 4.67)
+CAPTURED_DRAFT = (3.09,) * 9
+
+
+def test_a_hunch_drafts_the_best_k_for_the_estimate_not_one_draft():
+    """Target-only wins at α 0.9 here, and K > 0 would pay an α one standard error higher, so
+    the round drafts on a hunch: at K = 3, the best K > 0 at 0.9 (0.98 of target-only's rate),
+    not one draft (0.90, the worst)."""
+    costs = RoundCosts(CAPTURED_DRAFT, CAPTURED_TARGET, 0.8, 0.8, target_only_steps=4)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
+    assert best_k(chooser.alpha, costs, 8, pipelined=False) == 0
+    assert best_k(chooser.optimistic_alpha, costs, 8, pipelined=False) > 0
+    assert chooser.pick() == 3
+    assert chooser.gain(3, 0.9) > 0.97 > 0.91 > chooser.gain(1, 0.9)
+
+
 def test_chooser_history_depends_only_on_outcomes():
     """No clocks: the same outcomes give the same Ks (a seed's output is reproducible)."""
 
@@ -217,8 +235,8 @@ def test_the_chooser_learns_how_often_hedges_rescue_a_rejection():
     assert chooser.rescue == pytest.approx((1 + 3) / (2 + 4))
 
 
-def test_under_load_a_near_tie_stays_target_only_without_one_draft_rounds_or_probes():
-    """Alone, the chooser drafts one token where K > 0 would pay at a plausibly higher α, and
+def test_under_load_a_near_tie_stays_target_only_without_hunches_or_probes():
+    """Alone, the chooser drafts on a hunch where K > 0 would pay at a plausibly higher α, and
     probes after K = 0 rounds. Sharing the target, it speculates only for a clear gain
     (LOAD_GAIN): a near tie in the lockstep model was 0.3x target-only on 2 shared cores."""
     single = tuple(50.0 + 2.0 * n for n in range(9))
