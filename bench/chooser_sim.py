@@ -7,7 +7,8 @@ cost model (coordinator.round_costs.RoundCosts) says it costs on a pair of pass-
 (bench/profiles/). What it shows is how much the choosing itself loses (the rounds spent
 learning α: hunches, probes) against the best K fixed in advance on the same profile and α,
 which the chooser cannot know. Sequential rounds, a request alone on its target; a target-only
-call runs the steps `coordinator.rounds.steps_per_call` gives it, the first round one step.
+call runs the steps `coordinator.rounds.steps_per_call` gives the coordinator's default (the
+first round one step), and a round drafts at most the tokens left but one, as the coordinator's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 
 from bench.accelerator import profile
 from coordinator.adaptive import AdaptiveK
+from coordinator.config import CoordinatorConfig
 from coordinator.round_costs import RoundCosts
 from coordinator.rounds import steps_per_call
 
@@ -38,7 +40,8 @@ def pair_costs(target: str, draft: str, rpc_ms: float, context: int = 128) -> Ro
         return tuple(profile(name).ms(n, context) for n in range(1, K_MAX + 2))
 
     costs = RoundCosts(passes(draft), passes(target), rpc_ms, rpc_ms)
-    return dataclasses.replace(costs, target_only_steps=steps_per_call(1, costs))
+    steps = steps_per_call(CoordinatorConfig.target_only_steps, costs)  # as Choosers.k_chooser costs them
+    return dataclasses.replace(costs, target_only_steps=steps)
 
 
 def run(costs: RoundCosts, alpha: float, tokens: int, rng: random.Random, k: int | None = None) -> float:
@@ -46,7 +49,7 @@ def run(costs: RoundCosts, alpha: float, tokens: int, rng: random.Random, k: int
     chooser = AdaptiveK(k_max=K_MAX, pipelined=False, costs=costs)
     done, ms = 0, 0.0
     while done < tokens:
-        chosen = chooser.choose() if k is None else k
+        chosen = min(chooser.choose() if k is None else k, tokens - done - 1)  # rounds.k_limit
         if chosen == 0:
             steps = min(costs.target_only_steps if done else 1, tokens - done)
             ms, done = ms + steps * costs.verify_ms(0), done + steps
@@ -74,7 +77,7 @@ def ratio(costs: RoundCosts, alpha: float, tokens: int, requests: int, seed: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens a request generates")
-    parser.add_argument("--requests", type=int, default=200, help="requests per cell")
+    parser.add_argument("--requests", type=int, default=100, help="requests per cell")
     parser.add_argument("--rpc-ms", type=float, default=0.8, help="a call's cost outside the passes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -76,7 +76,7 @@ async def test_chooser_settles_at_zero_when_verify_cost_grows_steeply(tiny_pair,
             ks = list(chosen.stats.k_per_round)
             assert ks.count(0) >= 0.8 * len(ks), ks
             # Speculative rounds are short probes between runs of K = 0 rounds (a probe that
-            # was accepted may be followed by one more one-draft round: AdaptiveK.choose).
+            # was accepted may be followed by one more round on a hunch: AdaptiveK.pick).
             runs = "".join("x" if k else "." for k in ks).split(".")
             assert max(len(run) for run in runs) <= 2, f"{ks}"
             sampled = [await generate(stack, prompt, temperature=0.8, seed=11) for _ in range(2)]

@@ -126,7 +126,7 @@ def test_an_early_rejection_does_not_park_a_request_for_the_full_probe_interval(
 
 
 # One H200's captured passes (bench/profiles/h200-captured-*.json, 1.5B target, 0.5B draft):
-# a draft step is 0.73 of a one-token target pass, and verifying 9 tokens costs 1.12 of one.
+# a draft step is 0.73 of a one-token target pass, and verifying 9 tokens costs 1.11 of one.
 CAPTURED_TARGET = (4.2, 4.6, 4.61, 4.62, 4.63, 4.64, 4.65, 4.66, 4.67)
 CAPTURED_DRAFT = (3.09,) * 9
 
