@@ -107,7 +107,12 @@ class Streams:
     def __enter__(self) -> Streams:
         started = time.monotonic()
         self._thread.start()
-        time.sleep(1.0)  # streaming before the first hostile call
+        # Streaming for a second and at least 20 chunks before the first hostile call.
+        while time.monotonic() < started + 1.0 or len(self._arrivals) < 20:
+            if time.monotonic() > started + 60 or not self._thread.is_alive():
+                self.__exit__()
+                raise AssertionError(f"the stream gave {len(self._arrivals)} chunks in a minute")
+            time.sleep(0.05)
         calm = self.largest_gap(started, time.monotonic())
         self.max_gap = min(SLOWEST_GAP_S, max(MAX_GAP_S, 2 * calm))
         return self
