@@ -177,14 +177,18 @@ class AdaptiveK:
             may_probe = (
                 not self.costs.shared_host and bool(plausible) and self.gain(plausible, plausible_alpha) >= LOAD_GAIN
             )
+            hunch = False
         else:
             plausible = best_k(self.optimistic_alpha, self.costs, self.k_max, self.pipelined, rescue=self.rescue)
-            if k == 0 and self.k_max and plausible:
-                k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
-            may_probe = True
-        if k == 0 and self.k_max and self.probe_every and may_probe and self.zero_streak >= self.probe_interval:
+            may_probe, hunch = True, bool(plausible)
+        if k == 0 and self.k_max and (hunch or self._probe_due(may_probe)):
             k = best_k(self.alpha, self.costs, self.k_max, self.pipelined, k_min=1, rescue=self.rescue)
         return k
+
+    def _probe_due(self, may_probe: bool) -> bool:
+        """Whether a probe is due: `probe_interval` K = 0 rounds in a row (worked out only for
+        a K = 0 round without a hunch: it prices the best K at a plausible α)."""
+        return bool(self.probe_every) and may_probe and self.zero_streak >= self.probe_interval
 
     def choose_shape(self) -> tuple[int, tuple[int, ...]]:
         """(K, ()) for a chain round, or (0, tree_widths) where a tree (width, 1, …, 1) beats
