@@ -63,7 +63,8 @@ def run(costs: RoundCosts, alpha: float, tokens: int, rng: random.Random, k: int
 
 
 def ratio(costs: RoundCosts, alpha: float, tokens: int, requests: int, seed: int) -> tuple[float, int]:
-    """(the chooser's rate over the best fixed K's, that K), each over the same requests' draws."""
+    """(the chooser's rate over the best fixed K's, that K), each from the same seed (the
+    draws fall on different positions as the Ks differ: a shared seed, not matched draws)."""
 
     def rate(k: int | None) -> float:
         rng = random.Random(seed)
