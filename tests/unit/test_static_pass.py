@@ -19,6 +19,7 @@ from specdec.engine.attention import GROUPED, grouped_sdpa_forward
 from specdec.engine.features import FeatureTap
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import with_cache
+from specdec.engine.quantize import int8_supported, quantize_int8
 from specdec.engine.static_pass import (
     MAX_TOKENS,
     Bucket,
@@ -118,17 +119,31 @@ def test_static_passes_give_an_eager_passes_logits_over_the_same_pool(models, im
     assert max(b.length for b in passes._passes) == 512  # the 290-token prompt and its tail
 
 
-def test_one_session_row_wise_is_bit_for_bit_the_eager_pass(models):
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_one_session_row_wise_is_bit_for_bit_the_eager_pass(models, weights):
     """The row-wise attention's promise (a token's logits are the same in every pass) holds in
-    a static pass: its rows attend to gathered copies of the same entries, one row at a time."""
+    a static pass: its rows attend to gathered copies of the same entries, one row at a time.
+    The Linear layers must keep it too. int8 ones (what the target serves on CPU with this
+    attention) do at any thread count; float32 ones only on one thread: split over two, a
+    9-row product's sums are blocked otherwise than a 16-row one's (3e-8 apart here)."""
     model = models[attention.EVERY_ROW]
-    pool = poisoned_pool()
-    passes = StaticPasses(model, pool, max_sessions=1, max_length=1024, capture=False)
-    cache, reference = pool.open(4), pool.open(4)
-    for count in (30, 1, 5, 4, 1, 9):
-        run = tokens(count, count)
-        got = passes.run([Row(cache, run, keep=count)])[0]
-        assert torch.equal(got, eager(model, reference, run, count))
+    threads = torch.get_num_threads()
+    if weights == "int8":
+        if not int8_supported():
+            pytest.skip("this torch build has no fbgemm int8 kernels")
+        model = quantize_int8(copy.deepcopy(model))
+    else:
+        torch.set_num_threads(1)
+    try:
+        pool = poisoned_pool()
+        passes = StaticPasses(model, pool, max_sessions=1, max_length=1024, capture=False)
+        cache, reference = pool.open(4), pool.open(4)
+        for count in (30, 1, 5, 4, 1, 9, 17, 33):
+            run = tokens(count, count)
+            got = passes.run([Row(cache, run, keep=count)])[0]
+            assert torch.equal(got, eager(model, reference, run, count)), count
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", attention.EVERY_ROW])
