@@ -69,17 +69,22 @@ class ProposalBatch:
         later: list[int] = []
         for number, wave in enumerate(waves):
             joins = self.join if number == len(waves) - 1 else None  # after every call already here
-            active = start_each([todo[i] for i in wave], lambda index: runner._begin(calls[index]), self.results)
-            self._settle_failed([todo[i] for i in wave])
-            while active := [item for item in active if not self._ended(*item)]:
-                if all(runner._decodable(drafting) for _, drafting in active) and (
-                    len(active) > 1 or joins is not None
-                ):
-                    later += self._decode_together(active, joins)
-                    break
-                for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
-                    self._pass(active, group)
+            # No call of the wave evicts another's session, or a parent it forks (SessionStore.sharing).
+            with runner.sessions.sharing(name for i in wave for name in (calls[todo[i]].session_id, *reads[i])):
+                later += self._run_wave([todo[i] for i in wave], joins)
         return later
+
+    def _run_wave(self, wave: list[int], joins: Join | None) -> list[int]:
+        """The calls `wave` indexes (distinct sessions), stepped in passes; → as `_waves`."""
+        runner, calls = self.runner, self.calls
+        active = start_each(wave, lambda index: runner._begin(calls[index]), self.results)
+        self._settle_failed(wave)
+        while active := [item for item in active if not self._ended(*item)]:
+            if all(runner._decodable(drafting) for _, drafting in active) and (len(active) > 1 or joins is not None):
+                return self._decode_together(active, joins)
+            for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
+                self._pass(active, group)
+        return []
 
     def _pass(self, active: list[tuple[int, _Drafting]], group: list[int]) -> None:
         """One pass over active[position] for each position in `group`, and a draw for each."""

@@ -198,22 +198,22 @@ class TargetRunner(ModelRunner):
 
         Item i is what `verify_one(calls[i])` would return, or the exception it would raise:
         a bad call or unknown session fails alone. Two calls for the same session run one
-        after the other, in order.
-        """
+        after the other, in order."""
         results: list[Verification | Exception | None] = [None] * len(calls)
         for wave in call_waves([(call.session_id,) for call in calls]):
-            admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
-            for entry in [entry for entry in admitted if entry[1].call.feature_layers]:
-                # Its features are read off its own pass (FeatureTap); it runs alone.
-                self._verify_group([entry], False, results)
-                admitted.remove(entry)
-            # Chains and trees share passes among their own kind (a tree pass needs a 4D mask).
-            for trees in (False, True):
-                kind = [entry for entry in admitted if bool(entry[1].call.parents) == trees]
-                # A chain's pending tokens hold its drafts; a tree's nodes come after them.
-                sizes = [len(item.pending) + (len(item.call.draft_token_ids) if trees else 0) for _, item in kind]
-                for group in batch_groups(sizes, self.max_padding_ratio):
-                    self._verify_group([kind[position] for position in group], trees, results)
+            with self.sessions.sharing(calls[index].session_id for index in wave):  # none evicted for another
+                admitted = start_each(wave, lambda index: self._admit(calls[index]), results)
+                for entry in [entry for entry in admitted if entry[1].call.feature_layers]:
+                    # Its features are read off its own pass (FeatureTap); it runs alone.
+                    self._verify_group([entry], False, results)
+                    admitted.remove(entry)
+                # Chains and trees share passes among their own kind (a tree pass needs a 4D mask).
+                for trees in (False, True):
+                    kind = [entry for entry in admitted if bool(entry[1].call.parents) == trees]
+                    # A chain's pending tokens hold its drafts; a tree's nodes come after them.
+                    sizes = [len(item.pending) + (len(item.call.draft_token_ids) if trees else 0) for _, item in kind]
+                    for group in batch_groups(sizes, self.max_padding_ratio):
+                        self._verify_group([kind[position] for position in group], trees, results)
         return results  # type: ignore[return-value]
 
     def _verify_group(

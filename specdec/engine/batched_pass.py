@@ -43,14 +43,13 @@ class BatchRunner(Protocol):
     def _synchronize(self) -> None: ...
 
 
-def admit_session(
-    runner: BatchRunner, session: KVSession, extra_bytes: int, pending_bytes: int, busy: list[str]
-) -> Exception | None:
+def admit_session(runner: BatchRunner, session: KVSession, extra_bytes: int, pending_bytes: int) -> Exception | None:
     """Makes room in the KV budget for `session` to grow by `extra_bytes`, beside the
-    `pending_bytes` that the other sessions of the same pass (`busy`, never evicted for it)
-    add. A session that does not fit is ended, and its exception returned for its caller alone."""
+    `pending_bytes` that the other sessions of the same pass (never evicted for it: the caller
+    names them to `SessionStore.sharing`) add. A session that does not fit is ended, and its
+    exception returned for its caller alone."""
     try:
-        runner.sessions.make_room(session, extra_bytes, runner.kv_bytes_per_token, pending_bytes, busy)
+        runner.sessions.make_room(session, extra_bytes, runner.kv_bytes_per_token, pending_bytes)
     except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
         runner.sessions.end(session.session_id)
         return exc
@@ -234,8 +233,8 @@ class DecodeBatch:
         `forward_batch` admits a pass; it joins at the next pass. One that does not fit is ended
         and its exception returned, for its caller alone."""
         extra_bytes = new_tokens * self._runner.kv_bytes_per_token
-        busy = [member.session_id for member in (*self.sessions, *self._joining)]
-        failure = admit_session(self._runner, session, extra_bytes, 0, busy)
+        with self._runner.sessions.sharing(member.session_id for member in (*self.sessions, *self._joining)):
+            failure = admit_session(self._runner, session, extra_bytes, 0)
         if failure is None:
             self._joining.append(session)
             self._runner.sessions.hold(session.session_id, extra_bytes)

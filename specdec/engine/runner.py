@@ -338,7 +338,8 @@ class ModelRunner:
             return self._forward_each(sessions, token_ids, logits_to_keep, trees)
         results: list[torch.Tensor | Exception | None] = [None] * len(sessions)
         token_ids = list(token_ids)  # the blocks run ahead (_prefill_blocks) shorten an item
-        admitted = self._admit_batch(sessions, token_ids, logits_to_keep, trees, results)
+        with self.sessions.sharing(session.session_id for session in sessions):  # none evicted for another
+            admitted = self._admit_batch(sessions, token_ids, logits_to_keep, trees, results)
         if not admitted:
             return results  # type: ignore[return-value]
         chosen = [sessions[i] for i in admitted]
@@ -390,8 +391,7 @@ class ModelRunner:
         pending_bytes = 0
         for index, (session, tokens) in enumerate(zip(sessions, token_ids)):
             extra_bytes = (len(tokens) + (len(trees[index][0]) if trees is not None else 0)) * self.kv_bytes_per_token
-            busy = [sessions[earlier].session_id for earlier in admitted]
-            if (refused := admit_session(self, session, extra_bytes, pending_bytes, busy)) is not None:
+            if (refused := admit_session(self, session, extra_bytes, pending_bytes)) is not None:
                 results[index] = refused
                 continue
             pending_bytes += extra_bytes

@@ -7,9 +7,10 @@ its cache to that prefix and hands back only the tokens the model has not seen y
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -172,10 +173,12 @@ class SessionStore:
         self.evicted = 0  # sessions dropped to make room (not counting TTL expiry)
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
-        # Sessions a running decode batch holds (specdec.engine.batched_pass.DecodeBatch) → the
-        # bytes each was admitted to grow by there: counted for others' calls, never evicted
-        # (the batch would keep its pages, and the session would be lost for nothing).
+        # Never evicted, as their pass would keep their pages and they would be lost for nothing:
+        # sessions a running decode batch holds (specdec.engine.batched_pass.DecodeBatch) → the
+        # bytes each was admitted to grow by there (counted for others' calls), and the sessions
+        # of the calls being set up or run together (`sharing`).
         self._held: dict[str, int] = {}
+        self._sharing: frozenset[str] = frozenset()
         # Finished and idle sessions' prompt blocks; its bytes count in the KV budget and are
         # given up before any live session is evicted.
         self.prefix = prefix
@@ -191,42 +194,53 @@ class SessionStore:
         extra_bytes: int,
         bytes_per_token: int,
         pending_bytes: int = 0,
-        busy: Collection[str] = (),
     ) -> None:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
         sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
         cannot fit, saying by how much. `pending_bytes`: what other sessions sharing the same
         batched forward pass will add; they count toward the total but not toward `session`,
-        and those sessions (`busy`) are not evicted. A pool-backed session then reserves the
-        room in its extent, so no pass fails halfway for want of it."""
+        and those sessions (`sharing`) are not evicted. A pool-backed session then reserves
+        the room in its extent, so no pass fails halfway for want of it."""
         if self.max_kv_bytes:
-            self._fit_budget(session, extra_bytes, bytes_per_token, pending_bytes, busy)
+            self._fit_budget(session, extra_bytes, bytes_per_token, pending_bytes)
         if isinstance(pooled := session.cache, PoolCache):
             tokens = session.cached_tokens + extra_bytes // max(bytes_per_token, 1)
-            self._with_room(lambda: pooled.reserve(tokens), session, busy)
+            self._with_room(lambda: pooled.reserve(tokens), session)
 
-    def _fit_budget(
-        self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int, busy: Collection[str]
-    ) -> None:
+    def _fit_budget(self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int) -> None:
         needed = session.kv_bytes + extra_bytes
         if needed > self.max_kv_bytes:
             tokens = needed // bytes_per_token if bytes_per_token else 0
             raise ResourceExhausted(
                 f"session {session.session_id!r} would hold {needed} bytes of KV cache ({tokens} tokens at "
                 f"{bytes_per_token} bytes each); the service's KV budget (--max-kv-bytes) is {self.max_kv_bytes} "
-                "bytes, "
-                f"about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
+                f"bytes, about {self.max_kv_bytes // max(bytes_per_token, 1)} tokens"
             )
         batched = sum(grow for held_id, grow in self._held.items() if held_id != session.session_id)
         total = self.kv_bytes() + extra_bytes + pending_bytes + batched  # batched: what a decode batch may add
         if total > self.max_kv_bytes and self.prefix is not None:
             total -= self.prefix.evict(total - self.max_kv_bytes)
-        for session_id in list(self._sessions):  # least recently used first
+        spared = self._spared(session)
+        for session_id in [sid for sid in self._sessions if sid not in spared]:  # least recently used first
             if total <= self.max_kv_bytes:
                 break
-            if session_id == session.session_id or session_id in busy or session_id in self._held:
-                continue
             total -= self._evict(session_id)
+
+    def _spared(self, session: KVSession | None) -> set[str]:
+        """Never evicted for `session`: itself, a decode batch's (`hold`) and those of the
+        calls run or set up together with it (`sharing`)."""
+        return {*self._held, *self._sharing, *((session.session_id,) if session is not None else ())}
+
+    @contextlib.contextmanager
+    def sharing(self, session_ids: Iterable[str]) -> Iterator[None]:
+        """While the calls of one batch are set up and run, none of these sessions is evicted for
+        another; where nothing else can go, the call that does not fit is refused alone."""
+        before = self._sharing
+        self._sharing = before | {session_id for session_id in session_ids if session_id}
+        try:
+            yield
+        finally:
+            self._sharing = before
 
     def _evict(self, session_id: str) -> int:
         """Drops a session to make room; returns the bytes its entries held."""
@@ -234,11 +248,11 @@ class SessionStore:
         self.evicted += 1
         return evicted.kv_bytes
 
-    def _with_room(self, take: Callable[[], T], session: KVSession | None = None, busy: Collection[str] = ()) -> T:
+    def _with_room(self, take: Callable[[], T], session: KVSession | None = None) -> T:
         """take(), which takes pages of the KV pool: where none are free, the least recently
-        used sessions (not `session`, nor `busy` or `hold`-held ones) are evicted one by one until it fits;
+        used sessions (not those `_spared`) are evicted one by one until it fits;
         RESOURCE_EXHAUSTED once none is left to evict."""
-        spared = {*busy, *self._held, *((session.session_id,) if session is not None else ())}
+        spared = self._spared(session)
         while True:
             try:
                 return take()
@@ -345,8 +359,7 @@ class SessionStore:
         if not 0 < keep_tokens <= len(parent.tokens):
             raise InvalidArgument(
                 f"keep_tokens={keep_tokens} is outside session {parent_id!r}'s sequence of {len(parent.tokens)} "
-                "tokens; "
-                f"a fork keeps between 1 and {len(parent.tokens)}"
+                f"tokens; a fork keeps between 1 and {len(parent.tokens)}"
             )
         check_session_id(session_id)
         cache = self._with_room(
@@ -363,8 +376,7 @@ class SessionStore:
         return session
 
     def kv_bytes(self) -> int:
-        """KV bytes over all sessions and the prefix cache. Safe to call from another thread
-        (the metrics server): it reads a snapshot of the sessions and only sizes of tensors."""
+        """KV bytes over all sessions and the prefix cache. Safe from another thread (metrics)."""
         held = sum(session.kv_bytes for session in list(self._sessions.values()))
         return held + (self.prefix.bytes if self.prefix is not None else 0)
 
@@ -383,8 +395,7 @@ class SessionStore:
         return list(self._sessions)
 
     def peek(self, session_id: str) -> KVSession | None:
-        """The session, if held, without touching its recency."""
-        return self._sessions.get(session_id)
+        return self._sessions.get(session_id)  # without touching its recency
 
     def hold(self, session_id: str, extra_bytes: int) -> None:
         """A decode batch runs the session, admitted to grow by `extra_bytes` there."""

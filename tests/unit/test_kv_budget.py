@@ -10,7 +10,7 @@ from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.config.services import parse_bytes, parse_kv_budget
 from specdec.engine import memory
-from specdec.engine.kv_pool import PAGE_TOKENS
+from specdec.engine.kv_pool import PAGE_TOKENS, KVPool, kv_geometry
 from specdec.engine.memory import MemoryShare, kv_budget
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.runner import kv_bytes_per_token
@@ -87,6 +87,61 @@ def test_a_decode_batch_s_sessions_count_what_they_may_add_and_are_never_evicted
     batch.step({"a": [3], "b": [4]})
     batch.close()
     assert runner.sessions.kv_bytes() <= 100 * per
+
+
+def call(runner, session_id, keep, new_tokens) -> VerifyCall:
+    return VerifyCall(session_id, keep, new_tokens, [], torch.zeros(0, runner.loaded.vocab_size), GREEDY, 0)
+
+
+def tiny_pool(runner, pages: int) -> None:
+    """A pool of `pages` 64-token pages in place of the runner's, before any session opens: as
+    tight as a CUDA pool sized to its budget and a page a session."""
+    layers, heads, dim = kv_geometry(runner.model.config)
+    runner.pool = KVPool(layers, heads, dim, pages=pages, dtype=runner.model.dtype)
+
+
+def test_a_batched_verify_never_evicts_a_session_of_its_own_pass(loaded):
+    """Three sessions near the budget verify together: admitting one must not evict another
+    of the same pass (its pass keeps its entries; evicting it frees nothing, undercounts the
+    KV held, and loses a session whose call just succeeded). The budget is exceeded by the
+    pass's own growth, as a batch of calls admitted together may."""
+    per = kv_bytes_per_token(loaded.model)
+    runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4, max_kv_bytes=92 * per)
+    for session_id in "abc":
+        verify(runner, session_id, 0, [1 + (ord(session_id) + i) % 40 for i in range(30)])
+    results = runner.verify_batch([call(runner, session_id, 30, [5, 6, 7, 8]) for session_id in "abc"])
+    assert not any(isinstance(result, Exception) for result in results)
+    assert runner.sessions.evicted == 0 and runner.sessions.ids() == ["a", "b", "c"]
+    verify(runner, "b", 34, [9])  # still held
+
+
+def test_a_full_pool_refuses_the_call_that_does_not_fit_without_evicting_its_batch(loaded):
+    """Every page taken by the sessions of one batched verify: the one that must move to grow
+    is refused alone; the others are neither evicted for it nor lost."""
+    runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4)
+    tiny_pool(runner, 4)
+    for session_id in "abc":  # a page each, next to each other; one page free after c
+        verify(runner, session_id, 0, [1 + (ord(session_id) + i) % 40 for i in range(60)])
+    results = runner.verify_batch([call(runner, session_id, 60, [5, 6, 7, 8, 9, 10]) for session_id in "abc"])
+    assert isinstance(results[0], ResourceExhausted) and isinstance(results[1], ResourceExhausted)
+    assert not isinstance(results[2], Exception)  # c grows into the free page
+    assert runner.sessions.evicted == 0 and runner.sessions.ids() == ["c"]  # a and b failed and were ended
+    verify(runner, "c", 66, [9])
+
+
+def test_a_draft_call_opening_a_session_evicts_no_session_of_its_wave(loaded):
+    """A batch of Propose calls: opening a new session where the pool is full evicts the least
+    recently used session outside the batch, not one whose call runs in it."""
+    runner = DraftRunner(loaded, 8, 60, 8, proposal_top_k=0)
+    tiny_pool(runner, 3)
+    prompt = list(range(3, 13))
+    for session_id in ("b", "a", "idle"):  # b is the least recently used
+        runner.propose_one(ProposeCall(session_id, 0, prompt, 2, GREEDY, seed=0))
+    runner.propose_one(ProposeCall("a", 12, [5], 2, GREEDY, seed=0))  # "idle" is now older than "a"
+    calls = [ProposeCall("new", 0, prompt, 2, GREEDY, seed=0), ProposeCall("b", 12, [5], 2, GREEDY, seed=0)]
+    results = runner.propose_batch(calls)
+    assert not any(isinstance(result, Exception) for result in results), results
+    assert runner.sessions.evicted == 1 and sorted(runner.sessions.ids()) == ["a", "b", "new"]
 
 
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
