@@ -37,14 +37,27 @@ HTTP_STATUS = {
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields a request may carry only at the value that means "off" (the official client never
 # sends them unless asked); any other value is refused by name, never silently ignored.
+# null is "off" for each, as the official client sends it for an argument passed as None.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
-    "echo": (False,),
+    "best_of": (None, 1),
+    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
+    "functions": (None, []),  # the legacy form of tools
+    "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
+    # vLLM's extras that change the output: constrained decoding, EOS handling, other stops,
+    # other samplers, and the prompt's own logprobs.
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"), (None,)),
+    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens"), (None,)),
+    "ignore_eos": (None, False),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "min_p": (None, 0),
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {
@@ -137,6 +150,11 @@ def _string(body: dict, name: str) -> str:
     return value
 
 
+def _top_k(body: dict) -> int:
+    top_k = _number(body, "top_k", int, 0)
+    return 0 if top_k == -1 else top_k  # -1: vLLM's "off", as its clients send it
+
+
 def _tree_widths(body: dict) -> tuple[int, ...]:
     widths = body.get("tree_widths")
     if widths is None:
@@ -187,7 +205,7 @@ def _content(message: dict, index: int) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
@@ -222,12 +240,14 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     _check_off_values(body)
     fields = _chat_fields(body) if chat else _completion_fields(body)
     max_tokens = _number(body, "max_completion_tokens", int, _number(body, "max_tokens", int))
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad_request("stream must be true or false", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
+    if options and not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     request = _generation_request(body, chat, fields, max_tokens)
     n = _number(body, "n", int, 1)
     if not 1 <= n <= MAX_CHOICES:
@@ -239,9 +259,8 @@ def _check_off_values(body: dict) -> None:
     """Refuses a field this server does not serve unless it is at its "off" value (OFF_VALUES)."""
     for name, accepted in OFF_VALUES.items():
         if name in body and body[name] not in accepted:
-            raise bad_request(
-                f"{name}={shown(body[name])} is not supported; leave it out (or send {accepted[0]!r})", name
-            )
+            off = " or ".join(json.dumps(value) for value in accepted)
+            raise bad_request(f"{name}={shown(body[name])} is not supported; leave it out (or send {off})", name)
 
 
 def _chat_fields(body: dict) -> dict[str, Any]:
@@ -254,6 +273,7 @@ def _chat_fields(body: dict) -> dict[str, Any]:
         if not isinstance(message, dict):
             raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
         role = message.get("role")
+        role = "system" if role == "developer" else role  # OpenAI's newer name for the system turn
         if role not in CHAT_ROLES:
             raise bad_request(
                 f"messages[{index}].role is {shown(role)}; use one of {', '.join(CHAT_ROLES)}", "messages"
@@ -284,7 +304,7 @@ def _generation_request(body: dict, chat: bool, fields: dict[str, Any], max_toke
         # OpenAI's default temperature is 1; 0 is greedy, as in the gRPC API.
         temperature=_number(body, "temperature", float, 1.0),
         top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int, 0),
+        top_k=_top_k(body),
         seed=_number(body, "seed", int),
         stop=_stop(body),
         logit_bias=_logit_bias(body),
@@ -299,8 +319,10 @@ def _generation_request(body: dict, chat: bool, fields: dict[str, Any], max_toke
         relaxed_top_n=_number(body, "relaxed_top_n", int),
         relaxed_delta=_number(body, "relaxed_delta", float),
     )
-    if request.seed is not None and not 0 <= request.seed < 2**64:
-        raise bad_request(f"seed must be in [0, 2^64); got {shown(request.seed)}", "seed")
+    if request.seed is not None:  # any 64-bit integer, signed (as vLLM takes it) or not: its bits
+        if not -(2**63) <= request.seed < 2**64:
+            raise bad_request(f"seed must be a 64-bit integer, in [-2^63, 2^64); got {shown(request.seed)}", "seed")
+        request = dataclasses.replace(request, seed=request.seed % 2**64)
     logprobs, top_logprobs = _logprobs(body, chat)
     return dataclasses.replace(request, logprobs=logprobs, top_logprobs=top_logprobs)
 

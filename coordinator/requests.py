@@ -37,7 +37,8 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int] = ()
     max_new_tokens: int | None = None
     # Where max_new_tokens is unset: the rest of the model's context (up to the server's
-    # --max-new-tokens-limit), as vLLM's HTTP API does; otherwise CoordinatorConfig.default_max_new_tokens.
+    # --max-new-tokens-limit), and where set past it a refusal, as vLLM's HTTP API does;
+    # otherwise CoordinatorConfig.default_max_new_tokens, and a generation the context cuts short.
     fill_context: bool = False
     temperature: float = 0.0
     top_k: int = 0
@@ -272,6 +273,12 @@ def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig, con
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(
             f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}",
+            field="max_new_tokens",
+        )
+    if request.fill_context and max_new_tokens > context_left:  # the HTTP API's: refused, as vLLM's and OpenAI's
+        raise InvalidArgument(
+            f"max_new_tokens={max_new_tokens} does not fit: the prompt leaves {context_left} tokens of the model's "
+            f"context; ask for at most {context_left}, or shorten the prompt",
             field="max_new_tokens",
         )
     return max_new_tokens

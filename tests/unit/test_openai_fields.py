@@ -1,6 +1,7 @@
 """Request fields the OpenAI-compatible API does not know are left out and logged once, as
-vLLM's server does; a known field set to what it cannot do is still refused; an unset
-max_tokens is the rest of the context, as vLLM's."""
+vLLM's server does; a known field set to what it cannot do (vLLM's extras that change the
+output included) is still refused; null is a field's default; an unset max_tokens is the rest
+of the context, and one past it a 400, as vLLM's."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.openai_api import OpenAIApi
-from coordinator.openai_schema import ApiError, parse_body
+from coordinator.openai_schema import ApiError, api_error, parse_body
 from coordinator.requests import GenerationRequest, prepare_job
+from specdec.errors import InvalidArgument
 from specdec.tools.testing import byte_level_tokenizer
 from tests.unit.test_rounds import PAIR
 
 
 def test_unknown_fields_are_left_out_and_named():
-    parsed = parse_body({"prompt": "a", "max_tokens": 3, "frobnicate": 1, "guided_json": {}}, chat=False)
-    assert parsed.ignored == ("frobnicate", "guided_json")
+    parsed = parse_body({"prompt": "a", "max_tokens": 3, "frobnicate": 1, "prediction": {}}, chat=False)
+    assert parsed.ignored == ("frobnicate", "prediction")
     plain = parse_body({"prompt": "a", "max_tokens": 3}, chat=False)
     assert parsed.request == plain.request and plain.ignored == ()
 
@@ -32,6 +34,56 @@ def test_a_known_field_the_server_cannot_honour_is_still_refused(body, field):
     with pytest.raises(ApiError) as error:
         parse_body(body, chat=False)
     assert (error.value.status, error.value.param) == (400, field)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_json": {"type": "object"}},
+        {"guided_choice": ["yes", "no"]},
+        {"ignore_eos": True},
+        {"min_tokens": 50},
+        {"stop_token_ids": [5]},
+        {"include_stop_str_in_output": True},
+        {"min_p": 0.1},
+        {"functions": [{"name": "f", "parameters": {}}]},
+        {"function_call": "auto"},
+    ],
+)
+def test_a_field_that_would_change_the_output_is_refused_not_dropped(extra):
+    """vLLM serves these; dropping them would answer 200 with output the caller did not ask for."""
+    with pytest.raises(ApiError) as error:
+        parse_body({"messages": [{"role": "user", "content": "hi"}], **extra}, chat=True)
+    assert (error.value.status, error.value.param) == (400, next(iter(extra)))
+    off = {"guided_json": None, "ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "min_p": 0}
+    parse_body({"messages": [{"role": "user", "content": "hi"}], **off}, chat=True)  # "off" values pass
+
+
+@pytest.mark.parametrize("field", ["stream", "echo", "best_of", "seed", "top_k", "stop", "logit_bias"])
+def test_null_is_the_field_s_default(field):
+    """The official client sends null for an argument passed as None."""
+    assert parse_body({"prompt": "a", field: None}, chat=False) == parse_body({"prompt": "a"}, chat=False)
+
+
+def test_vllm_s_spellings_of_off_and_of_the_system_turn_are_taken():
+    """top_k -1 is vLLM's "off"; a negative seed is its 64 bits; the developer role is
+    OpenAI's newer name for the system turn; text parts join with newlines, as vLLM joins them."""
+    assert parse_body({"prompt": "a", "top_k": -1}, chat=False).request.top_k == 0
+    assert parse_body({"prompt": "a", "seed": -1}, chat=False).request.seed == 2**64 - 1
+    with pytest.raises(ApiError):
+        parse_body({"prompt": "a", "seed": -(2**63) - 1}, chat=False)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert parse_body({"messages": messages}, chat=True).request.messages == (
+        ("system", "Be brief."),
+        ("user", "Hello\nWorld"),
+    )
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(ApiError) as error:
+        parse_body({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
+    assert error.value.param == "stream_options"
 
 
 def test_each_ignored_field_is_logged_once(caplog):
@@ -66,3 +118,19 @@ def test_an_unset_max_tokens_is_the_rest_of_the_context(body, limit, expected):
     # The gRPC API's unset max_new_tokens stays the server's default_max_new_tokens (64).
     grpc_request = dataclasses.replace(GenerationRequest(prompt="abc"), max_new_tokens=None)
     assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == 8
+
+
+def test_a_max_tokens_past_the_context_is_refused_naming_what_fits():
+    """vLLM and OpenAI answer 400 rather than cutting the answer short with finish_reason
+    length; the gRPC API keeps cutting it short (its callers may generate to the context's end)."""
+    config = CoordinatorConfig(draft_address="d:1", target_address="t:1", tokenizer="t")
+    tokenizer = byte_level_tokenizer()
+    left = PAIR.max_context - 3
+    assert prepare_job(parse_body({"prompt": "abc", "max_tokens": left}, chat=False).request, config, PAIR, tokenizer)
+    with pytest.raises(InvalidArgument) as refused:
+        prepare_job(parse_body({"prompt": "abc", "max_tokens": left + 1}, chat=False).request, config, PAIR, tokenizer)
+    error = api_error(refused.value)
+    assert (error.status, error.param) == (400, "max_tokens") and f"at most {left}" in error.message
+    assert "max_tokens=" in error.message
+    grpc_request = GenerationRequest(prompt="abc", max_new_tokens=left + 1)
+    assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == left + 1
