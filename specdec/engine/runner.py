@@ -30,7 +30,7 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import KVSession, SessionStore
 from specdec.engine.static_pass import Row, StaticPasses, static_passes_for, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_forward
-from specdec.errors import ModelOutputError
+from specdec.errors import InvalidArgument, ModelOutputError
 
 # A per-token exact runner's longest pass over tokens it only needs the last logits of (a
 # prompt, a re-prefill): the same entries however a run is cut, and shorter passes keep the
@@ -62,21 +62,21 @@ class ModelRunner:
         self.model = loaded.model
         self.weights = served_weights(self.model)  # as served: quantised, its head cut (the loader's done)
         self.max_speculative_tokens = max_speculative_tokens
-        prefix = None
-        if prefix_cache_bytes:
-            if not batchable_cache(DynamicCache(config=self.model.config)):
-                raise ValueError(
-                    f"--prefix-cache-bytes needs a model whose KV cache is plain full attention; {loaded.model_id} "
-                    "has sliding-window or other layers, whose entries a block cannot be cut from"
-                )
-            prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes)
+        # Plain full-attention layers only (no sliding windows): the pool, token trees and prefix blocks need them.
+        self.trees = plain = batchable_cache(DynamicCache(config=self.model.config))
+        if prefix_cache_bytes and not plain:
+            raise ValueError(
+                f"--prefix-cache-bytes needs a model whose KV cache is plain full attention; {loaded.model_id} "
+                "has sliding-window or other layers, whose entries a block cannot be cut from"
+            )
+        prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes) if prefix_cache_bytes else None
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
         max_kv_bytes = kv_budget(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device)
         # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place, but for
         # models with other layer kinds (sliding windows) or over several devices: transformers' own cache.
         self.pool: KVPool | None = None
-        if batchable_cache(DynamicCache(config=self.model.config)) and loaded.device_label != "auto":
+        if plain and loaded.device_label != "auto":
             device, parallel = loaded.device, loaded.tensor_parallel_size
             size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, device)
             self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel)
@@ -123,7 +123,7 @@ class ModelRunner:
             pass_cost_profile=self.pacer.profile.name if self.pacer else "",
             static_passes=self.static.describe() if self.static is not None else "",
             emulation_overruns=self.pacer.overruns if self.pacer else 0,
-            trees=True,  # both model runners score token trees (forward_tree)
+            trees=self.trees,  # both model runners score token trees (forward_tree), but over sliding windows
             max_batch_size=self.max_batch_size,
             prefix_cache=self.sessions.prefix.figures() if self.sessions.prefix is not None else (),
             **self._cost_fields(),
@@ -211,9 +211,10 @@ class ModelRunner:
         """specdec.engine.tree_pass.tree_forward on the session's cache, admitted to the KV budget as
         `forward` admits a pass; records the nodes it leaves cached (KVSession.tree).
 
-        → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32
-        """
+        → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32"""
         ran = len(token_ids) - first_node + 1
+        if not self.trees:  # a tree's mask would leave a sliding window out (Info.trees says so)
+            raise InvalidArgument(f"{self.loaded.model_id} has sliding-window attention layers: it serves no trees")
         try:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
             new_tokens = self._prefill_blocks(session, new_tokens, 1)[0] if new_tokens else new_tokens
@@ -238,10 +239,9 @@ class ModelRunner:
 
     @property
     def per_token_exact(self) -> bool:
-        """Every solo pass computes each token exactly as any other pass would: per-row
-        attention over every row and per-token (int8) Linear layers (specdec.engine.attention).
-        Then every entry such a pass leaves is one a prefix cache may keep, and no prefill
-        needs cutting into blocks."""
+        """Every solo pass computes each token exactly as any other pass would (per-row attention
+        over every row, per-token int8 Linear layers: specdec.engine.attention), so a prefix cache
+        may keep every entry such a pass leaves, and no prefill needs cutting into blocks."""
         return bool(self.loaded.quantization) and self.model.config._attn_implementation == attention.EVERY_ROW
 
     def _prefill_blocks(
