@@ -94,16 +94,20 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
+# Dividing a logit by a smaller one, then by the least temperature, can overflow float32 to inf
+# (1e-40: every row NaN, every draw the last id); 0.01 leaves six orders of magnitude to spare.
+MIN_REPETITION_PENALTY = 0.01
 
 
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:
-    """InvalidArgument naming the field out of range (OpenAI's [-2, 2]; repetition in (0, 10])."""
+    """InvalidArgument naming the field out of range (OpenAI's [-2, 2]; repetition in [0.01, 10])."""
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
             raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]; got {value}", field=name)
-    if not (math.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+    if not (math.isfinite(repetition) and MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY):
         raise InvalidArgument(
-            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); got {repetition}",
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+            f"got {repetition}",
             field="repetition_penalty",
         )
 

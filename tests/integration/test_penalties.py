@@ -63,7 +63,8 @@ async def test_presence_and_frequency_penalties_keep_greedy_the_targets_own(stac
     [
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\]"),
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10\]"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 10\]"),
+        ({"repetition_penalty": 1e-40}, r"repetition_penalty must be in \[0.01, 10\]"),  # logits / it: inf
         ({"frequency_penalty": 0.5, "tree_widths": [2, 1]}, "penalties do not apply to token trees"),
     ],
 )
