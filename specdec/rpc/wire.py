@@ -127,8 +127,15 @@ def decode_distributions(
                     f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
                 )
             _check_probabilities(values)
-            inside = (ids >= 0) & (ids < vocab_size)
-            draft_probs[row, ids[inside]] = values[inside]
+            if ids.size and ids.min() < 0:
+                raise InvalidArgument(f"sparse distribution {row} names a negative token id")
+            inside = ids < vocab_size
+            kept_ids, kept = ids[inside], values[inside]
+            draft_probs[row, kept_ids] = kept
+            # An id named twice with two values: the last is written, and the coordinator's
+            # acceptance test (token_probability) reads the first. A gather finds it (a sort costs more).
+            if not np.array_equal(draft_probs[row, kept_ids], kept):
+                raise InvalidArgument(f"sparse distribution {row} names a token id twice, with two probabilities")
         elif kind == "dense":
             values = decode_dense(dist.dense)[:vocab_size]
             _check_probabilities(values)
@@ -297,8 +304,8 @@ def features_from_pb(features: common_pb2.Features) -> tuple[int, torch.Tensor]:
     item = FEATURE_ITEM_BYTES.get(features.dtype)
     if item is None:
         raise InvalidArgument(f"features.dtype {features.dtype!r} is not one of {sorted(FEATURE_ITEM_BYTES)}")
-    if features.start < 0 or features.rows < 0 or features.width < 0:
-        raise InvalidArgument("features: start, rows and width must be >= 0")
+    if features.start < 0 or features.rows < 0 or features.width < 0 or (features.rows and not features.width):
+        raise InvalidArgument("features: start, rows and width must be >= 0, and rows come with a width")
     if len(features.data) != features.rows * features.width * item:
         raise InvalidArgument(
             f"features: {len(features.data)} bytes for {features.rows} × {features.width} {features.dtype} values"

@@ -61,6 +61,20 @@ def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
             wire.decode_distributions([distribution], [1], 3)
 
 
+@pytest.mark.parametrize("ids", [[1, 1], [-1, 1]])
+def test_a_sparse_row_naming_an_id_twice_or_a_negative_one_is_refused(ids):
+    """A repeated id would give the target's residual its last value and the coordinator's
+    acceptance test (token_probability) its first: the output would not be the target's."""
+    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=ids, probs=[0.2, 0.8]))
+    with pytest.raises(InvalidArgument, match="negative token id|twice"):
+        wire.decode_distributions([sparse], [1], 3)
+
+
+def test_features_with_rows_but_no_width_are_refused():
+    with pytest.raises(InvalidArgument, match="rows come with a width"):
+        wire.features_from_pb(common_pb2.Features(start=0, rows=1, width=0, dtype="float32", data=b""))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
     """top_k_with_support keeps exactly what truncate_top_k keeps (bit for bit), names exactly
