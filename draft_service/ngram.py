@@ -161,6 +161,7 @@ class NgramDrafter:
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
         session.rollback(call.keep_tokens, call.new_tokens)
         if not session.tokens:
+            self.sessions.end(call.session_id)  # nothing holds it
             raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         token_ids, clock = copy_tail(session, call, self.source)
         return copied_proposal(token_ids, session, clock.ms())

@@ -242,8 +242,7 @@ class SessionStore:
         finally:
             self._sharing = before
 
-    def _evict(self, session_id: str) -> int:
-        """Drops a session to make room; returns the bytes its entries held."""
+    def _evict(self, session_id: str) -> int:  # → the bytes its entries held
         evicted = self._sessions.pop(session_id)
         self.evicted += 1
         return evicted.kv_bytes
@@ -271,7 +270,7 @@ class SessionStore:
     def open(self, session_id: str, keep_tokens: int, namespace: str = "") -> KVSession:
         """The session for a call: known ids are resumed; unknown ids start empty, which is
         only valid when the call keeps nothing (keep_tokens == 0), in prefix cache `namespace`."""
-        check_session_id(session_id)
+        check_opening(session_id, keep_tokens)
         session = self._sessions.get(session_id)
         if session is not None:
             self._sessions.move_to_end(session_id)
@@ -298,7 +297,10 @@ class SessionStore:
     def extend(self, session: KVSession, keep_tokens: int, new_tokens: list[int], scored: int = 1) -> list[int]:
         """KVSession.extend, starting an empty session from the longest prefix of its tokens
         that the prefix cache holds, short of the last `scored` (whose logits the call needs);
-        returns the tokens to run."""
+        returns the tokens to run. A call that would leave the sequence empty ends the session."""
+        if keep_tokens == 0 and not new_tokens:  # a session opened for it is held by nothing
+            self.end(session.session_id)
+            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         if (
             self.prefix is not None
             and session.cache is not None
@@ -361,7 +363,7 @@ class SessionStore:
                 f"keep_tokens={keep_tokens} is outside session {parent_id!r}'s sequence of {len(parent.tokens)} "
                 f"tokens; a fork keeps between 1 and {len(parent.tokens)}"
             )
-        check_session_id(session_id)
+        check_opening(session_id, keep_tokens)
         cache = self._with_room(
             lambda: cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory(),
             parent,
@@ -381,24 +383,20 @@ class SessionStore:
         return held + (self.prefix.bytes if self.prefix is not None else 0)
 
     def active(self, within_s: float, now: float | None = None) -> int:
-        """Sessions used within the last `within_s` seconds: those whose next call is likely
-        soon (a generation between rounds), as opposed to ones left open and idle."""
+        """Sessions used within `within_s` seconds: likely to call again soon, not left idle."""
         now = time.monotonic() if now is None else now
         return sum(1 for session in list(self._sessions.values()) if now - session.last_used <= within_s)
 
-    def forks(self) -> int:
-        """Open sessions still as forked (KVSession.forked): branches not taken."""
+    def forks(self) -> int:  # open sessions still as forked (KVSession.forked): branches not taken
         return sum(1 for session in list(self._sessions.values()) if session.forked)
 
     def ids(self) -> list[str]:
-        """Open session ids, least recently used first."""
-        return list(self._sessions)
+        return list(self._sessions)  # least recently used first
 
     def peek(self, session_id: str) -> KVSession | None:
         return self._sessions.get(session_id)  # without touching its recency
 
-    def hold(self, session_id: str, extra_bytes: int) -> None:
-        """A decode batch runs the session, admitted to grow by `extra_bytes` there."""
+    def hold(self, session_id: str, extra_bytes: int) -> None:  # a decode batch runs it, to grow by extra_bytes
         self._held[session_id] = extra_bytes
 
     def grown(self, session_id: str, nbytes: int) -> None:
@@ -406,12 +404,10 @@ class SessionStore:
         if session_id in self._held:
             self._held[session_id] = max(0, self._held[session_id] - nbytes)
 
-    def release(self, session_id: str) -> None:
-        """The decode batch handed the session its cache back (`hold`)."""
+    def release(self, session_id: str) -> None:  # the decode batch handed the session its cache back
         self._held.pop(session_id, None)
 
-    def end(self, session_id: str) -> bool:
-        """Drops a session and its cache (a failed pass's cache is not to be trusted)."""
+    def end(self, session_id: str) -> bool:  # a failed pass's cache is not to be trusted
         return self._sessions.pop(session_id, None) is not None
 
     def retire(self, session_id: str, epoch: int) -> None:
@@ -445,6 +441,9 @@ class SessionStore:
         return len(stale)
 
 
-def check_session_id(session_id: str) -> None:
+def check_opening(session_id: str, keep_tokens: int) -> None:
+    """Before a call opens anything: a bad one opens no session (it would be held till its TTL)."""
     if not session_id:
         raise InvalidArgument("session_id is empty; pass a unique id per generation")
+    if keep_tokens < 0:
+        raise InvalidArgument(f"keep_tokens={keep_tokens} is negative; it counts the tokens kept, from 0")

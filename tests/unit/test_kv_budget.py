@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from draft_service.drafter import ProposeCall
+from draft_service.ngram import NgramDrafter
 from draft_service.runner import DraftRunner
 from specdec.config.services import parse_bytes, parse_kv_budget
 from specdec.engine import memory
 from specdec.engine.kv_pool import PAGE_TOKENS, KVPool, kv_geometry
 from specdec.engine.memory import MemoryShare, kv_budget
-from specdec.engine.modeling import load_causal_lm
+from specdec.engine.modeling import load_causal_lm, load_tokenizer_info
 from specdec.engine.runner import kv_bytes_per_token
-from specdec.errors import ResourceExhausted, SessionNotFound
+from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
@@ -142,6 +143,29 @@ def test_a_draft_call_opening_a_session_evicts_no_session_of_its_wave(loaded):
     results = runner.propose_batch(calls)
     assert not any(isinstance(result, Exception) for result in results), results
     assert runner.sessions.evicted == 1 and sorted(runner.sessions.ids()) == ["a", "b", "new"]
+
+
+def test_a_refused_call_leaves_no_session_behind(loaded, tiny_pair):
+    """A call refused for a negative keep_tokens or an empty sequence opened its session first,
+    which then stayed until its TTL: --max-sessions such calls refused every new generation."""
+    draft = DraftRunner(loaded, 2, 60, 8, proposal_top_k=0)
+    target = TargetRunner(loaded, max_sessions=2, session_ttl_s=60, max_speculative_tokens=4)
+    ngram = NgramDrafter(load_tokenizer_info(str(tiny_pair.target)), 2, 60, 8, min_n=1, max_n=3)
+    bad_calls = [
+        (draft.propose_one, ProposeCall("a", 0, [], 2, GREEDY, seed=0)),
+        (draft.propose_one, ProposeCall("b", -1, [5], 2, GREEDY, seed=0)),
+        (ngram.propose_one, ProposeCall("a", 0, [], 2, GREEDY, seed=0)),
+        (ngram.propose_one, ProposeCall("b", -1, [5], 2, GREEDY, seed=0)),
+        (target.verify_one, call(target, "a", -1, [5])),
+        (target.verify_one, call(target, "b", 0, [])),
+    ]
+    for method, bad in bad_calls:
+        with pytest.raises(InvalidArgument):
+            method(bad)
+    assert draft.sessions.ids() == ngram.sessions.ids() == target.sessions.ids() == []
+    draft.propose_one(ProposeCall("good", 0, [5, 6], 2, GREEDY, seed=0))
+    ngram.propose_one(ProposeCall("good", 0, [5, 6], 2, GREEDY, seed=0))
+    verify(target, "good", 0, [5, 6])
 
 
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
