@@ -15,6 +15,7 @@ committed sequence, so no request fails because of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -45,7 +46,7 @@ from coordinator.rounds import (
     draw_round,
     plan_round,
 )
-from coordinator.state import RoundRecord, SessionView
+from coordinator.state import RetryWindow, RoundRecord, SessionView
 from coordinator.text import TextAssembler
 from coordinator.upstream import Upstream, verify_fields
 from specdec.rpc import wire
@@ -180,9 +181,11 @@ class Engine:
         room on a target replica, if every one is full)."""
         # Give up on an unavailable target, or waiting for room, in time to tell the client so
         # before its own deadline.
-        retry_for, wait_for = self.config.connect_timeout_s, self.config.queue_timeout_s
+        now, wait_for = asyncio.get_running_loop().time(), self.config.queue_timeout_s
+        retry = RetryWindow(self.config.connect_timeout_s)
         if time_remaining_s is not None:
-            retry_for, wait_for = min(retry_for, 0.7 * time_remaining_s), min(wait_for, 0.7 * time_remaining_s)
+            wait_for = min(wait_for, 0.7 * time_remaining_s)
+            retry = dataclasses.replace(retry, until=now + 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex
         overlap = self.choosers.overlap(job, pair)
         k_chooser = self.choosers.k_chooser(job, pair, overlap)
@@ -219,7 +222,7 @@ class Engine:
             draft_view=draft_view,
             target_view=target_view,
             overlap=overlap,
-            retry_until=asyncio.get_running_loop().time() + retry_for,
+            retry=retry,
             k_chooser=k_chooser,
             copy_chooser=self.choosers.copy_chooser(k_chooser, job, pair),
             # A seeded sampled request's K may depend on nothing but itself (its seed's output
@@ -249,7 +252,7 @@ class Engine:
             pair.feature_layers,
         )
         verify = asyncio.ensure_future(
-            self.upstream.verify(state.target_view, state.sequence, fields, state.stats, state.retry_until)
+            self.upstream.verify(state.target_view, state.sequence, fields, state.stats, state.retry)
         )
         branches = None
         try:

@@ -33,7 +33,7 @@ from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.round_costs import RoundCosts
-from coordinator.state import DraftRefusals, Round, SessionView
+from coordinator.state import DraftRefusals, RetryWindow, Round, SessionView
 from coordinator.text import TextAssembler
 from specdec.engine.costs import cost_at
 from specdec.sampling.seeds import RequestStreams, next_seed
@@ -135,7 +135,7 @@ class RequestState:
     draft_view: SessionView
     target_view: SessionView
     overlap: Overlap  # pipelined or not, and the hedges and bonus guesses of its branch calls
-    retry_until: float  # loop time after which an unavailable target fails the request
+    retry: RetryWindow  # how long a verify is retried while the target is unavailable
     k_chooser: AdaptiveK | None = None  # K per round, when the request left K to the coordinator
     load_aware: bool = False  # the chooser costs rounds at the sessions sharing the services
     copy_chooser: AdaptiveK | None = None  # a copy's length, chosen apart (copies cost no pass)

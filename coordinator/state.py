@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -265,3 +266,24 @@ def check_reply(address: str, field_name: str, got: int, expected: int) -> None:
         raise MalformedReply(
             f"service at {address} returned {got} {field_name} for K={expected}; the reply is malformed"
         )
+
+
+@dataclass(frozen=True)
+class RetryWindow:
+    """How long a call to an unavailable target is retried: `for_s` from its first failure (as
+    long as a service may take to restart; a generation may be older than that), never past
+    `until` (loop time: in time to tell the client before its deadline)."""
+
+    for_s: float
+    until: float = math.inf
+
+    def give_up(self, now: Callable[[], float]) -> Callable[[int], bool]:
+        """`retry_unavailable`'s give_up for one call, its window opened at its first failure."""
+        opened: list[float] = []
+
+        def check(attempts: int) -> bool:
+            if not opened:
+                opened.append(now())
+            return now() >= min(opened[0] + self.for_s, self.until)
+
+        return check

@@ -18,7 +18,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo, pair_info
 from coordinator.pools import Pool, watch
 from coordinator.replica import Replica
-from coordinator.state import Round, SessionView, Source, round_from
+from coordinator.state import RetryWindow, Round, SessionView, Source, round_from
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.rpc import wire
 from specdec.sampling.relaxed import RelaxedAcceptance
@@ -311,12 +311,12 @@ class Upstream:
         sequence: list[int],
         fields: dict,
         stats: GenerationStats,
-        retry_until: float,
+        retry: RetryWindow,
     ) -> target_pb2.VerifyResponse:
         """The round's verify: a VerifyRequest of `fields` (`verify_fields`) for the session's
         tokens. A target replica that is UNAVAILABLE (gone, restarting) is left for another
         that serves, where the pool has one, which is re-sent the committed sequence; otherwise
-        it is retried until `retry_until` (loop time): back up, it has lost the session,
+        it is retried for as long as `retry` allows: back up, it has lost the session,
         answers NOT_FOUND and is re-sent the sequence. Either way the call, and the output, are
         the same."""
 
@@ -345,7 +345,7 @@ class Upstream:
         try:
             return await retry_unavailable(
                 lambda: self._with_reprefill("target", view, sequence, stats, send),
-                give_up=lambda attempts: loop.time() >= retry_until,
+                give_up=retry.give_up(loop.time),
                 backoff_s=0.1,
                 on_failure=failed,
             )

@@ -26,7 +26,7 @@ from coordinator.rounds import (
     plan_round,
     steps_per_call,
 )
-from coordinator.state import DraftRefusals, Round, SessionView, Settled, Source
+from coordinator.state import DraftRefusals, RetryWindow, Round, SessionView, Settled, Source
 from coordinator.text import TextAssembler
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
@@ -62,7 +62,7 @@ def state(k: int = 4, max_new_tokens: int = 32, pipelined: bool = False, **chang
         draft_view=SessionView("s"),
         target_view=SessionView("s"),
         overlap=Overlap(pipelined=pipelined),
-        retry_until=0.0,
+        retry=RetryWindow(0.0),
     )
     return dataclasses.replace(made, **changes)
 
