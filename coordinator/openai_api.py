@@ -390,10 +390,12 @@ async def start_http(
     metrics: CoordinatorMetrics | None = None,
     body_limit: int = 1 << 20,
     serving: Callable[[], bool] = lambda: True,
+    grace_s: float = 25.0,
 ) -> tuple[web.AppRunner, int]:
     """Starts the API on `host:port` (0 picks a free port); returns the runner (cleanup()
-    stops it) and the bound port. A body over `body_limit` bytes gets 413 unread past the limit;
-    /health answers 503 while `serving()` is false."""
+    stops taking requests and lets those in flight finish for up to `grace_s`, as gRPC's
+    --shutdown-grace) and the bound port. A body over `body_limit` bytes gets 413 unread past
+    the limit; /health answers 503 while `serving()` is false."""
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
@@ -404,6 +406,7 @@ async def start_http(
         access_log=None,
         handler_cancellation=True,
         max_field_size=MAX_METADATA_BYTES,
+        shutdown_timeout=grace_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=server_ssl_context(security))

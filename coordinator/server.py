@@ -232,11 +232,10 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
             metrics,
             min(config.http_max_body_bytes, request_limit),
             serving,
+            config.shutdown_grace_s,
         )
 
-    async def close() -> None:
-        if http is not None:
-            await http.cleanup()
+    async def close() -> None:  # after the drains: no request is left to the engine
         coordinator.close()
         await coordinator.upstream.close_clients()
 
@@ -253,7 +252,9 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
         max_receive_bytes=request_limit,
         public=True,
     )
-    running.http_port = http_port if http is not None else None
+    if http is not None:  # at SIGTERM it stops taking requests and drains beside gRPC, in the same grace
+        running.http_port = http_port
+        running.drains.append(http.cleanup)
 
     async def report_health() -> None:
         """The coordinator serves while its target pool has a replica serving (or one to

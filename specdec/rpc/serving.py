@@ -10,7 +10,7 @@ import gc
 import inspect
 import logging
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -167,6 +167,8 @@ class RunningServer:
         self._on_stop = on_stop
         self.metrics_http = metrics_http  # None when metrics are off
         self.http_port: int | None = None  # the coordinator's HTTP API, when it serves one
+        # Other servers' drains (the coordinator's HTTP API), run beside gRPC's at `stop`.
+        self.drains: list[Callable[[], Awaitable[Any]]] = []
         self.stopping = False  # health stays NOT_SERVING from the first signal on
 
     @property
@@ -178,7 +180,7 @@ class RunningServer:
         await set_serving(self.health, self.service_names, False)
         for task in self._background:
             task.cancel()
-        await self.server.stop(grace_s)
+        await asyncio.gather(self.server.stop(grace_s), *(drain() for drain in self.drains))
         if self._on_stop:
             result = self._on_stop()
             if inspect.isawaitable(result):
