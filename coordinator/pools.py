@@ -142,11 +142,12 @@ class Pool:
                 self.add(address)
             elif replica.gone:
                 replica.gone = False
-        for replica in self.replicas.values():
+        for replica in list(self.replicas.values()):
             if replica.address not in current and not replica.gone:
                 logger.info("%s: replica %s left the DNS records; it takes no new sessions", self.role, replica.address)
                 replica.gone = True
                 replica.serving = False
+                self._drop_if_idle(replica)
 
     async def _ask(self, replica: Replica) -> common_pb2.ModelInfo | None:
         """The replica's Info when its health says SERVING; None when it does not answer so.
@@ -271,24 +272,27 @@ class Pool:
         cache = self.reference.prefix_cache if self.reference is not None else None
         return cache.block_tokens if cache is not None and cache.max_bytes else 0
 
-    def place_anywhere(self, prompt: Prompt | None = None, reserve: int = 0) -> Replica:
-        """A target session's replica when none serves: one that may come back (a restarting
-        target is retried until the request's retry time), or UNAVAILABLE naming the pool."""
-        if placed := self.place(prompt=prompt, reserve=reserve):
+    def place_anywhere(self, prompt: Prompt | None = None, reserve: int = 0) -> Replica | None:
+        """A target session's replica when none serves: one with room that may come back (a
+        restarting target, or one that missed a probe, is retried until the request's retry
+        time); None where none has room (wait, as for a full pool); UNAVAILABLE naming the
+        pool where none may come back."""
+        if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
             return placed
         waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
         if not waiting:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
-        return self._take(waiting, reserve)
+        roomy = [replica for replica in waiting if replica.room(reserve)]
+        return self._take(roomy, reserve) if roomy else None
 
     async def admit(self, prompt: Prompt, reserve: int, wait_s: float, max_waiting: int) -> tuple[Replica, float]:
         """A new target session's replica, and the seconds it waited for room: at once where
         one serving has room for `reserve` bytes and no request waits before it; otherwise
         in arrival order, as sessions end. RESOURCE_EXHAUSTED when `max_waiting` requests
-        already wait, or after `wait_s`. With no replica serving, `place_anywhere` (a
-        restarting target is waited for by the request's retries, not here)."""
-        if (not self._waiting or not self.serving) and (placed := self._admit_now(prompt, reserve)):
-            return placed, 0.0  # (with none serving, no one waits on room)
+        already wait, or after `wait_s`. With no replica serving, one with room that may come
+        back (`place_anywhere`: a restarting target is waited for by the request's retries)."""
+        if not self._waiting and (placed := self._admit_now(prompt, reserve)):
+            return placed, 0.0
         if len(self._waiting) >= max_waiting:
             raise ResourceExhausted(
                 f"every replica of {self.describe()} is full and {len(self._waiting)} requests already wait "
@@ -316,7 +320,9 @@ class Pool:
             self._wake()  # the next in line may fit now
 
     def _admit_now(self, prompt: Prompt, reserve: int) -> Replica | None:
-        """A serving replica with room, or with none serving `place_anywhere`; None: wait."""
+        """A serving replica with room, or with none serving `place_anywhere`; None: wait. A
+        replica that stops counting as serving (one failed call, one missed probe) is no
+        reason to place the queue on it past its room."""
         if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
             return placed
         return None if self.serving else self.place_anywhere(prompt, reserve)
@@ -357,6 +363,11 @@ class Pool:
     def _freed(self, replica: Replica, reserve: int) -> None:
         replica.reserved_bytes -= reserve
         self._wake()
+        self._drop_if_idle(replica)
+
+    def _drop_if_idle(self, replica: Replica) -> None:
+        """A replica gone from the DNS records leaves the pool, its channel closed, once none of
+        this coordinator's sessions is left there (a rollout's old pods, or none at all)."""
         if replica.gone and replica.sessions <= 0 and replica.ending <= 0:
             self.replicas.pop(replica.address, None)
             task = asyncio.get_running_loop().create_task(replica.client.close())

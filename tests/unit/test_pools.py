@@ -9,6 +9,7 @@ import socket
 import grpc
 import pytest
 
+from coordinator import pools as pools_module
 from coordinator.placement import PREFIX_AFFINITY_SLACK, prefix_keys
 from coordinator.pools import Pool
 from coordinator.replica import HUNG_AFTER_PROBES
@@ -76,6 +77,16 @@ def test_a_dns_server_that_does_not_answer_is_an_oserror_naming_it():
 class FakeClient:
     def __init__(self, address: str) -> None:
         self.address = address
+        self.closed = False
+
+    async def info(self, timeout_s=None):
+        return common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
+
+    async def serving(self, timeout_s=None):
+        return True
+
+    async def close(self):
+        self.closed = True
 
 
 def pool_of(*addresses: str) -> Pool:
@@ -456,5 +467,69 @@ def test_requests_wait_in_arrival_order_for_room_and_give_up_in_time():
         pool.release(a, reserve)
         replica, _ = await asyncio.wait_for(later, 1.0)
         assert replica is a and pool.waiting == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["a failed call", "a missed probe"])
+def test_a_full_lone_target_that_stops_counting_as_serving_gets_no_more_than_its_room(how):
+    """A lone target holds what its budget allows and three requests wait. One failed call
+    (Upstream.verify marks it not serving till the next refresh) or one missed Info probe
+    woke the queue onto it through the fallback for a pool with none serving, past its
+    --max-kv-bytes and --max-sessions. Now a session that ends makes room for one."""
+
+    async def scenario():
+        pool = budgeted_pool("a:1", budget=100, max_sessions=3)
+        (a,) = pool.replicas.values()
+        reserve = pool.reservation(46)  # 50 bytes: two fit
+        for _ in range(2):
+            await pool.admit(("", [1]), reserve, 5.0, 8)
+        waiters = [asyncio.create_task(pool.admit(("", [1]), reserve, 5.0, 8)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        if how == "a failed call":
+            a.serving = False
+        else:
+
+            async def unanswered(timeout_s=None):
+                raise DeadlineExceeded("a:1 did not answer within 2 s")
+
+            a.client.info = unanswered
+            await pool.refresh()
+        assert not a.serving
+        pool.release(a, reserve)  # room for one
+        await asyncio.sleep(0.05)
+        assert sum(waiter.done() for waiter in waiters) == 1 and (a.sessions, a.reserved_bytes) == (2, 100)
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_replicas_gone_from_the_dns_records_leave_the_pool_and_close(monkeypatch):
+    """A rollout gives pods new addresses: those with none of this coordinator's sessions
+    leave at once (they stayed, channels open, one metrics series each, for good); one that
+    holds a session leaves when it ends."""
+    records = ["10.0.0.1:1", "10.0.0.2:1"]
+
+    async def resolve(spec):
+        return tuple(records)
+
+    monkeypatch.setattr(pools_module, "resolve", resolve)
+    pool = Pool("target", parse_pool("dns:///svc.example:1"), FakeClient)  # type: ignore[arg-type]
+
+    async def scenario():
+        await pool.refresh()
+        first = list(pool.replicas.values())
+        held = pool.place()
+        assert held is not None
+        for generation in range(2, 6):
+            records[:] = [f"10.0.{generation}.1:1", f"10.0.{generation}.2:1"]
+            await pool.refresh()
+        await asyncio.sleep(0)
+        assert len(pool.replicas) == 3 and held.address in pool.replicas  # the two newest, and the one held
+        pool.release(held)
+        await asyncio.sleep(0)
+        assert len(pool.replicas) == 2 and all(replica.client.closed for replica in first)
 
     asyncio.run(scenario())
