@@ -181,7 +181,9 @@ def params_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
-        top_p=sampling.top_p,
+        # The wire's float32, back to the number the caller wrote (0.9, not 0.89999998): the cut
+        # at 1 - top_p is then transformers' to the last bit (1 - float32(0.9) rounds 3 ulps off).
+        top_p=float(str(np.float32(sampling.top_p))),
         logit_bias=check_logit_bias(dict(sampling.logit_bias)),
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams, logits_to_probs
 
 
@@ -67,6 +68,20 @@ def test_float32_request_top_p_is_used_as_sent():
     assert not math.isclose(top_p, 0.9, rel_tol=0, abs_tol=1e-9)
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2))
     assert_same(logits, SamplingParams(temperature=1.0, top_p=top_p))
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.95, 0.8, 0.99])
+def test_a_top_p_that_crossed_the_wire_cuts_where_transformers_cuts_the_caller_s(top_p):
+    """The wire carries top_p as float32, and 1 - float32(0.9) is 3 ulps above transformers'
+    1 - 0.9 (0.99: 10 below): a row whose ascending sum lands between them lost, or kept, a
+    token generate() keeps (here one with a tenth of the mass). The service reads the float32
+    back as the number the caller wrote."""
+    at_service = wire.params_from_pb(wire.params_to_pb(SamplingParams(temperature=1.0, top_p=top_p)))
+    assert at_service.top_p == top_p
+    if top_p == 0.9:  # a row whose least likely token's mass, 0.10000001639 in float32, is between the cuts
+        logits = torch.log(torch.tensor([[0.1 + 1.5e-8, 0.3, 0.6 - 1.5e-8]], dtype=torch.float64)).float()
+        assert_same(logits, at_service)
+        assert logits_to_probs(logits, at_service)[0, 0] > 0.09
 
 
 def test_float32_rows_are_cut_from_their_sorted_values_without_torchs_sort(monkeypatch):
