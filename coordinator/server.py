@@ -253,8 +253,7 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
         public=True,
     )
     if http is not None:  # at SIGTERM it stops taking requests and drains beside gRPC, in the same grace
-        running.http_port = http_port
-        running.drains.append(http.cleanup)
+        running.http_port, running.drains = http_port, [http.cleanup]
 
     async def report_health() -> None:
         """The coordinator serves while its target pool has a replica serving (or one to
