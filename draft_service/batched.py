@@ -58,7 +58,7 @@ class ProposalBatch:
     def _waves(self, todo: list[int]) -> list[int]:
         """The calls `todo` indexes, in waves; → the joined calls to run next (the batch could
         not take them)."""
-        runner, calls = self.runner, self.calls
+        calls = self.calls
         if any(calls[index].tree_widths for index in todo):
             # A tree grows by levels in passes with a tree mask, which a padded batch lacks.
             for index in todo:
@@ -69,22 +69,30 @@ class ProposalBatch:
         later: list[int] = []
         for number, wave in enumerate(waves):
             joins = self.join if number == len(waves) - 1 else None  # after every call already here
-            # No call of the wave evicts another's session, or a parent it forks (SessionStore.sharing).
-            with runner.sessions.sharing(name for i in wave for name in (calls[todo[i]].session_id, *reads[i])):
-                later += self._run_wave([todo[i] for i in wave], joins)
+            later += self._run_wave([todo[i] for i in wave], joins)
         return later
 
     def _run_wave(self, wave: list[int], joins: Join | None) -> list[int]:
-        """The calls `wave` indexes (distinct sessions), stepped in passes; → as `_waves`."""
+        """The calls `wave` indexes (distinct sessions), stepped in passes; → as `_waves`. While
+        they start and step apart, none evicts another's session, or a parent it forks
+        (SessionStore.sharing); a decode batch, which others join for as long as it runs, spares
+        its members itself (DecodeBatch.join, SessionStore.hold)."""
         runner, calls = self.runner, self.calls
-        active = start_each(wave, lambda index: runner._begin(calls[index]), self.results)
-        self._settle_failed(wave)
-        while active := [item for item in active if not self._ended(*item)]:
-            if all(runner._decodable(drafting) for _, drafting in active) and (len(active) > 1 or joins is not None):
-                return self._decode_together(active, joins)
-            for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
-                self._pass(active, group)
-        return []
+        with runner.sessions.sharing(
+            name for index in wave for name in (calls[index].session_id, calls[index].fork_from)
+        ):
+            active = start_each(wave, lambda index: runner._begin(calls[index]), self.results)
+            self._settle_failed(wave)
+            while active := [item for item in active if not self._ended(*item)]:
+                if all(runner._decodable(drafting) for _, drafting in active) and (
+                    len(active) > 1 or joins is not None
+                ):
+                    break
+                for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
+                    self._pass(active, group)
+            else:
+                return []
+        return self._decode_together(active, joins)
 
     def _pass(self, active: list[tuple[int, _Drafting]], group: list[int]) -> None:
         """One pass over active[position] for each position in `group`, and a draw for each."""
