@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
+from specdec.engine.calls import check_trees
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import logits_to_probs, sample, top_k_with_support
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
@@ -32,6 +33,7 @@ def propose_tree(runner: DraftStepper, call: ProposeCall) -> Proposal:
     and no confidence stop.
     """
     widths = check_tree_widths(call, runner.max_speculative_tokens)
+    check_trees(runner.trees, runner.loaded.model_id)  # before the session opens
     session, pending, deterministic, generator, clock = runner._open(call, len(widths))
     frontier = [(0, runner.forward(session, pending, logits_to_keep=1)[-1])]  # (node, logits [N_head])
     processed = len(pending)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specdec.engine.batching import batch_groups, call_waves, start_each
-from specdec.engine.calls import Stopwatch
+from specdec.engine.calls import Stopwatch, check_trees
 from specdec.engine.features import FeatureTap, check_feature_layers, decoder_parts
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
@@ -290,6 +290,7 @@ class TargetRunner(ModelRunner):
                     "relaxed is set with draft_parents: token trees are verified exactly only; send a chain, or "
                     "leave relaxed unset"
                 )
+            check_trees(self.trees, self.loaded.model_id)
             depth = self._check_tree(call)
         elif num_draft > self.max_speculative_tokens:
             raise InvalidArgument(
@@ -330,8 +331,7 @@ class TargetRunner(ModelRunner):
         """The tree's depth, after checking its shape."""
         if len(call.parents) != len(call.draft_token_ids):
             raise InvalidArgument(
-                f"{len(call.parents)} draft_parents for {len(call.draft_token_ids)} draft tokens; "
-                "a tree gives one per token"
+                f"{len(call.parents)} draft_parents for {len(call.draft_token_ids)} draft tokens: one each"
             )
         if len(call.parents) > MAX_TREE_NODES:
             raise InvalidArgument(f"a tree of {len(call.parents)} nodes exceeds the maximum of {MAX_TREE_NODES}")

@@ -109,6 +109,12 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
         raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
+def check_trees(serves_trees: bool, model_id: str) -> None:
+    """Before a tree call opens anything (ModelRunner.trees; Info.trees says so)."""
+    if not serves_trees:  # a tree's mask would leave a sliding window out
+        raise InvalidArgument(f"{model_id} has sliding-window attention layers: it serves no trees")
+
+
 def check_context(total: int, max_context: int) -> None:
     if total > max_context:
         raise InvalidArgument(f"sequence would reach {total} tokens; the model's context is {max_context}")

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from specdec.engine import attention
 from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass, static_batch
 from specdec.engine.batching import MAX_PADDING_RATIO, result_or_error
-from specdec.engine.calls import ModelDescription, check_context, check_token_ids
+from specdec.engine.calls import ModelDescription, check_context, check_token_ids, check_trees
 from specdec.engine.costs import (
     PassCosts,
 )
@@ -30,7 +30,7 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixCache
 from specdec.engine.sessions import KVSession, SessionStore
 from specdec.engine.static_pass import Row, StaticPasses, static_passes_for, tree_row
 from specdec.engine.tree_pass import CachedTree, tree_forward
-from specdec.errors import InvalidArgument, ModelOutputError
+from specdec.errors import ModelOutputError
 
 # A per-token exact runner's longest pass over tokens it only needs the last logits of (a
 # prompt, a re-prefill): the same entries however a run is cut, and shorter passes keep the
@@ -213,8 +213,7 @@ class ModelRunner:
 
         → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32"""
         ran = len(token_ids) - first_node + 1
-        if not self.trees:  # a tree's mask would leave a sliding window out (Info.trees says so)
-            raise InvalidArgument(f"{self.loaded.model_id} has sliding-window attention layers: it serves no trees")
+        check_trees(self.trees, self.loaded.model_id)
         try:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
             new_tokens = self._prefill_blocks(session, new_tokens, 1)[0] if new_tokens else new_tokens

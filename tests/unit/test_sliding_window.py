@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from draft_service.drafter import ProposeCall
+from draft_service.runner import DraftRunner
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import SamplingParams
@@ -55,3 +57,9 @@ def test_a_sliding_window_model_serves_chains_but_no_trees(sliding):
         runner.verify_one(tree)
     [refused] = runner.verify_batch([call(runner, "tree2", 0, prompt, drafts=[5, 6], parents=(0, 0))])
     assert isinstance(refused, InvalidArgument)
+    assert runner.sessions.peek("tree2") is None  # refused before it opened a session
+    draft = DraftRunner(sliding, 4, 60, 8, proposal_top_k=0)
+    assert draft.describe().trees is False
+    with pytest.raises(InvalidArgument, match="sliding-window"):
+        draft.propose_one(ProposeCall("tree3", 0, prompt, 0, SamplingParams(), seed=0, tree_widths=(2, 1)))
+    assert draft.sessions.ids() == []
