@@ -58,6 +58,15 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "include_stop_str_in_output": (None, False),
     "min_p": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "logits_processors": (None, []),
+    "skip_special_tokens": (None, True),  # the text leaves them out
+    # ... and those that change the prompt the chat template writes.
+    **dict.fromkeys(("chat_template", "documents"), (None,)),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
 }
 IGNORED = {"model", "user", "stream", "stream_options", "store", "metadata", "service_tier"}
 SAMPLING = {

@@ -48,6 +48,10 @@ def test_a_known_field_the_server_cannot_honour_is_still_refused(body, field):
         {"min_p": 0.1},
         {"functions": [{"name": "f", "parameters": {}}]},
         {"function_call": "auto"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"add_generation_prompt": False},
+        {"use_beam_search": True},
+        {"skip_special_tokens": False},
     ],
 )
 def test_a_field_that_would_change_the_output_is_refused_not_dropped(extra):
