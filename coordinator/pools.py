@@ -272,13 +272,11 @@ class Pool:
         cache = self.reference.prefix_cache if self.reference is not None else None
         return cache.block_tokens if cache is not None and cache.max_bytes else 0
 
-    def place_anywhere(self, prompt: Prompt | None = None, reserve: int = 0) -> Replica | None:
+    def place_anywhere(self, reserve: int = 0) -> Replica | None:
         """A target session's replica when none serves: one with room that may come back (a
         restarting target, or one that missed a probe, is retried until the request's retry
         time); None where none has room (wait, as for a full pool); UNAVAILABLE naming the
         pool where none may come back."""
-        if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
-            return placed
         waiting = [replica for replica in self.replicas.values() if not (replica.refused or replica.gone)]
         if not waiting:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
@@ -325,7 +323,7 @@ class Pool:
         reason to place the queue on it past its room."""
         if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
             return placed
-        return None if self.serving else self.place_anywhere(prompt, reserve)
+        return None if self.serving else self.place_anywhere(reserve)
 
     @property
     def waiting(self) -> int:

@@ -159,10 +159,7 @@ class NgramDrafter:
             call.keep_tokens + len(call.new_tokens) + max(call.num_tokens, call.copy_limit), self.info.max_context
         )
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
-        session.rollback(call.keep_tokens, call.new_tokens)
-        if not session.tokens:
-            self.sessions.end(call.session_id)  # nothing holds it
-            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+        self.sessions.extend(session, call.keep_tokens, call.new_tokens)  # an empty sequence ends it
         token_ids, clock = copy_tail(session, call, self.source)
         return copied_proposal(token_ids, session, clock.ms())
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from specdec.engine import attention
 from specdec.engine.batched_pass import DecodeBatch, admit_session, padded_pass, padded_tree_pass, static_batch
 from specdec.engine.batching import MAX_PADDING_RATIO, result_or_error
-from specdec.engine.calls import ModelDescription, check_context, check_token_ids, check_trees
+from specdec.engine.calls import ModelDescription, check_context, check_token_ids
 from specdec.engine.costs import (
     PassCosts,
 )
@@ -213,7 +213,6 @@ class ModelRunner:
 
         → logits [1 + R, V] with new tokens (the root's row first), else [R, V]; float32"""
         ran = len(token_ids) - first_node + 1
-        check_trees(self.trees, self.loaded.model_id)
         try:
             self.sessions.make_room(session, (len(new_tokens) + ran) * self.kv_bytes_per_token, self.kv_bytes_per_token)
             new_tokens = self._prefill_blocks(session, new_tokens, 1)[0] if new_tokens else new_tokens
