@@ -171,6 +171,7 @@ class Branches:
         def replied(task: asyncio.Future) -> None:
             if not task.cancelled() and task.exception() is None:
                 branch_call.replied_ms = stats.elapsed_ms()
+                branch_call.replica.answered(draft_view.session_id)
 
         task.add_done_callback(replied)
         return branch_call

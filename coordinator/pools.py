@@ -252,17 +252,19 @@ class Pool:
         prompt: Prompt | None = None,
         reserve: int = 0,
         fit: bool = False,
+        session_id: str = "",
     ) -> Replica | None:
         """A new session's replica, as the pool's placement chooses among those serving with
         room for it (`Replica.room` for `reserve` bytes of KV; any serving where none has
         room, unless `fit`), ties in turn; None when none is but `avoid`. `prompt`: its cache
-        namespace and token ids, for a placement that follows cached prefixes."""
+        namespace and token ids, for a placement that follows cached prefixes. `session_id`:
+        the session's, pending there until its first call is answered (`Replica.answered`)."""
         serving = [replica for replica in self.serving if replica is not avoid]
         candidates = [replica for replica in serving if replica.room(reserve)] or ([] if fit else serving)
         if not candidates:
             return None
         keys = prefix_keys(prompt, self.block_tokens)  # hashed once, for both of the placement's calls
-        chosen = self._take(self.placement.choose(candidates, keys), reserve)
+        chosen = self._take(self.placement.choose(candidates, keys), reserve, session_id)
         self.placement.placed(keys, chosen)
         return chosen
 
@@ -272,7 +274,7 @@ class Pool:
         cache = self.reference.prefix_cache if self.reference is not None else None
         return cache.block_tokens if cache is not None and cache.max_bytes else 0
 
-    def place_anywhere(self, reserve: int = 0) -> Replica | None:
+    def place_anywhere(self, reserve: int = 0, session_id: str = "") -> Replica | None:
         """A target session's replica when none serves: one with room that may come back (a
         restarting target, or one that missed a probe, is retried until the request's retry
         time); None where none has room (wait, as for a full pool); UNAVAILABLE naming the
@@ -281,15 +283,17 @@ class Pool:
         if not waiting:
             raise Unavailable(f"no replica of {self.describe()} can serve: {self.resolve_error or 'all refused'}")
         roomy = [replica for replica in waiting if replica.room(reserve)]
-        return self._take(roomy, reserve) if roomy else None
+        return self._take(roomy, reserve, session_id) if roomy else None
 
-    async def admit(self, prompt: Prompt, reserve: int, wait_s: float, max_waiting: int) -> tuple[Replica, float]:
+    async def admit(
+        self, prompt: Prompt, reserve: int, wait_s: float, max_waiting: int, session_id: str = ""
+    ) -> tuple[Replica, float]:
         """A new target session's replica, and the seconds it waited for room: at once where
         one serving has room for `reserve` bytes and no request waits before it; otherwise
         in arrival order, as sessions end. RESOURCE_EXHAUSTED when `max_waiting` requests
         already wait, or after `wait_s`. With no replica serving, one with room that may come
         back (`place_anywhere`: a restarting target is waited for by the request's retries)."""
-        if not self._waiting and (placed := self._admit_now(prompt, reserve)):
+        if not self._waiting and (placed := self._admit_now(prompt, reserve, session_id)):
             return placed, 0.0
         if len(self._waiting) >= max_waiting:
             raise ResourceExhausted(
@@ -302,7 +306,7 @@ class Pool:
         self._waiting.append(turn)
         try:
             while True:
-                if self._waiting[0] is turn and (placed := self._admit_now(prompt, reserve)):
+                if self._waiting[0] is turn and (placed := self._admit_now(prompt, reserve, session_id)):
                     return placed, loop.time() - started
                 turn.clear()
                 left = started + wait_s - loop.time()
@@ -317,13 +321,13 @@ class Pool:
             self._waiting.remove(turn)
             self._wake()  # the next in line may fit now
 
-    def _admit_now(self, prompt: Prompt, reserve: int) -> Replica | None:
+    def _admit_now(self, prompt: Prompt, reserve: int, session_id: str) -> Replica | None:
         """A serving replica with room, or with none serving `place_anywhere`; None: wait. A
         replica that stops counting as serving (one failed call, one missed probe) is no
         reason to place the queue on it past its room."""
-        if placed := self.place(prompt=prompt, reserve=reserve, fit=True):
+        if placed := self.place(prompt=prompt, reserve=reserve, fit=True, session_id=session_id):
             return placed
-        return None if self.serving else self.place_anywhere(reserve)
+        return None if self.serving else self.place_anywhere(reserve, session_id)
 
     @property
     def waiting(self) -> int:
@@ -334,20 +338,23 @@ class Pool:
         if self._waiting:
             self._waiting[0].set()
 
-    def _take(self, choices: list[Replica], reserve: int = 0) -> Replica:
+    def _take(self, choices: list[Replica], reserve: int = 0, session_id: str = "") -> Replica:
         """One of `choices`, in turn, counted as holding one more session that may grow to
         `reserve` bytes of KV."""
         self._turn += 1
         chosen = choices[self._turn % len(choices)]
         chosen.sessions += 1
         chosen.reserved_bytes += reserve
+        if session_id:
+            chosen.pending.add(session_id)
         return chosen
 
-    def release(self, replica: Replica, reserve: int = 0, ending: bool = False) -> None:
+    def release(self, replica: Replica, reserve: int = 0, ending: bool = False, session_id: str = "") -> None:
         """A request's session, placed with `reserve` bytes, left `replica` (ended or moved).
         `ending`: its EndSession is not answered yet, so it keeps its place there (`room`),
         though no longer the replica's load, until `ended`."""
         replica.sessions -= 1
+        replica.pending.discard(session_id)
         if ending:
             replica.ending += 1
         else:

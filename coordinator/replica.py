@@ -4,7 +4,7 @@ replicas and refreshes them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
@@ -30,6 +30,9 @@ class Replica:
     refused: str = ""  # why it serves no session: another model
     gone: bool = False  # no longer among the pool's DNS records: no new sessions
     sessions: int = 0  # this coordinator's requests placed on it now
+    # Of those, the ones whose first call it has not answered: it opens a session at its first
+    # call, so its Info may not count them yet (`seen`).
+    pending: set[str] = field(default_factory=set)
     ending: int = 0  # this coordinator's sessions done with, their EndSession not answered yet
     reserved_bytes: int = 0  # the KV those sessions may grow to (`room`)
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
@@ -51,7 +54,12 @@ class Replica:
         """Its Info has answered."""
         self.info = info
         held = info.open_sessions - info.fork_sessions
-        self.others_seen = (self.others_seen[1], max(0, held - self.sessions - self.ending))
+        own = self.sessions - len(self.pending) + self.ending
+        self.others_seen = (self.others_seen[1], max(0, held - own))
+
+    def answered(self, session_id: str) -> None:
+        """A call on one of this coordinator's sessions here has been answered: it holds it now."""
+        self.pending.discard(session_id)
 
     @property
     def load(self) -> tuple[int, int]:

@@ -137,10 +137,16 @@ class Upstream:
         tokens = len(prompt_ids) + max_new_tokens
         target_view.reserved = self.targets.reservation(tokens)
         target_view.replica, waited_s = await self.targets.admit(
-            (target_view.namespace, prompt_ids), target_view.reserved, wait_s, self.config.max_waiting_requests
+            (target_view.namespace, prompt_ids),
+            target_view.reserved,
+            wait_s,
+            self.config.max_waiting_requests,
+            target_view.session_id,
         )
         draft_view.reserved = self.drafts.reservation(tokens)
-        draft_view.replica = self.drafts.place(prompt=(draft_view.namespace, prompt_ids), reserve=draft_view.reserved)
+        draft_view.replica = self.drafts.place(
+            prompt=(draft_view.namespace, prompt_ids), reserve=draft_view.reserved, session_id=draft_view.session_id
+        )
         return waited_s
 
     def draft_allowed(self, draft_view: SessionView, unused_forks: list[str]) -> bool:
@@ -163,7 +169,7 @@ class Upstream:
         is none. The old replica's session, and the request's unused forks there, are ended in
         the background (a dead replica's expire by TTL)."""
         old = view.replica
-        new = pool.place(avoid=old, reserve=view.reserved)
+        new = pool.place(avoid=old, reserve=view.reserved, session_id=view.session_id)
         if new is None:
             return False
         if old is not None:
@@ -359,8 +365,12 @@ class Upstream:
         for attempt in range(2):
             view.opened = True  # even a failed call may have opened it; ending is idempotent
             started = stats.elapsed_ms()
+            replica = view.replica
             try:
-                return await send(view.synced, sequence[view.synced :])
+                reply = await send(view.synced, sequence[view.synced :])
+                if replica is not None:
+                    replica.answered(view.session_id)  # it holds the session now (Replica.pending)
+                return reply
             except SessionNotFound:
                 if attempt:
                     raise SpecDecError(
@@ -392,9 +402,9 @@ class Upstream:
         and a request placed in it meanwhile would be refused (RESOURCE_EXHAUSTED)."""
         reserved = view.reserved
         if not view.opened:
-            pool.release(replica, reserved)
+            pool.release(replica, reserved, session_id=view.session_id)
             return
-        pool.release(replica, reserved, ending=True)
+        pool.release(replica, reserved, ending=True, session_id=view.session_id)
         epoch = next(view.calls)
         self.end_later(replica.client, view.session_id, discard, lambda: pool.ended(replica, reserved), epoch)
 

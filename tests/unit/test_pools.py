@@ -533,3 +533,23 @@ def test_replicas_gone_from_the_dns_records_leave_the_pool_and_close(monkeypatch
         assert len(pool.replicas) == 2 and all(replica.client.closed for replica in first)
 
     asyncio.run(scenario())
+
+
+def test_sessions_placed_but_not_yet_opened_there_are_no_other_coordinators():
+    """A target opens a session at its first call, so an Info taken between a placement and
+    that call's answer does not count it: those sessions are this coordinator's all the same,
+    and taking the Info's count beyond the ones it has answered for as others' let two
+    coordinators sharing a target place past its --max-sessions (RESOURCE_EXHAUSTED) and its
+    KV budget."""
+    pool = budgeted_pool("a:1", budget=100, max_sessions=4)
+    (a,) = pool.replicas.values()
+    assert pool.place(fit=True, session_id="s1") is a and pool.place(fit=True, session_id="s2") is a
+    for _ in range(2):  # another coordinator's two sessions; ours not opened yet
+        a.seen(common_pb2.ModelInfo(open_sessions=2, kv_cache_bytes=90, max_sessions=4, max_kv_cache_bytes=100))
+    assert a.others == 2 and a.others_bytes == 90 and pool.place(fit=True, session_id="s3") is None
+    a.answered("s1")  # its first call answered: the target counts it from now on
+    for _ in range(2):
+        a.seen(common_pb2.ModelInfo(open_sessions=3, max_sessions=4))
+    assert a.others == 2
+    pool.release(a, session_id="s2")  # released before any call: nothing of it was ever there
+    assert a.pending == set()

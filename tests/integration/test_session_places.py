@@ -1,0 +1,53 @@
+"""A request's sessions are pending on their replicas (placed, not yet opened there) only
+until the replica first answers a call on them, whichever call that is: a Propose or Verify,
+or a pipelined request's catch-up ProposeBranches. Until then an Info from the replica does not
+count them, and the coordinator counts them as its own, not another coordinator's
+(`Replica.pending`). In process: the coordinator over lookup-table services."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from coordinator import server as coordinator_server
+from coordinator.config import CoordinatorConfig
+from coordinator.requests import GenerationRequest
+from specdec.engine.modeling import tokenizer_fingerprint
+from specdec.tools.testing import word_tokenizer
+from tests.stack import configured
+from tests.table_services import TableDraft, TableModel, TableTarget
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("words")
+    word_tokenizer(24).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pipeline": True}], ids=["sequential", "pipelined"])
+async def test_sessions_stop_pending_once_their_replica_answers(tokenizer_dir, overrides):
+    target_model = TableModel(24, salt=1, logit_scale=1.5)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
+    target = TableTarget(target_model, fingerprint)
+    config = CoordinatorConfig(
+        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+    )
+    engine = await coordinator_server.connect(config, draft, target, configured(config, overrides)[1])
+    (draft_replica,) = engine.upstream.drafts.replicas.values()
+    (target_replica,) = engine.upstream.targets.replicas.values()
+    try:
+        request = GenerationRequest(
+            prompt_token_ids=(1, 0, 1), max_new_tokens=12, temperature=1.0, seed=3, num_speculative_tokens=1
+        )
+        pending = []
+        async for _ in engine.generate(request):
+            pending.append((len(draft_replica.pending), len(target_replica.pending)))
+        assert draft_replica.sessions == 0 and target_replica.sessions == 0
+        # From its first chunk, after the first verify: both replicas have answered.
+        assert set(pending) == {(0, 0)}, f"pending (draft, target) at each chunk: {pending}"
+        assert not draft_replica.pending and not target_replica.pending
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
