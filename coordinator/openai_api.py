@@ -138,7 +138,7 @@ class OpenAIApi:
             except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
                 response = error_response(ApiError(exc.status, exc.reason, "invalid_request_error"))
             except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's error shape
-                error = api_error(exc)
+                error = api_error(exc, request.get("max_tokens_param", "max_tokens"))
                 if error.status == 500:
                     logger.exception("HTTP %s %s failed", request.method, request.path)
                 response = error_response(error)
@@ -180,6 +180,7 @@ class OpenAIApi:
             ) from None
         parsed = await self.coordinator.off_loop(parse_request_body, raw, chat, self.model_name)
         self._warn_ignored(parsed.ignored)
+        request["max_tokens_param"] = parsed.max_tokens_param  # what its errors name (`_middleware`)
         if self.auth is not None:  # each checked token is its own cache namespace
             parsed = dataclasses.replace(
                 parsed,
@@ -269,7 +270,7 @@ class OpenAIApi:
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
-            await send_event(response, api_error(exc).body())
+            await send_event(response, api_error(exc, parsed.max_tokens_param).body())
         finally:
             for task in relays:
                 task.cancel()

@@ -100,18 +100,19 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 # GenerateRequest fields (InvalidArgument.field) by the HTTP parameter that carries them.
-HTTP_PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+HTTP_PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}  # max_new_tokens: see api_error
 
 
-def api_error(exc: BaseException) -> ApiError:
+def api_error(exc: BaseException, max_tokens_param: str = "max_tokens") -> ApiError:
     """A domain error as OpenAI's error body with the fitting HTTP status; a refused field is
-    named as the HTTP API names it (`max_tokens`, not gRPC's `max_new_tokens`)."""
+    named as the HTTP API names it (`max_tokens`, or `max_tokens_param` where the body sent
+    `max_completion_tokens`; not gRPC's `max_new_tokens`)."""
     if isinstance(exc, ApiError):
         return exc
     status, error_type = HTTP_STATUS.get(status_of(exc), (500, "internal_error"))
     message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
     field: str | None = getattr(exc, "field", None)
-    param = HTTP_PARAMS.get(field, field) if field else None
+    param = {**HTTP_PARAMS, "max_new_tokens": max_tokens_param}.get(field, field) if field else None
     if field and param and param != field:
         message = message.replace(field, param)
     return ApiError(status, message, error_type, param)
@@ -127,6 +128,7 @@ class Parsed:
     chat: bool
     n: int = 1  # choices: generations of the same request, each with its own seed (`choices`)
     ignored: tuple[str, ...] = ()  # fields no OpenAI-style server here knows: left out, as vLLM does
+    max_tokens_param: str = "max_tokens"  # the body's name for it, which errors name (`api_error`)
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice. A seeded request's choice i draws with seed + i, so choice
@@ -261,7 +263,9 @@ def parse_body(body: Any, chat: bool) -> Parsed:
     n = _number(body, "n", int, 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be in [1, {MAX_CHOICES}]; got {n}", "n")
-    return Parsed(request, stream, bool(options.get("include_usage")), chat, n, ignored)
+    newer = body.get("max_completion_tokens") is not None
+    max_tokens_param = "max_completion_tokens" if newer else "max_tokens"
+    return Parsed(request, stream, bool(options.get("include_usage")), chat, n, ignored, max_tokens_param)
 
 
 def _check_off_values(body: dict) -> None:

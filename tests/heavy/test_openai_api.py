@@ -277,6 +277,7 @@ def test_an_unset_max_tokens_runs_to_the_end_of_the_context_and_unknown_fields_a
         ({"n": 17}, r"n must be in \[1, 16\]"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"role is 'robot'"),
         ({"max_tokens": 0}, r"max_tokens must be in \[1"),
+        ({"max_completion_tokens": 0}, r"max_completion_tokens must be in \[1"),
         ({"top_logprobs": 2}, r"top_logprobs needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
         ({"extra_body": {"cache_salt": 5}}, r"cache_salt must be a string"),

@@ -136,5 +136,11 @@ def test_a_max_tokens_past_the_context_is_refused_naming_what_fits():
     error = api_error(refused.value)
     assert (error.status, error.param) == (400, "max_tokens") and f"at most {left}" in error.message
     assert "max_tokens=" in error.message
+    # A chat client of OpenAI's newer API sends max_completion_tokens: the error names it.
+    newer = parse_body({"prompt": "abc", "max_completion_tokens": left + 1}, chat=False)
+    with pytest.raises(InvalidArgument) as refused:
+        prepare_job(newer.request, config, PAIR, tokenizer)
+    error = api_error(refused.value, newer.max_tokens_param)
+    assert error.param == "max_completion_tokens" and "max_completion_tokens=" in error.message
     grpc_request = GenerationRequest(prompt="abc", max_new_tokens=left + 1)
     assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == left + 1
