@@ -48,9 +48,8 @@ def propose_tree(runner: DraftStepper, call: ProposeCall) -> Proposal:
             runner.check_logits(logits, call.session_id)
             if call.vocab_limit:
                 logits = runner._below(logits, call.vocab_limit)
-            if deterministic:  # the top tokens by logit (the softmax keeps the order)
-                allowed = width if not call.vocab_limit else min(width, int(torch.isfinite(logits).sum()))
-                chosen = logits.topk(allowed).indices.tolist()
+            if deterministic:  # the top tokens by logit (the softmax keeps the order), as many as it may propose
+                chosen = logits.topk(min(width, int(torch.isfinite(logits).sum()))).indices.tolist()
             else:
                 head_probs, support = top_k_with_support(logits_to_probs(logits, call.params), runner.proposal_top_k)
                 chosen = sample(head_probs.expand(width, -1), generator).tolist()  # i.i.d.

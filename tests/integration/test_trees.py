@@ -29,7 +29,7 @@ from specdec.v1 import coordinator_pb2 as pb
 from target_service import server as target_server
 from target_service.config import TargetConfig
 from target_service.runner import VerifyCall
-from tests.stack import inprocess_stack, model_service_config
+from tests.stack import inprocess_stack, local_stack, model_service_config
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x = x + 1\nx = x + 1\nx"]
 SHAPES = [(2, 2), (3, 1, 1), (1, 1, 1, 1), (2, 2, 2)]
@@ -65,6 +65,22 @@ async def test_tree_requests_are_checked(stack):
             await stack.stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=4, **fields), timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
         assert message in caught.value.details(), caught.value.details()
+
+
+async def test_a_greedy_tree_wider_than_the_drafts_vocabulary_proposes_what_it_has(word_pair):
+    """A level wider than the draft's vocabulary (12 words) takes every token it has, as a
+    sampled one draws that many; topk over more ids than the row holds failed the request
+    (INTERNAL)."""
+    async with local_stack(word_pair, draft_overrides={"quantize": "none"}) as stack:
+        request = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=12)
+        expected = await stack.stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=12, num_speculative_tokens=0), timeout=60
+        )
+        for widths in ([13], [13, 1]):
+            request.tree_widths[:] = widths
+            response = await stack.stub.Generate(request, timeout=60)
+            assert list(response.token_ids) == list(expected.token_ids), widths
+            assert response.stats.proposed_tokens > 0
 
 
 async def test_an_int8_target_gives_its_own_greedy_output_with_trees(tiny_pair):
