@@ -383,9 +383,7 @@ class TargetRunner(ModelRunner):
             target_probs if call.return_distributions else None,
             relaxed_accepts=[]
             if call.relaxed is None
-            else relaxed_verdicts(
-                call.relaxed, call.params.greedy, scored, draft_ids, outputs.draft_token_target_probs
-            ),
+            else relaxed_verdicts(call.relaxed, call.params, scored, draft_ids, outputs.draft_token_target_probs),
             logprobs=None
             if call.top_logprobs is None
             else position_logprobs(

@@ -19,6 +19,7 @@ from specdec.sampling.relaxed import (
     RelaxedAcceptance,
     check_relaxed,
     relaxed_accepts,
+    relaxed_verdicts,
 )
 from target_service.runner import TargetRunner, VerifyCall
 
@@ -31,6 +32,23 @@ def passes(row: list[float], token: int, top_n: int, delta: float) -> bool:
 
 
 # --- the pure rule -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_a_token_the_request_bans_is_never_relaxed_in(params):
+    """logit_bias -100 (OpenAI's ban) leaves a float32 row about 1e-44 of mass: over a small
+    vocabulary, with the widest top-n and delta, the rule alone would let it in."""
+    vocab, banned = 12, 5
+    logits = torch.zeros(2, vocab)  # [K + 1, V]: a flat row, the draft token's and the bonus's
+    logits[:, banned] -= 100.0  # as `biased` leaves it
+    draft = torch.tensor([banned])
+    target_probs = torch.softmax(logits[:1], dim=-1)[:, banned]
+    widest = RelaxedAcceptance(top_n=16, delta=1.0)
+    assert relaxed_accepts(torch.softmax(logits[:1], dim=-1), draft, 16, 1.0).tolist() == [True]
+    biased = dataclasses.replace(params, logit_bias=((banned, -100.0),))
+    assert relaxed_verdicts(widest, biased, logits, draft, target_probs) == [False]
+    lowered = dataclasses.replace(params, logit_bias=((banned, -99.0),))  # not a ban: the rule decides
+    assert relaxed_verdicts(widest, lowered, logits, draft, target_probs) == [True]
 
 
 def test_only_tokens_among_the_top_n_pass():
