@@ -123,6 +123,8 @@ class FeatureTrack:
         del self.target[end:]
         del self.predicted[end:]
         self.kv_exact = min(self.kv_exact, keep_tokens)
+        if keep_tokens <= self.base:  # back past the positions dropped (a re-send from 0): start over
+            self.base = 0
 
     def receive(self, start: int, rows: torch.Tensor) -> None:
         """The target's features of positions start .. start + N - 1. rows: [N, H]"""

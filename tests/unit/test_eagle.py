@@ -160,6 +160,34 @@ def test_slots_drafted_on_predictions_run_again_with_the_targets_features(tiny_p
     assert runner.recomputed_tokens == 10 and runner.track_of(session).kv_exact == len(sequence)
 
 
+def test_a_session_sent_again_from_its_start_drafts_as_a_new_one(tiny_pair, heads):
+    """After a failed draft call the coordinator re-sends the whole sequence (keep_tokens 0) to
+    the same session. Its track had dropped the positions before its last exact slot, and kept
+    that offset: it then ignored the target's features below it, never caught up or trimmed
+    again, and drafted on zeros for the rest of the request."""
+    runner = eagle_runner(tiny_pair, heads[EAGLE1])
+    features = torch.randn(40, runner.feature_width, generator=torch.Generator().manual_seed(0))
+    prompt = list(range(5, 25))
+    first = runner.propose_one(ProposeCall("s", 0, prompt, 3, GREEDY, 0))
+    runner.propose_one(ProposeCall("s", 21, [7], 3, GREEDY, 0, features=(0, features[:21])))
+    assert runner.track_of(runner.sessions.peek("s")).base > 0  # it dropped the early positions
+    sequence = [*prompt, first.token_ids[0], 7, 9]
+    again = {
+        session_id: runner.propose_one(ProposeCall(session_id, 0, sequence, 3, GREEDY, 0, features=(0, features[:22])))
+        for session_id in ("s", "new")
+    }
+    assert again["s"].token_ids == again["new"].token_ids
+    for bonus in (11, 12, 13):  # rounds whose drafts were all rejected: the bonus and its feature
+        for session_id in again:
+            keep = len(sequence)
+            runner.propose_one(
+                ProposeCall(session_id, keep, [bonus], 3, GREEDY, 0, features=(keep - 1, features[keep - 1 : keep]))
+            )
+        sequence.append(bonus)
+    sent_again, new = (runner.track_of(runner.sessions.peek(session_id)) for session_id in again)
+    assert (sent_again.kv_exact, sent_again.base, len(sent_again.target)) == (new.kv_exact, new.base, len(new.target))
+
+
 def test_a_pass_runs_a_slot_after_one_without_the_targets_feature_alone():
     """FeatureTrack.runnable: tokens whose input is the target's feature (or, in a long run, a
     prompt's zeros) share a pass; a short tail's slot after one lacking it waits for its output."""
