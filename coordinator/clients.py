@@ -144,12 +144,17 @@ class ServiceClient:
     async def info(self, timeout_s: float | None = None) -> common_pb2.ModelInfo:
         return await self.call(self._stub.Info, common_pb2.InfoRequest(), timeout_s)
 
-    async def end_session(self, session_id: str, discard: bool = False, epoch: int = 0) -> None:
+    async def end_session(
+        self, session_id: str, discard: bool = False, epoch: int = 0, committed: int | None = None
+    ) -> None:
         """Best effort: a session that cannot be ended expires by TTL on the service, holding
         one of its --max-sessions till then. `discard`: its sequence is no request's output;
-        `epoch`: the newest call number sent for it (EndSessionRequest)."""
+        `epoch`: the newest call number sent for it; `committed`: the leading tokens of it that
+        are the request's output (EndSessionRequest)."""
         try:
-            request = common_pb2.EndSessionRequest(session_id=session_id, discard=discard, epoch=epoch)
+            request = common_pb2.EndSessionRequest(
+                session_id=session_id, discard=discard, epoch=epoch, committed_tokens=committed
+            )
             await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
         except SpecDecError as exc:
             logger.warning(

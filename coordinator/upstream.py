@@ -6,6 +6,7 @@ draft refuses a call, and ending sessions without delaying the request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import cast
@@ -406,7 +407,8 @@ class Upstream:
             return
         pool.release(replica, reserved, ending=True, session_id=view.session_id)
         epoch = next(view.calls)
-        self.end_later(replica.client, view.session_id, discard, lambda: pool.ended(replica, reserved), epoch)
+        ended = functools.partial(pool.ended, replica, reserved)
+        self.end_later(replica.client, view.session_id, discard, ended, epoch, None if discard else view.synced)
 
     async def wait_cleanup(self) -> None:
         """Until every session end already started has finished (before the services stop)."""
@@ -420,13 +422,15 @@ class Upstream:
         discard: bool = False,
         then: Callable[[], None] | None = None,
         epoch: int = 0,
+        committed: int | None = None,
     ) -> None:
         """Frees a service's session without delaying (or being cancelled with) the request;
         `discard`: its sequence is not the request's output, so the service keeps nothing of it;
         `then()` once the service has answered (or the call has failed); `epoch`: a number
         after every call sent for the session, none of which may open it afterwards (a
-        cancelled call still on its way: EndSessionRequest.epoch)."""
-        task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard, epoch))
+        cancelled call still on its way: EndSessionRequest.epoch); `committed`: the leading tokens
+        of its sequence that are the request's output, where that is known."""
+        task = asyncio.get_running_loop().create_task(client.end_session(session_id, discard, epoch, committed))
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
         if then is not None:

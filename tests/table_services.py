@@ -157,7 +157,9 @@ class TableService:
     async def wait_info(self, total_timeout_s: float) -> common_pb2.ModelInfo:
         return await self.info()
 
-    async def end_session(self, session_id: str, discard: bool = False, epoch: int = 0) -> None:
+    async def end_session(
+        self, session_id: str, discard: bool = False, epoch: int = 0, committed: int | None = None
+    ) -> None:
         self.sessions.retire(session_id, epoch)
         self.sessions.end(session_id)
 

@@ -36,14 +36,22 @@ class SessionServicerMixin:
     async def EndSession(
         self, request: common_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.EndSessionResponse:
-        ended = request.session_id, request.discard, request.epoch
+        committed = request.committed_tokens if request.HasField("committed_tokens") else None
+        ended = request.session_id, request.discard, request.epoch, committed
         existed = await self._model_thread.run_brief(self._end_session, *ended)
         return common_pb2.EndSessionResponse(existed=existed)
 
-    def _end_session(self, session_id: str, discard: bool, epoch: int) -> bool:
+    def _end_session(self, session_id: str, discard: bool, epoch: int, committed: int | None) -> bool:
         """On the model thread: the session's calls numbered up to `epoch` open nothing from now
-        on (SessionStore.retire), and the session ends."""
+        on (SessionStore.retire), and the session ends, its output no more than `committed` of
+        its caller's tokens (EndSessionRequest.committed_tokens)."""
         self._runner.sessions.retire(session_id, epoch)
+        session = self._runner.sessions.peek(session_id)
+        if session is not None and committed is not None:
+            positions = session.caller_positions  # a bridged draft's own tokens by the caller's
+            own = positions[min(committed, len(positions) - 1)] if positions else committed
+            held = len(session.tokens) if session.committed_tokens is None else session.committed_tokens
+            session.committed_tokens = min(held, own)
         return self._runner.end_session(session_id, not discard)
 
     @grpc_errors

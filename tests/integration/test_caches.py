@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from specdec.config.services import ClientSecurity, ServerSecurity
 from specdec.rpc.security import aio_channel, load_client_security
@@ -49,6 +50,31 @@ async def test_cache_hits_and_earlier_outputs_leave_greedy_output_the_targets(ti
             prefix = runner.sessions.prefix
             assert prefix.hits >= 3 and prefix.tokens_saved > 0, (prefix.hits, prefix.tokens_saved)
         assert sum(copied[len(PROMPTS) :]) > sum(copied[: len(PROMPTS)]), "repeats never copied the earlier output"
+
+
+async def test_the_suffix_store_learns_only_what_requests_output(tiny_pair, reference):
+    """A pipelined request's last call may be a pre-draft, which keeps the round's drafts
+    before their verify; a request that then ends in that round (here on a stop string) once
+    taught the store drafts its verify rejected. It learns no more than the coordinator says
+    the session holds of the output (EndSessionRequest.committed_tokens)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    overrides = {"pipeline": True, "catch_up": False}  # every round after the first pre-drafts
+    async with inprocess_stack(tiny_pair, draft_overrides=SUFFIX_DRAFT, coordinator_overrides=overrides) as stack:
+        store, predrafts = stack.draft_runner.lookup.store, 0
+        for prompt in PROMPTS:
+            output = reference(prompt, 40)
+            for cut in (7, 13, 19, 25):
+                request = pb.GenerateRequest(
+                    prompt=prompt, max_new_tokens=40, num_speculative_tokens=4, cache_salt=f"{prompt}{cut}"
+                )
+                request.stop.append(tokenizer.decode(output[cut : cut + 2]))
+                response = await stack.stub.Generate(request, timeout=60)
+                predrafts += response.stats.predrafts
+                await settled(stack)
+                learned = list(store._sequences.values())[-1][1].tolist()
+                truth = tokenizer(prompt).input_ids + output
+                assert learned == truth[: len(learned)], f"{prompt!r} cut at {cut}: learned {learned}"
+        assert predrafts > 0
 
 
 async def test_a_cache_salt_keeps_prompt_blocks_and_outputs_apart(tiny_pair):
