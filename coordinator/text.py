@@ -104,9 +104,14 @@ class TextAssembler:
 
     def finish(self, reason: str) -> None:
         """Ends the generation (for a reason found outside the tokens, e.g. a full context),
-        flushing any trailing partial character as the tokenizer renders it."""
+        flushing any trailing partial character as the tokenizer renders it; a stop string in
+        what that flushes ends it as a stop."""
         if self.finish_reason is None:
+            search_from = max(0, len(self.text) - self._longest_stop + 1)
             self.text += self._decode_new(flush=True)
+            cut = self._first_stop(search_from) if self._stop else None
+            if cut is not None:
+                self.text, reason = self.text[:cut], FINISH_STOP
             self.finish_reason = reason
 
     def _first_stop(self, search_from: int) -> int | None:

@@ -51,6 +51,23 @@ def test_stop_string_across_tokens_cuts_text_and_is_never_streamed(tokenizer):
     assert len(assembler.token_ids) < len(ids)
 
 
+@pytest.mark.parametrize("end", ["length", "eos", "full context"])
+def test_a_stop_string_in_the_text_flushed_at_the_end_is_a_stop(tokenizer, end):
+    """Text held back as a partial character is searched for stop strings when the generation
+    ends and flushes it, as any other text is: it once reached the client with finish_reason
+    length or eos."""
+    partial = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "c\ufffd")  # "c" + half a char
+    ids = [*tokenizer.encode("The big "), partial]
+    eos = tokenizer.eos_token_id
+    assembler, deltas = feed(
+        tokenizer, ids + ([eos] if end == "eos" else []), ("c",), len(ids) if end == "length" else 99, {eos}
+    )
+    if end == "full context":
+        assembler.finish("length")
+    text = "".join(d.text for d in deltas) + assembler.take_delta().text
+    assert (text, assembler.text, assembler.finish_reason) == ("The big ", "The big ", "stop")
+
+
 def test_max_new_tokens_and_eos(tokenizer):
     ids = tokenizer.encode(TEXT)
     assembler, _ = feed(tokenizer, ids, max_new_tokens=3)
