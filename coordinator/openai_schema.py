@@ -362,7 +362,10 @@ def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    return str(tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    """A token's own text, from its bytes: decoding it alone would drop a SentencePiece
+    token's leading space (the decoder strips the text's first), and U+FFFD where it ends
+    inside a character, as there."""
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
 
 
 def chat_logprobs(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:

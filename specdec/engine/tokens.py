@@ -30,12 +30,16 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
-def _component_types(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    """The types of the fast tokenizer's pre-tokenizer and decoder, nested ones included."""
+def _spec(tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The fast tokenizer's tokenizer.json; {} for a slow one."""
     try:
-        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        return json.loads(tokenizer.backend_tokenizer.to_str())
     except (AttributeError, ValueError):
-        return set()
+        return {}
+
+
+def _component_types(spec: dict) -> set[str]:
+    """The types of a tokenizer's pre-tokenizer and decoder, nested ones included."""
     found: set[str] = set()
 
     def walk(node) -> None:
@@ -58,10 +62,14 @@ class TokenForm:
     SentencePiece (▁ for a space, <0xNN> bytes) or plain text."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        types = _component_types(tokenizer)
+        spec = _spec(tokenizer)
+        types = _component_types(spec)
         self.tokenizer = tokenizer
         self.byte_level = "ByteLevel" in types
-        self.metaspace = not self.byte_level and "Metaspace" in types
+        # SentencePiece: Metaspace, or in Llama 2's, Mistral's and Phi-3's tokenizer.json a
+        # normalizer that writes ▁ for a space and a decoder with byte fallback.
+        spaces = "▁" in json.dumps(spec.get("normalizer"), ensure_ascii=False)
+        self.metaspace = not self.byte_level and ("Metaspace" in types or "ByteFallback" in types or spaces)
         self._decode_byte = {char: byte for byte, char in bytes_to_unicode().items()}
 
     def token_bytes(self, token: str) -> bytes:

@@ -4,11 +4,12 @@ loaded back by the services through their real `--model` path."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 EOS = "<|endoftext|>"
@@ -57,6 +58,29 @@ def byte_level_tokenizer(
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def sentencepiece_tokenizer(layout: str = "llama2", vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE (▁ for a space, <0xNN> byte fallback), in the tokenizer.json
+    layout of Llama 2, Mistral and Phi-3 ("llama2": a normalizer writes the ▁, the decoder
+    undoes it and strips the first space; no Metaspace anywhere) or of newer conversions
+    ("metaspace": Metaspace pre-tokenizer and decoder)."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    if layout == "llama2":
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        fused = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        tokenizer.decoder = decoders.Sequence(fused)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tokenizer.train_from_iterator([text for text in CORPUS if "東" not in text], trainer)  # 東京 left to bytes
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):  # the byte-fallback pieces, as SentencePiece models carry them
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    built = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=built, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def word_tokenizer(num_words: int, words: list[str] | None = None) -> PreTrainedTokenizerFast:
