@@ -60,6 +60,7 @@ PATHS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
+MAX_TOKENS_PARAM = web.RequestKey("max_tokens_param", str)  # the body's name for it, which errors name
 
 
 def ignored_header(parsed: Parsed) -> dict[str, str]:
@@ -138,7 +139,7 @@ class OpenAIApi:
             except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method
                 response = error_response(ApiError(exc.status, exc.reason, "invalid_request_error"))
             except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's error shape
-                error = api_error(exc, request.get("max_tokens_param", "max_tokens"))
+                error = api_error(exc, request.get(MAX_TOKENS_PARAM, "max_tokens"))
                 if error.status == 500:
                     logger.exception("HTTP %s %s failed", request.method, request.path)
                 response = error_response(error)
@@ -180,7 +181,7 @@ class OpenAIApi:
             ) from None
         parsed = await self.coordinator.off_loop(parse_request_body, raw, chat, self.model_name)
         self._warn_ignored(parsed.ignored)
-        request["max_tokens_param"] = parsed.max_tokens_param  # what its errors name (`_middleware`)
+        request[MAX_TOKENS_PARAM] = parsed.max_tokens_param
         if self.auth is not None:  # each checked token is its own cache namespace
             parsed = dataclasses.replace(
                 parsed,
