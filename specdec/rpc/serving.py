@@ -87,6 +87,9 @@ def create_server(
         *message_size_options(max_message_bytes, max_receive_bytes),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+        # gRPC's default lets a second server bind a port in use and share its connections
+        # with the first (a stale service, an old model): refused instead (`bind`).
+        ("grpc.so_reuseport", 0),
         *(keepalive.public_server_options() if public else keepalive.server_options()),
     ]
     return grpc.aio.server(interceptors=chain or None, options=options)
@@ -117,11 +120,17 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_names:
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
     """Listens on host:port, with TLS when `credentials` are given (health and reflection too)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpcio's "Failed to bind"
+        bound = 0
     if bound == 0:
-        raise SystemExit(f"could not listen on {address}")
+        raise SystemExit(f"cannot start: could not listen on {address} (another process holds the port, or the host "
+                         "is not an address of this machine)")  # fmt: skip
     return bound
 
 

@@ -214,7 +214,10 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int):
     Returns the HTTP server (`.server_port`, `.shutdown()`), or None when off."""
     if port < 0:
         return None
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise SystemExit(f"cannot start: --metrics-port: could not listen on {host}:{port} ({exc.strerror})") from None
     logger.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
     return httpd
 

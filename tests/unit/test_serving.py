@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from specdec.rpc import serving
+import pytest
+from prometheus_client import CollectorRegistry
+
+from specdec.rpc import serving, telemetry
 
 
 class _Running:
@@ -60,3 +63,19 @@ def test_a_services_message_limit_holds_a_calls_rows_over_its_vocabulary():
     assert MAX_ROWS * largest_row + 10 * context < limit < 2 * MAX_ROWS * largest_row
     assert serving.model_message_bytes(1000, 2048) == serving.DEFAULT_MAX_MESSAGE_BYTES
     assert serving.model_message_bytes(10**8, 1 << 20) == serving.GRPC_MAX_MESSAGE_BYTES
+
+
+async def test_a_port_another_server_holds_is_a_one_line_start_up_error():
+    """gRPC raises where it cannot bind (a RuntimeError, once a traceback after the model had
+    loaded), and by default lets a second server share a port another holds (SO_REUSEPORT), so
+    a stale service kept taking some of the connections: both are refused by name."""
+    first = serving.create_server(1 << 20)
+    port = serving.bind(first, "127.0.0.1", 0)
+    await first.start()
+    try:
+        with pytest.raises(SystemExit, match=rf"could not listen on 127.0.0.1:{port} \(another process holds"):
+            serving.bind(serving.create_server(1 << 20), "127.0.0.1", port)
+        with pytest.raises(SystemExit, match=rf"--metrics-port: could not listen on 127.0.0.1:{port}"):
+            telemetry.start_metrics_server(CollectorRegistry(), "127.0.0.1", port)
+    finally:
+        await first.stop(0)
