@@ -9,11 +9,12 @@ from specdec.config.services import (
     ClientSecurity,
     ServerSecurity,
     host_setting,
+    log_level_setting,
     metrics_port_setting,
     port_setting,
     shutdown_grace_setting,
 )
-from specdec.config.settings import fixed, group, parse_settings, setting
+from specdec.config.settings import fixed, group, number, parse_settings, setting
 from specdec.engine.rows import MAX_ROWS
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool
@@ -90,17 +91,24 @@ class CoordinatorConfig:
         shown="auto",
         more="See [The K chooser](design.md#the-k-chooser).",
     )
-    max_new_tokens_limit: int = setting(2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for")
-    draft_timeout_s: float = setting(30.0, "--draft-timeout", "deadline of one draft call, seconds")
-    target_timeout_s: float = setting(60.0, "--target-timeout", "deadline of one target call, seconds")
+    max_new_tokens_limit: int = setting(
+        2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for", parse=number(int, 1)
+    )
+    draft_timeout_s: float = setting(
+        30.0, "--draft-timeout", "deadline of one draft call, seconds", parse=number(float, 0.001)
+    )
+    target_timeout_s: float = setting(
+        60.0, "--target-timeout", "deadline of one target call, seconds", parse=number(float, 0.001)
+    )
     connect_timeout_s: float = setting(
         120.0,
         "--connect-timeout",
         "seconds a service that does not answer is waited for, as long as one takes to start: at start-up, for "
         "draft and target to answer Info; mid-request, for a target call failing UNAVAILABLE (a restarting "
         "target), never past the client's deadline",
+        parse=number(float, 0),
     )
-    log_level: str = setting("INFO", "--log-level", "logging level")
+    log_level: str = log_level_setting()
     pipeline: bool | None = setting(
         None,
         "--pipeline",
@@ -153,6 +161,7 @@ class CoordinatorConfig:
         "--http-port",
         "serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port of "
         "--host, with the same TLS and tokens as gRPC (-1 = off, 0 picks a free one; 8000 is the usual choice)",
+        parse=number(int, -1, 65535),
         more="See [The OpenAI-compatible HTTP API](api.md#the-openai-compatible-http-api).",
     )
     served_model_name: str = setting(
@@ -165,12 +174,14 @@ class CoordinatorConfig:
         "--pool-refresh",
         "seconds between refreshes of both pools: DNS names resolved again, and every replica asked its "
         "health and Info (a replica joins, leaves, or closes its breaker at a refresh)",
+        parse=number(float, 0.01),
     )
     queue_timeout_s: float = setting(
         120.0,
         "--queue-timeout",
         "seconds a request waits for room on a target replica (every one full: its --max-kv-bytes or "
         "--max-sessions) before RESOURCE_EXHAUSTED, never past the client's deadline",
+        parse=number(float, 0),
     )
     shutdown_grace_s: float = shutdown_grace_setting()
     trust_remote_code: bool = setting(
@@ -232,8 +243,6 @@ class CoordinatorConfig:
         k = self.default_num_speculative_tokens
         if k is not None and not 0 <= k < MAX_ROWS:
             return f"--num-speculative-tokens must be auto or in [0, {MAX_ROWS - 1}] (the services' bound applies too)"
-        if self.pool_refresh_s <= 0 or self.queue_timeout_s < 0 or self.connect_timeout_s < 0:
-            return "--pool-refresh must be > 0, --queue-timeout and --connect-timeout >= 0"
         if self.hedges is not None and not 0 <= self.hedges <= MAX_HEDGES:
             return f"--hedges must be auto or in [0, {MAX_HEDGES}]"
         if self.bonus_guesses is not None and not 1 <= self.bonus_guesses <= MAX_BONUS_GUESSES:

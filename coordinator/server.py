@@ -22,7 +22,7 @@ from coordinator.round_costs import BatchCosts, RoundCosts
 from coordinator.rounds import DEFAULT_RULES, RoundRules
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.engine.calls import numerics
-from specdec.engine.modeling import tokenizer_fingerprint, warn_if_trusting_remote_code
+from specdec.engine.modeling import check_folder, tokenizer_fingerprint, warn_if_trusting_remote_code
 from specdec.rpc.dns import PoolSpec, parse_pool
 from specdec.rpc.security import ChannelSecurity, load_client_security, load_server_security
 from specdec.rpc.serving import GRPC_MAX_MESSAGE_BYTES, RunningServer, serve_forever, set_serving, start_server
@@ -44,7 +44,11 @@ async def connect(
     (in-process services); `rules`: the benchmarks' and tests' comparisons (RoundRules)."""
     upstream = load_client_security(config.upstream, "--upstream-")
     warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    try:
+        check_folder(config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:  # a folder without one, a mistyped path
+        raise ValueError(f"--tokenizer {config.tokenizer}: {exc}") from None
     drafts, targets = build_pools(config, upstream, draft, target)
     first_draft, first_target = await asyncio.gather(
         drafts.start(config.connect_timeout_s), targets.start(config.connect_timeout_s)

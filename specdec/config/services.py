@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from specdec.config.settings import fixed, group, setting
+from specdec.config.settings import fixed, group, log_level, number, setting
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
 from specdec.engine.memory import MemoryShare
 from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
@@ -152,19 +152,29 @@ def client_security(
 
 
 def port_setting(default: int) -> int:
-    return setting(default, "--port", "port to listen on (0 picks a free one)")
+    return setting(default, "--port", "port to listen on (0 picks a free one)", parse=number(int, 0, 65535))
 
 
 def metrics_port_setting(default: int) -> int:
     return setting(
-        default, "--metrics-port", "Prometheus /metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)"
+        default,
+        "--metrics-port",
+        "Prometheus /metrics HTTP port on --host (0 picks a free one, -1 turns metrics off)",
+        parse=number(int, -1, 65535),
     )
 
 
 def shutdown_grace_setting() -> float:
     return setting(
-        25.0, "--shutdown-grace", "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)"
+        25.0,
+        "--shutdown-grace",
+        "seconds in-flight calls may finish after SIGTERM (health turns NOT_SERVING first)",
+        parse=number(float, 0),
     )
+
+
+def log_level_setting() -> str:
+    return setting("INFO", "--log-level", "logging level (DEBUG, INFO, WARNING, ERROR or CRITICAL)", parse=log_level)
 
 
 def host_setting() -> str:
@@ -220,9 +230,13 @@ class ModelServiceConfig:
         "--threads",
         "torch intra-op threads (0 = one per core the process may run on where it is pinned, as by taskset or a "
         "container's cpuset; else torch's default)",
+        parse=number(int, 0),
     )
     max_sessions: int = setting(
-        256, "--max-sessions", "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED"
+        256,
+        "--max-sessions",
+        "sessions held at once; beyond that new ones get RESOURCE_EXHAUSTED",
+        parse=number(int, 1),
     )
     max_speculative_tokens: int = setting(
         32,
@@ -230,7 +244,7 @@ class ModelServiceConfig:
         f"largest K, or copy, accepted per call (at most {MAX_ROWS - 1}: a verify's passes attend row by row up to "
         f"{MAX_ROWS} rows)",
     )
-    log_level: str = setting("INFO", "--log-level", "logging level")
+    log_level: str = log_level_setting()
     metrics_port: int = metrics_port_setting(-1)
     shutdown_grace_s: float = shutdown_grace_setting()
     max_kv_bytes: int | MemoryShare = setting(
@@ -271,6 +285,7 @@ class ModelServiceConfig:
         "--batch-window-ms",
         "milliseconds a Verify/Propose call waits for calls from other sessions to share its "
         "forward passes (0 = every call runs alone)",
+        parse=number(float, 0),
         more="Never while every session active in the last second already has a call waiting.",
     )
     max_batch_size: int = setting(8, "--max-batch-size", "most sessions served by one batched call")
@@ -317,8 +332,6 @@ class ModelServiceConfig:
         """A contradiction between settings, in words; None if the config is consistent."""
         if not 1 <= self.max_speculative_tokens < MAX_ROWS:
             return f"--max-speculative-tokens must be in [1, {MAX_ROWS - 1}]; got {self.max_speculative_tokens}"
-        if self.batch_window_ms < 0:
-            return f"--batch-window-ms must be >= 0 (0 turns batching off); got {self.batch_window_ms}"
         if self.max_batch_size < 1:
             return f"--max-batch-size must be >= 1 (1 turns batching off); got {self.max_batch_size}"
         if self.prefix_block_tokens < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ _FLAG = "specdec.setting"
 _GROUP = "specdec.group"
 _FIXED = "specdec.fixed"
 REQUIRED_HINT = "(or set the environment variable named in --help)"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,31 @@ def on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise ValueError(f"{text!r}: choose from on, off")
     return text == "on"
+
+
+def number(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
+    """A parser of `kind` (int or float) values in [low, high]: a port past 65535, a negative
+    thread count or a NaN is refused by name at start-up rather than failing later (gRPC binds
+    port 70000 as 4464; torch raises at a negative thread count once the model has loaded)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and low <= value and (high is None or value <= high)):
+            raise ValueError(f"{text!r} is not in [{low}, {'∞' if high is None else high}]")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def log_level(text: str) -> str:
+    """A logging level's name, in either case."""
+    if text.upper() not in LOG_LEVELS:
+        raise ValueError(f"{text!r}: choose from {', '.join(LOG_LEVELS)}")
+    return text.upper()
 
 
 def optional_text(text: str) -> str | None:

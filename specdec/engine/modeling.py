@@ -82,7 +82,7 @@ def load_causal_lm(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
-    _check_folder(model_id)
+    check_folder(model_id)
     warn_if_trusting_remote_code(model_id, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     kwargs = _from_pretrained_kwargs(model_id, dtype, device_map, trust_remote_code, tensor_parallel)
@@ -174,7 +174,7 @@ def warn_if_trusting_remote_code(model_id: str, trust_remote_code: bool) -> None
         logger.warning("--trust-remote-code on: Python code shipped with %s may run in this process", model_id)
 
 
-def _check_folder(model_id: str) -> None:
+def check_folder(model_id: str) -> None:
     # Hub ids are "name" or "org/name"; anything else path-like must be an existing folder.
     looks_like_path = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
     if looks_like_path and not Path(model_id).expanduser().is_dir():
@@ -196,7 +196,7 @@ class TokenizerInfo:
 
 def load_tokenizer_info(model_id: str, trust_remote_code: bool = False) -> TokenizerInfo:
     """A model folder's tokenizer and id space, without loading any weights."""
-    _check_folder(model_id)
+    check_folder(model_id)
     warn_if_trusting_remote_code(model_id, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     try:

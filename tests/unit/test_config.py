@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 
+from coordinator import server as coordinator_server
+from coordinator.config import CoordinatorConfig
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import parse_config as draft_config
 from target_service.config import parse_config as target_config
@@ -57,7 +60,19 @@ def test_environment_values_outside_the_choices_are_refused():
         (coordinator_config, ["--pipeline", "yes"], "argument --pipeline: 'yes': choose from auto, on, off"),
         (target_config, ["--max-kv-bytes", "2XB"], "argument --max-kv-bytes: '2XB' is not a size; use bytes"),
         (target_config, ["--max-kv-bytes", "120%"], "more than 0% and at most 100%; got 120%"),
-        (target_config, ["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (target_config, ["--port", "abc"], "argument --port: 'abc' is not a whole number"),
+        # Values outside what they can mean: refused by name, before any model loads.
+        (target_config, ["--port", "70000"], "argument --port: '70000' is not in [0, 65535]"),  # gRPC: port 4464
+        (draft_config, ["--metrics-port", "-2"], "argument --metrics-port: '-2' is not in [-1, 65535]"),
+        (target_config, ["--threads", "-2"], "argument --threads: '-2' is not in [0, ∞]"),
+        (target_config, ["--max-sessions", "0"], "argument --max-sessions: '0' is not in [1, ∞]"),
+        (target_config, ["--batch-window-ms", "nan"], "argument --batch-window-ms: 'nan' is not in [0, ∞]"),
+        (target_config, ["--log-level", "verbose"], "argument --log-level: 'verbose': choose from DEBUG, INFO"),
+        (coordinator_config, ["--http-port", "65536"], "argument --http-port: '65536' is not in [-1, 65535]"),
+        (coordinator_config, ["--target-timeout", "0"], "argument --target-timeout: '0' is not in [0.001, ∞]"),
+        (coordinator_config, ["--pool-refresh", "nan"], "argument --pool-refresh: 'nan' is not in [0.01, ∞]"),
+        (coordinator_config, ["--max-new-tokens-limit", "0"], "argument --max-new-tokens-limit: '0' is not in"),
+        (coordinator_config, ["--shutdown-grace", "-1"], "argument --shutdown-grace: '-1' is not in [0, ∞]"),
     ],
 )
 def test_a_malformed_flag_says_what_is_accepted(parse, argv, said, capsys):
@@ -69,6 +84,13 @@ def test_a_malformed_flag_says_what_is_accepted(parse, argv, said, capsys):
     with pytest.raises(SystemExit):
         parse([*required, *argv], {})
     assert said in capsys.readouterr().err
+
+
+def test_a_log_level_is_taken_in_either_case_from_a_flag_or_the_environment():
+    assert target_config(["--model", "m", "--log-level", "debug"], {}).log_level == "DEBUG"
+    assert draft_config(["--model", "m"], {"SPECDEC_DRAFT_LOG_LEVEL": "warning"}).log_level == "WARNING"
+    with pytest.raises(SystemExit, match="SPECDEC_DRAFT_LOG_LEVEL='loud' is invalid: 'loud': choose from"):
+        draft_config(["--model", "m"], {"SPECDEC_DRAFT_LOG_LEVEL": "loud"})
 
 
 def test_required_settings_are_named(capsys):
@@ -128,3 +150,12 @@ def test_threads_follow_the_cores_the_process_may_use(monkeypatch):
     ):
         with pytest.raises(SystemExit):
             parse([*args, "--cpus", "0"])
+
+
+@pytest.mark.parametrize("folder", ["/no/such/folder", "empty"])
+def test_a_coordinator_tokenizer_that_is_no_tokenizer_folder_names_the_flag(folder, tmp_path):
+    """Once "Repo id must be in the form 'repo_name'..." for a mistyped path, naming no flag."""
+    path = str(tmp_path) if folder == "empty" else folder
+    config = CoordinatorConfig(draft_address="a:1", target_address="b:2", tokenizer=path)
+    with pytest.raises(ValueError, match=f"--tokenizer {path}: "):
+        asyncio.run(coordinator_server.connect(config))
