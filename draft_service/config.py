@@ -80,6 +80,11 @@ class DraftConfig(ModelServiceConfig):
                     "--quantize int8, --draft-vocab and --target-tokenizer apply to a drafter "
                     "with a model; the ngram drafter has no weights, runs no pass and speaks its --model's ids"
                 )
+            if self.max_kv_bytes or self.prefix_cache_bytes:
+                return (
+                    "--max-kv-bytes and --prefix-cache-bytes apply to a drafter with a model: the ngram drafter holds "
+                    "no KV"
+                )
             return super().problem()
         if problem := super().problem():
             return problem

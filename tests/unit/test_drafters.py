@@ -130,6 +130,8 @@ def test_auto_quantisation_and_contradictory_flags():
     assert dataclasses.replace(base, quantize="int8", device="cuda").problem() is not None
     assert dataclasses.replace(base, drafter="ngram", quantize="int8").problem() is not None
     assert dataclasses.replace(base, drafter="ngram", ngram_min=3, ngram_max=2).problem() is not None
+    for held in ({"max_kv_bytes": 1 << 30}, {"prefix_cache_bytes": 1 << 30}):  # it holds no KV to budget or cache
+        assert "the ngram drafter holds no KV" in dataclasses.replace(base, drafter="ngram", **held).problem()
     assert dataclasses.replace(base, drafter="ngram").problem() is None
     assert dataclasses.replace(base, drafter="ngram", max_speculative_tokens=64).problem() is None
     assert "must be in [1, 64]" in dataclasses.replace(base, drafter="ngram", max_speculative_tokens=65).problem()
