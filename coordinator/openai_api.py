@@ -60,6 +60,7 @@ PATHS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
+HTTP_MAX_HEADERS = 64  # the official client sends about 20
 MAX_TOKENS_PARAM = web.RequestKey("max_tokens_param", str)  # the body's name for it, which errors name
 
 
@@ -401,13 +402,16 @@ async def start_http(
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
-    # max_field_size: a header as long as gRPC's metadata may be, so an over-long bearer token
-    # reaches the token check and gets OpenAI's 401 body, not aiohttp's plain-text 400.
+    # max_field_size, max_headers: the headers read before the token check are as much as gRPC's
+    # metadata may be in all (aiohttp's own 128 headers of up to 1 MiB each let a caller without a
+    # token pin 128 MiB a connection); a bearer token longer than a header may be (16 KiB, twice
+    # the longest JWTs) gets aiohttp's 400, a shorter over-long one OpenAI's 401.
     runner = web.AppRunner(
         OpenAIApi(coordinator, model_name, metrics, tokens, body_limit, serving).app(),
         access_log=None,
         handler_cancellation=True,
-        max_field_size=MAX_METADATA_BYTES,
+        max_field_size=MAX_METADATA_BYTES // HTTP_MAX_HEADERS,
+        max_headers=HTTP_MAX_HEADERS,
         shutdown_timeout=grace_s,
     )
     await runner.setup()

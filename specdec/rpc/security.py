@@ -124,7 +124,7 @@ class RefusalLog:
         if now - self._logged_at < self._interval_s:
             return
         logger.info(
-            "refused %d call%s for their credentials in the last %.0f s; the latest: %s: %s",
+            "refused %d call%s for their credentials in the last %.0f s; the latest: %r: %s",  # %r: no forged lines
             self._unlogged,
             "" if self._unlogged == 1 else "s",
             min(now - self._logged_at, self._interval_s),

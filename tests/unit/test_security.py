@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import parse_config as draft_config
 from specdec.config.services import ClientSecurity, ServerSecurity
-from specdec.rpc.security import BearerTokenAuth, load_client_security, load_server_security, read_tokens
+from specdec.rpc.security import (
+    BearerTokenAuth,
+    RefusalLog,
+    load_client_security,
+    load_server_security,
+    read_tokens,
+)
 from target_service.config import parse_config as target_config
 
 COORDINATOR = ["--draft", "a:1", "--target", "b:2", "--tokenizer", "t"]
@@ -146,3 +154,13 @@ def test_token_check():
     assert "expected `Bearer <token>`" in auth.problem("Bearer ")
     assert "invalid bearer token" in auth.problem("Bearer alpha-toke")
     assert "invalid bearer token" in auth.problem("Bearer alpha-token-and-more")
+
+
+def test_a_refused_calls_path_cannot_forge_a_log_line(caplog):
+    """An HTTP path is the caller's, percent-decoded: a %0A in it once started a line of the
+    caller's making (a timestamp, a level, a message) in the coordinator's log."""
+    forged = "HTTP GET /v1/models\n2026-01-01 00:00:00,000 INFO coordinator: admin token rotated OK"
+    with caplog.at_level(logging.INFO, logger="specdec.rpc.security"):
+        RefusalLog().refused(forged, "missing credentials")
+    (record,) = caplog.records
+    assert "\n" not in record.getMessage() and "\\n2026" in record.getMessage()
