@@ -64,8 +64,9 @@ class DraftConfig(ModelServiceConfig):
     ngram_max: int = fixed(4, "prompt lookup (ngram, hybrid): the longest suffix n-gram, tried first")
     suffix_cache_tokens: int = fixed(
         DEFAULT_SUFFIX_CACHE_TOKENS,
-        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from per cache namespace "
-        "(a request's cache_salt and bearer token), oldest dropped first: about 40 MB with its index",
+        "suffix drafter: tokens of earlier requests (prompt and output) kept to propose from, over every cache "
+        "namespace together (a request reads only its own: its cache_salt and bearer token), oldest dropped first, "
+        "whichever namespace's: about 40 MB with its index",
     )
 
     def problem(self) -> str | None:

@@ -21,8 +21,9 @@ Exact, as every drafter is: which tokens are proposed depends on the session's s
 store alone, never on the target's coins, and each travels one-hot, the distribution it was
 drawn from, so the target accepts it with exactly its own probability of that token.
 
-Isolation: the store is per namespace (ProposeRequest.cache_namespace), so a session is only
-ever proposed text of its own namespace. Not thread-safe: the model thread drives it.
+Isolation: the store's index is per namespace (ProposeRequest.cache_namespace), so a session is
+only ever proposed text of its own namespace; its budget is shared, so any namespace's new text
+pushes out the oldest, whoever's. Not thread-safe: the model thread drives it.
 """
 
 from __future__ import annotations
