@@ -116,7 +116,9 @@ def main() -> int:
         threads=args.threads,
         draft_args=draft_args + ([] if args.min_confidence is None else ["--min-confidence", str(args.min_confidence)]),
         target_args=["--quantize", target_quantize],
-        coordinator_args=["--pipeline", args.pipeline],
+        # Its services are local and never restart: one that dies is reported at once (`died`),
+        # where the default would have the coordinator wait 120 s for it to come back.
+        coordinator_args=["--pipeline", args.pipeline, "--connect-timeout", "5"],
         cwd=ROOT,
     ) as services:
         with grpc.insecure_channel(services["draft"].address) as channel:
@@ -126,7 +128,19 @@ def main() -> int:
             f"{draft_info.model_id.rsplit('/', 1)[-1]}, "
             f"{numerics(draft_info.dtype, draft_info.quantization)}; target {services['target'].address})\n"
         )
-        return run_prompts(services["coordinator"].address, args)
+        try:
+            return run_prompts(services["coordinator"].address, args)
+        except grpc.RpcError as exc:
+            died = [service for service in services.values() if service.process.poll() is not None]
+            if not died:
+                raise
+            for service in died:
+                print(
+                    f"{service.name} exited with {service.process.returncode}; its log: {service.log}", file=sys.stderr
+                )
+                print(textwrap.indent(service.log.read_text()[-2000:], "  "), file=sys.stderr)
+            print(f"the call failed: {exc.details()}", file=sys.stderr)
+            return 1
 
 
 def cpu_line() -> str:
@@ -141,7 +155,7 @@ def pick_target(target_dir: Path, threads: int) -> str:
     try:
         choice = pick_in_subprocess(target_dir, threads, cwd=ROOT)
     except RuntimeError as exc:
-        print(f"{exc}\nusing int8")
+        print(f"{exc}\nusing int8, unmeasured (--target-setting picks one)")
         return "int8"
     print(choice["table"])
     print(f"picked target setting {choice['setting']}: {choice['reason']}\n")

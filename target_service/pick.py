@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,9 @@ def pick_in_subprocess(model: str | Path, threads: int, cwd=None) -> dict:
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
     lines = result.stdout.strip().splitlines()
     if result.returncode or not lines:
-        raise RuntimeError(f"python -m target_service.pick failed: {result.stderr.strip()[-1000:]}")
+        code = result.returncode
+        how = f"was killed by {signal.Signals(-code).name} (out of memory?)" if code < 0 else f"exited with {code}"
+        raise RuntimeError(f"python -m target_service.pick {how}: {result.stderr.strip()[-1000:] or 'no output'}")
     return {**json.loads(lines[-1]), "table": "\n".join(lines[:-1])}
 
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -204,6 +205,25 @@ def spawn_coordinator(
 
 
 @contextmanager
+def stopped_on_sigterm() -> Iterator[None]:
+    """SIGTERM (`make` passes on its own, `kill`) raises SystemExit in the main thread while
+    this runs, as Ctrl-C raises KeyboardInterrupt, so services started inside are stopped on
+    the way out; Python's default would end the process and leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def local_stack(
     draft_model: Path,
     target_model: Path,
@@ -225,38 +245,39 @@ def local_stack(
     `draft_args` and `target_args` go last on their command lines, so they override the dtypes."""
     model_args, env = model_service_args(device, threads)
     services: dict[str, ServiceProcess] = {}
-    try:
-        services["draft"] = spawn(
-            "draft",
-            "draft_service",
-            ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
-            free_port(),
-            log_dir / "draft.log",
-            env,
-            cwd,
-        )
-        # One after the other: each service times its own passes at start-up (--calibrate), and
-        # on one machine a neighbour still loading its weights would skew those figures.
-        services["draft"].wait_healthy(start_timeout_s)
-        services["target"] = spawn(
-            "target",
-            "target_service",
-            ["--model", str(target_model), "--dtype", target_dtype, *model_args, *target_args],
-            free_port(),
-            log_dir / "target.log",
-            env,
-            cwd,
-        )
-        services["target"].wait_healthy(start_timeout_s)
-        services["coordinator"] = spawn_coordinator(
-            services["draft"],
-            services["target"],
-            target_model,
-            log_dir / "coordinator.log",
-            coordinator_args,
-            cwd,
-            coordinator_module,
-        )
-        yield services
-    finally:
-        stop_all(services.values())
+    with stopped_on_sigterm():
+        try:
+            services["draft"] = spawn(
+                "draft",
+                "draft_service",
+                ["--model", str(draft_model), "--dtype", draft_dtype, *model_args, *draft_args],
+                free_port(),
+                log_dir / "draft.log",
+                env,
+                cwd,
+            )
+            # One after the other: each service times its own passes at start-up (--calibrate), and
+            # on one machine a neighbour still loading its weights would skew those figures.
+            services["draft"].wait_healthy(start_timeout_s)
+            services["target"] = spawn(
+                "target",
+                "target_service",
+                ["--model", str(target_model), "--dtype", target_dtype, *model_args, *target_args],
+                free_port(),
+                log_dir / "target.log",
+                env,
+                cwd,
+            )
+            services["target"].wait_healthy(start_timeout_s)
+            services["coordinator"] = spawn_coordinator(
+                services["draft"],
+                services["target"],
+                target_model,
+                log_dir / "coordinator.log",
+                coordinator_args,
+                cwd,
+                coordinator_module,
+            )
+            yield services
+        finally:
+            stop_all(services.values())

@@ -4,11 +4,14 @@ answers as subprocess.Popen's does."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import time
 
 import pytest
 
+from specdec.tools import launch
 from specdec.tools.forkserver import ForkServer
 
 PROBE = """\
@@ -70,3 +73,14 @@ def test_a_child_ends_as_an_interpreter_does_waiting_for_threads_then_atexit(pro
         text = log.read_text()
         assert text.index("thread done") < text.index("atexit ran"), text
         assert ("RuntimeError: boom" in text) == (how == "raise")
+
+
+def test_a_local_stack_stops_its_services_on_sigterm_as_on_ctrl_c():
+    """`make` passes SIGTERM to `make run`'s demo, whose default end left the three services
+    running (about 10 GB with the real pair): while a local stack runs, SIGTERM raises
+    SystemExit, so its `finally` stops them; the handler before it comes back after."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended, launch.stopped_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode; never reached
+    assert ended.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
