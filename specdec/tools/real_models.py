@@ -15,6 +15,7 @@ would pull in llm and llama-cpp-python), and the GGUF inside it is used.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib
 import logging
@@ -126,7 +127,7 @@ def _write_checked(sources: Iterable[IO[bytes]], out_file: Path, name: str, sha2
     """Writes the sources one after another to `out_file`, which appears only if the result's
     SHA-256 is `sha256` (the bytes come from a third party)."""
     digest = hashlib.sha256()
-    tmp = out_file.with_suffix(".partial")
+    tmp = out_file.with_suffix(".partial")  # one run at a time writes it (`prepare`'s lock)
     with open(tmp, "wb") as out:
         for source in sources:
             while chunk := source.read(1 << 24):
@@ -144,11 +145,22 @@ def prepare(model: GgufPackageModel | WheelGgufModel, cache_dir: Path) -> Path:
     folder = cache_dir / model.name
     if (folder / _READY_MARKER).exists():
         return folder
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Two runs at once (`make run` in two terminals) wrote the same files: one renamed a GGUF the
+    # other had truncated under it, and its SHA-256 (of the bytes read) still matched. The second
+    # waits for the first here, then finds the folder ready.
+    with open(cache_dir / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / _READY_MARKER).exists():
+            _build(model, cache_dir, folder)
+    return folder
+
+
+def _build(model: GgufPackageModel | WheelGgufModel, cache_dir: Path, folder: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
     gguf_dir = cache_dir / "gguf"
     gguf_dir.mkdir(exist_ok=True)
     gguf_file = gguf_dir / f"{model.name}.gguf"
@@ -171,7 +183,6 @@ def prepare(model: GgufPackageModel | WheelGgufModel, cache_dir: Path) -> Path:
     tokenizer.save_pretrained(folder)
     (folder / _READY_MARKER).write_text(model.sha256 + "\n")
     gguf_file.unlink()
-    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
