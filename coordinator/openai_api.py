@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from opentelemetry import propagate, trace
 
 from coordinator.engine import Engine
@@ -384,6 +385,16 @@ def server_ssl_context(security: ServerSecurity) -> ssl.SSLContext | None:
     return context
 
 
+class _MalformedUnlogged(logging.Filter):
+    """A request aiohttp refuses before any handler runs (a header past the limits below, a
+    malformed request line) gets its 400 and no ERROR traceback in the log: the caller's fault,
+    and without a token one line each would let anyone fill the log (aiohttp itself logs non-HTTP
+    traffic at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
+
+
 async def start_http(
     coordinator: Engine,
     model_name: str,
@@ -400,6 +411,8 @@ async def start_http(
     --shutdown-grace) and the bound port. A body over `body_limit` bytes gets 413 unread past
     the limit; /health answers 503 while `serving()` is false."""
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
+    if not any(isinstance(f, _MalformedUnlogged) for f in logging.getLogger("aiohttp.server").filters):
+        logging.getLogger("aiohttp.server").addFilter(_MalformedUnlogged())
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
     # max_field_size, max_headers: the headers read before the token check are as much as gRPC's

@@ -21,7 +21,7 @@ async def status_of(port: int, headers: list[tuple[str, str]]) -> bytes:
     return status
 
 
-async def test_headers_are_bounded_in_number_and_size_and_a_long_token_gets_a_401(tiny_pair, tmp_path):
+async def test_headers_are_bounded_in_number_and_size_and_a_long_token_gets_a_401(tiny_pair, tmp_path, caplog):
     tokens = tmp_path / "tokens"
     tokens.write_text("the-token\n")
     overrides = {"http_port": 0, "security": ServerSecurity(auth_token_file=str(tokens))}
@@ -32,3 +32,5 @@ async def test_headers_are_bounded_in_number_and_size_and_a_long_token_gets_a_40
         assert b" 401 " in await status_of(port, [("Authorization", "Bearer " + "x" * 12_000)])
         assert b" 400 " in await status_of(port, [("Authorization", "Bearer " + "x" * 20_000)])  # past 16 KiB
         assert b" 400 " in await status_of(port, token + [(f"X-Extra-{i}", "v") for i in range(70)])
+    # The caller's fault, refused before any handler: no ERROR traceback for anyone to flood the log with.
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
