@@ -139,7 +139,7 @@ class Engine:
                 attributes = {"specdec.round.index": state.round_index}
                 with traced_span("round", attributes=attributes) as span:
                     started = state.stats.elapsed_ms()
-                    compute_before = state.stats.draft_compute_ms + state.stats.target_compute_ms
+                    work_before = state.stats.work_marks()
                     draft_allowed = self.upstream.draft_allowed(state.draft_view, state.unused_forks)
                     costs, copy_costs = self.choosers.costs_at_load(state)
                     plan = plan_round(
@@ -153,7 +153,7 @@ class Engine:
                         branches = None
                     record = commit_round(state, plan, result, settled)
                     state.stats.observe(record)
-                    self._close_round(state, span, started, compute_before, record, plan)
+                    self._close_round(state, span, started, work_before, record, plan)
                 delta = record.delta  # spans end before yielding: the caller runs between rounds
                 if record.finished:
                     yield self._finish(state, record)
@@ -284,7 +284,7 @@ class Engine:
         state: RequestState,
         span: Span,
         started: float,
-        compute_before: float,
+        work_before: tuple[float, float, float],
         record: RoundRecord,
         plan: RoundPlan,
     ) -> None:
@@ -295,7 +295,7 @@ class Engine:
         stats.mark_first_token()
         rounds = 1 + record.steps
         whole_ms = stats.elapsed_ms() - started
-        overhead_ms = whole_ms - (stats.draft_compute_ms + stats.target_compute_ms - compute_before)
+        overhead_ms = whole_ms - stats.work_ms_since(work_before)
         stats.round_ms += [whole_ms / rounds] * rounds
         stats.round_overhead_ms += [overhead_ms / rounds] * rounds
         span.set_attributes(

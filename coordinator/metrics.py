@@ -120,6 +120,17 @@ class GenerationStats:
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self._start) * 1e3
 
+    def work_marks(self) -> tuple[float, float, float]:
+        """Where the model-work counters stand, for `work_ms_since`."""
+        return (self.draft_compute_ms + self.target_compute_ms, self.branch_wait_ms, self.predraft_compute_ms)
+
+    def work_ms_since(self, marks: tuple[float, float, float]) -> float:
+        """Model work on the rounds' path since `marks`: their own Propose and Verify calls' compute,
+        and of the pre-drafts' the part a round waited for after its verify (the rest ran beside it)."""
+        compute, waited, predrafted = marks
+        own = self.draft_compute_ms + self.target_compute_ms - compute
+        return own + min(self.branch_wait_ms - waited, self.predraft_compute_ms - predrafted)
+
     def mark_first_token(self) -> None:
         if not self.time_to_first_token_ms:
             self.time_to_first_token_ms = self.elapsed_ms()
