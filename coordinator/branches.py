@@ -413,14 +413,15 @@ class Branches:
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
-        `unused`, or without one (the request is over: it ends its `unused` itself) are ended now."""
+        `unused`, or without one (the request is over: it ends its `unused` itself) are ended now,
+        their sequences no output (a suffix drafter learns nothing of them)."""
         call.cancel()
         forks = [plan.session_id for plan in call.forks]
         if unused is not None:
             unused.extend(forks)
         else:
             for session_id in forks:
-                self.upstream.end_later(call.replica.client, session_id, epoch=call.epoch)
+                self.upstream.end_later(call.replica.client, session_id, discard=True, epoch=call.epoch)
 
     def end_now(self, session_ids: list[str], draft_view: SessionView) -> None:
         """Ends draft sessions on the request's draft replica by EndSession calls (in the
