@@ -89,6 +89,7 @@ def commit_round(
         steps,
         state.finished,
         state.text.take_delta(),
+        min(len(tokens), len(state.sequence) - base),
     )
 
 

@@ -81,17 +81,20 @@ class GenerationStats:
         as exactly one of the three."""
         return self.predrafts - self.predraft_hits - self.predraft_misses
 
-    def record_round(self, num_draft: int, num_accepted: int, bonus: bool | None = None) -> None:
+    def record_round(
+        self, num_draft: int, num_accepted: int, bonus: bool | None = None, next_token: bool = True
+    ) -> None:
         """`bonus`: whether the round ended in a bonus token, where that is not "every draft
-        accepted" (a tree: its accepted path reached a leaf)."""
+        accepted" (a tree: its accepted path reached a leaf); `next_token`: whether the output
+        took it (`num_accepted`: the accepted drafts it took)."""
         self.rounds += 1
         self.k_per_round.append(num_draft)
         self.proposed_tokens += num_draft
         self.accepted_tokens += num_accepted
-        if (num_accepted == num_draft) if bonus is None else bonus:
-            self.bonus_tokens += 1
-        else:
-            self.recovered_tokens += 1
+        if next_token:
+            ended_in_bonus = (num_accepted == num_draft) if bonus is None else bonus
+            self.bonus_tokens += ended_in_bonus
+            self.recovered_tokens += not ended_in_bonus
         if len(self.accepted_per_position) < num_draft:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for i in range(num_accepted):
@@ -101,7 +104,10 @@ class GenerationStats:
         """A committed round's counters, from its record (`coordinator.commit.commit_round`);
         each further step of a target-only call counts as a round of its own."""
         proposed = record.proposed
-        self.record_round(proposed, record.accepted, record.bonus)
+        # Only what the output took: a generation that ended inside the round counts the tokens
+        # it returned (generated = accepted + recovered + bonus + steps).
+        taken = min(record.accepted, record.emitted)
+        self.record_round(proposed, taken, record.bonus, record.emitted > record.accepted)
         self.ready_rounds += record.source in (Source.PREDRAFT, Source.HEDGE)
         self.catch_up_rounds += record.source is Source.CATCH_UP
         self.fallback_rounds += record.source is Source.FALLBACK
@@ -146,7 +152,8 @@ class GenerationStats:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per round, the recovered/bonus token included (as vLLM counts it)."""
-        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+        committed = self.accepted_tokens + self.recovered_tokens + self.bonus_tokens  # a last round may end early
+        return committed / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_second(self) -> float:

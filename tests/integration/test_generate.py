@@ -331,3 +331,20 @@ async def test_a_pipelined_rounds_wait_for_its_pre_drafts_is_model_work_not_over
         stats = (await st.stub.Generate(request, timeout=120)).stats
     assert stats.branch_wait_ms > 0.5 * stats.total_ms, "the pre-drafts' wait should dominate here"
     assert sum(stats.round_overhead_ms) < 0.5 * sum(stats.round_ms)
+
+
+async def test_a_round_cut_short_by_a_stop_string_counts_only_the_tokens_returned(stack):
+    """accepted, recovered and bonus tokens are the output's (generated = their sum, with K > 0
+    and no target-only steps); a stop string inside a round once had them count the round's
+    accepted drafts and its next token all the same."""
+    full = await generate(stack, prompt=PROMPTS[0], max_new_tokens=40, num_speculative_tokens=6)
+    cut = 0
+    for start in range(2, 20):
+        response = await generate(
+            stack, prompt=PROMPTS[0], max_new_tokens=40, num_speculative_tokens=6, stop=[full.text[start : start + 2]]
+        )
+        s = response.stats
+        assert s.accepted_tokens + s.recovered_tokens + s.bonus_tokens == s.generated_tokens == len(response.token_ids)
+        assert s.mean_accepted_length == pytest.approx(s.generated_tokens / s.rounds)
+        cut += response.finish_reason == "stop"
+    assert cut
