@@ -413,8 +413,7 @@ class Branches:
 
     def drop(self, call: BranchCall, unused: list[str] | None = None) -> None:
         """Cancels the branches' call; its forks (the pre-draft's session is the request's) join
-        `unused`, or without one (the request is over: it ends its `unused` itself) are ended now,
-        their sequences no output (a suffix drafter learns nothing of them)."""
+        `unused`, or without one (the request is over: it ends its `unused` itself) end now, as no output."""
         call.cancel()
         forks = [plan.session_id for plan in call.forks]
         if unused is not None:
