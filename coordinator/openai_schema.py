@@ -100,7 +100,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 # GenerateRequest fields (InvalidArgument.field) by the HTTP parameter that carries them.
-HTTP_PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}  # max_new_tokens: see api_error
+HTTP_PARAMS = {"prompt_token_ids": "prompt"}
 
 
 def api_error(exc: BaseException, max_tokens_param: str = "max_tokens") -> ApiError:
@@ -112,8 +112,9 @@ def api_error(exc: BaseException, max_tokens_param: str = "max_tokens") -> ApiEr
     status, error_type = HTTP_STATUS.get(status_of(exc), (500, "internal_error"))
     message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}: {exc}"
     field: str | None = getattr(exc, "field", None)
-    param = {**HTTP_PARAMS, "max_new_tokens": max_tokens_param}.get(field, field) if field else None
-    if field and param and param != field:
+    param = None
+    if field:
+        param = max_tokens_param if field == "max_new_tokens" else HTTP_PARAMS.get(field, field)
         message = message.replace(field, param)
     return ApiError(status, message, error_type, param)
 

@@ -91,12 +91,8 @@ class TextAssembler:
         new_text = self._decode_new()
         search_from = max(0, len(self.text) - self._longest_stop + 1)  # a stop may start in old text
         self.text += new_text
-        if new_text and self._stop:
-            cut = self._first_stop(search_from)
-            if cut is not None:
-                self.text = self.text[:cut]
-                self.finish_reason = FINISH_STOP
-                return True
+        if new_text and self._cut_at_stop(search_from):
+            return True
         if len(self.token_ids) >= self._max_new_tokens:
             self.finish(FINISH_LENGTH)
             return True
@@ -109,14 +105,15 @@ class TextAssembler:
         if self.finish_reason is None:
             search_from = max(0, len(self.text) - self._longest_stop + 1)
             self.text += self._decode_new(flush=True)
-            cut = self._first_stop(search_from) if self._stop else None
-            if cut is not None:
-                self.text, reason = self.text[:cut], FINISH_STOP
-            self.finish_reason = reason
+            if not self._cut_at_stop(search_from):
+                self.finish_reason = reason
 
-    def _first_stop(self, search_from: int) -> int | None:
+    def _cut_at_stop(self, search_from: int) -> bool:
+        """Ends the generation at the first stop string from `search_from` on, if there is one."""
         positions = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
-        return min(positions) if positions else None
+        if positions:
+            self.text, self.finish_reason = self.text[: min(positions)], FINISH_STOP
+        return bool(positions)
 
     def _held_back(self) -> int:
         """Characters at the end of the text that could still grow into a stop string."""
