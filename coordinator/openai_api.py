@@ -395,6 +395,9 @@ class _MalformedUnlogged(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
 
 
+MALFORMED_UNLOGGED = _MalformedUnlogged()
+
+
 async def start_http(
     coordinator: Engine,
     model_name: str,
@@ -411,8 +414,7 @@ async def start_http(
     --shutdown-grace) and the bound port. A body over `body_limit` bytes gets 413 unread past
     the limit; /health answers 503 while `serving()` is false."""
     tokens = read_tokens(security.auth_token_file, "--auth-token-file") if security.auth_token_file else None
-    if not any(isinstance(f, _MalformedUnlogged) for f in logging.getLogger("aiohttp.server").filters):
-        logging.getLogger("aiohttp.server").addFilter(_MalformedUnlogged())
+    logging.getLogger("aiohttp.server").addFilter(MALFORMED_UNLOGGED)  # once: the same filter is added once
     # handler_cancellation: a client that goes away cancels its handler at once, so its
     # generation stops and both sessions are freed without waiting for the next write.
     # max_field_size, max_headers: the headers read before the token check are as much as gRPC's

@@ -8,7 +8,6 @@ import time
 from pathlib import PurePath
 
 from prometheus_client import CollectorRegistry
-from transformers import AutoTokenizer
 
 from coordinator.clients import DraftClient, ServiceClient, TargetClient, check_pair, shared_share
 from coordinator.config import CoordinatorConfig, parse_config
@@ -22,7 +21,7 @@ from coordinator.round_costs import BatchCosts, RoundCosts
 from coordinator.rounds import DEFAULT_RULES, RoundRules
 from coordinator.servicer import CoordinatorServicer, add_to_server
 from specdec.engine.calls import numerics
-from specdec.engine.modeling import check_folder, tokenizer_fingerprint, warn_if_trusting_remote_code
+from specdec.engine.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.rpc.dns import PoolSpec, parse_pool
 from specdec.rpc.security import ChannelSecurity, load_client_security, load_server_security
 from specdec.rpc.serving import GRPC_MAX_MESSAGE_BYTES, RunningServer, serve_forever, set_serving, start_server
@@ -43,10 +42,8 @@ async def connect(
     `draft` and `target` replace the pools the config describes with one client each
     (in-process services); `rules`: the benchmarks' and tests' comparisons (RoundRules)."""
     upstream = load_client_security(config.upstream, "--upstream-")
-    warn_if_trusting_remote_code(config.tokenizer, config.trust_remote_code)
     try:
-        check_folder(config.tokenizer)
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+        tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
     except (OSError, ValueError) as exc:  # a folder without one, a mistyped path
         raise ValueError(f"--tokenizer {config.tokenizer}: {exc}") from None
     drafts, targets = build_pools(config, upstream, draft, target)

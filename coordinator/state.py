@@ -177,7 +177,7 @@ class RoundRecord:
     delta: Delta  # the text and tokens the round added, to send
     # Of its own tokens (the accepted drafts, then the next token), those the output took: fewer
     # where the generation ended inside the round (EOS, a stop string, max_new_tokens).
-    emitted: int = 0
+    emitted: int
 
 
 def round_from(

@@ -82,9 +82,7 @@ def load_causal_lm(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
-    check_folder(model_id)
-    warn_if_trusting_remote_code(model_id, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(model_id, trust_remote_code)
     kwargs = _from_pretrained_kwargs(model_id, dtype, device_map, trust_remote_code, tensor_parallel)
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +172,13 @@ def warn_if_trusting_remote_code(model_id: str, trust_remote_code: bool) -> None
         logger.warning("--trust-remote-code on: Python code shipped with %s may run in this process", model_id)
 
 
+def load_tokenizer(model_id: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder (or hub id), refused by name where the path is no folder."""
+    check_folder(model_id)
+    warn_if_trusting_remote_code(model_id, trust_remote_code)
+    return AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+
+
 def check_folder(model_id: str) -> None:
     # Hub ids are "name" or "org/name"; anything else path-like must be an existing folder.
     looks_like_path = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
@@ -196,9 +201,7 @@ class TokenizerInfo:
 
 def load_tokenizer_info(model_id: str, trust_remote_code: bool = False) -> TokenizerInfo:
     """A model folder's tokenizer and id space, without loading any weights."""
-    check_folder(model_id)
-    warn_if_trusting_remote_code(model_id, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(model_id, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
