@@ -418,6 +418,8 @@ def speculation(*choices: GenerationStats) -> dict:
         rounds=sum(choice.rounds for choice in choices),
         proposed_tokens=sum(choice.proposed_tokens for choice in choices),
         accepted_tokens=sum(choice.accepted_tokens for choice in choices),
+        recovered_tokens=sum(choice.recovered_tokens for choice in choices),
+        bonus_tokens=sum(choice.bonus_tokens for choice in choices),
     )
     figures = {
         "acceptance_rate": round(total.acceptance_rate, 4),

@@ -12,8 +12,9 @@ from typing import Any, cast
 import pytest
 
 from coordinator.config import CoordinatorConfig
+from coordinator.metrics import GenerationStats
 from coordinator.openai_api import OpenAIApi
-from coordinator.openai_schema import ApiError, api_error, parse_body
+from coordinator.openai_schema import ApiError, api_error, parse_body, speculation
 from coordinator.requests import GenerationRequest, prepare_job
 from specdec.errors import InvalidArgument
 from specdec.tools.testing import byte_level_tokenizer
@@ -144,3 +145,15 @@ def test_a_max_tokens_past_the_context_is_refused_naming_what_fits():
     assert error.param == "max_completion_tokens" and "max_completion_tokens=" in error.message
     grpc_request = GenerationRequest(prompt="abc", max_new_tokens=left + 1)
     assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == left + 1
+
+
+def test_tokens_per_round_counts_each_rounds_next_token_over_every_choice():
+    """`speculation.tokens_per_round` is the stats' mean accepted length: accepted drafts plus
+    the recovered or bonus token each round commits, over all the choices' rounds."""
+    first, second = GenerationStats(), GenerationStats()
+    first.record_round(4, 1)  # a draft accepted, then a recovered token: 2 tokens
+    first.record_round(4, 0)  # 1 token
+    second.record_round(2, 2)  # both accepted, then the bonus: 3 tokens
+    figures = speculation(first, second)
+    assert figures["tokens_per_round"] == 2.0 and figures["rounds"] == 3
+    assert speculation(first)["tokens_per_round"] == first.mean_accepted_length == 1.5
