@@ -220,6 +220,11 @@ class Sample:
     hedge_wasted_tokens: int = 0
     tree_rounds: int = 0  # rounds that verified a token tree
     catch_up_rounds: int = 0  # pipelined rounds run target-only while the draft drafted the next
+    accepted_per_round: list[int] = field(default_factory=list)  # beside k_per_round
+    overhead_ms: float | None = None  # Σ the coordinator's round_overhead_ms (None: not reported)
+    degraded: bool = False  # the draft failed or was skipped: some rounds ran target-only
+    fallback_rounds: int = 0
+    draft_failures: int = 0
 
 
 def build_modes(config: BenchConfig) -> list[Mode]:

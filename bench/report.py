@@ -8,15 +8,12 @@ repeats cancels), else the ratio of the medians.
 
 Theoretical speedup (Leviathan et al.): S = (1 − α^(K+1)) / ((1 − α)(K·c + 1)). There α is the
 per-token acceptance probability: a draft token is only evaluated if every earlier one in its
-round was accepted, so α is estimated as Σ accepted at position i / Σ rounds that reached
-position i (the geometric model's maximum-likelihood estimate). Plain accepted/proposed, the
-"acceptance" column, also counts positions never evaluated and understates α for large K.
-The last round of a request may propose fewer than K tokens; that biases α by at most one round
-per request. The prompt-lookup drafter proposes fewer than K (often none) whenever the text has
-no recurring n-gram; such rounds still count as reaching position 1, so its α is a lower bound
-and its "theoretical" column is not meaningful. c = draft step time / target step time, both
-measured inside the services in this run (draft: compute per proposed token; target: compute
-per K=0 round).
+round was accepted, so α is estimated as Σ accepted / Σ drafts evaluated (each round's, from
+its K and its accepted count: the geometric model's maximum-likelihood estimate, whatever K
+each round had). Plain accepted/proposed, the "acceptance" column, also counts positions never
+evaluated and understates α for large K. Tree rounds have no chain α, so tree rows show no α
+and no bound. c = draft step time / target step time, both measured inside the services in
+this run (draft: compute per proposed token; target: compute per K=0 round).
 """
 
 from __future__ import annotations
@@ -64,25 +61,7 @@ def summarise(results: dict) -> dict[float, list[dict]]:
             proposed = sum(s["proposed"] for s in samples)
             accepted = sum(s["accepted"] for s in samples)
             rounds = sum(s["rounds"] for s in samples)
-            # Rounds that verified drafts: a round of K = 0 (the chooser's, or a pipelined catch-up
-            # step) has no position to accept. Older results without k_per_round count every round.
-            drafted = sum(
-                sum(1 for k in s["k_per_round"] if k) if s.get("k_per_round") else s["rounds"] for s in samples
-            )
-            positions = max((len(s["accepted_per_position"]) for s in samples), default=0)
-            per_position = (
-                [
-                    sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"])) / drafted
-                    for i in range(positions)
-                ]
-                if drafted
-                else []
-            )
-            # Rounds reaching position i: every drafted round for i = 0, then those that accepted i tokens.
-            reached = [drafted] + [
-                sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
-                for i in range(positions - 1)
-            ]
+            per_position, alpha = _acceptance(samples)
             row = {
                 "mode": mode["name"],
                 "family": mode["family"],
@@ -93,22 +72,18 @@ def summarise(results: dict) -> dict[float, list[dict]]:
                 "tokens_per_s_min": min(throughput) if throughput else None,
                 "tokens_per_s_max": max(throughput) if throughput else None,
                 "acceptance": accepted / proposed if proposed else None,
-                "alpha": accepted / sum(reached) if proposed and sum(reached) else None,
+                "alpha": alpha,
                 "mean_accepted_length": (accepted + rounds) / rounds if rounds and mode["family"] == "ours" else None,
                 "per_position_acceptance": per_position,
                 "ttft_ms": _median([s["ttft_ms"] for s in samples]),
                 "tpot_ms": _median(
                     [(s["total_ms"] - s["ttft_ms"]) / (s["tokens"] - 1) for s in samples if s["tokens"] > 1]
                 ),
-                "overhead_per_round_ms": _median(
-                    [
-                        (s["total_ms"] - s["draft_compute_ms"] - s["target_compute_ms"]) / s["rounds"]
-                        for s in samples
-                        if s["rounds"]
-                    ]
-                )
+                "overhead_per_round_ms": _median([_overhead(s) / s["rounds"] for s in samples if s["rounds"]])
                 if mode["family"] == "ours"
                 else None,
+                "degraded": sum(bool(s.get("degraded")) for s in samples),
+                "requests": len(samples),
                 "predraft_hit_rate": _ratio(samples, "predraft_hits", "predrafts"),
                 "predraft_cancel_rate": _ratio(samples, "predraft_cancelled", "predrafts"),
                 "hedge_hit_rate": _ratio(samples, "hedge_hits", "hedges"),  # per hedge started
@@ -128,6 +103,51 @@ def summarise(results: dict) -> dict[float, list[dict]]:
         _add_ratios(rows)
         summary[temperature] = rows
     return summary
+
+
+def _acceptance(samples: list[dict]) -> tuple[list[float], float | None]:
+    """Per-position acceptance (of the rounds that proposed draft i, the share that accepted
+    it) and α, the geometric model's maximum-likelihood estimate: Σ accepted / Σ drafts the
+    target evaluated (a round evaluates its drafts up to and including the first rejection).
+    Per round from k_per_round and accepted_per_round; results without accepted_per_round
+    give α only where every drafted round proposed the same K (a varying K cannot be told
+    apart from rejections there)."""
+    proposed: list[int] = []  # index i: rounds that proposed draft i
+    accepted: list[int] = []  # ... and accepted it
+    evaluated = 0
+    known = True
+    for s in samples:
+        known = known and not s.get("tree_rounds")
+        ks = s.get("k_per_round") or [max(len(s["accepted_per_position"]), 1)] * s["rounds"]
+        for k in ks:
+            proposed.extend([0] * (k - len(proposed)))
+            for i in range(k):
+                proposed[i] += 1
+        per_round = s.get("accepted_per_round")
+        if per_round and len(per_round) == len(ks):
+            evaluated += sum(min(a + 1, k) for k, a in zip(ks, per_round) if k)
+        else:
+            known = known and len({k for k in ks if k}) <= 1
+            # Every drafted round evaluates its first draft, then one more per accepted draft
+            # short of K: Σ accepted at i over positions before the last.
+            k = max(ks, default=0)
+            evaluated += sum(1 for x in ks if x) + sum(s["accepted_per_position"][: max(k - 1, 0)])
+        for i, count in enumerate(s["accepted_per_position"]):
+            accepted.extend([0] * (i + 1 - len(accepted)))
+            accepted[i] += count
+    per_position = [accepted[i] / proposed[i] if i < len(accepted) else 0.0 for i in range(len(proposed))]
+    total = sum(accepted)
+    alpha = total / evaluated if known and evaluated and sum(proposed) else None
+    return per_position, alpha
+
+
+def _overhead(sample: dict) -> float:
+    """The framework's time in a request: the coordinator's own round_overhead_ms where the
+    sample has it (round time less the services' model work, pre-drafts the round waited for
+    included: GenerationStats.work_ms_since), else total less the calls' compute."""
+    if sample.get("overhead_ms") is not None:
+        return sample["overhead_ms"]
+    return sample["total_ms"] - sample["draft_compute_ms"] - sample["target_compute_ms"]
 
 
 def _round_split(samples: list[dict], rounds: int) -> dict:
@@ -272,6 +292,13 @@ def markdown_table(summary: dict[float, list[dict]], machine: dict, kinds: dict 
                 f"| {_fmt(row['cost_ratio_c'])} | {_fmt(row['theoretical_speedup'], suffix='×')} | "
                 f"{_fmt(row['achieved_over_theoretical'], '.0%')} |"
             )
+        degraded = [f"{row['mode']} {row['degraded']} of {row['requests']}" for row in rows if row.get("degraded")]
+        if degraded:
+            lines += [
+                "",
+                "**Degraded requests** (the draft failed or was skipped, so some of their rounds ran "
+                "target-only; they are in the figures above): " + "; ".join(degraded) + ".",
+            ]
         pipelined = [
             row
             for row in rows

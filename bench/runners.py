@@ -156,6 +156,11 @@ class OursRunner:
             hedge_wasted_tokens=s.hedge_wasted_tokens,
             tree_rounds=s.tree_rounds,
             catch_up_rounds=s.catch_up_rounds,
+            accepted_per_round=list(s.accepted_per_round),
+            overhead_ms=sum(s.round_overhead_ms),
+            degraded=s.degraded,
+            fallback_rounds=s.fallback_rounds,
+            draft_failures=s.draft_failures,
         )
 
     def close(self) -> None:

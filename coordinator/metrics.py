@@ -40,6 +40,7 @@ class GenerationStats:
     predraft_wasted_tokens: int = 0  # of those, tokens discarded (misses)
     predraft_compute_ms: float = 0.0  # draft model work inside read pre-drafts (overlapped)
     k_per_round: list[int] = field(default_factory=list)  # drafts verified per round
+    accepted_per_round: list[int] = field(default_factory=list)  # of them, accepted (those the output took)
     round_ms: list[float] = field(default_factory=list)  # wall time of each round
     round_overhead_ms: list[float] = field(default_factory=list)  # of it, not inside the services' model work
     draft_failures: int = 0  # draft calls that failed after retries
@@ -89,6 +90,7 @@ class GenerationStats:
         took it (`num_accepted`: the accepted drafts it took)."""
         self.rounds += 1
         self.k_per_round.append(num_draft)
+        self.accepted_per_round.append(num_accepted)
         self.proposed_tokens += num_draft
         self.accepted_tokens += num_accepted
         if next_token:

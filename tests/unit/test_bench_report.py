@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.report import summarise, theoretical_speedup
+from bench.report import markdown_table, summarise, theoretical_speedup
 
 
 def test_theoretical_speedup_formula():
@@ -71,6 +71,55 @@ def test_rounds_without_drafts_reach_no_position():
     assert row["alpha"] == pytest.approx(3 / (2 + 2))  # 2 drafted rounds reach i=0, 2 reach i=1
     assert row["per_position_acceptance"] == [1.0, 0.5]
     assert row["mean_k"] == pytest.approx(2.0)
+
+
+def _row(sample: dict) -> dict:
+    base = _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0)
+    modes = [dict(name=base["mode"], family="ours", k=0), dict(name=sample["mode"], family="ours", k=2)]
+    return {r["mode"]: r for r in summarise({"modes": modes, "samples": [base, sample]})[0.0]}[sample["mode"]]
+
+
+def test_alpha_where_k_varies_counts_each_rounds_own_evaluated_drafts():
+    """The K chooser: a round of K = 1 accepting its draft and one of K = 3 accepting all
+    three evaluated four drafts and accepted them all: α 1, not the 0.8 that counting the
+    first round as reaching position 2 gives. Without per-round counts α is not given."""
+    chooser = _sample("ours K chooser", rounds=2, proposed=4, accepted=4, per_position=[2, 1, 1])
+    chooser.update(k_per_round=[1, 3], accepted_per_round=[1, 3])
+    row = _row(chooser)
+    assert row["alpha"] == pytest.approx(1.0)
+    assert row["per_position_acceptance"] == [1.0, 1.0, 1.0]  # of the rounds that proposed each
+    del chooser["accepted_per_round"]
+    assert _row(chooser)["alpha"] is None
+
+
+def test_tree_rows_have_no_chain_alpha_or_bound():
+    """A tree round's K counts nodes, drafted a level a pass: no chain bound fits it."""
+    tree = _sample("ours tree 2x1", rounds=10, proposed=40, accepted=15, per_position=[9, 6, 0, 0])
+    tree.update(k_per_round=[4] * 10, accepted_per_round=[2] * 6 + [1] * 3 + [0], tree_rounds=10)
+    row = _row(tree)
+    assert row["alpha"] is None and row["theoretical_speedup"] is None and row["cost_ratio_c"] is None
+
+
+def test_degraded_requests_are_counted_and_named_in_the_table():
+    good = _sample("ours K=2", rounds=10, proposed=20, accepted=12, per_position=[8, 4])
+    failed = dict(good, repeat=1, degraded=True, fallback_rounds=10)
+    base = _sample("ours target-only (K=0)", rounds=20, proposed=0, accepted=0, per_position=[], draft=0.0)
+    modes = [dict(name=base["mode"], family="ours", k=0), dict(name="ours K=2", family="ours", k=2)]
+    summary = summarise({"modes": modes, "samples": [base, good, failed]})
+    assert {r["mode"]: r["degraded"] for r in summary[0.0]} == {base["mode"]: 0, "ours K=2": 1}
+    machine = dict(cpu="x", cores=2, device="cpu", torch="t", transformers="t", threads={"in_process_hf": 2}, date="d")
+    assert "**Degraded requests**" in markdown_table(summary, machine) and "ours K=2 1 of 2" in markdown_table(
+        summary, machine
+    )
+
+
+def test_overhead_per_round_is_the_coordinators_own_where_reported():
+    """A pipelined request's wait for pre-drafts after a verify is model work the round waited
+    for (GenerationStats.work_ms_since): its round_overhead_ms, not total less call compute."""
+    piped = _sample("ours pipelined K=2", rounds=10, proposed=20, accepted=12, per_position=[8, 4])
+    assert _row(piped)["overhead_per_round_ms"] == pytest.approx((1000 - 100 - 800) / 10)
+    piped["overhead_ms"] = 40.0
+    assert _row(piped)["overhead_per_round_ms"] == pytest.approx(4.0)
 
 
 def test_nodes_suite_pins_each_service_and_reports_ready_rate_waste_and_round_split():
