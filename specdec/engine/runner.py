@@ -438,7 +438,8 @@ class ModelRunner:
         second list), and stays out of the batch. → (the batch, per session its failure or None)
         """
         batch = DecodeBatch(self)
-        return batch, [batch.join(session, count) for session, count in zip(sessions, steps)]
+        with self.sessions.sharing(session.session_id for session in sessions):  # none evicts a later one
+            return batch, [batch.join(session, count) for session, count in zip(sessions, steps)]
 
 
 def kv_bytes_per_token(model) -> int:

@@ -145,6 +145,20 @@ def test_a_draft_call_opening_a_session_evicts_no_session_of_its_wave(loaded):
     assert runner.sessions.evicted == 1 and sorted(runner.sessions.ids()) == ["a", "b", "new"]
 
 
+def test_a_decode_batch_admitting_its_first_call_evicts_no_later_call_of_its_wave(loaded):
+    """The calls of one wave go into a decode batch one by one: making room for the first
+    must not evict the session of a later one (it would run anyway, and its next call get
+    NOT_FOUND): the batch runs over the budget by its own growth instead."""
+    per = kv_bytes_per_token(loaded.model)
+    runner = DraftRunner(loaded, 8, 60, 8, proposal_top_k=0, max_kv_bytes=100 * per)
+    for session_id, start in (("a", 1), ("b", 20)):
+        runner.propose_one(ProposeCall(session_id, 0, list(range(start, start + 49)), 1, GREEDY, seed=0))
+    results = runner.propose_batch([ProposeCall(sid, 49, [5], 6, GREEDY, seed=0) for sid in ("a", "b")])
+    assert not any(isinstance(result, Exception) for result in results), results
+    assert runner.sessions.evicted == 0 and sorted(runner.sessions.ids()) == ["a", "b"]
+    runner.propose_one(ProposeCall("b", 56, [6], 2, GREEDY, seed=0))  # still held
+
+
 def test_a_refused_call_leaves_no_session_behind(loaded, tiny_pair):
     """A call refused for a negative keep_tokens or an empty sequence opened its session first,
     which then stayed until its TTL: --max-sessions such calls refused every new generation."""
