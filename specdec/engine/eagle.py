@@ -206,6 +206,7 @@ class HeadFolder:
     target_width: int  # the target's hidden size (EAGLE-3's `target_hidden_size`; H where unsaid)
     fc_bias: bool  # EAGLE-1: `"bias": false` drops fc's bias (its LLaMA-3 heads)
     qkv_bias: bool  # EAGLE-1 heads for Qwen2 targets: q, k and v have biases
+    target_vocab: int = 0  # the config's vocab_size: its target's vocabulary (0: unsaid)
 
 
 def read_head_config(folder: Path) -> HeadFolder:
@@ -238,6 +239,7 @@ def read_head_config(folder: Path) -> HeadFolder:
         int(raw.get("target_hidden_size") or config.hidden_size),
         bool(raw.get("bias", True)),
         bool(raw.get("qkv_bias", False)),
+        int(raw.get("vocab_size") or 0),
     )
 
 
@@ -336,8 +338,9 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
     target_layers = int(target_config.num_hidden_layers)
     target_vocab = int(target_config.vocab_size)
     state = {name.removeprefix("model."): tensor for name, tensor in head_state(head_dir).items()}
-    state.pop("t2d", None)  # the membership mask d2t already says
+    t2d = state.pop("t2d", None)  # the membership mask d2t already says
     d2t = state.pop("d2t", None)
+    check_vocabulary(head_dir, folder, target_vocab, t2d, d2t)
     head = EagleHead(folder, target_vocab)
     wanted = []
     if "embed_tokens.weight" not in state:
@@ -348,7 +351,7 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
     if folder.kind == EAGLE3:
         draft_rows = torch.arange(folder.draft_vocab)
         head_ids = draft_rows if d2t is None else draft_rows + d2t.to(torch.int64)  # [Vd] target ids
-        if bool((head_ids[1:] <= head_ids[:-1]).any()) or int(head_ids[-1]) >= target_vocab:
+        if bool((head_ids[1:] <= head_ids[:-1]).any()) or int(head_ids[0]) < 0 or int(head_ids[-1]) >= target_vocab:
             raise ValueError(f"{head_dir}: d2t does not map the draft rows to ascending ids below {target_vocab}")
         if "lm_head.weight" not in state:
             wanted.append("lm_head.weight")
@@ -378,4 +381,22 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
         layers = folder.feature_layers
     else:
         layers = (target_layers,) if folder.kind == EAGLE1 else eagle3_layers(target_layers)
+    outside = [layer for layer in layers if not 0 <= layer <= target_layers]
+    width = len(layers) * int(target_config.hidden_size)
+    if outside or width != head.feature_width:
+        raise ValueError(
+            f"{head_dir} reads the target's hidden states {list(layers)} ({head.feature_width} wide); the target "
+            f"has states 0 to {target_layers}, {target_config.hidden_size} wide each ({width} for those layers)"
+        )
     return LoadedHead(head, folder, tuple(layers), head_ids)
+
+
+def check_vocabulary(head_dir: Path, folder: HeadFolder, vocab: int, t2d, d2t) -> None:
+    """The head's vocabulary maps against the target's `vocab` ids: a head made for another
+    vocabulary is refused by name, before any of its rows is read."""
+    sizes = {"vocab_size": folder.target_vocab, "t2d": 0 if t2d is None else t2d.numel()}
+    wrong = {name: size for name, size in sizes.items() if size and size != vocab}
+    if wrong:
+        raise ValueError(f"{head_dir} was made for a vocabulary of {wrong} ids; the target has {vocab}")
+    if d2t is not None and d2t.numel() != folder.draft_vocab:
+        raise ValueError(f"{head_dir}: d2t maps {d2t.numel()} rows; its draft_vocab_size is {folder.draft_vocab}")

@@ -114,6 +114,56 @@ def test_a_head_missing_a_weight_is_refused_by_name(tiny_pair, heads, tmp_path):
         load_head(tmp_path, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
 
 
+def _edited(head, folder, **changes):
+    """A copy of `head` in `folder` with its config changed (a key given None is removed)."""
+    folder.mkdir()
+    for path in head.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((head / "config.json").read_text()) | changes
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kind, changes, says",
+    [
+        (EAGLE3, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}}, "states 0 to 2"),
+        (EAGLE3, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}, "128 for those layers"),
+        (EAGLE3, {"target_hidden_size": 128}, "384 wide"),
+        (EAGLE1, {"vocab_size": 1320}, "vocab_size"),
+        (EAGLE3, {"draft_vocab_size": 41}, "d2t maps 40 rows"),
+    ],
+)
+def test_a_head_made_for_another_target_shape_is_refused_at_load(tiny_pair, heads, tmp_path, kind, changes, says):
+    """Feature layers the target lacks, or of another width, and another vocabulary: refused
+    by name when the head loads, not at every Propose after the service started."""
+    config = json.loads((tiny_pair.target / "config.json").read_text())
+    folder = _edited(heads[kind], tmp_path / "h", **changes)
+    if "target_hidden_size" in changes:  # a head whose fc really reads rows that wide
+        from safetensors.torch import save_file
+
+        state = load_file(str(folder / "model.safetensors"))
+        state["fc.weight"] = torch.zeros(state["fc.weight"].shape[0], 3 * changes["target_hidden_size"])
+        save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=says):
+        load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+
+
+def test_a_negative_or_foreign_vocabulary_map_is_refused(tiny_pair, heads, tmp_path):
+    from safetensors.torch import save_file
+
+    config = json.loads((tiny_pair.target / "config.json").read_text())
+    folder = _edited(heads[EAGLE3], tmp_path / "h")
+    state = load_file(str(folder / "model.safetensors"))
+    save_file(state | {"d2t": state["d2t"] - 3}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="ascending ids"):
+        load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+    foreign = torch.zeros(config["vocab_size"] + 500, dtype=torch.bool)
+    save_file(state | {"t2d": foreign}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="t2d"):
+        load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+
+
 def test_the_coordinator_keeps_committed_rows_and_drops_delivered_ones():
     rows = torch.arange(12, dtype=torch.float32).view(6, 2)
     message = wire.features_to_pb(10, rows, torch.float32)  # positions 10..15
