@@ -40,7 +40,8 @@ from specdec.engine.features import FeatureTrack
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-# What our own heads' config.json adds to the Llama fields (specdec.tools.train_head writes them).
+# What our own heads' config.json adds to the Llama fields (specdec.tools.train_head writes the
+# first two; a fingerprint pins a head to one served target: weights, dtype and quantisation).
 SPECDEC_KEYS = ("eagle_kind", "eagle_feature_layers", "target_weights_fingerprint")
 
 

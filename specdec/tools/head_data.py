@@ -4,6 +4,7 @@ resumable shards, and the draft vocabulary they give."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sysconfig
@@ -56,6 +57,7 @@ def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
     bfloat16), making those not yet there."""
     data = Path(args.out) / "data"
     data.mkdir(parents=True, exist_ok=True)
+    check_made_with(data, args, target, layers)
     shards = math.ceil(args.windows / SHARD_WINDOWS)
     paths = [data / f"shard-{index:05d}.pt" for index in range(shards)]
     if any(not path.is_file() for path in paths):
@@ -84,6 +86,30 @@ def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
     spoken = [data / f"conversations-{index:05d}.pt" for index in range(len(batches))]
     _features(target, layers, spoken, batches)
     return paths + spoken
+
+
+def check_made_with(data: Path, args, target, layers: tuple[int, ...]) -> None:
+    """The settings the shards in `data` are made with, in data/made-with.json: a later run
+    into the same folder with others (other layers, window length, corpus, seed or target)
+    would train on features its head does not read, so it stops, saying which differ."""
+    text = target.config.get_text_config()
+    made = {
+        "layers": list(layers),
+        "seq_len": args.seq_len,
+        "corpus": args.corpus,
+        "seed": args.seed,
+        "target": [text.model_type, text.hidden_size, text.num_hidden_layers, text.vocab_size],
+    }
+    path = data / "made-with.json"
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        differ = {key: (earlier.get(key), value) for key, value in made.items() if earlier.get(key) != value}
+        if differ:
+            raise SystemExit(
+                f"{data} holds shards made with other settings (then, now): {differ}; "
+                "give a new --out, or delete that folder to make them again"
+            )
+    path.write_text(json.dumps(made))
 
 
 def _features(target, layers: tuple[int, ...], paths: list[Path], batches: list[list[list[int]]]) -> None:

@@ -177,11 +177,14 @@ def train(args) -> Path:
     eos = tuple(token for token in [tokenizer.eos_token_id] if token is not None)
     init = head_state(Path(args.init)) if args.init else None
     if init is not None:  # the earlier head's draft vocabulary, so its weights fit
+        if init.get("t2d") is None or init["t2d"].numel() != vocab:
+            raise SystemExit(f"--init {args.init}: not an EAGLE-3 head with a draft vocabulary over {vocab} ids")
         head_ids = init.pop("t2d").nonzero().flatten()
         init.pop("d2t", None)
     else:
         head_ids = draft_vocabulary(paths, args.draft_vocab, vocab, eos)
     folder = head_config(target_config, args, layers, len(head_ids))
+    torch.manual_seed(args.seed)  # the head's first weights, whatever drew before (the answers)
     head = EagleHead(folder, vocab)
     if init is not None:
         missing, unexpected = head.load_state_dict(init, strict=False)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.engine.eagle import EAGLE3, load_head
-from specdec.tools import train_head
+from specdec.tools import head_data, train_head
 
 
 def run(target, out, corpus, *more: str):
@@ -66,6 +67,39 @@ def test_conversations_the_target_answers_join_the_data_and_a_head_starts_from_a
     saved = (second / "conversations.pt").stat().st_mtime_ns
     run(tiny_pair.target, tmp_path / "second", corpus, *talk)  # answers and features kept: nothing made again
     assert (second / "conversations.pt").stat().st_mtime_ns == saved
+
+
+def test_a_run_stopped_after_its_answers_starts_its_head_as_a_straight_run(tiny_pair, tmp_path):
+    """The target's sampled answers draw from torch's generator: a run that finds them made
+    (stopped before its first saved step) still starts its head from the seed's weights."""
+    torch.set_num_threads(1)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\nThe quick brown fox.\n" * 60)
+    talk = ["--conversations", "4", "--answer-tokens", "4", "--answer-batch", "2", "--steps", "2"]
+    straight = run(tiny_pair.target, tmp_path / "straight", corpus, *talk)
+    args = ["--target", str(tiny_pair.target), "--out", str(tmp_path / "resumed"), "--corpus", str(corpus)]
+    args += ["--windows", "16", "--seq-len", "32", "--seed", "3", *talk]
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    head_data.collect(train_head.parse_args(args), target, tokenizer, (0, 1, 2))  # stopped once its data was made
+    resumed = run(tiny_pair.target, tmp_path / "resumed", corpus, *talk, "--resume")
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+def test_shards_made_with_other_settings_and_a_foreign_init_head_are_refused(tiny_pair, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 60)
+    first = run(tiny_pair.target, tmp_path / "first", corpus, "--steps", "1")
+    again = ["--target", str(tiny_pair.target), "--out", str(first), "--corpus", str(corpus), "--windows", "16"]
+    with pytest.raises(SystemExit, match="layers"):  # the data's features are of layers 0, 1, 2
+        train_head.train(train_head.parse_args([*again, "--seq-len", "32", "--layers", "0", "1", "1"]))
+    state = load_file(str(first / "model.safetensors"))
+    save_file(state | {"t2d": torch.ones(7, dtype=torch.bool)}, str(first / "model.safetensors"))
+    with pytest.raises(SystemExit, match="draft vocabulary over"):
+        run(tiny_pair.target, tmp_path / "second", corpus, "--init", str(first))
 
 
 def test_conversation_prompts_are_seeded_and_never_the_benchmarks(tiny_pair):
