@@ -166,6 +166,18 @@ class Pool:
         replica.unanswered = 0
         return info if await replica.client.serving(PROBE_TIMEOUT_S) else None
 
+    async def check_same_model(self, replica: Replica) -> None:
+        """Before a session lost by `replica` is re-sent there whole: it may have restarted
+        serving another model, and a request continued there would mix two models' tokens.
+        Unavailable if so (the replica is refused: the session moves, or the request fails)."""
+        if self.reference is None:
+            return
+        info = await replica.client.info(PROBE_TIMEOUT_S)
+        if refused := self.mismatch(info):
+            self._log_change(replica, info, refused)
+            replica.refused, replica.serving = refused, False
+            raise Unavailable(f"{self.role} replica {replica.address} lost the session, and is refused now: {refused}")
+
     def _apply(self, replica: Replica, info: common_pb2.ModelInfo | None) -> None:
         if info is None:
             if replica.serving:

@@ -381,6 +381,8 @@ class Upstream:
                 trace.get_current_span().add_event(
                     "reprefill", {"specdec.service": role, "specdec.tokens": len(sequence)}
                 )
+                if role == "target" and replica is not None:
+                    await self.targets.check_same_model(replica)
                 stats.reprefills += 1
                 view.synced = 0
             finally:
