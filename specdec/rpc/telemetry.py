@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 
 import grpc
@@ -84,7 +85,9 @@ def setup_tracing(default_service_name: str) -> bool:
         if not os.environ.get("OTEL_SERVICE_NAME")
         else Resource.create()
     )
-    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER(_ARG)
+    # The sampler comes from OTEL_TRACES_SAMPLER(_ARG). No flush at exit: `shutdown_tracing`'s
+    # is bounded, the SDK's atexit one is not.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(span_exporter()))
     trace.set_tracer_provider(provider)
     _provider = provider
@@ -95,9 +98,13 @@ def setup_tracing(default_service_name: str) -> bool:
 
 
 def shutdown_tracing(timeout_ms: int = 2000) -> None:
-    """Flushes what is buffered, bounded so a dead collector cannot hold up shutdown."""
+    """Flushes what is buffered for at most `timeout_ms`, so a dead or hung collector cannot
+    hold up shutdown: the SDK's own flush ignores its timeout while an export waits (about
+    10 s an attempt, opentelemetry-python #4568), so it runs on a daemon thread left behind."""
     if _provider is not None:
-        _provider.force_flush(timeout_ms)
+        flush = threading.Thread(target=_provider.force_flush, args=(timeout_ms,), name="otlp-flush", daemon=True)
+        flush.start()
+        flush.join(timeout_ms / 1e3)
 
 
 def server_interceptors() -> list:

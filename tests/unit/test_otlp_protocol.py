@@ -13,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from specdec.rpc import telemetry
 from specdec.rpc.telemetry import span_exporter, trace_protocol
 
 
@@ -65,3 +66,22 @@ def test_http_protobuf_spans_reach_an_http_collector(monkeypatch):
     assert [span.name for span in spans] == ["round"]
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL")
     assert isinstance(span_exporter(), GrpcExporter)
+
+
+def test_a_hung_collector_holds_shutdown_for_at_most_the_flush_bound(monkeypatch):
+    """The SDK's force_flush ignores its timeout while an export waits on a collector that
+    accepted and never answers (about 10 s an attempt): shutdown waits only the bound."""
+    import time
+
+    released = threading.Event()
+
+    class Hung:
+        def force_flush(self, timeout_ms):
+            released.wait(10)
+
+    monkeypatch.setattr(telemetry, "_provider", Hung())
+    started = time.monotonic()
+    telemetry.shutdown_tracing(200)
+    waited = time.monotonic() - started
+    released.set()
+    assert waited < 2.0, waited
