@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import PurePath
@@ -29,6 +30,8 @@ from specdec.v1 import common_pb2, coordinator_pb2
 
 logger = logging.getLogger(__name__)
 RPC_ROUND_TRIPS = 5
+# How long a stopping coordinator waits for the session ends of requests its grace cut short.
+CLEANUP_S = 5.0
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
@@ -238,6 +241,10 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
 
     async def close() -> None:  # after the drains: no request is left to the engine
         coordinator.close()
+        # Requests the grace cut short end their sessions as they unwind: those calls go out
+        # before the channels close, or the sessions stay held on the services till their TTL.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(coordinator.wait_cleanup(), CLEANUP_S)
         await coordinator.upstream.close_clients()
 
     running = await start_server(
