@@ -216,9 +216,11 @@ class CallStreams:
         try:
             span = telemetry.client_span(span_name, request.trace_context) if telemetry.tracing_on() else nullcontext()
             async with asyncio.timeout(timeout_s):
-                with span:
+                with span as current:
                     stream = await self._send(request)
                     reply = await stream.read()
+                    if current is not None and reply is not grpc.aio.EOF:  # its status, as a unary call's
+                        telemetry.record_status(current, reply.error_code, reply.error_message)
         except TimeoutError:
             if stream is not None:
                 stream.cancel()

@@ -162,6 +162,13 @@ def _client_span(name: str, carrier) -> Iterator[trace.Span]:
         yield span
 
 
+def record_status(span: trace.Span, code: int, details: str) -> None:
+    """A call's status code on its client span (`rpc.grpc.status_code`), and ERROR where it failed."""
+    span.set_attribute("rpc.grpc.status_code", code)
+    if code:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, details))
+
+
 def context_of(carrier: Mapping[str, str]):
     """The trace context a stream message carries (see client_span); None, the current
     context, when it carries none (a unary call: its metadata set the context already)."""
@@ -196,9 +203,7 @@ class TracingClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             except asyncio.CancelledError:
                 call.cancel()  # the caller gave up (a stale pre-draft): cancel the RPC on the wire too
                 raise  # ends the span with the error
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code != grpc.StatusCode.OK:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, await call.details()))
+            record_status(span, code.value[0], await call.details() if code != grpc.StatusCode.OK else "")
             return call
 
 

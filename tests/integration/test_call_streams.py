@@ -179,3 +179,31 @@ async def test_a_pre_draft_joins_the_decode_batch_running_for_another_session(ti
             assert list(joined.results[0].proposal.token_ids) == list(lone.results[0].proposal.token_ids)
         finally:
             await draft.close()
+
+
+async def test_a_call_failed_on_the_service_marks_its_client_span_as_a_unary_calls_would(tiny_pair, monkeypatch):
+    """Tracing on: a stream call answered with an error code ends its client span ERROR with
+    rpc.grpc.status_code, as the unary interceptor records a failed call; a served one OK."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from specdec.rpc import telemetry
+
+    provider, spans = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(telemetry, "_provider", provider)
+    monkeypatch.setattr(telemetry, "tracer", provider.get_tracer("test"))
+    async with inprocess_stack(tiny_pair) as stack:
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=30)
+        try:
+            with pytest.raises(SessionNotFound):
+                await draft.propose(propose("ghost", keep=3))
+            await draft.propose(propose("s1"))
+        finally:
+            await draft.close()
+    failed, served = [s for s in spans.get_finished_spans() if s.attributes.get("specdec.on_stream")]
+    assert failed.status.status_code == StatusCode.ERROR and "ghost" in failed.status.description
+    assert failed.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert served.status.status_code == StatusCode.UNSET and served.attributes["rpc.grpc.status_code"] == 0
