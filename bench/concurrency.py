@@ -299,7 +299,8 @@ def markdown_table(rows: list[dict], machine: dict, config: dict) -> str:
     lines = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores, device {machine['device']}"
         + (f" ({machine['gpu']})" if machine.get("gpu") else "")
-        + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}"
+        + (f" ({machine['cpu_flags']})" if machine.get("cpu_flags") else ""),
         f"Target {Path(config['target_model']).name} {config['target_dtype']}, draft "
         f"{Path(config['draft_model']).name} int8, "
         f"{config['threads']} threads per service, greedy; every row runs the same "

@@ -13,8 +13,10 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -139,6 +141,21 @@ def resolve_target_setting(setting: str, target_model: Path, threads: int, devic
     )
 
 
+def _at_least(kind: type, low: float) -> Callable[[str], Any]:
+    """An argparse type: a `kind` number no less than `low`, else a usage error saying so."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
+        return value
+
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     models = ROOT / ".cache/models"
@@ -155,12 +172,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         ),
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda; results are written per device, never mixed")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every mode")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=_at_least(int, 1), default=os.cpu_count() or 1, help="torch threads for every mode"
+    )
+    parser.add_argument("--max-new-tokens", type=_at_least(int, 1), default=64)
+    parser.add_argument("--repeats", type=_at_least(int, 1), default=2)
     parser.add_argument(
         "--ks",
-        type=int,
+        type=_at_least(int, 0),
         nargs="+",
         default=None,
         help="our K sweep (default 1 2 3 4 6 8; concurrency and relaxed suites: 4)",
@@ -168,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument(
         "--hf-assisted", nargs="+", default=["default", "4"], help="HF assisted settings: default or a fixed K"
     )
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--temperatures", type=_at_least(float, 0), nargs="+", default=[0.0, 0.7])
     parser.add_argument("--prompts-file", type=Path, default=ROOT / "bench/prompts.json")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--seed", type=int, default=0)
@@ -237,17 +256,28 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="accelerator suite: only the cells of these profile pairs (bench.accelerator.PAIRS; default: every cell)",
     )
     parser.add_argument(
-        "--link-ms", type=float, nargs="+", default=[0.05, 0.5, 2.0], help="links suite: one-way link delays to run"
+        "--link-ms",
+        type=_at_least(float, 0),
+        nargs="+",
+        default=[0.05, 0.5, 2.0],
+        help="links suite: one-way link delays to run",
     )
     parser.add_argument(
-        "--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrency suite: generations at once"
+        "--sessions",
+        type=_at_least(int, 1),
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="concurrency suite: generations at once",
     )
     parser.add_argument(
-        "--batch-window-ms", type=float, default=2.0, help="concurrency suite: the batching target's window"
+        "--batch-window-ms",
+        type=_at_least(float, 0),
+        default=2.0,
+        help="concurrency suite: the batching target's window",
     )
     parser.add_argument(
         "--requests",
-        type=int,
+        type=_at_least(int, 0),
         default=0,
         help="concurrency suite: requests per sample, the same at every N (0 = the largest --sessions)",
     )
@@ -255,7 +285,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--only", nargs="+", default=[], help="run only modes whose name contains one of these (ours K=0 always runs)"
     )
     parser.add_argument(
-        "--draft-vocab", type=int, default=32768, help="drafters suite: head size of the reduced-vocabulary draft"
+        "--draft-vocab",
+        type=_at_least(int, 1),
+        default=32768,
+        help="drafters suite: head size of the reduced-vocabulary draft",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a few minutes: 2 prompts, 32 tokens, 1 repeat, K in {2,4}, greedy"
@@ -263,6 +296,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     args = parser.parse_args(argv)
     if args.dilation <= 0:
         parser.error(f"--dilation must be above 0, not {args.dilation:g}")
+    if bad := [k for k in args.hf_assisted if k != "default" and not (k.isdigit() and int(k) > 0)]:
+        parser.error(f"--hf-assisted takes default or a K above 0, not {' '.join(bad)}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device is cpu or cuda (cuda:N), not {args.device!r}")
     if args.ks is None:
         args.ks = [4] if args.suite in ("concurrency", "relaxed") else [1, 2, 3, 4, 6, 8]
     if args.quick:

@@ -72,8 +72,11 @@ def build_tiny_model(folder: Path, tokenizer_source: Path) -> Path:
     return folder
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile; None for no values (every request one round: no round after the first)."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 FLOORS = {
@@ -386,8 +389,11 @@ def markdown_table(
     for r in rows:
         lines.append(
             f"| {r['decoding']} | {r['k']} | {r.get('drafts_per_round', 0):.1f} | {r['rounds']} | "
-            f"{r['round_ms_p50']:.2f} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p90']:.2f} | "
-            f"{r['per_rpc_ms_p50']:.2f} | {r['per_rpc_ms_p90']:.2f} |"
+            + " | ".join(
+                "—" if r[name] is None else f"{r[name]:.2f}"
+                for name in ("round_ms_p50", "overhead_ms_p50", "overhead_ms_p90", "per_rpc_ms_p50", "per_rpc_ms_p90")
+            )
+            + " |"
         )
     if any("cpu_ms_per_round" in r for r in rows):
         lines += [

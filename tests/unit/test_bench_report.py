@@ -194,6 +194,51 @@ def test_overhead_table_reports_per_call_figures_and_the_transport_floor():
     assert "(1 calls; CPU a call: client 0.10 ms)" in with_cpu
 
 
+def test_overhead_of_one_round_requests_is_no_figure_not_a_crash():
+    """--max-new-tokens 1: every request is one round, and no round after the first is timed."""
+    from bench.overhead import markdown_table
+    from bench.overhead import summarise as summarise_overhead
+
+    one = {"round_ms": [], "round_overhead_ms": [], "k_per_round": []}  # the rounds after the first: none
+    rows = summarise_overhead({"samples": [{"decoding": "greedy", "k": 4, **one}]})
+    assert all(row["overhead_ms_p50"] is None for row in rows)
+    machine = {"cpu": "cpu", "cpu_flags": "avx2", "cores": 2, "torch": "2.13", "date": "today"}
+    assert "| greedy | 4 | 0.0 | 0 | — | — | — | — | — |" in markdown_table(rows, machine)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--repeats", "0"], "below 1"),
+        (["--max-new-tokens", "0"], "below 1"),
+        (["--ks", "-1"], "below 0"),
+        (["--temperatures", "-0.5"], "below 0"),
+        (["--sessions", "0"], "below 1"),
+        (["--threads", "x"], "not an integer"),
+        (["--hf-assisted", "foo"], "--hf-assisted takes default or a K above 0"),
+        (["--device", "gpu"], "--device is cpu or cuda"),
+    ],
+)
+def test_the_bench_refuses_bad_arguments_before_it_starts_anything(argv, says, capsys):
+    from bench.harness import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--suite", "overhead", *argv])
+    assert says in capsys.readouterr().err
+
+
+def test_the_concurrency_table_names_the_cpu_flags():
+    from bench import concurrency
+
+    machine = dict(cpu="EPYC", cpu_flags="avx2 fma", cores=2, device="cpu", torch="t", transformers="t", date="d")
+    config = dict(target_model="/m/t", draft_model="/m/d", target_dtype="float32", threads=2, requests=0)
+    config.update(sessions=[1], max_new_tokens=8, repeats=1, batch_window_ms=2.0)
+    sample = dict(sessions=1, k=4, repeat=0, wall_ms=1000.0, tokens=16, rounds=4, proposed=12, accepted=8)
+    sample.update(verify_calls=4, verify_batch_sum=4.0)
+    rows = concurrency.summarise({"samples": [dict(sample, batching=b) for b in concurrency.BATCHING]})
+    assert "(avx2 fma)" in concurrency.markdown_table(rows, machine, config).splitlines()[0]
+
+
 def test_overhead_cpu_per_round_takes_the_reported_compute_off_the_model_threads():
     """The CPU each process spent per round outside the passes: the requests' rounds pooled,
     a service's reported compute off its model thread's, the total the event loops' and the
