@@ -49,7 +49,8 @@ def run(costs: RoundCosts, alpha: float, tokens: int, rng: random.Random, k: int
     chooser = AdaptiveK(k_max=K_MAX, pipelined=False, costs=costs)
     done, ms = 0, 0.0
     while done < tokens:
-        chosen = min(chooser.choose() if k is None else k, tokens - done - 1)  # rounds.k_limit
+        limit = tokens - done - 1  # rounds.k_limit
+        chosen = min(chooser.within(limit).choose() if k is None else k, limit)
         if chosen == 0:
             steps = min(costs.target_only_steps if done else 1, tokens - done)
             ms, done = ms + steps * costs.verify_ms(0), done + steps

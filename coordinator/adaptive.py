@@ -143,6 +143,14 @@ class AdaptiveK:
         chooser.costs = costs
         return chooser
 
+    def within(self, k_max: int) -> AdaptiveK:
+        """This chooser choosing among K ≤ k_max (the tokens left): a copy, as `at`. Near the
+        end the best K that fits is not the best K cut to fit (one draft may be slower than none
+        where the unbounded best is eight)."""
+        chooser = copy.copy(self)
+        chooser.k_max = min(self.k_max, k_max)
+        return chooser
+
     def choose(self) -> int:
         """`pick`, counted as the round's choice (`observe_choice`)."""
         k = self.pick()
@@ -200,8 +208,8 @@ class AdaptiveK:
     def shape_for(self, k: int) -> tuple[int, tuple[int, ...]]:
         """(K, ()) or (0, tree widths) for the K `pick` chose: `choose_shape`, without counting
         the choice."""
-        if not self.trees or self.pipelined or not k or (self.loaded and self.costs.shared_host):
-            return k, ()  # (a tree's rate is one session's; on a shared host under load K is the host's)
+        if not self.trees or self.pipelined or not k or self.loaded:
+            return k, ()  # a tree's rate is priced for one session alone: under load only chains are
         widths, rate = best_tree(self.alpha, self.beta, self.costs, self.k_max)
         if widths and rate > self.costs.tokens_per_ms(k, self.alpha, False):
             return 0, widths

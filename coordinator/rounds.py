@@ -241,6 +241,8 @@ def plan_round(
         copier = copier.at(copy_costs)
     overlapping = overlaps(state, chooser)
     limit = k_limit(pair, len(state.sequence), state.remaining)
+    if chooser is not None and limit < chooser.k_max:
+        chooser = chooser.within(limit)
     shape: tuple[int, ...]
     chosen_k: int | None = None
     # A request whose K follows the load starts with a target-only step, copying nothing: its

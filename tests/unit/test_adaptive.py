@@ -178,6 +178,12 @@ def test_trees_are_chosen_only_where_they_pay():
     # Pipelined coordinators never get a tree (it cannot be pre-drafted).
     chooser = AdaptiveK(k_max=8, pipelined=True, costs=gpu_like, alpha_prior=0.6, beta_prior=0.5, trees=True)
     assert chooser.choose_shape()[1] == ()
+    # Under load a tree's one-session price would be weighed against a chain's at the load,
+    # where four sessions' verifies cost four passes: chains only.
+    batch = BatchCosts((10.0,) * 8 + (10.5,), ((4, 1, 40.0), (4, 9, 60.0)), 8)
+    loaded = dataclasses.replace(gpu_like, target_batch=batch).at_load(4, 1)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=loaded, alpha_prior=0.6, beta_prior=0.5, trees=True)
+    assert chooser.choose_shape()[1] == ()
 
 
 def test_tree_rounds_teach_alpha_and_beta():

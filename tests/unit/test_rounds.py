@@ -388,3 +388,19 @@ def test_a_request_whose_k_follows_the_load_starts_with_a_target_only_step_that_
     assert (first.kind, first.k, first.copy_limit) == (RoundKind.TARGET_ONLY, 0, 0)
     request.round_index = 1
     assert plan_round(request, True, True).kind is RoundKind.DRAFT_CALL
+
+
+def test_the_last_rounds_k_is_the_best_within_the_tokens_left():
+    """Two tokens left, where one draft runs slower than a target-only step but the unbounded
+    best is a long round (captured H200 passes, α 0.95): the round is target-only, not the
+    best K cut to one draft."""
+    from bench.chooser_sim import pair_costs
+
+    costs = pair_costs("h200-captured-1.5b", "h200-captured-0.5b", 0.8)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.95)
+    chooser.accepted, chooser.reached = 190.0, 200.0  # α settled at 0.95
+    rates = costs.rates(chooser.alpha, 8, pipelined=False)
+    assert max(range(9), key=rates.__getitem__) >= 2 and rates[1] < rates[0]
+    two_left = state(max_new_tokens=2, k_chooser=chooser, pair=dataclasses.replace(PAIR, costs=costs))
+    assert plan_round(two_left, True, True).k == 0
+    assert plan_round(state(max_new_tokens=40, k_chooser=chooser, pair=PAIR), True, True).k >= 2
