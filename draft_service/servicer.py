@@ -60,7 +60,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         self, requests: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[draft_pb2.BranchResult]:
         """Propose calls as stream messages (the coordinator's hot path), each answered alone."""
-        async for reply in answer_each(requests, self._answer, draft_pb2.BranchResult, "proposal"):
+        async for reply in answer_each(requests, self._answer, draft_pb2.BranchResult, "proposal", self.streams):
             yield reply
 
     async def _answer(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
@@ -100,7 +100,9 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
         self, requests: AsyncIterator[draft_pb2.ProposeBranchesRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[draft_pb2.ProposeBranchesResult]:
         """ProposeBranches calls as stream messages (the coordinator's hot path), each answered alone."""
-        async for reply in answer_each(requests, self._branches, draft_pb2.ProposeBranchesResult, "response"):
+        async for reply in answer_each(
+            requests, self._branches, draft_pb2.ProposeBranchesResult, "response", self.streams
+        ):
             yield reply
 
     async def _branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:

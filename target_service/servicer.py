@@ -63,7 +63,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         self, requests: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.VerifyResult]:
         """Verify calls as stream messages (the coordinator's hot path), each answered alone."""
-        async for reply in answer_each(requests, self._answer, target_pb2.VerifyResult, "response"):
+        async for reply in answer_each(requests, self._answer, target_pb2.VerifyResult, "response", self.streams):
             yield reply
 
     async def _answer(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

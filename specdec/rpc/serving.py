@@ -299,7 +299,7 @@ async def start_model_server(
     description = runner.describe()
     message_bytes = model_message_bytes(description.vocab_size, description.max_context)
     logger.info("messages larger than %d bytes are refused", message_bytes)
-    return await start_server(
+    running = await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],
         config.host,
@@ -313,6 +313,8 @@ async def start_model_server(
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
     )
+    running.drains.append(servicer.end_idle_streams)
+    return running
 
 
 async def serve_forever(
