@@ -6,6 +6,7 @@ sessions to the KV budget (forward_batch, decode_batch) and hands them here."""
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -13,6 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.engine.batching import hand_back, padded_cache
+from specdec.engine.costs import PassCosts
 from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import LoadedModel, session_inputs, with_cache
@@ -37,6 +39,7 @@ class BatchRunner(Protocol):
     batched_forwards: int
     batched_sessions_total: int
     max_batch_size_seen: int
+    pass_costs: PassCosts | None  # live one-session pass costs (specdec.engine.calibration)
 
     def _paced(self, new_tokens: int, context_tokens: int) -> AbstractContextManager: ...
 
@@ -189,8 +192,11 @@ def _tree_batch_pass(runner: BatchRunner, input_ids, mask, positions, cache, log
     return out
 
 
-def _count_pass(runner: BatchRunner, tokens: int, batch: int) -> None:
-    """Adds a batched pass of `batch` sessions and `tokens` real tokens to the runner's counters."""
+def _count_pass(runner: BatchRunner, tokens: int, batch: int, started: float | None = None) -> None:
+    """Adds a batched pass of `batch` sessions and `tokens` real tokens to the runner's counters;
+    a decode batch's pass of one session (begun at `started`) is a live one-session pass too."""
+    if batch == 1 and started is not None and runner.pass_costs is not None:
+        runner.pass_costs.observe(tokens, (time.perf_counter() - started) * 1e3)
     runner.processed_tokens_total += tokens
     runner.batched_forwards += 1
     runner.batched_sessions_total += batch
@@ -250,10 +256,11 @@ class DecodeBatch:
         if self._failed or sorted(feeds) != sorted(s.session_id for s in members) or not all(feeds.values()):
             raise AssertionError("a decode batch steps each of its sessions, one token or more, until a pass fails")
         new = sum(len(tokens) for tokens in feeds.values())
+        started = time.perf_counter()
         static = getattr(runner, "static", None)
         if self._cache is None and static is not None:
             if static.fits([(session.cache, len(feeds[session.session_id])) for session in members]):
-                return self._static_step(static, members, feeds)
+                return self._static_step(static, members, feeds, started)
             # Padded from here on: every member's cache is its own and current, so all join anew.
             self.sessions, self._lengths, self._left, self._joining = [], [], set(), members
         try:
@@ -292,12 +299,12 @@ class DecodeBatch:
                 runner.sessions.end(session.session_id)
             raise
         self._lengths = [length + len(tokens) for length, tokens in zip(self._lengths, rows)]
-        _count_pass(runner, new, batch)
+        _count_pass(runner, new, batch, started)
         logits = out.logits[:, -1].float()  # [B, V]
         return {session.session_id: logits[row] for row, session in enumerate(self.sessions)}
 
     def _static_step(
-        self, static: StaticPasses, members: list[KVSession], feeds: dict[str, list[int]]
+        self, static: StaticPasses, members: list[KVSession], feeds: dict[str, list[int]], started: float
     ) -> dict[str, torch.Tensor]:
         """`step` as one static pass (specdec.engine.static_pass): each member's entries stay
         in its own extent, so nothing is padded in now or split back when it leaves."""
@@ -317,7 +324,7 @@ class DecodeBatch:
         self._lengths = [session.cached_tokens for session in members]
         for session in members:  # its new entries are in its own cache now, which the budget counts
             runner.sessions.grown(session.session_id, len(feeds[session.session_id]) * runner.kv_bytes_per_token)
-        _count_pass(runner, new, len(rows))
+        _count_pass(runner, new, len(rows), started)
         return {session.session_id: row[-1] for session, row in zip(members, logits)}
 
     def _regroup(self) -> None:

@@ -30,7 +30,8 @@ def calibrate_costs(runner: ModelRunner, keep_all_logits: bool, context_tokens: 
         0, runner.loaded.vocab_size, (context_tokens + runner.max_speculative_tokens + 1,), generator=generator
     ).tolist()
     session = KVSession("calibration", cache=runner.new_cache())
-    processed = runner.processed_tokens_total
+    counters = ("processed_tokens_total", "batched_forwards", "batched_sessions_total", "max_batch_size_seen")
+    before = {name: getattr(runner, name) for name in counters}  # the timed passes serve nobody
     with torch.inference_mode():
         runner._forward_admitted(session, ids[:context_tokens], logits_to_keep=1)
 
@@ -44,7 +45,8 @@ def calibrate_costs(runner: ModelRunner, keep_all_logits: bool, context_tokens: 
         runner.pass_costs = None  # the timed passes are not live traffic
         costs = calibrate(run_pass, min(runner.max_speculative_tokens + 1, CALIBRATION_MAX_TOKENS))
         batch_ms = _calibrate_batches(runner, session, ids[context_tokens:], len(costs), keep_all_logits)
-    runner.processed_tokens_total = processed
+    for name, value in before.items():
+        setattr(runner, name, value)
     runner.pass_costs = PassCosts(costs, context_tokens, batch_ms=batch_ms)
     logger.info(
         "forward pass cost over a %d-token context, by new tokens: %s",
