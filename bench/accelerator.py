@@ -305,7 +305,7 @@ def run_accelerator(config, machine: dict, quick: bool = False) -> dict:
     modes = QUICK_MODES if quick else MODES
     cache = ROOT / ".cache/bench-accelerator"
     logs = config.out_dir / "logs"
-    results: dict = {"suite": "accelerator", "machine": machine, "cells": []}
+    results: dict = {"suite": "accelerator", "machine": machine, "emulated": True, "cells": []}
     for pair_name, alpha in cells:
         pair, measured = pair_with_acceptance(cache, alpha)
         target_name, draft_name = PAIRS[pair_name]
@@ -479,6 +479,7 @@ def run_links(config, machine: dict, delays_ms: tuple[float, ...]) -> dict:
     results: dict = {
         "suite": "links",
         "machine": machine,
+        "emulated": True,
         "pair": pair_name,
         "target_profile": target_name,
         "draft_profile": draft_name,

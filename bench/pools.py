@@ -420,6 +420,7 @@ def real_pair(config, logs: Path) -> list[dict]:
                     "target_only": rates[0],
                     "ratios": [a / b for a, b in zip(rates[CHOSEN], rates[0])],
                     "k_mean": statistics.mean(k_means),
+                    "failed": sum(len(s["failed"]) for s in samples if s["clients"] == clients),
                 }
             )
     return rows
@@ -464,6 +465,8 @@ def run_pools(config, machine: dict, parts: tuple[str, ...] = ("sweep", "scale",
     pair, alpha = pair_with_acceptance(ROOT / ".cache/bench-accelerator", 0.8)
     emulated = Emulation.build(pair, config.out_dir / "profiles", config.dilation)
     results: dict = {"suite": "pools", "machine": machine, "alpha_measured": alpha, "dilation": emulated.dilation}
+    # Which parts' figures are emulated (tiny pairs paced to accelerator profiles) and which real.
+    results["emulated_parts"] = [part for part in parts if part != "real"]
     if "sweep" in parts:
         results["sweep"] = sweep(emulated, logs, 32)
     if "scale" in parts:
@@ -515,16 +518,18 @@ def markdown(results: dict) -> str:
         )
     if "sweep" in results:
         lines += [
-            "**Concurrency sweep, one target and one draft (emulated).** Aggregate tok/s over the same 32 requests.",
+            "**Concurrency sweep, one target and one draft (emulated).** Aggregate tok/s over the same 32 requests "
+            "(failed: requests of the two samples that got an error; their tokens are not counted).",
             "",
-            "| clients | defaults (K chooser) | K = 0 | defaults ÷ K = 0 | mean K | sessions costed |",
-            "|---|---|---|---|---|---|",
+            "| clients | defaults (K chooser) | K = 0 | defaults ÷ K = 0 | mean K | sessions costed | failed |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in results["sweep"]:
             chosen, zero = row["chosen"], row["target_only"]
             lines.append(
                 f"| {row['clients']} | {chosen['tokens_per_s']:.1f} | {zero['tokens_per_s']:.1f} | "
-                f"{row['ratio']:.2f}× | {chosen['k_mean']:.2f} | {chosen['sessions_mean'] or 0:.1f} |"
+                f"{row['ratio']:.2f}× | {chosen['k_mean']:.2f} | {chosen['sessions_mean'] or 0:.1f} | "
+                f"{len(chosen['failed']) + len(zero['failed'])} |"
             )
         lines.append("")
     if "scale" in results:
@@ -578,14 +583,15 @@ def markdown(results: dict) -> str:
             "drafter int8: the model, int8+lookup: the hybrid, prompt lookup where it finds a match). "
             "Aggregate tok/s, each repeat's defaults and K = 0 run back to back.",
             "",
-            "| drafter | clients | defaults tok/s | K = 0 tok/s | defaults ÷ K = 0 per repeat | mean K |",
-            "|---|---|---|---|---|---|",
+            "| drafter | clients | defaults tok/s | K = 0 tok/s | defaults ÷ K = 0 per repeat | mean K | failed |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in results["real"]:
             lines.append(
                 f"| {row.get('drafter', 'int8')} | {row['clients']} | "
                 f"{' / '.join(f'{r:.1f}' for r in row['chosen'])} | "
                 f"{' / '.join(f'{r:.1f}' for r in row['target_only'])} | "
-                f"{' / '.join(f'{r:.2f}×' for r in row['ratios'])} | {row['k_mean']:.2f} |"
+                f"{' / '.join(f'{r:.2f}×' for r in row['ratios'])} | {row['k_mean']:.2f} | "
+                f"{row.get('failed', '—')} |"
             )
     return "\n".join(lines) + "\n"

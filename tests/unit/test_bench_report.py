@@ -533,3 +533,22 @@ def test_pools_load_counts_steady_tokens_only_while_every_client_has_a_request_i
     assert result["tokens_per_s"] == pytest.approx(300)
     assert result["steady_s"] == pytest.approx(0.2)
     assert result["steady_tokens_per_s"] == pytest.approx(400)
+
+
+def test_the_pools_tables_count_failed_requests_beside_their_rates():
+    """A failed request's tokens are not in a rate: the sweep and real-pair rows say how many
+    failed, so a rate that dropped requests cannot pass for a full one."""
+    from bench import pools
+
+    sample = dict(tokens_per_s=100.0, k_mean=2.0, sessions_mean=1.0, failed=[])
+    results = {
+        "machine": {"date": "d", "cpu": "c", "cpu_flags": "avx2", "cores": 2, "torch": "t"},
+        "alpha_measured": 0.8,
+        "sweep": [dict(clients=1, chosen=dict(sample, failed=["UNAVAILABLE: x"] * 2), target_only=sample, ratio=1.0)],
+        "real": [
+            dict(drafter="int8", clients=1, chosen=[9.0], target_only=[8.0], ratios=[1.125], k_mean=3.0, failed=1)
+        ],
+    }
+    table = pools.markdown(results)
+    assert "| 1 | 100.0 | 100.0 | 1.00× | 2.00 | 1.0 | 2 |" in table
+    assert "| int8 | 1 | 9.0 | 8.0 | 1.12× | 3.00 | 1 |" in table
