@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from pathlib import PurePath
@@ -207,6 +208,16 @@ def batch_costs(info) -> BatchCosts:
     )
 
 
+async def close(coordinator: Engine) -> None:
+    """The engine's end, after the drains (no request is left to it). Requests the grace cut
+    short end their sessions as they unwind: those calls go out before the channels close, or
+    the sessions stay held on the services till their TTL."""
+    coordinator.close()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(coordinator.wait_cleanup(), CLEANUP_S)
+    await coordinator.upstream.close_clients()
+
+
 async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RULES) -> RunningServer:
     # Before waiting for draft and target: a bad certificate or token file fails at once.
     credentials, interceptors = load_server_security(config.security)
@@ -239,21 +250,13 @@ async def build_server(config: CoordinatorConfig, rules: RoundRules = DEFAULT_RU
             config.shutdown_grace_s,
         )
 
-    async def close() -> None:  # after the drains: no request is left to the engine
-        coordinator.close()
-        # Requests the grace cut short end their sessions as they unwind: those calls go out
-        # before the channels close, or the sessions stay held on the services till their TTL.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(coordinator.wait_cleanup(), CLEANUP_S)
-        await coordinator.upstream.close_clients()
-
     running = await start_server(
         lambda server: add_to_server(servicer, server),
         [SERVICE_NAME],
         config.host,
         config.port,
         GRPC_MAX_MESSAGE_BYTES,  # what it sends: its replies, bounded by the request's limits
-        on_stop=close,
+        on_stop=functools.partial(close, coordinator),
         credentials=credentials,
         interceptors=interceptors,
         metrics=(registry, config.metrics_port),
