@@ -172,7 +172,10 @@ class Pool:
         Unavailable if so (the replica is refused: the session moves, or the request fails)."""
         if self.reference is None:
             return
-        info = await replica.client.info(PROBE_TIMEOUT_S)
+        try:
+            info = await replica.client.info(PROBE_TIMEOUT_S)
+        except SpecDecError:  # no answer in time (Info waits behind a pass): the refresh will ask again
+            return
         if refused := self.mismatch(info):
             self._log_change(replica, info, refused)
             replica.refused, replica.serving = refused, False

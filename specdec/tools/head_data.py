@@ -96,7 +96,7 @@ def check_made_with(data: Path, args, target, layers: tuple[int, ...]) -> None:
     made = {
         "layers": list(layers),
         "seq_len": args.seq_len,
-        "corpus": args.corpus,
+        "corpus": str(Path(args.corpus).resolve()) if args.corpus else "",
         "seed": args.seed,
         "target": [text.model_type, text.hidden_size, text.num_hidden_layers, text.vocab_size],
     }

@@ -40,3 +40,26 @@ async def test_a_target_restarted_with_other_weights_fails_the_request_and_mixes
             await stack.target.stop(0)
     finally:
         thread.shutdown()
+
+
+async def test_a_lost_session_is_re_sent_when_the_targets_info_is_slow_to_answer(tiny_pair, reference):
+    """The model check before a re-send asks Info, which waits behind the model thread's pass
+    (a long prefill): an answer that comes late refuses nothing, and the session is re-sent."""
+    import time
+
+    async with inprocess_stack(tiny_pair) as stack:
+        request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=40, num_speculative_tokens=3)
+        stream = stack.stub.GenerateStream(request, timeout=60)
+        ids = list((await stream.read()).token_ids)
+        describe = stack.target_runner.describe
+
+        def slow() -> object:
+            time.sleep(2.5)  # past the probe's deadline
+            return describe()
+
+        stack.target_runner.describe = slow
+        for session_id in stack.target_runner.sessions.ids():
+            stack.target_runner.end_session(session_id)  # evicted
+        while (chunk := await stream.read()) is not grpc.aio.EOF:
+            ids += chunk.token_ids
+        assert await stream.code() == grpc.StatusCode.OK and ids == reference(PROMPT, 40)

@@ -93,6 +93,7 @@ def test_shards_made_with_other_settings_and_a_foreign_init_head_are_refused(tin
     corpus.mkdir()
     (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 60)
     first = run(tiny_pair.target, tmp_path / "first", corpus, "--steps", "1")
+    run(tiny_pair.target, first, f"{corpus}/", "--steps", "1", "--resume")  # the same corpus, named otherwise
     again = ["--target", str(tiny_pair.target), "--out", str(first), "--corpus", str(corpus), "--windows", "16"]
     with pytest.raises(SystemExit, match="layers"):  # the data's features are of layers 0, 1, 2
         train_head.train(train_head.parse_args([*again, "--seq-len", "32", "--layers", "0", "1", "1"]))
