@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from bench.modes import HF_DRAFTS, POOLS_PARTS, ROOT, BenchConfig, Sample, build_modes, drafter_args
 from bench.runners import HFRunner, OursRunner
+from specdec.config.settings import number, saying_why
 from specdec.engine.costs import cpu_flags, cpu_model
 from specdec.tools.real_models import DRAFT, TARGET
 from target_service.pick import FLAGS, OUTPUT, pick_in_subprocess
@@ -142,18 +143,8 @@ def resolve_target_setting(setting: str, target_model: Path, threads: int, devic
 
 
 def _at_least(kind: type, low: float) -> Callable[[str], Any]:
-    """An argparse type: a `kind` number no less than `low`, else a usage error saying so."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
-        return value
-
-    return parse
+    """An argparse type: a finite `kind` number no less than `low`, else a usage error saying so."""
+    return saying_why(number(kind, low))
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:

@@ -136,9 +136,7 @@ def _acceptance(samples: list[dict]) -> tuple[list[float], float | None]:
             accepted.extend([0] * (i + 1 - len(accepted)))
             accepted[i] += count
     per_position = [accepted[i] / proposed[i] if i < len(accepted) else 0.0 for i in range(len(proposed))]
-    total = sum(accepted)
-    alpha = total / evaluated if known and evaluated and sum(proposed) else None
-    return per_position, alpha
+    return per_position, sum(accepted) / evaluated if known and evaluated else None
 
 
 def _overhead(sample: dict) -> float:

@@ -175,7 +175,7 @@ def env_value(env: Mapping[str, str], name: str, parse: Callable[[str], Any], ch
         raise SystemExit(f"environment variable {name}={text!r} is invalid: {exc}") from exc
 
 
-def _saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse` as an argparse type whose ValueError message reaches the user (argparse shows
     only "invalid parse_bytes value" for a plain ValueError)."""
 
@@ -217,7 +217,7 @@ def parse_settings(
         parser.add_argument(
             flag.name,
             dest=item.dest,
-            type=parse if parse in (int, float, str) else _saying_why(parse),
+            type=parse if parse in (int, float, str) else saying_why(parse),
             action="append" if flag.repeated else "store",
             default=None if flag.repeated else default,
             choices=list(flag.choices) if flag.choices else None,

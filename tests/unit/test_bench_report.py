@@ -209,12 +209,12 @@ def test_overhead_of_one_round_requests_is_no_figure_not_a_crash():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--repeats", "0"], "below 1"),
-        (["--max-new-tokens", "0"], "below 1"),
-        (["--ks", "-1"], "below 0"),
-        (["--temperatures", "-0.5"], "below 0"),
-        (["--sessions", "0"], "below 1"),
-        (["--threads", "x"], "not an integer"),
+        (["--repeats", "0"], "not in [1, ∞]"),
+        (["--max-new-tokens", "0"], "not in [1, ∞]"),
+        (["--ks", "-1"], "not in [0, ∞]"),
+        (["--temperatures", "-0.5"], "not in [0, ∞]"),
+        (["--sessions", "0"], "not in [1, ∞]"),
+        (["--threads", "x"], "not a whole number"),
         (["--hf-assisted", "foo"], "--hf-assisted takes default or a K above 0"),
         (["--device", "gpu"], "--device is cpu or cuda"),
     ],
