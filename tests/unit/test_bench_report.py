@@ -552,3 +552,29 @@ def test_the_pools_tables_count_failed_requests_beside_their_rates():
     table = pools.markdown(results)
     assert "| 1 | 100.0 | 100.0 | 1.00× | 2.00 | 1.0 | 2 |" in table
     assert "| int8 | 1 | 9.0 | 8.0 | 1.12× | 3.00 | 1 |" in table
+
+
+def test_accelerator_table_names_the_alpha_a_run_met_or_says_it_met_none():
+    """A run without a greedy fixed-K chain (a custom set of modes) meets no α of its own: the
+    table gives the teacher-forced α and says so, not 'α 0.00 as the run met it'."""
+    from bench import accelerator
+
+    bounds = {"sequential": 2.5, "sequential_k": 6, "overlapped": 4.4, "overlapped_k": 8}
+    cell = {
+        "pair": "70b+1b",
+        "target_profile": "h100-70b-tp4",
+        "draft_profile": "h100-1b",
+        "alpha_target": 0.8,
+        "alpha_measured": 0.81,
+        "bounds": {**bounds, "draft_step_ms": 1.8, "target_pass_ms": 18.5},
+        "overruns": {"draft": 0, "target": 0},
+        "samples": [
+            {"mode": "target-only (K=0)", "temperature": 0.0, "tokens_per_s": 50.0, "tokens_per_round": 1.0,
+             "acceptance": 0.0, "overhead_share": 0.02},
+        ],
+    }  # fmt: skip
+    machine = {"date": "2026-12-06", "cpu": "AMD EPYC", "cpu_flags": "avx2 fma", "cores": 2, "torch": "2.13.0"}
+    table = accelerator.markdown({"machine": machine, "cells": [cell]})
+    assert "α 0.81\n" in table and "the run met no α of its own" in table and "0.00 as the run met" not in table
+    table = accelerator.markdown({"machine": machine, "cells": [{**cell, "alpha_run": 0.77}]})
+    assert "α 0.77\n" in table and "α 0.77 as the run met it" in table
