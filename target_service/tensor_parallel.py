@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -73,6 +74,10 @@ class TensorParallelRunner:
         self._runner = runner
         self._control = control
         self.tensor_parallel_size = world_size
+        # Rank 0's clock alone decides which idle sessions expire, before each call is sent
+        # (`expire_sessions`): no rank's store expires any as a call opens a session, where a
+        # rank replaying the call later than rank 0 ran it would drop one that rank 0 kept.
+        self._ttl_s, runner.sessions.ttl_s = runner.sessions.ttl_s, math.inf
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -81,12 +86,20 @@ class TensorParallelRunner:
         dist.broadcast_object_list([(method, args)], src=0, group=self._control)
 
     def verify_one(self, call: VerifyCall):
+        self.expire_sessions()
         self._send("verify_one", call)
         return self._runner.verify_one(call)
 
     def verify_batch(self, calls: list[VerifyCall]):
+        self.expire_sessions()
         self._send("verify_batch", calls)
         return self._runner.verify_batch(calls)
+
+    # A target-only call's steps: TargetRunner's loops over this runner's verify_one, so each
+    # step reaches every rank. (Reached through __getattr__, they ran on rank 0 alone, which
+    # then waited in its first all-reduce for ranks never told: every K = 0 round hung.)
+    verify_then_steps = TargetRunner.verify_then_steps
+    verify_steps = TargetRunner.verify_steps
 
     def end_session(self, session_id: str, keep: bool = True) -> bool:
         self._send("end_session", session_id)
@@ -95,7 +108,7 @@ class TensorParallelRunner:
     def expire_sessions(self) -> int:
         """Rank 0's clock decides; the other ranks drop the same sessions."""
         before = set(self._runner.sessions.ids())
-        expired = self._runner.expire_sessions()
+        expired = self._runner.sessions.expire(ttl_s=self._ttl_s)
         dropped = sorted(before - set(self._runner.sessions.ids()))
         if dropped:
             self._send("end_sessions", dropped)
@@ -106,7 +119,9 @@ class TensorParallelRunner:
 
 
 def serve_worker(runner: TargetRunner, control: dist.ProcessGroup, rank: int) -> None:
-    """Ranks 1..N-1: replay rank 0's calls until it says stop or is gone."""
+    """Ranks 1..N-1: replay rank 0's calls until it says stop or is gone. Their sessions
+    expire only as rank 0 says (`TensorParallelRunner.expire_sessions`)."""
+    runner.sessions.ttl_s = math.inf
     handlers: dict[str, Callable[..., Any]] = {
         "verify_one": runner.verify_one,
         "verify_batch": runner.verify_batch,

@@ -431,11 +431,11 @@ class SessionStore:
         if self.prefix is not None and session.cache is not None and session.cacheable_tokens:
             self.prefix.insert(session.namespace, session.tokens, session.cache, session.cacheable_tokens)
 
-    def expire(self, now: float | None = None) -> int:
-        """Drops sessions idle longer than the TTL (keeping their prompt blocks in the prefix
-        cache); returns how many."""
-        now = time.monotonic() if now is None else now
-        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+    def expire(self, now: float | None = None, ttl_s: float | None = None) -> int:
+        """Drops sessions idle longer than the TTL (`ttl_s`, else the store's), keeping their
+        prompt blocks in the prefix cache; returns how many."""
+        now, ttl_s = time.monotonic() if now is None else now, self.ttl_s if ttl_s is None else ttl_s
+        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
         for sid in stale:
             self._keep_prefix(self._sessions.pop(sid))
         return len(stale)

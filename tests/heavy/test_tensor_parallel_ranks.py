@@ -1,6 +1,7 @@
 """Rank 0's TensorParallelRunner and rank 1's replay loop, as two gloo processes on CPU: after
-a script of lone and batched verifies, rollbacks, a bad call, a KV-budget eviction, TTL expiry
-and EndSession, both ranks hold the same sessions with caches of the same length, and rank 0's
+a script of lone and batched verifies, rollbacks, a bad call, a KV-budget eviction, TTL expiry,
+EndSession, a target-only call's steps and a session opened by a rank that replays it late,
+both ranks hold the same sessions with caches of the same length, and rank 0's
 answers equal a single-process TargetRunner's."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from target_service.server import load_runner
 from tests.stack import model_service_config
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+TTL_S = 1.0
+LATE_REPLAY_S = 0.5
 
 
 def _script(runner, pause) -> list:
@@ -53,9 +56,17 @@ def _script(runner, pause) -> list:
     # Grows "b" past the budget: "a", least recently used, is evicted on both ranks.
     record(runner.verify_one(call("b", 5, list(range(40, 80)), [])))
     record(runner.verify_one(call("e", 0, [3, 4], [5])))
-    pause()
+    pause(TTL_S + 0.3)
     runner.expire_sessions()  # "b" and "e" are idle past the TTL by now
     record(runner.verify_one(call("f", 0, [7, 8, 9], [1, 2])))
+    # A K = 0 call: its first token, then steps in the same job (each step a verify_one).
+    first, steps = runner.verify_then_steps(call("g", 0, [4, 5, 6], []), [11, 12, 13], (), lambda: False)
+    for result in [first, *steps]:
+        record(result)
+    # "f" and "g" idle 0.7 s of their 1 s TTL as "h" opens: kept, on a rank that replays the
+    # call 0.5 s late (LATE_REPLAY_S) too.
+    pause(0.7)
+    record(runner.verify_one(call("h", 0, [2, 3], [4])))
     return answers
 
 
@@ -71,9 +82,16 @@ def _rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
     runner = load_runner(config)
     if rank == 0:
         tp = tensor_parallel.TensorParallelRunner(runner, control, 2)
-        answers = _script(tp, lambda: time.sleep(config.session_ttl_s + 0.3))
+        answers = _script(tp, time.sleep)
         tp.stop_workers()
     else:
+        replay = runner.verify_one
+
+        def late(call):  # a busy host: this rank replays "h" later than rank 0 ran it
+            time.sleep(LATE_REPLAY_S if call.session_id == "h" else 0.0)
+            return replay(call)
+
+        runner.verify_one = late
         tensor_parallel.serve_worker(runner, control, rank)
         answers = None
     states = [None, None]
@@ -90,14 +108,14 @@ def _rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
 
 
 def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny_pair):
-    config = model_service_config(TargetConfig, tiny_pair.target, tensor_parallel=2, session_ttl_s=1.0)
+    config = model_service_config(TargetConfig, tiny_pair.target, tensor_parallel=2, session_ttl_s=TTL_S)
     # A budget of 48 tokens (each rank counts its half of the heads; one process all of them):
     # "b" growing to 45 tokens evicts "a" (9 tokens).
     full_token = load_runner(dataclasses.replace(config, tensor_parallel=1)).kv_bytes_per_token
     config = dataclasses.replace(config, max_kv_bytes=48 * full_token // 2)
     alone = load_runner(dataclasses.replace(config, tensor_parallel=1, max_kv_bytes=48 * full_token))
     alone.model.set_attn_implementation("sdpa")  # as the ranks run (per-row attention is for one CPU process)
-    expected = _script(alone, lambda: time.sleep(config.session_ttl_s + 0.3))
+    expected = _script(alone, time.sleep)
 
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -113,8 +131,8 @@ def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny
             if process.is_alive():
                 process.kill()
     assert [p.exitcode for p in processes] == [0, 0]
-    assert answers == expected
+    assert answers == expected and len(expected) == 14, "the K = 0 call did not step three times"
     assert "SessionNotFound" in answers and evicted >= 1, "the script never hit NOT_FOUND or an eviction"
     assert states[0] == states[1], "the ranks' sessions diverged"
-    assert set(states[0]) == {"f"}, "TTL expiry or EndSession did not reach every rank"
+    assert set(states[0]) == {"f", "g", "h"}, "TTL expiry or EndSession did not reach every rank"
     assert kv_bytes_per_token == full_token // 2
