@@ -23,7 +23,7 @@ from tests.stack import model_service_config
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 TTL_S = 1.0
-LATE_REPLAY_S = 0.5
+LATE_REPLAY_S = 0.9
 
 
 def _script(runner, pause) -> list:
@@ -63,9 +63,9 @@ def _script(runner, pause) -> list:
     first, steps = runner.verify_then_steps(call("g", 0, [4, 5, 6], []), [11, 12, 13], (), lambda: False)
     for result in [first, *steps]:
         record(result)
-    # "f" and "g" idle 0.7 s of their 1 s TTL as "h" opens: kept, on a rank that replays the
-    # call 0.5 s late (LATE_REPLAY_S) too.
-    pause(0.7)
+    # "f" and "g" idle under 1 s (the TTL) as "h" opens: kept, on a rank that replays the
+    # call late (LATE_REPLAY_S: past the TTL there) too.
+    pause(0.4)
     record(runner.verify_one(call("h", 0, [2, 3], [4])))
     return answers
 
