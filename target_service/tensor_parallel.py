@@ -19,6 +19,7 @@ worker exits as soon as rank 0 is gone.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import math
 import multiprocessing
@@ -66,6 +67,13 @@ def init_rank(rank: int, world_size: int, local_rank: int, device: str, init_met
     return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
+# TargetRunner's methods that only read (checks, Info): run on rank 0 alone. Every method that
+# runs the model or changes sessions is one of TensorParallelRunner's own, sent to every rank.
+RANK_ZERO_ONLY = frozenset(
+    {"check_length", "check_logits", "check_tokens", "describe", "needs_draft_probs", "new_cache"}
+)
+
+
 class TensorParallelRunner:
     """Rank 0's runner: the calls that run the model or change sessions are sent to the other
     ranks first, then run here; everything else (Info, metrics gauges) reads rank 0's copy."""
@@ -80,7 +88,15 @@ class TensorParallelRunner:
         self._ttl_s, runner.sessions.ttl_s = runner.sessions.ttl_s, math.inf
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
+        """Rank 0's attributes, and of its methods those that only read (RANK_ZERO_ONLY); any
+        other method would run passes on rank 0 alone, which then wait in an all-reduce for
+        ranks never told (as the K = 0 steps once did): refused, naming it."""
+        value = getattr(self._runner, name)
+        if inspect.ismethod(value) and not name.startswith("_") and name not in RANK_ZERO_ONLY:
+            raise AttributeError(
+                f"TensorParallelRunner does not send {name} to the other ranks; it would run on rank 0 alone"
+            )
+        return value
 
     def _send(self, method: str, *args: Any) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self._control)

@@ -1,0 +1,32 @@
+"""Rank 0's TensorParallelRunner hands the servicer only what is safe on rank 0 alone: every
+TargetRunner method that runs the model or changes sessions is its own (sent to every rank
+first) or refused, so a method added later cannot silently run on one rank (the K = 0 steps
+once did, and hung the service: tests/heavy/test_tensor_parallel_ranks.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from target_service.config import TargetConfig
+from target_service.runner import TargetRunner
+from target_service.server import load_runner
+from target_service.tensor_parallel import RANK_ZERO_ONLY, TensorParallelRunner
+from tests.stack import model_service_config
+
+
+def test_every_runner_method_is_sent_to_every_rank_read_on_rank_zero_or_refused(tiny_pair):
+    runner = load_runner(model_service_config(TargetConfig, tiny_pair.target))
+    wrapped = TensorParallelRunner(runner, None, 2)  # type: ignore[arg-type]  # no call is sent here
+    own = {name for name, _ in inspect.getmembers(TensorParallelRunner, callable)}
+    public = {name for name, _ in inspect.getmembers(TargetRunner, inspect.isfunction) if not name.startswith("_")}
+    assert {"verify_one", "verify_batch", "verify_then_steps", "verify_steps", "end_session"} <= own
+    for name in sorted(public - own):
+        if name in RANK_ZERO_ONLY:
+            assert callable(getattr(wrapped, name))
+        else:
+            with pytest.raises(AttributeError, match=f"does not send {name} to the other ranks"):
+                getattr(wrapped, name)
+    assert "forward" in public - own - RANK_ZERO_ONLY  # the check above refused at least the passes
+    assert wrapped.sessions is runner.sessions and wrapped.loaded is runner.loaded  # data: rank 0's
