@@ -385,6 +385,13 @@ def check_pair(
             f"{made_for[:16]}; target {target.model_id!r} at {target_address} serves {target.weights_fingerprint[:16]} "
             "(other weights, dtype or quantisation): its features would not be the ones the head learned"
         )
+    trained_on = draft.feature_target_checkpoint
+    if trained_on and target.checkpoint_fingerprint and trained_on != target.checkpoint_fingerprint:
+        raise InvalidArgument(
+            f"draft {draft.model_id!r} at {draft_address} is a head trained on the checkpoint whose fingerprint is "
+            f"{trained_on[:16]}; target {target.model_id!r} at {target_address} serves checkpoint "
+            f"{target.checkpoint_fingerprint[:16]}: its features would not be the ones the head learned"
+        )
     if tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(
             f"the coordinator's --tokenizer (fingerprint {tokenizer_fingerprint[:16]}) differs from target "

@@ -37,6 +37,7 @@ class EagleRunner(DraftRunner):
         self.head: EagleHead = loaded.model
         self.feature_layers = head.feature_layers
         self.target_fingerprint = head.folder.target_weights_fingerprint
+        self.target_checkpoint = head.folder.target_checkpoint_fingerprint
         self.kind = head.folder.kind
         self.recomputed_tokens = 0  # cache slots run again once the target's features came
         self.received_feature_rows = 0  # the target's rows calls brought
@@ -47,6 +48,7 @@ class EagleRunner(DraftRunner):
             trees=False,
             feature_layers=self.feature_layers,
             feature_target_fingerprint=self.target_fingerprint,
+            feature_target_checkpoint=self.target_checkpoint,
         )
 
     def propose_one(self, call: ProposeCall) -> Proposal:

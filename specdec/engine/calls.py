@@ -64,6 +64,8 @@ class ModelDescription:
     device_kind: str = ""  # where the weights sit: "cpu", "cuda", "cpu+cuda"; "" = no model
     feature_layers: tuple[int, ...] = ()  # an EAGLE head: the target's hidden states it reads
     feature_target_fingerprint: str = ""  # an EAGLE head: the weights of the target it was made for
+    checkpoint_fingerprint: str = ""  # the model folder's tensors as stored (fingerprint.checkpoint_fingerprint)
+    feature_target_checkpoint: str = ""  # an EAGLE head: the checkpoint of the target it was trained on
     pass_cost_profile: str = ""  # the accelerator the passes are held to (bench.emulated), "" = none
     static_passes: str = ""  # --cuda-graphs: the buckets run so far (StaticPasses.describe), "" = eager
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows
@@ -94,6 +96,7 @@ class ModelDescription:
             device=device,
             open_sessions=open_sessions,
             max_speculative_tokens=max_speculative_tokens,
+            checkpoint_fingerprint=getattr(source, "checkpoint_fingerprint", ""),
         )
 
 

@@ -36,13 +36,16 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdec.engine.features import FeatureTrack
+from specdec.engine.fingerprint import checkpoint_fingerprint
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # What our own heads' config.json adds to the Llama fields (specdec.tools.train_head writes the
-# first two; a fingerprint pins a head to one served target: weights, dtype and quantisation).
-SPECDEC_KEYS = ("eagle_kind", "eagle_feature_layers", "target_weights_fingerprint")
+# kind, the layers and the checkpoint it trained on: specdec.engine.fingerprint's
+# checkpoint_fingerprint of its --target; a weights fingerprint pins a head to one served
+# target instead: weights, dtype and quantisation).
+SPECDEC_KEYS = ("eagle_kind", "eagle_feature_layers", "target_weights_fingerprint", "target_checkpoint_fingerprint")
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
@@ -208,6 +211,7 @@ class HeadFolder:
     fc_bias: bool  # EAGLE-1: `"bias": false` drops fc's bias (its LLaMA-3 heads)
     qkv_bias: bool  # EAGLE-1 heads for Qwen2 targets: q, k and v have biases
     target_vocab: int = 0  # the config's vocab_size: its target's vocabulary (0: unsaid)
+    target_checkpoint_fingerprint: str = ""  # the checkpoint it was trained on; "" where unsaid
 
 
 def read_head_config(folder: Path) -> HeadFolder:
@@ -241,6 +245,7 @@ def read_head_config(folder: Path) -> HeadFolder:
         bool(raw.get("bias", True)),
         bool(raw.get("qkv_bias", False)),
         int(raw.get("vocab_size") or 0),
+        str(raw.get("target_checkpoint_fingerprint") or ""),
     )
 
 
@@ -336,6 +341,7 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
     from the target's folder where the head does not carry them. Published EAGLE-1 and EAGLE-3
     folders load as they are; a key missing or left over is an error naming it."""
     folder = read_head_config(head_dir)
+    check_checkpoint(head_dir, folder, target_dir)
     target_layers = int(target_config.num_hidden_layers)
     target_vocab = int(target_config.vocab_size)
     state = {name.removeprefix("model."): tensor for name, tensor in head_state(head_dir).items()}
@@ -401,3 +407,17 @@ def check_vocabulary(head_dir: Path, folder: HeadFolder, vocab: int, t2d, d2t) -
         raise ValueError(f"{head_dir} was made for a vocabulary of {wrong} ids; the target has {vocab}")
     if d2t is not None and d2t.numel() != folder.draft_vocab:
         raise ValueError(f"{head_dir}: d2t maps {d2t.numel()} rows; its draft_vocab_size is {folder.draft_vocab}")
+
+
+def check_checkpoint(head_dir: Path, folder: HeadFolder, target_dir: Path) -> None:
+    """A head trained on one checkpoint refuses to load beside another: its features and its
+    embedding rows would not be the ones the head learned (the output would stay the target's,
+    the drafts would mostly miss)."""
+    made_for = folder.target_checkpoint_fingerprint
+    found = checkpoint_fingerprint(target_dir) if made_for else ""
+    if made_for and found and found != made_for:
+        raise ValueError(
+            f"{head_dir} was trained on the checkpoint whose fingerprint is {made_for[:16]}; {target_dir} holds "
+            f"{found[:16]} (other weights, or the same saved in another dtype): train a head for it "
+            "(python -m specdec.tools.train_head)"
+        )

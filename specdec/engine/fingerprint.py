@@ -7,6 +7,10 @@ weights and scales, a draft's output head cut to fewer rows, under tensor parall
 rank's shard. Each tensor counts by its name, shape and dtype, an exact sum of all its bytes
 (so one weight changed anywhere changes it) and a sample of them (so do rows moved about): a
 full cryptographic hash of a 1.5B float32 model's 6 GB would cost seconds at start-up.
+
+An EAGLE head is made for a checkpoint, not for one way of serving it: `checkpoint_fingerprint`
+covers a folder's tensors as stored, so the same checkpoint served in bf16, in int8 or on
+another device keeps it.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -29,6 +35,9 @@ logger = logging.getLogger(__name__)
 # spaced runs (the first and the last among them) of a larger one's.
 SAMPLE_BYTES = 1 << 20
 SAMPLE_CHUNKS = 16
+# Bytes of each stored tensor a checkpoint fingerprint reads: SAMPLE_CHUNKS evenly spaced runs,
+# 22 MB over the 1.5B target's 339 tensors, where reading them all would be its 6 GB.
+CHECKPOINT_SAMPLE_BYTES = 1 << 16
 # Config keys that name where or with what the model was loaded, not what it computes.
 UNSERVED_CONFIG_KEYS = ("transformers_version",)
 
@@ -167,3 +176,43 @@ def device_kind(model: torch.nn.Module) -> str:
             hook = cast(AlignDevicesHook, module._hf_hook)
             kinds.add(torch.device(hook.execution_device).type)
     return "+".join(sorted(kinds))
+
+
+def checkpoint_fingerprint(folder: str | Path) -> str:
+    """Which checkpoint a folder stores, whatever serves it (dtype, quantisation, device, tensor
+    parallelism): SHA-256 in hex over every tensor of its safetensors files in name order, each
+    by name, stored dtype, shape and CHECKPOINT_SAMPLE_BYTES of its stored bytes in evenly spaced
+    runs (the first and the last among them), so sharding the files otherwise keeps it and any
+    fine-tune, which moves nearly every weight, changes it. A copy saved in another dtype is
+    another checkpoint. "" where the folder holds no safetensors files (a hub id, a
+    pytorch_model.bin): nothing to compare."""
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    tensors: dict[str, bytes] = {}
+    for path in files:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = entry["data_offsets"]
+                digest = hashlib.sha256(f"{name} {entry['dtype']} {entry['shape']} {end - start}".encode())
+                for offset, size in _stored_runs(end - start):
+                    handle.seek(8 + length + start + offset)
+                    digest.update(handle.read(size))
+                tensors[name] = digest.digest()
+    if not tensors:
+        return ""
+    whole = hashlib.sha256()
+    for name in sorted(tensors):
+        whole.update(tensors[name])
+    return whole.hexdigest()
+
+
+def _stored_runs(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of the runs `checkpoint_fingerprint` reads of a tensor `nbytes` long."""
+    if nbytes <= CHECKPOINT_SAMPLE_BYTES:
+        return [(0, nbytes)]
+    run = CHECKPOINT_SAMPLE_BYTES // SAMPLE_CHUNKS
+    last = nbytes - run
+    return [(last * chunk // (SAMPLE_CHUNKS - 1), run) for chunk in range(SAMPLE_CHUNKS)]

@@ -36,6 +36,7 @@ class LoadedModel:
     tokenizer_fingerprint: str
     quantization: str = ""  # the Linear layers' quantisation as Info reports it ("" = none), e.g. int8's label
     tensor_parallel_size: int = 1  # ranks the weights and KV cache are split over (this process holds 1/N)
+    checkpoint_fingerprint: str = ""  # of the folder's tensors as stored (fingerprint.checkpoint_fingerprint)
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:
@@ -135,6 +136,8 @@ def _describe_loaded(
     """A placed model and its tokenizer as a LoadedModel: inputs go to the device of the input
     embeddings, the logits are as wide as the output head, and the EOS ids come from the
     generation config where the model has one."""
+    from specdec.engine.fingerprint import checkpoint_fingerprint  # accelerate: not for the coordinator
+
     input_device = str(model.get_input_embeddings().weight.device)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 1 << 20
@@ -149,6 +152,7 @@ def _describe_loaded(
         max_context=max_context,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         tensor_parallel_size=tensor_parallel,
+        checkpoint_fingerprint=checkpoint_fingerprint(model_id),
     )
 
 

@@ -257,6 +257,8 @@ def description_to_pb(description: ModelDescription) -> common_pb2.ModelInfo:
         device_kind=description.device_kind,
         feature_layers=list(description.feature_layers),
         feature_target_fingerprint=description.feature_target_fingerprint,
+        checkpoint_fingerprint=description.checkpoint_fingerprint,
+        feature_target_checkpoint=description.feature_target_checkpoint,
         pass_cost_profile=description.pass_cost_profile,
         static_passes=description.static_passes,
         emulation_overruns=description.emulation_overruns,

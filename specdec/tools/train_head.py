@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.engine.eagle import EAGLE3, EagleHead, HeadFolder, eagle3_layers, head_state, read_tensors, save_compact
+from specdec.engine.fingerprint import checkpoint_fingerprint
 from specdec.tools.head_data import SHARD_WINDOWS, collect, draft_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def head_config(target_config, args, layers: tuple[int, ...], draft_vocab: int) 
         tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
-    return HeadFolder(config, EAGLE3, layers, draft_vocab, "", text.hidden_size, False, False)
+    checkpoint = checkpoint_fingerprint(args.target)
+    return HeadFolder(config, EAGLE3, layers, draft_vocab, "", text.hidden_size, False, False, 0, checkpoint)
 
 
 def ttt_loss(head: EagleHead, target_head: torch.Tensor, batch: dict, steps: int) -> tuple[torch.Tensor, list[float]]:
@@ -160,6 +162,8 @@ def export(
         eagle_feature_layers=list(folder.feature_layers),
         trained_by=trained_by,
     )
+    if folder.target_checkpoint_fingerprint:  # the loader and the coordinator refuse another checkpoint
+        config["target_checkpoint_fingerprint"] = folder.target_checkpoint_fingerprint
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec.engine.eagle import EAGLE3, load_head
+from specdec.engine.fingerprint import checkpoint_fingerprint
 from specdec.tools import head_data, train_head
 
 
@@ -40,6 +41,7 @@ def test_a_resumed_run_ends_where_a_straight_one_does_and_the_head_loads(tiny_pa
     assert "lm_head.weight" not in a and "embed_tokens.weight" not in a  # the target's, read at load
     config = json.loads((straight / "config.json").read_text())
     assert config["trained_by"]["seed"] == 3 and "--target" in config["trained_by"]["command"]
+    assert config["target_checkpoint_fingerprint"] == checkpoint_fingerprint(tiny_pair.target)
     assert len(shards) == 1
     head = load_head(straight, tiny_pair.target, AutoConfig.from_pretrained(tiny_pair.target), torch.float32, "cpu")
     assert head.folder.kind == EAGLE3 and head.feature_layers == (0, 1, 2) and len(head.head_ids) == 64

@@ -17,6 +17,7 @@ from draft_service.drafter import ProposeCall
 from draft_service.server import load_runner
 from specdec.engine.eagle import EAGLE1, EAGLE3, load_head
 from specdec.engine.features import FeatureTrack
+from specdec.engine.fingerprint import checkpoint_fingerprint
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
@@ -255,6 +256,24 @@ def test_a_head_made_for_other_target_weights_is_refused():
     with pytest.raises(InvalidArgument, match="head made for"):
         check_pair(draft, target, "t", "draft:1", "target:2")
     check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", weights_fingerprint="a" * 64), "t", "d", "t")
+
+
+def test_a_head_trained_on_another_checkpoint_is_refused(tiny_pair, heads, tmp_path):
+    """At load, beside another target folder, and by the coordinator, beside a target serving
+    another checkpoint; a published head, which names none, pairs with any."""
+    config = json.loads((tiny_pair.target / "config.json").read_text())
+    folder = _edited(heads[EAGLE3], tmp_path / "h", target_checkpoint_fingerprint="c" * 64)
+    with pytest.raises(ValueError, match="trained on the checkpoint"):
+        load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+    ours = checkpoint_fingerprint(tiny_pair.target)
+    folder = _edited(heads[EAGLE3], tmp_path / "ours", target_checkpoint_fingerprint=ours)
+    loaded = load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+    assert loaded.folder.target_checkpoint_fingerprint == ours
+    draft = common_pb2.ModelInfo(tokenizer_fingerprint="t", feature_target_checkpoint="c" * 64, model_id="head")
+    with pytest.raises(InvalidArgument, match="trained on the checkpoint"):
+        check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint=ours), "t", "d", "t")
+    check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint="c" * 64), "t", "d", "t")
+    check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t"), "t", "d", "t")  # a target that cannot say
 
 
 def test_the_eagle_drafter_needs_its_head_folder():

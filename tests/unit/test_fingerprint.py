@@ -7,8 +7,17 @@ from __future__ import annotations
 import shutil
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from specdec.engine.fingerprint import SAMPLE_BYTES, raw_bytes, sampled_runs, tensor_digest, weights_fingerprint
+from specdec.engine.fingerprint import (
+    CHECKPOINT_SAMPLE_BYTES,
+    SAMPLE_BYTES,
+    checkpoint_fingerprint,
+    raw_bytes,
+    sampled_runs,
+    tensor_digest,
+    weights_fingerprint,
+)
 from specdec.engine.modeling import load_causal_lm, restrict_output_head
 from specdec.engine.quantize import quantize_int8
 from specdec.rpc import wire
@@ -70,7 +79,49 @@ def sampled(tensor: torch.Tensor) -> bytes:
     return b"".join(run.numpy().tobytes() for run in sampled_runs(raw_bytes(tensor)))
 
 
-def test_info_reports_the_runners_weights(target_runner):
+def test_info_reports_the_runners_weights(target_runner, tiny_pair):
     info = wire.description_to_pb(target_runner.describe())
     assert info.weights_fingerprint == weights_fingerprint(target_runner.model)
     assert len(info.weights_fingerprint) == 64 and info.device_kind == "cpu"
+    assert info.checkpoint_fingerprint == checkpoint_fingerprint(tiny_pair.target)
+
+
+def test_a_checkpoint_keeps_its_fingerprint_however_it_is_served_or_sharded(tmp_path):
+    """checkpoint_fingerprint reads the folder's tensors as stored: served in bf16 or int8 the
+    checkpoint is the one an EAGLE head was trained on; split into other files, too."""
+    build(tmp_path / "a")
+    stored = checkpoint_fingerprint(tmp_path / "a")
+    assert len(stored) == 64
+    assert fingerprint(tmp_path / "a") != fingerprint(tmp_path / "a", "bfloat16")  # served otherwise...
+    served = [load_causal_lm(str(tmp_path / "a"), dtype, "cpu") for dtype in ("float32", "bfloat16")]
+    assert {loaded.checkpoint_fingerprint for loaded in served} == {stored}  # ...one checkpoint
+    state = load_file(str(tmp_path / "a" / "model.safetensors"))
+    names = sorted(state)
+    shutil.copytree(tmp_path / "a", tmp_path / "sharded")
+    (tmp_path / "sharded" / "model.safetensors").unlink()
+    save_file({name: state[name] for name in names[::2]}, str(tmp_path / "sharded" / "model-1.safetensors"))
+    save_file({name: state[name] for name in names[1::2]}, str(tmp_path / "sharded" / "model-2.safetensors"))
+    assert checkpoint_fingerprint(tmp_path / "sharded") == stored
+    assert checkpoint_fingerprint(tmp_path / "no-such-folder") == ""
+
+
+def test_another_checkpoint_has_another_fingerprint(tmp_path):
+    """A weight changed in a sampled run of a tensor read in samples, the same weights stored in
+    another dtype, and a fine-tune's small change to every weight each make another checkpoint."""
+    build(tmp_path / "a")
+    state = load_file(str(tmp_path / "a" / "model.safetensors"))
+    state["extra.weight"] = torch.randn(4, CHECKPOINT_SAMPLE_BYTES // 4)  # [4, N] float32: read in samples
+    save_file(state, str(tmp_path / "a" / "model.safetensors"))
+    stored = checkpoint_fingerprint(tmp_path / "a")
+    changed = state["extra.weight"].clone()
+    changed[3, -1] += 1.0  # the last byte run is sampled
+    variants = {
+        "one weight": state | {"extra.weight": changed},
+        "bfloat16": {name: tensor.to(torch.bfloat16) for name, tensor in state.items()},
+        "fine-tuned": {name: tensor * 1.001 for name, tensor in state.items()},
+    }
+    for what, variant in variants.items():
+        folder = tmp_path / what
+        shutil.copytree(tmp_path / "a", folder)
+        save_file(variant, str(folder / "model.safetensors"))
+        assert checkpoint_fingerprint(folder) != stored, what
