@@ -191,9 +191,9 @@ class CoordinatorConfig:
     # No flags (issue 66: a surface a user can hold): one value for every deployment.
     default_max_new_tokens: int = fixed(
         64,
-        "max_new_tokens when a gRPC request leaves it unset (an HTTP request without max_tokens gets the rest of "
-        "the context, up to --max-new-tokens-limit, as vLLM's): the API's documented default, which a client "
-        "overrides per request",
+        "max_new_tokens when a gRPC request leaves it unset, or --max-new-tokens-limit where that is lower (an "
+        "HTTP request without max_tokens gets the rest of the context, up to the limit, as vLLM's): the API's "
+        "documented default, which a client overrides per request",
     )
     min_vocab_overlap: float = fixed(
         0.1,

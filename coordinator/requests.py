@@ -266,10 +266,13 @@ def prepare_job(
 def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig, context_left: int) -> int:
     """The request's token budget, or where it sets none the server's default or, for a
     request that fills the context, the `context_left` after its prompt (at least 1: a prompt
-    is shorter than the context), within --max-new-tokens-limit."""
+    is shorter than the context), within --max-new-tokens-limit (a default above it is cut to
+    it: the client asked for nothing the limit refuses)."""
     if request.max_new_tokens is None and request.fill_context:
         return min(context_left, config.max_new_tokens_limit)
-    max_new_tokens = config.default_max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+    max_new_tokens = request.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = min(config.default_max_new_tokens, config.max_new_tokens_limit)
     if not 1 <= max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(
             f"max_new_tokens must be in [1, {config.max_new_tokens_limit}]; got {max_new_tokens}",

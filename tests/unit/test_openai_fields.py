@@ -123,6 +123,9 @@ def test_an_unset_max_tokens_is_the_rest_of_the_context(body, limit, expected):
     # The gRPC API's unset max_new_tokens stays the server's default_max_new_tokens (64).
     grpc_request = dataclasses.replace(GenerationRequest(prompt="abc"), max_new_tokens=None)
     assert prepare_job(grpc_request, config, PAIR, tokenizer).max_new_tokens == 8
+    # ... or the limit where that is lower: a request that asked for nothing is not refused.
+    lower = dataclasses.replace(config, max_new_tokens_limit=5)
+    assert prepare_job(grpc_request, lower, PAIR, tokenizer).max_new_tokens == 5
 
 
 def test_a_max_tokens_past_the_context_is_refused_naming_what_fits():
