@@ -85,7 +85,7 @@ def commit_round(
         bool(round_.parents),
         round_.copied,
         len(round_.foreign),
-        outcome.relaxed_accepted if isinstance(outcome, RoundOutcome) else 0,
+        outcome.relaxed_positions if isinstance(outcome, RoundOutcome) else (),
         steps,
         state.finished,
         state.text.take_delta(),

@@ -115,11 +115,11 @@ class GenerationStats:
         self.fallback_rounds += record.source is Source.FALLBACK
         self.tree_rounds += record.tree
         self.foreign_tokens += record.foreign
-        self.relaxed_accepted_tokens += record.relaxed_accepted
+        self.relaxed_accepted_tokens += sum(position < taken for position in record.relaxed_positions)
         if record.copied:  # from a draft call, a pre-draft or a hedge alike
             self.copied_rounds += 1
             self.copied_tokens += proposed
-            self.copied_accepted += record.accepted
+            self.copied_accepted += taken
         for _ in range(record.steps):
             self.record_round(0, 0)
         if self.sessions_per_round:  # the call's further steps ran at the load its first was costed at

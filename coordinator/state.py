@@ -171,7 +171,7 @@ class RoundRecord:
     tree: bool
     copied: bool
     foreign: int  # drafts a bridged draft does not share with the target
-    relaxed_accepted: int  # accepted drafts the exact rule rejected
+    relaxed_positions: tuple[int, ...]  # of the accepted drafts, those the exact rule rejected
     steps: int  # further target-only steps committed
     finished: bool
     delta: Delta  # the text and tokens the round added, to send

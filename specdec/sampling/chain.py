@@ -24,7 +24,11 @@ class RoundOutcome:
 
     num_accepted: int  # draft tokens kept, 0..K
     next_token_id: int  # the recovered (num_accepted < K) or bonus (num_accepted == K) token
-    relaxed_accepted: int = 0  # of the kept drafts, those the exact rule rejected (relaxed rounds only)
+    relaxed_positions: tuple[int, ...] = ()  # of the kept drafts, those the exact rule rejected (relaxed rounds)
+
+    @property
+    def relaxed_accepted(self) -> int:
+        return len(self.relaxed_positions)
 
     def committed(self, draft_token_ids: Sequence[int]) -> list[int]:
         """Tokens this round adds to the sequence: the accepted drafts, then the next token."""
@@ -67,16 +71,17 @@ def decide_round(
 ) -> RoundOutcome:
     """Accepted prefix plus the recovered or bonus token that follows it."""
     num_accepted = count_accepted(draft_token_target_probs, draft_token_draft_probs, uniforms, relaxed_accepts)
-    relaxed_accepted = (
-        sum(
-            not exact_accepts(target_prob, draft_prob, u)
-            for target_prob, draft_prob, u in zip(
-                draft_token_target_probs[:num_accepted], draft_token_draft_probs[:num_accepted], uniforms[:num_accepted]
+    relaxed = (
+        tuple(
+            i
+            for i, (target_prob, draft_prob, u) in enumerate(
+                zip(draft_token_target_probs[:num_accepted], draft_token_draft_probs[:num_accepted], uniforms)
             )
+            if not exact_accepts(target_prob, draft_prob, u)
         )
         if relaxed_accepts
-        else 0
+        else ()
     )
     if num_accepted < len(recovered_token_ids):
-        return RoundOutcome(num_accepted, int(recovered_token_ids[num_accepted]), relaxed_accepted)
-    return RoundOutcome(num_accepted, int(bonus_token_id), relaxed_accepted)
+        return RoundOutcome(num_accepted, int(recovered_token_ids[num_accepted]), relaxed)
+    return RoundOutcome(num_accepted, int(bonus_token_id), relaxed)

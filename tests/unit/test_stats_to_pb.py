@@ -7,6 +7,8 @@ import dataclasses
 
 from coordinator.metrics import GenerationStats
 from coordinator.servicer import STATS_FIELDS, stats_to_pb
+from coordinator.state import RoundRecord, Source
+from coordinator.text import Delta
 from specdec.v1 import coordinator_pb2
 
 
@@ -37,3 +39,17 @@ def test_every_field_is_copied():
         else:
             assert got == expected or abs(got - expected) < 1e-3 * abs(expected), field.name
         assert expected, f"{field.name} was left at its zero value, so the test would not see it dropped"
+
+
+def test_a_round_cut_short_counts_its_relaxed_and_copied_drafts_within_what_it_took():
+    """A generation that ended inside a round (a stop string, EOS, max_new_tokens) counts only
+    the drafts the output took: the relaxed-only and the copied ones among them too, so neither
+    ever exceeds accepted_tokens."""
+    stats = GenerationStats()
+    # 6 copied drafts, all accepted, those at 1, 2, 4 and 5 by the relaxed rule alone; the
+    # output took 3 of the round's tokens: drafts 0..2.
+    stats.observe(RoundRecord(Source.DRAFT, 6, 6, True, False, True, 0, (1, 2, 4, 5), 0, True, Delta(), 3))
+    assert (stats.accepted_tokens, stats.relaxed_accepted_tokens, stats.copied_accepted) == (3, 2, 3)
+    whole = GenerationStats()
+    whole.observe(RoundRecord(Source.DRAFT, 6, 6, True, False, True, 0, (1, 2, 4, 5), 0, False, Delta(), 7))
+    assert (whole.accepted_tokens, whole.relaxed_accepted_tokens, whole.copied_accepted) == (6, 4, 6)
