@@ -59,23 +59,14 @@ class EagleRunner(DraftRunner):
     def _open(self, call: ProposeCall, drafts: int):
         """DraftStepper._open, then the call's features into the session's track; slots computed
         from predictions the target's features now replace are cropped, to run again."""
+        self._check_features(call)  # before the session opens: a refused call holds none till its TTL
         session, pending, deterministic, generator, clock = super()._open(call, drafts)
         track = self.track_of(session)
         track.rollback(call.keep_tokens)
         track.kv_exact = min(track.kv_exact, session.cached_tokens)
         if call.features is not None:
             start, rows = call.features
-            if rows.shape[0] and rows.shape[1] != self.feature_width:
-                raise InvalidArgument(
-                    f"features are {rows.shape[1]} wide; this head reads {self.feature_width} "
-                    f"(layers {list(self.feature_layers)} of its target)"
-                )
             if rows.shape[0]:
-                if start + rows.shape[0] > len(session.tokens):
-                    raise InvalidArgument(
-                        f"features of positions {start}..{start + rows.shape[0] - 1} run past the session's "
-                        f"{len(session.tokens)} tokens"
-                    )
                 with torch.inference_mode():
                     track.receive(start, self.head.fuse(rows))
                 self.received_feature_rows += rows.shape[0]
@@ -87,6 +78,23 @@ class EagleRunner(DraftRunner):
             track.kv_exact = min(track.kv_exact, stale)
             pending = session.tokens[stale:]
         return session, pending, deterministic, generator, clock
+
+    def _check_features(self, call: ProposeCall) -> None:
+        """The call's feature rows are as wide as the head reads and within the sequence it will
+        hold (its kept tokens and new ones)."""
+        if call.features is None or not call.features[1].shape[0]:
+            return
+        start, rows = call.features
+        if rows.shape[1] != self.feature_width:
+            raise InvalidArgument(
+                f"features are {rows.shape[1]} wide; this head reads {self.feature_width} "
+                f"(layers {list(self.feature_layers)} of its target)"
+            )
+        length = call.keep_tokens + len(call.new_tokens)
+        if start + rows.shape[0] > length:
+            raise InvalidArgument(
+                f"features of positions {start}..{start + rows.shape[0] - 1} run past the session's {length} tokens"
+            )
 
     @property
     def feature_width(self) -> int:

@@ -188,15 +188,19 @@ def test_features_on_the_wire_round_trip_in_bfloat16():
 
 
 def test_the_drafter_refuses_features_it_cannot_read(tiny_pair, heads):
-    runner = eagle_runner(tiny_pair, heads[EAGLE3])
+    """Features of another width or past the sequence are refused before the session opens,
+    so a refused call holds none of --max-sessions until its TTL."""
+    runner = eagle_runner(tiny_pair, heads[EAGLE3], max_sessions=1)
     call = ProposeCall("s", 0, list(range(5, 15)), 3, GREEDY, 0, features=(0, torch.zeros(4, 7)))
     with pytest.raises(InvalidArgument, match="wide"):
         runner.propose_one(call)
     width = runner.feature_width
     with pytest.raises(InvalidArgument, match="run past"):
         runner.propose_one(ProposeCall("t", 0, list(range(5, 15)), 3, GREEDY, 0, features=(8, torch.zeros(4, width))))
+    assert runner.sessions.ids() == []
+    runner.propose_one(ProposeCall("good", 0, list(range(5, 15)), 3, GREEDY, 0))  # the one session it may hold
     with pytest.raises(InvalidArgument, match="chains"):
-        runner.propose_one(ProposeCall("u", 0, [5, 6], 0, GREEDY, 0, tree_widths=(2, 1)))
+        runner.propose_one(ProposeCall("good", 10, [5, 6], 0, GREEDY, 0, tree_widths=(2, 1)))
 
 
 def test_slots_drafted_on_predictions_run_again_with_the_targets_features(tiny_pair, heads):
