@@ -431,7 +431,11 @@ async def start_http(
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=server_ssl_context(security))
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # in one line, as a busy --port or --metrics-port is
+        await runner.cleanup()
+        raise SystemExit(f"cannot start: --http-port: could not listen on {host}:{port} ({exc.strerror})") from None
     bound = runner.addresses[0][1]
     scheme = "https" if security.tls_cert else "http"
     logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, bound)

@@ -8,6 +8,8 @@ import gc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from coordinator.openai_api import start_http
+from specdec.config.services import ServerSecurity
 from specdec.rpc import serving, telemetry
 
 
@@ -77,5 +79,7 @@ async def test_a_port_another_server_holds_is_a_one_line_start_up_error():
             serving.bind(serving.create_server(1 << 20), "127.0.0.1", port)
         with pytest.raises(SystemExit, match=rf"--metrics-port: could not listen on 127.0.0.1:{port}"):
             telemetry.start_metrics_server(CollectorRegistry(), "127.0.0.1", port)
+        with pytest.raises(SystemExit, match=rf"--http-port: could not listen on 127.0.0.1:{port}"):
+            await start_http(None, "m", "127.0.0.1", port, ServerSecurity())  # type: ignore[arg-type]
     finally:
         await first.stop(0)
