@@ -188,13 +188,7 @@ class SessionStore:
         # fork a session nobody ends, held till its TTL).
         self._retired: OrderedDict[str, int] = OrderedDict()
 
-    def make_room(
-        self,
-        session: KVSession,
-        extra_bytes: int,
-        bytes_per_token: int,
-        pending_bytes: int = 0,
-    ) -> None:
+    def make_room(self, session: KVSession, extra_bytes: int, bytes_per_token: int, pending_bytes: int = 0) -> None:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
         sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
         cannot fit, saying by how much. `pending_bytes`: what other sessions sharing the same
@@ -313,7 +307,11 @@ class SessionStore:
                 hit = cache.get_seq_length()
                 if isinstance(pooled := session.cache, PoolCache):  # the blocks copied into the session's extent
                     layers: list = cache.layers
-                    self._with_room(lambda: pooled.load([(lr.keys, lr.values) for lr in layers]), session)
+                    try:
+                        self._with_room(lambda: pooled.load([(lr.keys, lr.values) for lr in layers]), session)
+                    except ResourceExhausted:  # the session, new and empty, is held by nothing
+                        self.end(session.session_id)
+                        raise
                 else:
                     session.cache = cache
                 session.aligned_tokens, session.tokens = hit, list(new_tokens[:hit])

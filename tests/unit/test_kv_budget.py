@@ -182,6 +182,29 @@ def test_a_refused_call_leaves_no_session_behind(loaded, tiny_pair):
     verify(target, "good", 0, [5, 6])
 
 
+def test_a_new_session_whose_prefix_hit_does_not_fit_the_pool_is_not_left_behind(loaded):
+    """A new session starting from a cached prefix copies its blocks into pool pages; where
+    none are free and the one other session shares its batch, the call is refused, and the
+    session it opened, empty, is ended rather than held till its TTL."""
+    runner = TargetRunner(
+        loaded,
+        max_sessions=8,
+        session_ttl_s=60,
+        max_speculative_tokens=4,
+        prefix_cache_bytes=1 << 24,
+        prefix_block_tokens=8,
+    )
+    tiny_pool(runner, 2)
+    prompt = [(7 * i + 3) % 40 + 1 for i in range(100)]
+    verify(runner, "first", 0, prompt)  # both pages
+    assert runner.end_session("first")  # its 12 blocks (96 tokens) stay in the prefix cache
+    verify(runner, "holder", 0, [1, 2, 3, 4, 5])  # a page
+    results = runner.verify_batch([call(runner, "holder", 5, [6]), call(runner, "second", 0, [*prompt, 9])])
+    assert not isinstance(results[0], Exception)
+    assert isinstance(results[1], ResourceExhausted)  # the hit needs two pages; holder is spared
+    assert runner.sessions.ids() == ["holder"]
+
+
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
     per_token = TargetRunner(loaded, 1, 60, 4).kv_bytes_per_token
     runner = TargetRunner(
