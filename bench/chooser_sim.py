@@ -50,7 +50,10 @@ def run(costs: RoundCosts, alpha: float, tokens: int, rng: random.Random, k: int
     done, ms = 0, 0.0
     while done < tokens:
         limit = tokens - done - 1  # rounds.k_limit
-        chosen = min(chooser.within(limit).choose() if k is None else k, limit)
+        if k is None:  # as the coordinator: picked within the tokens left, counted on the request's own chooser
+            picked = chooser.within(limit).pick()
+            chooser.observe_choice(picked)
+        chosen = min(picked if k is None else k, limit)
         if chosen == 0:
             steps = min(costs.target_only_steps if done else 1, tokens - done)
             ms, done = ms + steps * costs.verify_ms(0), done + steps
