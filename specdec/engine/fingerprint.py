@@ -180,33 +180,67 @@ def device_kind(model: torch.nn.Module) -> str:
 
 def checkpoint_fingerprint(folder: str | Path) -> str:
     """Which checkpoint a folder stores, whatever serves it (dtype, quantisation, device, tensor
-    parallelism): SHA-256 in hex over every tensor of its safetensors files in name order, each
-    by name, stored dtype, shape and CHECKPOINT_SAMPLE_BYTES of its stored bytes in evenly spaced
-    runs (the first and the last among them), so sharding the files otherwise keeps it and any
-    fine-tune, which moves nearly every weight, changes it. A copy saved in another dtype is
-    another checkpoint. "" where the folder holds no safetensors files (a hub id, a
-    pytorch_model.bin): nothing to compare."""
-    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    parallelism): SHA-256 in hex over the tensors transformers loads from it (`_weight_files`)
+    in name order, each by name, stored dtype, shape and CHECKPOINT_SAMPLE_BYTES of its stored
+    bytes in evenly spaced runs (the first and the last among them), so sharding the files
+    otherwise keeps it and any fine-tune, which moves nearly every weight, changes it. A copy
+    saved in another dtype is another checkpoint. "" where there is nothing to compare: no
+    safetensors weights (a hub id, a pytorch_model.bin), or files it cannot read (logged)."""
     tensors: dict[str, bytes] = {}
-    for path in files:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = entry["data_offsets"]
-                digest = hashlib.sha256(f"{name} {entry['dtype']} {entry['shape']} {end - start}".encode())
-                for offset, size in _stored_runs(end - start):
-                    handle.seek(8 + length + start + offset)
-                    digest.update(handle.read(size))
-                tensors[name] = digest.digest()
+    for path, names in _weight_files(Path(folder)).items():
+        try:
+            tensors |= _stored_digests(path, names)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            logger.warning("no checkpoint fingerprint: %s is not a safetensors file it can read (%s)", path, exc)
+            return ""
     if not tensors:
         return ""
     whole = hashlib.sha256()
     for name in sorted(tensors):
         whole.update(tensors[name])
     return whole.hexdigest()
+
+
+def _weight_files(folder: Path) -> dict[Path, set[str] | None]:
+    """The safetensors files transformers loads from `folder`, each with the tensor names it
+    takes there (None: all): the index's weight map where the weights are sharded, else
+    model.safetensors alone. Other files (a consolidated.safetensors beside them, shards an
+    earlier save left) are not the checkpoint."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("no checkpoint fingerprint: %s is not a weights index it can read (%s)", index, exc)
+            return {}
+        files: dict[Path, set[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(folder / file, set()).add(name)  # type: ignore[union-attr]
+        return files
+    single = folder / "model.safetensors"
+    return {single: None} if single.is_file() else {}
+
+
+def _stored_digests(path: Path, names: set[str] | None) -> dict[str, bytes]:
+    """Per tensor of a safetensors file (those of `names`; None: all), the digest
+    `checkpoint_fingerprint` combines. ValueError for a header that is not one."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if not 2 <= length <= size - 8:
+            raise ValueError(f"a header of {length} bytes in a file of {size}")
+        header = json.loads(handle.read(length))
+        digests = {}
+        for name, entry in header.items():
+            if name == "__metadata__" or (names is not None and name not in names):
+                continue
+            start, end = entry["data_offsets"]
+            digest = hashlib.sha256(f"{name} {entry['dtype']} {entry['shape']} {end - start}".encode())
+            for offset, run in _stored_runs(end - start):
+                handle.seek(8 + length + start + offset)
+                digest.update(handle.read(run))
+            digests[name] = digest.digest()
+        return digests
 
 
 def _stored_runs(nbytes: int) -> list[tuple[int, int]]:

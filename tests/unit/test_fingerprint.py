@@ -4,6 +4,7 @@ one weight changes or when what is served differs (dtype, int8, a cut output hea
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import torch
@@ -99,10 +100,32 @@ def test_a_checkpoint_keeps_its_fingerprint_however_it_is_served_or_sharded(tmp_
     names = sorted(state)
     shutil.copytree(tmp_path / "a", tmp_path / "sharded")
     (tmp_path / "sharded" / "model.safetensors").unlink()
-    save_file({name: state[name] for name in names[::2]}, str(tmp_path / "sharded" / "model-1.safetensors"))
-    save_file({name: state[name] for name in names[1::2]}, str(tmp_path / "sharded" / "model-2.safetensors"))
-    assert checkpoint_fingerprint(tmp_path / "sharded") == stored
+    shards = {"model-1.safetensors": names[::2], "model-2.safetensors": names[1::2]}
+    for file, held in shards.items():
+        save_file({name: state[name] for name in held}, str(tmp_path / "sharded" / file))
+    weight_map = {name: file for file, held in shards.items() for name in held}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_causal_lm(str(tmp_path / "sharded"), "float32", "cpu").checkpoint_fingerprint == stored
+    # Files transformers does not load are no part of it: another format's copy beside the
+    # weights, a shard an earlier save left, which the index does not name.
+    save_file({name: tensor * 2 for name, tensor in state.items()}, str(tmp_path / "a" / "consolidated.safetensors"))
+    save_file({names[0]: state[names[0]] * 2}, str(tmp_path / "sharded" / "model-3.safetensors"))
+    assert checkpoint_fingerprint(tmp_path / "a") == checkpoint_fingerprint(tmp_path / "sharded") == stored
     assert checkpoint_fingerprint(tmp_path / "no-such-folder") == ""
+
+
+def test_weights_it_cannot_read_give_no_fingerprint_and_stop_nothing(tmp_path, caplog):
+    """A file that is not safetensors where the weights should be (a Git LFS pointer, a
+    truncated download) is logged and leaves nothing to compare; the fingerprint never stops a
+    service that loaded."""
+    (tmp_path / "lfs").mkdir()
+    (tmp_path / "lfs" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "model.safetensors.index.json").write_text("{")
+    assert checkpoint_fingerprint(tmp_path / "lfs") == checkpoint_fingerprint(tmp_path / "index") == ""
+    assert "lfs/model.safetensors is not a safetensors file" in caplog.text
+    assert "is not a weights index" in caplog.text
 
 
 def test_another_checkpoint_has_another_fingerprint(tmp_path):
