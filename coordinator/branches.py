@@ -359,12 +359,12 @@ class Branches:
             stats.predraft_misses += 1
             if predraft is not None and not failed:
                 at_least = base + proposed  # it ran: the session holds the round's committed prefix
-        guessed = chosen is predraft if predraft is not None and not (failed or proposed) else None  # a catch-up's
+        guess = branches[call.branches.index(predraft)].draft_token_ids[:1] if predraft and not failed else []
+        guessed = guess == [outcome.next_token_id] if predraft and not (failed or proposed) else None  # a catch-up's
         return dataclasses.replace(used, synced_at_least=at_least, failed=failed, refused=refused, guessed=guessed)
 
     def _read(self, call: BranchCall, reply: draft_pb2.ProposeBranchesResponse) -> tuple[list[Round], list[int]]:
-        """Each branch's drafts (none where it failed) and the gRPC status code it failed with
-        (0: it did not)."""
+        """Each branch's drafts (none where it failed) and its gRPC status code (0: it did not fail)."""
         branches: list[Round] = []
         errors: list[int] = []
         for plan, result in zip(call.branches, reply.results):

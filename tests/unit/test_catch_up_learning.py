@@ -12,6 +12,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from coordinator import server as coordinator_server
+from coordinator.branches import Branches
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
 from specdec.engine.modeling import tokenizer_fingerprint
@@ -51,3 +52,43 @@ async def test_a_chooser_whose_pre_drafts_all_miss_learns_to_stop_speculating(wo
     # only probes: 9-12 catch-ups in 144 rounds in eight runs. Never learning, it caught up in
     # 43-125 of them (four runs; unseeded, so a guess right by chance varies it).
     assert catch_ups < 0.2 * rounds, (catch_ups, rounds)
+
+
+async def test_a_catch_ups_right_guess_that_stopped_on_confidence_counts_as_accepted(word_pair, monkeypatch):
+    """A catch-up's pre-draft whose guess was the step's token is one accepted draft for the K
+    chooser, also where it stopped on confidence right after its guess (so the next round
+    cannot take it): it once counted as a rejection, dragging α down."""
+    table = TableModel(24, salt=1, logit_scale=1.5)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(word_pair.target))
+    # The draft is the target; a confidence stop above any token's probability here: every
+    # pre-draft stops at its guess.
+    draft = TableDraft(table, fingerprint, pass_ms=(CARD_MS[0],) * 9, min_confidence=0.99)
+    target = TableTarget(table, fingerprint, pass_ms=(CARD_MS[1],) * 9)
+    config, rules = configured(
+        CoordinatorConfig(
+            draft_address=draft.address, target_address=target.address, tokenizer=str(word_pair.target), metrics_port=-1
+        ),
+        {"pipeline": True},
+    )
+    seen = []  # (the pre-draft's guess, the step's token, Settled.guessed) of each catch-up
+    take = Branches._take
+
+    def spy(self, call, reply, hit, outcome, proposed, *args):
+        settled = take(self, call, reply, hit, outcome, proposed, *args)
+        if settled.guessed is not None:
+            guess = reply.results[call.branches.index(call.predraft)].proposal.token_ids[0]
+            seen.append((guess, outcome.next_token_id, settled.guessed))
+        return settled
+
+    monkeypatch.setattr(Branches, "_take", spy)
+    engine = await coordinator_server.connect(config, draft, target, rules)
+    try:
+        for index, prompt in enumerate(((1, 0, 1), (2, 3), (5, 1, 4))):
+            request = GenerationRequest(prompt_token_ids=prompt, max_new_tokens=64, temperature=1.0, seed=7 + index)
+            async for _ in engine.generate(request):
+                pass
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
+    assert any(guess == token for guess, token, _ in seen), f"no catch-up guessed right: not exercised ({seen})"
+    assert all(guessed == (guess == token) for guess, token, guessed in seen), seen
