@@ -9,13 +9,14 @@ in-place write, one thread of a 2-core AMD EPYC). Here the memory is allocated o
   for one head are contiguous, the layout SDPA reads fastest on CPU), T = pages × page tokens.
   On CPU the arenas are private anonymous memory, zero-filled and committed only as written,
   so a large pool costs nothing until used. Its size: `specdec.engine.memory.pool_bytes`.
-- `PageAllocator`: which pages are free; a session owns one contiguous run of them (an
-  extent), so attention reads its entries as a view, with no gather.
+- `PageAllocator` (specdec.engine.pages): which pages are free; a session owns one contiguous
+  run of them (an extent), so attention reads its entries as a view, with no gather.
 - `PoolCache` / `PoolLayer`: a transformers cache over one extent. A pass writes its new
   entries after the session's length and attends to the [1, H, length, D] view; a rollback
   only moves the length. An extent too short for a pass grows in place when the next pages are
   free, else moves to a run twice its size (one copy of the entries, amortised over the
-  tokens that filled it: never a copy a step). A fork copies its prefix into an extent of its
+  tokens that filled it: never a copy a step), or where none is free, down into the free
+  pages before it. A fork copies its prefix into an extent of its
   own; a batched pass's rows and the prefix cache's blocks are copied in once (`load`).
 
 What stays on transformers' own cache: models whose cache has other layer kinds (sliding
@@ -27,9 +28,7 @@ Logits equal DynamicCache's bit for bit with every attention implementation the 
 
 from __future__ import annotations
 
-import bisect
 import mmap
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -37,90 +36,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdec.engine.pages import PageAllocator, PoolFull
+
 PAGE_TOKENS = 64  # tokens per page: the unit of allocation (the prefix cache's block, by default)
-
-
-class PoolFull(Exception):
-    """No free run of pages is long enough (the caller evicts, or refuses the call)."""
-
-
-class PageAllocator:
-    """Free runs of pages, kept sorted and merged; first fit. Pure bookkeeping, no tensors.
-    Locked: the model thread takes pages, but an extent goes back on whichever thread drops
-    the last reference to its cache (a weakref finalizer: the event loop, a collection)."""
-
-    def __init__(self, pages: int) -> None:
-        self.pages = pages
-        self._starts: list[int] = [0] if pages else []  # sorted starts of free runs
-        self._lengths: dict[int, int] = {0: pages} if pages else {}  # start -> length
-        self._lock = threading.Lock()
-
-    @property
-    def free_pages(self) -> int:
-        with self._lock:
-            return sum(self._lengths.values())
-
-    def runs(self) -> list[tuple[int, int]]:
-        """(start, length) of every free run, in order."""
-        with self._lock:
-            return [(start, self._lengths[start]) for start in self._starts]
-
-    def alloc(self, pages: int) -> int:
-        """The first page of a run of `pages` now taken; PoolFull if no free run is that long."""
-        if pages < 1:
-            raise ValueError(f"an extent has at least one page; asked for {pages}")
-        with self._lock:
-            for start in self._starts:
-                length = self._lengths[start]
-                if length >= pages:
-                    self._take(start, length, start, pages)
-                    return start
-            free = sum(self._lengths.values())
-        raise PoolFull(f"no free run of {pages} pages ({free} of {self.pages} free, fragmented)")
-
-    def extend(self, start: int, pages: int, more: int) -> bool:
-        """Takes the `more` pages right after extent [start, start + pages) if they are free."""
-        end = start + pages
-        with self._lock:
-            length = self._lengths.get(end, 0)
-            if length < more:
-                return False
-            self._take(end, length, end, more)
-            return True
-
-    def free(self, start: int, pages: int) -> None:
-        """Returns [start, start + pages) to the free runs, merged with its neighbours."""
-        if pages < 1 or start < 0 or start + pages > self.pages:
-            raise ValueError(f"[{start}, {start + pages}) is not an extent of a {self.pages}-page pool")
-        with self._lock:
-            self._free(start, pages)
-
-    def _free(self, start: int, pages: int) -> None:
-        index = bisect.bisect_left(self._starts, start)
-        before = self._starts[index - 1] if index else None
-        after = self._starts[index] if index < len(self._starts) else None
-        if (before is not None and before + self._lengths[before] > start) or (
-            after is not None and start + pages > after
-        ):
-            raise ValueError(f"[{start}, {start + pages}) overlaps a free run: freed twice")
-        if after is not None and start + pages == after:  # merge with the run after
-            pages += self._lengths.pop(after)
-            self._starts.pop(index)
-        if before is not None and before + self._lengths[before] == start:  # merge with the run before
-            self._lengths[before] += pages
-            return
-        self._starts.insert(index, start)
-        self._lengths[start] = pages
-
-    def _take(self, run: int, length: int, start: int, pages: int) -> None:
-        """Takes [start, start + pages) from the front of free run [run, run + length)."""
-        index = bisect.bisect_left(self._starts, run)
-        self._starts.pop(index)
-        del self._lengths[run]
-        if length > pages:
-            rest = start + pages
-            self._starts.insert(index, rest)
-            self._lengths[rest] = length - pages
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, Any]:
@@ -208,9 +126,12 @@ class KVPool:
             doubled = max(pages, 2 * extent.pages)
             moved = Extent(self.allocator.alloc(doubled), doubled)
         except PoolFull:  # no run twice its size: the run it needs (the growth is not amortised then)
-            if doubled == pages:
-                raise
-            moved = Extent(self.allocator.alloc(pages), pages)
+            try:
+                if doubled == pages:
+                    raise
+                moved = Extent(self.allocator.alloc(pages), pages)
+            except PoolFull:  # none elsewhere: the free pages around it, with its own
+                return self._grow_down(extent, pages, used)
         source, target = self.columns(extent), self.columns(moved)
         with torch.inference_mode():
             for arena in (*self.keys, *self.values):
@@ -218,6 +139,24 @@ class KVPool:
         self.free(extent)
         self.relocations += 1
         return moved
+
+    def _grow_down(self, extent: Extent, pages: int, used: int) -> Extent:
+        """`grow` where no free run elsewhere is long enough, but the free pages right before
+        and after the extent, with its own, are: its entries move down into those before, in
+        steps no longer than the move (no entry is overwritten before it is copied), and the
+        columns they leave are zeroed. PoolFull if those pages are too few."""
+        start = self.allocator.around(extent.start, extent.pages, pages)
+        source, target = extent.start * self.page_tokens, start * self.page_tokens
+        with torch.inference_mode():
+            for arena in (*self.keys, *self.values) if source > target else ():
+                for offset in range(0, used, source - target):
+                    count = min(source - target, used - offset)
+                    arena[:, target + offset : target + offset + count] = arena[
+                        :, source + offset : source + offset + count
+                    ]
+                arena[:, target + used : source + used].zero_()
+        self.relocations += source > target
+        return Extent(start, pages)
 
     def free(self, extent: Extent) -> None:
         """Gives the extent's pages back, zeroed: nothing a later owner reads can be stale. On

@@ -97,6 +97,47 @@ def test_an_extent_whose_needed_run_is_its_doubled_one_asks_the_allocator_once()
     assert asked == [4] and grown.extent == Extent(0, 2) and len(others) == 2
 
 
+def test_the_pages_around_an_extent_are_taken_after_it_first_then_before_it():
+    pages = PageAllocator(20)
+    for size in (4, 3, 2, 5):
+        pages.alloc(size)  # [0, 4) [4, 7) [7, 9) [9, 14); [14, 20) free
+    pages.free(0, 4)
+    pages.free(7, 2)  # the extent [4, 7) has 4 free pages before it and 2 after
+    with pytest.raises(PoolFull):
+        pages.around(4, 3, 10)
+    assert pages.runs() == [(0, 4), (7, 2), (14, 6)]  # nothing taken
+    assert pages.around(4, 3, 6) == 3  # both after, one before
+    assert pages.runs() == [(0, 3), (14, 6)]
+    assert pages.around(3, 6, 9) == 0  # all of the run before
+    assert pages.runs() == [(14, 6)]
+
+
+def test_an_extent_with_no_run_elsewhere_grows_down_into_the_free_pages_before_it():
+    """Where no free run is long enough, the free pages right before and after an extent, with
+    its own, still are: its entries move down (in steps no longer than the move, so none is
+    overwritten before it is copied), the columns they leave are zeroed, and every page is
+    accounted for. It used to be refused with most of the pool free."""
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, pages=12, page_tokens=4)
+    below = pool.open(3 * 4)  # pages [0, 3)
+    grown = pool.open(5 * 4)  # [3, 8)
+    above = pool.open(2 * 4)  # [8, 10); [10, 12) free
+    used = 5 * 4 - 1
+    entries = torch.arange(used * 2, dtype=torch.float32).reshape(1, used, 2) + 1  # [H, used, D], none 0
+    with torch.inference_mode():
+        for arena in (*pool.keys, *pool.values):
+            arena[:, 12 : 12 + used] = entries
+    grown.lengths[:] = [used]
+    below.release()  # [0, 3) free: 5 pages free in all, in two runs of 3 and 2
+    grown.reserve(7 * 4)  # 7 pages: none free elsewhere; 2 of the 3 before, with its own 5
+    assert grown.extent == Extent(1, 7) and pool.allocator.runs() == [(0, 1), (10, 2)]
+    assert above.extent == Extent(8, 2)
+    for arena in (*pool.keys, *pool.values):
+        assert torch.equal(arena[:, 4 : 4 + used], entries)  # moved down 8 columns, through its old place
+        assert not arena[:, 4 + used : 12 + used].any()  # what they left behind
+    with pytest.raises(PoolFull):
+        grown.reserve(9 * 4)  # 9 pages: all of the free ones around it, with its own, are 8
+
+
 CONFIG = dict(
     vocab_size=64,
     hidden_size=32,
