@@ -176,10 +176,14 @@ def _take_branches(state: RequestState, settled: Settled) -> None:
         state.predraft_depth.observe(settled.slack_ms, step_ms, settled.predraft_full)
     if state.k_chooser is not None and settled.rescued is not None:
         state.k_chooser.observe_rescue(settled.rescued)  # for the chooser's ρ
-    if state.k_chooser is not None and settled.guessed is not None:
-        # A catch-up's guess is one draft, accepted or not. Without it a request whose rounds all
-        # catch up (their pre-drafts all missing) never learns its α: it stayed at its prior on
-        # one H200 with random weights, every round a catch-up, at 0.49x target-only.
+    if state.k_chooser is not None and settled.guessed is not None and state.job.params.greedy:
+        # A greedy catch-up's guess is one draft, accepted or not. Without it a request whose
+        # rounds all catch up (their pre-drafts all missing) never learns its α: it stayed at its
+        # prior on one H200 with random weights, every round a catch-up, at 0.49x target-only.
+        # Not a sampled one's: its guess, the draft's likeliest token, is the target's draw with
+        # p(guess), below α = Σ min(p, q) for a good draft (a draft that is its target fell to
+        # α 0.37 and K = 0 on them); such a request verifies a draft before it catches up again
+        # (rounds.catch_up_pays).
         state.k_chooser.observe_round(1, int(settled.guessed))
     # A catch-up whose call failed (a restarted draft: NOT_FOUND) must not be retried as one:
     # the regular draft call re-prefills and counts failures.

@@ -213,10 +213,14 @@ def catch_up_pays(state: RequestState, k: int, chooser: AdaptiveK | None = None)
     acceptance (never from timing, so a seed still maps to one output). Where a draft step is
     a small share of a target pass (a GPU), a fresh round wins by far; where the draft is
     nearly as slow as the target (these CPUs), the step does. A request's first round is
-    always a step: it prefills both models at once. Without measured costs, always a step."""
+    always a step: it prefills both models at once. Without measured costs, always a step. A
+    sampled request drafts afresh until a draft of its own was verified: its steps teach the
+    chooser nothing (commit's `_take_branches`), so all of them would leave α at its prior."""
     costs = state.pair.costs
     if costs is None or not state.draft_view.opened:
         return True
+    if not (state.job.params.greedy or state.acceptance.reached):
+        return False
     alpha = chooser.alpha if chooser is not None else state.acceptance.alpha
     return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
 

@@ -10,6 +10,7 @@ import pytest
 from coordinator.adaptive import AdaptiveK
 from coordinator.commit import RoundResult, commit_round
 from coordinator.config import MAX_TARGET_ONLY_STEPS
+from coordinator.hedging import Acceptance
 from coordinator.metrics import GenerationStats
 from coordinator.overlap import Overlap
 from coordinator.pair import PairInfo
@@ -87,6 +88,7 @@ DEAR_DRAFT = dataclasses.replace(
     PAIR, costs=RoundCosts(draft_pass_ms=(15.0,) * 9, target_pass_ms=(20.0,) * 9, draft_rpc_ms=1, target_rpc_ms=1)
 )
 OPENED = SessionView("s", synced=3, opened=True)  # a round after the first
+VERIFIED = Acceptance(accepted=3, reached=4)  # drafts of the request's own were verified
 
 # (case, state, pair, RoundRules.catch_up, breaker allows) -> (kind, K, copy cap, tree widths)
 PLANS = {
@@ -102,7 +104,15 @@ PLANS = {
         state(pipelined=True, draft_view=OPENED), CHEAP_DRAFT, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
     ),
     "pipelined, a dear draft: a catch-up step after a miss": (
-        state(pipelined=True, draft_view=OPENED), DEAR_DRAFT, True, True, (RoundKind.CATCH_UP, 4, 0, ()),
+        state(pipelined=True, draft_view=OPENED, acceptance=VERIFIED),
+        DEAR_DRAFT,
+        True,
+        True,
+        (RoundKind.CATCH_UP, 4, 0, ()),
+    ),
+    # A sampled request's steps teach the chooser nothing: it verifies a draft first.
+    "pipelined, a dear draft, no draft verified yet: fresh drafts": (
+        state(pipelined=True, draft_view=OPENED), DEAR_DRAFT, True, True, (RoundKind.DRAFT_CALL, 4, 0, ()),
     ),
     "pipelined, a cheap draft: the first round is a catch-up step": (
         state(pipelined=True), CHEAP_DRAFT, True, True, (RoundKind.CATCH_UP, 4, 0, ()),
@@ -252,18 +262,24 @@ def test_commit_round_teaches_copies_to_the_copy_chooser_and_drafts_to_the_k_cho
     assert k_chooser.reached == before[0] + 2
 
 
-def test_a_catch_ups_guess_is_one_draft_for_the_k_chooser():
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_greedy_catch_ups_guess_is_one_draft_for_the_k_chooser(greedy):
     """A catch-up proposes nothing: its pre-draft's own guess of the step's token is the only
-    draft it evaluates, and the chooser counts it (Settled.guessed; None: not a catch-up)."""
+    draft it evaluates, and the chooser counts it (Settled.guessed; None: not a catch-up). Not
+    a sampled request's: its guess, the draft's likeliest token, is the target's draw with
+    p(guess), not with α."""
     costs = RoundCosts(draft_pass_ms=(1.0,) * 9, target_pass_ms=(50.0,) * 9, draft_rpc_ms=0.1, target_rpc_ms=0.1)
     chooser = AdaptiveK(k_max=8, pipelined=True, costs=costs)
-    request = state(pipelined=True, k_chooser=chooser, draft_view=OPENED)
+    request = state(pipelined=True, k_chooser=chooser, draft_view=OPENED, acceptance=VERIFIED)
+    if greedy:
+        request.job = dataclasses.replace(request.job, params=SamplingParams())
     plan = plan_round(request, True, True)
     assert plan.kind is RoundKind.CATCH_UP
     before = (chooser.accepted, chooser.reached)
     for guessed in (False, True, None):  # missed, right, and no guess to learn from
         commit_round(request, plan, verified(Round(Source.CATCH_UP), RoundOutcome(0, 82)), Settled(guessed=guessed))
-    assert (chooser.accepted - before[0], chooser.reached - before[1]) == pytest.approx((1, 2))
+    learned = (chooser.accepted - before[0], chooser.reached - before[1])
+    assert learned == pytest.approx((1, 2) if greedy else (0, 0))
 
 
 def test_a_request_that_fixes_k_at_zero_steps_several_times_per_call_with_the_seeds_of_single_steps():
