@@ -5,7 +5,8 @@ A share is measured once, after the weights are loaded and before the pool is al
 CUDA the device's free memory (`torch.cuda.mem_get_info`), on CPU the memory the kernel says
 is available (MemAvailable). The CUDA graphs of static passes (specdec.engine.static_pass) are
 captured after the pool, so a share near 100% leaves them, and each pass's activations, no
-room: a bucket whose capture fails runs eager, with a warning.
+room: a bucket whose capture fails runs eager, with a warning. Under tensor parallelism every
+rank takes the smallest rank's memory: admission and eviction must be the same on each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from specdec.engine.kv_pool import PAGE_TOKENS
 
@@ -55,14 +57,27 @@ def first_pages_bytes(bytes_per_token: int, max_sessions: int) -> int:
     return max_sessions * PAGE_TOKENS * bytes_per_token
 
 
-def kv_budget(setting: int | MemoryShare, bytes_per_token: int, max_sessions: int, device: str) -> int:
+def kv_budget(
+    setting: int | MemoryShare, bytes_per_token: int, max_sessions: int, device: str, prefix_bytes: int = 0
+) -> int:
     """--max-kv-bytes in bytes of entries sessions may hold (SessionStore's budget; 0: none).
-    A share becomes that share of `available_bytes`, less the sessions' first pages, so that
-    the pool `pool_bytes` sizes for it takes the share on CUDA."""
+    A share becomes that share of `available_bytes` (the least of the ranks' under tensor
+    parallelism: every rank calls this once as it loads), less the sessions' first pages, so
+    that the pool `pool_bytes` sizes for it takes the share on CUDA. The prefix cache's bytes
+    (`prefix_bytes`) count in the budget, so they may not exceed it (a size's config checks)."""
     if not isinstance(setting, MemoryShare):
         return setting
     available = available_bytes(device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        least = torch.tensor([available], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        available = int(least.item())
     budget = int(setting.fraction * available) - first_pages_bytes(bytes_per_token, max_sessions)
+    if prefix_bytes and prefix_bytes > budget:
+        raise ValueError(
+            f"--prefix-cache-bytes ({prefix_bytes}) is counted in --max-kv-bytes ({setting} of the "
+            f"{available / 2**30:.2f} GiB available on {device}: {max(budget, 0)} bytes) and cannot exceed it"
+        )
     tokens = budget // max(bytes_per_token, 1)
     if tokens < PAGE_TOKENS:
         raise ValueError(

@@ -72,7 +72,7 @@ class ModelRunner:
         prefix = PrefixCache(prefix_block_tokens, prefix_cache_bytes) if prefix_cache_bytes else None
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
-        max_kv_bytes = kv_budget(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device)
+        max_kv_bytes = kv_budget(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device, prefix_cache_bytes)
         # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place, but for
         # models with other layer kinds (sliding windows) or over several devices: transformers' own cache.
         self.pool: KVPool | None = None

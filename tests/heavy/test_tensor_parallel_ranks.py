@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec.engine.kv_pool import PAGE_TOKENS
+from specdec.engine.memory import MemoryShare
 from specdec.rpc.ports import free_port
 from specdec.sampling.probs import SamplingParams
 from target_service.config import TargetConfig
@@ -136,3 +138,45 @@ def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny
     assert states[0] == states[1], "the ranks' sessions diverged"
     assert set(states[0]) == {"f", "g", "h"}, "TTL expiry or EndSession did not reach every rank"
     assert kv_bytes_per_token == full_token // 2
+
+
+def _budget_rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
+    """A rank whose device shows `rank` more MiB free than rank 0's, loading with a share."""
+    from specdec.engine import memory
+    from target_service import tensor_parallel
+
+    torch.set_num_threads(1)
+    control = tensor_parallel.init_rank(rank, 2, rank, "cpu", init_method)
+    memory.available_bytes = lambda device: (64 + rank) * 2**20
+    runner = load_runner(config)
+    budgets = [None, None]
+    dist.all_gather_object(budgets, runner.sessions.max_kv_bytes, group=control)
+    if rank == 0:
+        results.put((budgets, runner.kv_bytes_per_token))
+        results.close()
+        results.join_thread()
+    dist.barrier(group=control)
+    os._exit(0)
+
+
+def test_a_share_of_memory_is_one_budget_on_every_rank(tiny_pair):
+    """--max-kv-bytes 50%: each rank measures its own device, and free memory differs between
+    cards; the ranks take the least, so each admits and evicts as the others do."""
+    config = model_service_config(
+        TargetConfig, tiny_pair.target, tensor_parallel=2, max_kv_bytes=MemoryShare(0.5), max_sessions=4
+    )
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    processes = [context.Process(target=_budget_rank, args=(rank, init_method, config, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        budgets, per_token = results.get(timeout=240)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [p.exitcode for p in processes] == [0, 0]
+    assert budgets[0] == budgets[1] == 32 * 2**20 - 4 * PAGE_TOKENS * per_token  # half of rank 0's 64 MiB

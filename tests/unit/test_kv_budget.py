@@ -255,6 +255,10 @@ def test_a_share_of_memory_parses_and_becomes_bytes_of_what_is_available(loaded,
     verify(runner, "a", 0, [1, 2, 3])  # serves within it
     with pytest.raises(ValueError, match=r"--max-kv-bytes 1% of .* leaves room for 0 tokens"):
         kv_budget(MemoryShare(0.01), per_token, 8, "cpu")  # less than the sessions' first pages
+    # The prefix cache counts in the budget: as a size's config refuses a larger one, so does a share.
+    with pytest.raises(ValueError, match=r"--prefix-cache-bytes \(\d+\) is counted in --max-kv-bytes \(25%"):
+        TargetRunner(loaded, 8, 60, 4, max_kv_bytes=MemoryShare(0.25), prefix_cache_bytes=available // 4)
+    TargetRunner(loaded, 8, 60, 4, max_kv_bytes=MemoryShare(0.25), prefix_cache_bytes=available // 8)
 
 
 def test_the_memory_available_is_measured():
