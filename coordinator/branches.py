@@ -305,8 +305,8 @@ class Branches:
         try:
             reply = await call.task
         except SpecDecError as exc:
-            # A failed call only means the next round drafts afresh (or falls back).
-            logger.info("pre-draft/hedge call failed, drafting afresh: %s", exc)
+            logger.info("pre-draft/hedge call failed, drafting afresh (or falling back): %s", exc)
+            stats.branch_failures += len(call.branches)  # every branch of it
             self.drop(call, unused)
             return Settled(failed=True, refused=isinstance(exc, ResourceExhausted))
         finally:

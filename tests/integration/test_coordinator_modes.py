@@ -100,16 +100,23 @@ async def _until_no_sessions(runner, timeout_s: float = 10.0) -> None:
     assert len(runner.sessions) == 0, f"{len(runner.sessions)} draft sessions outlived their requests"
 
 
-async def test_branches_the_draft_fails_are_counted_and_the_output_is_the_targets(tiny_pair, reference):
+@pytest.mark.parametrize("whole", [False, True], ids=["each branch", "the whole call"])
+async def test_branches_the_draft_fails_are_counted_and_the_output_is_the_targets(tiny_pair, reference, whole):
     """A draft that answers every ProposeBranches branch with an error (as an EAGLE head's
-    batches did before its sessions shared passes): the rounds go on without them, and the
-    request's stats count them."""
+    batches did before its sessions shared passes), or fails the whole call: the rounds go on
+    without them, and the request's stats count them."""
     async with inprocess_stack(
         tiny_pair,
         draft_overrides={"quantize": "none", "batch_window_ms": 0},  # ProposeBranches calls propose_batch
         coordinator_overrides={"pipeline": True, "hedges": 2},
     ) as stack:
-        stack.draft_runner.propose_batch = lambda calls, *_: [InvalidArgument("no branches here")] * len(calls)
+
+        def fail(calls, *_):
+            if whole:
+                raise InvalidArgument("no branches here")
+            return [InvalidArgument("no branch here")] * len(calls)
+
+        stack.draft_runner.propose_batch = fail
         response = await stack.stub.Generate(
             pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, num_speculative_tokens=3), timeout=60
         )
