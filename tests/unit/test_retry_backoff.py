@@ -53,3 +53,25 @@ async def test_a_missed_deadline_and_giving_up_are_not_retried(monkeypatch):
 
     with pytest.raises(Unavailable):
         await retry_unavailable(down, give_up=lambda attempts: attempts >= 1, backoff_s=0.1)
+
+
+async def test_a_failure_moves_to_another_replica_whatever_the_window():
+    """`on_failure` finding another replica goes on at once, even where the retry window is 0
+    (--connect-timeout 0): failing over is no wait. Where it finds none, the window decides."""
+    replicas = ["gone", "up"]
+
+    async def call() -> str:
+        if replicas[0] == "gone":
+            raise Unavailable("gone")
+        return replicas[0]
+
+    def move() -> bool:
+        if len(replicas) == 1:
+            return False
+        replicas.pop(0)
+        return True
+
+    assert await retry_unavailable(call, give_up=lambda attempts: True, backoff_s=0.1, on_failure=move) == "up"
+    replicas[:] = ["gone"]
+    with pytest.raises(Unavailable):
+        await retry_unavailable(call, give_up=lambda attempts: True, backoff_s=0.1, on_failure=move)
