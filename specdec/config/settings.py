@@ -163,6 +163,9 @@ def _build(cls: type[C], values: Mapping[tuple[str, ...], Any]) -> C:
     return cls(**kwargs)
 
 
+_MALFORMED = object()  # parse_config: the default of a setting whose variable is malformed
+
+
 def env_value(env: Mapping[str, str], name: str, parse: Callable[[str], Any], choices: Sequence[str] | None) -> Any:
     """The variable `name` parsed; a malformed value is a start-up error naming the variable
     (argparse checks choices on flags only, never on defaults, so they are checked here too)."""
@@ -209,10 +212,14 @@ def parse_settings(
     parser = argparse.ArgumentParser(prog=prog, description=description)
     settings = list(declared(cls))
     fallback: dict[str, Any] = {}
+    bad: dict[str, str] = {}  # a malformed variable's error: a usage error only where no flag overrides it
     for item in settings:
         flag, variable = item.flag, item.env_name(env_prefix)
         parse = _parser_for(flag, item.default)
-        default = env_value(env, variable, parse, flag.choices) if variable in env else item.default
+        try:
+            default = env_value(env, variable, parse, flag.choices) if variable in env else item.default
+        except SystemExit as exc:
+            default, bad[item.dest] = _MALFORMED, str(exc)
         fallback[item.dest] = default
         parser.add_argument(
             flag.name,
@@ -225,13 +232,15 @@ def parse_settings(
             # argparse %-formats help (%(default)s): a literal % is written %%.
             help=f"{flag.help} [env {variable}; default: {shown_default(flag, item.default)}]".replace("%", "%%"),
         )
+    ns = parser.parse_args(argv)  # --help first: it lists the variables the check below names
     if unknown := sorted(unknown_variables(env, env_prefix, settings)):  # gone or misspelt: never ignored
         parser.error(f"{', '.join(unknown)}: no setting of this service has that variable (`--help` lists every one)")
-    ns = parser.parse_args(argv)
     for item in settings:  # a repeated flag's values, joined; its environment value or default when not given
         if item.flag.repeated:
             given = getattr(ns, item.dest)
             setattr(ns, item.dest, ",".join(given) if given else fallback[item.dest])
+        if getattr(ns, item.dest) is _MALFORMED:  # the flag did not override its variable
+            raise SystemExit(bad[item.dest])
     for item in settings:
         if item.flag.required and not getattr(ns, item.dest):
             parser.error(f"{item.flag.name} is required {REQUIRED_HINT}")

@@ -92,3 +92,17 @@ def test_a_variable_of_the_services_prefix_that_names_no_setting_is_refused(caps
         with pytest.raises(SystemExit):
             draft_config(["--model", "m"], {**others, gone: "1"})
         assert f"error: {gone}: no setting of this service has that variable" in capsys.readouterr().err
+    # The refusal points to --help, which then lists them, the stale variable set or not.
+    with pytest.raises(SystemExit) as exited:
+        draft_config(["--help"], {**others, "SPECDEC_DRAFT_SESSION_TTL": "300"})
+    assert exited.value.code == 0 and "SPECDEC_DRAFT_MAX_SESSIONS" in capsys.readouterr().out
+
+
+def test_a_flag_wins_over_its_variable_even_a_malformed_one():
+    """docs/configuration.md: flags win. A malformed variable stops start-up only where no flag
+    overrides it, as the config map of every pod may hold one a command line corrects."""
+    bad = {"SPECDEC_COORDINATOR_CONNECT_TIMEOUT": "-1"}
+    given = ["--draft", "d:1", "--target", "t:2", "--tokenizer", "k"]
+    assert coordinator_config([*given, "--connect-timeout", "5"], bad).connect_timeout_s == 5
+    with pytest.raises(SystemExit, match="SPECDEC_COORDINATOR_CONNECT_TIMEOUT='-1' is invalid"):
+        coordinator_config(given, bad)
