@@ -38,6 +38,9 @@ IDENTITY = {
         "vocab_bridge.proposable",
     ),
 }
+# EAGLE heads of one pool read one target's features (its layers, its weights): compared where
+# both replicas are heads that say, since a draft restarted as another drafter still serves.
+HEAD_IDENTITY = ("feature_layers", "feature_target_fingerprint", "feature_target_checkpoint")
 # Reported since the weights fingerprint: a target replica or reference of an older build,
 # which reports neither, is compared by its path (model_id) instead, as those builds were.
 FINGERPRINTED = ("weights_fingerprint", "device_kind")
@@ -61,10 +64,12 @@ def mismatch(role: str, reference: common_pb2.ModelInfo, info: common_pb2.ModelI
 
 def identity(role: str, reference: common_pb2.ModelInfo, info: common_pb2.ModelInfo) -> tuple[str, ...]:
     """The fields `info` must match the reference's in (IDENTITY; FINGERPRINTED's fallback
-    to the path where either is of an older build)."""
+    to the path where either is of an older build; HEAD_IDENTITY where both are heads)."""
     fields = IDENTITY[role]
     if role == "target" and not (info.weights_fingerprint and reference.weights_fingerprint):
         return ("model_id", *(name for name in fields if name not in FINGERPRINTED))
+    if role == "draft":
+        return (*fields, *(name for name in HEAD_IDENTITY if _field(info, name) and _field(reference, name)))
     return fields
 
 

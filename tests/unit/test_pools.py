@@ -332,6 +332,35 @@ def test_draft_replicas_must_share_the_same_tokens_with_the_target():
     assert "vocab_bridge.proposable" in pool.mismatch(fewer)
 
 
+def test_eagle_head_replicas_must_read_one_targets_features():
+    """A head (--drafter eagle) made for another target, or reading other layers, is refused as
+    a later replica as check_pair refuses it as the first; a head restarted as another drafter,
+    which says none of it, still serves."""
+    head = common_pb2.ModelInfo(
+        model_id="head",
+        tokenizer_fingerprint="f",
+        vocab_size=8,
+        feature_layers=[2, 14, 25],
+        feature_target_fingerprint="w" * 64,
+        feature_target_checkpoint="c" * 64,
+    )
+    pool = Pool("draft", parse_pool("a:1"), FakeClient)  # type: ignore[arg-type]
+    pool.reference = head
+    for name, value in (("feature_target_checkpoint", "x" * 64), ("feature_target_fingerprint", "y" * 64)):
+        other = common_pb2.ModelInfo()
+        other.CopyFrom(head)
+        setattr(other, name, value)
+        assert name in pool.mismatch(other)
+    layers = common_pb2.ModelInfo()
+    layers.CopyFrom(head)
+    layers.feature_layers[:] = [28]
+    assert "feature_layers" in pool.mismatch(layers)
+    same = common_pb2.ModelInfo()
+    same.CopyFrom(head)
+    assert pool.mismatch(same) == ""
+    assert pool.mismatch(common_pb2.ModelInfo(model_id="lookup", tokenizer_fingerprint="f", vocab_size=8)) == ""
+
+
 class SilentClient(FakeClient):
     """A replica whose Info never answers in time (a frozen process), counting the calls
     given up on there; `answers` makes it answer again."""
