@@ -47,10 +47,11 @@ async def retry_unavailable(
     to all of it, so coordinators that lost a target together do not retry it in step) each
     time it raises Unavailable, until `give_up(attempts so far)`; a missed deadline is never
     retried.
-    `on_failure()` runs after each failure but a missed deadline; True: the next try goes
-    elsewhere (another replica), at once, whatever `give_up` says (a window of 0 still fails
-    over). A plain loop: it runs on every round, where a retry library's per-call set-up cost a
-    tenth of the coordinator's own time per round."""
+    `on_failure()` runs after each failure that is retried, and after the first whatever
+    `give_up` says; True: the next try goes elsewhere (another replica), at once. So a window
+    of 0 still fails over once, and replicas that keep failing are not moved between past the
+    window. A plain loop: it runs on every round, where a retry library's per-call set-up cost
+    a tenth of the coordinator's own time per round."""
     attempts = 0
     while True:
         attempts += 1
@@ -59,9 +60,10 @@ async def retry_unavailable(
         except Unavailable as exc:
             if isinstance(exc, DeadlineExceeded):
                 raise
-            if on_failure is not None and on_failure():
+            last = give_up(attempts)
+            if on_failure is not None and (attempts == 1 or not last) and on_failure():
                 continue
-            if give_up(attempts):
+            if last:
                 raise
         await asyncio.sleep(min(backoff_s * 2 ** (attempts - 1), 1.0) * (0.5 + 0.5 * random.random()))
 

@@ -55,9 +55,11 @@ async def test_a_missed_deadline_and_giving_up_are_not_retried(monkeypatch):
         await retry_unavailable(down, give_up=lambda attempts: attempts >= 1, backoff_s=0.1)
 
 
-async def test_a_failure_moves_to_another_replica_whatever_the_window():
+async def test_a_first_failure_moves_to_another_replica_whatever_the_window():
     """`on_failure` finding another replica goes on at once, even where the retry window is 0
-    (--connect-timeout 0): failing over is no wait. Where it finds none, the window decides."""
+    (--connect-timeout 0): failing over is no wait. Where it finds none, the window decides,
+    and past the window nothing moves again (replicas a refresh keeps marking serving while
+    their calls fail are not moved between for ever)."""
     replicas = ["gone", "up"]
 
     async def call() -> str:
@@ -75,3 +77,9 @@ async def test_a_failure_moves_to_another_replica_whatever_the_window():
     replicas[:] = ["gone"]
     with pytest.raises(Unavailable):
         await retry_unavailable(call, give_up=lambda attempts: True, backoff_s=0.1, on_failure=move)
+    moves = []
+    with pytest.raises(Unavailable):  # every replica fails, and each always seems to serve
+        await retry_unavailable(
+            call, give_up=lambda attempts: True, backoff_s=0.1, on_failure=lambda: not moves.append(1)
+        )
+    assert len(moves) == 1
