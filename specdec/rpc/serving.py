@@ -54,15 +54,27 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 
 
-def model_message_bytes(vocab_size: int, max_context: int) -> int:
+def model_message_bytes(vocab_size: int, max_context: int, feature_bytes: int = 0) -> int:
     """A model service's message limit, from its model's shape: a call's rows (MAX_ROWS) each
     carrying a distribution over the vocabulary (wire.encode_distributions sends a row sparse
     only while it has at most half the vocabulary's entries, so at most 4.5 bytes an entry,
     dense 4), ids for a sequence as long as the context (a re-sent session; at most 5 bytes each,
-    counted twice), and a MiB for the rest. Never under DEFAULT_MAX_MESSAGE_BYTES, nor over
-    gRPC's ceiling. The coordinator's channels to the services set no limit of their own."""
-    bound = MAX_ROWS * (9 * vocab_size // 2 + 32) + 10 * max_context + (1 << 20)
+    counted twice), hidden features for as many positions (`feature_bytes` a position:
+    `feature_bytes_per_position`), and a MiB for the rest. Never under
+    DEFAULT_MAX_MESSAGE_BYTES, nor over gRPC's ceiling. The coordinator's channels to the
+    services set no limit of their own."""
+    bound = MAX_ROWS * (9 * vocab_size // 2 + 32) + (10 + feature_bytes) * max_context + (1 << 20)
     return min(max(bound, DEFAULT_MAX_MESSAGE_BYTES), GRPC_MAX_MESSAGE_BYTES)
+
+
+def feature_bytes_per_position(runner, service_name: str) -> int:
+    """The hidden features (EAGLE heads) a service's message may carry a position, at 4 bytes a
+    value (feature_dtype float32): a target's reply with three layers (EAGLE-3's), an EAGLE
+    draft's request as wide as its head reads; 0 for any other draft. A prompt's first verify
+    carries the features of every position it ran."""
+    if service_name.endswith(".Target"):
+        return 3 * int(runner.model.config.get_text_config().hidden_size) * 4
+    return int(getattr(runner, "feature_width", 0)) * 4
 
 
 def message_size_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
@@ -297,7 +309,9 @@ async def start_model_server(
         runner = await model_thread.run(load)
     servicer, model_thread, registry = build_model_servicer(config, runner, make_servicer, service_name, model_thread)
     description = runner.describe()
-    message_bytes = model_message_bytes(description.vocab_size, description.max_context)
+    message_bytes = model_message_bytes(
+        description.vocab_size, description.max_context, feature_bytes_per_position(runner, service_name)
+    )
     logger.info("messages larger than %d bytes are refused", message_bytes)
     running = await start_server(
         lambda server: add_servicer(servicer, server),

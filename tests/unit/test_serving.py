@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -65,6 +66,30 @@ def test_a_services_message_limit_holds_a_calls_rows_over_its_vocabulary():
     assert MAX_ROWS * largest_row + 10 * context < limit < 2 * MAX_ROWS * largest_row
     assert serving.model_message_bytes(1000, 2048) == serving.DEFAULT_MAX_MESSAGE_BYTES
     assert serving.model_message_bytes(10**8, 1 << 20) == serving.GRPC_MAX_MESSAGE_BYTES
+
+
+def test_a_verify_reply_with_a_whole_prompts_features_fits_the_targets_limit():
+    """An EAGLE head's target returns the features of every position a call ran: a prompt as long
+    as the context, three layers wide (EAGLE-3's), fits the limit the target serves with, as its
+    draft's request forwarding them fits the draft's (here 12,000 positions of 3 x 1,024 values
+    in bfloat16: 74 MB, over the 64 MiB floor)."""
+    import torch
+    from transformers import Qwen2Config
+
+    from specdec.rpc import wire
+    from specdec.v1 import target_pb2
+
+    config = Qwen2Config(vocab_size=1000, hidden_size=1024, num_attention_heads=8, num_key_value_heads=8)
+    target = SimpleNamespace(model=SimpleNamespace(config=config))
+    context = 12_000
+    reply = target_pb2.VerifyResponse(
+        features=wire.features_to_pb(0, torch.zeros(context, 3 * config.hidden_size), torch.bfloat16)
+    )
+    per_position = serving.feature_bytes_per_position(target, "specdec.v1.Target")
+    assert reply.ByteSize() <= serving.model_message_bytes(config.vocab_size, context, per_position)
+    head = SimpleNamespace(feature_width=3 * config.hidden_size)  # an EAGLE-3 draft
+    assert serving.feature_bytes_per_position(head, "specdec.v1.Draft") == per_position
+    assert serving.feature_bytes_per_position(SimpleNamespace(), "specdec.v1.Draft") == 0  # a model draft
 
 
 async def test_a_port_another_server_holds_is_a_one_line_start_up_error():
