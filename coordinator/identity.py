@@ -36,6 +36,9 @@ IDENTITY = {
         "vocab_size",
         "vocab_bridge.draft_tokenizer_fingerprint",
         "vocab_bridge.proposable",
+        # A request's K is checked against the pool's first replica: one serving fewer drafts
+        # a call would refuse its rounds' calls.
+        "max_speculative_tokens",
     ),
 }
 # EAGLE heads of one pool read one target's features (its layers, its weights): compared where

@@ -330,6 +330,10 @@ def test_draft_replicas_must_share_the_same_tokens_with_the_target():
     fewer.CopyFrom(reference)
     fewer.vocab_bridge.proposable = b"\x03"
     assert "vocab_bridge.proposable" in pool.mismatch(fewer)
+    shorter = common_pb2.ModelInfo()
+    shorter.CopyFrom(reference)
+    shorter.max_speculative_tokens = 2  # a request's K is checked against the first replica's
+    assert "max_speculative_tokens" in pool.mismatch(shorter)
 
 
 def test_eagle_head_replicas_must_read_one_targets_features():
