@@ -109,6 +109,25 @@ def _rank(rank: int, init_method: str, config: TargetConfig, results) -> None:
     os._exit(0)
 
 
+def _two_ranks(rank_main, config: TargetConfig):
+    """rank_main(rank, init method, config, queue) as two spawned gloo ranks; what rank 0 put."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    processes = [context.Process(target=rank_main, args=(rank, init_method, config, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        found = results.get(timeout=240)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [p.exitcode for p in processes] == [0, 0]
+    return found
+
+
 def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny_pair):
     config = model_service_config(TargetConfig, tiny_pair.target, tensor_parallel=2, session_ttl_s=TTL_S)
     # A budget of 48 tokens (each rank counts its half of the heads; one process all of them):
@@ -119,20 +138,7 @@ def test_two_gloo_ranks_keep_identical_sessions_and_answer_like_one_process(tiny
     alone.model.set_attn_implementation("sdpa")  # as the ranks run (per-row attention is for one CPU process)
     expected = _script(alone, time.sleep)
 
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [context.Process(target=_rank, args=(rank, init_method, config, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        answers, states, kv_bytes_per_token, evicted = results.get(timeout=240)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    assert [p.exitcode for p in processes] == [0, 0]
+    answers, states, kv_bytes_per_token, evicted = _two_ranks(_rank, config)
     assert answers == expected and len(expected) == 14, "the K = 0 call did not step three times"
     assert "SessionNotFound" in answers and evicted >= 1, "the script never hit NOT_FOUND or an eviction"
     assert states[0] == states[1], "the ranks' sessions diverged"
@@ -165,18 +171,5 @@ def test_a_share_of_memory_is_one_budget_on_every_rank(tiny_pair):
     config = model_service_config(
         TargetConfig, tiny_pair.target, tensor_parallel=2, max_kv_bytes=MemoryShare(0.5), max_sessions=4
     )
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [context.Process(target=_budget_rank, args=(rank, init_method, config, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        budgets, per_token = results.get(timeout=240)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    assert [p.exitcode for p in processes] == [0, 0]
+    budgets, per_token = _two_ranks(_budget_rank, config)
     assert budgets[0] == budgets[1] == 32 * 2**20 - 4 * PAGE_TOKENS * per_token  # half of rank 0's 64 MiB
