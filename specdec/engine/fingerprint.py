@@ -159,11 +159,16 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:  # [...] any dtype → [nby
 
 
 def sampled_runs(flat: torch.Tensor) -> list[torch.Tensor]:  # [nbytes] uint8 → views, SAMPLE_BYTES at most
-    if flat.numel() <= SAMPLE_BYTES:
-        return [flat]
-    run = SAMPLE_BYTES // SAMPLE_CHUNKS
-    starts = torch.linspace(0, flat.numel() - run, SAMPLE_CHUNKS).long().tolist()
-    return [flat[start : start + run] for start in starts]
+    return [flat[start : start + size] for start, size in sample_spans(flat.numel(), SAMPLE_BYTES)]
+
+
+def sample_spans(nbytes: int, sample_bytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of the bytes hashed of `nbytes`: all of them up to `sample_bytes`, else
+    SAMPLE_CHUNKS evenly spaced runs (the first and the last among them) of that much in all."""
+    if nbytes <= sample_bytes:
+        return [(0, nbytes)]
+    run = sample_bytes // SAMPLE_CHUNKS
+    return [(start, run) for start in torch.linspace(0, nbytes - run, SAMPLE_CHUNKS).long().tolist()]
 
 
 def device_kind(model: torch.nn.Module) -> str:
@@ -236,17 +241,8 @@ def _stored_digests(path: Path, names: set[str] | None) -> dict[str, bytes]:
                 continue
             start, end = entry["data_offsets"]
             digest = hashlib.sha256(f"{name} {entry['dtype']} {entry['shape']} {end - start}".encode())
-            for offset, run in _stored_runs(end - start):
+            for offset, run in sample_spans(end - start, CHECKPOINT_SAMPLE_BYTES):
                 handle.seek(8 + length + start + offset)
                 digest.update(handle.read(run))
             digests[name] = digest.digest()
         return digests
-
-
-def _stored_runs(nbytes: int) -> list[tuple[int, int]]:
-    """(offset, size) of the runs `checkpoint_fingerprint` reads of a tensor `nbytes` long."""
-    if nbytes <= CHECKPOINT_SAMPLE_BYTES:
-        return [(0, nbytes)]
-    run = CHECKPOINT_SAMPLE_BYTES // SAMPLE_CHUNKS
-    last = nbytes - run
-    return [(last * chunk // (SAMPLE_CHUNKS - 1), run) for chunk in range(SAMPLE_CHUNKS)]
