@@ -126,6 +126,8 @@ def _observe_choosers(state: RequestState, plan: RoundPlan, round_: Round, outco
         state.k_chooser.observe_round(proposed, outcome.num_accepted)
     if not (round_.copied or round_.parents):
         state.acceptance.observe(proposed, outcome.num_accepted)
+    if plan.kind is RoundKind.CATCH_UP:
+        state.acceptance.caught_up_at = state.acceptance.reached
     if (
         plan.kind is RoundKind.DRAFT_CALL
         and round_.source is Source.DRAFT  # the call answered (a failed one falls back)

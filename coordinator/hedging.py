@@ -75,6 +75,7 @@ class Acceptance:
     weight: float = 2.0
     accepted: int = 0
     reached: int = 0
+    caught_up_at: int = 0  # `reached` as the request's last catch-up step committed (rounds.catch_up_pays)
 
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed:

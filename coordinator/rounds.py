@@ -214,12 +214,13 @@ def catch_up_pays(state: RequestState, k: int, chooser: AdaptiveK | None = None)
     a small share of a target pass (a GPU), a fresh round wins by far; where the draft is
     nearly as slow as the target (these CPUs), the step does. A request's first round is
     always a step: it prefills both models at once. Without measured costs, always a step. A
-    sampled request drafts afresh until a draft of its own was verified: its steps teach the
-    chooser nothing (commit's `_take_branches`), so all of them would leave α at its prior."""
+    sampled request drafts afresh after each step until a draft of its own was verified: its
+    steps teach the chooser nothing (commit's `_take_branches`), so steps whose pre-drafts all
+    missed would leave α where it was, and the chooser's probes would all be steps."""
     costs = state.pair.costs
     if costs is None or not state.draft_view.opened:
         return True
-    if not (state.job.params.greedy or state.acceptance.reached):
+    if not (state.job.params.greedy or state.acceptance.reached > state.acceptance.caught_up_at):
         return False
     alpha = chooser.alpha if chooser is not None else state.acceptance.alpha
     return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
