@@ -66,8 +66,9 @@ class BranchCall:
     replica: Replica  # the draft replica the call went to, where its forks live
     ending: tuple[str, ...] = ()  # the unused forks of earlier calls that this call ends
     epoch: int = 0  # the newest call number it sent: its forks, ended, are retired up to it
-    # Request times (GenerationStats.elapsed_ms) its reply arrived (None: not yet, or it failed
-    # or was cancelled) and the verify it ran beside answered: PredraftDepth's slack.
+    # Request times (GenerationStats.elapsed_ms) it was sent, replied (None: not yet, failed or
+    # cancelled) and its verify answered: PredraftDepth's slack, coordinator.overlap.RowCost's time.
+    sent_ms: float = 0.0
     replied_ms: float | None = None
     verified_ms: float | None = None
     predraft_full: bool = True  # its pre-draft took k + 1 steps (PredraftDepth.steps)
@@ -101,8 +102,7 @@ class BranchCall:
 
 
 class Branches:
-    """Pre-drafts, hedges and catch-up pre-drafts: started during a round's verify, settled
-    once its outcome is known."""
+    """Pre-drafts, hedges and catch-up pre-drafts: started during a verify, settled on its outcome."""
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
@@ -155,25 +155,25 @@ class Branches:
     def _call(
         self, state: RequestState, plans: list[BranchPlan], requests: list[draft_pb2.ProposeRequest]
     ) -> BranchCall:
-        """Sends the branches' one ProposeBranches call; the reply's time is kept on the call."""
+        """Sends the branches' one ProposeBranches call; its times are kept on the call."""
         draft_view, stats = state.draft_view, state.stats
         # Earlier rounds' unused forks end in this call (any past the first few: EndSession calls).
         self.end_now(state.unused_forks[wire.MAX_ENDED_SESSIONS :], draft_view)
         ending = tuple(state.unused_forks[: wire.MAX_ENDED_SESSIONS])
         state.unused_forks[:] = ending
         call = draft_pb2.ProposeBranchesRequest(branches=requests, end_session_ids=ending)
-        task = asyncio.ensure_future(cast(DraftClient, draft_view.client).propose_branches(call))
+
+        async def timed() -> draft_pb2.ProposeBranchesResponse:  # not a done callback: settle may read first
+            reply = await cast(DraftClient, draft_view.client).propose_branches(call)
+            branch_call.replied_ms = stats.elapsed_ms()
+            branch_call.replica.answered(draft_view.session_id)
+            return reply
+
         assert draft_view.replica is not None
         epoch = max(request.epoch for request in requests)
-        branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending, epoch)
+        task = asyncio.ensure_future(timed())
+        branch_call = BranchCall(state.round_index, plans, task, draft_view.replica, ending, epoch, stats.elapsed_ms())
         branch_call.features_end = state.features.end if state.features is not None else 0
-
-        def replied(task: asyncio.Future) -> None:
-            if not task.cancelled() and task.exception() is None:
-                branch_call.replied_ms = stats.elapsed_ms()
-                branch_call.replica.answered(draft_view.session_id)
-
-        task.add_done_callback(replied)
         return branch_call
 
     def _predraft(

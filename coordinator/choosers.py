@@ -9,7 +9,7 @@ import logging
 
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.config import CoordinatorConfig
-from coordinator.overlap import Overlap, choose_overlap
+from coordinator.overlap import Overlap, RowCost, choose_overlap
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.round_costs import RoundCosts
@@ -30,6 +30,14 @@ class Choosers:
         self._alpha_prior = DEFAULT_ALPHA_PRIOR
         self._copy_alpha_prior = DEFAULT_ALPHA_PRIOR
         self._overlap: dict[bool, tuple[bool, int, int]] = {}  # the last overlap chosen, greedy/sampled
+        self._row_cost = RowCost()  # what a branch call's row costs a step, from finished requests' calls
+
+    def _costs(self, job: Job, pair: PairInfo) -> RoundCosts | None:
+        """The pair's calibrated costs, and, but for a seeded sampled request (whose overlap and
+        K, like its output, depend on nothing but itself), the row cost learned so far."""
+        if pair.costs is None or job.seeded_sampled:
+            return pair.costs
+        return self._row_cost.priced(pair.costs)
 
     def costs_at_load(self, state: RequestState) -> tuple[RoundCosts | None, RoundCosts | None]:
         """The choosers' costs for this round: at the sessions the request's replicas hold now
@@ -58,7 +66,7 @@ class Choosers:
         config, sampled = self.config, not job.params.greedy
         # A tree round is never pipelined: a tree request, or one the tree chooser may give a
         # tree, runs sequential rounds unless the flags say otherwise.
-        costs = None if job.tree_widths or config.tree_chooser else pair.costs
+        costs = None if job.tree_widths or config.tree_chooser else self._costs(job, pair)
         overlap = choose_overlap(
             costs,
             round(alpha, 2),
@@ -85,8 +93,9 @@ class Choosers:
         """A per-request K chooser where neither the request nor --num-speculative-tokens fixed K."""
         if not chooses_k(job, pair):
             return None  # K fixed, or no measured costs to choose from: the default K
-        assert pair.costs is not None
-        costs = overlap.costs(pair.costs, guesses=False)
+        priced = self._costs(job, pair)
+        assert priced is not None
+        costs = overlap.costs(priced, guesses=False)
         # Its K = 0 rounds run several steps a call (rounds.step_count), each charged a share.
         costs = dataclasses.replace(costs, target_only_steps=steps_per_call(self.config.target_only_steps, costs))
         return AdaptiveK(
@@ -128,7 +137,11 @@ class Choosers:
         """Carries the finished request's acceptance, of its drafts and of its copies, into the
         next request's priors; a relaxed request's, higher than exact acceptance, would mislead
         the exact requests after it. (A request whose copies were right ramps its copies up to
-        max_copied_tokens within a few rounds; the next one starts nearer where it ended.)"""
+        max_copied_tokens within a few rounds; the next one starts nearer where it ended.) What
+        its branch calls took teaches the row cost (`RowCost`)."""
+        if state.pair.costs is not None:
+            for rows, steps, call_ms in state.branch_timings:
+                self._row_cost.observe(state.pair.costs, rows, steps, call_ms)
         if state.job.relaxed is None:
             self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
             self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)

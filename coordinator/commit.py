@@ -176,6 +176,8 @@ def _take_branches(state: RequestState, settled: Settled) -> None:
         # How long before the verify the branches replied: the next pre-draft's steps.
         step_ms = state.pair.costs.draft_step_ms() if state.pair.costs else 0.0
         state.predraft_depth.observe(settled.slack_ms, step_ms, settled.predraft_full)
+    if settled.timing is not None:
+        state.branch_timings.append(settled.timing)  # the coordinator's row cost, as the request ends
     if state.k_chooser is not None and settled.rescued is not None:
         state.k_chooser.observe_rescue(settled.rescued)  # for the chooser's ρ
     if state.k_chooser is not None and settled.guessed is not None and state.job.params.greedy:

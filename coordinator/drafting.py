@@ -174,9 +174,11 @@ class Drafting:
             call, outcome, proposed, live, state.draft_view, len(state.sequence), state.stats, state.unused_forks,
             state.round_index,
         )  # fmt: skip
-        replied, verified, slack = call.replied_ms, call.verified_ms, None
+        replied, verified, slack, timing = call.replied_ms, call.verified_ms, None, None
         if call.predraft is not None and replied is not None and verified is not None:
             slack = verified - replied
+        if call.predraft is not None and replied is not None and len(call.branches) > 1:
+            timing = (len(call.branches), max(branch.k for branch in call.branches), replied - call.sent_ms)
         rescued = None
         if call.hedged and outcome.num_accepted < proposed:
             # A rejection: whether a hedge assumed it (the outcome and the plan alone decide, as for K).
@@ -186,6 +188,7 @@ class Drafting:
         return dataclasses.replace(
             settled,
             slack_ms=slack,
+            timing=timing,
             predraft_full=call.predraft_full,
             rescued=rescued,
             features_end=call.features_end if delivered else 0,

@@ -20,7 +20,13 @@ A branch call's rows are priced as passes of at most the draft's batch size (`pr
 the service steps them in one pass, but each fork also copies its parent's KV and samples its
 rows, outside the calibrated passes. Priced as one pass over all its rows, auto chose 8 hedges
 on a flat 20 / 4 ms profile and ran 0.72x the best mode, its branch calls replying 9 ms after
-the verify; priced this way it chose 4 and matched the best.
+the verify; priced this way it chose 4 and matched the best. What each row costs a step beyond
+the pass (its fork, its sampling, its part of the reply at both ends) is learned from the calls
+themselves (`RowCost`): emulated (70B / 1B H100 profiles, α 0.8, AVX-512 machine), a draft whose
+batched pass calibrated flat at 2.0 ms took 22 ms for a call of 5 rows and 9 steps, 21 ms for
+10 rows and 4 steps, 25 ms for 14 rows and 4 steps, 0.06-0.08 ms a row a step more than the
+model. Unpriced, auto chose 8-12 hedges up to α 0.76 there, and ran 0.87-0.94 of the best
+hand-set mode; priced, four from its second request, and 0.92-0.97 (docs/design.md).
 
 Only greedy requests get branches of auto's choosing. A sampled row's step also samples, keeps
 its sparse distribution and its runner-ups, which the calibrated passes leave out, and its
@@ -50,6 +56,7 @@ RUNNER_UP_SHARES = (0.5, 0.25, 0.125, 0.0625)
 HEDGE_COUNTS = (0, 1, 2, 4, 8, 12)  # the hedge counts weighed
 GUESS_COUNTS = (1, 2, 3)  # the bonus guesses weighed
 OVERLAP_GAIN = 1.03
+ROW_COST_WEIGHT = 0.1  # the newest call's weight in RowCost's running mean, past its first ten
 
 
 @dataclass(frozen=True)
@@ -134,3 +141,27 @@ def best_rate(costs: RoundCosts, overlap: Overlap, alpha: float, ks: tuple[int, 
     rates = {k: shaped.tokens_per_ms(k, alpha, overlap.pipelined, rescue_share(alpha, k, overlap.hedges)) for k in ks}
     k = max(rates, key=lambda k: (rates[k], -k))
     return k, rates[k]
+
+
+@dataclass
+class RowCost:
+    """What each row of a pre-drafting branch call costs a draft step beyond the calibrated
+    batched pass (RoundCosts.branch_row_ms), learned from the calls of two rows or more that
+    rounds timed: how much longer each took from its send to its reply than the costs say,
+    shared among its rows and steps. A running mean, the newest call weighted ROW_COST_WEIGHT
+    once it has ten before it. A call of one row (the pre-draft alone) is a draft call, costed
+    as one (`RoundCosts.draft_ms`), and teaches nothing here."""
+
+    ms: float = 0.0
+    calls: int = 0
+
+    def observe(self, costs: RoundCosts, rows: int, steps: int, call_ms: float) -> None:
+        if rows < 2 or steps < 1:
+            return
+        predicted = dataclasses.replace(costs, branch_rows=rows, branch_row_ms=0.0).predraft_ms(steps)
+        self.calls += 1
+        self.ms += max(ROW_COST_WEIGHT, 1.0 / self.calls) * (max(call_ms - predicted, 0.0) / (rows * steps) - self.ms)
+
+    def priced(self, costs: RoundCosts) -> RoundCosts:
+        """`costs` with the learned row cost, to 0.01 ms (choose_overlap is cached on its costs)."""
+        return dataclasses.replace(costs, branch_row_ms=round(self.ms, 2))

@@ -141,6 +141,10 @@ class RoundCosts:
     # the first make it that a fully accepted round's pre-draft is kept.
     branch_rows: int = 1
     guess_share: float = 0.0
+    # What each row of such a call costs a step beyond the calibrated batched pass (its fork,
+    # its sampling, its part of the reply on both ends), learned from earlier calls
+    # (coordinator.overlap.RowCost).
+    branch_row_ms: float = 0.0
     # The steps a K = 0 round's call runs (coordinator.rounds.steps_per_call), its call's cost
     # shared among them (Choosers.k_chooser sets it; 1: a call a step, as the copy chooser costs).
     target_only_steps: int = 1
@@ -193,7 +197,8 @@ class RoundCosts:
         if ("branch", steps) not in self._ms:
             batch = self.draft_batch or BatchCosts(self.draft_pass_ms)
             rows = self.draft_sessions + self.branch_rows - 1
-            self._ms["branch", steps] = self.draft_rpc_ms + steps * batch.load_ms(rows, 1)
+            step_ms = batch.load_ms(rows, 1) + self.branch_rows * self.branch_row_ms
+            self._ms["branch", steps] = self.draft_rpc_ms + steps * step_ms
         return self._ms["branch", steps]
 
     def verify_ms(self, k: int) -> float:

@@ -157,6 +157,9 @@ class Settled:
     guessed: bool | None = None
     slack_ms: float | None = None  # how long before the verify the pre-draft's call replied (PredraftDepth)
     predraft_full: bool = True  # that pre-draft took k + 1 steps (PredraftDepth.steps)
+    # A pre-drafting call of two rows or more: (rows, steps, ms from its send to its reply), for
+    # the coordinator's row cost (coordinator.overlap.RowCost, learned as the request ends).
+    timing: tuple[int, int, float] | None = None
     features_end: int = 0  # the call delivered the request's pending features before this position
 
 

@@ -3,10 +3,12 @@ from the cost model where the flags leave them to it, the plain rounds where not
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.adaptive import DEFAULT_RESCUE_PRIOR
-from coordinator.overlap import RUNNER_UP_SHARES, Overlap, best_rate, choose_overlap, rescue_share
+from coordinator.overlap import RUNNER_UP_SHARES, Overlap, RowCost, best_rate, choose_overlap, rescue_share
 from coordinator.round_costs import BatchCosts, RoundCosts
 
 KS = tuple(range(1, 9))
@@ -100,3 +102,40 @@ def test_the_branch_calls_rows_and_guesses_are_costed():
     plain = Overlap(True).costs(flat(2.0, 20.0))
     guessed = Overlap(True, 0, 2).costs(flat(2.0, 20.0))
     assert guessed.round_ms(4, 0.7, pipelined=True) < plain.round_ms(4, 0.7, pipelined=True)
+
+
+def test_a_rows_learned_cost_is_priced_per_row_and_step():
+    costs = dataclasses.replace(Overlap(True, 4).costs(flat(2.0, 20.0)), branch_row_ms=0.1)
+    assert costs.predraft_ms(6) == pytest.approx(0.5 + 6 * (2.0 + 5 * 0.1))  # five rows, six steps
+    # The pre-draft alone is a draft call: its row cost is the calibrated step's.
+    alone = dataclasses.replace(Overlap(True).costs(flat(2.0, 20.0)), branch_row_ms=0.1)
+    assert alone.predraft_ms(6) == pytest.approx(alone.draft_ms(6))
+
+
+def test_the_row_cost_is_learned_from_calls_of_several_rows():
+    costs, learned = flat(2.0, 20.0), RowCost()
+    learned.observe(costs, 1, 6, 40.0)  # the pre-draft alone: nothing to learn
+    assert learned.calls == 0
+    # 5 rows, 6 steps: costed 0.5 + 6 x 2.0 = 12.5 ms; it took 15.5, 0.1 ms a row a step more.
+    learned.observe(costs, 5, 6, 15.5)
+    assert learned.ms == pytest.approx(0.1)
+    learned.observe(costs, 10, 4, 8.5 + 0.2 * 40)  # 0.2: the mean of the two now
+    assert learned.ms == pytest.approx(0.15)
+    learned.observe(costs, 5, 6, 10.0)  # faster than costed: 0, never a discount
+    assert learned.ms == pytest.approx(0.1)
+    for _ in range(100):  # past its first ten calls, a running mean weighted ROW_COST_WEIGHT
+        learned.observe(costs, 5, 6, 12.5 + 0.3 * 30)
+    assert learned.ms == pytest.approx(0.3, abs=1e-4)
+    assert learned.priced(costs).branch_row_ms == 0.3 and learned.priced(costs).draft_pass_ms == costs.draft_pass_ms
+
+
+def test_a_learned_row_cost_takes_the_hedges_that_outlast_the_verify_away():
+    """The emulated 70B / 1B H100 pair as its coordinator costed it (a draft step of 1.9 ms, its
+    batched rows calibrated flat at 2.0 ms, the draft's batch size 8; a target pass of 18.5 ms):
+    unpriced, the rows of 12 hedges look free and auto chose them at α 0.6-0.77; at the 0.08
+    ms a row a step its calls took beyond that, four."""
+    draft = (1.9,) * 9
+    batch = BatchCosts(draft, ((2, 1, 2.0), (2, 9, 2.0), (4, 1, 2.0), (4, 9, 2.1), (8, 1, 2.0), (8, 9, 2.3)), 8)
+    costs = RoundCosts(draft, (18.5,) * 9, 0.78, 0.8, draft_batch=batch)
+    assert choose_overlap(costs, 0.7, KS, *AUTO).hedges == 8
+    assert choose_overlap(dataclasses.replace(costs, branch_row_ms=0.08), 0.7, KS, *AUTO).hedges == 4
