@@ -138,10 +138,11 @@ class Choosers:
         next request's priors; a relaxed request's, higher than exact acceptance, would mislead
         the exact requests after it. (A request whose copies were right ramps its copies up to
         max_copied_tokens within a few rounds; the next one starts nearer where it ended.) What
-        its branch calls took teaches the row cost (`RowCost`)."""
-        if state.pair.costs is not None:
-            for rows, steps, call_ms in state.branch_timings:
-                self._row_cost.observe(state.pair.costs, rows, steps, call_ms)
+        a greedy request's branch calls took teaches the row cost (`RowCost`; a sampled row also
+        samples and keeps its sparse distribution, which auto's greedy hedges do not)."""
+        if state.job.params.greedy:
+            for sample_ms in state.row_costs:
+                self._row_cost.observe(sample_ms)
         if state.job.relaxed is None:
             self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
             self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)

@@ -26,7 +26,7 @@ themselves (`RowCost`): emulated (70B / 1B H100 profiles, α 0.8, AVX-512 machin
 batched pass calibrated flat at 2.0 ms took 22 ms for a call of 5 rows and 9 steps, 21 ms for
 10 rows and 4 steps, 25 ms for 14 rows and 4 steps, 0.06-0.08 ms a row a step more than the
 model. Unpriced, auto chose 8-12 hedges up to α 0.76 there, and ran 0.87-0.94 of the best
-hand-set mode; priced, four from its second request, and 0.92-0.97 (docs/design.md).
+hand-set mode; priced, four from its second request, and 0.92-1.10 (docs/design.md).
 
 Only greedy requests get branches of auto's choosing. A sampled row's step also samples, keeps
 its sparse distribution and its runner-ups, which the calibrated passes leave out, and its
@@ -143,25 +143,30 @@ def best_rate(costs: RoundCosts, overlap: Overlap, alpha: float, ks: tuple[int, 
     return k, rates[k]
 
 
+def row_cost_sample(costs: RoundCosts, rows: int, steps: int, call_ms: float) -> float:
+    """How much longer a pre-drafting branch call of `rows` rows and `steps` steps took, from
+    its send to its reply, than `costs` (its round's, at the load it ran beside) say, a row a
+    step: RowCost's sample. Negative where it was quicker."""
+    predicted = dataclasses.replace(costs, branch_rows=rows, branch_row_ms=0.0).predraft_ms(steps)
+    return (call_ms - predicted) / (rows * steps)
+
+
 @dataclass
 class RowCost:
     """What each row of a pre-drafting branch call costs a draft step beyond the calibrated
-    batched pass (RoundCosts.branch_row_ms), learned from the calls of two rows or more that
-    rounds timed: how much longer each took from its send to its reply than the costs say,
-    shared among its rows and steps. A running mean, the newest call weighted ROW_COST_WEIGHT
-    once it has ten before it. A call of one row (the pre-draft alone) is a draft call, costed
-    as one (`RoundCosts.draft_ms`), and teaches nothing here."""
+    batched pass (RoundCosts.branch_row_ms), learned from greedy requests' calls of two rows or
+    more (`row_cost_sample`, Choosers.learn): a running mean, the newest call weighted
+    ROW_COST_WEIGHT once it has ten before it, never priced below 0. A call of one row (the
+    pre-draft alone) is a draft call, costed as one (`RoundCosts.draft_ms`), and teaches
+    nothing here."""
 
     ms: float = 0.0
     calls: int = 0
 
-    def observe(self, costs: RoundCosts, rows: int, steps: int, call_ms: float) -> None:
-        if rows < 2 or steps < 1:
-            return
-        predicted = dataclasses.replace(costs, branch_rows=rows, branch_row_ms=0.0).predraft_ms(steps)
+    def observe(self, sample_ms: float) -> None:
         self.calls += 1
-        self.ms += max(ROW_COST_WEIGHT, 1.0 / self.calls) * (max(call_ms - predicted, 0.0) / (rows * steps) - self.ms)
+        self.ms += max(ROW_COST_WEIGHT, 1.0 / self.calls) * (sample_ms - self.ms)
 
     def priced(self, costs: RoundCosts) -> RoundCosts:
         """`costs` with the learned row cost, to 0.01 ms (choose_overlap is cached on its costs)."""
-        return dataclasses.replace(costs, branch_row_ms=round(self.ms, 2))
+        return dataclasses.replace(costs, branch_row_ms=max(round(self.ms, 2), 0.0))

@@ -8,7 +8,15 @@ import dataclasses
 import pytest
 
 from coordinator.adaptive import DEFAULT_RESCUE_PRIOR
-from coordinator.overlap import RUNNER_UP_SHARES, Overlap, RowCost, best_rate, choose_overlap, rescue_share
+from coordinator.overlap import (
+    RUNNER_UP_SHARES,
+    Overlap,
+    RowCost,
+    best_rate,
+    choose_overlap,
+    rescue_share,
+    row_cost_sample,
+)
 from coordinator.round_costs import BatchCosts, RoundCosts
 
 KS = tuple(range(1, 9))
@@ -112,21 +120,24 @@ def test_a_rows_learned_cost_is_priced_per_row_and_step():
     assert alone.predraft_ms(6) == pytest.approx(alone.draft_ms(6))
 
 
-def test_the_row_cost_is_learned_from_calls_of_several_rows():
-    costs, learned = flat(2.0, 20.0), RowCost()
-    learned.observe(costs, 1, 6, 40.0)  # the pre-draft alone: nothing to learn
-    assert learned.calls == 0
+def test_the_row_cost_is_learned_from_what_calls_took_beyond_their_costs():
+    costs = flat(2.0, 20.0)
     # 5 rows, 6 steps: costed 0.5 + 6 x 2.0 = 12.5 ms; it took 15.5, 0.1 ms a row a step more.
-    learned.observe(costs, 5, 6, 15.5)
-    assert learned.ms == pytest.approx(0.1)
-    learned.observe(costs, 10, 4, 8.5 + 0.2 * 40)  # 0.2: the mean of the two now
+    assert row_cost_sample(costs, 5, 6, 15.5) == pytest.approx(0.1)
+    # Costed at the load it ran beside (the draft's batch of 16 full: two passes a step), the
+    # same call took less than its costs.
+    assert row_cost_sample(costs.at_load(1, 16), 5, 6, 15.5) < 0
+    learned = RowCost()
+    learned.observe(0.1)
+    learned.observe(0.2)  # the mean of the first ten
     assert learned.ms == pytest.approx(0.15)
-    learned.observe(costs, 5, 6, 10.0)  # faster than costed: 0, never a discount
-    assert learned.ms == pytest.approx(0.1)
+    learned.observe(-0.15)  # quicker than costed: a sample like any other, so noise averages out
+    assert learned.ms == pytest.approx(0.05)
     for _ in range(100):  # past its first ten calls, a running mean weighted ROW_COST_WEIGHT
-        learned.observe(costs, 5, 6, 12.5 + 0.3 * 30)
+        learned.observe(0.3)
     assert learned.ms == pytest.approx(0.3, abs=1e-4)
     assert learned.priced(costs).branch_row_ms == 0.3 and learned.priced(costs).draft_pass_ms == costs.draft_pass_ms
+    assert RowCost(ms=-0.2).priced(costs).branch_row_ms == 0.0  # never priced below the pass
 
 
 def test_a_learned_row_cost_takes_the_hedges_that_outlast_the_verify_away():

@@ -5,18 +5,22 @@ output, depend on nothing but itself."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from transformers import AutoTokenizer
 
 from coordinator import choosers as coordinator_choosers
 from coordinator import server as coordinator_server
+from coordinator.choosers import Choosers
 from coordinator.config import CoordinatorConfig
+from coordinator.drafting import Drafting
 from coordinator.requests import GenerationRequest
 from specdec.engine.modeling import tokenizer_fingerprint
 from tests.stack import configured
 from tests.table_services import TableDraft, TableModel, TableTarget
 
 
-async def test_branch_calls_teach_the_row_cost_that_prices_later_requests(word_pair, monkeypatch):
+async def test_branch_calls_are_timed_and_the_row_cost_prices_later_requests(word_pair, monkeypatch):
     table = TableModel(24, salt=1, logit_scale=1.5)
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(word_pair.target))
     # Hedges set by hand: auto hedges greedy requests only, and the tables sample (temperature 1).
@@ -28,14 +32,26 @@ async def test_branch_calls_teach_the_row_cost_that_prices_later_requests(word_p
         ),
         {"pipeline": True, "hedges": 2},
     )
-    priced = []  # the row cost of each request's overlap, as it starts
-    choose = coordinator_choosers.choose_overlap
+    priced = []  # the row cost of each request's overlap and of its K chooser, as it starts
+    choose, chooser, settle = coordinator_choosers.choose_overlap, coordinator_choosers.AdaptiveK, Drafting.settle
+    timings = []
 
-    def spy(costs, alpha, ks, pipeline, hedges, guesses, sampled=False):
-        priced.append(costs.branch_row_ms)
-        return choose(costs, alpha, ks, pipeline, hedges, guesses, sampled=sampled)
+    def spy_overlap(costs, *args, **kwargs):
+        priced.append(("overlap", costs.branch_row_ms))
+        return choose(costs, *args, **kwargs)
 
-    monkeypatch.setattr(coordinator_choosers, "choose_overlap", spy)
+    def spy_chooser(**fields):
+        priced.append(("K", fields["costs"].branch_row_ms))
+        return chooser(**fields)
+
+    async def spy_settle(self, state, call, result):
+        settled = await settle(self, state, call, result)
+        timings.append(settled.timing)
+        return settled
+
+    monkeypatch.setattr(coordinator_choosers, "choose_overlap", spy_overlap)
+    monkeypatch.setattr(coordinator_choosers, "AdaptiveK", spy_chooser)
+    monkeypatch.setattr(Drafting, "settle", spy_settle)
     engine = await coordinator_server.connect(config, draft, target, rules)
 
     async def generate(**fields) -> int:
@@ -48,12 +64,29 @@ async def test_branch_calls_teach_the_row_cost_that_prices_later_requests(word_p
 
     try:
         assert await generate(), "no hedges: the case is not exercised"
+        # Calls of three rows (the pre-draft and two hedges), timed although in-process the reply
+        # is in before the round reads it (a done callback ran after; none was timed).
+        assert any(timing is not None and timing[0] == 3 for timing in timings)
         row_cost = engine.choosers._row_cost
-        assert row_cost.calls, "no branch call of several rows was timed"
-        row_cost.ms = 0.25  # as if its calls had taken that much longer
+        assert row_cost.calls == 0  # a sampled request's rows teach nothing
+        row_cost.ms = 0.25  # as if greedy requests' calls had taken that much longer
         await generate()
         await generate(seed=7)
     finally:
         engine.close()
         await engine.wait_cleanup()
-    assert priced == [0.0, 0.25, 0.0]  # the seeded request's: the calibrated costs alone
+    unpriced, learned = [("overlap", 0.0), ("K", 0.0)], [("overlap", 0.25), ("K", 0.25)]
+    assert priced == unpriced + learned + unpriced  # the seeded request's: the calibrated costs alone
+
+
+def test_greedy_requests_teach_the_row_cost():
+    choosers = Choosers(CoordinatorConfig(), rules=None)  # type: ignore[arg-type]
+
+    def finished(greedy: bool, samples: list[float]) -> SimpleNamespace:
+        job = SimpleNamespace(params=SimpleNamespace(greedy=greedy), relaxed=None)
+        return SimpleNamespace(job=job, row_costs=samples, k_chooser=None, copy_chooser=None)
+
+    choosers.learn(finished(False, [0.5, 0.5]))
+    assert choosers._row_cost.calls == 0
+    choosers.learn(finished(True, [0.1, 0.2]))
+    assert choosers._row_cost.calls == 2 and abs(choosers._row_cost.ms - 0.15) < 1e-9
