@@ -9,7 +9,7 @@ import logging
 
 from coordinator.adaptive import DEFAULT_ALPHA_PRIOR, PRIOR_WEIGHT, AdaptiveK
 from coordinator.config import CoordinatorConfig
-from coordinator.overlap import Overlap, RowCost, choose_overlap
+from coordinator.overlap import Overlap, RowCost, choose_overlap, row_cost_sample
 from coordinator.pair import PairInfo
 from coordinator.requests import Job
 from coordinator.round_costs import RoundCosts
@@ -141,8 +141,8 @@ class Choosers:
         a greedy request's branch calls took teaches the row cost (`RowCost`; a sampled row also
         samples and keeps its sparse distribution, which auto's greedy hedges do not)."""
         if state.job.params.greedy:
-            for sample_ms in state.row_costs:
-                self._row_cost.observe(sample_ms)
+            for costs, rows, steps, call_ms in state.branch_calls:  # what each took beyond its costs
+                self._row_cost.observe(row_cost_sample(costs, rows, steps, call_ms))
         if state.job.relaxed is None:
             self._alpha_prior = learned_prior(self._alpha_prior, state.k_chooser)
             self._copy_alpha_prior = learned_prior(self._copy_alpha_prior, state.copy_chooser)

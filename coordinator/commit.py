@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from coordinator.acceptance import committed_logprobs
 from coordinator.features import FeatureRows
-from coordinator.overlap import row_cost_sample
 from coordinator.pair import PairInfo
 from coordinator.round_costs import RoundCosts
 from coordinator.rounds import COPY_WAIT_ROUNDS, RequestState, RoundKind, RoundPlan
@@ -167,8 +166,8 @@ def _append(
 
 def _take_branches(state: RequestState, settled: Settled, costs: RoundCosts | None) -> None:
     """The settled branches: the next round's drafts, the draft session from now on (a used
-    fork) and what it holds, the pre-drafts' depth, the chooser's hedge rescues and, against
-    the round's `costs`, what its call took beyond them."""
+    fork) and what it holds, the pre-drafts' depth, the chooser's hedge rescues, and the call's
+    time with the round's `costs` (the coordinator's row cost learns from both as it ends)."""
     if settled.draft_view is not None:
         state.draft_view = settled.draft_view
     if settled.draft_synced is not None:
@@ -179,9 +178,8 @@ def _take_branches(state: RequestState, settled: Settled, costs: RoundCosts | No
         # How long before the verify the branches replied: the next pre-draft's steps.
         step_ms = state.pair.costs.draft_step_ms() if state.pair.costs else 0.0
         state.predraft_depth.observe(settled.slack_ms, step_ms, settled.predraft_full)
-    if settled.timing is not None and costs is not None:
-        # What the call took beyond the round's costs at its load: the coordinator's row cost.
-        state.row_costs.append(row_cost_sample(costs, *settled.timing))
+    if settled.timing is not None and costs is not None:  # the coordinator's row cost, as it ends
+        state.branch_calls.append((costs, *settled.timing))
     if state.k_chooser is not None and settled.rescued is not None:
         state.k_chooser.observe_rescue(settled.rescued)  # for the chooser's ρ
     if state.k_chooser is not None and settled.guessed is not None and state.job.params.greedy:

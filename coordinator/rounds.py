@@ -146,7 +146,8 @@ class RequestState:
     unused_forks: list[str] = field(default_factory=list)  # draft sessions to end with the next branch call
     copy_wait: int = 0  # K = 0 rounds before a copy is looked for again, after a lookup found none
     predraft_depth: PredraftDepth = field(default_factory=PredraftDepth)  # pre-drafts' steps, from their timing
-    row_costs: list[float] = field(default_factory=list)  # its branch calls' overlap.row_cost_sample
+    # Its timed branch calls: (the round's costs at its load, Settled.timing), for the row cost.
+    branch_calls: list[tuple[RoundCosts, int, int, float]] = field(default_factory=list)
     round_index: int = 0  # the clock: rounds committed, a target-only call's steps each counted
     # An EAGLE-style draft's: the target's features of committed tokens its session has not been sent.
     features: FeatureRows | None = None

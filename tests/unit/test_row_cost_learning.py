@@ -15,6 +15,7 @@ from coordinator.choosers import Choosers
 from coordinator.config import CoordinatorConfig
 from coordinator.drafting import Drafting
 from coordinator.requests import GenerationRequest
+from coordinator.round_costs import BatchCosts, RoundCosts
 from specdec.engine.modeling import tokenizer_fingerprint
 from tests.stack import configured
 from tests.table_services import TableDraft, TableModel, TableTarget
@@ -82,11 +83,16 @@ async def test_branch_calls_are_timed_and_the_row_cost_prices_later_requests(wor
 def test_greedy_requests_teach_the_row_cost():
     choosers = Choosers(CoordinatorConfig(), rules=None)  # type: ignore[arg-type]
 
-    def finished(greedy: bool, samples: list[float]) -> SimpleNamespace:
-        job = SimpleNamespace(params=SimpleNamespace(greedy=greedy), relaxed=None)
-        return SimpleNamespace(job=job, row_costs=samples, k_chooser=None, copy_chooser=None)
+    # Calls of 5 rows and 6 steps on a draft whose batches of up to 16 cost a pass: 0.5 + 6 x 2.0 = 12.5 ms.
+    draft = (2.0,) * 16
+    costs = RoundCosts(draft, (20.0,) * 16, 0.5, 0.5, draft_batch=BatchCosts(draft, ((16, 1, 2.0),), 16))
 
-    choosers.learn(finished(False, [0.5, 0.5]))
+    def finished(greedy: bool, call_ms: list[float]) -> SimpleNamespace:
+        job = SimpleNamespace(params=SimpleNamespace(greedy=greedy), relaxed=None)
+        calls = [(costs, 5, 6, ms) for ms in call_ms]
+        return SimpleNamespace(job=job, branch_calls=calls, k_chooser=None, copy_chooser=None)
+
+    choosers.learn(finished(False, [18.5, 18.5]))
     assert choosers._row_cost.calls == 0
-    choosers.learn(finished(True, [0.1, 0.2]))
+    choosers.learn(finished(True, [15.5, 18.5]))  # 0.1 and 0.2 ms a row a step beyond the costs
     assert choosers._row_cost.calls == 2 and abs(choosers._row_cost.ms - 0.15) < 1e-9
