@@ -33,6 +33,9 @@ MAX_STEP_SEEDS = 64
 MAX_ENDED_SESSIONS = 64
 MAX_RUNNER_UPS = 4
 MAX_BRANCHES = 32
+# How far a draft row's mass may stray from 1: float32 rounding of a softmax over 152k ids
+# stays under 1e-5; a row this far off was not normalised.
+ROW_MASS_TOLERANCE = 1e-3
 
 
 def encode_distributions(
@@ -127,6 +130,7 @@ def decode_distributions(
                     f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
                 )
             _check_probabilities(values)
+            _check_mass(row, values)
             if ids.size and ids.min() < 0:
                 raise InvalidArgument(f"sparse distribution {row} names a negative token id")
             inside = ids < vocab_size
@@ -137,8 +141,10 @@ def decode_distributions(
             if not np.array_equal(draft_probs[row, kept_ids], kept):
                 raise InvalidArgument(f"sparse distribution {row} names a token id twice, with two probabilities")
         elif kind == "dense":
-            values = decode_dense(dist.dense)[:vocab_size]
+            values = decode_dense(dist.dense)
             _check_probabilities(values)
+            _check_mass(row, values)
+            values = values[:vocab_size]
             draft_probs[row, : values.size] = values
         else:
             raise InvalidArgument(f"distribution {row} is empty; set one_hot, sparse or dense")
@@ -150,6 +156,18 @@ def _check_probabilities(values: np.ndarray) -> None:
     whole [K, V] tensor instead cost milliseconds per call at Qwen's vocabulary.)"""
     if values.size and not (np.isfinite(values).all() and values.min() >= 0):
         raise InvalidArgument("draft distributions must hold finite, non-negative probabilities")
+
+
+def _check_mass(row: int, values: np.ndarray) -> None:
+    """A row's mass, past the target's width included, is 1 to float32 rounding: rejection
+    sampling is exact only for the distribution the token was drawn from, and a row scaled by
+    c (a drafter that forgot to normalise) would accept each draft with min(1, p/(cq)) and leave
+    the wrong residual, a bias no other check sees."""
+    mass = float(values.sum())  # [V] -> []: pairwise in float32, ~1e-6 off at Qwen's width
+    if not abs(mass - 1.0) <= ROW_MASS_TOLERANCE:
+        raise InvalidArgument(
+            f"draft distribution {row} sums to {mass:.6g}, not 1: not the distribution its token was drawn from"
+        )
 
 
 def token_probability(distribution: common_pb2.ProposalDistribution, token_id: int) -> float:

@@ -1,6 +1,7 @@
 """A broken model or a malformed proposal fails the request with a clear error instead of
-silently changing the output (issue 17, guards): NaN logits on either model, and a proposed
-token its own distribution gives probability 0. The services keep serving afterwards."""
+silently changing the output (issue 17, guards): NaN logits on either model, a proposed
+token its own distribution gives probability 0, and a distribution whose mass is not 1. The
+services keep serving afterwards."""
 
 from __future__ import annotations
 
@@ -68,5 +69,25 @@ async def test_a_proposed_token_with_draft_probability_zero_is_refused(tiny_pair
             await stack.stub.Generate(request(1.0), timeout=60)
         assert raised.value.code() == grpc.StatusCode.INTERNAL
         assert "with probability 0.0 under the distribution it sent" in raised.value.details()
+        runner._finish = plain_finish
+        await stack.stub.Generate(request(1.0), timeout=60)
+
+
+async def test_a_proposal_row_that_is_not_a_distribution_fails_the_request(tiny_pair):
+    """Rows the draft forgot to normalise would bias every acceptance test without a trace; the
+    target refuses them and the request fails, naming why."""
+    async with local_stack(tiny_pair) as stack:
+        runner = stack.draft_runner
+        plain_finish = runner._finish
+
+        def unnormalised(drafting):
+            proposal = plain_finish(drafting)
+            return dataclasses.replace(proposal, probs=proposal.probs * 1.5)
+
+        runner._finish = unnormalised
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stack.stub.Generate(request(1.0), timeout=60)
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert "draft distribution 0 sums to 1.5, not 1" in raised.value.details()
         runner._finish = plain_finish
         await stack.stub.Generate(request(1.0), timeout=60)

@@ -13,16 +13,16 @@ from specdec.v1 import common_pb2
 
 
 def _rows(seed: int, vocab: int) -> torch.Tensor:
-    """[K, V] rows from empty to full support, so both sparse and dense forms appear."""
+    """[K, V] distributions from one id to full support, so both sparse and dense forms appear."""
     generator = torch.Generator().manual_seed(seed)
     count = int(torch.randint(1, 6, (), generator=generator))
     probs = torch.zeros(count, vocab)
     for row in range(count):
         support = torch.randperm(vocab, generator=generator)[
-            : int(torch.randint(0, vocab + 1, (), generator=generator))
+            : int(torch.randint(1, vocab + 1, (), generator=generator))
         ]
-        probs[row, support] = torch.rand(len(support), generator=generator)
-    return probs
+        probs[row, support] = torch.rand(len(support), generator=generator) + 0.01
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _encode_row(row: torch.Tensor) -> common_pb2.ProposalDistribution:
@@ -59,6 +59,35 @@ def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
     for distribution in (sparse, dense):
         with pytest.raises(InvalidArgument, match="finite, non-negative"):
             wire.decode_distributions([distribution], [1], 3)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.99, 1.01, 2.0])
+def test_a_row_whose_mass_is_not_one_is_refused_in_either_form(scale):
+    """A row scaled by c accepts each draft with min(1, p/(cq)) and leaves the wrong residual."""
+    sparse = common_pb2.ProposalDistribution(
+        sparse=common_pb2.SparseProbs(token_ids=[1, 2], probs=[0.25 * scale, 0.75 * scale])
+    )
+    scaled = np.array([0.0, 0.25, 0.75], "<f4") * np.float32(scale)
+    dense = common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=scaled.tobytes()))
+    for distribution in (sparse, dense):
+        with pytest.raises(InvalidArgument, match="sums to .*, not 1"):
+            wire.decode_distributions([distribution], [1], 3)
+
+
+def test_a_softmax_over_qwens_width_passes_in_float32():
+    wide = torch.softmax(torch.randn(151_936, generator=torch.Generator().manual_seed(0)) * 4, dim=0)
+    rows = wire.encode_distributions(wide[None], 1, deterministic=False)
+    assert torch.equal(wire.decode_distributions(rows, [0], 151_936)[0], wide)
+
+
+def test_mass_past_the_targets_width_counts():
+    """A draft wider than the target sends its whole row; mass past the width is dropped only
+    after the row was found to be a distribution."""
+    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1, 5], probs=[0.5, 0.5]))
+    assert wire.decode_distributions([sparse], [1], 3).tolist() == [[0.0, 0.5, 0.0]]
+    short = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1], probs=[0.5]))
+    with pytest.raises(InvalidArgument, match="sums to 0.5, not 1"):
+        wire.decode_distributions([short], [1], 3)
 
 
 @pytest.mark.parametrize("ids", [[1, 1], [-1, 1]])
