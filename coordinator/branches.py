@@ -166,7 +166,7 @@ class Branches:
         async def timed() -> draft_pb2.ProposeBranchesResponse:  # not a done callback: settle may read first
             reply = await cast(DraftClient, draft_view.client).propose_branches(call)
             branch_call.replied_ms = stats.elapsed_ms()
-            branch_call.replica.answered(draft_view.session_id)
+            branch_call.replica.answered(draft_view.session_id, reply.results[0].proposal.held_sessions)
             return reply
 
         assert draft_view.replica is not None

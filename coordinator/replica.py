@@ -42,28 +42,37 @@ class Replica:
 
     @property
     def others(self) -> int:
-        """Sessions other coordinators held on it at both of its last two Infos (the replica's
-        count beyond this coordinator's, forks left out: a draft steps a request's branches in
-        its own passes, so a request's hedges are no load of their own, and this coordinator's
-        would otherwise count as others'). Both: a neighbour's request that ended just after an
-        Info is not counted for another refresh, which would have a request beside it costed at
-        a load that is gone (on a shared host, no drafting)."""
+        """Sessions other coordinators held on it at both of the last two counts it gave (its
+        Infos and the replies to this coordinator's calls: the replica's count beyond this
+        coordinator's, forks left out: a draft steps a request's branches in its own passes, so
+        a request's hedges are no load of their own, and this coordinator's would otherwise
+        count as others'). Both: a neighbour's request that ended just after one count is not
+        counted any longer than the next, which would have a request beside it costed at a load
+        that is gone (on a shared host, no drafting)."""
         return min(self.others_seen)
 
     def seen(self, info: common_pb2.ModelInfo) -> None:
         """Its Info has answered."""
         self.info = info
-        held = info.open_sessions - info.fork_sessions
+        self._count(info.open_sessions - info.fork_sessions)
+
+    def answered(self, session_id: str, held: int = 0) -> None:
+        """A call on one of this coordinator's sessions here has been answered: it holds it now.
+        `held`: the sessions it held as it answered, forks left out (held_sessions in each Verify
+        and Propose reply; 0 from a service that does not say). Counted with its Infos'; with
+        Infos alone (every 2 s), a neighbour's request that had ended was still counted for up
+        to two refreshes, and a request beside none ran as if loaded: its overlap off."""
+        self.pending.discard(session_id)
+        if held:
+            self._count(held)
+
+    def _count(self, held: int) -> None:
         own = self.sessions - len(self.pending) + self.ending
         self.others_seen = (self.others_seen[1], max(0, held - own))
 
-    def answered(self, session_id: str) -> None:
-        """A call on one of this coordinator's sessions here has been answered: it holds it now."""
-        self.pending.discard(session_id)
-
     @property
     def load(self) -> tuple[int, int]:
-        """Sessions on it, this coordinator's now and others' at the last Info, then the KV
+        """Sessions on it, this coordinator's now and others' as last counted, then the KV
         bytes its sessions hold (not its prefix cache's: those wait to be reused)."""
         if self.info is None:
             return (self.sessions, 0)

@@ -370,7 +370,7 @@ class Upstream:
             try:
                 reply = await send(view.synced, sequence[view.synced :])
                 if replica is not None:
-                    replica.answered(view.session_id)  # it holds the session now (Replica.pending)
+                    replica.answered(view.session_id, reply.held_sessions)  # it holds the session now
                 return reply
             except SessionNotFound:
                 if attempt:

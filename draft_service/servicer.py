@@ -87,7 +87,7 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             )
         if self._metrics is not None:
             self._metrics.observe_call("propose", proposal.compute_ms, proposal.processed_tokens, proposal.batch_size)
-        return _response(proposal)
+        return _response(proposal, self._runner.sessions.held())
 
     @grpc_errors
     async def ProposeBranches(
@@ -133,14 +133,14 @@ class DraftServicer(SessionServicerMixin, draft_pb2_grpc.DraftServicer):
             except asyncio.CancelledError:
                 stop.set()  # the verify went another way: stop every branch at its next step
                 raise
-        reply = draft_pb2.ProposeBranchesResponse()
+        reply, held = draft_pb2.ProposeBranchesResponse(), self._runner.sessions.held()
         for result in results:
             if isinstance(result, Exception):
                 reply.results.add(**error_fields(result))
             else:
                 if self._metrics is not None:
                     self._metrics.observe_call("propose", result.compute_ms, result.processed_tokens, result.batch_size)
-                reply.results.add(proposal=_response(result))
+                reply.results.add(proposal=_response(result, held))
         return reply
 
     async def _propose_branches(self, ending: list[str], calls: list[ProposeCall]) -> list:
@@ -219,7 +219,7 @@ def _call(request: draft_pb2.ProposeRequest, should_stop) -> ProposeCall:
     )
 
 
-def _response(proposal) -> draft_pb2.ProposeResponse:
+def _response(proposal, held_sessions: int) -> draft_pb2.ProposeResponse:
     return draft_pb2.ProposeResponse(
         token_ids=proposal.token_ids,
         distributions=wire.encode_distributions(
@@ -232,4 +232,5 @@ def _response(proposal) -> draft_pb2.ProposeResponse:
         runner_up_probs=proposal.runner_up_probs,
         copied=proposal.copied,
         parents=proposal.parents,
+        held_sessions=held_sessions,
     )

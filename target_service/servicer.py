@@ -136,6 +136,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
             features=None
             if result.features is None or features_dtype is None
             else wire.features_to_pb(result.sequence_length - result.processed_tokens, result.features, features_dtype),
+            held_sessions=self._runner.sessions.held(),
         )
 
     async def _verify(self, call: VerifyCall) -> Verification:

@@ -388,6 +388,9 @@ class SessionStore:
     def forks(self) -> int:  # open sessions still as forked (KVSession.forked): branches not taken
         return sum(1 for session in list(self._sessions.values()) if session.forked)
 
+    def held(self) -> int:  # open sessions less forks: the callers' sessions, the load they make
+        return sum(1 for session in list(self._sessions.values()) if not session.forked)
+
     def ids(self) -> list[str]:
         return list(self._sessions)  # least recently used first
 

@@ -18,7 +18,7 @@ from specdec.engine.costs import PassCosts
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.v1 import coordinator_pb2 as pb
 from tests.stack import inprocess_stack, slow_down
 
@@ -364,6 +364,45 @@ async def test_a_pipelined_request_pre_drafts_only_in_rounds_alone_on_its_target
         assert alone.predrafts > 0 and set(alone.sessions_per_round) == {1}
         assert (alone.hedges > 0) == ("hedges" in overlap), alone.hedges
         await _until_no_sessions(stack.draft_runner)
+
+
+async def test_a_neighbours_ended_request_no_longer_loads_the_next_ones_rounds(tiny_pair, reference, monkeypatch):
+    """Another coordinator's session on the same target loads this coordinator's request beside
+    it; once it has ended, the next request here is costed alone from its second round on (each
+    verify reply says what the target holds), where the pool's Infos alone kept it loaded, its
+    rounds sequential, until two more refreshes had seen the neighbour gone (up to 4 s at the
+    default refresh)."""
+    monkeypatch.setattr(coordinator_server, "shares_cores", lambda draft_info, target_info: False)
+
+    def chooser_costs(draft_runner, target_runner) -> None:  # as in the test above: K > 0 under load
+        draft_runner.pass_costs = PassCosts((1.0,) * 9, 128, tuple((b, 1, 1.0) for b in (2, 4, 8)))
+        target_runner.pass_costs = PassCosts((40.0,) * 9, context_tokens=128)
+
+    async with inprocess_stack(
+        tiny_pair,
+        draft_overrides={"quantize": "none"},
+        coordinator_overrides={"pipeline": True, "live_costs": False, "pool_refresh_s": 0.25},
+        prepare_runners=chooser_costs,
+    ) as stack:
+        assert stack.target is not None
+        slow_down(stack.target_runner, 0.03)  # rounds of 30 ms or more: a refresh takes several
+
+        async def generate() -> list[int]:
+            response = await stack.stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=40), timeout=60)
+            assert list(response.token_ids) == reference(PROMPTS[0])
+            return list(response.stats.sessions_per_round)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.target.port}") as channel:
+            neighbour = target_pb2_grpc.TargetStub(channel)
+            greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+            opened = target_pb2.VerifyRequest(session_id="neighbour", new_tokens=[5, 6, 7], sampling=greedy)
+            await neighbour.Verify(opened)
+            await asyncio.sleep(0.6)  # seen by two refreshes in a row
+            beside = await generate()
+            await neighbour.EndSession(common_pb2.EndSessionRequest(session_id="neighbour"))
+        after = await generate()
+        assert set(beside) == {2}, beside
+        assert set(after[1:]) == {1}, after
 
 
 async def test_a_request_left_to_the_coordinator_runs_the_overlap_its_costs_favour(tiny_pair, reference, monkeypatch):

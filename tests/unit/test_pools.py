@@ -128,6 +128,21 @@ def test_other_coordinators_sessions_count_where_two_infos_in_a_row_saw_them():
     assert loads == [1, 1, 4, 2, 1]
 
 
+def test_a_verify_reply_says_the_load_between_infos():
+    """Each reply's held_sessions updates the count Infos make: a neighbour's request that
+    ended no longer loads this coordinator's rounds two replies later, where the Infos alone
+    (every 2 s) had its requests costed as loaded for up to 4 s, pipelining off."""
+    (replica,) = pool_of("a:1").replicas.values()
+    replica.sessions = 1
+    for _ in range(2):  # a neighbour's request, seen by two Infos
+        replica.seen(common_pb2.ModelInfo(model_id="m", open_sessions=2))
+    loads = [replica.load[0]]
+    for held in (1, 0, 1, 2, 2):  # this request's verifies: the neighbour gone, then a new one
+        replica.answered("s", held)  # 0: a service that does not say
+        loads.append(replica.load[0])
+    assert loads == [2, 1, 1, 1, 1, 2]
+
+
 def test_a_session_being_ended_keeps_its_place_but_is_no_load():
     """Between a request's end and its EndSession's answer the replica still holds the session:
     it fills one of --max-sessions (a new one placed in it would be refused), and an Info taken
