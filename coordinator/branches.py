@@ -18,7 +18,7 @@ from coordinator.clients import DraftClient
 from coordinator.hedging import Hedge, plan_hedges
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
-from coordinator.replica import Replica
+from coordinator.replica import Replica, held_in
 from coordinator.rounds import RequestState, k_limit
 from coordinator.state import Round, SessionView, Settled, Source, check_reply
 from coordinator.upstream import Upstream
@@ -166,7 +166,7 @@ class Branches:
         async def timed() -> draft_pb2.ProposeBranchesResponse:  # not a done callback: settle may read first
             reply = await cast(DraftClient, draft_view.client).propose_branches(call)
             branch_call.replied_ms = stats.elapsed_ms()
-            branch_call.replica.answered(draft_view.session_id, reply.results[0].proposal.held_sessions)
+            branch_call.replica.answered(draft_view.session_id, held_in(reply))
             return reply
 
         assert draft_view.replica is not None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from coordinator.breaker import CircuitBreaker
 from coordinator.clients import ServiceClient
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2
 
 PROBE_TIMEOUT_S = 2.0
 # A replica whose Info has gone unanswered this many refreshes in a row (each waiting
@@ -112,3 +112,8 @@ class Replica:
     def usable(self) -> bool:
         """May take new sessions."""
         return self.serving and not self.gone and self.breaker.allow()
+
+
+def held_in(reply: draft_pb2.ProposeBranchesResponse) -> int:
+    """The held_sessions a ProposeBranches reply carries (each branch's alike; 0: none says)."""
+    return max((result.proposal.held_sessions for result in reply.results), default=0)
