@@ -49,8 +49,8 @@ class KVSession:
     # `tokens` its caller's first i tokens became (the caller's tokens sent so far; [0] first).
     # None: the caller and the session count the same tokens.
     caller_positions: list[int] | None = None
-    # Opened as a fork (SessionStore.fork) and continued by no call since: a branch its caller
-    # has not taken (ModelInfo.fork_sessions).
+    # Opened as a fork (SessionStore.fork) and neither continued by a call nor forked from
+    # since: a branch its caller has not taken (ModelInfo.fork_sessions).
     forked: bool = False
     # An EAGLE head's session: the target's features and the head's predictions by position
     # (specdec.engine.features.FeatureTrack); None for every other model.
@@ -276,7 +276,7 @@ class SessionStore:
             )
         return self._add(session_id, self._with_room(self._cache_factory), namespace)
 
-    def _add(self, session_id: str, cache: Cache | None, namespace: str) -> KVSession:
+    def _add(self, session_id: str, cache: Cache | None, namespace: str, forked: bool = False) -> KVSession:
         """A new session holding `cache`, within --max-sessions once idle ones have expired."""
         self.expire()
         if len(self._sessions) >= self.max_sessions:
@@ -284,8 +284,8 @@ class SessionStore:
                 f"{len(self._sessions)} sessions are open, the configured maximum is {self.max_sessions}; "
                 "retry later or raise --max-sessions"
             )
-        session = KVSession(session_id, cache=cache, namespace=namespace)
-        self._sessions[session_id] = session
+        session = KVSession(session_id, cache=cache, namespace=namespace, forked=forked)
+        self._sessions[session_id] = session  # as a fork already: held() may count from the event loop
         return session
 
     def extend(self, session: KVSession, keep_tokens: int, new_tokens: list[int], scored: int = 1) -> list[int]:
@@ -366,9 +366,9 @@ class SessionStore:
             lambda: cache_prefix(parent.cache, keep_tokens) if parent.cache is not None else self._cache_factory(),
             parent,
         )
-        session = self._add(session_id, cache, parent.namespace)
+        session = self._add(session_id, cache, parent.namespace, forked=True)
         session.tokens = parent.tokens[:keep_tokens]
-        session.forked = True
+        parent.forked = False  # forked from: its caller's session now (a branch it took)
         if parent.features is not None:
             session.features = parent.features.fork(min(keep_tokens, session.cached_tokens))
         if parent.cache is not None:

@@ -14,3 +14,16 @@ def test_active_counts_only_sessions_used_recently():
     assert store.active(1.0, now) == 2
     assert store.active(10.0, now) == 3
     assert store.active(1.0, now + 2.0) == 0 and len(store) == 3  # idle, but still open
+
+
+def test_held_sessions_leave_out_forks_but_not_a_fork_its_caller_forks_from():
+    """`held` (ModelInfo.open_sessions less fork_sessions, and every reply's held_sessions) is
+    the load callers make: their hedges' forks are not, but a fork a caller took is its
+    session, also where the caller's next call only forks from it (a round of hedges alone)."""
+    store = SessionStore(max_sessions=8, ttl_s=300.0, cache_factory=lambda: None)
+    store.open("request", 0).rollback(0, [1, 2, 3])
+    store.fork("request", "hedge", 2, epoch=0)
+    store.fork("request", "guess", 3, epoch=0)
+    assert (store.held(), store.forks(), len(store)) == (1, 2, 3)
+    store.fork("hedge", "next-hedge", 2, epoch=0)  # the hedge was taken: the request's session now
+    assert (store.held(), store.forks()) == (2, 2)

@@ -99,6 +99,15 @@ def test_a_sparse_row_naming_an_id_twice_or_a_negative_one_is_refused(ids):
         wire.decode_distributions([sparse], [1], 3)
 
 
+def test_a_sparse_row_naming_an_id_twice_with_one_value_is_refused():
+    """Its mass counts the id twice (here 1) where the row it decodes to holds 0.75."""
+    sparse = common_pb2.ProposalDistribution(
+        sparse=common_pb2.SparseProbs(token_ids=[1, 1, 2], probs=[0.25, 0.25, 0.5])
+    )
+    with pytest.raises(InvalidArgument, match="names a token id twice"):
+        wire.decode_distributions([sparse], [1], 3)
+
+
 def test_features_with_rows_but_no_width_are_refused():
     with pytest.raises(InvalidArgument, match="rows come with a width"):
         wire.features_from_pb(common_pb2.Features(start=0, rows=1, width=0, dtype="float32", data=b""))
