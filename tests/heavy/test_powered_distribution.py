@@ -100,12 +100,19 @@ def recovered_from_the_target(monkeypatch) -> None:
         monkeypatch.setattr(module, "residual_probs", lambda target_probs, draft_probs: target_probs)
 
 
-def rows_not_renormalised(monkeypatch) -> None:
-    """Mutant for the bridged draft: it ships its rows with the mass they had before the cut to
-    the shared tokens (as if 30% sat on its own tokens), while it samples from the renormalised
-    ones."""
+def rows_not_drawn_from(monkeypatch) -> None:
+    """Mutant for the bridged draft: the rows it ships over the caller's ids are not the ones it
+    samples from: half of each row's mass spread evenly over the row's ids. (Rows left with the
+    mass they had before the cut to the shared tokens, the bug this mutant modelled first, no
+    longer reach the output: the target refuses a row whose mass is not 1, test_guards.py.)"""
     plain = DraftRunner._over_vocab
-    monkeypatch.setattr(DraftRunner, "_over_vocab", lambda self, head_probs: plain(self, head_probs) * 0.7)
+
+    def shipped(self, head_probs):
+        rows = plain(self, head_probs)  # [n, V]
+        support = (rows > 0).float()
+        return 0.5 * rows + 0.5 * support / support.sum(dim=-1, keepdim=True)
+
+    monkeypatch.setattr(DraftRunner, "_over_vocab", shipped)
 
 
 def budget_of_the_prompt(draft_runner, target_runner) -> None:
@@ -144,7 +151,7 @@ CASES = {
         length=4,
         k=1,
     ),
-    "bridged_draft": Case(draft={"quantize": "none"}, bridged=True, mutant=rows_not_renormalised),
+    "bridged_draft": Case(draft={"quantize": "none"}, bridged=True, mutant=rows_not_drawn_from),
     "bridged_draft_with_foreign_draws": Case(
         draft={"quantize": "none"}, bridged=True, setup=hostile_foreign_draws, mutant=discard_foreign_rounds
     ),
