@@ -129,8 +129,7 @@ def decode_distributions(
                 raise InvalidArgument(
                     f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
                 )
-            _check_probabilities(values)
-            _check_mass(row, values)
+            _check_row(row, values)
             if ids.size and ids.min() < 0:
                 raise InvalidArgument(f"sparse distribution {row} names a negative token id")
             inside = ids < vocab_size
@@ -143,8 +142,7 @@ def decode_distributions(
             draft_probs[row, kept_ids] = kept
         elif kind == "dense":
             values = decode_dense(dist.dense)
-            _check_probabilities(values)
-            _check_mass(row, values)
+            _check_row(row, values)
             values = values[:vocab_size]
             draft_probs[row, : values.size] = values
         else:
@@ -152,18 +150,15 @@ def decode_distributions(
     return torch.from_numpy(draft_probs)  # numpy's indexing: a tenth of torch's per-op cost on short rows
 
 
-def _check_probabilities(values: np.ndarray) -> None:
-    """Checks only the values a message carries: the rest of a row stays 0. (Scanning the
-    whole [K, V] tensor instead cost milliseconds per call at Qwen's vocabulary.)"""
+def _check_row(row: int, values: np.ndarray) -> None:
+    """Checks only the values a message carries (scanning the whole [K, V] tensor instead cost
+    milliseconds per call at Qwen's vocabulary): finite and non-negative, and their mass, past
+    the target's width included, 1 to float32 rounding. Rejection sampling is exact only for the
+    distribution the token was drawn from, and a row scaled by c (a drafter that forgot to
+    normalise) would accept each draft with min(1, p/(cq)) and leave the wrong residual, a bias
+    no other check sees."""
     if values.size and not (np.isfinite(values).all() and values.min() >= 0):
         raise InvalidArgument("draft distributions must hold finite, non-negative probabilities")
-
-
-def _check_mass(row: int, values: np.ndarray) -> None:
-    """A row's mass, past the target's width included, is 1 to float32 rounding: rejection
-    sampling is exact only for the distribution the token was drawn from, and a row scaled by
-    c (a drafter that forgot to normalise) would accept each draft with min(1, p/(cq)) and leave
-    the wrong residual, a bias no other check sees."""
     mass = float(values.sum())  # [V] -> []: pairwise in float32, ~1e-6 off at Qwen's width
     if not abs(mass - 1.0) <= ROW_MASS_TOLERANCE:
         raise InvalidArgument(

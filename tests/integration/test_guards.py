@@ -52,42 +52,40 @@ async def test_nan_logits_fail_the_request_clearly_and_the_stack_keeps_serving(t
     assert list(again.token_ids) == list(good.token_ids)
 
 
-async def test_a_proposed_token_with_draft_probability_zero_is_refused(tiny_pair):
+async def refused_with_rows(tiny_pair, rows) -> grpc.aio.AioRpcError:
+    """A sampled request's error while the draft ships `rows(proposal)` instead of the rows it
+    drew from; the stack serves the next request once the draft ships its own again."""
     async with local_stack(tiny_pair) as stack:
         runner = stack.draft_runner
         plain_finish = runner._finish
 
-        def zero_own_token(drafting):
-            """The distribution sent gives the proposed tokens no mass: u * 0 < p would accept them always."""
+        def shipped(drafting):
             proposal = plain_finish(drafting)
-            probs = proposal.probs.clone()  # [K, V]
-            probs[torch.arange(len(proposal.token_ids)), torch.tensor(proposal.token_ids)] = 0.0
-            return dataclasses.replace(proposal, probs=probs / probs.sum(dim=-1, keepdim=True))
+            return dataclasses.replace(proposal, probs=rows(proposal))
 
-        runner._finish = zero_own_token
+        runner._finish = shipped
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stack.stub.Generate(request(1.0), timeout=60)
-        assert raised.value.code() == grpc.StatusCode.INTERNAL
-        assert "with probability 0.0 under the distribution it sent" in raised.value.details()
         runner._finish = plain_finish
         await stack.stub.Generate(request(1.0), timeout=60)
+    return raised.value
+
+
+async def test_a_proposed_token_with_draft_probability_zero_is_refused(tiny_pair):
+    def zero_own_token(proposal):
+        """The distribution sent gives the proposed tokens no mass: u * 0 < p would accept them always."""
+        probs = proposal.probs.clone()  # [K, V]
+        probs[torch.arange(len(proposal.token_ids)), torch.tensor(proposal.token_ids)] = 0.0
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    error = await refused_with_rows(tiny_pair, zero_own_token)
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "with probability 0.0 under the distribution it sent" in error.details()
 
 
 async def test_a_proposal_row_that_is_not_a_distribution_fails_the_request(tiny_pair):
     """Rows the draft forgot to normalise would bias every acceptance test without a trace; the
     target refuses them and the request fails, naming why."""
-    async with local_stack(tiny_pair) as stack:
-        runner = stack.draft_runner
-        plain_finish = runner._finish
-
-        def unnormalised(drafting):
-            proposal = plain_finish(drafting)
-            return dataclasses.replace(proposal, probs=proposal.probs * 1.5)
-
-        runner._finish = unnormalised
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await stack.stub.Generate(request(1.0), timeout=60)
-        assert raised.value.code() == grpc.StatusCode.INTERNAL
-        assert "draft distribution 0 sums to 1.5, not 1" in raised.value.details()
-        runner._finish = plain_finish
-        await stack.stub.Generate(request(1.0), timeout=60)
+    error = await refused_with_rows(tiny_pair, lambda proposal: proposal.probs * 1.5)
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "draft distribution 0 sums to 1.5, not 1" in error.details()
