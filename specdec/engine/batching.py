@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.sessions import KVSession
+from specdec.errors import status_of
 
 T = TypeVar("T")
 
@@ -133,3 +134,22 @@ def result_or_error(fn, *args):
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
         return exc
+
+
+def refusals_untraced(results: list) -> list:
+    """`results`, with the tracebacks of the refusals among them dropped (any status but
+    INTERNAL, which is logged with its own), and those of what each was raised from or in
+    handling (a PoolFull). Their frames, and the callers' frames those keep, hold the refused
+    call's session, ended, and so its pool pages: while a batch runs, and after it, in a cycle
+    through the frame that held `results`, until the cyclic collector runs."""
+    for result in results:
+        todo: list[BaseException | None] = (
+            [result] if isinstance(result, Exception) and status_of(result) != "INTERNAL" else []
+        )
+        seen: set[int] = set()
+        while todo:
+            if (item := todo.pop()) is not None and id(item) not in seen:
+                seen.add(id(item))
+                item.__traceback__ = None
+                todo += [item.__context__, item.__cause__]
+    return results

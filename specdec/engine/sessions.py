@@ -138,8 +138,7 @@ class KVSession:
         if epoch and epoch <= self.epoch:
             raise StaleRequest(
                 f"call epoch {epoch} is not newer than epoch {self.epoch} already served for session "
-                f"{self.session_id!r}; "
-                "it was superseded"
+                f"{self.session_id!r}; it was superseded"
             )
         self.epoch = max(self.epoch, epoch)
 
@@ -173,10 +172,9 @@ class SessionStore:
         self.evicted = 0  # sessions dropped to make room (not counting TTL expiry)
         self._cache_factory = cache_factory
         self._sessions: OrderedDict[str, KVSession] = OrderedDict()
-        # Never evicted, as their pass would keep their pages and they would be lost for nothing:
-        # sessions a running decode batch holds (specdec.engine.batched_pass.DecodeBatch) → the
-        # bytes each was admitted to grow by there (counted for others' calls), and the sessions
-        # of the calls being set up or run together (`sharing`).
+        # Never evicted, as their pass would keep their pages and they would be lost for nothing: sessions
+        # a running decode batch holds (specdec.engine.batched_pass.DecodeBatch) → the bytes each was admitted
+        # to grow by there (counted for others' calls), and those of the calls set up or run together (`sharing`).
         self._held: dict[str, int] = {}
         self._sharing: frozenset[str] = frozenset()
         # Finished and idle sessions' prompt blocks; its bytes count in the KV budget and are
@@ -237,8 +235,9 @@ class SessionStore:
             self._sharing = before
 
     def _evict(self, session_id: str) -> int:  # → the bytes its entries held
-        evicted = self._sessions.pop(session_id)
-        self.evicted += 1
+        evicted, self.evicted = self._sessions.pop(session_id), self.evicted + 1
+        if isinstance(evicted.cache, PoolCache):  # no pass runs it (`_spared`): its pages go back now, though what
+            evicted.cache.release()  # a call that ended left (a decode batch's row, its drafting) still refers to it
         return evicted.kv_bytes
 
     def _with_room(self, take: Callable[[], T], session: KVSession | None = None) -> T:

@@ -3,6 +3,8 @@ cannot fit alone is refused with the numbers, and Info reports the memory."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -203,6 +205,98 @@ def test_a_new_session_whose_prefix_hit_does_not_fit_the_pool_is_not_left_behind
     assert not isinstance(results[0], Exception)
     assert isinstance(results[1], ResourceExhausted)  # the hit needs two pages; holder is spared
     assert runner.sessions.ids() == ["holder"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_session_evicted_after_it_left_a_decode_batch_frees_its_pages_for_the_call_joining(loaded, static):
+    """Sessions "a" and "b" fill the pool (a page each; a static runner's scratch page is the third)
+    and draft in one decode batch. "a" proposes one token and leaves it; "b" goes on. A new
+    session's prompt joins: the least recently used session held by nothing is "a", whose
+    eviction frees its page there and then, so the prompt drafts in the running batch, and
+    only "a" pays, with a re-prefill."""
+    runner, lone = DraftRunner(loaded, 8, 60, 8, proposal_top_k=0), DraftRunner(loaded, 8, 60, 8, proposal_top_k=0)
+    tiny_pool(runner, 2 + static)
+    if static:
+        runner.max_batch_size = 4
+        runner.use_static_passes("on")
+    prompts = {"a": list(range(3, 13)), "b": list(range(4, 14))}
+    for session_id, prompt in prompts.items():
+        for each in (runner, lone):
+            each.propose_one(ProposeCall(session_id, 0, prompt, 2, GREEDY, seed=1))
+    assert runner.pool.allocator.free_pages == 0
+    first = [
+        ProposeCall("a", 11, [7], 1, GREEDY, seed=2),  # done after the batch's first pass
+        ProposeCall("b", 11, [8], 6, GREEDY, seed=3),
+    ]
+    joined = ProposeCall("c", 0, [4, 5, 6, 9, 10], 3, GREEDY, seed=4)
+    waves = [[], [joined]]  # it joins as "a" has left
+    held: list[int] = []
+
+    def join(now_held: int) -> list[ProposeCall]:
+        held.append(now_held)
+        return waves.pop(0) if waves else []
+
+    results = runner.propose_batch(first, None, join)
+    assert held[:2] == [2, 1]
+    assert not [result for result in results if isinstance(result, Exception)], results
+    assert [len(result.token_ids) for result in results] == [1, 6, 3]
+    assert results[2].batch_size >= 2, "c did not join the running batch"
+    for result, call in zip(results, [*first, joined]):  # "c" drafted in the page "a" held, none of it stale
+        assert result.token_ids == lone.propose_one(call).token_ids
+    assert runner.sessions.evicted == 1 and runner.sessions.ids() == ["b", "c"]
+    with pytest.raises(SessionNotFound):  # "a" re-prefills: the eviction's cost, once
+        runner.propose_one(ProposeCall("a", 12, [5], 2, GREEDY, seed=5))
+
+
+@pytest.mark.parametrize("refused", ["growing", "prefilling"])
+def test_a_call_refused_as_it_joins_a_decode_batch_leaves_its_pages_to_the_next(loaded, refused):
+    """Sessions "a" and "b" draft in a decode batch, a page each, in a three-page pool. A call joins that
+    does not fit: "c" (a page of its own, 60 tokens) can grow into no second page, or "d" (a
+    new session, opened in the free page) cannot prefill its 70 tokens in one. It is refused
+    and its session ended; a new session's prompt joining after it drafts in that page, in the
+    same batch."""
+    runner = DraftRunner(loaded, 8, 60, 8, proposal_top_k=0)
+    tiny_pool(runner, 3)
+    prompts = {"a": list(range(3, 13)), "b": list(range(4, 14)), "c": [(5 * i) % 50 + 2 for i in range(60)]}
+    for session_id in "ab" if refused == "prefilling" else "abc":
+        runner.propose_one(ProposeCall(session_id, 0, prompts[session_id], 2, GREEDY, seed=1))
+    first = [ProposeCall(sid, len(prompts[sid]) + 1, [7], 8, GREEDY, seed=2) for sid in "ab"]
+    if refused == "growing":
+        misfit = ProposeCall("c", len(prompts["c"]) + 1, [8], 8, GREEDY, seed=3)
+    else:
+        misfit = ProposeCall("d", 0, [(3 * i) % 40 + 1 for i in range(70)], 2, GREEDY, seed=3)
+    waves = [[], [misfit], [ProposeCall("e", 0, [4, 5, 6], 3, GREEDY, seed=4)]]
+    results = runner.propose_batch(first, None, lambda held: waves.pop(0) if waves else [])
+    assert isinstance(results[2], ResourceExhausted) and misfit.session_id not in runner.sessions.ids()
+    assert not isinstance(results[3], Exception), results[3]
+    assert results[3].batch_size >= 2, "e did not join the running batch"
+    assert sorted(runner.sessions.ids()) == ["a", "b", "e"] and runner.sessions.evicted == 0
+
+
+@pytest.mark.parametrize("runner_kind", ["target", "draft"])
+def test_a_call_refused_in_a_batch_gives_its_pages_back_without_the_cyclic_collector(loaded, runner_kind):
+    """A batch of two calls in a two-page pool: "h" (a page) and a new session whose 70-token
+    prompt needs two. The prompt is refused and its session ended; once the results are
+    dropped its page is free, with the cyclic collector off."""
+    long, short = [(3 * i) % 40 + 1 for i in range(70)], [1, 2, 3, 4, 5]
+    gc.disable()
+    try:
+        if runner_kind == "target":
+            runner = TargetRunner(loaded, max_sessions=8, session_ttl_s=60, max_speculative_tokens=4)
+            tiny_pool(runner, 2)
+            runner.verify_one(call(runner, "h", 0, short))
+            results = runner.verify_batch([call(runner, "h", 5, [6]), call(runner, "x", 0, long)])
+        else:
+            runner = DraftRunner(loaded, 8, 60, 8, proposal_top_k=0)
+            tiny_pool(runner, 2)
+            runner.propose_one(ProposeCall("h", 0, short, 2, GREEDY, seed=0))
+            calls = [ProposeCall("h", 6, [6], 2, GREEDY, seed=0), ProposeCall("x", 0, long, 2, GREEDY, seed=0)]
+            results = runner.propose_batch(calls)
+        assert not isinstance(results[0], Exception) and isinstance(results[1], ResourceExhausted)
+        del results
+        assert runner.sessions.ids() == ["h"] and runner.pool.allocator.free_pages == 1
+    finally:
+        gc.enable()
 
 
 def test_a_session_that_cannot_fit_alone_is_refused_with_the_numbers(loaded):
