@@ -74,7 +74,7 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.bytes = 0
         self.lookups = 0  # sessions that asked
-        self.hits = 0  # of those, sessions that found at least one block
+        self.hits = 0  # of those, sessions that started from at least one block
         self.tokens_saved = 0  # tokens a hit spared a prefill
         self.evicted_blocks = 0
 
@@ -116,9 +116,13 @@ class PrefixCache:
             )
             for index in range(len(blocks[0].layers))
         ]
-        self.hits += 1
-        self.tokens_saved += len(found) * self.block_tokens
         return plain_cache(layers)  # the concatenated blocks: tensors of its own
+
+    def started(self, tokens: int) -> None:
+        """A session started from `tokens` of a hit (counted here, not at `lookup`: a session
+        with no room for the blocks is refused, and starts from nothing)."""
+        self.hits += 1
+        self.tokens_saved += tokens
 
     def insert(self, namespace: str, token_ids: list[int], cache: Cache, aligned_tokens: int) -> int:
         """Copies the full blocks among the first `aligned_tokens` entries of `cache` (which

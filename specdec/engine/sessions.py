@@ -313,6 +313,7 @@ class SessionStore:
                         raise
                 else:
                     session.cache = cache
+                self.prefix.started(hit)
                 session.aligned_tokens, session.tokens = hit, list(new_tokens[:hit])
                 return session.extend(hit, new_tokens[hit:])
         return session.extend(keep_tokens, new_tokens)

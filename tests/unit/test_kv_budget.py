@@ -201,10 +201,13 @@ def test_a_new_session_whose_prefix_hit_does_not_fit_the_pool_is_not_left_behind
     verify(runner, "first", 0, prompt)  # both pages
     assert runner.end_session("first")  # its 12 blocks (96 tokens) stay in the prefix cache
     verify(runner, "holder", 0, [1, 2, 3, 4, 5])  # a page
+    before = runner.describe().prefix_cache  # (bytes, max, block, lookups, hits, tokens saved)
     results = runner.verify_batch([call(runner, "holder", 5, [6]), call(runner, "second", 0, [*prompt, 9])])
     assert not isinstance(results[0], Exception)
     assert isinstance(results[1], ResourceExhausted)  # the hit needs two pages; holder is spared
     assert runner.sessions.ids() == ["holder"]
+    after = runner.describe().prefix_cache  # a lookup, but no hit and no tokens saved: nothing started from it
+    assert after[3] == before[3] + 1 and after[4:] == before[4:], (before, after)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
