@@ -54,7 +54,7 @@ def windows(tokenizer, files: list[Path], seq_len: int, count: int, seed: int) -
 def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
     """The data shards (OUT/data/shard-N.pt from the corpus, then conversations-N.pt from
     --conversations: ids [W, T] int32, features [W, T, 3H] and final hidden states [W, T, H] in
-    bfloat16), making those not yet there."""
+    bfloat16, the target's greedy next token `top` [W, T] int32), making those not yet there."""
     data = Path(args.out) / "data"
     data.mkdir(parents=True, exist_ok=True)
     check_made_with(data, args, target, layers)
@@ -121,18 +121,21 @@ def _features(target, layers: tuple[int, ...], paths: list[Path], batches: list[
     tapped = tuple(dict.fromkeys((*layers, num_layers)))  # the final norm's output may be one of them
     tap = FeatureTap(target, tapped)
     width = target.config.get_text_config().hidden_size
+    lm_head = target.get_output_embeddings()
     with tqdm(total=len(todo) * SHARD_WINDOWS, desc="target features", unit="window") as bar:
         for index in todo:
             ids = torch.tensor(batches[index], dtype=torch.int64)  # [W, T]
-            features, final = [], []
+            features, final, top = [], [], []
             for row in ids:
                 with torch.inference_mode(), tap.recording():
                     target.model(input_ids=row[None])
-                rows = tap.rows().view(ids.shape[1], len(tapped), width)  # [T, tapped, H]
+                    rows = tap.rows().view(ids.shape[1], len(tapped), width)  # [T, tapped, H]
+                    top.append(lm_head(rows[:, tapped.index(num_layers)]).argmax(-1).to(torch.int32))  # [T]
                 features.append(rows[:, [tapped.index(layer) for layer in layers]].flatten(1).to(torch.bfloat16))
                 final.append(rows[:, tapped.index(num_layers)].to(torch.bfloat16))
                 bar.update(1)
             shard = {"ids": ids.to(torch.int32), "features": torch.stack(features), "final": torch.stack(final)}
+            shard["top"] = torch.stack(top)  # [W, T]: the target's greedy next token over its whole vocabulary
             torch.save(shard, paths[index].with_suffix(".tmp"))
             paths[index].with_suffix(".tmp").rename(paths[index])
 

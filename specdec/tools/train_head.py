@@ -71,9 +71,16 @@ def head_config(target_config, args, layers: tuple[int, ...], draft_vocab: int) 
     return HeadFolder(config, EAGLE3, layers, draft_vocab, "", text.hidden_size, False, False, 0, checkpoint)
 
 
-def ttt_loss(head: EagleHead, target_head: torch.Tensor, batch: dict, steps: int) -> tuple[torch.Tensor, list[float]]:
+def ttt_loss(
+    head: EagleHead, target_head: torch.Tensor, batch: dict, steps: int, head_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[float]]:
     """The training-time test over a batch: the loss (steps weighted 0.8^(j-1)) and each step's
-    top-1 agreement with the target. target_head: [Vd, H], the target's LM head rows."""
+    top-1 agreement with the target. target_head: [Vd, H], the target's LM head rows, those of
+    target ids `head_ids` [Vd]. Agreement is with the target's greedy token over its whole
+    vocabulary (`batch["top"]`), as serving meets it: a slot whose token lies outside the
+    draft vocabulary is a miss. Shards made before they carried it (or no `head_ids`) give the
+    agreement with the target's likeliest draft-vocabulary token, which counts those slots as
+    hits: an upper bound."""
     ids = batch["ids"].to(torch.int64)  # [B, T]
     features = batch["features"].float()  # [B, T, 3H]
     final = batch["final"].float()  # [B, T, H]
@@ -84,7 +91,8 @@ def ttt_loss(head: EagleHead, target_head: torch.Tensor, batch: dict, steps: int
     cos, sin = head.rotary_emb(embeds, position_ids=positions)
     with torch.no_grad():
         labels = torch.softmax(final @ target_head.T, dim=-1)  # [B, T, Vd]: slot s predicts token s + 1
-        full_top = labels.argmax(-1)
+        whole = "top" in batch and head_ids is not None
+        greedy = batch["top"].to(torch.int64) if whole else labels.argmax(-1)  # [B, T]
     fused = head.fc(features)  # [B, T, H]
     feature = F.pad(fused[:, :-1], (0, 0, 1, 0))  # slot p reads position p - 1's; slot 0 zeros
     keys: list[torch.Tensor] = []
@@ -113,7 +121,10 @@ def ttt_loss(head: EagleHead, target_head: torch.Tensor, batch: dict, steps: int
         valid[step - 1 : length - 1] = True  # slots with the keys inference would have, and a next token
         loss = -(labels * torch.log_softmax(logits, dim=-1)).sum(-1)[:, valid].mean()
         total = total + 0.8 ** (step - 1) * loss
-        agreement.append(float((logits.argmax(-1) == full_top)[:, valid].float().mean()))
+        picked = logits.argmax(-1)  # [B, T]: draft rows, as target ids where compared over the whole vocabulary
+        if whole and head_ids is not None:
+            picked = head_ids[picked]
+        agreement.append(float((picked == greedy)[:, valid].float().mean()))
         feature = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # step j + 1's slot p reads this step's slot p - 1
     return total, agreement
 
@@ -229,7 +240,7 @@ def train(args) -> Path:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                loss, agreement = ttt_loss(head, target_head, batch, args.steps_ahead)
+                loss, agreement = ttt_loss(head, target_head, batch, args.steps_ahead, head_ids)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 0.5)
@@ -290,7 +301,8 @@ def _gather(paths: list[Path], rows: list[tuple[int, int]], cache: dict[int, dic
             if len(cache) > 64:
                 cache.pop(next(iter(cache)))
             cache[shard] = torch.load(paths[shard])
-    return {key: torch.stack([cache[shard][key][row] for shard, row in rows]) for key in ("ids", "features", "final")}
+    keys = [key for key in ("ids", "features", "final", "top") if all(key in cache[shard] for shard, _ in rows)]
+    return {key: torch.stack([cache[shard][key][row] for shard, row in rows]) for key in keys}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

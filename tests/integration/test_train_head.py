@@ -4,6 +4,7 @@ the command and seed that made it, and a run stopped and resumed ends where a st
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 import torch
@@ -45,6 +46,37 @@ def test_a_resumed_run_ends_where_a_straight_one_does_and_the_head_loads(tiny_pa
     assert len(shards) == 1
     head = load_head(straight, tiny_pair.target, AutoConfig.from_pretrained(tiny_pair.target), torch.float32, "cpu")
     assert head.folder.kind == EAGLE3 and head.feature_layers == (0, 1, 2) and len(head.head_ids) == 64
+
+
+def test_agreement_is_with_the_targets_greedy_token_over_its_whole_vocabulary(tiny_pair, tmp_path):
+    """The shards carry the target's greedy next token over its whole vocabulary (`top`), and
+    the training-time test's agreement is with it, as serving meets it: a slot whose token the
+    draft vocabulary lacks is a miss. Compared within the draft vocabulary (shards without
+    `top`), such a slot could count as a hit, which overstated the head by the share of those."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b\n" * 60)
+    out = run(tiny_pair.target, tmp_path / "head", corpus)
+    shard = torch.load(sorted((out / "data").glob("shard-*.pt"))[0])
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32)
+    with torch.inference_mode():
+        greedy = target(input_ids=shard["ids"].long()).logits.argmax(-1)  # [W, T]
+    assert torch.equal(shard["top"].long(), greedy)
+    loaded = load_head(out, tiny_pair.target, AutoConfig.from_pretrained(tiny_pair.target), torch.float32, "cpu")
+    head, head_ids = loaded.head, cast(torch.Tensor, loaded.head_ids)
+    batch = {key: shard[key][:8] for key in ("ids", "features", "final", "top")}
+    within = {key: value for key, value in batch.items() if key != "top"}
+    with torch.no_grad():
+        _, inside = train_head.ttt_loss(head, head.lm_head.weight, within, 2, head_ids)
+        _, whole = train_head.ttt_loss(head, head.lm_head.weight, batch, 2, head_ids)
+        restricted = (batch["final"].float() @ head.lm_head.weight.T).argmax(-1)  # [W, T] draft rows
+        _, mapped = train_head.ttt_loss(head, head.lm_head.weight, {**batch, "top": head_ids[restricted]}, 2, head_ids)
+        _, nowhere = train_head.ttt_loss(
+            head, head.lm_head.weight, {**batch, "top": torch.full_like(greedy[:8], -1)}, 2, head_ids
+        )
+    assert (~torch.isin(batch["top"].long(), head_ids)).any(), "every greedy token in the draft vocabulary"
+    assert mapped == inside  # the draft vocabulary's likeliest token, as target ids: the old comparison
+    assert all(a <= b for a, b in zip(whole, inside)) and nowhere == [0.0, 0.0]
 
 
 def test_conversations_the_target_answers_join_the_data_and_a_head_starts_from_another(tiny_pair, tmp_path):
