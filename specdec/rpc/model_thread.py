@@ -32,6 +32,10 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+class JobGivenUp(Exception):
+    """A job stopped between two passes: its caller no longer waits for it (ModelThread.between_passes)."""
+
+
 class ModelThread:
     """Runs runner calls one at a time on a dedicated thread, so the event loop keeps serving
     health checks and cancellations while a forward pass runs, and runner state is only ever
@@ -47,16 +51,38 @@ class ModelThread:
         self._started = 0
         self._dropped = 0  # cancelled before they started: they never will
         self._brief: deque[tuple[Callable, tuple, asyncio.AbstractEventLoop, asyncio.Future]] = deque()  # run_brief
+        self._given_up: threading.Event | None = None  # set once the running job's caller stops waiting for it
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the thread, in its turn. A caller that stops waiting (cancelled: its
+        client gave up) drops the job if it has not started, and stops it at its next
+        `between_passes` if it has."""
         self._submitted += 1
-        job = self._executor.submit(self._start, fn, args)
+        given_up = threading.Event()
+        job = self._executor.submit(self._start, fn, args, given_up)
         job.add_done_callback(self._count_dropped)
-        return await asyncio.wrap_future(job)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            given_up.set()
+            raise
 
-    def _start(self, fn: Callable[..., T], args: tuple) -> T:
+    def _start(self, fn: Callable[..., T], args: tuple, given_up: threading.Event) -> T:
         self._started += 1
-        return fn(*args)
+        self._given_up = given_up
+        try:
+            return fn(*args)
+        finally:
+            self._given_up = None
+
+    def between_passes(self) -> None:
+        """On the thread, between two passes of one job (a long prompt's prefill): answers the
+        brief jobs waiting (Info, EndSession), and stops the job (JobGivenUp) if its caller
+        no longer waits for it, rather than run its remaining passes for no one while every
+        other call waits behind them."""
+        self.run_brief_jobs()
+        if self._given_up is not None and self._given_up.is_set():
+            raise JobGivenUp("the caller stopped waiting for this call (cancelled or past its deadline)")
 
     def _count_dropped(self, job: Future) -> None:
         if job.cancelled():
