@@ -169,15 +169,17 @@ class ServiceClient:
                 exc,
             )
 
-    async def serving(self, timeout_s: float = 1.0) -> bool:
+    async def serving(self, timeout_s: float = 1.0) -> bool | None:
         """The standard health check: is the service up and SERVING (a draining one, after
-        SIGTERM, answers NOT_SERVING)?"""
+        SIGTERM, answers NOT_SERVING)? None: no answer within `timeout_s` (a frozen process, a
+        machine or network gone without closing the connection); False also where it refuses
+        or is gone."""
         try:
             reply = await health_pb2_grpc.HealthStub(self.channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def wait_info(self, total_timeout_s: float) -> common_pb2.ModelInfo:

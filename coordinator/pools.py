@@ -151,20 +151,24 @@ class Pool:
 
     async def _ask(self, replica: Replica) -> common_pb2.ModelInfo | None:
         """The replica's Info when its health says SERVING; None when it does not answer so.
-        One that refuses the coordinator (its token) is refused: waiting will not mend that."""
+        Whether it answers at all is its health's to say, which its event loop answers at once:
+        Info waits for its model thread, behind the pass running there (a long prompt's prefill
+        runs for seconds on a CPU), so a replica whose Info is late is busy, not hung, and keeps
+        its last Info. One that refuses the coordinator (its token) is refused: waiting will not
+        mend that."""
+        serving = await replica.client.serving(PROBE_TIMEOUT_S)
+        replica.unanswered = replica.unanswered + 1 if serving is None else 0
+        if not serving:  # silent, draining or gone (its calls fail by themselves)
+            return None
         try:
-            info = await replica.client.info(PROBE_TIMEOUT_S)
+            return await replica.client.info(PROBE_TIMEOUT_S)
         except ServiceRefused as exc:
             replica.refused = str(exc)
             return None
         except DeadlineExceeded:
-            replica.unanswered += 1
+            return replica.info  # busy
+        except SpecDecError:
             return None
-        except SpecDecError:  # refused, or gone (its calls fail by themselves): not silent
-            replica.unanswered = 0
-            return None
-        replica.unanswered = 0
-        return info if await replica.client.serving(PROBE_TIMEOUT_S) else None
 
     async def check_same_model(self, replica: Replica) -> None:
         """Before a session lost by `replica` is re-sent there whole: it may have restarted
@@ -194,7 +198,8 @@ class Pool:
         refused = self.mismatch(info)
         self._log_change(replica, info, refused)
         replica.refused = refused
-        replica.seen(info)
+        if info is not replica.info:  # not its last one again (busy: `_ask`)
+            replica.seen(info)
         if refused:
             replica.serving = False
             return

@@ -11,7 +11,7 @@ from coordinator.clients import ServiceClient
 from specdec.v1 import common_pb2, draft_pb2
 
 PROBE_TIMEOUT_S = 2.0
-# A replica whose Info has gone unanswered this many refreshes in a row (each waiting
+# A replica whose health check has gone unanswered this many refreshes in a row (each waiting
 # PROBE_TIMEOUT_S) is hung: a frozen process, or a machine or network gone without closing its
 # connections. Calls in flight there would wait out their deadline (--target-timeout, 60 s) and
 # fail the request; they are given up on and go to another replica (module docstring).
@@ -37,7 +37,7 @@ class Replica:
     reserved_bytes: int = 0  # the KV those sessions may grow to (`room`)
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
-    unanswered: int = 0  # refreshes in a row whose Info probe got no answer within PROBE_TIMEOUT_S
+    unanswered: int = 0  # refreshes in a row whose health probe got no answer within PROBE_TIMEOUT_S
     abandoned: int = 0  # calls given up on there while it did not answer
 
     @property

@@ -393,8 +393,8 @@ class SilentClient(FakeClient):
             raise DeadlineExceeded(f"{self.address} did not answer")
         return common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8)
 
-    async def serving(self, timeout_s: float) -> bool:
-        return True
+    async def serving(self, timeout_s: float) -> bool | None:
+        return True if self.answers else None
 
     def abandon_calls(self, why: str) -> int:
         self.abandoned += self.in_flight
@@ -431,6 +431,31 @@ def test_a_replica_that_stops_answering_has_its_calls_given_up_on_where_they_can
     asyncio.run(refreshes(drafts, HUNG_AFTER_PROBES))
     (draft,) = drafts.replicas.values()
     assert draft.client.abandoned == 1 and not draft.breaker.allow()
+
+
+def test_a_replica_whose_info_is_late_but_health_answers_is_busy_not_hung():
+    """Info waits behind the replica's running pass (a long prompt's prefill takes seconds on a
+    CPU); its health, answered on its event loop, does not. A replica that answers its health
+    but not Info in time keeps serving with its last Info, and its calls are not given up on:
+    before, a prefill longer than two probes sent its session to another replica, whose own
+    prefill of it was then taken for a hang in turn, and a long prompt never finished."""
+
+    async def refreshes(pool: Pool, times: int) -> None:
+        for _ in range(times):
+            await pool.refresh()
+
+    pool = pool_of("a:1", "b:1")
+    a, b = pool.replicas.values()
+    a.client = SilentClient("a:1")
+
+    async def health(timeout_s: float) -> bool:
+        return True  # the event loop answers
+
+    a.client.serving = health  # type: ignore[method-assign]
+    last = a.info
+    asyncio.run(refreshes(pool, HUNG_AFTER_PROBES + 2))
+    assert a.serving and not a.hung and a.unanswered == 0 and a.info is last
+    assert a.client.abandoned == 0 and a.breaker.allow()
 
 
 def budgeted_pool(*addresses: str, budget: int, max_sessions: int = 0) -> Pool:
@@ -541,7 +566,10 @@ def test_a_full_lone_target_that_stops_counting_as_serving_gets_no_more_than_its
             async def unanswered(timeout_s=None):
                 raise DeadlineExceeded("a:1 did not answer within 2 s")
 
-            a.client.info = unanswered
+            async def silent(timeout_s=None):
+                return None
+
+            a.client.info, a.client.serving = unanswered, silent
             await pool.refresh()
         assert not a.serving
         pool.release(a, reserve)  # room for one
