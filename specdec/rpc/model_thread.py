@@ -51,23 +51,25 @@ class ModelThread:
         self._started = 0
         self._dropped = 0  # cancelled before they started: they never will
         self._brief: deque[tuple[Callable, tuple, asyncio.AbstractEventLoop, asyncio.Future]] = deque()  # run_brief
-        self._given_up: threading.Event | None = None  # set once the running job's caller stops waiting for it
+        self._given_up: Callable[[], bool] | None = None  # the running job's: no caller waits for it any more
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, given_up: Callable[[], bool] | None = None) -> T:
         """`fn(*args)` on the thread, in its turn. A caller that stops waiting (cancelled: its
         client gave up) drops the job if it has not started, and stops it at its next
-        `between_passes` if it has."""
+        `between_passes` if it has; so does `given_up()` turning true (a batch's callers all gone)."""
         self._submitted += 1
-        given_up = threading.Event()
-        job = self._executor.submit(self._start, fn, args, given_up)
+        cancelled = threading.Event()
+        job = self._executor.submit(
+            self._start, fn, args, cancelled.is_set if given_up is None else lambda: cancelled.is_set() or given_up()
+        )
         job.add_done_callback(self._count_dropped)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            given_up.set()
+            cancelled.set()
             raise
 
-    def _start(self, fn: Callable[..., T], args: tuple, given_up: threading.Event) -> T:
+    def _start(self, fn: Callable[..., T], args: tuple, given_up: Callable[[], bool]) -> T:
         self._started += 1
         self._given_up = given_up
         try:
@@ -81,7 +83,7 @@ class ModelThread:
         no longer waits for it, rather than run its remaining passes for no one while every
         other call waits behind them."""
         self.run_brief_jobs()
-        if self._given_up is not None and self._given_up.is_set():
+        if self._given_up is not None and self._given_up():
             raise JobGivenUp("the caller stopped waiting for this call (cancelled or past its deadline)")
 
     def _count_dropped(self, job: Future) -> None:
@@ -257,7 +259,10 @@ class CallBatcher(Generic[C, R]):
 
         try:
             extra = (answer, join) if self._joins else (answer,) if self._answers_early else ()
-            results: list = await self._model_thread.run(self._run_batch, calls, *extra)
+            # Its callers all gone (cancelled; answered early), a prefill in it stops between passes.
+            results: list = await self._model_thread.run(
+                self._run_batch, calls, *extra, given_up=lambda: all(future.done() for future in futures)
+            )
         except BaseException as exc:  # noqa: BLE001 - the callers get it; this task only relays
             results = [exc] * len(futures)
         finally:

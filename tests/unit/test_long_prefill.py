@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec.engine.modeling import load_causal_lm
-from specdec.rpc.model_thread import ModelThread
+from specdec.rpc.model_thread import CallBatcher, ModelThread
 from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
@@ -71,9 +71,15 @@ async def test_info_and_end_session_are_answered_between_a_prefills_passes(slow_
     assert (await job).sequence_length == len(PROMPT)
 
 
-async def test_a_prefill_whose_caller_gave_up_stops_at_its_next_pass_and_ends_its_session(slow_runner):
+@pytest.mark.parametrize("path", ["alone", "batched"])
+async def test_a_prefill_whose_caller_gave_up_stops_at_its_next_pass_and_ends_its_session(slow_runner, path):
+    """Alone (a job of its own), or as the only call of a batch (the target's batcher, the
+    path a verify takes whenever batching is on: the job is the batcher's, and stops once
+    every caller of its batch is gone)."""
     runner, thread = slow_runner
-    job = asyncio.ensure_future(thread.run(runner.verify_one, call(runner, "long", PROMPT)))
+    batcher = CallBatcher(thread, runner.verify_batch, 0.002, 4)
+    first = call(runner, "long", PROMPT)
+    job = asyncio.ensure_future(batcher.submit(first) if path == "batched" else thread.run(runner.verify_one, first))
     await started(runner, 2)
     job.cancel()
     answered = time.perf_counter()
