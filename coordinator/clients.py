@@ -349,9 +349,11 @@ class TargetClient(ServiceClient):
         self._verifies = CallStreams(self, lambda: self._stub.VerifyStream(), "response")
         self._stream_pools = (self._verifies,)
 
-    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        """A round's verify, as a message on a pooled VerifyStream."""
-        return await self._verifies.call(request, "/specdec.v1.Target/Verify", self.timeout_s)
+    async def verify(
+        self, request: target_pb2.VerifyRequest, timeout_s: float | None = None
+    ) -> target_pb2.VerifyResponse:
+        """A round's verify, as a message on a pooled VerifyStream (within `timeout_s`, else --target-timeout)."""
+        return await self._verifies.call(request, "/specdec.v1.Target/Verify", timeout_s or self.timeout_s)
 
 
 def shared_share(bridge: common_pb2.VocabBridgeInfo) -> float:

@@ -98,7 +98,11 @@ class CoordinatorConfig:
         30.0, "--draft-timeout", "deadline of one draft call, seconds", parse=number(float, 0.001)
     )
     target_timeout_s: float = setting(
-        60.0, "--target-timeout", "deadline of one target call, seconds", parse=number(float, 0.001)
+        60.0,
+        "--target-timeout",
+        "deadline of one target call, seconds; a call also gets the target's calibrated one-token pass for each "
+        "token it sends, so a long prompt's prefill is not taken for a hang",
+        parse=number(float, 0.001),
     )
     connect_timeout_s: float = setting(
         120.0,

@@ -20,6 +20,7 @@ from coordinator.pair import PairInfo, pair_info
 from coordinator.pools import Pool, watch
 from coordinator.replica import Replica
 from coordinator.state import RetryWindow, Round, SessionView, Source, round_from
+from specdec.engine.costs import cost_at
 from specdec.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, SpecDecError, Unavailable
 from specdec.rpc import wire
 from specdec.sampling.relaxed import RelaxedAcceptance
@@ -335,7 +336,8 @@ class Upstream:
                     new_tokens=new_tokens,
                     cache_namespace=view.namespace,
                     **fields,
-                )
+                ),
+                self.verify_timeout_s(len(new_tokens)),
             )
 
         loop = asyncio.get_running_loop()
@@ -360,6 +362,13 @@ class Upstream:
             if isinstance(exc, DeadlineExceeded) or len(self.targets.replicas) == 1:
                 raise
             raise Unavailable(f"no replica of {self.targets.describe()} answered: {exc}") from exc
+
+    def verify_timeout_s(self, new_tokens: int) -> float:
+        """A verify's deadline: --target-timeout, and a calibrated one-token pass more for each
+        new token, so that a long prompt's prefill (minutes on a CPU) is not taken for a hang."""
+        calibrated = tuple(self._target_info.calibrated_pass_ms)  # [n - 1]: a pass over n new tokens
+        per_token_ms = cost_at(calibrated, 1) if calibrated else 0.0
+        return self.config.target_timeout_s + new_tokens * per_token_ms / 1e3
 
     async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
