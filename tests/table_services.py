@@ -232,7 +232,9 @@ class TableTarget(TableService):
         super().__init__(*args, **kwargs)
         self._residuals: dict[tuple[tuple[int, ...], bytes], np.ndarray] = {}
 
-    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    async def verify(
+        self, request: target_pb2.VerifyRequest, timeout_s: float | None = None
+    ) -> target_pb2.VerifyResponse:
         await asyncio.sleep(0)
         draft_ids = list(request.draft_token_ids)
         session = self.sessions.open(request.session_id, request.keep_tokens)
