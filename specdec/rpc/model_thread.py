@@ -13,6 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
+import grpc
+
+from specdec.errors import SpecDecError
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 C = TypeVar("C")  # a call a batcher gathers
@@ -32,8 +36,12 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-class JobGivenUp(Exception):
-    """A job stopped between two passes: its caller no longer waits for it (ModelThread.between_passes)."""
+class JobGivenUp(SpecDecError):
+    """A job stopped between two passes: its caller no longer waits for it (ModelThread.between_passes).
+    A refusal, not a failure: kept without its traceback in a batch's results (whose frames would
+    hold the ended session's pages) and never logged as an unexpected error."""
+
+    code = grpc.StatusCode.CANCELLED
 
 
 class ModelThread:

@@ -269,7 +269,9 @@ def build_model_servicer(
     metrics registry."""
     role = service_name.rsplit(".", 1)[-1].lower()  # "draft" or "target"
     model_thread = model_thread or model_thread_for(service_name)
-    runner.between_passes = model_thread.between_passes  # a prefill cut in passes answers Info and stops when given up
+    # A prefill cut in passes answers Info and stops when given up. A tensor-parallel runner's
+    # ranks must all run the same passes: its wrapper keeps the attribute, its ranks never see it.
+    runner.between_passes = model_thread.between_passes
     registry = CollectorRegistry()
     servicer = make_servicer(
         runner,

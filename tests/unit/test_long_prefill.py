@@ -8,12 +8,14 @@ Info waited behind it, and a replica pool took the busy replica for a hung one."
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
 import pytest
 import torch
 
+from specdec.engine.kv_pool import KVPool, kv_geometry
 from specdec.engine.modeling import load_causal_lm
 from specdec.rpc.model_thread import CallBatcher, ModelThread
 from specdec.sampling.probs import SamplingParams
@@ -99,3 +101,23 @@ async def test_a_job_whose_caller_waits_is_not_stopped_by_another_callers_cancel
     await asyncio.sleep(0.01)
     queued.cancel()
     assert (await job).sequence_length == len(PROMPT) and runner.sessions.ids() == ["long"]
+
+
+async def test_a_given_up_batched_prefill_gives_its_pages_back_without_the_cyclic_collector(slow_runner):
+    """The stop is a refusal (CANCELLED) and kept without its traceback, whose frames would
+    hold the ended session, and so its pool pages, until the cyclic collector ran."""
+    runner, thread = slow_runner
+    layers, heads, dim = kv_geometry(runner.model.config)
+    runner.pool = KVPool(layers, heads, dim, pages=3, dtype=runner.model.dtype)
+    batcher = CallBatcher(thread, runner.verify_batch, 0.002, 4)
+    gc.collect()
+    gc.disable()
+    try:
+        job = asyncio.ensure_future(batcher.submit(call(runner, "long", PROMPT)))
+        await started(runner, 2)
+        job.cancel()
+        await asyncio.wait_for(thread.run(lambda: None), 1.0)  # after the stopped job
+        await asyncio.sleep(0.05)  # the batcher's task relays its results
+        assert runner.sessions.ids() == [] and runner.pool.allocator.free_pages == 3
+    finally:
+        gc.enable()
