@@ -55,6 +55,7 @@ class Pool:
     spec: PoolSpec
     make_client: Callable[[str], ServiceClient]
     breaker_failures: int = 3
+    stuck_after_s: float = 60.0  # Info late this long, though its health answers: hung (a call's deadline)
     replicas: dict[str, Replica] = field(default_factory=dict)  # by address, in the order found
     reference: common_pb2.ModelInfo | None = None  # the first replica's Info: what every replica must match
     resolve_error: str = ""  # the last DNS failure, until a lookup succeeds
@@ -154,21 +155,28 @@ class Pool:
         Whether it answers at all is its health's to say, which its event loop answers at once:
         Info waits for its model thread, behind the pass running there (a long prompt's prefill
         runs for seconds on a CPU), so a replica whose Info is late is busy, not hung, and keeps
-        its last Info. One that refuses the coordinator (its token) is refused: waiting will not
+        its last Info (which closes no breaker), for as long as a call's deadline: past it, its
+        model thread is stuck in a pass (a GPU hang, a deadlocked collective), and it is hung
+        too. One that refuses the coordinator (its token) is refused: waiting will not
         mend that."""
         serving = await replica.client.serving(PROBE_TIMEOUT_S)
         replica.unanswered = replica.unanswered + 1 if serving is None else 0
         if not serving:  # silent, draining or gone (its calls fail by themselves)
             return None
         try:
-            return await replica.client.info(PROBE_TIMEOUT_S)
+            info = await replica.client.info(PROBE_TIMEOUT_S)
         except ServiceRefused as exc:
             replica.refused = str(exc)
             return None
-        except DeadlineExceeded:
-            return replica.info  # busy
+        except DeadlineExceeded:  # busy with a pass, or stuck in one
+            now = asyncio.get_running_loop().time()
+            replica.late_since = now if replica.late_since is None else replica.late_since
+            replica.stuck = now - replica.late_since > self.stuck_after_s
+            return None if replica.stuck else replica.info
         except SpecDecError:
             return None
+        replica.late_since, replica.stuck = None, False
+        return info
 
     async def check_same_model(self, replica: Replica) -> None:
         """Before a session lost by `replica` is re-sent there whole: it may have restarted
@@ -186,6 +194,7 @@ class Pool:
             raise Unavailable(f"{self.role} replica {replica.address} lost the session, and is refused now: {refused}")
 
     def _apply(self, replica: Replica, info: common_pb2.ModelInfo | None) -> None:
+        fresh = info is not replica.info  # not its last one again (busy: `_ask`)
         if info is None:
             if replica.serving:
                 logger.warning("%s replica %s stopped serving: no new sessions go there", self.role, replica.address)
@@ -198,7 +207,7 @@ class Pool:
         refused = self.mismatch(info)
         self._log_change(replica, info, refused)
         replica.refused = refused
-        if info is not replica.info:  # not its last one again (busy: `_ask`)
+        if fresh:
             replica.seen(info)
         if refused:
             replica.serving = False
@@ -206,7 +215,7 @@ class Pool:
         if not replica.serving and self.reference is not info:
             logger.info("%s replica %s joins %s", self.role, replica.address, self.describe())
         replica.serving = True
-        if replica.breaker.is_open:
+        if replica.breaker.is_open and fresh:
             logger.info("%s replica %s is serving again: rounds call it again", self.role, replica.address)
             replica.breaker.close()
 
@@ -219,8 +228,10 @@ class Pool:
         if self.role == "target" and not any(other.usable for other in self.replicas.values() if other is not replica):
             return
         replica.breaker.trip()
-        waited = replica.unanswered * PROBE_TIMEOUT_S
-        calls = replica.client.abandon_calls(f"has not answered health probes for {waited:.0f} s")
+        silent = f"health probes for {replica.unanswered * PROBE_TIMEOUT_S:.0f} s"
+        calls = replica.client.abandon_calls(
+            f"has not answered {silent if not replica.stuck else f'Info for {self.stuck_after_s:.0f} s'}"
+        )
         if calls:
             replica.abandoned += calls
             logger.warning(

@@ -38,6 +38,10 @@ class Replica:
     others_seen: tuple[int, int] = (0, 0)  # other coordinators' sessions at its last two Infos
     moves: int = 0  # sessions moved off it after a failed call
     unanswered: int = 0  # refreshes in a row whose health probe got no answer within PROBE_TIMEOUT_S
+    # Since when its Info has come late though its health answers (busy with a long pass), and
+    # whether for longer than a call's deadline: a model thread stuck in a pass, hung as well.
+    late_since: float | None = None
+    stuck: bool = False
     abandoned: int = 0  # calls given up on there while it did not answer
 
     @property
@@ -105,8 +109,9 @@ class Replica:
 
     @property
     def hung(self) -> bool:
-        """Has not answered HUNG_AFTER_PROBES probes in a row: its sessions leave at their next call."""
-        return self.unanswered >= HUNG_AFTER_PROBES
+        """Has not answered HUNG_AFTER_PROBES probes in a row, or its Info for longer than a call's
+        deadline: its sessions leave at their next call."""
+        return self.unanswered >= HUNG_AFTER_PROBES or self.stuck
 
     @property
     def usable(self) -> bool:

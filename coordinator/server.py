@@ -87,11 +87,13 @@ def build_pools(
         draft_spec,
         lambda address: DraftClient(address, config.draft_timeout_s, draft_security),
         config.breaker_failures,
+        stuck_after_s=config.draft_timeout_s,
     )
     targets = Pool(
         "target",
         target_spec,
         lambda address: TargetClient(address, config.target_timeout_s, target_security),
+        stuck_after_s=config.target_timeout_s,
     )
     for pool, client in ((drafts, draft), (targets, target)):
         if client is not None:

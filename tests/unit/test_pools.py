@@ -456,6 +456,17 @@ def test_a_replica_whose_info_is_late_but_health_answers_is_busy_not_hung():
     asyncio.run(refreshes(pool, HUNG_AFTER_PROBES + 2))
     assert a.serving and not a.hung and a.unanswered == 0 and a.info is last
     assert a.client.abandoned == 0 and a.breaker.allow()
+    a.breaker.trip()  # a failed call: only an Info heard afresh closes it again
+    asyncio.run(refreshes(pool, 1))
+    assert not a.breaker.allow()
+
+    # Late for longer than a call's deadline, its model thread is stuck in a pass: hung.
+    pool.stuck_after_s = 0.0
+    asyncio.run(refreshes(pool, 1))
+    assert a.hung and not a.serving and a.client.abandoned == 1 and pool.place() is b
+    a.client.answers = True  # its Info comes again: busy no more
+    asyncio.run(refreshes(pool, 1))
+    assert a.serving and not a.hung and not a.stuck
 
 
 def budgeted_pool(*addresses: str, budget: int, max_sessions: int = 0) -> Pool:
