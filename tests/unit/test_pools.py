@@ -401,11 +401,12 @@ class SilentClient(FakeClient):
         return self.in_flight
 
 
-def test_a_replica_that_stops_answering_has_its_calls_given_up_on_where_they_can_go_elsewhere():
-    async def refreshes(pool: Pool, times: int) -> None:
-        for _ in range(times):
-            await pool.refresh()
+async def refreshes(pool: Pool, times: int) -> None:
+    for _ in range(times):
+        await pool.refresh()
 
+
+def test_a_replica_that_stops_answering_has_its_calls_given_up_on_where_they_can_go_elsewhere():
     pool = pool_of("a:1", "b:1")
     a, b = pool.replicas.values()
     a.client = SilentClient("a:1")
@@ -439,10 +440,6 @@ def test_a_replica_whose_info_is_late_but_health_answers_is_busy_not_hung():
     but not Info in time keeps serving with its last Info, and its calls are not given up on:
     before, a prefill longer than two probes sent its session to another replica, whose own
     prefill of it was then taken for a hang in turn, and a long prompt never finished."""
-
-    async def refreshes(pool: Pool, times: int) -> None:
-        for _ in range(times):
-            await pool.refresh()
 
     pool = pool_of("a:1", "b:1")
     a, b = pool.replicas.values()
