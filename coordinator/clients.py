@@ -331,9 +331,11 @@ class DraftClient(ServiceClient):
         self._branches = CallStreams(self, lambda: self._stub.ProposeBranchesStream(), "response")
         self._stream_pools = (self._proposals, self._branches)
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """A round's draft call, as a message on a pooled ProposeStream."""
-        return await self._proposals.call(request, "/specdec.v1.Draft/Propose", self.timeout_s)
+    async def propose(
+        self, request: draft_pb2.ProposeRequest, timeout_s: float | None = None
+    ) -> draft_pb2.ProposeResponse:
+        """A round's draft call, as a message on a pooled ProposeStream (within `timeout_s`, else --draft-timeout)."""
+        return await self._proposals.call(request, "/specdec.v1.Draft/Propose", timeout_s or self.timeout_s)
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         """A verify's branches, as a message on a pooled ProposeBranchesStream."""

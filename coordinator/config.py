@@ -95,7 +95,11 @@ class CoordinatorConfig:
         2048, "--max-new-tokens-limit", "largest max_new_tokens a request may ask for", parse=number(int, 1)
     )
     draft_timeout_s: float = setting(
-        30.0, "--draft-timeout", "deadline of one draft call, seconds", parse=number(float, 0.001)
+        30.0,
+        "--draft-timeout",
+        "deadline of one draft call, seconds; a call also gets the draft's calibrated one-token step for each "
+        "token it sends, so a long prompt's prefill is not taken for a hang",
+        parse=number(float, 0.001),
     )
     target_timeout_s: float = setting(
         60.0,

@@ -225,7 +225,7 @@ class Upstream:
             )
             if max_copied is not None:  # unset means num_tokens
                 request.max_copied_tokens = max_copied
-            return cast(DraftClient, view.client).propose(request)
+            return cast(DraftClient, view.client).propose(request, self.deadline_s("draft", len(new_tokens), pair))
 
         return await retry_unavailable(
             lambda: self._with_reprefill("draft", view, sequence, stats, send),
@@ -329,16 +329,14 @@ class Upstream:
         the same."""
 
         def send(keep: int, new_tokens: list[int]):
-            return cast(TargetClient, view.client).verify(
-                target_pb2.VerifyRequest(
-                    session_id=view.session_id,
-                    keep_tokens=keep,
-                    new_tokens=new_tokens,
-                    cache_namespace=view.namespace,
-                    **fields,
-                ),
-                self.verify_timeout_s(len(new_tokens)),
+            request = target_pb2.VerifyRequest(
+                session_id=view.session_id,
+                keep_tokens=keep,
+                new_tokens=new_tokens,
+                cache_namespace=view.namespace,
+                **fields,
             )
+            return cast(TargetClient, view.client).verify(request, self.deadline_s("target", len(new_tokens)))
 
         loop = asyncio.get_running_loop()
         if view.replica is not None and view.replica.hung:
@@ -363,12 +361,15 @@ class Upstream:
                 raise
             raise Unavailable(f"no replica of {self.targets.describe()} answered: {exc}") from exc
 
-    def verify_timeout_s(self, new_tokens: int) -> float:
-        """A verify's deadline: --target-timeout, and a calibrated one-token pass more for each
-        new token, so that a long prompt's prefill (minutes on a CPU) is not taken for a hang."""
-        calibrated = tuple(self._target_info.calibrated_pass_ms)  # [n - 1]: a pass over n new tokens
-        per_token_ms = cost_at(calibrated, 1) if calibrated else 0.0
-        return self.config.target_timeout_s + new_tokens * per_token_ms / 1e3
+    def deadline_s(self, role: str, new_tokens: int, pair: PairInfo | None = None) -> float:
+        """A call's deadline: --draft-timeout / --target-timeout, and a calibrated one-token pass more
+        per token it sends: a long prompt's prefill is no hang (one given up stops, to start over)."""
+        costs = (pair or self.pair).costs
+        if role == "draft":
+            base, passes = self.config.draft_timeout_s, costs.draft_pass_ms if costs is not None else ()
+        else:
+            base, passes = self.config.target_timeout_s, tuple(self._target_info.calibrated_pass_ms)
+        return base + new_tokens * (cost_at(passes, 1) if passes else 0.0) / 1e3
 
     async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""

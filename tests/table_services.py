@@ -182,7 +182,9 @@ class TableDraft(TableService):
         self.min_confidence = min_confidence
         self.confidence_stops = 0
 
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def propose(
+        self, request: draft_pb2.ProposeRequest, timeout_s: float | None = None
+    ) -> draft_pb2.ProposeResponse:
         await asyncio.sleep(0)  # a real call yields to the event loop; so do the branches
         return self._propose(request)
 

@@ -16,18 +16,28 @@ PROMPT = [(7 * i + 3) % 40 + 1 for i in range(150)]
 TIMEOUT_S = 0.5
 
 
-def slowed(draft_runner, target_runner) -> None:
-    """The target's passes 20 ms slower as calibrated (1 to 9 tokens), and a prefill 5 ms a
+def slow(runner) -> None:
+    """The runner's passes 20 ms slower as calibrated (1 to 9 tokens), and a prefill 5 ms a
     token: 150 tokens take 0.75 s, past TIMEOUT_S, well within it plus 150 one-token passes."""
-    plain = target_runner.model.forward
+    plain = runner.model.forward
 
-    def slow(*args, **kwargs):
+    def slowed(*args, **kwargs):
         tokens = (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[-1]
         time.sleep(0.02 if tokens <= CALIBRATION_MAX_TOKENS else 0.005 * tokens)
         return plain(*args, **kwargs)
 
-    target_runner.model.forward = slow
+    runner.model.forward = slowed
+
+
+def slowed(draft_runner, target_runner) -> None:
+    slow(target_runner)
     calibrate_costs(target_runner, keep_all_logits=True)
+
+
+def both_slowed(draft_runner, target_runner) -> None:
+    for runner, keep_all_logits in ((draft_runner, False), (target_runner, True)):
+        slow(runner)
+        calibrate_costs(runner, keep_all_logits=keep_all_logits)
 
 
 async def test_a_prompt_whose_prefill_outlasts_the_target_timeout_completes(tiny_pair):
@@ -39,3 +49,15 @@ async def test_a_prompt_whose_prefill_outlasts_the_target_timeout_completes(tiny
         assert time.monotonic() - started > TIMEOUT_S, "the prefill did not outlast the timeout: nothing tested"
         assert len(response.token_ids) == 4 and response.finish_reason == "length"
         assert response.stats.target_retries == 0 and response.stats.reprefills == 0
+
+
+async def test_a_draft_whose_prefill_outlasts_the_draft_timeout_still_drafts(tiny_pair):
+    """The draft's calls get the same allowance from its calibrated step: a given-up prefill
+    stops, so under a flat deadline the draft would start it over each round and never draft."""
+    overrides = {"draft_timeout_s": TIMEOUT_S}
+    async with inprocess_stack(
+        tiny_pair, draft_overrides={"quantize": "none"}, coordinator_overrides=overrides, prepare_runners=both_slowed
+    ) as stack:
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=6, num_speculative_tokens=2)
+        response = await stack.stub.Generate(request, timeout=60)
+        assert response.stats.draft_failures == 0 and response.stats.proposed_tokens > 0, response.stats
