@@ -18,7 +18,7 @@ import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.batched_pass import DecodeBatch
-from specdec.engine.batching import batch_groups, call_waves, refusals_untraced, result_or_error, start_each
+from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
 from specdec.errors import SpecDecError
 from specdec.sampling.probs import fetch, logits_to_probs, one_hot_argmax, sample
 from specdec.sampling.together import together_pays
@@ -112,7 +112,7 @@ class ProposalBatch:
         step_all(self.runner, stepped, len(members), self.results)
 
     def _settle(self, index: int, result: Proposal | Exception) -> None:
-        self.results[index] = refusals_untraced([result])[0]  # held while the batch runs (see there)
+        self.results[index] = untraced_if_refused(result)  # held while the batch runs (see there)
         if self.answer is not None:
             self.answer(index, result)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec.engine.batching import batch_groups, call_waves, refusals_untraced, start_each
+from specdec.engine.batching import batch_groups, call_waves, start_each, untraced_if_refused
 from specdec.engine.calls import Stopwatch, check_trees
 from specdec.engine.features import FeatureTap, check_feature_layers, decoder_parts
 from specdec.engine.runner import ModelRunner
@@ -214,7 +214,7 @@ class TargetRunner(ModelRunner):
                     sizes = [len(item.pending) + (len(item.call.draft_token_ids) if trees else 0) for _, item in kind]
                     for group in batch_groups(sizes, self.max_padding_ratio):
                         self._verify_group([kind[position] for position in group], trees, results)
-        return refusals_untraced(results)
+        return [untraced_if_refused(result) for result in results]  # type: ignore[misc]
 
     def _verify_group(
         self, members: list[tuple[int, _Admitted]], trees: bool, results: list[Verification | Exception | None]

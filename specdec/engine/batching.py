@@ -136,20 +136,19 @@ def result_or_error(fn, *args):
         return exc
 
 
-def refusals_untraced(results: list) -> list:
-    """`results`, with the tracebacks of the refusals among them dropped (any status but
-    INTERNAL, which is logged with its own), and those of what each was raised from or in
-    handling (a PoolFull). Their frames, and the callers' frames those keep, hold the refused
-    call's session, ended, and so its pool pages: while a batch runs, and after it, in a cycle
-    through the frame that held `results`, until the cyclic collector runs."""
-    for result in results:
-        todo: list[BaseException | None] = (
-            [result] if isinstance(result, Exception) and status_of(result) != "INTERNAL" else []
-        )
-        seen: set[int] = set()
-        while todo:
-            if (item := todo.pop()) is not None and id(item) not in seen:
-                seen.add(id(item))
-                item.__traceback__ = None
-                todo += [item.__context__, item.__cause__]
-    return results
+def untraced_if_refused(result: T) -> T:
+    """`result`, with its traceback dropped if it is a refusal (any status but INTERNAL, which
+    is logged with its own), and those of what it was raised from or in handling (a PoolFull).
+    Their frames, and the callers' frames those keep, hold the refused call's session, ended,
+    and so its pool pages: while a batch runs, and after it, in a cycle through the frame that
+    held the batch's results, until the cyclic collector runs."""
+    todo: list[BaseException | None] = (
+        [result] if isinstance(result, Exception) and status_of(result) != "INTERNAL" else []
+    )
+    seen: set[int] = set()
+    while todo:
+        if (item := todo.pop()) is not None and id(item) not in seen:
+            seen.add(id(item))
+            item.__traceback__ = None
+            todo += [item.__context__, item.__cause__]
+    return result
