@@ -331,11 +331,10 @@ class DraftClient(ServiceClient):
         self._branches = CallStreams(self, lambda: self._stub.ProposeBranchesStream(), "response")
         self._stream_pools = (self._proposals, self._branches)
 
-    async def propose(
-        self, request: draft_pb2.ProposeRequest, timeout_s: float | None = None
-    ) -> draft_pb2.ProposeResponse:
-        """A round's draft call, as a message on a pooled ProposeStream (within `timeout_s`, else --draft-timeout)."""
-        return await self._proposals.call(request, "/specdec.v1.Draft/Propose", timeout_s or self.timeout_s)
+    async def propose(self, request: draft_pb2.ProposeRequest, allowance_s: float = 0.0) -> draft_pb2.ProposeResponse:
+        """A round's draft call, as a message on a pooled ProposeStream, within --draft-timeout
+        and `allowance_s` more (its prefill's: coordinator.upstream.prefill_allowance_s)."""
+        return await self._proposals.call(request, "/specdec.v1.Draft/Propose", self.timeout_s + allowance_s)
 
     async def propose_branches(self, request: draft_pb2.ProposeBranchesRequest) -> draft_pb2.ProposeBranchesResponse:
         """A verify's branches, as a message on a pooled ProposeBranchesStream."""
@@ -351,11 +350,10 @@ class TargetClient(ServiceClient):
         self._verifies = CallStreams(self, lambda: self._stub.VerifyStream(), "response")
         self._stream_pools = (self._verifies,)
 
-    async def verify(
-        self, request: target_pb2.VerifyRequest, timeout_s: float | None = None
-    ) -> target_pb2.VerifyResponse:
-        """A round's verify, as a message on a pooled VerifyStream (within `timeout_s`, else --target-timeout)."""
-        return await self._verifies.call(request, "/specdec.v1.Target/Verify", timeout_s or self.timeout_s)
+    async def verify(self, request: target_pb2.VerifyRequest, allowance_s: float = 0.0) -> target_pb2.VerifyResponse:
+        """A round's verify, as a message on a pooled VerifyStream, within --target-timeout and
+        `allowance_s` more (its prefill's: coordinator.upstream.prefill_allowance_s)."""
+        return await self._verifies.call(request, "/specdec.v1.Target/Verify", self.timeout_s + allowance_s)
 
 
 def shared_share(bridge: common_pb2.VocabBridgeInfo) -> float:

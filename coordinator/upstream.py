@@ -225,7 +225,8 @@ class Upstream:
             )
             if max_copied is not None:  # unset means num_tokens
                 request.max_copied_tokens = max_copied
-            return cast(DraftClient, view.client).propose(request, self.deadline_s("draft", len(new_tokens), pair))
+            steps = pair.costs.draft_pass_ms if pair.costs is not None else ()
+            return cast(DraftClient, view.client).propose(request, prefill_allowance_s(steps, len(new_tokens)))
 
         return await retry_unavailable(
             lambda: self._with_reprefill("draft", view, sequence, stats, send),
@@ -336,7 +337,8 @@ class Upstream:
                 cache_namespace=view.namespace,
                 **fields,
             )
-            return cast(TargetClient, view.client).verify(request, self.deadline_s("target", len(new_tokens)))
+            passes = self._target_info.calibrated_pass_ms
+            return cast(TargetClient, view.client).verify(request, prefill_allowance_s(passes, len(new_tokens)))
 
         loop = asyncio.get_running_loop()
         if view.replica is not None and view.replica.hung:
@@ -360,16 +362,6 @@ class Upstream:
             if isinstance(exc, DeadlineExceeded) or len(self.targets.replicas) == 1:
                 raise
             raise Unavailable(f"no replica of {self.targets.describe()} answered: {exc}") from exc
-
-    def deadline_s(self, role: str, new_tokens: int, pair: PairInfo | None = None) -> float:
-        """A call's deadline: --draft-timeout / --target-timeout, and a calibrated one-token pass more
-        per token it sends: a long prompt's prefill is no hang (one given up stops, to start over)."""
-        costs = (pair or self.pair).costs
-        if role == "draft":
-            base, passes = self.config.draft_timeout_s, costs.draft_pass_ms if costs is not None else ()
-        else:
-            base, passes = self.config.target_timeout_s, tuple(self._target_info.calibrated_pass_ms)
-        return base + new_tokens * (cost_at(passes, 1) if passes else 0.0) / 1e3
 
     async def _with_reprefill(self, role: str, view: SessionView, sequence: list[int], stats: GenerationStats, send):
         """Sends only the unseen tail; if the service lost the session, re-sends everything once."""
@@ -447,3 +439,10 @@ class Upstream:
         task.add_done_callback(self._cleanup.discard)
         if then is not None:
             task.add_done_callback(lambda _: then())
+
+
+def prefill_allowance_s(passes: Sequence[float], new_tokens: int) -> float:
+    """A call's time past its flat deadline (--draft-timeout, --target-timeout): a calibrated
+    one-token pass (`passes`: by new tokens) per token it sends. A long prompt's prefill is no
+    hang, and one given up stops, so under a flat deadline it would start over every round."""
+    return new_tokens * (cost_at(tuple(passes), 1) if passes else 0.0) / 1e3

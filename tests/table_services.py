@@ -182,9 +182,7 @@ class TableDraft(TableService):
         self.min_confidence = min_confidence
         self.confidence_stops = 0
 
-    async def propose(
-        self, request: draft_pb2.ProposeRequest, timeout_s: float | None = None
-    ) -> draft_pb2.ProposeResponse:
+    async def propose(self, request: draft_pb2.ProposeRequest, allowance_s: float = 0.0) -> draft_pb2.ProposeResponse:
         await asyncio.sleep(0)  # a real call yields to the event loop; so do the branches
         return self._propose(request)
 
@@ -234,9 +232,7 @@ class TableTarget(TableService):
         super().__init__(*args, **kwargs)
         self._residuals: dict[tuple[tuple[int, ...], bytes], np.ndarray] = {}
 
-    async def verify(
-        self, request: target_pb2.VerifyRequest, timeout_s: float | None = None
-    ) -> target_pb2.VerifyResponse:
+    async def verify(self, request: target_pb2.VerifyRequest, allowance_s: float = 0.0) -> target_pb2.VerifyResponse:
         await asyncio.sleep(0)
         draft_ids = list(request.draft_token_ids)
         session = self.sessions.open(request.session_id, request.keep_tokens)

@@ -1,4 +1,4 @@
-"""A verify's deadline grows with the tokens it prefills (`Upstream.verify_timeout_s`): a valid
+"""A verify's deadline grows with the tokens it prefills (`coordinator.upstream.prefill_allowance_s`): a valid
 long prompt whose prefill outlasts --target-timeout completes, where it used to fail
 DEADLINE_EXCEEDED (a 32k-token prompt on a CPU takes minutes; the 60 s default was a hang
 guard, not a limit on prompts)."""

@@ -33,7 +33,7 @@ class FlakyTarget(TableTarget):
         super().__init__(*args, **kwargs)
         self.verifies, self.fail_at = verifies, fail_at  # verifies: [count], shared by the replicas
 
-    async def verify(self, request, timeout_s=None):
+    async def verify(self, request, allowance_s=0.0):
         self.verifies[0] += 1
         if self.verifies[0] == self.fail_at:
             await asyncio.sleep(2 * CONNECT_TIMEOUT_S)
