@@ -117,6 +117,10 @@ class ServiceClient:
         """CallStreams.abandon for every pooled method: the number of calls given up on."""
         return sum(pool.abandon(why) for pool in self._stream_pools)
 
+    def calls_due(self) -> float | None:
+        """The latest deadline (event-loop time) of the pooled calls in flight; None for none."""
+        return max((due for pool in self._stream_pools if (due := pool.due()) is not None), default=None)
+
     async def call(self, method: Callable[..., Awaitable[T]], request, timeout_s: float | None = None) -> T:
         try:
             return await method(request, timeout=timeout_s or self.timeout_s)
@@ -215,16 +219,17 @@ class CallStreams:
         self._open = open_stream
         self._field = reply_field
         self._idle: list[Any] = []
-        self._busy: set[Any] = set()  # streams carrying a call now
+        self._busy: dict[Any, float] = {}  # streams carrying a call now, and its deadline (loop time)
         self._abandoned: dict[Any, str] = {}  # busy streams given up on (`abandon`), and why
 
     async def call(self, request, span_name: str, timeout_s: float):
         stream = None
+        due = asyncio.get_running_loop().time() + timeout_s
         try:
             span = telemetry.client_span(span_name, request.trace_context) if telemetry.tracing_on() else nullcontext()
             async with asyncio.timeout(timeout_s):
                 with span as current:
-                    stream = await self._send(request)
+                    stream = await self._send(request, due)
                     reply = await stream.read()
                     if current is not None and reply is not grpc.aio.EOF:  # its status, as a unary call's
                         telemetry.record_status(current, reply.error_code, reply.error_message)
@@ -246,7 +251,7 @@ class CallStreams:
             raise
         finally:
             if stream is not None:
-                self._busy.discard(stream)
+                self._busy.pop(stream, None)
                 self._abandoned.pop(stream, None)
         assert stream is not None
         if reply is grpc.aio.EOF:  # the service ended the stream (shutting down)
@@ -263,7 +268,7 @@ class CallStreams:
             raise self._client.translate_status(STATUS_BY_VALUE[reply.error_code], reply.error_message)
         return getattr(reply, self._field)
 
-    async def _send(self, request):
+    async def _send(self, request, due: float):
         """Writes the call on an idle stream, or a new one. A pooled stream that broke while
         idle (the service restarted) fails at the write, before the call reached anyone: the
         pool is emptied and the call goes out on a fresh stream."""
@@ -272,22 +277,23 @@ class CallStreams:
             if stream.done():
                 continue
             try:
-                await self._write(stream, request)
+                await self._write(stream, request, due)
                 return stream
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 self.discard()
         stream = self._open()
-        await self._write(stream, request)
+        await self._write(stream, request, due)
         return stream
 
-    async def _write(self, stream, request) -> None:
-        """Writes the call on `stream`, busy from now on; a write that fails (or that `abandon`
-        gave up on, which a peer that stopped reading can leave waiting) cancels the stream."""
-        self._busy.add(stream)
+    async def _write(self, stream, request, due: float) -> None:
+        """Writes the call on `stream`, busy until `due` at the latest; a write that fails (or
+        that `abandon` gave up on, which a peer that stopped reading can leave waiting) cancels
+        the stream."""
+        self._busy[stream] = due
         try:
             await stream.write(request)
         except BaseException:
-            self._busy.discard(stream)
+            self._busy.pop(stream, None)
             stream.cancel()
             self._raise_if_abandoned(stream)
             raise
@@ -298,6 +304,10 @@ class CallStreams:
         task = asyncio.current_task()
         if why is not None and task is not None and not task.cancelling():
             raise Unavailable(f"{self._client.role} service at {self._client.address} {why}") from None
+
+    def due(self) -> float | None:
+        """The latest deadline of the calls in flight (event-loop time); None for none."""
+        return max(self._busy.values(), default=None)
 
     def discard(self) -> None:
         """Cancels every idle stream (the service went away, or the client closes)."""

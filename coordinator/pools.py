@@ -155,10 +155,11 @@ class Pool:
         Whether it answers at all is its health's to say, which its event loop answers at once:
         Info waits for its model thread, behind the pass running there (a long prompt's prefill
         runs for seconds on a CPU), so a replica whose Info is late is busy, not hung, and keeps
-        its last Info (which closes no breaker), for as long as a call's deadline: past it, its
-        model thread is stuck in a pass (a GPU hang, a deadlocked collective), and it is hung
-        too. One that refuses the coordinator (its token) is refused: waiting will not
-        mend that."""
+        its last Info (which closes no breaker), for as long as a call's deadline
+        (`stuck_after_s`, or the latest deadline of this coordinator's calls in flight there,
+        which grows with a prompt's prefill): past it, its model thread is stuck in a pass (a
+        GPU hang, a deadlocked collective), and it is hung too. One that refuses the
+        coordinator (its token) is refused: waiting will not mend that."""
         serving = await replica.client.serving(PROBE_TIMEOUT_S)
         replica.unanswered = replica.unanswered + 1 if serving is None else 0
         if not serving:  # silent, draining or gone (its calls fail by themselves)
@@ -171,7 +172,8 @@ class Pool:
         except DeadlineExceeded:  # busy with a pass, or stuck in one
             now = asyncio.get_running_loop().time()
             replica.late_since = now if replica.late_since is None else replica.late_since
-            replica.stuck = now - replica.late_since > self.stuck_after_s
+            due = replica.client.calls_due()  # a long prompt's call is given longer (its prefill)
+            replica.stuck = now - replica.late_since > self.stuck_after_s and (due is None or now > due)
             return None if replica.stuck else replica.info
         except SpecDecError:
             return None

@@ -387,6 +387,7 @@ class SilentClient(FakeClient):
     def __init__(self, address: str) -> None:
         super().__init__(address)
         self.in_flight, self.abandoned, self.answers = 1, 0, False
+        self.due: float | None = None  # the latest deadline of its calls in flight (loop time)
 
     async def info(self, timeout_s: float) -> common_pb2.ModelInfo:
         if not self.answers:
@@ -399,6 +400,9 @@ class SilentClient(FakeClient):
     def abandon_calls(self, why: str) -> int:
         self.abandoned += self.in_flight
         return self.in_flight
+
+    def calls_due(self) -> float | None:
+        return self.due
 
 
 async def refreshes(pool: Pool, times: int) -> None:
@@ -464,6 +468,33 @@ def test_a_replica_whose_info_is_late_but_health_answers_is_busy_not_hung():
     a.client.answers = True  # its Info comes again: busy no more
     asyncio.run(refreshes(pool, 1))
     assert a.serving and not a.hung and not a.stuck
+
+
+def test_a_replica_prefilling_a_long_prompt_is_busy_for_as_long_as_the_call_may_take():
+    """A call that sends a long prompt is given its prefill's time past the flat deadline
+    (coordinator.upstream.prefill_allowance_s), and a prefill run as one pass (a float target
+    without a prefix cache) keeps Info waiting all that time: the replica is not hung while a
+    call of this coordinator's may still be answered there. Before, it was hung once Info had
+    been late for the flat deadline, its calls given up on and moved, and the next replica's
+    prefill of the same prompt went the same way: the prompt never finished."""
+    pool = pool_of("a:1", "b:1")
+    a, b = pool.replicas.values()
+    a.client = SilentClient("a:1")
+
+    async def health(timeout_s: float) -> bool:
+        return True
+
+    a.client.serving = health  # type: ignore[method-assign]
+    pool.stuck_after_s = 0.0  # Info late past the flat deadline ...
+
+    async def late_with_a_call_due(due_in: float) -> None:
+        a.client.due = asyncio.get_running_loop().time() + due_in
+        await refreshes(pool, 2)
+
+    asyncio.run(late_with_a_call_due(3600.0))  # ... while a call there may take an hour more
+    assert a.serving and not a.hung and not a.stuck and a.client.abandoned == 0
+    asyncio.run(late_with_a_call_due(-1.0))  # past every call's deadline: stuck in a pass
+    assert a.hung and a.client.abandoned > 0 and pool.place() is b
 
 
 def budgeted_pool(*addresses: str, budget: int, max_sessions: int = 0) -> Pool:
