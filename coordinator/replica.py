@@ -55,6 +55,13 @@ class Replica:
         that is gone (on a shared host, no drafting)."""
         return min(self.others_seen)
 
+    def passes_ms(self, fallback: tuple[float, ...]) -> tuple[float, ...]:
+        """Its calibrated passes (ModelInfo.calibrated_pass_ms), which may differ from the
+        pool's first replica's (another machine); `fallback` where it has reported none."""
+        return (
+            tuple(self.info.calibrated_pass_ms) if self.info is not None and self.info.calibrated_pass_ms else fallback
+        )
+
     def seen(self, info: common_pb2.ModelInfo) -> None:
         """Its Info has answered."""
         self.info = info

@@ -50,6 +50,10 @@ class SessionView:
     def address(self) -> str:
         return self.replica.address if self.replica is not None else "no replica"
 
+    def passes_ms(self, fallback: tuple[float, ...]) -> tuple[float, ...]:
+        """Its replica's calibrated passes (Replica.passes_ms), else `fallback`."""
+        return self.replica.passes_ms(fallback) if self.replica is not None else fallback
+
     def draft_fields(self) -> dict:
         """ProposeRequest keywords every call on this session carries (min_confidence is
         optional, and unset means the service's default)."""

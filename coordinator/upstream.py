@@ -225,7 +225,7 @@ class Upstream:
             )
             if max_copied is not None:  # unset means num_tokens
                 request.max_copied_tokens = max_copied
-            steps = pair.costs.draft_pass_ms if pair.costs is not None else ()
+            steps = view.passes_ms(pair.costs.draft_pass_ms if pair.costs is not None else ())
             return cast(DraftClient, view.client).propose(request, prefill_allowance_s(steps, len(new_tokens)))
 
         return await retry_unavailable(
@@ -337,7 +337,7 @@ class Upstream:
                 cache_namespace=view.namespace,
                 **fields,
             )
-            passes = self._target_info.calibrated_pass_ms
+            passes = view.passes_ms(tuple(self._target_info.calibrated_pass_ms))
             return cast(TargetClient, view.client).verify(request, prefill_allowance_s(passes, len(new_tokens)))
 
         loop = asyncio.get_running_loop()

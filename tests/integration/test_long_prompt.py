@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import time
 
+import pytest
+from transformers import AutoTokenizer
+
+from coordinator import server as coordinator_server
+from coordinator.config import CoordinatorConfig
+from coordinator.requests import GenerationRequest
 from specdec.engine.calibration import calibrate_costs
 from specdec.engine.costs import CALIBRATION_MAX_TOKENS
+from specdec.engine.modeling import tokenizer_fingerprint
+from specdec.tools.testing import word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
-from tests.stack import inprocess_stack
+from tests.stack import configured, inprocess_stack
+from tests.table_services import TableDraft, TableModel, TableTarget
 
 PROMPT = [(7 * i + 3) % 40 + 1 for i in range(150)]
 TIMEOUT_S = 0.5
@@ -61,3 +70,45 @@ async def test_a_draft_whose_prefill_outlasts_the_draft_timeout_still_drafts(tin
         request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=6, num_speculative_tokens=2)
         response = await stack.stub.Generate(request, timeout=60)
         assert response.stats.draft_failures == 0 and response.stats.proposed_tokens > 0, response.stats
+
+
+class TimedTarget(TableTarget):
+    """A lookup-table target that notes the allowance each verify is given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.allowances: list[float] = []
+
+    async def verify(self, request, allowance_s=0.0):
+        self.allowances.append(allowance_s)
+        return await super().verify(request)
+
+
+async def test_each_replica_gives_its_own_calibrated_pass_to_the_allowance(tmp_path):
+    """Replicas of a pool may run on machines of different speeds: a session on a replica
+    whose pass is four times the first replica's is given four times the allowance. Before,
+    every replica's calls were given the first replica's, too short for a long prompt's
+    prefill on the slower one."""
+    word_tokenizer(8).save_pretrained(tmp_path)
+    model = TableModel(8, salt=1)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path))
+    first = TimedTarget(model, fingerprint, pass_ms=(10.0,) * 9)
+    slower = TimedTarget(model, fingerprint, pass_ms=(40.0,) * 9)
+    slower.address = "table target 2"
+    draft = TableDraft(TableModel(8, salt=2, base=model), fingerprint)
+    config = CoordinatorConfig(
+        draft_address=draft.address, target_address=first.address, tokenizer=str(tmp_path), metrics_port=-1
+    )
+    config, rules = configured(config, {})
+    engine = await coordinator_server.connect(config, draft, first, rules)  # type: ignore[arg-type]
+    try:
+        pool = engine.upstream.targets
+        pool._apply(pool.add(slower.address, slower), await slower.info())
+        pool.replicas[first.address].serving = False  # new sessions go to the slower one
+        prompt = tuple(i % 8 for i in range(100))
+        request = GenerationRequest(prompt_token_ids=prompt, max_new_tokens=2, num_speculative_tokens=0)
+        assert len([token async for chunk in engine.generate(request) for token in chunk.token_ids]) == 2
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
+    assert not first.allowances and slower.allowances[0] == pytest.approx(100 * 0.04)
