@@ -10,7 +10,8 @@ and a greedy speculative run then drifts from the target's own one-token decodin
 Here row j of a pass with past P attends to exactly the keys 0..P + j, sliced from the
 cache as a one-token pass at that position reads them, with the same operations; per-token Linear
 layers (specdec.engine.quantize) and per-token norms, rotary embeddings and activations then make
-the whole pass per-token exact. Padded batches use transformers' SDPA.
+the whole pass per-token exact. A padded batch runs the same way under EVERY_ROW, each row
+over its own session's keys (`_padded_rowwise`); under NAME it uses transformers' SDPA.
 
 Two forms: NAME takes passes of at most MAX_ROWS rows and leaves longer ones (a prompt's
 prefill) to SDPA, which the target runs as a pass of its own (TargetRunner), the same pass
@@ -56,8 +57,10 @@ def rowwise_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     batch, heads, rows, dim = query.shape
     # One unpadded sequence (the runner never pads a lone session): causal by construction.
+    # A padded batch (every_row: an int8 target's) when each row sees one run of keys.
+    runs = _padded_runs(attention_mask, batch, rows, key.shape[2]) if every_row and batch > 1 else None
     if (
-        batch != 1
+        (batch != 1 and runs is None)
         or (rows > MAX_ROWS and not every_row)
         or dropout
         or kwargs.get("sliding_window")
@@ -66,6 +69,8 @@ def rowwise_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if runs is not None:
+        return _padded_rowwise(query, key, value, runs, dim**-0.5 if scaling is None else scaling)
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
@@ -98,6 +103,90 @@ def rowwise_attention_forward(
     return out.transpose(1, 2), None  # [1, Q, H, D]
 
 
+def _padded_rowwise(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    runs: list[list[KeyRun]],  # [B][Q]: the keys each row sees
+    scale: float,
+) -> tuple[torch.Tensor, None]:
+    """A padded batch's attention row by row, each row over its own session's keys, laid out
+    as a lone pass of that session reads them (a slice; a token tree's ancestors gathered
+    after it), with the call such a pass makes: an int8 target's batched pass is then
+    per-token exact too, and a session's logits do not depend on the sessions beside it.
+    Under SDPA over the padded batch they differed from its lone passes by float32 rounding,
+    which int8's per-token quantisation turns into whole steps: greedy outputs of concurrent
+    requests flipped about one token in twenty on the real 1.5B target (docs/design.md, "An
+    int8 target")."""
+    groups = query.shape[1] // key.shape[1]
+
+    def keys(tensor: torch.Tensor, b: int, run: KeyRun) -> torch.Tensor:  # [1, Hkv, S, D]
+        start, end, extra = run
+        kept = tensor[b : b + 1, :, start:end]  # a slice, as a lone pass reads its past
+        return kept if extra is None else torch.cat([kept, tensor[b : b + 1].index_select(2, extra)], dim=2)
+
+    out = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.nn.functional.scaled_dot_product_attention(
+                        query[b : b + 1, :, row : row + 1],  # [1, H, 1, D]
+                        keys(key, b, run),
+                        keys(value, b, run),
+                        scale=scale,
+                        enable_gqa=groups > 1,
+                    )
+                    for row, run in enumerate(row_runs)
+                ],
+                dim=2,
+            )
+            for b, row_runs in enumerate(runs)
+        ]
+    )  # [B, H, Q, D]
+    return out.transpose(1, 2), None  # [B, Q, H, D]
+
+
+KeyRun = tuple[int, int, "torch.Tensor | None"]  # keys [start, end), then these ([E], gathered), or None
+_last_runs: tuple[torch.Tensor | None, tuple[int, int, int], list[list[KeyRun]] | None] | None = None
+
+
+def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) -> list[list[KeyRun]] | None:
+    """Per batch row and query row, the keys a mask [B|1, 1, Q, L] lets it see (boolean: True
+    seen; float: 0 seen), as one run and the rest gathered (specdec.engine.batched_pass pads
+    each session's past on the left and its new tokens on the right: a causal row's keys are
+    one run; a tree's node adds its ancestors). None where a row sees no key, which SDPA then
+    takes. No mask: causal, unpadded. Read once per pass, as `_visible_keys`."""
+    global _last_runs
+    last = _last_runs
+    if last is not None and last[0] is mask and last[1] == (batch, rows, length):
+        return last[2]
+    runs: list[list[KeyRun]] | None
+    if mask is None:
+        runs = [[(0, length - rows + row + 1, None) for row in range(rows)]] * batch
+    elif mask.dim() != 4 or mask.shape[-1] < length:
+        runs = None
+    else:
+        seen = mask[:, 0, :, :length].expand(batch, rows, length)  # [B, Q, L]
+        seen = seen if seen.dtype == torch.bool else seen == 0
+        count = seen.sum(-1)  # [B, Q]
+        start = seen.int().argmax(-1)  # [B, Q]: the first key seen
+        end = length - seen.flip(-1).int().argmax(-1)  # [B, Q]: past the last
+        one_run = (end - start == count).tolist()
+        runs = None if bool((count == 0).any()) else []
+        for b in range(batch if runs is not None else 0):
+            row_runs: list[KeyRun] = []
+            for row, (first, last_end, single) in enumerate(zip(start[b].tolist(), end[b].tolist(), one_run[b])):
+                if single:
+                    row_runs.append((first, last_end, None))
+                    continue
+                ids = seen[b, row].nonzero().squeeze(-1)  # [S], ascending
+                run = int((ids == torch.arange(first, first + len(ids))).int().cumprod(0).sum())
+                row_runs.append((first, first + run, ids[run:]))
+            runs.append(row_runs)  # type: ignore[union-attr]
+    _last_runs = (mask, (batch, rows, length), runs)
+    return runs
+
+
 _last_tree: tuple[torch.Tensor, int, list[tuple[int, torch.Tensor]]] | None = None
 
 
@@ -122,8 +211,8 @@ def _visible_keys(tree: torch.Tensor, length: int) -> list[tuple[int, torch.Tens
 
 AttentionInterface.register(NAME, rowwise_attention_forward)
 AttentionInterface.register(EVERY_ROW, functools.partial(rowwise_attention_forward, every_row=True))
-# The same masks SDPA gets: padded batches fall back to SDPA and need them (without a mask
-# function of its own, transformers would build no mask at all for this implementation).
+# The same masks SDPA gets: padded batches read them, or fall back to SDPA, which needs them
+# (without a mask function of its own, transformers would build no mask at all for this implementation).
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(EVERY_ROW, sdpa_mask)
 

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from specdec.engine import attention
+from specdec.engine import attention, quantize
 from specdec.engine.batching import batch_groups, call_waves
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound
@@ -33,6 +33,16 @@ def loaded(tiny_pair):
     loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
     loaded.model.set_attn_implementation(attention.NAME)  # as the target service runs on CPU
     return loaded
+
+
+@pytest.fixture(scope="module")
+def int8_loaded(tiny_pair):
+    """The tiny target as the service runs an int8 target on CPU: per-token Linear layers,
+    attention row by row (target_service.loading)."""
+    loaded = load_causal_lm(str(tiny_pair.target), "float32", "cpu")
+    quantize.quantize_int8(loaded.model)
+    loaded.model.set_attn_implementation(attention.EVERY_ROW)
+    return dataclasses.replace(loaded, quantization=quantize.INT8_LABEL)
 
 
 def make_runner(loaded, **kwargs) -> TargetRunner:
@@ -112,7 +122,8 @@ def mixed_calls(runners, params: SamplingParams, return_distributions: bool) -> 
     ]
 
 
-def assert_same_caches(solo: TargetRunner, batched: TargetRunner, session_ids) -> None:
+def assert_same_caches(solo: TargetRunner, batched: TargetRunner, session_ids, bitwise: bool = False) -> None:
+    tolerance = {"atol": 0.0, "rtol": 0.0} if bitwise else KV_TOLERANCE
     for session_id in session_ids:
         expected, actual = solo.sessions.open(session_id, 1), batched.sessions.open(session_id, 1)
         assert actual.tokens == expected.tokens
@@ -120,8 +131,8 @@ def assert_same_caches(solo: TargetRunner, batched: TargetRunner, session_ids) -
         assert len(actual.cache.layers) == len(expected.cache.layers)
         for want, got in zip(expected.cache.layers, actual.cache.layers):
             assert got.keys.shape == want.keys.shape and got.values.shape == want.values.shape
-            torch.testing.assert_close(got.keys, want.keys, **KV_TOLERANCE)
-            torch.testing.assert_close(got.values, want.values, **KV_TOLERANCE)
+            torch.testing.assert_close(got.keys, want.keys, **tolerance)
+            torch.testing.assert_close(got.values, want.values, **tolerance)
 
 
 def test_greedy_batch_equals_each_session_alone(loaded):
@@ -159,6 +170,25 @@ def test_sampled_target_probs_equal_unbatched_within_float32_rounding(loaded):
         # Same seed, probabilities equal to a few ulps: the inverse-CDF draws land on the same tokens.
         assert got.recovered_token_ids == want.recovered_token_ids and got.bonus_token_id == want.bonus_token_id
     assert_same_caches(solo, batched, [call.session_id for call in calls])
+
+
+def test_an_int8_targets_batch_is_bitwise_each_session_alone(int8_loaded):
+    """As the service runs an int8 target on CPU (per-token Linear layers, attention row by
+    row): a padded batch's rows, prompts and rollbacks among them, give bitwise the
+    probabilities and cache entries each session gets alone, so a greedy request's output does
+    not depend on what else is in its passes. Under SDPA over the padded batch they differed by
+    float32 rounding turned into int8 quantisation steps."""
+    solo, batched = make_runner(int8_loaded), make_runner(int8_loaded)
+    batched.max_padding_ratio = float("inf")
+    assert solo.per_token_exact
+    calls = mixed_calls([solo, batched], SAMPLED, return_distributions=True)
+    expected = alone(solo, calls)
+    results = batched.verify_batch(calls)
+    assert all(result.batch_size == len(calls) for result in results)
+    for call, want, got in zip(calls, expected, results):
+        assert torch.equal(got.target_probs, want.target_probs), call.session_id
+        assert got.recovered_token_ids == want.recovered_token_ids and got.bonus_token_id == want.bonus_token_id
+    assert_same_caches(solo, batched, [call.session_id for call in calls], bitwise=True)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -416,10 +446,14 @@ def prefilled_tokens(runner: TargetRunner, session_id: str) -> list[int]:
     return runner.sessions.open(session_id, 1).tokens
 
 
-def test_batched_trees_equal_each_tree_alone_and_keep_their_paths(loaded):
+@pytest.mark.parametrize("model", ["loaded", "int8_loaded"], ids=["float32", "int8"])
+def test_batched_trees_equal_each_tree_alone_and_keep_their_paths(model, request):
     """Token trees of several sessions share one pass (a 4D mask per row): every node's
-    target distribution and every cache match the lone pass; the next round, each session
-    keeps a different accepted path from its cached nodes, batched again."""
+    target distribution and every cache match the lone pass (an int8 target's bitwise); the
+    next round, each session keeps a different accepted path from its cached nodes, batched
+    again."""
+    loaded = request.getfixturevalue(model)
+    bitwise = bool(loaded.quantization)
     solo, batched = make_runner(loaded), make_runner(loaded)
     batched.max_padding_ratio = float("inf")
     vocab = loaded.vocab_size
@@ -434,9 +468,10 @@ def test_batched_trees_equal_each_tree_alone_and_keep_their_paths(loaded):
         assert batched.batched_forwards == passes_before + 1
         for call, want, got in zip(calls, expected, results):
             assert got.batch_size == len(calls) and len(got.recovered_token_ids) == len(call.parents) + 1
-            torch.testing.assert_close(got.target_probs, want.target_probs, **PROB_TOLERANCE)
+            tolerance = {"atol": 0.0, "rtol": 0.0} if bitwise else PROB_TOLERANCE
+            torch.testing.assert_close(got.target_probs, want.target_probs, **tolerance)
             assert got.sequence_length == want.sequence_length == call.keep_tokens + len(call.new_tokens)
-        assert_same_caches(solo, batched, list(TREES))
+        assert_same_caches(solo, batched, list(TREES), bitwise)
         # Next round: "short" keeps nodes 1 -> 3, "medium" node 3, "long" nothing.
         paths = {"short": [1, 3], "medium": [3], "long": []}
         kept = {

@@ -31,8 +31,6 @@ from target_service.runner import TargetRunner
 # A float32 difference this far below the logits' scale is rounding; a wrong position, mask or
 # cache entry moves logits by their own order. Measured: at most 1.5e-6 of it (docstring).
 ROUNDING = 1e-4
-# An int8 target's batched pass can differ from its lone one by a quantisation step.
-QUANTISATION_STEP = 1e-2
 PROMPT_TOKENS = 12
 MAX_ROWS = 9  # a verify of K + 1 = 2..9 rows
 
@@ -171,9 +169,11 @@ def test_float32_passes_agree_with_one_token_decoding_to_rounding(shape, request
 @pytest.mark.skipif(not int8_supported(), reason="this torch build has no CPU int8 engine")
 def test_an_int8_target_is_bitwise_one_token_decoding_at_the_real_widths():
     """The control: the same comparisons, int8 as the service runs it on CPU (per_token_exact).
-    A solo pass of any length is bitwise. A batched pass (padded, SDPA) is not: its float32
-    attention rounds differently, and int8 turns that into a whole quantisation step now and
-    then (8.0e-3, 6e-4 of the largest logit, in one row of a trial with two such layers)."""
+    A pass of any length is bitwise, a padded batch's too: its attention runs each row over
+    its own session's keys (attention._padded_rowwise). Under SDPA over the padded batch, its
+    float32 rounding turned into whole quantisation steps (8.0e-3, 6e-4 of the largest logit,
+    in one row of a trial with two such layers; up to 1.4 nats in a log-probability, and one
+    greedy token in twenty flipped, on the real 1.5B target)."""
     model = quantize_int8(wide_model())  # the same weights (the same seed), quantised
     model.set_attn_implementation(attention.EVERY_ROW)
     loaded = loaded_model(model, INT8_LABEL)
@@ -181,7 +181,4 @@ def test_an_int8_target_is_bitwise_one_token_decoding_at_the_real_widths():
     gaps = measure(loaded)
     report("int8, 1.5B widths", gaps)
     for name, figure in gaps.items():
-        if name.startswith("batched"):
-            assert figure.max_abs <= QUANTISATION_STEP * figure.scale and figure.greedy_equal, f"{name}: {figure}"
-        else:
-            assert figure.bitwise, f"{name}: {figure}"
+        assert figure.bitwise, f"{name}: {figure}"
