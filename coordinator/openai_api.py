@@ -256,10 +256,11 @@ class OpenAIApi:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **ignored_header(parsed)}
         )
-        await response.prepare(request)
         queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
         relays: list[asyncio.Task] = []
+        error: dict | None = None
         try:
+            await response.prepare(request)
             if parsed.chat:
                 for index in range(len(generations)):
                     await send_event(response, stream_event(envelope, parsed.chat, index, None, None, role=True))
@@ -269,18 +270,17 @@ class OpenAIApi:
             finals = await self._send_chunks(response, parsed, envelope, queue, relays)
             if parsed.include_usage:
                 await send_event(response, {**envelope, "choices": [], "usage": usage(*finals)})
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
-            await send_event(response, api_error(exc, parsed.max_tokens_param).body())
+            error = api_error(exc, parsed.max_tokens_param).body()
         finally:
             for task in relays:
                 task.cancel()
             await asyncio.gather(*relays, return_exceptions=True)
             await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
-        await send_event(response, "[DONE]")
-        await response.write_eof()
+        await end_stream(response, error)
         return response
 
     async def _send_chunks(
@@ -320,6 +320,19 @@ class OpenAIApi:
             if chunk.stats is not None:
                 finals.append(chunk.stats)
         return finals
+
+
+async def end_stream(response: web.StreamResponse, error: dict | None) -> None:
+    """A stream's last events: its error's, if it failed, then `[DONE]`. A client that goes
+    away now has had every chunk of its generation, which is over: nothing failed here, so
+    nothing is logged or counted as the server's error."""
+    try:
+        if error is not None:
+            await send_event(response, error)
+        await send_event(response, "[DONE]")
+        await response.write_eof()
+    except ConnectionError:
+        logger.info("HTTP client went away before the stream's end")
 
 
 async def send_event(response: web.StreamResponse, payload: dict | str) -> None:
