@@ -154,8 +154,9 @@ def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) 
     """Per batch row and query row, the keys a mask [B|1, 1, Q, L] lets it see (boolean: True
     seen; float: 0 seen), as one run and the rest gathered (specdec.engine.batched_pass pads
     each session's past on the left and its new tokens on the right: a causal row's keys are
-    one run; a tree's node adds its ancestors). None where a row sees no key, which SDPA then
-    takes. No mask: causal, unpadded. Read once per pass, as `_visible_keys`."""
+    one run; a tree's node adds its ancestors). None where a row sees no key, or a float mask
+    holds a bias (a value other than 0 and the dtype's least), which SDPA then takes. No mask:
+    causal, unpadded. Read once per pass, as `_visible_keys`."""
     global _last_runs
     last = _last_runs
     if last is not None and last[0] is mask and last[1] == (batch, rows, length):
@@ -166,13 +167,14 @@ def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) 
     elif mask.dim() != 4 or mask.shape[-1] < length:
         runs = None
     else:
-        seen = mask[:, 0, :, :length].expand(batch, rows, length)  # [B, Q, L]
-        seen = seen if seen.dtype == torch.bool else seen == 0
+        given = mask[:, 0, :, :length].expand(batch, rows, length)  # [B, Q, L]
+        seen = given if given.dtype == torch.bool else given == 0
+        masked = given.dtype == torch.bool or bool((seen | (given <= torch.finfo(given.dtype).min / 2)).all())
         count = seen.sum(-1)  # [B, Q]
         start = seen.int().argmax(-1)  # [B, Q]: the first key seen
         end = length - seen.flip(-1).int().argmax(-1)  # [B, Q]: past the last
         one_run = (end - start == count).tolist()
-        runs = None if bool((count == 0).any()) else []
+        runs = None if not masked or bool((count == 0).any()) else []  # a bias in the mask: SDPA adds it
         for b in range(batch if runs is not None else 0):
             row_runs: list[KeyRun] = []
             for row, (first, last_end, single) in enumerate(zip(start[b].tolist(), end[b].tolist(), one_run[b])):

@@ -483,3 +483,26 @@ def test_batched_trees_equal_each_tree_alone_and_keep_their_paths(model, request
         }
     for runner in (solo, batched):  # the kept paths ran no second time
         assert runner.sessions.open("short", 1).tree is not None
+
+
+def test_a_padded_batchs_rows_read_their_own_runs_of_keys():
+    """attention._padded_runs: each row's keys, as the row-wise batch reads them; None (SDPA)
+    where a row sees nothing or a float mask adds a bias."""
+    seen = torch.tensor(
+        [
+            [[0, 1, 1, 0], [0, 1, 1, 1]],  # a past of 2 left-padded; 2 new tokens
+            [[1, 1, 1, 0], [1, 1, 0, 1]],  # a tree node seeing the past, then its ancestor
+        ],
+        dtype=torch.bool,
+    )[:, None]  # [B, 1, Q, L]
+    runs = attention._padded_runs(seen, 2, 2, 4)
+    assert runs is not None and runs[0] == [(1, 3, None), (1, 4, None)] and runs[1][0] == (0, 3, None)
+    start, end, extra = runs[1][1]
+    assert (start, end) == (0, 2) and extra is not None and extra.tolist() == [3]
+    least = torch.finfo(torch.float32).min
+    additive = torch.where(seen, 0.0, least)
+    floats = attention._padded_runs(additive, 2, 2, 4)
+    assert floats is not None and floats[0] == runs[0]
+    assert attention._padded_runs(additive + 0.5 * seen, 2, 2, 4) is None  # a bias: SDPA's to add
+    assert attention._padded_runs(torch.zeros(2, 1, 2, 4, dtype=torch.bool), 2, 2, 4) is None
+    assert attention._padded_runs(None, 2, 2, 4) == [[(0, 3, None), (0, 4, None)]] * 2
