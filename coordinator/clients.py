@@ -117,9 +117,11 @@ class ServiceClient:
         """CallStreams.abandon for every pooled method: the number of calls given up on."""
         return sum(pool.abandon(why) for pool in self._stream_pools)
 
-    def calls_due(self) -> float | None:
-        """The latest deadline (event-loop time) of the pooled calls in flight; None for none."""
-        return max((due for pool in self._stream_pools if (due := pool.due()) is not None), default=None)
+    def calls_due(self, sent_by: float) -> float | None:
+        """The latest deadline (event-loop time) of the pooled calls in flight that were sent
+        by `sent_by` (event-loop time); None for none."""
+        dues = (pool.due(sent_by) for pool in self._stream_pools)
+        return max((due for due in dues if due is not None), default=None)
 
     async def call(self, method: Callable[..., Awaitable[T]], request, timeout_s: float | None = None) -> T:
         try:
@@ -219,7 +221,7 @@ class CallStreams:
         self._open = open_stream
         self._field = reply_field
         self._idle: list[Any] = []
-        self._busy: dict[Any, float] = {}  # streams carrying a call now, and its deadline (loop time)
+        self._busy: dict[Any, tuple[float, float]] = {}  # streams carrying a call now: (sent, deadline), loop time
         self._abandoned: dict[Any, str] = {}  # busy streams given up on (`abandon`), and why
 
     async def call(self, request, span_name: str, timeout_s: float):
@@ -289,7 +291,7 @@ class CallStreams:
         """Writes the call on `stream`, busy until `due` at the latest; a write that fails (or
         that `abandon` gave up on, which a peer that stopped reading can leave waiting) cancels
         the stream."""
-        self._busy[stream] = due
+        self._busy[stream] = (asyncio.get_running_loop().time(), due)
         try:
             await stream.write(request)
         except BaseException:
@@ -305,9 +307,9 @@ class CallStreams:
         if why is not None and task is not None and not task.cancelling():
             raise Unavailable(f"{self._client.role} service at {self._client.address} {why}") from None
 
-    def due(self) -> float | None:
-        """The latest deadline of the calls in flight (event-loop time); None for none."""
-        return max(self._busy.values(), default=None)
+    def due(self, sent_by: float) -> float | None:
+        """The latest deadline of the calls in flight sent by `sent_by` (event-loop time); None for none."""
+        return max((due for sent, due in self._busy.values() if sent <= sent_by), default=None)
 
     def discard(self) -> None:
         """Cancels every idle stream (the service went away, or the client closes)."""

@@ -156,9 +156,9 @@ class Pool:
         Info waits for its model thread, behind the pass running there (a long prompt's prefill
         runs for seconds on a CPU), so a replica whose Info is late is busy, not hung, and keeps
         its last Info (which closes no breaker), for as long as a call's deadline
-        (`stuck_after_s`, or the latest deadline of this coordinator's calls in flight there,
-        which grows with a prompt's prefill): past it, its model thread is stuck in a pass (a
-        GPU hang, a deadlocked collective), and it is hung too. One that refuses the
+        (`stuck_after_s`, or, if later, that of the last of this coordinator's calls sent there
+        before its Info went late, which grows with a prompt's prefill): past it, its model
+        thread is stuck in a pass (a GPU hang, a deadlocked collective), and it is hung too. One that refuses the
         coordinator (its token) is refused: waiting will not mend that."""
         serving = await replica.client.serving(PROBE_TIMEOUT_S)
         replica.unanswered = replica.unanswered + 1 if serving is None else 0
@@ -172,7 +172,10 @@ class Pool:
         except DeadlineExceeded:  # busy with a pass, or stuck in one
             now = asyncio.get_running_loop().time()
             replica.late_since = now if replica.late_since is None else replica.late_since
-            due = replica.client.calls_due()  # a long prompt's call is given longer (its prefill)
+            # A call sent before its Info went late may be what it is busy with (a long prompt's
+            # call has its prefill's time too); one sent since waits behind, and would keep a
+            # hung replica from ever being found so.
+            due = replica.client.calls_due(sent_by=replica.late_since)
             replica.stuck = now - replica.late_since > self.stuck_after_s and (due is None or now > due)
             return None if replica.stuck else replica.info
         except SpecDecError:

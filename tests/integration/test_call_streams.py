@@ -87,18 +87,20 @@ async def test_a_call_past_its_deadline_or_cancelled_cancels_its_stream_and_the_
             # cancelled itself, gets UNAVAILABLE, and the service stops the work as before.
             # A call's deadline, its allowance included, is what the pool reads while its Info is
             # late (coordinator.pools.Pool._ask): the replica may be busy with it until then.
-            assert draft.calls_due() is None
-            sent = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            assert draft.calls_due(loop.time()) is None
+            sent = loop.time()
             task = asyncio.ensure_future(draft.propose(propose("abandoned", num_tokens=6), allowance_s=5.0))
             await asyncio.sleep(0.1)
-            due = draft.calls_due()
+            due = draft.calls_due(loop.time())
             assert due is not None and sent + 5.3 <= due <= sent + 5.3 + 0.1
+            assert draft.calls_due(sent - 1.0) is None  # sent after that
             assert draft.abandon_calls("has not answered health probes for 4 s") == 1
             with pytest.raises(Unavailable, match="has not answered health probes for 4 s"):
                 await task
             await asyncio.sleep(0.6)
             assert runner.stopped_proposals == 3 and draft.abandon_calls("again") == 0
-            assert draft.calls_due() is None
+            assert draft.calls_due(loop.time()) is None
         finally:
             await draft.close()
 

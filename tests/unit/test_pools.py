@@ -387,7 +387,7 @@ class SilentClient(FakeClient):
     def __init__(self, address: str) -> None:
         super().__init__(address)
         self.in_flight, self.abandoned, self.answers = 1, 0, False
-        self.due: float | None = None  # the latest deadline of its calls in flight (loop time)
+        self.calls: list[tuple[float, float]] = []  # its calls in flight: (sent, deadline), loop time
 
     async def info(self, timeout_s: float) -> common_pb2.ModelInfo:
         if not self.answers:
@@ -401,8 +401,8 @@ class SilentClient(FakeClient):
         self.abandoned += self.in_flight
         return self.in_flight
 
-    def calls_due(self) -> float | None:
-        return self.due
+    def calls_due(self, sent_by: float) -> float | None:
+        return max((due for sent, due in self.calls if sent <= sent_by), default=None)
 
 
 async def refreshes(pool: Pool, times: int) -> None:
@@ -487,13 +487,41 @@ def test_a_replica_prefilling_a_long_prompt_is_busy_for_as_long_as_the_call_may_
     a.client.serving = health  # type: ignore[method-assign]
     pool.stuck_after_s = 0.0  # Info late past the flat deadline ...
 
-    async def late_with_a_call_due(due_in: float) -> None:
-        a.client.due = asyncio.get_running_loop().time() + due_in
+    async def late_with_a_call_due(due_in: float, sent_ago: float = 10.0) -> None:
+        now = asyncio.get_running_loop().time()
+        a.client.calls = [(now - sent_ago, now + due_in)]
+        a.late_since = None
         await refreshes(pool, 2)
 
     asyncio.run(late_with_a_call_due(3600.0))  # ... while a call there may take an hour more
     assert a.serving and not a.hung and not a.stuck and a.client.abandoned == 0
     asyncio.run(late_with_a_call_due(-1.0))  # past every call's deadline: stuck in a pass
+    assert a.hung and a.client.abandoned > 0 and pool.place() is b
+
+
+def test_calls_sent_to_a_late_replica_do_not_keep_it_from_being_found_hung():
+    """Only a call sent before a replica's Info went late can be what it is busy with; those
+    sent since wait behind. A hung replica that kept its last Info (busy, as far as anyone
+    knew) still took new sessions, and each new call's deadline would have put off finding
+    it hung for good, its requests failing DEADLINE_EXCEEDED one after the other."""
+    pool = pool_of("a:1", "b:1")
+    a, b = pool.replicas.values()
+    a.client = SilentClient("a:1")
+
+    async def health(timeout_s: float) -> bool:
+        return True
+
+    a.client.serving = health  # type: ignore[method-assign]
+    pool.stuck_after_s = 0.0
+
+    async def late_then_new_calls() -> None:
+        await pool.refresh()  # its Info is late from here
+        now = asyncio.get_running_loop().time()
+        a.client.calls = [(now + 0.01, now + 3600.0)]  # a call sent since, with an hour to run
+        await asyncio.sleep(0.02)
+        await pool.refresh()
+
+    asyncio.run(late_then_new_calls())
     assert a.hung and a.client.abandoned > 0 and pool.place() is b
 
 
