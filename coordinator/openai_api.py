@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import secrets
 import ssl
@@ -34,6 +33,7 @@ from opentelemetry import propagate, trace
 
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
+from coordinator.openai_events import end_stream, raise_if_failed, relay_chunks, send_event, stream_event
 from coordinator.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -48,7 +48,6 @@ from coordinator.openai_schema import (
 from coordinator.requests import Chunk
 from coordinator.servicer import metered
 from specdec.config.services import ServerSecurity
-from specdec.errors import SpecDecError
 from specdec.rpc.security import BearerTokenAuth, bearer_token, read_tokens
 from specdec.rpc.serving import MAX_METADATA_BYTES
 
@@ -274,7 +273,10 @@ class OpenAIApi:
             logger.info("HTTP client went away mid-stream; the generation is cancelled")
             return response
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error travels as an event
-            error = api_error(exc, parsed.max_tokens_param).body()
+            failure = api_error(exc, parsed.max_tokens_param)
+            if failure.status == 500:  # the server's own, logged as the middleware logs one
+                logger.exception("HTTP %s %s failed mid-stream", request.method, request.path)
+            error = failure.body()
         finally:
             for task in relays:
                 task.cancel()
@@ -320,69 +322,6 @@ class OpenAIApi:
             if chunk.stats is not None:
                 finals.append(chunk.stats)
         return finals
-
-
-async def end_stream(response: web.StreamResponse, error: dict | None) -> None:
-    """A stream's last events: its error's, if it failed, then `[DONE]`. A client that goes
-    away now has had every chunk of its generation, which is over: nothing failed here, so
-    nothing is logged or counted as the server's error."""
-    try:
-        if error is not None:
-            await send_event(response, error)
-        await send_event(response, "[DONE]")
-        await response.write_eof()
-    except ConnectionError:
-        logger.info("HTTP client went away before the stream's end")
-
-
-async def send_event(response: web.StreamResponse, payload: dict | str) -> None:
-    """One server-sent event: a payload as JSON, or a string (`[DONE]`) as it is."""
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    await response.write(f"data: {data}\n\n".encode())
-
-
-def stream_event(
-    envelope: dict,
-    chat: bool,
-    index: int,
-    text: str | None,
-    finish_reason: str | None,
-    role: bool = False,
-    logprobs: dict | None = None,
-) -> dict:
-    """One choice's streamed chunk: chat's `delta` (the role in a choice's first), or a
-    completion's `text`."""
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-    else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
-    return {**envelope, "choices": [choice]}
-
-
-async def relay_chunks(
-    index: int, chunks: AsyncGenerator[Chunk, None], queue: asyncio.Queue[tuple[int, Chunk | None]]
-) -> None:
-    """A choice's chunks onto the queue, tagged with its index, then None; its error stays
-    with the task (`raise_if_failed`), as a chunk cannot carry it."""
-    try:
-        async for chunk in chunks:
-            await queue.put((index, chunk))
-    finally:
-        await queue.put((index, None))
-
-
-async def raise_if_failed(task: asyncio.Task, index: int) -> None:
-    """Awaits a choice's ended relay and raises the choice's error where it failed. A relay
-    cancelled while this request was not means the choice stopped before its end."""
-    try:
-        await task
-    except asyncio.CancelledError:
-        if (current := asyncio.current_task()) is not None and current.cancelling():
-            raise  # the client went away
-        raise SpecDecError(f"choice {index} stopped before its end") from None
 
 
 def server_ssl_context(security: ServerSecurity) -> ssl.SSLContext | None:

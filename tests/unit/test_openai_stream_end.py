@@ -7,12 +7,13 @@ among the generations."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, cast
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator import openai_api
+from coordinator import openai_events
 from coordinator.metrics import GenerationStats
 from coordinator.openai_api import OpenAIApi
 from coordinator.requests import Chunk
@@ -32,22 +33,41 @@ class OneChunkEngine:
 
 
 async def test_a_client_gone_before_done_is_no_server_error(monkeypatch, caplog):
-    sent: list[str] = []
-    plain = openai_api.send_event
+    plain = openai_events.send_event
 
     async def gone_at_done(response, payload):
         if payload == "[DONE]":
             raise ConnectionResetError("Cannot write to closing transport")  # as aiohttp raises it
-        sent.append(str(payload))
         await plain(response, payload)
 
-    monkeypatch.setattr(openai_api, "send_event", gone_at_done)
+    monkeypatch.setattr(openai_events, "send_event", gone_at_done)
     api = OpenAIApi(cast(Any, OneChunkEngine()), "m")
     async with TestClient(TestServer(api.app())) as client:
         with caplog.at_level(logging.INFO, logger="coordinator.openai_api"):
             async with asyncio.timeout(10):  # before: the server never ended the response
                 response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
-                await response.read()
-    assert response.status == 200 and len(sent) == 2  # both chunks went out
+                events = (await response.read()).decode().split("\n\n")
+    texts = [json.loads(event[len("data: ") :])["choices"][0]["text"] for event in events if event]
+    assert response.status == 200 and texts == ["a", "b"]  # both chunks went out, then no [DONE]
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING], caplog.text
     assert "went away before the stream's end" in caplog.text
+
+
+class FailingEngine(OneChunkEngine):
+    async def generate(self, request):
+        yield Chunk(token_ids=[1], text="a")
+        raise RuntimeError("a bug")
+
+
+async def test_a_server_error_mid_stream_is_logged_and_sent_as_an_event(caplog):
+    """The headers are out, so the error travels as the stream's last event before [DONE];
+    the server's own error is logged with its traceback, as the middleware logs one."""
+    api = OpenAIApi(cast(Any, FailingEngine()), "m")
+    async with TestClient(TestServer(api.app())) as client:
+        with caplog.at_level(logging.INFO, logger="coordinator.openai_api"):
+            async with asyncio.timeout(10):
+                response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+                events = [event for event in (await response.read()).decode().split("\n\n") if event]
+    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: ") :])
+    failed = [record for record in caplog.records if record.levelno == logging.ERROR]
+    assert len(failed) == 1 and "failed mid-stream" in failed[0].getMessage() and failed[0].exc_info

@@ -1,0 +1,81 @@
+"""The server-sent events of the HTTP API's streams (coordinator.openai_api): each choice's
+chunks as OpenAI's chunk objects, relayed from its generation, and the stream's end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from aiohttp import web
+
+from coordinator.requests import Chunk
+from specdec.errors import SpecDecError
+
+logger = logging.getLogger("coordinator.openai_api")  # the API's log, as the handlers'
+
+
+async def end_stream(response: web.StreamResponse, error: dict | None) -> None:
+    """A stream's last events: its error's, if it failed (logged already where it was the
+    server's), then `[DONE]`. A client that goes away now has had every chunk it would get,
+    and its generation is over: its leaving is no server error, and is not logged or counted
+    as one."""
+    try:
+        if error is not None:
+            await send_event(response, error)
+        await send_event(response, "[DONE]")
+        await response.write_eof()
+    except ConnectionError:
+        logger.info("HTTP client went away before the stream's end")
+
+
+async def send_event(response: web.StreamResponse, payload: dict | str) -> None:
+    """One server-sent event: a payload as JSON, or a string (`[DONE]`) as it is."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    await response.write(f"data: {data}\n\n".encode())
+
+
+def stream_event(
+    envelope: dict,
+    chat: bool,
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    role: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
+    """One choice's streamed chunk: chat's `delta` (the role in a choice's first), or a
+    completion's `text`."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
+    return {**envelope, "choices": [choice]}
+
+
+async def relay_chunks(
+    index: int, chunks: AsyncGenerator[Chunk, None], queue: asyncio.Queue[tuple[int, Chunk | None]]
+) -> None:
+    """A choice's chunks onto the queue, tagged with its index, then None; its error stays
+    with the task (`raise_if_failed`), as a chunk cannot carry it."""
+    try:
+        async for chunk in chunks:
+            await queue.put((index, chunk))
+    finally:
+        await queue.put((index, None))
+
+
+async def raise_if_failed(task: asyncio.Task, index: int) -> None:
+    """Awaits a choice's ended relay and raises the choice's error where it failed. A relay
+    cancelled while this request was not means the choice stopped before its end."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        if (current := asyncio.current_task()) is not None and current.cancelling():
+            raise  # the client went away
+        raise SpecDecError(f"choice {index} stopped before its end") from None
