@@ -84,6 +84,18 @@ class TimedTarget(TableTarget):
         return await super().verify(request)
 
 
+class TimedDraft(TableDraft):
+    """A lookup-table draft that notes the allowance each Propose is given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.allowances: list[float] = []
+
+    async def propose(self, request, allowance_s=0.0):
+        self.allowances.append(allowance_s)
+        return await super().propose(request)
+
+
 async def test_each_replica_gives_its_own_calibrated_pass_to_the_allowance(tmp_path):
     """Replicas of a pool may run on machines of different speeds: a session on a replica
     whose pass is four times the first replica's is given four times the allowance. Before,
@@ -95,7 +107,9 @@ async def test_each_replica_gives_its_own_calibrated_pass_to_the_allowance(tmp_p
     first = TimedTarget(model, fingerprint, pass_ms=(10.0,) * 9)
     slower = TimedTarget(model, fingerprint, pass_ms=(40.0,) * 9)
     slower.address = "table target 2"
-    draft = TableDraft(TableModel(8, salt=2, base=model), fingerprint)
+    draft = TimedDraft(TableModel(8, salt=2, base=model), fingerprint, pass_ms=(5.0,) * 9)
+    slower_draft = TimedDraft(TableModel(8, salt=2, base=model), fingerprint, pass_ms=(15.0,) * 9)
+    slower_draft.address = "table draft 2"
     config = CoordinatorConfig(
         draft_address=draft.address, target_address=first.address, tokenizer=str(tmp_path), metrics_port=-1
     )
@@ -105,10 +119,16 @@ async def test_each_replica_gives_its_own_calibrated_pass_to_the_allowance(tmp_p
         pool = engine.upstream.targets
         pool._apply(pool.add(slower.address, slower), await slower.info())
         pool.replicas[first.address].serving = False  # new sessions go to the slower one
+        drafts = engine.upstream.drafts
+        drafts._apply(drafts.add(slower_draft.address, slower_draft), await slower_draft.info())
+        drafts.replicas[draft.address].serving = False
         prompt = tuple(i % 8 for i in range(100))
-        request = GenerationRequest(prompt_token_ids=prompt, max_new_tokens=2, num_speculative_tokens=0)
-        assert len([token async for chunk in engine.generate(request) for token in chunk.token_ids]) == 2
+        request = GenerationRequest(
+            prompt_token_ids=prompt, max_new_tokens=4, temperature=1.0, seed=1, num_speculative_tokens=2
+        )
+        assert len([token async for chunk in engine.generate(request) for token in chunk.token_ids]) == 4
     finally:
         engine.close()
         await engine.wait_cleanup()
     assert not first.allowances and slower.allowances[0] == pytest.approx(100 * 0.04)
+    assert not draft.allowances and slower_draft.allowances[0] == pytest.approx(100 * 0.015)
