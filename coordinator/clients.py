@@ -78,6 +78,7 @@ class CallRejected(SpecDecError):
 # service whose event loop stalls a few seconds (a loaded host) answers a burst of them late:
 # each one given up on holds its session, and one of its --max-sessions, until its TTL.
 END_SESSION_TIMEOUT_S = 15.0
+UNENDED_KEPT = 4096  # EndSessions kept to send again once a replica answers (ServiceClient.end_unended)
 
 
 class ServiceClient:
@@ -98,6 +99,7 @@ class ServiceClient:
         """`channel`: an already open channel to use instead (a specdec.rpc.local.LocalChannel)."""
         self.address = address
         self.timeout_s = timeout_s
+        self._unended: dict[str, common_pb2.EndSessionRequest] = {}  # `end_unended`, oldest first
         self.channel = channel or aio_channel(
             address,
             # No limit of the coordinator's own: each service's (serving.model_message_bytes,
@@ -162,18 +164,46 @@ class ServiceClient:
         one of its --max-sessions till then. `discard`: its sequence is no request's output;
         `epoch`: the newest call number sent for it; `committed`: the leading tokens of it that
         are the request's output (EndSessionRequest)."""
+        request = common_pb2.EndSessionRequest(
+            session_id=session_id, discard=discard, epoch=epoch, committed_tokens=committed
+        )
         try:
-            request = common_pb2.EndSessionRequest(
-                session_id=session_id, discard=discard, epoch=epoch, committed_tokens=committed
-            )
             await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
         except SpecDecError as exc:
+            again = isinstance(exc, (Unavailable, DeadlineExceeded))  # not answering: sent again once it does
+            if again:
+                self._unended[session_id] = request
+                while len(self._unended) > UNENDED_KEPT:
+                    del self._unended[next(iter(self._unended))]
             logger.warning(
-                "could not end %s session %s (it expires once idle past the service's session TTL): %s",
-                self.role,
-                session_id,
-                exc,
+                "could not end %s session %s (%sit expires once idle past the service's session TTL): %s",
+                *(self.role, session_id, "sent again once the service answers; else " if again else "", exc),
             )
+
+    @property
+    def unended(self) -> int:
+        """Sessions whose EndSession found the service not answering, not ended since."""
+        return len(self._unended)
+
+    async def end_unended(self) -> None:
+        """Sends those again once the service answers (coordinator.pools), until one finds it
+        silent again: a replica frozen for a while held their KV and places, counted as other
+        coordinators' load, until its session TTL ran out after it resumed."""
+        for session_id, request in list(self._unended.items()):
+            if self._unended.get(session_id) is not request:
+                continue  # placed there again meanwhile (`forget_unended`)
+            try:
+                await self.call(self._stub.EndSession, request, END_SESSION_TIMEOUT_S)
+            except (Unavailable, DeadlineExceeded):
+                return
+            except SpecDecError:
+                pass  # ended another way (a restart, the TTL): nothing left to end
+            if self._unended.get(session_id) is request:
+                del self._unended[session_id]
+
+    def forget_unended(self, session_id: str) -> None:
+        """A session placed on this service again: its earlier end must not end it now."""
+        self._unended.pop(session_id, None)
 
     async def serving(self, timeout_s: float = 1.0) -> bool | None:
         """The standard health check: is the service up and SERVING (a draining one, after

@@ -30,6 +30,7 @@ No gRPC here beyond the clients' calls; pure bookkeeping and a watcher loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -62,6 +63,8 @@ class Pool:
     resolve_failures: int = 0
     _turn: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)  # closes of replicas gone from the records
+    # By address: a replica's EndSessions that found it not answering, sent again since it answers.
+    _ending: dict[str, asyncio.Task] = field(default_factory=dict)
     placement: Placement = field(default_factory=PrefixAffinity)  # which replica a new session goes to
     # Requests waiting for room (`admit`), oldest first; each is woken to look again when a
     # session ends or a refresh may have made room.
@@ -128,8 +131,15 @@ class Pool:
         live = [replica for replica in self.replicas.values() if not replica.gone]
         answers = await asyncio.gather(*(self._ask(replica) for replica in live))
         for replica, info in zip(live, answers):  # in the pool's order: the first sets the reference
+            fresh = info is not None and info is not replica.info  # not its last one kept (busy: `_ask`)
             self._apply(replica, info)
+            if fresh and replica.client.unended and replica.address not in self._ending:
+                self._ending[replica.address] = asyncio.get_running_loop().create_task(replica.client.end_unended())
+                self._ending[replica.address].add_done_callback(functools.partial(self._ended_unended, replica.address))
         self._wake()  # others' sessions may have ended, or a replica joined
+
+    def _ended_unended(self, address: str, task: asyncio.Task) -> None:
+        self._ending.pop(address, None)
 
     def _update(self, addresses: Iterable[str]) -> None:
         """Adds new addresses in the pool's order (its first replica to answer sets the model
@@ -383,6 +393,7 @@ class Pool:
         chosen.reserved_bytes += reserve
         if session_id:
             chosen.pending.add(session_id)
+            chosen.client.forget_unended(session_id)
         return chosen
 
     def release(self, replica: Replica, reserve: int = 0, ending: bool = False, session_id: str = "") -> None:

@@ -10,6 +10,7 @@ import asyncio
 import grpc
 import pytest
 
+from coordinator import clients
 from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import DeadlineExceeded, SessionNotFound, Unavailable
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
@@ -216,3 +217,28 @@ async def test_a_call_failed_on_the_service_marks_its_client_span_as_a_unary_cal
     assert failed.status.status_code == StatusCode.ERROR and "ghost" in failed.status.description
     assert failed.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert served.status.status_code == StatusCode.UNSET and served.attributes["rpc.grpc.status_code"] == 0
+
+
+async def test_an_end_session_the_service_did_not_answer_is_sent_again_once_it_does(tiny_pair, monkeypatch):
+    """A replica frozen for a while (SIGSTOP, a stalled machine) does not answer the
+    EndSessions of the sessions moved off it; once it answers again they are sent again, as
+    the pool does at its first Info heard afresh (coordinator.pools). Before, they held the
+    replica's KV and places, counted as other coordinators' load, until its session TTL ran
+    out after it resumed (five minutes by default)."""
+    monkeypatch.setattr(clients, "END_SESSION_TIMEOUT_S", 0.2)
+    async with inprocess_stack(tiny_pair, prepare_runners=lambda draft, target: slow_down(draft, 0.4)) as stack:
+        draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=30)
+        try:
+            await draft.propose(propose("moved", num_tokens=1))
+            busy = asyncio.ensure_future(draft.propose(propose("busy", num_tokens=3)))  # the model thread's, 1.6 s
+            await asyncio.sleep(0.1)
+            await draft.end_session("moved", discard=True)  # waits behind it: past its deadline
+            assert draft.unended == 1 and stack.draft_runner.sessions.open("moved", 1)
+            draft.forget_unended("busy")  # another session's place: nothing to forget
+            await busy
+            await draft.end_unended()
+            assert draft.unended == 0
+            with pytest.raises(SessionNotFound):
+                stack.draft_runner.sessions.open("moved", 1)
+        finally:
+            await draft.close()

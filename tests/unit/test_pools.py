@@ -88,6 +88,11 @@ class FakeClient:
     async def close(self):
         self.closed = True
 
+    unended = 0
+
+    def forget_unended(self, session_id: str) -> None:
+        pass
+
 
 def pool_of(*addresses: str) -> Pool:
     pool = Pool("target", parse_pool(",".join(addresses)), FakeClient)  # type: ignore[arg-type]
@@ -696,3 +701,47 @@ def test_sessions_placed_but_not_yet_opened_there_are_no_other_coordinators():
     assert a.others == 2
     pool.release(a, session_id="s2")  # released before any call: nothing of it was ever there
     assert a.pending == set()
+
+
+class UnendedClient(FakeClient):
+    """A replica with EndSessions it did not answer (ServiceClient.end_unended)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.unended, self.resent, self.forgotten = 2, 0, []  # type: ignore[misc]
+        self.answers = False
+
+    async def info(self, timeout_s=None):
+        if not self.answers:
+            raise DeadlineExceeded(f"{self.address} did not answer")
+        return await super().info(timeout_s)
+
+    def calls_due(self, sent_by: float) -> float | None:
+        return None
+
+    async def end_unended(self) -> None:
+        self.resent += 1
+        self.unended = 0  # type: ignore[misc]
+
+    def forget_unended(self, session_id: str) -> None:
+        self.forgotten.append(session_id)
+
+
+def test_a_replica_answering_again_is_sent_the_ends_it_missed_and_placing_forgets_them():
+    pool = pool_of("a:1", "b:1")
+    a = pool.replicas["a:1"]
+    a.client = client = UnendedClient("a:1")
+
+    async def refreshed(times: int) -> None:
+        for _ in range(times):
+            await pool.refresh()
+        await asyncio.sleep(0)  # the resend runs in the background
+        await asyncio.gather(*pool._ending.values())
+
+    asyncio.run(refreshed(2))  # Info late (busy): its last Info kept, nothing sent yet
+    assert client.resent == 0
+    client.answers = True
+    asyncio.run(refreshed(2))  # heard afresh: sent once
+    assert client.resent == 1 and client.unended == 0
+    pool._take([a], session_id="back-again")
+    assert client.forgotten == ["back-again"]
