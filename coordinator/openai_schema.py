@@ -48,6 +48,9 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
+    # OpenAI's other outputs: audio (a text-only model answers none) and web search results.
+    "modalities": (None, ["text"]),
+    **dict.fromkeys(("audio", "web_search_options"), (None,)),
     # vLLM's extras that change the output: constrained decoding, EOS handling, other stops,
     # other samplers, and the prompt's own logprobs.
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"), (None,)),

@@ -53,6 +53,9 @@ def test_a_known_field_the_server_cannot_honour_is_still_refused(body, field):
         {"add_generation_prompt": False},
         {"use_beam_search": True},
         {"skip_special_tokens": False},
+        {"modalities": ["text", "audio"]},
+        {"audio": {"voice": "alloy", "format": "wav"}},
+        {"web_search_options": {}},
     ],
 )
 def test_a_field_that_would_change_the_output_is_refused_not_dropped(extra):
