@@ -427,6 +427,9 @@ class Pool:
             task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
+        for ending in list(self._ending.values()):  # their sessions expire by TTL, as before
+            ending.cancel()
+        await asyncio.gather(*self._ending.values(), return_exceptions=True)
         await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
 
 
