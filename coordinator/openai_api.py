@@ -33,7 +33,14 @@ from opentelemetry import propagate, trace
 
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
-from coordinator.openai_events import end_stream, raise_if_failed, relay_chunks, send_event, stream_event
+from coordinator.openai_events import (
+    end_stream,
+    next_chunk,
+    raise_if_failed,
+    relay_chunks,
+    send_event,
+    stream_event,
+)
 from coordinator.openai_schema import (
     FINISH_REASONS,
     ApiError,
@@ -303,7 +310,7 @@ class OpenAIApi:
         finals: list[GenerationStats] = []
         running = len(relays)
         while running:
-            index, chunk = await queue.get()
+            index, chunk = await next_chunk(response, queue)
             if chunk is None:
                 running -= 1
                 await raise_if_failed(relays[index], index)

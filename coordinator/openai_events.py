@@ -15,6 +15,23 @@ from coordinator.requests import Chunk
 from specdec.errors import SpecDecError
 
 logger = logging.getLogger("coordinator.openai_api")  # the API's log, as the handlers'
+# A comment line this often while a stream waits for its next chunk (a failover, a re-prefill):
+# proxies cut connections idle for a minute or so (nginx's proxy_read_timeout: 60 s).
+KEEPALIVE_S = 15.0
+
+
+async def next_chunk(
+    response: web.StreamResponse, queue: asyncio.Queue[tuple[int, Chunk | None]]
+) -> tuple[int, Chunk | None]:
+    """The queue's next item; while none comes, an SSE comment (`: keep-alive`) every
+    KEEPALIVE_S, which clients skip, so that the stream is never idle that long."""
+    getting = asyncio.ensure_future(queue.get())
+    try:
+        while not (await asyncio.wait({getting}, timeout=KEEPALIVE_S))[0]:
+            await response.write(b": keep-alive\n\n")
+        return getting.result()
+    finally:
+        getting.cancel()  # a no-op once done: only a stream that ended meanwhile leaves it waiting
 
 
 async def end_stream(response: web.StreamResponse, error: dict | None) -> None:

@@ -71,3 +71,28 @@ async def test_a_server_error_mid_stream_is_logged_and_sent_as_an_event(caplog):
     assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: ") :])
     failed = [record for record in caplog.records if record.levelno == logging.ERROR]
     assert len(failed) == 1 and "failed mid-stream" in failed[0].getMessage() and failed[0].exc_info
+
+
+class SlowEngine(OneChunkEngine):
+    """A generation whose second chunk comes late (a failover, a re-prefill)."""
+
+    async def generate(self, request):
+        yield Chunk(token_ids=[1], text="a")
+        await asyncio.sleep(0.3)
+        yield Chunk(token_ids=[2], text="b", finish_reason="length", stats=GenerationStats())
+
+
+async def test_a_stream_waiting_for_its_next_chunk_sends_comments_meanwhile(monkeypatch):
+    """A soak froze the only target mid-stream: the stream sent nothing for 139 s, until the
+    coordinator gave up; a proxy cutting connections idle for 60 s (nginx's default) would
+    have cut it first. SSE comments, which clients skip, keep it from being idle that long."""
+    monkeypatch.setattr(openai_events, "KEEPALIVE_S", 0.05)
+    api = OpenAIApi(cast(Any, SlowEngine()), "m")
+    async with TestClient(TestServer(api.app())) as client:
+        async with asyncio.timeout(10):
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+            events = [event for event in (await response.read()).decode().split("\n\n") if event]
+    comments = [event for event in events if event.startswith(":")]
+    data = [event[len("data: ") :] for event in events if event.startswith("data: ")]
+    assert len(comments) >= 3 and set(comments) == {": keep-alive"}
+    assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["a", "b"] and data[-1] == "[DONE]"
