@@ -57,10 +57,15 @@ def rowwise_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     batch, heads, rows, dim = query.shape
     # One unpadded sequence (the runner never pads a lone session): causal by construction.
-    # A padded batch (every_row: an int8 target's) when each row sees one run of keys.
-    runs = _padded_runs(attention_mask, batch, rows, key.shape[2]) if every_row and batch > 1 else None
+    # A float mask is a token tree's (specdec.engine.tree_pass): row j sees exactly the keys its
+    # mask row allows (the committed past and its ancestors), gathered into the layout a
+    # one-token pass over that path has; so does each row of a padded batch (every_row: an
+    # int8 target's), over its own session's keys. Causal passes get a boolean mask or none.
+    tree = attention_mask is not None and attention_mask.dtype.is_floating_point
+    keyed = tree if batch == 1 else every_row
+    runs = _padded_runs(attention_mask, batch, rows, key.shape[2]) if keyed else None
     if (
-        (batch != 1 and runs is None)
+        (runs is None and (keyed or batch != 1))
         or (rows > MAX_ROWS and not every_row)
         or dropout
         or kwargs.get("sliding_window")
@@ -69,35 +74,27 @@ def rowwise_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if runs is not None:
-        return _padded_rowwise(query, key, value, runs, dim**-0.5 if scaling is None else scaling)
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    past = length - rows
-    # A float mask is a token tree's (specdec.engine.tree_pass): row j sees exactly the keys its
-    # mask row allows (the committed past and its ancestors), gathered into the layout a
-    # one-token pass over that path has. Causal passes get a boolean mask or none.
-    tree = attention_mask if attention_mask is not None and attention_mask.dtype.is_floating_point else None
-    visible_ids = None if tree is None else _visible_keys(tree, length)
+    if runs is not None:
+        return _padded_rowwise(query, key, value, runs, scale)
+    groups = heads // key.shape[1]
+    past = key.shape[2] - rows
     outputs = []
     for row in range(rows):
-        q = query[:, :, row : row + 1]  # [1, H, 1, D]
-        if visible_ids is not None:
-            prefix, extra = visible_ids[row]  # a contiguous run from key 0, then the few ancestors
-            k = torch.cat([key[:, :, :prefix], key.index_select(2, extra)], dim=2)  # [1, Hkv, S_row, D]
-            v = torch.cat([value[:, :, :prefix], value.index_select(2, extra)], dim=2)
-        else:
-            # A slice, not a copy: each head's [P + j + 1, D] block is the one a one-token pass
-            # reads (the same rows and row stride; only the step between heads differs, which
-            # the kernel takes as it is). Copying cost a prefill O(L²) in memory traffic.
-            visible = past + row + 1
-            k = key[:, :, :visible, :]  # [1, Hkv, P + j + 1, D]
-            v = value[:, :, :visible, :]
+        # A slice, not a copy: each head's [P + j + 1, D] block is the one a one-token pass
+        # reads (the same rows and row stride; only the step between heads differs, which the
+        # kernel takes as it is). Copying cost a prefill O(L²) in memory traffic.
+        visible = past + row + 1
         # One query row: the call a one-token pass at this position makes, fused (a third
         # cheaper than matmul, softmax and matmul apart), its GQA groups read in place.
         outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, row : row + 1],  # [1, H, 1, D]
+                key[:, :, :visible, :],  # [1, Hkv, P + j + 1, D]
+                value[:, :, :visible, :],
+                scale=scale,
+                enable_gqa=groups > 1,
+            )
         )  # [1, H, 1, D]
     out = outputs[0] if rows == 1 else torch.cat(outputs, dim=2)  # [1, H, Q, D]
     return out.transpose(1, 2), None  # [1, Q, H, D]
@@ -110,9 +107,10 @@ def _padded_rowwise(
     runs: list[list[KeyRun]],  # [B][Q]: the keys each row sees
     scale: float,
 ) -> tuple[torch.Tensor, None]:
-    """A padded batch's attention row by row, each row over its own session's keys, laid out
-    as a lone pass of that session reads them (a slice; a token tree's ancestors gathered
-    after it), with the call such a pass makes: an int8 target's batched pass is then
+    """Attention row by row, each row over its own keys as `runs` give them (a lone token
+    tree's pass; a padded batch, each row over its own session's keys), laid out as a lone
+    one-token pass reads them (a slice; a token tree's ancestors gathered after it), with
+    the call such a pass makes. An int8 target's batched pass is then
     per-token exact too, and a session's logits do not depend on the sessions beside it.
     Under SDPA over the padded batch they differed from its lone passes by float32 rounding,
     which int8's per-token quantisation turns into whole steps: greedy outputs of concurrent
@@ -156,7 +154,8 @@ def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) 
     each session's past on the left and its new tokens on the right: a causal row's keys are
     one run; a tree's node adds its ancestors). None where a row sees no key, or a float mask
     holds a bias (a value other than 0 and the dtype's least), which SDPA then takes. No mask:
-    causal, unpadded. Read once per pass, as `_visible_keys`."""
+    causal, unpadded. Every layer of a pass gets the same mask object: it is read once per
+    pass (the entry holds the mask, so its identity cannot be reused meanwhile)."""
     global _last_runs
     last = _last_runs
     if last is not None and last[0] is mask and last[1] == (batch, rows, length):
@@ -187,28 +186,6 @@ def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) 
             runs.append(row_runs)  # type: ignore[union-attr]
     _last_runs = (mask, (batch, rows, length), runs)
     return runs
-
-
-_last_tree: tuple[torch.Tensor, int, list[tuple[int, torch.Tensor]]] | None = None
-
-
-def _visible_keys(tree: torch.Tensor, length: int) -> list[tuple[int, torch.Tensor]]:
-    """Per row of a tree mask [1, 1, Q, L], the key positions it may see, as the length of
-    the run 0..n−1 they start with (the committed past: a slice) and the rest ([E_row]: the
-    row's ancestors, gathered), since gathering every position costs 5× a slice.
-    Every layer of a pass gets the same mask object: its rows are read once per pass, not
-    once per layer (the entry holds the mask, so its identity cannot be reused meanwhile)."""
-    global _last_tree
-    last = _last_tree  # one read: another thread's runner may replace it meanwhile
-    if last is not None and last[0] is tree and last[1] == length:
-        return last[2]
-    visible = []
-    for row in range(tree.shape[2]):
-        ids = (tree[0, 0, row, :length] == 0).nonzero().squeeze(-1)  # [S_row], ascending
-        prefix = int((ids == torch.arange(len(ids))).int().cumprod(0).sum())  # leading run 0, 1, ..
-        visible.append((prefix, ids[prefix:]))
-    _last_tree = (tree, length, visible)
-    return visible
 
 
 AttentionInterface.register(NAME, rowwise_attention_forward)
