@@ -131,12 +131,16 @@ class Pool:
         live = [replica for replica in self.replicas.values() if not replica.gone]
         answers = await asyncio.gather(*(self._ask(replica) for replica in live))
         for replica, info in zip(live, answers):  # in the pool's order: the first sets the reference
-            fresh = info is not None and info is not replica.info  # not its last one kept (busy: `_ask`)
             self._apply(replica, info)
-            if fresh and replica.client.unended and replica.address not in self._ending:
-                self._ending[replica.address] = asyncio.get_running_loop().create_task(replica.client.end_unended())
-                self._ending[replica.address].add_done_callback(functools.partial(self._ended_unended, replica.address))
         self._wake()  # others' sessions may have ended, or a replica joined
+
+    def _end_unended(self, replica: Replica) -> None:
+        """A replica heard afresh is sent again, in the background, the EndSessions that found
+        it not answering (ServiceClient.end_unended), one sending at a time."""
+        if replica.client.unended and replica.address not in self._ending:
+            ending = asyncio.get_running_loop().create_task(replica.client.end_unended())
+            self._ending[replica.address] = ending
+            ending.add_done_callback(functools.partial(self._ended_unended, replica.address))
 
     def _ended_unended(self, address: str, task: asyncio.Task) -> None:
         self._ending.pop(address, None)
@@ -224,6 +228,7 @@ class Pool:
         replica.refused = refused
         if fresh:
             replica.seen(info)
+            self._end_unended(replica)
         if refused:
             replica.serving = False
             return
