@@ -12,7 +12,7 @@ import pytest
 from coordinator import pools as pools_module
 from coordinator.placement import PREFIX_AFFINITY_SLACK, prefix_keys
 from coordinator.pools import Pool
-from coordinator.replica import HUNG_AFTER_PROBES
+from coordinator.replica import HUNG_AFTER_PROBES, Replica
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.rpc import wire
@@ -410,6 +410,22 @@ class SilentClient(FakeClient):
         return max((due for sent, due in self.calls if sent <= sent_by), default=None)
 
 
+class BusyClient(SilentClient):
+    """A replica busy with a long pass, or stuck in one: its Info is late, its health (its
+    event loop's) answers."""
+
+    async def serving(self, timeout_s: float) -> bool | None:
+        return True
+
+
+def busy_pool() -> tuple[Pool, Replica, Replica]:
+    """Two replicas, the first's Info late (BusyClient)."""
+    pool = pool_of("a:1", "b:1")
+    a, b = pool.replicas.values()
+    a.client = BusyClient("a:1")
+    return pool, a, b
+
+
 async def refreshes(pool: Pool, times: int) -> None:
     for _ in range(times):
         await pool.refresh()
@@ -450,14 +466,7 @@ def test_a_replica_whose_info_is_late_but_health_answers_is_busy_not_hung():
     before, a prefill longer than two probes sent its session to another replica, whose own
     prefill of it was then taken for a hang in turn, and a long prompt never finished."""
 
-    pool = pool_of("a:1", "b:1")
-    a, b = pool.replicas.values()
-    a.client = SilentClient("a:1")
-
-    async def health(timeout_s: float) -> bool:
-        return True  # the event loop answers
-
-    a.client.serving = health  # type: ignore[method-assign]
+    pool, a, b = busy_pool()
     last = a.info
     asyncio.run(refreshes(pool, HUNG_AFTER_PROBES + 2))
     assert a.serving and not a.hung and a.unanswered == 0 and a.info is last
@@ -482,14 +491,7 @@ def test_a_replica_prefilling_a_long_prompt_is_busy_for_as_long_as_the_call_may_
     call of this coordinator's may still be answered there. Before, it was hung once Info had
     been late for the flat deadline, its calls given up on and moved, and the next replica's
     prefill of the same prompt went the same way: the prompt never finished."""
-    pool = pool_of("a:1", "b:1")
-    a, b = pool.replicas.values()
-    a.client = SilentClient("a:1")
-
-    async def health(timeout_s: float) -> bool:
-        return True
-
-    a.client.serving = health  # type: ignore[method-assign]
+    pool, a, b = busy_pool()
     pool.stuck_after_s = 0.0  # Info late past the flat deadline ...
 
     async def late_with_a_call_due(due_in: float, sent_ago: float = 10.0) -> None:
@@ -509,14 +511,7 @@ def test_calls_sent_to_a_late_replica_do_not_keep_it_from_being_found_hung():
     sent since wait behind. A hung replica that kept its last Info (busy, as far as anyone
     knew) still took new sessions, and each new call's deadline would have put off finding
     it hung for good, its requests failing DEADLINE_EXCEEDED one after the other."""
-    pool = pool_of("a:1", "b:1")
-    a, b = pool.replicas.values()
-    a.client = SilentClient("a:1")
-
-    async def health(timeout_s: float) -> bool:
-        return True
-
-    a.client.serving = health  # type: ignore[method-assign]
+    pool, a, b = busy_pool()
     pool.stuck_after_s = 0.0
 
     async def late_then_new_calls() -> None:
