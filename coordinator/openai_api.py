@@ -31,10 +31,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from opentelemetry import propagate, trace
 
+from coordinator import openai_events
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.openai_events import (
     end_stream,
+    kept_alive,
     next_chunk,
     raise_if_failed,
     relay_chunks,
@@ -251,12 +253,19 @@ class OpenAIApi:
         self, request: web.Request, parsed: Parsed, generations: list[AsyncGenerator[Chunk, None]]
     ) -> web.StreamResponse:
         """Server-sent events in OpenAI's chunk format, each choice's as they come (`index` says
-        whose; n = 1: one). Every choice's first chunk is awaited before the headers go out, so
-        a request refused up front still gets its HTTP error status."""
+        whose; n = 1: one). The headers wait for every choice's first chunk up to KEEPALIVE_S,
+        so a request refused up front (in milliseconds) still gets its HTTP error status; a
+        longer wait (a long prompt's prefill) sends them, then keep-alives, so a proxy does
+        not cut the stream as idle, and a refusal after that travels as an error event."""
         envelope = self._envelope(parsed.chat, streamed=True)
+        firsts = asyncio.ensure_future(all_of([anext(chunks) for chunks in generations]))
         try:
-            firsts = await all_of([anext(chunks) for chunks in generations])
+            await asyncio.wait({firsts}, timeout=openai_events.KEEPALIVE_S)
+            if firsts.done():
+                firsts.result()  # a refusal raises here, before the headers
         except BaseException:
+            firsts.cancel()
+            await asyncio.gather(firsts, return_exceptions=True)
             await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
             raise
         response = web.StreamResponse(
@@ -270,7 +279,8 @@ class OpenAIApi:
             if parsed.chat:
                 for index in range(len(generations)):
                     await send_event(response, stream_event(envelope, parsed.chat, index, None, None, role=True))
-            for index, first in enumerate(firsts):
+            heads: list[Chunk] = await kept_alive(response, firsts)
+            for index, first in enumerate(heads):
                 await queue.put((index, first))
             relays = [asyncio.ensure_future(relay_chunks(i, chunks, queue)) for i, chunks in enumerate(generations)]
             finals = await self._send_chunks(response, parsed, envelope, queue, relays)
@@ -285,9 +295,10 @@ class OpenAIApi:
                 logger.exception("HTTP %s %s failed mid-stream", request.method, request.path)
             error = failure.body()
         finally:
+            firsts.cancel()  # a no-op once done
             for task in relays:
                 task.cancel()
-            await asyncio.gather(*relays, return_exceptions=True)
+            await asyncio.gather(firsts, *relays, return_exceptions=True)
             await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
         await end_stream(response, error)
         return response

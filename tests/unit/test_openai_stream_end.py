@@ -17,6 +17,7 @@ from coordinator import openai_events
 from coordinator.metrics import GenerationStats
 from coordinator.openai_api import OpenAIApi
 from coordinator.requests import Chunk
+from specdec.errors import SpecDecError
 
 
 class OneChunkEngine:
@@ -96,3 +97,65 @@ async def test_a_stream_waiting_for_its_next_chunk_sends_comments_meanwhile(monk
     data = [event[len("data: ") :] for event in events if event.startswith("data: ")]
     assert len(comments) >= 3 and set(comments) == {": keep-alive"}
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["a", "b"] and data[-1] == "[DONE]"
+
+
+class LongPrefillEngine(OneChunkEngine):
+    """A generation whose first chunk waits for `go` (a long prompt's prefill), then, where
+    `refuse`, fails as a service refusing it would."""
+
+    def __init__(self, refuse: bool = False):
+        self.go = asyncio.Event()
+        self.refuse = refuse
+        self.closed = False
+
+    async def generate(self, request):
+        try:
+            await self.go.wait()
+            if self.refuse:
+                raise SpecDecError("the target's KV budget is full")
+            yield Chunk(token_ids=[1], text="a")
+            yield Chunk(token_ids=[2], text="b", finish_reason="length", stats=GenerationStats())
+        finally:
+            self.closed = True
+
+
+async def test_a_long_prefill_gets_its_headers_and_keep_alives_before_the_first_chunk(monkeypatch):
+    """The headers waited for the first chunk, so a prompt whose prefill outlasted a proxy's
+    read timeout (nginx: 60 s; a 32k prompt on CPU takes minutes) was cut before any keep-alive
+    could be sent. Past KEEPALIVE_S they go out, then keep-alives; the chunks follow."""
+    monkeypatch.setattr(openai_events, "KEEPALIVE_S", 0.05)
+    engine = LongPrefillEngine()
+    api = OpenAIApi(cast(Any, engine), "m")
+    async with TestClient(TestServer(api.app())) as client:
+        async with asyncio.timeout(10):  # before: no headers until `go`, which comes after them
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+            assert response.status == 200
+            assert await response.content.readuntil(b"\n\n") == b": keep-alive\n\n"
+            engine.go.set()
+            events = [event for event in (await response.read()).decode().split("\n\n") if event]
+    data = [event[len("data: ") :] for event in events if event.startswith("data: ")]
+    assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["a", "b"] and data[-1] == "[DONE]"
+
+
+async def test_a_refusal_after_the_headers_is_an_error_event_and_one_before_a_status(monkeypatch):
+    """A refusal within KEEPALIVE_S keeps its HTTP status; one after the headers went out
+    ends the stream with its error event, and the generation is closed either way."""
+    monkeypatch.setattr(openai_events, "KEEPALIVE_S", 0.05)
+    for late in (False, True):
+        engine = LongPrefillEngine(refuse=True)
+        api = OpenAIApi(cast(Any, engine), "m")
+        async with TestClient(TestServer(api.app())) as client:
+            async with asyncio.timeout(10):
+                if not late:
+                    engine.go.set()
+                response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+                if late:
+                    engine.go.set()
+                body = (await response.read()).decode()
+        if late:
+            events = [event for event in body.split("\n\n") if event.startswith("data: ")]
+            assert response.status == 200 and events[-1] == "data: [DONE]"
+            assert "KV budget" in json.loads(events[-2][len("data: ") :])["error"]["message"]
+        else:
+            assert response.status != 200 and "KV budget" in json.loads(body)["error"]["message"]
+        assert engine.closed
