@@ -257,7 +257,7 @@ class ModelServiceConfig:
         "starts, before the CUDA graphs are captured: leave them room. A session that cannot fit alone gets "
         "RESOURCE_EXHAUSTED with the numbers; `Info` and the metrics report bytes held, the budget in bytes, "
         "bytes per token and evictions. Sessions' KV sits in a pool allocated at start-up and sized from this "
-        "(twice it, plus a page a session: on CPU memory is committed only as written), or, at 0, half the "
+        "(plus a page a session; on CPU twice it, as memory is committed only as written), or, at 0, half the "
         "machine's memory (CPU) or half the device's free memory (CUDA); see [KV pool](design.md#kv-pool).",
     )
     prefix_cache_bytes: int = setting(
@@ -268,11 +268,13 @@ class ModelServiceConfig:
         parse=parse_bytes,
         more="Counted in --max-kv-bytes and given up, least recently used first, before any session is evicted. "
         "With it on, prompts are prefilled in aligned blocks of 64 tokens, so a cached block holds "
-        "exactly what a fresh prefill computes. See [Prefix cache](design.md#prefix-cache).",
+        "exactly what a fresh prefill computes (an int8 CPU target, whose passes compute each token alike "
+        "however they are cut, prefills in passes of 256 either way). See [Prefix cache](design.md#prefix-cache).",
     )
     prefix_block_tokens: int = fixed(
         DEFAULT_PREFIX_BLOCK_TOKENS,
-        "prefix cache: tokens per cached block, and per prefill pass while it is on; the coordinator reads it "
+        "prefix cache: tokens per cached block, and per prefill pass while it is on (but an int8 CPU target's); "
+        "the coordinator reads it "
         "from Info to place sessions by their cached prefixes. In 64-token passes a 512-token prompt "
         "prefilled no slower than in one on CPU (specdec.engine.prefix_cache); a shorter block shares shorter "
         "prefixes at more passes each",
