@@ -42,17 +42,18 @@ for file in ".gpu/models/$draft"/*; do
   if cmp -s "$file" "$twin"; then ln -sf "../$target/$(basename "$file")" "$file"; fi
 done
 du -sh .gpu specdec/v1
-# The captured and compiled passes first, bounded (--cuda-graphs compiled has never run on a
-# card, so its compile time is unknown; the step saves each setting as it is measured), then
-# the rest, which saves after each step.
-check="python3 -m bench.gpu_check --device cuda --dtype bfloat16 --target .gpu/models/$target --draft .gpu/models/$draft"
+# The captured passes first, bounded; then the rest, which saves after each step; then the
+# compiled passes (--cuda-graphs compiled has never run on a card: its compile time is unknown),
+# bounded, last. The random weights are made once (--work) for the three runs. A lease brings
+# back at most 8 files: the logs and the compiled run's come back as one archive.
+check="python3 -m bench.gpu_check --device cuda --dtype bfloat16 --target .gpu/models/$target --draft .gpu/models/$draft --work /tmp/gpu-work"
 # Then, where the lease has a few minutes left, issue 66's framework cost per round where the
 # three processes have cores to spare (this 2-core machine shares two among them): the
 # overhead suite's tiny model on the device machine's CPUs.
 setup="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site:\$PWD PYTHONUNBUFFERED=1"
 cat <<EOF
-Device command (carry: [".gpu", "specdec/v1"], timeout_s 540):
-$setup && nvidia-smi -L && { timeout 300 $check --steps captured_against_eager --out \$OUT/graphs; $check --steps profiles,services,transformers_generate,transformers_generate_static --out \$OUT/rest; }
+Device command (carry: [".gpu", "specdec/v1"], timeout_s 570):
+$setup && nvidia-smi -L && { timeout 170 $check --steps captured_against_eager --graph-settings off,on --out \$OUT/graphs; timeout 250 $check --steps profiles,services,transformers_generate,transformers_generate_static --logs /tmp/extra/logs --out \$OUT/rest; timeout 80 $check --steps captured_against_eager --graph-settings off,compiled --out /tmp/extra/compiled; tar czf \$OUT/extra.tgz -C /tmp extra; }
 Then, with 3 minutes left (the same carry, timeout_s 150):
 $setup && nproc && python3 -m bench --suite overhead --target-model .gpu/models/$target --repeats 1 --max-new-tokens 48 --out \$OUT/overhead
 EOF

@@ -36,6 +36,7 @@ to a device machine: bench/profiles/README.md, "Measuring a card".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shutil
@@ -109,7 +110,9 @@ def with_weights(role: str, folder: Path, dtype: str, work: Path, seed: int) -> 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = work / role
-    shutil.copytree(folder, out)
+    if any((out / name).exists() for name in WEIGHT_FILES):  # made by an earlier run into --work
+        return Checked(role, out, random_weights=True)
+    shutil.copytree(folder, out, dirs_exist_ok=True)
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -339,7 +342,9 @@ def time_batch(runner, ids: list[int], context: int, args) -> dict[str, float | 
     """ms of one batched pass of `args.batch_sessions` sessions × 5 tokens after `context`
     cached tokens each (their prompts prefilled first), and of the whole batched verify of
     such rounds (a token and 4 drafts each), greedy and at T = 1: the pass and what the target
-    draws from it (specdec.sampling.together). Each the lower quartile of the repeats."""
+    draws from it (specdec.sampling.together); at T = 1 also each call's dense draft rows, [4, V]
+    float32 from pageable host memory, copied to the device, as the service does. Each the lower
+    quartile of the repeats."""
     from target_service.runner import VerifyCall
 
     sessions = [runner.sessions.open(f"batch-{i}", 0) for i in range(args.batch_sessions)]
@@ -393,8 +398,8 @@ def services(checked: dict[str, Checked], args, prompts: list[list[int]]) -> dic
     ms = dict.fromkeys(MODES, 0.0)
     accepted = dict.fromkeys(MODES, 0)
     spent: dict[str, dict[str, float]] = {mode: dict.fromkeys(SPENT, 0.0) for mode in MODES}
-    logs = args.out / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = args.logs or args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         running: dict[str, ServiceProcess] = stack.enter_context(
             local_stack(
@@ -604,6 +609,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, default=MODELS / TARGET.name)
     parser.add_argument("--draft", type=Path, default=MODELS / DRAFT.name)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="where random weights are made, and found by a later run (default: a temporary folder)",
+    )
+    parser.add_argument("--logs", type=Path, default=None, help="the services' logs (default: --out/logs)")
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256,512", help="new tokens per timed pass")
     parser.add_argument("--contexts", default="128,1024,4096", help="cached tokens under the one-token passes")
     parser.add_argument("--pass-repeats", type=int, default=12, help="timed passes per size")
@@ -672,7 +684,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
         return results.get(key)
 
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+    with contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         checked = {
             role: with_weights(role, folder, args.dtype, Path(work), seed)
             for role, folder, seed in (("target", args.target, 0), ("draft", args.draft, 1))

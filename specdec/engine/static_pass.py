@@ -298,6 +298,8 @@ class StaticPasses:
         writes no session's entries), uncaptured, as its graph replays it; and the graph's
         replay, where it has one (prepared, or captured, now if not yet)."""
         entry = self._entry(bucket)
+        with torch.inference_mode():
+            self._pads(entry.packed)  # a replay on CUDA left its real rows there
         graph = entry.graph
         return (lambda: self._pass(entry.packed, entry.column)), (graph.replay if graph is not None else None)
 
@@ -314,8 +316,7 @@ class StaticPasses:
         slot the scratch page), so capturing writes no session's entries. A bucket whose
         capture fails (out of memory, say) runs uncaptured from then on, with a warning."""
         n, device = bucket.tokens, self.pool.device
-        packed = torch.zeros(bucket.sessions, n, 5 + n, dtype=torch.long, device=device)
-        packed[:, :, 2] = self._scratch
+        packed = self._pads(torch.empty(bucket.sessions, n, 5 + n, dtype=torch.long, device=device))
         entry = _Pass(packed, torch.arange(bucket.length, device=device))
         if not self.capture:
             return entry
@@ -343,6 +344,13 @@ class StaticPasses:
             if collecting:
                 gc.enable()
         return entry
+
+    def _pads(self, packed: torch.Tensor) -> torch.Tensor:
+        """`packed` [B, N, 5 + N] made pads only, in place: every session an extent at the
+        scratch page with nothing cached, so a pass over it writes no session's entries."""
+        packed.zero_()
+        packed[:, :, 2] = self._scratch
+        return packed
 
     def warm(self, tokens: Sequence[int], lengths: Sequence[int], sessions: Sequence[int] = (1,)) -> None:
         """Prepares (captures, on CUDA; compiles, if compiling) the buckets of these session

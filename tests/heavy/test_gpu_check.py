@@ -20,10 +20,11 @@ def test_the_gpu_check_runs_and_reports_on_the_cpu(tiny_pair, tmp_path):
     shutil.copytree(tiny_pair.draft, shapes_only)
     for weights in shapes_only.glob("model*.safetensors"):
         weights.unlink()
-    out = tmp_path / "out"
+    out, logs = tmp_path / "out", tmp_path / "logs"
     results = gpu_check.main(
-        ["--target", str(tiny_pair.target), "--draft", str(shapes_only), "--out", str(out), *QUICK]
+        ["--target", str(tiny_pair.target), "--draft", str(shapes_only), "--out", str(out), "--logs", str(logs), *QUICK]
     )
+    assert (logs / "coordinator-pipelined.log").exists() and not (out / "logs").exists()  # a lease's 8 files
     for role in ("target", "draft"):
         profile = load_profile(str(out / f"profile-{role}.json"))
         assert [n for n, _ in profile.pass_ms] == [1, 4, 16] and "MEASURED" in profile.source
@@ -72,3 +73,18 @@ def test_profiles_only_measures_the_passes_and_starts_no_service(tiny_pair, tmp_
     report = (out / "report.md").read_text()
     assert "## Failed: captured_against_eager" in report and "RuntimeError: no graph today" in report
     assert "not measured: --profiles-only" in report
+
+
+def test_random_weights_made_into_work_are_found_by_the_next_run(tiny_pair, tmp_path):
+    """A lease runs gpu_check three times (bench/gpu_carry.sh): the 1.5B's random weights,
+    gigabytes to make and write, are made once."""
+    shapes_only = tmp_path / "draft-shape"
+    shutil.copytree(tiny_pair.draft, shapes_only)
+    for weights in shapes_only.glob("model*.safetensors"):
+        weights.unlink()
+    work = tmp_path / "work"
+    first = gpu_check.with_weights("draft", shapes_only, "float32", work, seed=1)
+    made = {path: path.stat().st_mtime_ns for path in first.folder.glob("model*.safetensors")}
+    again = gpu_check.with_weights("draft", shapes_only, "float32", work, seed=1)
+    assert made and again == first and first.random_weights
+    assert {path: path.stat().st_mtime_ns for path in again.folder.glob("model*.safetensors")} == made
