@@ -36,11 +36,12 @@ from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics, GenerationStats
 from coordinator.openai_events import (
     end_stream,
-    kept_alive,
+    first_chunks,
     next_chunk,
     raise_if_failed,
     relay_chunks,
     send_event,
+    stop_choices,
     stream_event,
 )
 from coordinator.openai_schema import (
@@ -258,31 +259,25 @@ class OpenAIApi:
         longer wait (a long prompt's prefill) sends them, then keep-alives, so a proxy does
         not cut the stream as idle, and a refusal after that travels as an error event."""
         envelope = self._envelope(parsed.chat, streamed=True)
-        firsts = asyncio.ensure_future(all_of([anext(chunks) for chunks in generations]))
+        queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
+        started = [asyncio.get_running_loop().create_future() for _ in generations]
+        relays = [
+            asyncio.ensure_future(relay_chunks(i, chunks, queue, started[i])) for i, chunks in enumerate(generations)
+        ]
         try:
-            await asyncio.wait({firsts}, timeout=openai_events.KEEPALIVE_S)
-            if firsts.done():
-                firsts.result()  # a refusal raises here, before the headers
+            await first_chunks(relays, started, openai_events.KEEPALIVE_S)  # a refusal raises here
         except BaseException:
-            firsts.cancel()
-            await asyncio.gather(firsts, return_exceptions=True)
-            await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
+            await stop_choices(relays, generations)
             raise
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **ignored_header(parsed)}
         )
-        queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
-        relays: list[asyncio.Task] = []
         error: dict | None = None
         try:
             await response.prepare(request)
             if parsed.chat:
                 for index in range(len(generations)):
                     await send_event(response, stream_event(envelope, parsed.chat, index, None, None, role=True))
-            heads: list[Chunk] = await kept_alive(response, firsts)
-            for index, first in enumerate(heads):
-                await queue.put((index, first))
-            relays = [asyncio.ensure_future(relay_chunks(i, chunks, queue)) for i, chunks in enumerate(generations)]
             finals = await self._send_chunks(response, parsed, envelope, queue, relays)
             if parsed.include_usage:
                 await send_event(response, {**envelope, "choices": [], "usage": usage(*finals)})
@@ -295,11 +290,7 @@ class OpenAIApi:
                 logger.exception("HTTP %s %s failed mid-stream", request.method, request.path)
             error = failure.body()
         finally:
-            firsts.cancel()  # a no-op once done
-            for task in relays:
-                task.cancel()
-            await asyncio.gather(firsts, *relays, return_exceptions=True)
-            await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
+            await stop_choices(relays, generations)
         await end_stream(response, error)
         return response
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -82,15 +82,40 @@ def stream_event(
 
 
 async def relay_chunks(
-    index: int, chunks: AsyncGenerator[Chunk, None], queue: asyncio.Queue[tuple[int, Chunk | None]]
+    index: int,
+    chunks: AsyncGenerator[Chunk, None],
+    queue: asyncio.Queue[tuple[int, Chunk | None]],
+    started: asyncio.Future[bool],
 ) -> None:
     """A choice's chunks onto the queue, tagged with its index, then None; its error stays
-    with the task (`raise_if_failed`), as a chunk cannot carry it."""
+    with the task (`raise_if_failed`), as a chunk cannot carry it. `started` is True at its
+    first chunk, False if it ends without one."""
     try:
         async for chunk in chunks:
+            if not started.done():
+                started.set_result(True)
             await queue.put((index, chunk))
     finally:
+        if not started.done():
+            started.set_result(False)
         await queue.put((index, None))
+
+
+async def first_chunks(relays: list[asyncio.Task], started: list[asyncio.Future[bool]], timeout: float) -> None:
+    """Waits until every choice has relayed its first chunk, or `timeout`; a choice that
+    failed before its first chunk (refused) raises its error here. Every choice runs on
+    while others wait: one waiting for the room another holds (n > 1 on a full replica)
+    gets it when that one ends."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        for task, first in zip(relays, started):
+            if first.done() and not first.result() and task.done() and not task.cancelled() and task.exception():
+                raise cast(BaseException, task.exception())
+        waiting = [future for future in started if not future.done()]
+        left = deadline - asyncio.get_running_loop().time()
+        if not waiting or left <= 0:
+            return
+        await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
 
 async def raise_if_failed(task: asyncio.Task, index: int) -> None:
@@ -102,3 +127,11 @@ async def raise_if_failed(task: asyncio.Task, index: int) -> None:
         if (current := asyncio.current_task()) is not None and current.cancelling():
             raise  # the client went away
         raise SpecDecError(f"choice {index} stopped before its end") from None
+
+
+async def stop_choices(relays: list[asyncio.Task], generations: list[AsyncGenerator[Chunk, None]]) -> None:
+    """Ends every choice still running (their sessions end) and waits for it."""
+    for task in relays:
+        task.cancel()
+    await asyncio.gather(*relays, return_exceptions=True)
+    await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)

@@ -159,3 +159,34 @@ async def test_a_refusal_after_the_headers_is_an_error_event_and_one_before_a_st
         else:
             assert response.status != 200 and "KV budget" in json.loads(body)["error"]["message"]
         assert engine.closed
+
+
+class OneRoomEngine(OneChunkEngine):
+    """A replica with room for one session: each generation holds it from its first chunk to
+    its end, and the next waits for it (the pool's queue)."""
+
+    def __init__(self):
+        self.room = asyncio.Semaphore(1)
+
+    async def generate(self, request):
+        async with self.room:
+            yield Chunk(token_ids=[1], text="a")
+            yield Chunk(token_ids=[2], text="b", finish_reason="length", stats=GenerationStats())
+
+
+async def test_a_streamed_request_of_two_choices_with_room_for_one_gets_both(monkeypatch):
+    """A soak on the real pair (a target with --max-sessions 1): n = 2 without streaming came
+    back in 0.8 s; streamed, the first choice held the only session while its stream waited for
+    the second's first chunk, which waited for that session: nothing came until the queue gave
+    up (429 as an error event at 25 s). Each choice now runs on while the headers wait."""
+    monkeypatch.setattr(openai_events, "KEEPALIVE_S", 0.05)
+    api = OpenAIApi(cast(Any, OneRoomEngine()), "m")
+    async with TestClient(TestServer(api.app())) as client:
+        async with asyncio.timeout(10):  # before: the second choice never started
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True, "n": 2})
+            events = [event for event in (await response.read()).decode().split("\n\n") if event.startswith("data: {")]
+    texts: dict[int, str] = {}
+    for event in events:
+        choice = json.loads(event[len("data: ") :])["choices"][0]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert response.status == 200 and texts == {0: "ab", 1: "ab"}
