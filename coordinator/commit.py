@@ -71,6 +71,8 @@ def commit_round(
     state.target_view.synced = held + len(verification.step_token_ids)  # a step feeds the token before it
     if round_.source.in_draft_session:
         state.draft_view.synced = held
+        if round_.draft_token_ids and not round_.copied:  # the model drafted them: it ran what they follow
+            state.draft_view.modeled = held
     state.ready = None
     tokens, logprobs = outcome.committed(round_.draft_token_ids), committed_logprobs(outcome, verification)
     steps = _append(state, tokens, logprobs, verification.step_token_ids, max_context)

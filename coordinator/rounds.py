@@ -228,6 +228,49 @@ def catch_up_pays(state: RequestState, k: int, chooser: AdaptiveK | None = None)
     return costs.tokens_per_ms(0, alpha, pipelined=False) > costs.tokens_per_ms(k, alpha, pipelined=False)
 
 
+def prefill_outweighs(state: RequestState, k: int, alpha: float) -> bool:
+    """Whether the draft's model, behind the sequence by the tokens it has not run (a long
+    prompt the target alone has read so far, or tokens only copies went over), would take
+    longer running them than rounds of K drafts can save over the tokens the request may
+    still generate: a long prompt with a short answer. Then the round is target-only (copies,
+    which run no model pass, are chosen apart). From the calibrated costs alone, so a seed
+    still maps to one output; the saving assumes every remaining token is generated and the
+    run is costed by extrapolating the calibrated passes, which underestimates a long one, so
+    it errs towards drafting."""
+    costs = state.pair.costs
+    if costs is None:
+        return False
+    view = state.draft_view
+    behind = len(state.sequence) - min(view.synced, view.modeled)
+    passes = view.passes_ms(costs.draft_pass_ms)
+    if behind <= 1 or not passes:
+        return False
+    extra_ms = cost_at(passes, behind) - cost_at(passes, 1)  # past a round's own first pass
+    if extra_ms <= 0:
+        return False  # a probe of a K not thought to pay is no dearer for it
+    per_token = 1 / costs.tokens_per_ms(0, alpha, pipelined=False) - 1 / costs.tokens_per_ms(k, alpha, pipelined=False)
+    return extra_ms > state.remaining * per_token
+
+
+def chosen_shape(
+    state: RequestState, chooser: AdaptiveK | None, first_step: bool, overlapping: bool
+) -> tuple[int, tuple[int, ...], int | None]:
+    """The round's K and tree widths (a chain of K: ()), and the chooser's pick (None where it
+    picked none): none on a first step; the request's own without a chooser; the chooser's,
+    unless a sequential round's draft would first run more than its drafts can repay
+    (`prefill_outweighs`; a pipelined round runs that beside the target's step)."""
+    if first_step:
+        return 0, (), None
+    if chooser is None:
+        return state.job.num_speculative_tokens, state.job.tree_widths, None
+    chosen_k = chooser.pick()
+    k, shape = chooser.shape_for(chosen_k)
+    drafted = state.ready is not None and bool(state.ready.draft_token_ids)  # a pre-draft costs nothing now
+    if chosen_k and not (overlapping or drafted) and prefill_outweighs(state, chosen_k, chooser.alpha):
+        return 0, (), None
+    return k, shape, chosen_k
+
+
 def plan_round(
     state: RequestState,
     catch_up: bool,
@@ -250,20 +293,12 @@ def plan_round(
     limit = k_limit(pair, len(state.sequence), state.remaining)
     if chooser is not None and limit < chooser.k_max:
         chooser = chooser.within(limit)
-    shape: tuple[int, ...]
-    chosen_k: int | None = None
     # A request whose K follows the load starts with a target-only step, copying nothing: its
     # first token then comes after the target's prompt pass alone, never behind the draft's,
     # and its first choice of K sees the requests that arrived with it (a burst's first would
     # see itself alone, draft, and slow every prompt pass beside it on a shared machine).
     first_step = chooser is not None and state.load_aware and not overlapping and not state.round_index
-    if first_step:
-        k, shape = 0, ()
-    elif chooser is not None:
-        chosen_k = chooser.pick()
-        k, shape = chooser.shape_for(chosen_k)  # shape: a tree's widths, or () for a chain of K
-    else:
-        k, shape = state.job.num_speculative_tokens, state.job.tree_widths
+    k, shape, chosen_k = chosen_shape(state, chooser, first_step, overlapping)
     k = min(k, limit)
     copy, chosen_copy = (0, None) if shape or first_step else copy_limit(state, pair, k, copier)
     widths = tuple(shape[:limit]) if pair.trees else ()  # a draft restarted as another drafter serves no trees

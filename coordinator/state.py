@@ -28,6 +28,7 @@ class SessionView:
 
     session_id: str
     synced: int = 0  # leading tokens of the committed sequence the service holds
+    modeled: int = 0  # of those, at least the ones its model has run (a copy runs none): rounds.prefill_outweighs
     opened: bool = False
     calls: Iterator[int] = field(default_factory=lambda: itertools.count(1))  # numbers Propose calls (epochs)
     last_epoch: int = 0  # of the newest regular call sent

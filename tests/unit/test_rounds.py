@@ -420,3 +420,42 @@ def test_the_last_rounds_k_is_the_best_within_the_tokens_left():
     two_left = state(max_new_tokens=2, k_chooser=chooser, pair=dataclasses.replace(PAIR, costs=costs))
     assert plan_round(two_left, True, True).k == 0
     assert plan_round(state(max_new_tokens=40, k_chooser=chooser, pair=PAIR), True, True).k >= 2
+
+
+def test_a_draft_far_behind_is_not_caught_up_where_the_tokens_left_cannot_repay_it():
+    """A soak on the real pair: a 6,061-token prompt with max_tokens 32 took 95-103 s with the
+    K chooser against 75 s target-only, since the draft prefilled the whole prompt (21-26 s)
+    after the target's first token, for at most 31 tokens' saving. The round is target-only
+    where running what the draft's model has not run costs more than K drafts can save over
+    the tokens left; a draft that has run it, or a long answer, drafts as before."""
+    costs = RoundCosts(
+        draft_pass_ms=tuple(5.0 + 0.5 * n for n in range(9)),
+        target_pass_ms=(20.0,) * 9,
+        draft_rpc_ms=1,
+        target_rpc_ms=1,
+    )
+    pair = dataclasses.replace(PAIR, max_context=8192, draft_max_context=8192, costs=costs)
+
+    def request(max_new_tokens: int, draft_view: SessionView) -> RequestState:
+        chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
+        return state(
+            max_new_tokens=max_new_tokens,
+            sequence=list(range(2000)),
+            k_chooser=chooser,
+            pair=pair,
+            draft_view=draft_view,
+        )
+
+    behind = SessionView("s", synced=3, modeled=3, opened=True)  # the prompt went to the target alone
+    assert plan_round(request(32, behind), True, True).k == 0  # about 1 s of prefill against 0.3 s saved
+    assert plan_round(request(500, behind), True, True).k >= 2  # against 5 s saved
+    caught_up = SessionView("s", synced=2000, modeled=2000, opened=True)
+    assert plan_round(request(32, caught_up), True, True).k >= 2
+    # Copies carried the draft's sequence along, but its model has run none of it.
+    copied_along = request(32, SessionView("s", synced=2000, modeled=3, opened=True))
+    assert plan_round(copied_along, True, True).k == 0
+    plan = dataclasses.replace(plan_round(copied_along, True, True), k=1)
+    commit_round(copied_along, plan, verified(chain_round(copied=True, tokens=(70,)), RoundOutcome(1, 80)))
+    assert copied_along.draft_view.modeled == 3 and plan_round(copied_along, True, True).k == 0
+    commit_round(copied_along, plan, verified(chain_round(tokens=(71,)), RoundOutcome(1, 81)))
+    assert copied_along.draft_view.modeled == 2003 and plan_round(copied_along, True, True).k >= 2
