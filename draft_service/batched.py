@@ -19,6 +19,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
+from specdec.engine.rows import MAX_ROWS
 from specdec.errors import SpecDecError
 from specdec.sampling.probs import fetch, logits_to_probs, one_hot_argmax, sample
 from specdec.sampling.together import together_pays
@@ -89,7 +90,12 @@ class ProposalBatch:
                 ):
                     break
                 for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
-                    self._pass(active, group)
+                    # A feed of more than MAX_ROWS (a prompt) runs alone, as it does alone: under
+                    # SDPA where row-wise attention takes short passes and batches (int8_on_cpu).
+                    long = [position for position in group if len(active[position][1].feed) > MAX_ROWS]
+                    short = [position for position in group if position not in long]
+                    for members in [[position] for position in long] + ([short] if short else []):
+                        self._pass(active, members)
             else:
                 return []
         return self._decode_together(active, joins)

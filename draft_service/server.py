@@ -18,6 +18,7 @@ from draft_service.runner import DraftRunner
 from draft_service.servicer import DraftServicer
 from draft_service.suffix import SuffixLookup
 from draft_service.vocab_bridge import VocabBridge
+from specdec.engine import attention
 from specdec.engine.calibration import calibrate_costs
 from specdec.engine.eagle import load_head
 from specdec.engine.modeling import (
@@ -154,8 +155,21 @@ def _quantized(config: DraftConfig, loaded: LoadedModel) -> LoadedModel:
     """--quantize: the model's Linear layers in int8 where it resolves to int8."""
     if config.resolved_quantize() != "int8":
         return loaded
-    quantize_int8(loaded.model)
     logger.info("draft Linear layers quantised to int8 (per-token activation scales)")
+    return int8_on_cpu(loaded)
+
+
+def int8_on_cpu(loaded: LoadedModel) -> LoadedModel:
+    """The model with int8 Linear layers and, on CPU, attention row by row in short passes and
+    padded batches (specdec.engine.attention.BATCHES): a padded batch's SDPA rounds otherwise
+    as a lone pass does not, and the per-token int8 layers turn that rounding into whole
+    quantisation steps, so a seeded request's proposals moved with other traffic (4 of 6
+    concurrent seeded requests on the real pair). Each row of a batch then reads its own
+    session's keys as its lone pass does: bitwise. A prompt longer than MAX_ROWS runs alone
+    (draft_service.batched), under SDPA."""
+    quantize_int8(loaded.model)
+    if loaded.device == "cpu":
+        loaded.model.set_attn_implementation(attention.BATCHES)
     return dataclasses.replace(loaded, quantization=INT8_LABEL)
 
 

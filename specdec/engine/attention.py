@@ -13,7 +13,7 @@ layers (specdec.engine.quantize) and per-token norms, rotary embeddings and acti
 the whole pass per-token exact. A padded batch runs the same way under EVERY_ROW, each row
 over its own session's keys (`_padded_rowwise`); under NAME it uses transformers' SDPA.
 
-Two forms: NAME takes passes of at most MAX_ROWS rows and leaves longer ones (a prompt's
+Three forms: NAME takes passes of at most MAX_ROWS rows and leaves longer ones (a prompt's
 prefill) to SDPA, which the target runs as a pass of its own (TargetRunner), the same pass
 whatever K is; EVERY_ROW takes every unpadded pass, prefills too. With per-token Linear layers
 (an int8 target) EVERY_ROW makes a token's cache entries and logits a function of the tokens
@@ -41,6 +41,10 @@ from specdec.engine.rows import MAX_ROWS
 
 NAME = "specdec_rowwise"
 EVERY_ROW = "specdec_rowwise_every_row"
+# NAME, and a padded batch's rows each over its own keys, as EVERY_ROW reads them: an int8
+# draft's, whose batches are decode steps (a long prompt runs alone, under SDPA, which prefills
+# a 3,000-token prompt of the 0.5B a third faster than rows do).
+BATCHES = "specdec_rowwise_batches"
 GROUPED = "specdec_sdpa_grouped"  # SDPA reading grouped KV heads as they are (grouped_sdpa_forward)
 
 
@@ -53,6 +57,7 @@ def rowwise_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     every_row: bool = False,
+    batches: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     batch, heads, rows, dim = query.shape
@@ -60,9 +65,10 @@ def rowwise_attention_forward(
     # A float mask is a token tree's (specdec.engine.tree_pass): row j sees exactly the keys its
     # mask row allows (the committed past and its ancestors), gathered into the layout a
     # one-token pass over that path has; so does each row of a padded batch (every_row: an
-    # int8 target's), over its own session's keys. Causal passes get a boolean mask or none.
-    tree = attention_mask is not None and attention_mask.dtype.is_floating_point
-    keyed = tree if batch == 1 else every_row
+    # int8 target's), over its own session's keys. Causal passes get a boolean mask or none;
+    # a lone row's mask may have holes (a decode batch's row left alone, its pads kept), so a
+    # lone pass with a mask reads its runs too.
+    keyed = attention_mask is not None if batch == 1 else every_row or batches
     runs = _padded_runs(attention_mask, batch, rows, key.shape[2]) if keyed else None
     if (
         (runs is None and (keyed or batch != 1))
@@ -190,10 +196,12 @@ def _padded_runs(mask: torch.Tensor | None, batch: int, rows: int, length: int) 
 
 AttentionInterface.register(NAME, rowwise_attention_forward)
 AttentionInterface.register(EVERY_ROW, functools.partial(rowwise_attention_forward, every_row=True))
+AttentionInterface.register(BATCHES, functools.partial(rowwise_attention_forward, batches=True))
 # The same masks SDPA gets: padded batches read them, or fall back to SDPA, which needs them
 # (without a mask function of its own, transformers would build no mask at all for this implementation).
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(EVERY_ROW, sdpa_mask)
+AttentionMaskInterface.register(BATCHES, sdpa_mask)
 
 
 def grouped_sdpa_forward(

@@ -48,7 +48,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from specdec.engine.attention import EVERY_ROW, GROUPED, NAME
+from specdec.engine.attention import BATCHES, EVERY_ROW, GROUPED, NAME
 from specdec.engine.kv_pool import KVPool, PoolCache
 from specdec.engine.modeling import LoadedModel, with_cache
 from specdec.engine.pass_cache import PassCache
@@ -159,7 +159,7 @@ class StaticPasses:
         if not isinstance(model.get_output_embeddings(), torch.nn.Module):
             return "it has no output head"
         implementation = getattr(model.config, "_attn_implementation", "sdpa")
-        if implementation not in ("sdpa", "eager", GROUPED, NAME, EVERY_ROW):
+        if implementation not in ("sdpa", "eager", GROUPED, NAME, EVERY_ROW, BATCHES):
             return f"its attention ({implementation}) does not take a given 4D mask"
         return None
 
@@ -425,8 +425,8 @@ def _uncompilable(runner: _Runner) -> str | None:
     if runner.loaded.quantization:
         return f"its Linear layers are {runner.loaded.quantization}, which torch.compile cannot trace"
     implementation = getattr(runner.model.config, "_attn_implementation", "")
-    if implementation in (NAME, EVERY_ROW):
-        return "its row-wise attention (a CPU target's) reads its masks on the host, which torch.compile cannot trace"
+    if implementation in (NAME, EVERY_ROW, BATCHES):
+        return "its row-wise attention (a CPU model's) reads its masks on the host, which torch.compile cannot trace"
     return None
 
 
