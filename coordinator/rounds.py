@@ -238,17 +238,14 @@ def prefill_outweighs(state: RequestState, k: int, alpha: float) -> bool:
     run is costed by extrapolating the calibrated passes, which underestimates a long one, so
     it errs towards drafting."""
     costs = state.pair.costs
-    if costs is None:
+    if costs is None or not costs.draft_pass_ms:
         return False
-    view = state.draft_view
-    behind = len(state.sequence) - min(view.synced, view.modeled)
-    passes = view.passes_ms(costs.draft_pass_ms)
-    if behind <= 1 or not passes:
-        return False
-    extra_ms = cost_at(passes, behind) - cost_at(passes, 1)  # past a round's own first pass
-    if extra_ms <= 0:
-        return False  # a probe of a K not thought to pay is no dearer for it
     per_token = 1 / costs.tokens_per_ms(0, alpha, pipelined=False) - 1 / costs.tokens_per_ms(k, alpha, pipelined=False)
+    if per_token <= 0:
+        return False  # a probe or a hunch (a K not thought to pay at α): the chooser learns from it
+    behind = len(state.sequence) - min(state.draft_view.synced, state.draft_view.modeled)
+    passes = costs.draft_pass_ms  # the pair's, not the replica's: a seed's K must not follow placement
+    extra_ms = cost_at(passes, max(behind, 1)) - cost_at(passes, 1)  # past a round's own first pass
     return extra_ms > state.remaining * per_token
 
 

@@ -185,7 +185,7 @@ class Upstream:
             )
         if unused_forks:
             unused_forks.clear()
-        view.replica, view.synced, view.opened, view.lost = new, 0, False, False
+        view.replica, view.synced, view.modeled, view.opened, view.lost = new, 0, 0, False, False
         view.moves += 1
         return True
 
@@ -250,7 +250,7 @@ class Upstream:
         if isinstance(exc, CallRejected) and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_pair(replica))
         stats.draft_failures += 1
-        draft_view.synced = 0
+        draft_view.synced = draft_view.modeled = 0
         trace.get_current_span().add_event("fallback", {"specdec.reason": str(exc)[:200]})
         if isinstance(exc, ResourceExhausted):
             # The draft cannot hold this request (its KV budget, its session limit) and the
@@ -386,7 +386,7 @@ class Upstream:
                 if role == "target" and replica is not None:
                     await self.targets.check_same_model(replica)
                 stats.reprefills += 1
-                view.synced = 0
+                view.synced = view.modeled = 0
             finally:
                 elapsed = stats.elapsed_ms() - started
                 if role == "draft":

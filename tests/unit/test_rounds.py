@@ -4,6 +4,7 @@ decides from a request's state, and what `commit_round` makes of a verified outc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import pytest
 
@@ -29,6 +30,7 @@ from coordinator.rounds import (
 )
 from coordinator.state import DraftRefusals, RetryWindow, Round, SessionView, Settled, Source
 from coordinator.text import TextAssembler
+from coordinator.upstream import Upstream
 from specdec.rpc import wire
 from specdec.sampling.chain import RoundOutcome
 from specdec.sampling.probs import SamplingParams
@@ -422,19 +424,18 @@ def test_the_last_rounds_k_is_the_best_within_the_tokens_left():
     assert plan_round(state(max_new_tokens=40, k_chooser=chooser, pair=PAIR), True, True).k >= 2
 
 
+# A draft step a quarter of a target pass, its passes dearer by half a millisecond a token.
+FAR_COSTS = RoundCosts(tuple(5.0 + 0.5 * n for n in range(9)), (20.0,) * 9, draft_rpc_ms=1, target_rpc_ms=1)
+FAR_PAIR = dataclasses.replace(PAIR, max_context=8192, draft_max_context=8192, costs=FAR_COSTS)
+
+
 def test_a_draft_far_behind_is_not_caught_up_where_the_tokens_left_cannot_repay_it():
     """A soak on the real pair: a 6,061-token prompt with max_tokens 32 took 95-103 s with the
     K chooser against 75 s target-only, since the draft prefilled the whole prompt (21-26 s)
     after the target's first token, for at most 31 tokens' saving. The round is target-only
     where running what the draft's model has not run costs more than K drafts can save over
     the tokens left; a draft that has run it, or a long answer, drafts as before."""
-    costs = RoundCosts(
-        draft_pass_ms=tuple(5.0 + 0.5 * n for n in range(9)),
-        target_pass_ms=(20.0,) * 9,
-        draft_rpc_ms=1,
-        target_rpc_ms=1,
-    )
-    pair = dataclasses.replace(PAIR, max_context=8192, draft_max_context=8192, costs=costs)
+    costs, pair = FAR_COSTS, FAR_PAIR
 
     def request(max_new_tokens: int, draft_view: SessionView) -> RequestState:
         chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.9)
@@ -459,3 +460,34 @@ def test_a_draft_far_behind_is_not_caught_up_where_the_tokens_left_cannot_repay_
     assert copied_along.draft_view.modeled == 3 and plan_round(copied_along, True, True).k == 0
     commit_round(copied_along, plan, verified(chain_round(tokens=(71,)), RoundOutcome(1, 81)))
     assert copied_along.draft_view.modeled == 2003 and plan_round(copied_along, True, True).k >= 2
+
+
+def test_a_probe_of_a_draft_far_behind_still_runs_and_a_moved_session_is_behind_again():
+    """A review: the rule above also held back probes and hunches (K not thought to pay at the
+    estimated α: the chooser's only way to learn that α rose), so a request at K = 0 never
+    drafted again. And a session moved to another replica kept its `modeled` mark, so copies
+    re-syncing it there hid that the new replica's model had run nothing."""
+    costs, pair = FAR_COSTS, FAR_PAIR
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.1)
+    chooser.zero_streak = 50  # a probe is due
+    assert best_k_at(chooser) == 0
+    behind = SessionView("s", synced=3, modeled=3, opened=True)
+    probing = state(max_new_tokens=32, sequence=list(range(2000)), k_chooser=chooser, pair=pair, draft_view=behind)
+    assert plan_round(probing, True, True).k > 0
+
+    class OnePool:  # a pool that places the session on another replica
+        def place(self, **_):
+            return "another replica"
+
+    view = SessionView("s", synced=2000, modeled=2000, opened=True)
+    assert Upstream.move(cast(Any, None), cast(Any, OnePool()), view)  # from no replica: nothing to end
+    view.synced = 2000  # copies re-sent the sequence there; the new replica's model ran none of it
+    moved = state(max_new_tokens=32, sequence=list(range(2000)), k_chooser=AdaptiveK(8, False, costs, 0.9), pair=pair)
+    moved.draft_view = view
+    assert view.modeled == 0 and plan_round(moved, True, True).k == 0
+
+
+def best_k_at(chooser: AdaptiveK) -> int:
+    from coordinator.adaptive import best_k
+
+    return best_k(chooser.alpha, chooser.costs, chooser.k_max, chooser.pipelined)
