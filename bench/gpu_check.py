@@ -109,14 +109,17 @@ def with_weights(role: str, folder: Path, dtype: str, work: Path, seed: int) -> 
         return Checked(role, folder, random_weights=False)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = work / role
-    if any((out / name).exists() for name in WEIGHT_FILES):  # made by an earlier run into --work
+    out = work / f"{role}-{dtype}" / folder.name  # the model's name, which the profiles carry
+    if out.exists():  # made by an earlier run into --work (renamed there once whole)
         return Checked(role, out, random_weights=True)
-    shutil.copytree(folder, out, dirs_exist_ok=True)
+    making = out.with_name(f"{folder.name}.partial")  # a run killed while saving leaves only this
+    shutil.rmtree(making, ignore_errors=True)
+    shutil.copytree(folder, making)
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.save_pretrained(out)
+    model.save_pretrained(making)
+    making.rename(out)
     return Checked(role, out, random_weights=True)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
+from specdec.engine.attention import BATCHES
 from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
 from specdec.engine.rows import MAX_ROWS
@@ -92,7 +93,7 @@ class ProposalBatch:
                 for group in batch_groups([len(drafting.feed) for _, drafting in active], runner.max_padding_ratio):
                     # A feed of more than MAX_ROWS (a prompt) runs alone, as it does alone: under
                     # SDPA where row-wise attention takes short passes and batches (int8_on_cpu).
-                    long = [position for position in group if len(active[position][1].feed) > MAX_ROWS]
+                    long = [p for p in group if len(active[p][1].feed) > MAX_ROWS] if rows_batched(runner) else []
                     short = [position for position in group if position not in long]
                     for members in [[position] for position in long] + ([short] if short else []):
                         self._pass(active, members)
@@ -282,3 +283,9 @@ def step_together(
         support = None if drafting.deterministic or not argmax else torch.tensor([row])
         runner._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)
     return True
+
+
+def rows_batched(runner: DraftStepper) -> bool:
+    """Rows of short passes and of padded batches attend row by row, a long lone pass under SDPA
+    (attention.BATCHES: an int8 CPU draft's): a long run then runs alone, as it would alone."""
+    return getattr(runner.model.config, "_attn_implementation", "") == BATCHES

@@ -65,10 +65,8 @@ def rowwise_attention_forward(
     # A float mask is a token tree's (specdec.engine.tree_pass): row j sees exactly the keys its
     # mask row allows (the committed past and its ancestors), gathered into the layout a
     # one-token pass over that path has; so does each row of a padded batch (every_row: an
-    # int8 target's), over its own session's keys. Causal passes get a boolean mask or none;
-    # a lone row's mask may have holes (a decode batch's row left alone, its pads kept), so a
-    # lone pass with a mask reads its runs too.
-    keyed = attention_mask is not None if batch == 1 else every_row or batches
+    # int8 target's), over its own session's keys. Causal passes get a boolean mask or none.
+    keyed = _keyed(attention_mask, key.shape[2]) if batch == 1 else every_row or batches
     runs = _padded_runs(attention_mask, batch, rows, key.shape[2]) if keyed else None
     if (
         (runs is None and (keyed or batch != 1))
@@ -104,6 +102,13 @@ def rowwise_attention_forward(
         )  # [1, H, 1, D]
     out = outputs[0] if rows == 1 else torch.cat(outputs, dim=2)  # [1, H, Q, D]
     return out.transpose(1, 2), None  # [1, Q, H, D]
+
+
+def _keyed(mask: torch.Tensor | None, length: int) -> bool:
+    """Whether a lone pass's rows read their keys from `mask` [1, 1, Q, L]: a tree's (float),
+    or one with holes (a decode batch's row left alone, its pads kept), whose last row does
+    not see every key. A causal pass's last row sees them all."""
+    return mask is not None and (mask.dtype.is_floating_point or not bool(mask[0, 0, -1, :length].all()))
 
 
 def _padded_rowwise(

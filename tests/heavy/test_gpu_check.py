@@ -88,3 +88,12 @@ def test_random_weights_made_into_work_are_found_by_the_next_run(tiny_pair, tmp_
     again = gpu_check.with_weights("draft", shapes_only, "float32", work, seed=1)
     assert made and again == first and first.random_weights
     assert {path: path.stat().st_mtime_ns for path in again.folder.glob("model*.safetensors")} == made
+    assert first.folder.name == "draft-shape"  # the model's name, which its profile carries
+    # A run killed while saving left a partial folder: the next makes the weights afresh.
+    bf16 = gpu_check.with_weights("draft", shapes_only, "bfloat16", work, seed=1)
+    assert bf16.folder != first.folder
+    (work / "target-float32").mkdir()
+    (work / "target-float32" / "draft-shape.partial").mkdir()
+    (work / "target-float32" / "draft-shape.partial" / "model.safetensors").write_bytes(b"cut")
+    target = gpu_check.with_weights("target", shapes_only, "float32", work, seed=1)
+    assert target.folder.name == "draft-shape" and (target.folder / "model.safetensors").stat().st_size > 3
