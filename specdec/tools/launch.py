@@ -3,16 +3,16 @@ the end-to-end tests. Deployments start them with their own process managers ins
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.rpc.ports import free_port
 from specdec.tools.forkserver import ForkedProcess, ForkServer
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 COORDINATOR_START_S = 120.0  # a coordinator loads no model: a minute or two is a hung one
 
 
@@ -146,31 +145,26 @@ def spawn(
         process = ForkServer.shared().spawn(module, argv, full_env, cwd, log)  # imports done once
     else:
         process = subprocess.Popen(
-            [*prefix, *pinned_to(cpus), sys.executable, "-m", module, *argv],
+            [*ended_with_this_process(), *prefix, *pinned_to(cpus), sys.executable, "-m", module, *argv],
             cwd=cwd,
             env=full_env,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
-            preexec_fn=ended_with(os.getpid()) if threading.current_thread() is threading.main_thread() else None,
         )
     return ServiceProcess(name, f"127.0.0.1:{port}", process, log, coordinator=module.endswith("coordinator"))
 
 
-def ended_with(parent: int) -> Callable[[], None] | None:
-    """What a child runs before its exec so that it gets SIGTERM (and stops as `stop_all` stops
-    it) when `parent` dies, killed outright too, instead of living on with its model's memory:
-    Linux's PR_SET_PDEATHSIG, which survives the exec (through `taskset` and `ip netns exec`).
-    It fires when the spawning thread ends, so only the main thread uses it. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def tie() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # it died before the tie was made
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return tie
+def ended_with_this_process() -> list[str]:
+    """The prefix that makes a child get SIGTERM (and stop as `stop_all` stops it) when this
+    process dies, killed outright too, instead of living on with its model's memory: Linux's
+    PR_SET_PDEATHSIG, set by util-linux's `setpriv` and kept across the execs after it
+    (`taskset`, `ip netns exec`). Not a preexec_fn: that makes Python fork this whole process
+    instead of vfork, which fails ENOMEM from a process holding much memory. The signal fires
+    when the spawning thread ends, so only the main thread uses it; [] elsewhere or without
+    setpriv."""
+    if threading.current_thread() is not threading.main_thread() or not shutil.which("setpriv"):
+        return []
+    return ["setpriv", "--pdeathsig", "TERM", "--"]
 
 
 def pinned_to(cpus: Collection[int]) -> list[str]:
