@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -18,26 +18,20 @@ logger = logging.getLogger("coordinator.openai_api")  # the API's log, as the ha
 # A comment line this often while a stream waits for its next chunk (a failover, a re-prefill):
 # proxies cut connections idle for a minute or so (nginx's proxy_read_timeout: 60 s).
 KEEPALIVE_S = 15.0
-T = TypeVar("T")
 
 
 async def next_chunk(
     response: web.StreamResponse, queue: asyncio.Queue[tuple[int, Chunk | None]]
 ) -> tuple[int, Chunk | None]:
-    """The queue's next item, with keep-alives while none comes (`kept_alive`)."""
-    return await kept_alive(response, asyncio.ensure_future(queue.get()))
-
-
-async def kept_alive(response: web.StreamResponse, waiting: asyncio.Future[T]) -> T:
-    """`waiting`'s result; until it comes, an SSE comment (`: keep-alive`) every KEEPALIVE_S,
-    which clients skip, so that the stream is never idle that long. Cancelled if this ends
-    first (a client gone)."""
+    """The queue's next item; while none comes, an SSE comment (`: keep-alive`) every
+    KEEPALIVE_S, which clients skip, so that the stream is never idle that long."""
+    getting = asyncio.ensure_future(queue.get())
     try:
-        while not (await asyncio.wait({waiting}, timeout=KEEPALIVE_S))[0]:
+        while not (await asyncio.wait({getting}, timeout=KEEPALIVE_S))[0]:
             await response.write(b": keep-alive\n\n")
-        return waiting.result()
+        return getting.result()
     finally:
-        waiting.cancel()  # a no-op once done
+        getting.cancel()  # a no-op once done: only a stream that ended meanwhile leaves it waiting
 
 
 async def end_stream(response: web.StreamResponse, error: dict | None) -> None:
