@@ -104,11 +104,23 @@ def rowwise_attention_forward(
     return out.transpose(1, 2), None  # [1, Q, H, D]
 
 
+_last_keyed: tuple[torch.Tensor, int, bool] | None = None
+
+
 def _keyed(mask: torch.Tensor | None, length: int) -> bool:
     """Whether a lone pass's rows read their keys from `mask` [1, 1, Q, L]: a tree's (float),
     or one with holes (a decode batch's row left alone, its pads kept), whose last row does
-    not see every key. A causal pass's last row sees them all."""
-    return mask is not None and (mask.dtype.is_floating_point or not bool(mask[0, 0, -1, :length].all()))
+    not see every key. A causal pass's last row sees them all. Read once per pass, as
+    `_padded_runs` (every layer gets the same mask object)."""
+    global _last_keyed
+    if mask is None or mask.dtype.is_floating_point:
+        return mask is not None
+    last = _last_keyed  # one read: another thread's runner may replace it meanwhile
+    if last is not None and last[0] is mask and last[1] == length:
+        return last[2]
+    keyed = not bool(mask[0, 0, -1, :length].all())
+    _last_keyed = (mask, length, keyed)
+    return keyed
 
 
 def _padded_rowwise(
