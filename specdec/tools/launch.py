@@ -161,7 +161,7 @@ def ended_with_this_process() -> list[str]:
     (`taskset`, `ip netns exec`). Not a preexec_fn: that makes Python fork this whole process
     instead of vfork, which fails ENOMEM from a process holding much memory. The signal fires
     when the spawning thread ends, so only the main thread uses it; [] elsewhere or without
-    setpriv."""
+    setpriv. A launcher killed before setpriv has run (milliseconds) leaves the child untied."""
     if threading.current_thread() is not threading.main_thread() or not shutil.which("setpriv"):
         return []
     return ["setpriv", "--pdeathsig", "TERM", "--"]

@@ -47,7 +47,12 @@ def test_a_service_ends_when_its_launcher_is_killed(tmp_path, how):
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        assert alive(child)
+        # The tie is made by `setpriv` once it runs: a launcher killed before that (within
+        # milliseconds of the spawn) leaves its child untied. Wait until the child is the service.
+        deadline = time.monotonic() + 20
+        while b"sleeper" not in Path(f"/proc/{child}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert alive(child) and b"sleeper" in Path(f"/proc/{child}/cmdline").read_bytes()
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 20
