@@ -23,10 +23,12 @@ from specdec.sampling.probs import (
     VerifyOutputs,
     argmax_outputs,
     biased,
+    fetch,
+    fetched_outputs,
     logits_to_probs,
     penalized,
     position_logprobs,
-    verify_outputs,
+    verify_draws,
 )
 from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
 from specdec.sampling.together import together_pays, verify_outputs_together
@@ -43,9 +45,8 @@ class VerifyCall:
     keep_tokens: int
     new_tokens: list[int]
     draft_token_ids: list[int]  # [K]
-    draft_probs: (
-        torch.Tensor
-    )  # [K, V] float32 (CPU), from specdec.rpc.wire.decode_distributions; unused (any shape) on the greedy fast path
+    # [K, V] float32 (CPU), from specdec.rpc.wire.decode_distributions; unused (any shape) on the greedy fast path
+    draft_probs: torch.Tensor
     params: SamplingParams
     seed: int
     return_distributions: bool = False
@@ -349,7 +350,6 @@ class TargetRunner(ModelRunner):
         logits: [K + 1, V]
         """
         call = admitted.call
-        self.check_logits(logits, call.session_id)
         num_draft = len(call.draft_token_ids)
         draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
         if call.parents:
@@ -361,21 +361,20 @@ class TargetRunner(ModelRunner):
             tokens = admitted.session.tokens
             history = tokens[: len(tokens) - num_draft]
             scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
+        # Drawn on the model's device, the outputs cross in one transfer with the logits' sum for
+        # the finiteness check (the uniforms come from the seed's stream on the host; a NaN row
+        # still draws ids in range, and then fails the call).
         if self._greedy_fast_path(call):
-            outputs = argmax_outputs(scored.argmax(dim=-1).cpu(), draft_ids)  # verify_outputs, one-hot
-            target_probs = None
+            finite, heads = fetch(logits.sum(), scored.argmax(dim=-1))  # [1], [K + 1]
+            outputs, target_probs = argmax_outputs(torch.tensor(heads, dtype=torch.int64), draft_ids), None
         else:
-            # On the model's device: the residuals and the draws' CDFs (the uniforms come from the
-            # seed's stream on the host), and only [K] ids and probabilities cross back.
-            device = scored.device
-            target_probs = logits_to_probs(scored, call.params)  # [K + 1, V]
-            drawn = verify_outputs(
-                target_probs, call.draft_probs.to(device), draft_ids.to(device), np.random.default_rng(call.seed)
-            )
-            outputs = VerifyOutputs(
-                drawn.draft_token_target_probs.cpu(), drawn.recovered_token_ids.cpu(), drawn.bonus_token_id
-            )
+            device, target_probs = scored.device, logits_to_probs(scored, call.params)  # [K + 1, V]
+            generator = np.random.default_rng(call.seed)
+            drawn = verify_draws(target_probs, call.draft_probs.to(device), draft_ids.to(device), generator)
+            finite, probs, recovered, bonus = fetch(logits.sum(), *drawn)
+            outputs = fetched_outputs(probs, recovered, bonus[0])
             target_probs = target_probs.cpu() if call.return_distributions else None
+        self.check_logits(logits, call.session_id, finite[0])
         return self._verification(
             admitted,
             outputs,
@@ -423,10 +422,13 @@ class TargetRunner(ModelRunner):
         if self._greedy_fast_path(call):
             # A one-hot target: a node is accepted iff it is its parent's argmax, and every
             # residual of a one-hot is one-hot at the same argmax.
-            argmax = scored.argmax(dim=-1).cpu()  # [N + 1]
+            finite, heads = fetch(logits.sum(), scored.argmax(dim=-1))  # [1], [N + 1]: one wait
+            self.check_logits(logits, call.session_id, finite[0])
+            argmax = torch.tensor(heads, dtype=torch.int64)  # [N + 1]
             outputs = TreeVerifyOutputs((draft_ids == argmax[parents]).float(), argmax)
             target_probs = None
         else:
+            self.check_logits(logits, call.session_id)
             target_probs = logits_to_probs(scored, call.params).cpu()  # [N + 1, V]
             outputs = tree_verify_outputs(
                 target_probs, call.draft_probs, draft_ids, call.parents, np.random.default_rng(call.seed)

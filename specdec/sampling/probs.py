@@ -329,24 +329,44 @@ class VerifyOutputs:
     bonus_token_id: int
 
 
+def verify_draws(
+    target_probs: torch.Tensor,  # [K + 1, V]
+    draft_probs: torch.Tensor,  # [K, V]
+    draft_token_ids: torch.Tensor,  # [K] int64
+    generator: np.random.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's side of rejection sampling, left on the model's device for the caller to
+    fetch with whatever else crosses (one wait): probabilities of the draft tokens [K], a
+    recovered sample for every position [K] and the bonus sample [1]. Sampling a recovered
+    token at every position (not only the first rejected one) keeps the target independent of
+    the coordinator's uniforms, which is what makes the split across processes exact."""
+    num_draft = draft_token_ids.shape[0]
+    draft_token_target_probs = target_probs[:num_draft].gather(-1, draft_token_ids[:, None]).squeeze(-1)  # [K]
+    if num_draft:
+        recovered = sample(residual_probs(target_probs[:num_draft], draft_probs), generator)  # [K]
+    else:
+        recovered = torch.empty(0, dtype=torch.int64, device=target_probs.device)
+    return draft_token_target_probs, recovered, sample(target_probs[num_draft:], generator)
+
+
 def verify_outputs(
     target_probs: torch.Tensor,  # [K + 1, V]
     draft_probs: torch.Tensor,  # [K, V]
     draft_token_ids: torch.Tensor,  # [K] int64
     generator: np.random.Generator,
 ) -> VerifyOutputs:
-    """The target's side of rejection sampling: probabilities of the draft tokens, a recovered
-    sample for every position and the bonus sample. Sampling a recovered token at every
-    position (not only the first rejected one) keeps the target independent of the
-    coordinator's uniforms, which is what makes the split across processes exact."""
-    num_draft = draft_token_ids.shape[0]
-    draft_token_target_probs = target_probs[:num_draft].gather(-1, draft_token_ids[:, None]).squeeze(-1)
-    if num_draft:
-        recovered = sample(residual_probs(target_probs[:num_draft], draft_probs), generator)
-    else:
-        recovered = torch.empty(0, dtype=torch.int64)
-    bonus = int(sample(target_probs[num_draft:], generator)[0])
-    return VerifyOutputs(draft_token_target_probs, recovered, bonus)
+    """`verify_draws`, fetched to the host."""
+    probs, recovered, bonus = fetch(*verify_draws(target_probs, draft_probs, draft_token_ids, generator))
+    return fetched_outputs(probs, recovered, bonus[0])
+
+
+def fetched_outputs(probs: list[float], recovered: list[float], bonus: float) -> VerifyOutputs:
+    """VerifyOutputs from `fetch`'s numbers (float64, exact for float32 and for ids)."""
+    return VerifyOutputs(
+        torch.tensor(probs, dtype=torch.float32),
+        torch.tensor([int(token) for token in recovered], dtype=torch.int64),
+        int(bonus),
+    )
 
 
 def argmax_outputs(argmax: torch.Tensor, draft_token_ids: torch.Tensor) -> VerifyOutputs:

@@ -17,6 +17,7 @@ from specdec.sampling.probs import (
     argmax_outputs,
     biased,
     fetch,
+    fetched_outputs,
     logits_to_probs,
     residual_probs,
     sample,
@@ -91,11 +92,5 @@ def verify_outputs_together(
     outputs = []
     for call, (end, k) in enumerate(zip(ends, counts)):
         part = slice(int(end) - k - 1 - call, int(end) - 1 - call)  # the call's draft rows among Σ K
-        outputs.append(
-            VerifyOutputs(
-                torch.tensor(fetched_probs[part], dtype=torch.float32),
-                torch.tensor([int(token) for token in fetched_recovered[part]], dtype=torch.int64),
-                int(fetched_bonus[call]),
-            )
-        )
+        outputs.append(fetched_outputs(fetched_probs[part], fetched_recovered[part], fetched_bonus[call]))
     return outputs

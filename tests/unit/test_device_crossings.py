@@ -1,0 +1,117 @@
+"""A verify's outputs cross from the model's device to the host once per pass (issue 67): on an
+accelerator every crossing is a wait for the queued work. On a CPU nothing waits, so the
+passes' logits are tagged here with a tensor subclass that every op propagates, and each way a
+tensor reaches the host (`.item()`, `.tolist()`, `.cpu()`, `float()`, ...) is counted."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+
+from specdec.sampling.probs import SamplingParams
+from target_service.runner import TargetRunner, VerifyCall
+
+CROSSINGS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
+
+
+class OnDevice(torch.Tensor):
+    """A tensor standing for one on an accelerator; what reaches the host is a plain tensor."""
+
+    crossed: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(str(value) == "cpu" for value in (*args[1:], *kwargs.values()))
+        out = super().__torch_function__(func, types, args, kwargs)
+        if name in CROSSINGS or to_host:
+            caller = traceback.extract_stack(limit=3)[0]
+            cls.crossed[f"{name} at {caller.name}:{caller.lineno}"] += 1
+            if isinstance(out, torch.Tensor):
+                out = out.as_subclass(torch.Tensor)
+        return out
+
+
+@pytest.fixture
+def on_device(monkeypatch) -> collections.Counter[str]:
+    """The runner's passes give OnDevice logits; returns the counter of crossings."""
+
+    def tagged(method):
+        def run(*args, **kwargs):
+            out = method(*args, **kwargs)
+            if isinstance(out, list):
+                return [item.as_subclass(OnDevice) if isinstance(item, torch.Tensor) else item for item in out]
+            return out.as_subclass(OnDevice)
+
+        return run
+
+    for name in ("forward", "forward_tree", "forward_batch"):
+        monkeypatch.setattr(TargetRunner, name, tagged(getattr(TargetRunner, name)))
+    OnDevice.crossed.clear()
+    return OnDevice.crossed
+
+
+PARAMS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_k=50)}
+
+
+def rows(runner: TargetRunner, k: int) -> torch.Tensor:
+    vocab = runner.loaded.vocab_size
+    return torch.full((k, vocab), 1.0 / vocab)
+
+
+@pytest.mark.parametrize("decoding", PARAMS)
+def test_a_chain_verify_crosses_once(target_runner, on_device, decoding):
+    params = PARAMS[decoding]
+    session = f"cross-{decoding}"
+    target_runner.verify_one(
+        VerifyCall(session, 0, list(range(5, 25)), [30, 31, 32], rows(target_runner, 3), params, 1)
+    )
+    for drafts in ([41, 42, 43], []):  # a round, then a target-only step
+        on_device.clear()
+        done = target_runner.verify_one(
+            VerifyCall(session, 21, [40], drafts, rows(target_runner, len(drafts)), params, 2)
+        )
+        assert len(done.recovered_token_ids) == len(drafts)
+        assert sum(on_device.values()) == 1, dict(on_device)
+    target_runner.end_session(session)
+
+
+def test_a_greedy_tree_verify_crosses_once(target_runner, on_device):
+    target_runner.verify_one(
+        VerifyCall("cross-tree", 0, list(range(5, 25)), [], rows(target_runner, 0), PARAMS["greedy"], 1)
+    )
+    on_device.clear()
+    target_runner.verify_one(
+        VerifyCall("cross-tree", 20, [40], [41, 42, 43], rows(target_runner, 3), PARAMS["greedy"], 2, parents=(0, 0, 1))
+    )
+    assert sum(on_device.values()) == 1, dict(on_device)
+    target_runner.end_session("cross-tree")
+
+
+@pytest.mark.parametrize("decoding", PARAMS)
+def test_a_batched_verify_crosses_once_for_all_its_calls(target_runner, on_device, decoding):
+    params, sessions = PARAMS[decoding], [f"cross-batch-{decoding}-{i}" for i in range(3)]
+    for i, session in enumerate(sessions):
+        target_runner.verify_one(VerifyCall(session, 0, list(range(5 + i, 25)), [], rows(target_runner, 0), params, i))
+    on_device.clear()
+    done = target_runner.verify_batch(
+        [
+            VerifyCall(session, 20 - i, [40], [41, 42], rows(target_runner, 2), params, i)
+            for i, session in enumerate(sessions)
+        ]
+    )
+    assert all(result.batch_size == 3 for result in done), done
+    assert sum(on_device.values()) == 1, dict(on_device)
+    for session in sessions:
+        target_runner.end_session(session)
+
+
+def test_the_count_sees_a_crossing(on_device):
+    """The mutant: an extra `.item()` on the tagged logits is counted."""
+    logits = torch.zeros(2, 3).as_subclass(OnDevice)
+    float(logits.sum()), logits.argmax(-1).tolist()
+    assert sum(on_device.values()) == 2, dict(on_device)
