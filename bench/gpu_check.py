@@ -56,6 +56,7 @@ import torch
 from specdec.engine.costs import settled
 from specdec.engine.pace import load_profile
 from specdec.engine.static_pass import Bucket, length_bucket
+from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams
 from specdec.tools.launch import ServiceProcess, local_stack, spawn_coordinator
 from specdec.tools.real_models import DRAFT, TARGET
@@ -345,9 +346,9 @@ def time_batch(runner, ids: list[int], context: int, args) -> dict[str, float | 
     """ms of one batched pass of `args.batch_sessions` sessions × 5 tokens after `context`
     cached tokens each (their prompts prefilled first), and of the whole batched verify of
     such rounds (a token and 4 drafts each), greedy and at T = 1: the pass and what the target
-    draws from it (specdec.sampling.together); at T = 1 also each call's dense draft rows, [4, V]
-    float32 from pageable host memory, copied to the device, as the service does. Each the lower
-    quartile of the repeats."""
+    draws from it (specdec.sampling.together); at T = 1 also each call's draft rows, a top-256
+    draft's [4, V] as the service decodes them (their entries, built on the device). Each the
+    lower quartile of the repeats."""
     from target_service.runner import VerifyCall
 
     sessions = [runner.sessions.open(f"batch-{i}", 0) for i in range(args.batch_sessions)]
@@ -371,7 +372,10 @@ def time_batch(runner, ids: list[int], context: int, args) -> dict[str, float | 
             raise failed
 
     vocab, drafts = runner.loaded.vocab_size, ids[context + 1 : context + 5]
-    rows_drawn = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)), dim=-1)  # [4, V]
+    dense = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)), dim=-1)  # [4, V]
+    top = dense.topk(256, dim=-1)
+    dense = torch.zeros_like(dense).scatter_(-1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    rows_drawn = wire.decode_distributions(wire.encode_distributions(dense, 4, False), drafts, vocab)
     for name, params in (("greedy", SamplingParams()), ("T=1", SamplingParams(temperature=1.0))):
         calls = [
             VerifyCall(session.session_id, context, ids[context : context + 1], drafts, rows_drawn, params, seed)

@@ -20,6 +20,7 @@ from specdec.errors import InvalidArgument
 from specdec.sampling.probs import (
     PositionLogprobs,
     SamplingParams,
+    SparseRows,
     VerifyOutputs,
     argmax_outputs,
     biased,
@@ -28,6 +29,8 @@ from specdec.sampling.probs import (
     logits_to_probs,
     penalized,
     position_logprobs,
+    rows_on,
+    to_device,
     verify_draws,
 )
 from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
@@ -45,8 +48,8 @@ class VerifyCall:
     keep_tokens: int
     new_tokens: list[int]
     draft_token_ids: list[int]  # [K]
-    # [K, V] float32 (CPU), from specdec.rpc.wire.decode_distributions; unused (any shape) on the greedy fast path
-    draft_probs: torch.Tensor
+    # [K, V] float32 (CPU) or its entries, from specdec.rpc.wire.decode_distributions; unused on the greedy fast path
+    draft_probs: torch.Tensor | SparseRows
     params: SamplingParams
     seed: int
     return_distributions: bool = False
@@ -90,13 +93,6 @@ def next_step(first: VerifyCall, last: Verification, seed: int) -> VerifyCall:
     """A target-only step after `last` (VerifyRequest.step_seeds): `first` feeding the token
     `last` drew, drawing the next with `seed`."""
     return dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed)
-
-
-def joined_features(first: Verification, steps: list[Verification]) -> torch.Tensor | None:
-    """The features of a call and its target-only steps after it, in order: [N, F] (None without)."""
-    if first.features is None:
-        return None
-    return torch.cat([first.features, *(step.features for step in steps if step.features is not None)])
 
 
 class TargetRunner(ModelRunner):
@@ -264,8 +260,9 @@ class TargetRunner(ModelRunner):
         for params, group in paying.items():
             calls = [item.call for _, item, _ in group]
             try:
-                drafts = torch.cat([call.draft_probs for call in calls]) if not params.greedy else torch.empty(0)
                 stacked = torch.cat([logits for *_, logits in group])  # [R, V]
+                rows = [rows_on(call.draft_probs, stacked.device) for call in calls if not params.greedy]
+                drafts = torch.cat(rows) if rows else torch.empty(0)  # [Σ K, V]
                 seeds = [call.seed for call in calls]
                 drawn = verify_outputs_together(
                     params, stacked, drafts, [call.draft_token_ids for call in calls], seeds
@@ -370,7 +367,9 @@ class TargetRunner(ModelRunner):
         else:
             device, target_probs = scored.device, logits_to_probs(scored, call.params)  # [K + 1, V]
             generator = np.random.default_rng(call.seed)
-            drawn = verify_draws(target_probs, call.draft_probs.to(device), draft_ids.to(device), generator)
+            drawn = verify_draws(
+                target_probs, rows_on(call.draft_probs, device), to_device(draft_ids, device), generator
+            )
             finite, probs, recovered, bonus = fetch(logits.sum(), *drawn)
             outputs = fetched_outputs(probs, recovered, bonus[0])
             target_probs = target_probs.cpu() if call.return_distributions else None

@@ -10,14 +10,14 @@ from typing import Any, TypeVar
 
 import grpc
 
-from specdec.engine.features import feature_dtype
+from specdec.engine.features import feature_dtype, joined_features
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.rpc import wire
 from specdec.rpc.model_thread import ACTIVE_SESSION_S, CallBatcher, ModelThread
 from specdec.rpc.servicer_base import SessionServicerMixin, answer_each
 from specdec.rpc.telemetry import ModelServiceMetrics, context_of, traced_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.runner import TargetRunner, Verification, VerifyCall, joined_features, next_step
+from target_service.runner import TargetRunner, Verification, VerifyCall, next_step
 
 T = TypeVar("T")
 
@@ -180,7 +180,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 sequence_length=steps[-1].sequence_length,
                 compute_ms=result.compute_ms + sum(step.compute_ms for step in steps),
                 processed_tokens=result.processed_tokens + sum(step.processed_tokens for step in steps),
-                features=joined_features(result, steps),
+                features=joined_features(result.features, [step.features for step in steps]),
             ),
         )
 

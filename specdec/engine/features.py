@@ -196,3 +196,10 @@ class FeatureTrack:
             del self.target[:drop]
             del self.predicted[:drop]
             self.base += drop
+
+
+def joined_features(first: torch.Tensor | None, steps: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The features of a call and of its target-only steps after it, in order: [N, F] (None without)."""
+    if first is None:
+        return None
+    return torch.cat([first, *(step for step in steps if step is not None)])

@@ -18,6 +18,7 @@ from specdec.errors import InvalidArgument
 from specdec.sampling.probs import (
     PositionLogprobs,
     SamplingParams,
+    SparseRows,
     check_logit_bias,
     check_penalties,
     check_top_logprobs,
@@ -103,8 +104,9 @@ def decode_distributions(
     distributions: list[common_pb2.ProposalDistribution],
     token_ids: list[int],
     vocab_size: int,
-) -> torch.Tensor:
-    """Draft distributions as a dense [K, vocab_size] float32 tensor over the target's vocab.
+) -> torch.Tensor | SparseRows:
+    """Draft distributions as [K, vocab_size] float32 rows over the target's vocab: by their
+    entries (SparseRows, which the target builds on its device) unless a row came dense.
 
     A draft with fewer logit columns sends narrower rows, which are zero-padded. A draft with
     more is told the target's width (ProposeRequest.vocab_limit) and gives the ids past it
@@ -116,12 +118,12 @@ def decode_distributions(
         raise InvalidArgument(
             f"got {len(token_ids)} draft tokens but {len(distributions)} distributions; one per token is required"
         )
-    draft_probs = np.zeros((len(token_ids), vocab_size), dtype=np.float32)  # [K, V]
+    rows: list[tuple[np.ndarray, np.ndarray] | np.ndarray] = []  # per row: (ids, values), or dense values
     for row, (dist, token_id) in enumerate(zip(distributions, token_ids)):
         kind = dist.WhichOneof("kind")
         if kind == "one_hot":
-            if 0 <= token_id < vocab_size:
-                draft_probs[row, token_id] = 1.0
+            kept = [token_id] if 0 <= token_id < vocab_size else []
+            rows.append((np.array(kept, np.int64), np.ones(len(kept), np.float32)))
         elif kind == "sparse":
             ids = np.asarray(dist.sparse.token_ids, dtype=np.int64)
             values = np.asarray(dist.sparse.probs, dtype=np.float32)
@@ -133,20 +135,31 @@ def decode_distributions(
             if ids.size and ids.min() < 0:
                 raise InvalidArgument(f"sparse distribution {row} names a negative token id")
             inside = ids < vocab_size
-            # An id named twice: with two values the last is written and the coordinator's
-            # acceptance test (token_probability) reads the first; with one, the row counted
-            # it twice toward its mass. (8 us for 256 ids on the AMD EPYC.)
+            # An id named twice: with two values the dense row held the last and the
+            # coordinator's acceptance test (token_probability) reads the first; with one, the
+            # row counted it twice toward its mass. (8 us for 256 ids on the AMD EPYC.)
             if ids.size > 1 and not np.diff(np.sort(ids)).all():
                 raise InvalidArgument(f"sparse distribution {row} names a token id twice")
-            kept_ids, kept = ids[inside], values[inside]
-            draft_probs[row, kept_ids] = kept
+            rows.append((ids[inside], values[inside]))
         elif kind == "dense":
             values = decode_dense(dist.dense)
             _check_row(row, values)
-            values = values[:vocab_size]
-            draft_probs[row, : values.size] = values
+            rows.append(values[:vocab_size])
         else:
             raise InvalidArgument(f"distribution {row} is empty; set one_hot, sparse or dense")
+    if all(isinstance(entries, tuple) for entries in rows):
+        flat_ids = [ids + row * vocab_size for row, (ids, _) in enumerate(rows)]
+        return SparseRows(
+            torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *flat_ids])),
+            torch.from_numpy(np.concatenate([np.zeros(0, np.float32), *(values for _, values in rows)])),
+            (len(rows), vocab_size),
+        )
+    draft_probs = np.zeros((len(token_ids), vocab_size), dtype=np.float32)  # [K, V]
+    for row, entries in enumerate(rows):
+        if isinstance(entries, tuple):
+            draft_probs[row, entries[0]] = entries[1]
+        else:
+            draft_probs[row, : entries.size] = entries
     return torch.from_numpy(draft_probs)  # numpy's indexing: a tenth of torch's per-op cost on short rows
 
 

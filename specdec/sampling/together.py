@@ -21,6 +21,7 @@ from specdec.sampling.probs import (
     logits_to_probs,
     residual_probs,
     sample,
+    to_device,
 )
 
 # On a CPU, calls are concluded together only while their rows hold at most this many values
@@ -71,19 +72,18 @@ def verify_outputs_together(
     # drawn and thrown away (sample() keeps ids in range), the finiteness read in the same
     # transfer as the outputs: one wait for the device.
     probs = logits_to_probs(scored, params)  # [R, V]
-    bonus_rows = torch.as_tensor(ends - 1, dtype=torch.int64, device=device)  # [C]
+    bonus_rows = to_device(torch.as_tensor(ends - 1, dtype=torch.int64), device)  # [C]
     draft_rows = torch.tensor(
         [row for end, k in zip(ends, counts) for row in range(end - k - 1, end - 1)], dtype=torch.int64
     )  # [Σ K]: empty where every call is a target-only step
     ids = torch.tensor([token for call in draft_token_ids for token in call], dtype=torch.int64)  # [Σ K]
-    drafted_probs = probs.index_select(0, draft_rows.to(device))  # [Σ K, V]
-    token_probs = drafted_probs.gather(-1, ids.to(device)[:, None]).squeeze(-1)  # [Σ K]
+    ids = to_device(ids, device)  # [Σ K]
+    drafted_probs = probs.index_select(0, to_device(draft_rows, device))  # [Σ K, V]
+    token_probs = drafted_probs.gather(-1, ids[:, None]).squeeze(-1)  # [Σ K]
     generators = [np.random.default_rng(seed) for seed in seeds]
     row_generators = [generator for generator, k in zip(generators, counts) for _ in range(k)]
     recovered = (
-        sample(residual_probs(drafted_probs, draft_probs.to(device)), row_generators)
-        if row_generators
-        else ids.to(device)
+        sample(residual_probs(drafted_probs, to_device(draft_probs, device)), row_generators) if row_generators else ids
     )  # [Σ K]
     bonus = sample(probs.index_select(0, bonus_rows), generators)  # [C], each after its call's K
     finite, fetched_probs, fetched_recovered, fetched_bonus = fetch(total, token_probs, recovered, bonus)

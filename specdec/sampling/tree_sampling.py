@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.sampling.probs import residual_probs, sample
+from specdec.sampling.probs import SparseRows, residual_probs, rows_on, sample
 
 MAX_TREE_NODES = 31  # a tree pass scores N + 1 <= 32 rows: specdec.engine.rows.MAX_ROWS
 
@@ -87,14 +87,14 @@ class TreeVerifyOutputs:
 
 def tree_verify_outputs(
     target_probs: torch.Tensor,  # [N + 1, V]: the target at each node (row 0: the root)
-    draft_probs: torch.Tensor,  # [N, V]: the distribution node i (1..N) was drawn from, row i - 1
+    draft_probs: torch.Tensor | SparseRows,  # [N, V]: the distribution node i (1..N) was drawn from, row i - 1
     token_ids: torch.Tensor,  # [N] int64
     parents: Sequence[int],  # [N]
     generator: np.random.Generator,
 ) -> TreeVerifyOutputs:
     """Every child's residual-adjusted target probability, and every node's recovered (or,
     for a leaf, bonus) sample, drawn before and independently of the coordinator's uniforms."""
-    num_nodes = target_probs.shape[0]
+    num_nodes, draft_probs = target_probs.shape[0], rows_on(draft_probs, target_probs.device)
     children = children_of(parents, num_nodes)
     node_target_probs = torch.zeros(num_nodes - 1, dtype=target_probs.dtype)  # [N]
     final_rows = []

@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 
-from specdec.sampling.probs import SamplingParams
+from specdec.sampling.probs import SamplingParams, SparseRows
 from target_service.runner import TargetRunner, VerifyCall
 
 CROSSINGS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -100,7 +100,7 @@ def test_a_batched_verify_crosses_once_for_all_its_calls(target_runner, on_devic
     on_device.clear()
     done = target_runner.verify_batch(
         [
-            VerifyCall(session, 20 - i, [40], [41, 42], rows(target_runner, 2), params, i)
+            VerifyCall(session, 20 - i, [40], [41, 42], entries(rows(target_runner, 2)), params, i)
             for i, session in enumerate(sessions)
         ]
     )
@@ -115,3 +115,37 @@ def test_the_count_sees_a_crossing(on_device):
     logits = torch.zeros(2, 3).as_subclass(OnDevice)
     float(logits.sum()), logits.argmax(-1).tolist()
     assert sum(on_device.values()) == 2, dict(on_device)
+
+
+def entries(dense: torch.Tensor) -> SparseRows:
+    flat = dense.reshape(-1)
+    ids = torch.nonzero(flat, as_tuple=True)[0]
+    return SparseRows(ids, flat[ids], tuple(dense.shape))
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree", "batch"])
+def test_rows_sent_as_their_entries_verify_as_the_dense_rows(target_runner, shape):
+    """The draft rows a sampled verify builds on its device from their entries (SparseRows) give
+    bitwise the outputs of the same rows built on the host. The rows are the target's own,
+    cut to their 16 likeliest ids, so the residuals are what the rows leave out: a row built
+    wrong moves them, and with them the recovered tokens."""
+    vocab, params, prompt, drafts = target_runner.loaded.vocab_size, PARAMS["sampled"], list(range(5, 25)), [7, 8, 9]
+    probe = VerifyCall("rows-probe", 0, prompt, drafts, torch.full((3, vocab), 1.0 / vocab), params, 0, True)
+    target = target_runner.verify_one(probe).target_probs[:3]  # [3, V]
+    target_runner.end_session("rows-probe")
+    dense = torch.where(target >= target.topk(16, -1).values[:, -1:], target, 0.0)
+    dense = dense / dense.sum(-1, keepdim=True)  # [3, V]
+    parents, calls = (0, 1, 2) if shape == "tree" else (), 3 if shape == "batch" else 1
+    outputs = []
+    for rows in (dense, entries(dense)):
+        done = []
+        for seed in range(0, 24, calls):
+            batch = [
+                VerifyCall(f"rows-{i}", 0, prompt, drafts, rows, params, seed + i, parents=parents)
+                for i in range(calls)
+            ]
+            done += target_runner.verify_batch(batch)
+            for call in batch:
+                target_runner.end_session(call.session_id)
+        outputs.append([(d.draft_token_target_probs, d.recovered_token_ids, d.bonus_token_id) for d in done])
+    assert outputs[0] == outputs[1]

@@ -9,6 +9,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
+from specdec.sampling.probs import SparseRows, rows_on
 from specdec.v1 import common_pb2
 
 
@@ -41,7 +42,7 @@ def test_encoding_rows_together_equals_each_row_alone_and_decodes_exactly(seed):
     together = wire.encode_distributions(probs, len(probs), deterministic=False)
     assert together == [_encode_row(row) for row in probs]
     token_ids = [0] * len(probs)
-    assert torch.equal(wire.decode_distributions(together, token_ids, 300), probs)
+    assert torch.equal(rows_on(wire.decode_distributions(together, token_ids, 300), "cpu"), probs)
 
 
 def test_both_forms_appear():
@@ -77,14 +78,14 @@ def test_a_row_whose_mass_is_not_one_is_refused_in_either_form(scale):
 def test_a_softmax_over_qwens_width_passes_in_float32():
     wide = torch.softmax(torch.randn(151_936, generator=torch.Generator().manual_seed(0)) * 4, dim=0)
     rows = wire.encode_distributions(wide[None], 1, deterministic=False)
-    assert torch.equal(wire.decode_distributions(rows, [0], 151_936)[0], wide)
+    assert torch.equal(rows_on(wire.decode_distributions(rows, [0], 151_936), "cpu")[0], wide)
 
 
 def test_mass_past_the_targets_width_counts():
     """A draft wider than the target sends its whole row; mass past the width is dropped only
     after the row was found to be a distribution."""
     sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1, 5], probs=[0.5, 0.5]))
-    assert wire.decode_distributions([sparse], [1], 3).tolist() == [[0.0, 0.5, 0.0]]
+    assert rows_on(wire.decode_distributions([sparse], [1], 3), "cpu").tolist() == [[0.0, 0.5, 0.0]]
     short = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1], probs=[0.5]))
     with pytest.raises(InvalidArgument, match="sums to 0.5, not 1"):
         wire.decode_distributions([short], [1], 3)
@@ -152,3 +153,20 @@ def test_info_says_which_machine_and_cpus_compute():
     info = wire.description_to_pb(description)
     assert info.host_id == this_host() != ""
     assert tuple(info.cpus) == these_cpus() and info.cpus
+
+
+def test_rows_without_a_dense_one_come_as_their_entries():
+    """What crosses to the target's device is the rows' entries (kilobytes), not [K, V]."""
+    one_hot = common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot())
+    sparse = common_pb2.ProposalDistribution(
+        sparse=common_pb2.SparseProbs(token_ids=[4, 1, 9], probs=[0.5, 0.25, 0.25])
+    )
+    dense = common_pb2.ProposalDistribution(dense=wire.encode_dense(torch.tensor([0.0, 0.5, 0.5])))
+    rows = wire.decode_distributions([one_hot, sparse, one_hot], [2, 7, 9], 8)  # ids 9 and past: beyond the width
+    assert isinstance(rows, SparseRows) and rows.values.numel() == 3
+    want = torch.zeros(3, 8)
+    want[0, 2], want[1, 4], want[1, 1] = 1.0, 0.5, 0.25
+    assert torch.equal(rows_on(rows, "cpu"), want)
+    mixed = wire.decode_distributions([sparse, dense], [7, 1], 8)
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed[1], torch.tensor([0.0, 0.5, 0.5, 0, 0, 0, 0, 0]))
+    assert torch.equal(mixed[0], want[1])
