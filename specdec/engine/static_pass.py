@@ -271,7 +271,7 @@ class StaticPasses:
         entry.runs += 1
         if entry.graph is None:
             return self._pass(packed.to(self.pool.device), entry.column)
-        entry.packed.copy_(packed, non_blocking=True)
+        entry.packed.copy_(packed.pin_memory(), non_blocking=True)  # from pageable memory it waits for the queue
         entry.graph.replay()
         assert entry.hidden is not None
         return entry.hidden
