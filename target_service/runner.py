@@ -417,26 +417,27 @@ class TargetRunner(ModelRunner):
         """A tree round's outputs (specdec.sampling.tree_sampling). logits: [N + 1, V], root first."""
         call = admitted.call
         parents = torch.tensor(call.parents, dtype=torch.int64)  # [N]
-        scored = biased(logits, call.params)  # [N + 1, V]
+        scored, target_probs = biased(logits, call.params), None  # [N + 1, V]
         if self._greedy_fast_path(call):
             # A one-hot target: a node is accepted iff it is its parent's argmax, and every
             # residual of a one-hot is one-hot at the same argmax.
             finite, heads = fetch(logits.sum(), scored.argmax(dim=-1))  # [1], [N + 1]: one wait
-            self.check_logits(logits, call.session_id, finite[0])
             argmax = torch.tensor(heads, dtype=torch.int64)  # [N + 1]
             outputs = TreeVerifyOutputs((draft_ids == argmax[parents]).float(), argmax)
-            target_probs = None
-        else:
-            self.check_logits(logits, call.session_id)
-            target_probs = logits_to_probs(scored, call.params).cpu()  # [N + 1, V]
-            outputs = tree_verify_outputs(
-                target_probs, call.draft_probs, draft_ids, call.parents, np.random.default_rng(call.seed)
+        else:  # drawn on the model's device, fetched with the sum: one wait
+            probs, generator = logits_to_probs(scored, call.params), np.random.default_rng(call.seed)  # [N + 1, V]
+            drawn = tree_verify_outputs(probs, call.draft_probs, draft_ids, call.parents, generator)
+            finite, node_probs, next_ids = fetch(logits.sum(), drawn.node_target_probs, drawn.next_token_ids)
+            outputs = TreeVerifyOutputs(
+                torch.tensor(node_probs, dtype=torch.float32), torch.tensor(next_ids, dtype=torch.int64)
             )
+            target_probs = probs.cpu() if call.return_distributions else None
+        self.check_logits(logits, call.session_id, finite[0])
         return Verification(
             draft_token_target_probs=outputs.node_target_probs.tolist(),
             recovered_token_ids=outputs.next_token_ids.tolist(),
             bonus_token_id=0,
-            target_probs=target_probs if call.return_distributions else None,
+            target_probs=target_probs,
             processed_tokens=len(admitted.pending) + len(call.draft_token_ids),
             sequence_length=len(admitted.session.tokens),
             compute_ms=admitted.clock.ms(),

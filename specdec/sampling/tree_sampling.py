@@ -88,20 +88,20 @@ class TreeVerifyOutputs:
 def tree_verify_outputs(
     target_probs: torch.Tensor,  # [N + 1, V]: the target at each node (row 0: the root)
     draft_probs: torch.Tensor | SparseRows,  # [N, V]: the distribution node i (1..N) was drawn from, row i - 1
-    token_ids: torch.Tensor,  # [N] int64
+    token_ids: torch.Tensor,  # [N] int64, on the host: each a plain index
     parents: Sequence[int],  # [N]
     generator: np.random.Generator,
 ) -> TreeVerifyOutputs:
     """Every child's residual-adjusted target probability, and every node's recovered (or,
     for a leaf, bonus) sample, drawn before and independently of the coordinator's uniforms."""
     num_nodes, draft_probs = target_probs.shape[0], rows_on(draft_probs, target_probs.device)
-    children = children_of(parents, num_nodes)
-    node_target_probs = torch.zeros(num_nodes - 1, dtype=target_probs.dtype)  # [N]
+    children, ids = children_of(parents, num_nodes), token_ids.tolist()
+    node_target_probs = torch.zeros(num_nodes - 1, dtype=target_probs.dtype, device=target_probs.device)  # [N]
     final_rows = []
     for node in range(num_nodes):
         residual = target_probs[node]  # [V]: r_0 = p
         for child in children[node]:
-            node_target_probs[child - 1] = residual[token_ids[child - 1]]
+            node_target_probs[child - 1] = residual[ids[child - 1]]
             residual = residual_probs(residual[None], draft_probs[child - 1][None])[0]  # r_i
         final_rows.append(residual)
     next_token_ids = sample(torch.stack(final_rows), generator)  # [N + 1]

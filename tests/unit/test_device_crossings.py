@@ -80,16 +80,15 @@ def test_a_chain_verify_crosses_once(target_runner, on_device, decoding):
     target_runner.end_session(session)
 
 
-def test_a_greedy_tree_verify_crosses_once(target_runner, on_device):
-    target_runner.verify_one(
-        VerifyCall("cross-tree", 0, list(range(5, 25)), [], rows(target_runner, 0), PARAMS["greedy"], 1)
-    )
+@pytest.mark.parametrize("decoding", PARAMS)
+def test_a_tree_verify_crosses_once(target_runner, on_device, decoding):
+    params, session = PARAMS[decoding], f"cross-tree-{decoding}"
+    target_runner.verify_one(VerifyCall(session, 0, list(range(5, 25)), [], rows(target_runner, 0), params, 1))
     on_device.clear()
-    target_runner.verify_one(
-        VerifyCall("cross-tree", 20, [40], [41, 42, 43], rows(target_runner, 3), PARAMS["greedy"], 2, parents=(0, 0, 1))
-    )
+    tree = VerifyCall(session, 20, [40], [41, 42, 43], entries(rows(target_runner, 3)), params, 2, parents=(0, 0, 1))
+    assert len(target_runner.verify_one(tree).recovered_token_ids) == 4
     assert sum(on_device.values()) == 1, dict(on_device)
-    target_runner.end_session("cross-tree")
+    target_runner.end_session(session)
 
 
 @pytest.mark.parametrize("decoding", PARAMS)
