@@ -85,8 +85,8 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     if not params.logit_bias:
         return logits
-    ids = torch.tensor([token for token, _ in params.logit_bias], device=logits.device)  # [B]
-    values = torch.tensor([value for _, value in params.logit_bias], device=logits.device)  # [B]
+    ids = to_device(torch.tensor([token for token, _ in params.logit_bias]), logits.device)  # [B]
+    values = to_device(torch.tensor([value for _, value in params.logit_bias]), logits.device)  # [B]
     out = logits.float().clone()
     out[..., ids] += values
     return out
@@ -131,9 +131,9 @@ def penalized(
         return logits
     rows, vocab = logits.shape
     device = logits.device
-    generated = torch.tensor(list(history[output_start:]), dtype=torch.int64, device=device)  # [G]
-    prompt = torch.tensor(list(history[:output_start]), dtype=torch.int64, device=device)  # [P]
-    drafts = torch.tensor(list(draft_ids[: rows - 1]), dtype=torch.int64, device=device)  # [D]
+    generated = to_device(torch.tensor(list(history[output_start:]), dtype=torch.int64), device)  # [G]
+    prompt = to_device(torch.tensor(list(history[:output_start]), dtype=torch.int64), device)  # [P]
+    drafts = to_device(torch.tensor(list(draft_ids[: rows - 1]), dtype=torch.int64), device)  # [D]
     counts = torch.zeros(rows, vocab, device=device)  # [R, V]: generated occurrences before each row
     counts += torch.bincount(generated, minlength=vocab)[:vocab].float()
     if len(drafts):
