@@ -1,13 +1,15 @@
-"""The EAGLE head against the 0.5B draft and the target alone (issue 68), on the bench's own
-prompts whose answers do not copy their prompt (code, chat, prose), greedy and sampled:
+"""The EAGLE head against the 0.5B draft, the hybrid drafter, prompt lookup and the target
+alone (issue 68), on the bench's own prompts whose answers do not copy their prompt (code, chat,
+prose), greedy and sampled:
 
     python -m bench.eagle --head DIR [--out bench/results/eagle] [--repeats 3] [--max-new-tokens 128]
 
-Two stacks over the real pair's target, started side by side and used in turn: `make run`'s
-(the 0.5B draft, the hybrid drafter) and one whose draft service runs the head (`--drafter
-eagle`). Per prompt, temperature and repeat, three generations in an order that alternates
-from repeat to repeat: target-only (K = 0 through the first stack), the 0.5B draft and the
-head, each with the coordinator's defaults (K chosen). Reports tok/s ratios (geometric means),
+Four stacks over the real pair's target, started side by side and used in turn: `make run`'s
+(the hybrid drafter: prompt lookup, else the int8 0.5B draft), the int8 0.5B draft alone, prompt
+lookup alone (`--drafter ngram`, no weights) and one whose draft service runs the head
+(`--drafter eagle`). Per prompt, temperature and repeat, five generations in an order that
+alternates from repeat to repeat: target-only (K = 0 through the first stack) and each drafter
+with the coordinator's defaults (K chosen). Reports tok/s ratios (geometric means),
 mean accepted length per drafted round, and the head's calibrated step against the target's
 one-token pass. Figures are this machine's; `lscpu` flags go with them."""
 
@@ -33,7 +35,21 @@ MODELS = ROOT / ".cache" / "models"
 TARGET = MODELS / "qwen2.5-coder-1.5b-instruct"
 DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct"
 KINDS = ("code", "chat", "prose")  # the bench prompts whose answers do not copy their prompt
-SYSTEMS = {"baseline": ["--drafter", "hybrid"], "eagle": None}  # None: the head's flags
+# Each stack's draft service flags; None: the head's.
+SYSTEMS = {
+    "hybrid": ["--quantize", "int8", "--drafter", "hybrid"],
+    "model": ["--quantize", "int8"],
+    "lookup": ["--drafter", "ngram"],
+    "eagle": None,
+}
+# (label, stack, K): target-only runs through make run's stack at K = 0; None: the K chooser.
+RUNS = [
+    ("target-only", "hybrid", 0),
+    ("hybrid", "hybrid", None),
+    ("0.5B draft", "model", None),
+    ("prompt lookup", "lookup", None),
+    ("eagle head", "eagle", None),
+]
 
 
 def cpu_flags() -> str:
@@ -78,7 +94,7 @@ def run(args) -> dict:
         stubs, services = {}, {}
         for name, flags in SYSTEMS.items():
             draft_model = TARGET if flags is None else DRAFT
-            draft_args = ["--drafter", "eagle", "--draft-head", str(args.head)] if flags is None else flags
+            draft_args = ["--quantize", "int8", "--drafter", "eagle", "--draft-head", str(args.head)]
             services[name] = stack.enter_context(
                 local_stack(
                     draft_model,
@@ -88,7 +104,7 @@ def run(args) -> dict:
                     target_dtype="float32",
                     device="cpu",
                     threads=0,
-                    draft_args=["--quantize", "int8", *draft_args],
+                    draft_args=draft_args if flags is None else flags,
                     target_args=["--quantize", "int8"],
                     cwd=ROOT,
                 )
@@ -97,11 +113,10 @@ def run(args) -> dict:
             stubs[name] = coordinator_pb2_grpc.CoordinatorStub(channel)
             generate(stubs[name], "Say hi.", None, 0.0, 0, 4)  # warm-up
         infos = {name: model_infos(services[name]["draft"], services[name]["target"]) for name in SYSTEMS}
-        runs = [("target-only", "baseline", 0), ("0.5B draft", "baseline", None), ("eagle head", "eagle", None)]
         for repeat in range(args.repeats):
             for temperature in args.temperatures:
                 for index, prompt in enumerate(prompts()):
-                    order = runs if repeat % 2 == 0 else list(reversed(runs))
+                    order = RUNS if repeat % 2 == 0 else list(reversed(RUNS))
                     for label, system, k in order:
                         sample = generate(
                             stubs[system], prompt["text"], k, temperature, 1000 * repeat + index, args.max_new_tokens
@@ -132,8 +147,9 @@ def run(args) -> dict:
 
 
 def summarise(results: dict) -> dict:
-    """Per kind and temperature: each run's tok/s over target-only's (geometric mean over the
-    repeats), the head's over the 0.5B draft's, and mean accepted tokens per drafted round."""
+    """Per kind and temperature: each drafter's tok/s over target-only's (geometric mean over
+    the repeats), the head's over the 0.5B draft's and over the hybrid's (`make run`'s
+    defaults, issue 68's comparison), and each drafter's mean accepted tokens per drafted round."""
     out = {}
     samples = results["samples"]
     for kind in KINDS:
@@ -141,14 +157,16 @@ def summarise(results: dict) -> dict:
             rows = [s for s in samples if s["kind"] == kind and s["temperature"] == temperature]
             if not rows:
                 continue
-            out[f"{kind} T={temperature}"] = {
-                "0.5B draft / target-only": _ratio(rows, "0.5B draft", "target-only"),
-                "head / target-only": _ratio(rows, "eagle head", "target-only"),
-                "head / 0.5B draft": _ratio(rows, "eagle head", "0.5B draft"),
-                "accepted per drafted round, head": _accepted(rows, "eagle head"),
-                "accepted per drafted round, 0.5B": _accepted(rows, "0.5B draft"),
-                "greedy identical": temperature == 0 and len({tuple(s["token_ids"]) for s in rows}) == 1,
+            ran = [label for label, *_ in RUNS[1:] if any(s["run"] == label for s in rows)]
+            row: dict[str, float | bool] = {
+                f"{label} / target-only": _ratio(rows, label, "target-only") for label in ran
             }
+            for base in ("0.5B draft", "hybrid"):
+                if base in ran and "eagle head" in ran:
+                    row[f"head / {base}"] = _ratio(rows, "eagle head", base)
+            row.update({f"accepted per drafted round, {label}": _accepted(rows, label) for label in ran})
+            row["greedy identical"] = temperature == 0 and len({tuple(s["token_ids"]) for s in rows}) == 1
+            out[f"{kind} T={temperature}"] = row
     return out
 
 
