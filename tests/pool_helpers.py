@@ -172,16 +172,30 @@ class DnsServer:
         self.aaaa: list[str] = []
         self.srv: dict[str, list[tuple[int, int, str]]] = {}
         self.queries: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._udp.bind(("127.0.0.1", 0))
+        self._udp, self._tcp = self._bind_both()
         self.port = self._udp.getsockname()[1]
-        self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._tcp.bind(("127.0.0.1", self.port))
-        self._tcp.listen()
         for sock in (self._udp, self._tcp):
             sock.settimeout(0.2)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=serve, daemon=True) for serve in (self._serve_udp, self._serve_tcp)]
+
+    @staticmethod
+    def _bind_both() -> tuple[socket.socket, socket.socket]:
+        """A UDP and a TCP socket on one free port. The port the kernel gives the UDP socket can
+        be in use over TCP (another test's service or connection), so another is tried."""
+        for _ in range(50):
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind(("127.0.0.1", 0))
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+            except OSError:
+                udp.close()
+                tcp.close()
+                continue
+            tcp.listen()
+            return udp, tcp
+        raise RuntimeError("no port free over both UDP and TCP in 50 tries")
 
     def __enter__(self) -> DnsServer:
         for thread in self._threads:
