@@ -20,7 +20,7 @@ from coordinator.metrics import GenerationStats
 from coordinator.requests import CHAT_ROLES, GenerationRequest
 from specdec.engine.tokens import token_bytes
 from specdec.errors import shown, status_of
-from specdec.sampling.probs import MAX_TOP_LOGPROBS
+from specdec.sampling.logprobs import MAX_TOP_LOGPROBS
 from specdec.sampling.relaxed import AcceptanceMode
 from specdec.v1.common_pb2 import TokenLogprobs
 

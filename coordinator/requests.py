@@ -16,7 +16,8 @@ from coordinator.config import FALLBACK_K, CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
-from specdec.sampling.probs import SamplingParams, check_logit_bias, check_penalties, check_top_logprobs
+from specdec.sampling.logprobs import check_top_logprobs
+from specdec.sampling.probs import SamplingParams, check_logit_bias, check_penalties
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 from specdec.v1 import common_pb2

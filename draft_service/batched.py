@@ -22,8 +22,9 @@ from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
 from specdec.engine.rows import MAX_ROWS
 from specdec.errors import SpecDecError
-from specdec.sampling.probs import fetch, logits_to_probs, one_hot_argmax, sample
+from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_argmax, sample, support_of, top_k_parts
 from specdec.sampling.together import together_pays
+from specdec.sampling.transfer import fetch
 
 if TYPE_CHECKING:
     from draft_service.stepping import DraftStepper, _Drafting
@@ -222,9 +223,9 @@ def step_all(
     """`DraftStepper._step` for each (index, drafting, logits [N]) of one pass. Rows drawn the same way
     are drawn together, a few tensor ops for the whole pass instead of a few per row: those
     that take their argmax (greedy, or a guessed first token), and sampled rows with the
-    same settings (each with its own generator's next draw, as alone). A row with a vocab
-    limit or the draft's own top-k runs alone; a row whose step fails gets its exception
-    in `results` alone."""
+    same settings (each with its own generator's next draw, as alone, cut to the draft's own
+    top-k row by row). A row with a vocab limit runs alone; a row whose step fails gets its
+    exception in `results` alone."""
     groups: dict[object, list[tuple[int, _Drafting, torch.Tensor]]] = {}
     for item in stepped:
         drafting = item[1]
@@ -233,7 +234,7 @@ def step_all(
             pass
         elif drafting.deterministic or drafting.guessing:
             key = ARGMAX
-        elif runner.proposal_top_k <= 0:
+        else:
             key = drafting.call.params
         groups.setdefault(key, []).append(item)
     for key, items in groups.items():
@@ -258,29 +259,43 @@ def step_together(
     is NaN or infinite, so that each row's own check names the bad one."""
     logits = torch.stack([row_logits for _, _, row_logits in items])  # [B, N]
     total = logits.sum()  # [] finite unless some logit is not
+    generators = [drafting.generator for _, drafting, _ in items]
+    states = [] if argmax else [generator.bit_generator.state for generator in generators]  # put back on a NaN
+    parts: torch.Tensor | None = None
     if argmax:
         heads = logits.argmax(dim=-1)  # [B]
         head_probs = one_hot_argmax(logits)  # [B, N]
         belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
     else:
-        if not math.isfinite(float(total)):  # before any generator draws
-            return False
-        head_probs = belief = logits_to_probs(logits, items[0][1].call.params)  # [B, N]
-        heads = sample(head_probs, [drafting.generator for _, drafting, _ in items])  # [B]
+        params = items[0][1].call.params
+        head_probs, parts = top_k_parts(logits_to_probs(logits, params), runner.proposal_top_k)  # [B, N], [B, 2k + 1]
+        belief = head_probs
+        heads = sample(head_probs, generators)  # [B]
     count = max(drafting.call.runner_ups for _, drafting, _ in items)
     top = belief.topk(min(count + 1, belief.shape[-1]), dim=-1)  # [B, count + 1]
-    # What the host needs, in one transfer from the device (probs.fetch).
-    finite, rows, drawn, top_ids, top_probs = fetch(
-        total, heads, belief.gather(1, heads[:, None])[:, 0], top.indices, top.values
+    # What the host needs, in one transfer from the device (transfer.fetch).
+    finite, rows, drawn, top_ids, top_probs, *row_parts = fetch(
+        total,
+        heads,
+        belief.gather(1, heads[:, None])[:, 0],
+        top.indices,
+        top.values,
+        *(() if parts is None else (parts,)),
     )
     if not math.isfinite(finite[0]):
+        for generator, state in zip(generators, states):
+            generator.bit_generator.state = state
         return False
-    width = top.indices.shape[1]
+    width, span = top.indices.shape[1], 0 if parts is None else parts.shape[1]
     for b, ((_, drafting, _), row) in enumerate(zip(items, map(int, rows))):
         ids, probs = [int(i) for i in top_ids[b * width : (b + 1) * width]], top_probs[b * width : (b + 1) * width]
         runner_ups = runner._others(ids, probs, row, drafting.call.runner_ups)
-        # The support a sampled call sends: a guess's one id; a draw's unknown (no top-k).
-        support = None if drafting.deterministic or not argmax else torch.tensor([row])
+        # The entries a sampled call sends: a guess's one id, a draw's top k (unknown without one).
+        support: RowSupport | None = None
+        if argmax and not drafting.deterministic:
+            support = RowSupport.one_hot(row)
+        elif parts is not None:
+            support = support_of(row_parts[0][b * span : (b + 1) * span])
         runner._take(drafting, row, drawn[b], runner_ups, head_probs[b], support, batch_size)
     return True
 

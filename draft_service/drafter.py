@@ -12,7 +12,7 @@ import torch
 from specdec.engine.calls import ModelDescription
 from specdec.engine.sessions import SessionStore
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import SamplingParams
+from specdec.sampling.probs import RowSupport, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Proposal:
     batch_size: int = 1  # most sessions that shared one of its forward passes
     # Per row, the ids of exactly its non-zero entries when the drafter knows them without a
     # scan (top-k truncation); None rows, or no list, are found by the wire encoder.
-    supports: list[torch.Tensor | None] | None = None
+    supports: list[RowSupport | None] | None = None
     copied: bool = False  # copied by prompt lookup (one-hot rows, no forward pass)
     parents: list[int] = field(default_factory=list)  # [K']: a token tree's parent nodes; empty: a chain
 

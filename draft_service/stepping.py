@@ -24,7 +24,8 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.sampling.probs import fetch, logits_to_probs, one_hot_at, sample, support_of, top_k_parts
+from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_at, sample, support_of, top_k_parts
+from specdec.sampling.transfer import fetch, to_device
 
 PROPOSAL_MODES = ("sample", "greedy")
 # The service's top-k: sampled rows ship sparse, 2 KiB a token, not 0.6 MB dense (bench.draft_truncation: its cost).
@@ -44,7 +45,7 @@ class _Drafting:
     limit: int  # the drafts it may make: num_tokens, fewer where the KV budget holds fewer (_room)
     token_ids: list[int] = field(default_factory=list)  # [k]
     rows: list[torch.Tensor] = field(default_factory=list)  # k × [V]
-    supports: list[torch.Tensor | None] = field(default_factory=list)  # k × ([nnz] token ids, or None)
+    supports: list[RowSupport | None] = field(default_factory=list)  # k × (its non-zero entries, or None)
     runner_up_ids: list[int] = field(default_factory=list)
     runner_up_probs: list[float] = field(default_factory=list)
     processed: int = 0
@@ -120,6 +121,7 @@ class DraftStepper(ModelRunner):
             raise ValueError("a bridged draft's output head must be cut to the shared tokens (bridge.draft_ids)")
         # What each head row proposes, in the caller's ids: [N], or None (row i proposes id i).
         self.head_caller_ids = self.head_ids if bridge is None else bridge.caller_ids.to(loaded.device)
+        self._host_caller_ids = None if self.head_caller_ids is None else self.head_caller_ids.cpu()  # for supports
         self.stopped_proposals = 0  # calls cut short because the caller cancelled
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}; got {proposal_mode!r}")
@@ -227,9 +229,11 @@ class DraftStepper(ModelRunner):
         """The id a head row proposes, as the caller names it."""
         return head_row if self.head_caller_ids is None else int(self.head_caller_ids[head_row])
 
-    def _caller_support(self, support: torch.Tensor | None) -> torch.Tensor | None:
-        """A row's non-zero head rows ([n], or None: unknown) as the caller's ids."""
-        return support if support is None or self.head_caller_ids is None else self.head_caller_ids[support]
+    def _caller_support(self, support: RowSupport | None) -> RowSupport | None:
+        """A row's non-zero entries over head rows (or None: unknown) over the caller's ids."""
+        if support is None or self._host_caller_ids is None:
+            return support
+        return RowSupport(self._host_caller_ids[support.ids], support.values)
 
     def _caller_length(self, session: KVSession) -> int:
         """The session's sequence length as its caller counts it (proposals included)."""
@@ -322,9 +326,9 @@ class DraftStepper(ModelRunner):
         if not math.isfinite(fetched[0][0]):
             self.check_logits(checked, drafting.call.session_id)
         chosen = int(fetched[1][0])
-        support: torch.Tensor | None  # the ids the shipped row is non-zero at, where known
+        support: RowSupport | None  # the shipped row's non-zero entries, where known
         if drafting.deterministic or guess:
-            support = torch.tensor([chosen])  # [1] the one-hot row's only id
+            support = RowSupport.one_hot(chosen)
         else:
             support = None if parts is None else support_of(fetched[5])
         runner_ups = self._others([int(i) for i in fetched[3]], fetched[4], chosen, drafting.call.runner_ups)
@@ -337,7 +341,7 @@ class DraftStepper(ModelRunner):
         drawn_prob: float,
         runner_ups: list[tuple[int, float]],
         head_probs: torch.Tensor,
-        support: torch.Tensor | None,
+        support: RowSupport | None,
         batch_size: int,
     ) -> None:
         """Records head row `row` as the next proposal: `drawn_prob` is the draft's probability
@@ -380,16 +384,17 @@ class DraftStepper(ModelRunner):
         )
 
     def _below(self, logits: torch.Tensor, limit: int) -> torch.Tensor:
-        """logits: [N] with the rows of ids >= `limit` masked: the draft's distribution gives
-        them probability 0, and that distribution is what it samples from and sends."""
-        ids = self.head_caller_ids
-        ids = torch.arange(logits.shape[-1], device=logits.device) if ids is None else ids
-        outside = ids >= limit  # [N] (the caller's ids: the limit is its vocabulary's)
-        if not bool(outside.any()):
+        """logits: [..., N] with the rows of ids >= `limit` masked: the draft's distribution gives
+        them probability 0, and that distribution is what it samples from and sends. Which rows
+        those are is decided on the host (the caller's ids: the limit is its vocabulary's)."""
+        ids, width = self._host_caller_ids, logits.shape[-1]
+        host = torch.arange(width) >= limit if ids is None else ids >= limit  # [N]
+        if not bool(host.any()):
             return logits
-        if bool(outside.all()):
+        if bool(host.all()):
             raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
-        return logits.masked_fill(outside, float("-inf"))
+        outside = to_device(host, logits.device)
+        return logits.masked_fill(outside, float("-inf"))  # [..., N]
 
     def _others(self, top_ids: list[int], top_probs: list[float], row: int, count: int) -> list[tuple[int, float]]:
         """The first `count` of a row's top head rows (best first, one more than `count`) that are

@@ -5,14 +5,17 @@ was drawn from, so the target verifies the whole tree exactly (specdec.sampling.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.calls import check_trees
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import logits_to_probs, sample, top_k_with_support
+from specdec.sampling.probs import RowSupport, logits_to_probs, sample, support_of, top_k_parts
+from specdec.sampling.transfer import fetch
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 
 if TYPE_CHECKING:
@@ -41,25 +44,20 @@ def propose_tree(runner: DraftStepper, call: ProposeCall) -> Proposal:
     proposed: list[int] = []  # the caller's
     parents: list[int] = []
     rows: list[torch.Tensor] = []  # per node, the distribution it was drawn from: [V]
-    supports: list[torch.Tensor | None] = []
+    supports: list[RowSupport | None] = []
     for depth, width in enumerate(widths):
         first = len(token_ids) + 1
-        for node, logits in frontier:
-            runner.check_logits(logits, call.session_id)
-            if call.vocab_limit:
-                logits = runner._below(logits, call.vocab_limit)
-            if deterministic:  # the top tokens by logit (the softmax keeps the order), as many as it may propose
-                chosen = logits.topk(min(width, int(torch.isfinite(logits).sum()))).indices.tolist()
-            else:
-                head_probs, support = top_k_with_support(logits_to_probs(logits, call.params), runner.proposal_top_k)
-                chosen = sample(head_probs.expand(width, -1), generator).tolist()  # i.i.d.
-                row = runner._over_vocab(head_probs)  # [V]
-                mapped = runner._caller_support(support)
+        level = draw_level(
+            runner, call, torch.stack([logits for _, logits in frontier]), width, deterministic, generator
+        )
+        for (node, _), (chosen, head_probs, support) in zip(frontier, level):
+            row = None if head_probs is None else runner._over_vocab(head_probs)  # [V]
+            mapped = runner._caller_support(support)
             for head_row in chosen:
                 token_ids.append(runner._model_id(head_row))
                 proposed.append(runner._caller_id(head_row))
                 parents.append(node)
-                if not deterministic:
+                if row is not None:
                     rows.append(row)
                     supports.append(mapped)
         if depth + 1 < len(widths):  # the last level's nodes have no children to draw
@@ -76,6 +74,48 @@ def propose_tree(runner: DraftStepper, call: ProposeCall) -> Proposal:
         supports=None if deterministic else supports,
         parents=parents,
     )
+
+
+def draw_level(
+    runner: DraftStepper,
+    call: ProposeCall,
+    logits: torch.Tensor,  # [F, N_head]: each node of the level's frontier
+    width: int,
+    deterministic: bool,
+    generator: np.random.Generator,
+) -> list[tuple[list[int], torch.Tensor | None, RowSupport | None]]:
+    """Each frontier node's `width` children (head rows), with the row they were drawn from
+    ([N_head], None when deterministic) and its entries: the level's draws cross from the
+    device in one transfer. Deterministic, a node's top tokens by logit (the softmax keeps the
+    order), only finite ones; sampled, i.i.d. draws from its distribution, node after node from
+    the call's generator."""
+    checked = logits
+    if call.vocab_limit:
+        logits = runner._below(logits, call.vocab_limit)
+    if deterministic:
+        top = logits.topk(min(width, logits.shape[-1]), dim=-1)  # [F, w]
+        total, ids, finite = fetch(checked.sum(), top.indices, torch.isfinite(top.values))
+        if not math.isfinite(total[0]):
+            runner.check_logits(checked, call.session_id)
+        count = top.indices.shape[1]
+        return [
+            ([int(i) for i, kept in zip(ids[f * count : (f + 1) * count], finite[f * count :]) if kept], None, None)
+            for f in range(logits.shape[0])
+        ]
+    head_probs, parts = top_k_parts(logits_to_probs(logits, call.params), runner.proposal_top_k)  # [F, N], [F, 2k + 1]
+    draws = sample(head_probs.repeat_interleave(width, dim=0), generator)  # [F * width]: i.i.d. per node
+    total, drawn, *fetched = fetch(checked.sum(), draws, *(() if parts is None else (parts,)))
+    if not math.isfinite(total[0]):
+        runner.check_logits(checked, call.session_id)
+    span = 0 if parts is None else parts.shape[1]
+    return [
+        (
+            [int(i) for i in drawn[f * width : (f + 1) * width]],
+            head_probs[f],
+            support_of(fetched[0][f * span : (f + 1) * span]) if fetched else None,
+        )
+        for f in range(logits.shape[0])
+    ]
 
 
 def check_tree_widths(call: ProposeCall, max_speculative_tokens: int) -> tuple[int, ...]:

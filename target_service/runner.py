@@ -3,104 +3,34 @@ coordinator needs for exact rejection sampling; concurrent sessions can share th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specdec.engine.batching import batch_groups, call_waves, start_each, untraced_if_refused
 from specdec.engine.calls import Stopwatch, check_trees
 from specdec.engine.features import FeatureTap, check_feature_layers, decoder_parts
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import (
-    PositionLogprobs,
-    SamplingParams,
-    SparseRows,
-    VerifyOutputs,
-    argmax_outputs,
-    biased,
-    fetch,
-    fetched_outputs,
-    logits_to_probs,
-    penalized,
-    position_logprobs,
-    rows_on,
-    to_device,
-    verify_draws,
-)
-from specdec.sampling.relaxed import RelaxedAcceptance, relaxed_verdicts
+from specdec.sampling.probs import SamplingParams, rows_on
 from specdec.sampling.together import together_pays, verify_outputs_together
-from specdec.sampling.tree_sampling import MAX_TREE_NODES, TreeVerifyOutputs, ancestors, tree_verify_outputs
+from specdec.sampling.tree_sampling import MAX_TREE_NODES, ancestors
+from target_service.verification import (
+    Admitted,
+    Verification,
+    VerifyCall,
+    conclude_chain,
+    conclude_tree,
+    needs_draft_probs,
+    next_step,
+)
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class VerifyCall:
-    """One Verify request, runner-side."""
-
-    session_id: str
-    keep_tokens: int
-    new_tokens: list[int]
-    draft_token_ids: list[int]  # [K]
-    # [K, V] float32 (CPU) or its entries, from specdec.rpc.wire.decode_distributions; unused on the greedy fast path
-    draft_probs: torch.Tensor | SparseRows
-    params: SamplingParams
-    seed: int
-    return_distributions: bool = False
-    parents: tuple[int, ...] = ()  # [K]: a token tree (specdec.sampling.tree_sampling numbering); empty: a chain
-    cache_namespace: str = ""  # the prefix cache namespace a new session starts in (VerifyRequest)
-    relaxed: RelaxedAcceptance | None = None  # VerifyRequest.relaxed: also test each draft (lossy); None exact
-    top_logprobs: int | None = None  # VerifyRequest.return_logprobs: its top_logprobs; None: no logprobs
-    output_start: int = 0  # VerifyRequest.output_start: where the generated tokens begin (penalties)
-    feature_layers: tuple[int, ...] = ()  # VerifyRequest.feature_layers: hidden states to return; empty: none
-
-
-@dataclass(frozen=True)
-class Verification:
-    draft_token_target_probs: list[float]  # [K]; a tree's: r(d_i) after the node's earlier siblings
-    recovered_token_ids: list[int]  # [K]; a tree's: [K + 1], per node (root first) the token after it
-    bonus_token_id: int
-    target_probs: torch.Tensor | None  # [K + 1, V] when asked for
-    processed_tokens: int
-    sequence_length: int
-    compute_ms: float  # in a batch, the shared pass counts in full for every call in it
-    batch_size: int = 1  # sessions that shared the forward pass
-    relaxed_accepts: list[bool] = field(default_factory=list)  # [K] with VerifyCall.relaxed; empty otherwise
-    logprobs: PositionLogprobs | None = None  # with VerifyCall.top_logprobs
-    # With VerifyCall.feature_layers: [processed_tokens, F], the hidden features of each position
-    # the call ran (the last processed_tokens of the sequence), in the model's dtype.
-    features: torch.Tensor | None = None
-
-
-@dataclass
-class _Admitted:
-    """A call whose checks passed and whose session holds its tokens; the pass is next."""
-
-    call: VerifyCall
-    session: KVSession
-    pending: list[int]  # tokens the cache has not seen: [N]
-    clock: Stopwatch
-    features: torch.Tensor | None = None  # [N, F] once the pass ran, with VerifyCall.feature_layers
-
-
-def next_step(first: VerifyCall, last: Verification, seed: int) -> VerifyCall:
-    """A target-only step after `last` (VerifyRequest.step_seeds): `first` feeding the token
-    `last` drew, drawing the next with `seed`."""
-    return dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed)
-
-
 class TargetRunner(ModelRunner):
-    @staticmethod
-    def needs_draft_probs(params: SamplingParams, return_distributions: bool) -> bool:
-        """False on the greedy fast path, which only compares draft tokens with the argmax;
-        callers then need not densify [K, V] draft distributions."""
-        return not params.greedy or return_distributions
+    needs_draft_probs = staticmethod(needs_draft_probs)
 
     def verify_one(self, call: VerifyCall) -> Verification:
         """One session's round, in a forward pass of its own (two when it carries a prefill)."""
@@ -145,7 +75,7 @@ class TargetRunner(ModelRunner):
             steps.append(last)
         return steps
 
-    def _forward_round(self, admitted: _Admitted) -> torch.Tensor:
+    def _forward_round(self, admitted: Admitted) -> torch.Tensor:
         if admitted.call.parents:
             return self._forward_tree_round(admitted)
         if not admitted.call.feature_layers:
@@ -156,7 +86,7 @@ class TargetRunner(ModelRunner):
         admitted.features = tap.rows().to(self.model.dtype)  # [N, F]
         return logits
 
-    def _forward_tree_round(self, admitted: _Admitted) -> torch.Tensor:
+    def _forward_tree_round(self, admitted: Admitted) -> torch.Tensor:
         """Logits [N + 1, V] of the last committed token (the root) and the N tree nodes, in
         one pass with a tree mask (specdec.engine.tree_pass); committed tokens before the root run
         first, as in a chain round. The nodes stay cached behind the committed sequence until
@@ -166,7 +96,7 @@ class TargetRunner(ModelRunner):
             self.forward(admitted.session, pending[:-1], logits_to_keep=1)
         return self.forward_tree(admitted.session, pending[-1:], call.draft_token_ids, list(call.parents))
 
-    def _forward_chain_round(self, admitted: _Admitted) -> torch.Tensor:
+    def _forward_chain_round(self, admitted: Admitted) -> torch.Tensor:
         """Logits [K + 1, V] of the last committed token and the K drafts.
 
         Committed tokens before those (a prompt, a re-prefill) run first in a pass of their
@@ -214,7 +144,7 @@ class TargetRunner(ModelRunner):
         return [untraced_if_refused(result) for result in results]  # type: ignore[misc]
 
     def _verify_group(
-        self, members: list[tuple[int, _Admitted]], trees: bool, results: list[Verification | Exception | None]
+        self, members: list[tuple[int, Admitted]], trees: bool, results: list[Verification | Exception | None]
     ) -> None:
         """One pass for `members` (alone: exactly as verify_one); each result or error into `results`."""
         if len(members) == 1:
@@ -244,12 +174,12 @@ class TargetRunner(ModelRunner):
                 results[index] = exc
 
     def _conclude_together(
-        self, members: list[tuple[int, _Admitted]], outputs: list[torch.Tensor | Exception]
+        self, members: list[tuple[int, Admitted]], outputs: list[torch.Tensor | Exception]
     ) -> dict[int, Verification]:
         """The chains of one pass with the same settings, concluded together where it pays (specdec.sampling.
         together). Calls with penalties, relaxed acceptance, logprobs, distributions or features to return,
         and a group that fails together (a NaN: each call's check names it), are concluded alone."""
-        groups: dict[SamplingParams, list[tuple[int, _Admitted, torch.Tensor]]] = {}
+        groups: dict[SamplingParams, list[tuple[int, Admitted, torch.Tensor]]] = {}
         for (index, item), logits in zip(members, outputs):
             call = item.call
             alone = call.parents or call.params.penalizes or call.relaxed is not None or call.return_distributions
@@ -271,10 +201,16 @@ class TargetRunner(ModelRunner):
                 logger.warning("%d calls of one pass drawn alone: together failed", len(calls), exc_info=True)
                 drawn = None
             for (index, item, _), outputs_of_call in zip(group, drawn or ()):
-                concluded[index] = self._verification(item, outputs_of_call, len(members), None)
+                concluded[index] = item.verification(
+                    len(members),
+                    draft_token_target_probs=outputs_of_call.draft_token_target_probs.tolist(),
+                    recovered_token_ids=outputs_of_call.recovered_token_ids.tolist(),
+                    bonus_token_id=outputs_of_call.bonus_token_id,
+                    target_probs=None,
+                )
         return concluded
 
-    def _admit(self, call: VerifyCall) -> _Admitted:
+    def _admit(self, call: VerifyCall) -> Admitted:
         """Checks the call, then rolls its session back to `keep_tokens` and appends its tokens."""
         num_draft = len(call.draft_token_ids)
         depth = num_draft
@@ -305,7 +241,7 @@ class TargetRunner(ModelRunner):
                 f"logit_bias names token {call.params.logit_bias[-1][0]}; the vocabulary has "
                 f"{self.loaded.vocab_size} ids"
             )
-        if not self._greedy_fast_path(call) and call.draft_probs.shape != (num_draft, self.loaded.vocab_size):
+        if not call.greedy_fast_path and call.draft_probs.shape != (num_draft, self.loaded.vocab_size):
             raise InvalidArgument(
                 f"draft distributions have shape {tuple(call.draft_probs.shape)}; expected ({num_draft}, "
                 f"{self.loaded.vocab_size})"
@@ -322,7 +258,7 @@ class TargetRunner(ModelRunner):
             pending = self.sessions.extend(
                 session, call.keep_tokens, call.new_tokens + call.draft_token_ids, scored=num_draft + 1
             )
-        return _Admitted(call, session, pending, clock)
+        return Admitted(call, session, pending, clock)
 
     @staticmethod
     def _check_tree(call: VerifyCall) -> int:
@@ -338,113 +274,10 @@ class TargetRunner(ModelRunner):
         except ValueError as exc:
             raise InvalidArgument(f"draft_parents: {exc}") from None
 
-    def _greedy_fast_path(self, call: VerifyCall) -> bool:
-        return not self.needs_draft_probs(call.params, call.return_distributions)
-
-    def _conclude(self, admitted: _Admitted, logits: torch.Tensor, batch_size: int) -> Verification:
-        """The round's outputs from the K + 1 positions that predict a draft token or the bonus.
-
-        logits: [K + 1, V]
-        """
-        call = admitted.call
-        num_draft = len(call.draft_token_ids)
-        draft_ids = torch.tensor(call.draft_token_ids, dtype=torch.int64)  # [K]
-        if call.parents:
-            return self._conclude_tree(admitted, logits, draft_ids, batch_size)
-        # [K + 1, V]: the logits the distribution is of: logit_bias, then penalties, as
-        # transformers orders its SequenceBias and RepetitionPenalty processors.
-        scored = biased(logits, call.params)
-        if call.params.penalizes:
-            tokens = admitted.session.tokens
-            history = tokens[: len(tokens) - num_draft]
-            scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
-        # Drawn on the model's device, the outputs cross in one transfer with the logits' sum for
-        # the finiteness check (the uniforms come from the seed's stream on the host; a NaN row
-        # still draws ids in range, and then fails the call).
-        if self._greedy_fast_path(call):
-            finite, heads = fetch(logits.sum(), scored.argmax(dim=-1))  # [1], [K + 1]
-            outputs, target_probs = argmax_outputs(torch.tensor(heads, dtype=torch.int64), draft_ids), None
-        else:
-            device, target_probs = scored.device, logits_to_probs(scored, call.params)  # [K + 1, V]
-            generator = np.random.default_rng(call.seed)
-            drawn = verify_draws(
-                target_probs, rows_on(call.draft_probs, device), to_device(draft_ids, device), generator
-            )
-            finite, probs, recovered, bonus = fetch(logits.sum(), *drawn)
-            outputs = fetched_outputs(probs, recovered, bonus[0])
-            target_probs = target_probs.cpu() if call.return_distributions else None
-        self.check_logits(logits, call.session_id, finite[0])
-        return self._verification(
-            admitted,
-            outputs,
-            batch_size,
-            target_probs if call.return_distributions else None,
-            relaxed_accepts=[]
-            if call.relaxed is None
-            else relaxed_verdicts(call.relaxed, call.params, scored, draft_ids, outputs.draft_token_target_probs),
-            logprobs=None
-            if call.top_logprobs is None
-            else position_logprobs(
-                logits,
-                torch.arange(num_draft),
-                draft_ids,
-                torch.tensor([*outputs.recovered_token_ids.tolist(), outputs.bonus_token_id]),
-                call.top_logprobs,
-            ),
-        )
-
-    @staticmethod
-    def _verification(
-        admitted: _Admitted, outputs: VerifyOutputs, batch_size: int, target_probs: torch.Tensor | None, **extra
-    ) -> Verification:
-        """A chain's Verification: its outputs, and what its admission and pass recorded."""
-        return Verification(
-            draft_token_target_probs=outputs.draft_token_target_probs.tolist(),
-            recovered_token_ids=outputs.recovered_token_ids.tolist(),
-            bonus_token_id=outputs.bonus_token_id,
-            target_probs=target_probs,
-            processed_tokens=len(admitted.pending),
-            sequence_length=len(admitted.session.tokens),
-            compute_ms=admitted.clock.ms(),
-            batch_size=batch_size,
-            features=admitted.features,
-            **extra,
-        )
-
-    def _conclude_tree(
-        self, admitted: _Admitted, logits: torch.Tensor, draft_ids: torch.Tensor, batch_size: int
-    ) -> Verification:
-        """A tree round's outputs (specdec.sampling.tree_sampling). logits: [N + 1, V], root first."""
-        call = admitted.call
-        parents = torch.tensor(call.parents, dtype=torch.int64)  # [N]
-        scored, target_probs = biased(logits, call.params), None  # [N + 1, V]
-        if self._greedy_fast_path(call):
-            # A one-hot target: a node is accepted iff it is its parent's argmax, and every
-            # residual of a one-hot is one-hot at the same argmax.
-            finite, heads = fetch(logits.sum(), scored.argmax(dim=-1))  # [1], [N + 1]: one wait
-            argmax = torch.tensor(heads, dtype=torch.int64)  # [N + 1]
-            outputs = TreeVerifyOutputs((draft_ids == argmax[parents]).float(), argmax)
-        else:  # drawn on the model's device, fetched with the sum: one wait
-            probs, generator = logits_to_probs(scored, call.params), np.random.default_rng(call.seed)  # [N + 1, V]
-            drawn = tree_verify_outputs(probs, call.draft_probs, draft_ids, call.parents, generator)
-            finite, node_probs, next_ids = fetch(logits.sum(), drawn.node_target_probs, drawn.next_token_ids)
-            outputs = TreeVerifyOutputs(
-                torch.tensor(node_probs, dtype=torch.float32), torch.tensor(next_ids, dtype=torch.int64)
-            )
-            target_probs = probs.cpu() if call.return_distributions else None
-        self.check_logits(logits, call.session_id, finite[0])
-        return Verification(
-            draft_token_target_probs=outputs.node_target_probs.tolist(),
-            recovered_token_ids=outputs.next_token_ids.tolist(),
-            bonus_token_id=0,
-            target_probs=target_probs,
-            processed_tokens=len(admitted.pending) + len(call.draft_token_ids),
-            sequence_length=len(admitted.session.tokens),
-            compute_ms=admitted.clock.ms(),
-            batch_size=batch_size,
-            logprobs=None
-            if call.top_logprobs is None
-            else position_logprobs(
-                logits, parents, draft_ids, outputs.next_token_ids.to(torch.int64), call.top_logprobs
-            ),
-        )
+    def _conclude(self, admitted: Admitted, logits: torch.Tensor, batch_size: int) -> Verification:
+        """The call's Verification from its pass's logits (target_service.verification), after
+        the finiteness check on their sum, which crossed with the outputs."""
+        conclude = conclude_tree if admitted.call.parents else conclude_chain
+        verification, total = conclude(admitted, logits, batch_size)
+        self.check_logits(logits, admitted.call.session_id, total)
+        return verification

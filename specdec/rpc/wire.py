@@ -15,13 +15,13 @@ import torch
 from specdec.engine.calls import ModelDescription
 from specdec.engine.features import FEATURE_DTYPES
 from specdec.errors import InvalidArgument
+from specdec.sampling.logprobs import PositionLogprobs, check_top_logprobs
 from specdec.sampling.probs import (
-    PositionLogprobs,
+    RowSupport,
     SamplingParams,
     SparseRows,
     check_logit_bias,
     check_penalties,
-    check_top_logprobs,
 )
 from specdec.sampling.relaxed import RelaxedAcceptance, check_relaxed
 from specdec.v1 import common_pb2, target_pb2
@@ -43,30 +43,31 @@ def encode_distributions(
     probs: torch.Tensor | None,
     count: int,
     deterministic: bool,
-    supports: list[torch.Tensor | None] | None = None,
+    supports: list[RowSupport | None] | None = None,
 ) -> list[common_pb2.ProposalDistribution]:
     """probs: [count, V], or None when deterministic (one-hot rows need no values). Each row
     travels sparse when at most half its entries are non-zero, dense otherwise. `supports`:
-    per row, the ids of exactly its non-zero entries where the drafter knows them
-    (probs.top_k_with_support), so those rows need no scan."""
+    per row, exactly its non-zero entries where the drafter knows them, on the host
+    (probs.top_k_parts): when every row's are known, the rows themselves are not read
+    (on an accelerator they stay there)."""
     if deterministic:
         return [common_pb2.ProposalDistribution(one_hot=common_pb2.OneHot()) for _ in range(count)]
     if probs is None:
         raise ValueError("a sampled proposal must carry the distributions its tokens were drawn from")
-    rows = probs.detach().to("cpu", torch.float32).numpy()  # [count, V]
     if (
         supports is not None
         and len(supports) == count
         # The scan's rule too: a row with more than this many entries goes dense.
-        and all(ids is not None and len(ids) <= _SPARSE_MAX_FRACTION * rows.shape[1] for ids in supports)
+        and all(row is not None and len(row.ids) <= _SPARSE_MAX_FRACTION * probs.shape[-1] for row in supports)
     ):
         return [
             common_pb2.ProposalDistribution(
-                sparse=common_pb2.SparseProbs(token_ids=ids.tolist(), probs=rows[row, ids.numpy(force=True)].tolist())
+                sparse=common_pb2.SparseProbs(token_ids=row.ids.tolist(), probs=row.values.tolist())
             )
-            for row, ids in enumerate(supports)
-            if ids is not None  # all are: for the type checker
+            for row in supports
+            if row is not None  # all are: for the type checker
         ]
+    rows = probs.detach().to("cpu", torch.float32).numpy()  # [count, V]
     # One scan of the whole [count, V] array counts every row's support; only the rows that go
     # sparse are read out (on Qwen's vocabulary four dense rows took 46 ms through torch's
     # nonzero and a list of every value, 0.7 ms this way, one core of the AMD EPYC).

@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument
+from specdec.sampling.transfer import fetch, to_device
 
 # A residual with less mass than this is treated as empty. It is only sampled after a
 # rejection, which then has probability ~0; falling back to target_probs avoids 0/0 = NaN.
@@ -229,57 +231,55 @@ def truncate_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def top_k_with_support(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`truncate_top_k` of one row, and the ids of its non-zero entries when they are known
-    without scanning the row: the wire encoder would otherwise look for them in all V entries
-    (0.2 ms a row at Qwen's vocabulary on a slow core). Known when no entry outside the top k
-    ties the k-th: then everything outside is masked, and the support is the top k's ids
-    whose value is above zero. None when there is such a tie (more than k entries kept) or no
-    truncation.
+class RowSupport(NamedTuple):
+    """A row's non-zero entries, on the host: what the wire sends of a sparse row, known without
+    reading the row (a [V] row would cross from the device, or be scanned, to find them)."""
 
-    probs: [V] → ([V], [k'] int64 ascending, or None)
-    """
-    kept, parts = top_k_parts(probs, top_k)
-    return kept, None if parts is None else support_of(fetch(parts)[0])
+    ids: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] float32: the row's values at `ids`
+
+    @classmethod
+    def one_hot(cls, token: int) -> RowSupport:
+        """A one-hot row's: probability 1 at `token`."""
+        return cls(torch.tensor([token]), torch.ones(1))
 
 
 def top_k_parts(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`top_k_with_support` without leaving the device: the kept row, and what names its
-    support, for `support_of` once fetched (None: no truncation).
+    """`truncate_top_k` of each row, and what names its non-zero entries without scanning the
+    row, left on the device for `support_of` once fetched with the step's other outputs (None:
+    no truncation). The wire encoder would otherwise look for them in all V entries (0.2 ms a
+    row at Qwen's vocabulary on a slow core), and read the row off the device. They are known
+    when no entry outside the top k ties the k-th: then everything outside is masked, and the
+    support is the top k's ids whose value is above zero.
 
-    probs: [V] → ([V], [2k + 1]: the top k's ids, whether each is above zero, a tie at the k-th)
+    probs: [..., V] → ([..., V], [..., 2k + 1]: the top k's ids, the kept row's value at each,
+    a tie at the k-th), row by row
     """
     if top_k <= 0 or top_k >= probs.shape[-1]:
         return probs, None
-    top = torch.topk(probs, top_k + 1)  # values descending: [k + 1]
-    kth, next_value = top.values[top_k - 1], top.values[top_k]
+    top = torch.topk(probs, top_k + 1)  # values descending: [..., k + 1]
+    kth, next_value = top.values[..., top_k - 1 : top_k], top.values[..., top_k:]  # [..., 1]
     kept = probs.masked_fill(probs < kth, 0.0)
-    kept = kept / kept.sum()
-    ids = top.indices[:top_k]  # [k]
-    tie = (next_value == kth) & (kth > 0)  # [] a tie at the k-th value keeps more than k entries
-    return kept, torch.cat([ids.double(), (kept[ids] > 0).double(), tie.double().reshape(1)])
+    # Each row summed alone: a [B, V] sum splits a row over threads otherwise than a [V] one
+    # once V passes torch's grain (32,768 on CPU), and rounds apart in the last bit.
+    flat = kept.reshape(-1, kept.shape[-1])  # [R, V]
+    kept = kept / torch.stack([row.sum() for row in flat]).view(*kept.shape[:-1], 1)  # [..., V]
+    ids = top.indices[..., :top_k]  # [..., k]
+    tie = (next_value == kth) & (kth > 0)  # [..., 1] a tie at the k-th value keeps more than k entries
+    return kept, torch.cat([ids.double(), kept.gather(-1, ids).double(), tie.double()], dim=-1)
 
 
-def support_of(parts: list[float]) -> torch.Tensor | None:
-    """`top_k_parts`'s parts, fetched: the support's ids ascending [k'], or None on a tie."""
+def support_of(parts: list[float]) -> RowSupport | None:
+    """One row of `top_k_parts`'s parts, fetched (float64, exact for the float32 values): the
+    support, ids ascending [k'], or None on a tie (more than k entries kept)."""
     if parts[-1]:
         return None
     top_k = (len(parts) - 1) // 2
-    ids = sorted(int(token) for token, kept in zip(parts[:top_k], parts[top_k:-1]) if kept)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-def fetch(*tensors: torch.Tensor) -> list[list[float]]:
-    """Small tensors of one device as Python numbers, in one transfer: on an accelerator one
-    wait for the queued work instead of one per `.item()`. Each comes back flattened, as
-    float64, which holds every float32 and every id below 2**53 exactly."""
-    flat = [tensor.reshape(-1).double() for tensor in tensors]
-    values = torch.cat(flat).tolist()
-    out, start = [], 0
-    for tensor in flat:
-        out.append(values[start : start + tensor.numel()])
-        start += tensor.numel()
-    return out
+    entries = sorted((int(token), value) for token, value in zip(parts[:top_k], parts[top_k:-1]) if value > 0)
+    return RowSupport(
+        torch.tensor([token for token, _ in entries], dtype=torch.int64),
+        torch.tensor([value for _, value in entries], dtype=torch.float32),
+    )
 
 
 def sample(probs: torch.Tensor, generator: np.random.Generator | Sequence[np.random.Generator]) -> torch.Tensor:
@@ -339,15 +339,6 @@ class SparseRows:
     shape: tuple[int, int]  # (K, V)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`. To CUDA through pinned memory and without waiting: a copy
-    from pageable memory waits for the work queued before it (the pass), each one a wait."""
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def rows_on(rows: torch.Tensor | SparseRows, device: torch.device | str) -> torch.Tensor:
     """Draft rows [K, V] as a dense tensor on `device`."""
     if isinstance(rows, torch.Tensor):
@@ -402,44 +393,3 @@ def argmax_outputs(argmax: torch.Tensor, draft_token_ids: torch.Tensor) -> Verif
     residual of a one-hot is one-hot at the same argmax. argmax: [K + 1] (CPU), draft_token_ids: [K]."""
     num_draft = draft_token_ids.shape[0]
     return VerifyOutputs((draft_token_ids == argmax[:num_draft]).float(), argmax[:num_draft], int(argmax[num_draft]))
-
-
-MAX_TOP_LOGPROBS = 20  # likeliest tokens a position's log-probabilities may list (OpenAI's bound)
-
-
-def check_top_logprobs(top_logprobs: int, wanted: bool, wanted_name: str = "logprobs") -> int | None:
-    """How many likeliest tokens each position's log-probabilities list, None where none are
-    wanted; InvalidArgument when out of range, or asked for without `wanted_name`."""
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {top_logprobs}", field="top_logprobs"
-        )
-    if top_logprobs and not wanted:
-        raise InvalidArgument(f"top_logprobs needs {wanted_name}", field="top_logprobs")
-    return top_logprobs if wanted else None
-
-
-@dataclass(frozen=True)
-class PositionLogprobs:
-    """Log-probabilities under the raw distribution (log-softmax at temperature 1, before
-    top-k / top-p) of the tokens a verify's positions may emit (common.proto TokenLogprobs)."""
-
-    draft: list[float]  # [K]: each draft token's, at the position that predicts it
-    rows: list[float]  # [R]: each position's own token's (recovered, bonus, a tree node's next)
-    top_ids: list[list[int]]  # [R][n]: the n likeliest tokens at each position, likeliest first
-    top: list[list[float]]  # [R][n]
-
-
-def position_logprobs(
-    logits: torch.Tensor,  # [R, V]: the positions that predict a draft token or the next one
-    draft_rows: torch.Tensor,  # [K] int64: the position predicting each draft token (a tree: its parent)
-    draft_ids: torch.Tensor,  # [K] int64
-    row_ids: torch.Tensor,  # [R] int64: the token each position emits if the round ends there
-    top_n: int,
-) -> PositionLogprobs:
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    rows = torch.arange(logprobs.shape[0], device=logprobs.device)  # [R]
-    draft = logprobs[draft_rows.to(logprobs.device), draft_ids.to(logprobs.device)]  # [K]
-    own = logprobs[rows, row_ids.to(logprobs.device)]  # [R]
-    top, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], rows[:, None][:, :0])  # [R, n]
-    return PositionLogprobs(draft.tolist(), own.tolist(), top_ids.tolist(), top.tolist())

@@ -27,6 +27,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.sampling.probs import MAX_LOGIT_BIAS, SamplingParams
+from specdec.sampling.transfer import to_device
 
 # top_n = 1 accepts only the target's argmax (for greedy, what exact accepts already); past 16
 # the delta alone decides in practice (the 16th token of a distribution within delta of its
@@ -104,18 +105,19 @@ def relaxed_verdicts(
     logits: torch.Tensor,  # [K + 1, V]: after the request's logit_bias and penalties
     draft_token_ids: torch.Tensor,  # [K] int64
     draft_token_target_probs: torch.Tensor,  # [K]: under the request's own distribution
-) -> list[bool]:
+) -> torch.Tensor:
     """The relaxed test of each draft on the raw distribution: softmax of the logits at
     temperature 1, never the request's processed one (one-hot when greedy). The logits carry
     the request's logit_bias and penalties, and a token it bans (-100, OpenAI's ban) is never
     relaxed in, though in float32 the bias leaves it a little mass (about 1e-44). A sampled
     request's draft must also keep mass under the request's own top-k / top-p, so relaxed
-    never emits a token the request's truncation excludes. [K]"""
+    never emits a token the request's truncation excludes. Every tensor on the logits' device;
+    → [K] bool there (the caller fetches it with its outputs)."""
     num_draft = draft_token_ids.shape[0]
     raw_probs = torch.softmax(logits[:num_draft].float(), dim=-1)  # [K, V]
-    passes = relaxed_accepts(raw_probs, draft_token_ids.to(raw_probs.device), relaxed.top_n, relaxed.delta).cpu()
+    passes = relaxed_accepts(raw_probs, draft_token_ids, relaxed.top_n, relaxed.delta)
     if not params.greedy:
-        passes &= draft_token_target_probs.cpu() > 0
+        passes &= draft_token_target_probs > 0
     if banned := [token for token, value in params.logit_bias if value <= -MAX_LOGIT_BIAS]:
-        passes &= ~torch.isin(draft_token_ids.cpu(), torch.tensor(banned))
-    return passes.tolist()
+        passes &= ~torch.isin(draft_token_ids, to_device(torch.tensor(banned), raw_probs.device))
+    return passes

@@ -16,13 +16,12 @@ from specdec.sampling.probs import (
     VerifyOutputs,
     argmax_outputs,
     biased,
-    fetch,
     fetched_outputs,
     logits_to_probs,
     residual_probs,
     sample,
-    to_device,
 )
+from specdec.sampling.transfer import fetch, to_device
 
 # On a CPU, calls are concluded together only while their rows hold at most this many values
 # (`together_pays`).

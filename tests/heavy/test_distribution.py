@@ -21,13 +21,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draft_service import batched, stepping, trees
 from specdec.engine.costs import PassCosts
 from specdec.engine.quantize import quantize_int8
+from specdec.sampling import probs as probs_module
 from specdec.sampling import together as together_module
 from specdec.sampling import tree_sampling
-from specdec.sampling.probs import SamplingParams, biased, logits_to_probs, penalized
+from specdec.sampling.probs import RowSupport, SamplingParams, biased, logits_to_probs, penalized
 from specdec.v1 import coordinator_pb2 as pb
-from target_service import runner as target_runner_module
+from target_service import verification as verification_module
 from tests.stack import inprocess_stack, local_stack
 from tests.stats import MUTANT_P_VALUE, P_VALUE_FLOOR, chi_square_p_value, mutant_p_value
 
@@ -390,7 +392,7 @@ async def test_distribution_test_detects_a_target_that_samples_without_its_logit
     """Mutant for the logit_bias case: the target biases nothing (its argmax and its rows
     alike, alone or with the other calls of its pass), so the banned token comes back and the
     χ² test must fail."""
-    for module in (target_runner_module, together_module):
+    for module in (verification_module, together_module):
         monkeypatch.setattr(module, "biased", lambda logits, params: logits)
     assert await two_token_p_value(word_pair, LOGIT_BIAS) < MUTANT_P_VALUE
 
@@ -399,10 +401,34 @@ async def test_distribution_test_detects_a_target_that_penalises_rows_without_th
     """Mutant for the penalties case: each row is penalised for the sequence before the round
     only, not for the drafts before it, as a target that counted the session's committed tokens
     would; the χ² test must fail."""
-    plain = target_runner_module.penalized
+    plain = verification_module.penalized
     monkeypatch.setattr(
-        target_runner_module,
+        verification_module,
         "penalized",
         lambda logits, params, history, start, drafts=(): plain(logits, params, history, start),
     )
     assert await two_token_p_value(word_pair, PENALTIES) < MUTANT_P_VALUE
+
+
+async def test_distribution_test_detects_a_draft_that_sends_other_entries_than_it_drew_from(word_pair, monkeypatch):
+    """Mutant for the sampled rows' entries, which the wire sends without reading the rows
+    (probs.RowSupport, fetched with each step's token): each row's entries half flattened over
+    its support, still summing to one, so the target takes them and only the χ² test can tell."""
+    plain = probs_module.support_of
+
+    def flattened(parts: list[float]) -> RowSupport | None:
+        support = plain(parts)
+        return support and RowSupport(support.ids, 0.5 * support.values + 0.5 / len(support.ids))
+
+    for module in (stepping, batched, trees):
+        monkeypatch.setattr(module, "support_of", flattened)
+    case = CASES["sparse_draft_top_k"]
+    expected = exact_target_distribution(word_pair.target, case.params, word_pair.vocab_size, list(case.prompt))
+    draft = {**LOCAL_BATCH, **case.draft}
+    async with local_stack(word_pair, draft, target_overrides=LOCAL_BATCH, draft_runner_overrides=case.runner) as stack:
+        p_value, _ = await mutant_p_value(
+            lambda seeds: sample_continuations(stack.stub, case.params, seeds, concurrency=LOCAL_CONCURRENCY),
+            expected,
+            SAMPLES,
+        )
+    assert p_value < MUTANT_P_VALUE

@@ -9,10 +9,11 @@ import grpc
 import pytest
 import torch
 
+from draft_service.batched import step_all
 from draft_service.runner import DraftRunner, ProposeCall
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import load_causal_lm
-from specdec.errors import InvalidArgument, SessionNotFound, SpecDecError
+from specdec.errors import InvalidArgument, ModelOutputError, SessionNotFound, SpecDecError
 from specdec.sampling.probs import SamplingParams
 
 GREEDY = SamplingParams()
@@ -25,11 +26,11 @@ def loaded(tiny_pair):
     return load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
 
 
-def make_runner(loaded, static: bool = False) -> DraftRunner:
+def make_runner(loaded, static: bool = False, top_k: int = 0) -> DraftRunner:
     """`static`: its passes as --cuda-graphs on runs them (on CPU uncaptured): a decode batch
-    then steps every session in its own extent, nothing padded in or split back."""
-    # Full rows (top-k 0): sampled calls alike then draw together in one batched step.
-    runner = DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=0)
+    then steps every session in its own extent, nothing padded in or split back. `top_k`: the
+    draft's own cut of sampled rows (0: full rows, as most tests here compare them)."""
+    runner = DraftRunner(loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, proposal_top_k=top_k)
     if static:
         runner.max_batch_size = 8
         runner.use_static_passes("on")
@@ -60,6 +61,12 @@ def assert_same(batched: list, lone: list) -> None:
         assert got.runner_up_ids == want.runner_up_ids
         torch.testing.assert_close(got.runner_up_probs, want.runner_up_probs, **PROB_TOLERANCE)
         assert got.sequence_length == want.sequence_length and got.processed_tokens == want.processed_tokens
+        for got_row, want_row in zip(got.supports or (), want.supports or (), strict=True):  # the entries sent
+            assert (got_row is None) == (want_row is None)
+            if got_row is None or want_row is None:
+                continue
+            assert torch.equal(got_row.ids, want_row.ids)
+            torch.testing.assert_close(got_row.values, want_row.values, **PROB_TOLERANCE)
 
 
 def assert_same_sessions(left: DraftRunner, right: DraftRunner) -> None:
@@ -71,9 +78,11 @@ def assert_same_sessions(left: DraftRunner, right: DraftRunner) -> None:
             torch.testing.assert_close(la.keys, lb.keys, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("top_k", [0, 16], ids=["full", "top16"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_batched_proposals_equal_lone_ones_over_mixed_pasts_runs_and_k(loaded, params):
-    lone, batched = make_runner(loaded), make_runner(loaded)
+def test_batched_proposals_equal_lone_ones_over_mixed_pasts_runs_and_k(loaded, params, top_k):
+    """Sampled rows cut to the draft's top-k are drawn together too, each row cut alone."""
+    lone, batched = make_runner(loaded, top_k=top_k), make_runner(loaded, top_k=top_k)
     vocab = loaded.vocab_size
     prompts = {f"s{i}": tokens(i, 4 + 5 * i, vocab) for i in range(4)}
     first = [
@@ -532,3 +541,29 @@ def test_an_int8_drafts_batched_proposals_are_bitwise_its_lone_ones(int8_loaded,
     results = batched.propose_batch(second)
     assert_bitwise(results, alone(lone, second))
     assert max(r.batch_size for r in results) >= 3
+
+
+@pytest.mark.parametrize("top_k", [0, 16], ids=["full", "top16"])
+def test_a_nan_row_in_a_sampled_step_leaves_the_other_rows_drawn_as_alone(loaded, top_k):
+    """Rows drawn together are drawn before the one transfer says whether every row is finite;
+    a NaN row puts every generator back and each row steps alone: the finite rows draw what
+    they draw alone, their generators where alone leaves them, and the NaN row fails alone."""
+    vocab, params = loaded.vocab_size, SamplingParams(temperature=0.9)
+    generator = torch.Generator().manual_seed(3)
+    logits = [torch.randn(vocab, generator=generator) * 3 for _ in range(3)]  # [V] each
+    logits[1][7] = float("nan")
+
+    def begun(runner: DraftRunner) -> list:
+        return [runner._begin(ProposeCall(f"nan{i}", 0, tokens(i, 8, vocab), 4, params, seed=10 + i)) for i in range(3)]
+
+    together_runner, lone_runner = make_runner(loaded, top_k=top_k), make_runner(loaded, top_k=top_k)
+    together, lone, results = begun(together_runner), begun(lone_runner), [None] * 3
+    step_all(
+        together_runner, [(i, drafting, row) for i, (drafting, row) in enumerate(zip(together, logits))], 3, results
+    )
+    for i in (0, 2):
+        lone_runner._step(lone[i], logits[i], 1)
+    assert isinstance(results[1], ModelOutputError) and results[0] is None and results[2] is None
+    for i in (0, 2):
+        assert together[i].token_ids == lone[i].token_ids
+        assert together[i].generator.bit_generator.state == lone[i].generator.bit_generator.state

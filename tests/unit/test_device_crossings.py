@@ -11,7 +11,13 @@ import traceback
 import pytest
 import torch
 
+from draft_service.runner import DraftRunner, ProposeCall
+from specdec.engine.batched_pass import DecodeBatch
+from specdec.engine.features import FeatureTap
+from specdec.engine.modeling import load_causal_lm
+from specdec.rpc import wire
 from specdec.sampling.probs import SamplingParams, SparseRows
+from specdec.sampling.relaxed import RelaxedAcceptance
 from target_service.runner import TargetRunner, VerifyCall
 
 CROSSINGS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -45,12 +51,17 @@ def on_device(monkeypatch) -> collections.Counter[str]:
             out = method(*args, **kwargs)
             if isinstance(out, list):
                 return [item.as_subclass(OnDevice) if isinstance(item, torch.Tensor) else item for item in out]
+            if isinstance(out, dict):
+                return {key: item.as_subclass(OnDevice) for key, item in out.items()}
             return out.as_subclass(OnDevice)
 
         return run
 
-    for name in ("forward", "forward_tree", "forward_batch"):
-        monkeypatch.setattr(TargetRunner, name, tagged(getattr(TargetRunner, name)))
+    for runner in (TargetRunner, DraftRunner):
+        for name in ("forward", "forward_tree", "forward_batch"):
+            monkeypatch.setattr(runner, name, tagged(getattr(runner, name)))
+    monkeypatch.setattr(FeatureTap, "rows", tagged(FeatureTap.rows))  # read off the pass by hooks
+    monkeypatch.setattr(DecodeBatch, "step", tagged(DecodeBatch.step))  # a batch of drafts' later steps
     OnDevice.crossed.clear()
     return OnDevice.crossed
 
@@ -92,6 +103,30 @@ def test_a_tree_verify_crosses_once(target_runner, on_device, decoding):
 
 
 @pytest.mark.parametrize("decoding", PARAMS)
+def test_what_a_call_asks_for_beside_its_draws_crosses_with_them(target_runner, on_device, decoding):
+    """The target's rows, log-probabilities, relaxed verdicts and features come in the same
+    transfer as the draws: a chain asking for all of them, and a tree for what a tree may ask."""
+    params, session = PARAMS[decoding], f"cross-extras-{decoding}"
+    asks = dict(return_distributions=True, top_logprobs=3)
+    target_runner.verify_one(VerifyCall(session, 0, list(range(5, 25)), [], rows(target_runner, 0), params, 1))
+    on_device.clear()
+    chain = VerifyCall(
+        session, 20, [40], [41, 42, 43], rows(target_runner, 3), params, 2,
+        relaxed=RelaxedAcceptance(), feature_layers=(0, 1), **asks,
+    )  # fmt: skip
+    done = target_runner.verify_one(chain)
+    assert done.target_probs.shape[0] == 4 and len(done.relaxed_accepts) == 3 and len(done.logprobs.rows) == 4
+    assert done.features.shape[0] == done.processed_tokens and type(done.features) is torch.Tensor
+    assert sum(on_device.values()) == 1, dict(on_device)
+    on_device.clear()
+    tree = VerifyCall(session, 23, [44], [45, 46, 47], rows(target_runner, 3), params, 3, parents=(0, 0, 1), **asks)
+    done = target_runner.verify_one(tree)
+    assert done.target_probs.shape[0] == 4 and len(done.logprobs.top_ids) == 4
+    assert sum(on_device.values()) == 1, dict(on_device)
+    target_runner.end_session(session)
+
+
+@pytest.mark.parametrize("decoding", PARAMS)
 def test_a_batched_verify_crosses_once_for_all_its_calls(target_runner, on_device, decoding):
     params, sessions = PARAMS[decoding], [f"cross-batch-{decoding}-{i}" for i in range(3)]
     for i, session in enumerate(sessions):
@@ -107,6 +142,48 @@ def test_a_batched_verify_crosses_once_for_all_its_calls(target_runner, on_devic
     assert sum(on_device.values()) == 1, dict(on_device)
     for session in sessions:
         target_runner.end_session(session)
+
+
+@pytest.fixture(scope="module")
+def draft_runner(tiny_pair) -> DraftRunner:
+    """The service's own settings: sampled rows cut to their top PROPOSAL_TOP_K, confidence stop off."""
+    return DraftRunner(load_causal_lm(str(tiny_pair.draft), "float32", "cpu"), 8, 60, 8, min_confidence=0.0)
+
+
+@pytest.mark.parametrize("decoding", PARAMS)
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_a_proposal_crosses_once_a_step_rows_and_all(draft_runner, on_device, decoding, batched):
+    """A draft's step crosses once (its token, which the next step's pass needs), and a sampled
+    proposal's rows reach the wire in those crossings: their entries come with each step's
+    token, so the [K, V] rows stay on the device."""
+    params, sessions = PARAMS[decoding], [f"draft-{decoding}-{batched}-{i}" for i in range(2 if batched else 1)]
+    calls = [ProposeCall(session, 0, list(range(5 + i, 25)), 4, params, seed=i) for i, session in enumerate(sessions)]
+    on_device.clear()
+    done = draft_runner.propose_batch(calls) if batched else [draft_runner.propose_one(calls[0])]
+    for proposal in done:
+        assert len(proposal.token_ids) == 4
+        sent = wire.encode_distributions(proposal.probs, 4, proposal.deterministic, proposal.supports)
+        assert all(row.WhichOneof("kind") == ("one_hot" if decoding == "greedy" else "sparse") for row in sent)
+    assert sum(on_device.values()) == 4 * (1 if batched else len(calls)), dict(on_device)
+    for session in sessions:
+        draft_runner.end_session(session)
+
+
+@pytest.mark.parametrize("decoding", PARAMS)
+def test_a_draft_tree_crosses_once_a_level_and_a_vocab_limit_not_at_all(draft_runner, on_device, decoding):
+    """A token tree's level (every frontier node's children, drawn or taken) crosses once; a
+    call whose vocab_limit masks rows decides which on the host."""
+    params, limit = PARAMS[decoding], draft_runner.loaded.vocab_size - 40
+    tree = ProposeCall(f"tree-{decoding}", 0, list(range(5, 25)), 0, params, seed=1, tree_widths=(3, 2, 1))
+    done = draft_runner.propose_one(tree)
+    assert len(done.parents) == 3 + 6 + 6
+    assert sum(on_device.values()) == 3, dict(on_device)
+    on_device.clear()
+    limited = ProposeCall(f"limited-{decoding}", 0, list(range(5, 25)), 4, params, seed=2, vocab_limit=limit)
+    assert all(token < limit for token in draft_runner.propose_one(limited).token_ids)
+    assert sum(on_device.values()) == 4, dict(on_device)
+    for session in (tree.session_id, limited.session_id):
+        draft_runner.end_session(session)
 
 
 def test_the_count_sees_a_crossing(on_device):

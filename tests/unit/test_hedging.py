@@ -174,7 +174,7 @@ def test_a_guessed_first_token_is_the_argmax_and_the_rest_are_drawn_as_usual(dra
     guessed = draft_runner.propose_one(ProposeCall("g", 0, prompt, 4, sampled, 3, guess_first=True))
     assert guessed.token_ids[0] == argmax and not guessed.deterministic
     assert float(guessed.probs[0][argmax]) == 1.0 and float(guessed.probs[0].sum()) == 1.0
-    assert [ids.tolist() for ids in guessed.supports[:1]] == [[argmax]]
+    assert [(row.ids.tolist(), row.values.tolist()) for row in guessed.supports[:1]] == [([argmax], [1.0])]
     after = draft_runner.propose_one(ProposeCall("f", 0, [*prompt, argmax], 3, sampled, 3))
     assert guessed.token_ids[1:] == after.token_ids
     torch.testing.assert_close(guessed.probs[1:], after.probs, atol=1e-5, rtol=1e-4)

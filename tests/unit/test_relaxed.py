@@ -46,9 +46,9 @@ def test_a_token_the_request_bans_is_never_relaxed_in(params):
     widest = RelaxedAcceptance(top_n=16, delta=1.0)
     assert relaxed_accepts(torch.softmax(logits[:1], dim=-1), draft, 16, 1.0).tolist() == [True]
     biased = dataclasses.replace(params, logit_bias=((banned, -100.0),))
-    assert relaxed_verdicts(widest, biased, logits, draft, target_probs) == [False]
+    assert relaxed_verdicts(widest, biased, logits, draft, target_probs).tolist() == [False]
     lowered = dataclasses.replace(params, logit_bias=((banned, -99.0),))  # not a ban: the rule decides
-    assert relaxed_verdicts(widest, lowered, logits, draft, target_probs) == [True]
+    assert relaxed_verdicts(widest, lowered, logits, draft, target_probs).tolist() == [True]
 
 
 def test_only_tokens_among_the_top_n_pass():

@@ -294,3 +294,22 @@ def test_penalties_count_what_each_rows_sequence_holds():
         check_penalties(2.5, 0.0, 1.0)
     with pytest.raises(InvalidArgument, match="repetition_penalty"):
         check_penalties(0.0, 0.0, 0.0)
+
+
+def test_rows_cut_to_top_k_together_are_bitwise_the_rows_cut_alone():
+    """top_k_parts over [B, V] (a batch of draft steps, a tree level) gives each row exactly what
+    the row alone gives, on several threads and a vocabulary past torch's reduction grain,
+    where a [B, V] sum rounds apart from a [V] one."""
+    from specdec.sampling.probs import top_k_parts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        probs = torch.softmax(torch.randn(6, 151_936, generator=generator) * 4, dim=-1)  # [B, V]
+        kept, parts = top_k_parts(probs, 256)
+        for row in range(probs.shape[0]):
+            alone, alone_parts = top_k_parts(probs[row], 256)
+            assert torch.equal(kept[row], alone) and torch.equal(parts[row], alone_parts), row
+    finally:
+        torch.set_num_threads(threads)

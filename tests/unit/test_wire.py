@@ -116,10 +116,14 @@ def test_features_with_rows_but_no_width_are_refused():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
-    """top_k_with_support keeps exactly what truncate_top_k keeps (bit for bit), names exactly
-    the non-zero ids, and the encoder given those ids writes what its scan writes. Rows with
+    """top_k_parts keeps exactly what truncate_top_k keeps (bit for bit), names exactly the
+    non-zero entries, and the encoder given those writes what its scan writes. Rows with
     fewer than k non-zero entries (after top-p, say) and ties at the k-th value included."""
-    from specdec.sampling.probs import SamplingParams, logits_to_probs, top_k_with_support, truncate_top_k
+    from specdec.sampling.probs import SamplingParams, logits_to_probs, support_of, top_k_parts, truncate_top_k
+
+    def top_k_with_support(row, top_k):
+        kept, parts = top_k_parts(row, top_k)
+        return kept, None if parts is None else support_of(parts.tolist())
 
     generator = torch.Generator().manual_seed(seed)
     vocab, top_k = 500, 16
@@ -135,7 +139,8 @@ def test_a_top_k_row_knows_its_support_and_encodes_as_the_scan_does(seed):
         kept, support = top_k_with_support(row, top_k)
         assert torch.equal(kept, truncate_top_k(row, top_k))
         if support is not None:
-            assert torch.equal(support, torch.nonzero(kept, as_tuple=True)[0])
+            assert torch.equal(support.ids, torch.nonzero(kept, as_tuple=True)[0])
+            assert torch.equal(support.values, kept[support.ids])
         supports.append(support)
     assert supports[-1] is None and all(s is not None for s in supports[:-1])
     probs = torch.stack([top_k_with_support(row, top_k)[0] for row in rows[:-1]])
