@@ -112,6 +112,34 @@ def next_step(first: VerifyCall, last: Verification, seed: int) -> VerifyCall:
     return dataclasses.replace(first, keep_tokens=last.sequence_length, new_tokens=[last.bonus_token_id], seed=seed)
 
 
+def fetch_outputs(
+    call: VerifyCall,
+    logits: torch.Tensor,  # [R, V]
+    probs: torch.Tensor,  # [K]: each draft's (a tree node's) target probability, as drawn
+    row_ids: torch.Tensor,  # [R]: the token each position emits if the round ends there
+    target_probs: torch.Tensor | None,  # [R, V]
+    draft_rows: torch.Tensor,  # [K]: the position predicting each draft (a tree node's parent)
+    draft_ids: torch.Tensor,  # [K]
+    relaxed: torch.Tensor | None = None,  # [K] bool
+    features: torch.Tensor | None = None,  # [N, F]
+) -> dict[str, torch.Tensor]:
+    """A call's outputs, the logits' sum and what else it asked for, on the host in one transfer."""
+    logprobs = (
+        ()
+        if call.top_logprobs is None
+        else position_logprobs(logits, draft_rows, draft_ids, row_ids, call.top_logprobs)
+    )
+    return fetch_tensors(
+        total=logits.sum(),
+        probs=probs,
+        row_ids=row_ids,
+        target_probs=target_probs if call.return_distributions else None,
+        relaxed=relaxed,
+        features=features,
+        **dict(zip(LOGPROB_PARTS, logprobs)),
+    )
+
+
 def conclude_chain(admitted: Admitted, logits: torch.Tensor, batch_size: int) -> tuple[Verification, float]:
     """A chain round's outputs from the K + 1 positions that predict a draft token or the
     bonus, and the logits' sum (for the caller's finiteness check, fetched with them).
@@ -138,20 +166,8 @@ def conclude_chain(admitted: Admitted, logits: torch.Tensor, batch_size: int) ->
         probs, recovered, bonus = verify_draws(target_probs, rows_on(call.draft_probs, device), draft_ids, generator)
     row_ids = torch.cat([recovered, bonus])  # [K + 1]: the token each position emits if the round ends there
     relaxed = None if call.relaxed is None else relaxed_verdicts(call.relaxed, call.params, scored, draft_ids, probs)
-    logprobs = (
-        position_logprobs(logits, torch.arange(num_draft, device=device), draft_ids, row_ids, call.top_logprobs)
-        if call.top_logprobs is not None
-        else ()
-    )
-    got = fetch_tensors(
-        total=logits.sum(),
-        probs=probs,
-        row_ids=row_ids,
-        target_probs=target_probs if call.return_distributions else None,
-        relaxed=relaxed,
-        features=admitted.features,
-        **dict(zip(LOGPROB_PARTS, logprobs)),
-    )
+    draft_rows = torch.arange(num_draft, device=device)  # [K]: the position predicting each draft
+    got = fetch_outputs(call, logits, probs, row_ids, target_probs, draft_rows, draft_ids, relaxed, admitted.features)
     ids = got["row_ids"].tolist()
     return admitted.verification(
         batch_size,
@@ -182,22 +198,11 @@ def conclude_tree(admitted: Admitted, logits: torch.Tensor, batch_size: int) -> 
         target_probs, generator = logits_to_probs(scored, call.params), np.random.default_rng(call.seed)
         drawn = tree_verify_outputs(target_probs, call.draft_probs, draft_ids, call.parents, generator)
         node_probs, next_ids = drawn.node_target_probs, drawn.next_token_ids
-    logprobs = (
-        position_logprobs(logits, parents, on_device, next_ids, call.top_logprobs)
-        if call.top_logprobs is not None
-        else ()
-    )
-    got = fetch_tensors(
-        total=logits.sum(),
-        probs=node_probs,
-        next_ids=next_ids,
-        target_probs=target_probs if call.return_distributions else None,
-        **dict(zip(LOGPROB_PARTS, logprobs)),
-    )
+    got = fetch_outputs(call, logits, node_probs, next_ids, target_probs, parents, on_device)
     return admitted.verification(
         batch_size,
         draft_token_target_probs=got["probs"].tolist(),
-        recovered_token_ids=got["next_ids"].tolist(),
+        recovered_token_ids=got["row_ids"].tolist(),
         bonus_token_id=0,
         target_probs=got.get("target_probs"),
         logprobs=fetched_logprobs(got),
