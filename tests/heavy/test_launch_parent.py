@@ -27,6 +27,11 @@ time.sleep(600)
 """
 
 
+def is_the_service(pid: int) -> bool:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[0] == sys.executable.encode() and argv[1:3] == [b"-m", b"sleeper"]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -48,11 +53,13 @@ def test_a_service_ends_when_its_launcher_is_killed(tmp_path, how):
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         # The tie is made by `setpriv` once it runs: a launcher killed before that (within
-        # milliseconds of the spawn) leaves its child untied. Wait until the child is the service.
+        # milliseconds of the spawn) leaves its child untied. Wait until the child is the service:
+        # Python running the module, past setpriv and taskset (before its exec the child's
+        # command line is the launcher's, whose code names the sleeper too).
         deadline = time.monotonic() + 20
-        while b"sleeper" not in Path(f"/proc/{child}/cmdline").read_bytes() and time.monotonic() < deadline:
+        while not is_the_service(child) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert alive(child) and b"sleeper" in Path(f"/proc/{child}/cmdline").read_bytes()
+        assert alive(child) and is_the_service(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 20
