@@ -254,8 +254,12 @@ def chosen_shape(
 ) -> tuple[int, tuple[int, ...], int | None]:
     """The round's K and tree widths (a chain of K: ()), and the chooser's pick (None where it
     picked none): none on a first step; the request's own without a chooser; the chooser's,
-    unless a sequential round's draft would first run more than its drafts can repay
-    (`prefill_outweighs`; a pipelined round runs that beside the target's step)."""
+    unless a sequential round's draft would first run more than its drafts can repay, at the
+    estimated α and at the α the chooser holds plausible (`prefill_outweighs`; a pipelined
+    round runs that beside the target's step). Both: at the estimate a first K = 1 may pay by
+    a hair (a prior of 0.6-0.65 on a 2-core CPU), too little to repay a 34-token prompt's
+    prefill, and a skipped round teaches nothing, so such a request stayed target-only to its
+    end (`make run`, 2026-12-07)."""
     if first_step:
         return 0, (), None
     if chooser is None:
@@ -263,7 +267,11 @@ def chosen_shape(
     chosen_k = chooser.pick()
     k, shape = chooser.shape_for(chosen_k)
     drafted = state.ready is not None and bool(state.ready.draft_token_ids)  # a pre-draft costs nothing now
-    if chosen_k and not (overlapping or drafted) and prefill_outweighs(state, chosen_k, chooser.alpha):
+
+    def outweighs(alpha: float) -> bool:
+        return prefill_outweighs(state, chosen_k, alpha)
+
+    if chosen_k and not (overlapping or drafted) and outweighs(chooser.alpha) and outweighs(chooser.optimistic_alpha):
         return 0, (), None
     return k, shape, chosen_k
 

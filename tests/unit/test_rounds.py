@@ -487,6 +487,25 @@ def test_a_probe_of_a_draft_far_behind_still_runs_and_a_moved_session_is_behind_
     assert view.modeled == 0 and plan_round(moved, True, True).k == 0
 
 
+def test_a_first_round_that_pays_by_a_hair_at_the_prior_still_drafts():
+    """`make run` on a 2-core Intel machine (2026-12-07), three runs in seven: a prior of 0.627
+    (a warm-up request had accepted its one draft) priced the first K = 1 at 0.86 ms saved a
+    token, 82 ms over the 95 tokens left, under the 99 ms the draft's model takes to read the
+    34-token prompt, so every round was target-only, none taught α, and the code prompt ran
+    0.97× where K = 3 ran 1.19×. At the α the chooser holds plausible the prefill repays."""
+    costs = RoundCosts(
+        (37.8, 42.2, 45.3, 48.5, 51.7, 54.9, 56.0, 57.5, 61.2),
+        (79.0, 89.0, 99.0, 103.0, 110.0, 118.0, 125.0, 129.0, 139.0),
+        draft_rpc_ms=0.84,
+        target_rpc_ms=0.81,
+    )
+    pair = dataclasses.replace(PAIR, max_context=8192, draft_max_context=8192, costs=costs)
+    chooser = AdaptiveK(k_max=8, pipelined=False, costs=costs, alpha_prior=0.627)
+    assert best_k_at(chooser) == 1 and chooser.gain(1, chooser.alpha) > 1.0  # pays at the estimate
+    first = state(max_new_tokens=95, sequence=list(range(34)), k_chooser=chooser, pair=pair)
+    assert plan_round(first, True, True).k == 1
+
+
 def best_k_at(chooser: AdaptiveK) -> int:
     from coordinator.adaptive import best_k
 
