@@ -22,7 +22,7 @@ from specdec.engine.batched_pass import DecodeBatch
 from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
 from specdec.engine.rows import MAX_ROWS
 from specdec.errors import SpecDecError
-from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_argmax, sample, support_of, top_k_parts
+from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_at, row_argmax, sample, support_of, top_k_parts
 from specdec.sampling.together import together_pays
 from specdec.sampling.transfer import fetch
 
@@ -263,8 +263,8 @@ def step_together(
     states = [] if argmax else [generator.bit_generator.state for generator in generators]  # put back on a NaN
     parts: torch.Tensor | None = None
     if argmax:
-        heads = logits.argmax(dim=-1)  # [B]
-        head_probs = one_hot_argmax(logits)  # [B, N]
+        heads = row_argmax(logits)  # [B]
+        head_probs = one_hot_at(logits, heads[:, None])  # [B, N]
         belief = torch.softmax(logits, dim=-1)  # [B, N] the draft's own view
     else:
         params = items[0][1].call.params

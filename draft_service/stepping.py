@@ -24,7 +24,7 @@ from specdec.engine.prefix_cache import DEFAULT_PREFIX_BLOCK_TOKENS
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sessions import KVSession
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_at, sample, support_of, top_k_parts
+from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_at, row_argmax, sample, support_of, top_k_parts
 from specdec.sampling.transfer import fetch, to_device
 
 PROPOSAL_MODES = ("sample", "greedy")
@@ -414,5 +414,5 @@ def ranked_row(logits: torch.Tensor, rank: int) -> torch.Tensor:
     """The head row of the (rank + 1)-th largest logit (0: the argmax); the last row there is
     where the head has fewer rows. logits: [N] → [] (on the logits' device)"""
     if not rank:
-        return logits.argmax()
+        return row_argmax(logits)
     return logits.topk(min(rank + 1, logits.numel())).indices[-1]

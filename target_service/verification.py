@@ -20,6 +20,7 @@ from specdec.sampling.probs import (
     biased,
     logits_to_probs,
     penalized,
+    row_argmax,
     rows_on,
     verify_draws,
 )
@@ -158,7 +159,7 @@ def conclude_chain(admitted: Admitted, logits: torch.Tensor, batch_size: int) ->
         scored = penalized(scored, call.params, history, call.output_start, call.draft_token_ids)
     target_probs = None
     if call.greedy_fast_path:  # a one-hot target: a draft is accepted iff it is the argmax
-        heads = scored.argmax(dim=-1)  # [K + 1]
+        heads = row_argmax(scored)  # [K + 1]
         probs, recovered, bonus = (draft_ids == heads[:num_draft]).float(), heads[:num_draft], heads[num_draft:]
     else:  # the uniforms come from the seed's stream on the host; a NaN row still draws ids in range
         target_probs = logits_to_probs(scored, call.params)  # [K + 1, V]
@@ -192,7 +193,7 @@ def conclude_tree(admitted: Admitted, logits: torch.Tensor, batch_size: int) -> 
     if call.greedy_fast_path:
         # A one-hot target: a node is accepted iff it is its parent's argmax, and every
         # residual of a one-hot is one-hot at the same argmax.
-        next_ids = scored.argmax(dim=-1)  # [N + 1]
+        next_ids = row_argmax(scored)  # [N + 1]
         node_probs = (on_device == next_ids[parents]).float()  # [N]
     else:
         target_probs, generator = logits_to_probs(scored, call.params), np.random.default_rng(call.seed)

@@ -208,9 +208,23 @@ def _dropped_prefix(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return drop_sorted
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1): each row's first index of its largest value (of its first NaN where it
+    has one), on x's device. x: [..., V] → int64 [...].
+
+    On the CPU through numpy, whose scan is vectorised where torch's CPU argmax is not: over
+    151,936 float32 logits on one thread torch took 256 µs and numpy 11, over a verify's
+    [5, V] 1.3 ms against 0.09 (Intel Xeon, AVX-512, 2026-12-07). A tensor subclass (one
+    that stands for or wraps another device's, as tests/unit/test_device_crossings.py's does)
+    keeps torch's own."""
+    if type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.as_tensor(np.argmax(x.detach().numpy(), axis=-1))
+    return x.argmax(dim=-1)
+
+
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits: [..., V] → one-hot float32 [..., V] at the argmax (first index on ties)."""
-    return one_hot_at(logits, logits.argmax(dim=-1, keepdim=True))
+    return one_hot_at(logits, row_argmax(logits)[..., None])
 
 
 def one_hot_at(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from specdec.sampling.probs import (
     fetched_outputs,
     logits_to_probs,
     residual_probs,
+    row_argmax,
     sample,
 )
 from specdec.sampling.transfer import fetch, to_device
@@ -59,7 +60,7 @@ def verify_outputs_together(
     scored = biased(logits, params)  # [R, V]
     total = logits.sum()  # [] finite unless some logit is not
     if params.greedy:
-        finite, heads = fetch(total, scored.argmax(dim=-1))  # [1], [R]
+        finite, heads = fetch(total, row_argmax(scored))  # [1], [R]
         if not math.isfinite(finite[0]):
             return None
         outputs = []

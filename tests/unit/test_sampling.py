@@ -21,6 +21,7 @@ from specdec.sampling.probs import (
     logits_to_probs,
     penalized,
     residual_probs,
+    row_argmax,
     sample,
     truncate_top_k,
     verify_outputs,
@@ -55,6 +56,32 @@ def test_greedy_is_one_hot_at_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 5.0, 1.0]])
     probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
     assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]  # ties go to the first index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_is_torchs_argmax_ties_nans_and_infinities_included(dtype):
+    """The CPU argmax through numpy (row_argmax) gives what torch's does, index for index: the
+    first of tied maxima, the first NaN, +inf, rows all -inf, strided views, any leading shape;
+    bfloat16 takes torch's own."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(600):
+        shape = [(), (1,), (5,), (3, 2)][trial % 4]
+        width = [1, 2, 7, 100, 151_936][trial % 5]
+        x = torch.randn(*shape, width + 2, generator=generator)
+        kind = trial % 6
+        if kind == 1:
+            x = torch.round(x)  # ties
+        elif kind == 2:
+            x = torch.where(torch.rand(x.shape, generator=generator) < 0.5, float("-inf"), x)
+            x[..., 0] = float("-inf") if trial % 12 == 2 else x[..., 0]
+        elif kind == 3:
+            x.view(-1)[torch.randint(x.numel(), (3,), generator=generator)] = float("nan")
+        elif kind == 4:
+            x.view(-1)[torch.randint(x.numel(), (2,), generator=generator)] = float("inf")
+        x = x.to(dtype)[..., 1:-1]  # strided along the rows
+        got, want = row_argmax(x), x.argmax(dim=-1)
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want), (trial, got, want)
+    assert torch.equal(row_argmax(torch.full((2, 4), float("-inf"), dtype=dtype)), torch.zeros(2, dtype=torch.int64))
 
 
 def test_top_p_keeps_most_likely_token_even_when_it_alone_exceeds_top_p():
