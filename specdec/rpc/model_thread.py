@@ -64,7 +64,9 @@ class ModelThread:
     async def run(self, fn: Callable[..., T], *args: Any, given_up: Callable[[], bool] | None = None) -> T:
         """`fn(*args)` on the thread, in its turn. A caller that stops waiting (cancelled: its
         client gave up) drops the job if it has not started, and stops it at its next
-        `between_passes` if it has; so does `given_up()` turning true (a batch's callers all gone)."""
+        `between_passes` if it has; so does `given_up()` turning true (a batch's callers all gone),
+        which also drops a job it finds true in its turn (a batch queued behind a frozen or long
+        job whose callers all left meanwhile runs no pass)."""
         self._submitted += 1
         cancelled = threading.Event()
         job = self._executor.submit(
@@ -79,6 +81,8 @@ class ModelThread:
 
     def _start(self, fn: Callable[..., T], args: tuple, given_up: Callable[[], bool]) -> T:
         self._started += 1
+        if given_up():  # its callers left while it waited its turn (a batch's all, or it was cancelled as it began)
+            raise JobGivenUp("the caller stopped waiting for this call before it started")
         self._given_up = given_up
         try:
             return fn(*args)

@@ -130,6 +130,31 @@ async def test_calls_submitted_together_start_one_batch_in_their_order(model_thr
     assert results[0] == 6 and isinstance(results[1], InvalidArgument) and results[2] == 4
 
 
+async def test_a_batch_whose_callers_all_left_while_it_waited_for_the_thread_runs_nothing(model_thread):
+    """A batch handed to the model thread behind another job (a long one, or a process frozen
+    and resumed) whose callers all gave up meanwhile is dropped when its turn comes: no pass
+    runs for no one, and the next call runs as usual."""
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=0.0, max_size=8)
+    release = threading.Event()
+    busy = asyncio.ensure_future(model_thread.run(release.wait, 5))
+    await asyncio.sleep(0.05)
+    callers = [asyncio.ensure_future(batcher.submit(n)) for n in (1, 2)]
+    await asyncio.sleep(0.05)
+    assert batcher._running is not None  # the batch is on the thread's queue, behind `busy`
+    for caller in callers:
+        caller.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    assert await busy
+    for caller in callers:
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    assert await batcher.submit(3) == 6
+    assert recorder.batches == [[3]]
+    assert not model_thread.queued()
+
+
 async def test_a_job_cancelled_before_it_started_no_longer_counts_as_queued(model_thread):
     """ModelThread.queued: a caller cancelled while its job waited leaves nothing queued, so a
     stepping job (TargetRunner.verify_steps) is not told to yield forever after."""
