@@ -19,7 +19,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.attention import BATCHES
 from specdec.engine.batched_pass import DecodeBatch
-from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, untraced_if_refused
+from specdec.engine.batching import batch_groups, call_waves, result_or_error, start_each, stopping, untraced_if_refused
 from specdec.engine.rows import MAX_ROWS
 from specdec.errors import SpecDecError
 from specdec.sampling.probs import RowSupport, logits_to_probs, one_hot_at, row_argmax, sample, support_of, top_k_parts
@@ -105,11 +105,13 @@ class ProposalBatch:
     def _pass(self, active: list[tuple[int, _Drafting]], group: list[int]) -> None:
         """One pass over active[position] for each position in `group`, and a draw for each."""
         members = [active[position] for position in group]
-        outputs = self.runner.forward_batch(
-            [drafting.session for _, drafting in members],
-            [drafting.feed for _, drafting in members],
-            [1] * len(members),
-        )
+        # A member whose caller left stops its prefill between passes, the others go on.
+        with stopping(self.runner, {drafting.session.session_id: drafting.call.should_stop for _, drafting in members}):
+            outputs = self.runner.forward_batch(
+                [drafting.session for _, drafting in members],
+                [drafting.feed for _, drafting in members],
+                [1] * len(members),
+            )
         stepped = []
         for (index, drafting), logits in zip(members, outputs):
             if isinstance(logits, Exception):

@@ -85,6 +85,15 @@ class ModelOutputError(SpecDecError):
     an arbitrary token and the output would silently stop being the target's."""
 
 
+class JobGivenUp(SpecDecError):
+    """A job stopped before or between its passes: its caller no longer waits for it
+    (specdec.rpc.model_thread.ModelThread.between_passes; specdec.engine.batching.stopping). A
+    refusal, not a failure: kept without its traceback in a batch's results (whose frames would
+    hold the ended session's pages) and never logged as an unexpected error."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class ServiceRefused(SpecDecError):
     """A model service refused the coordinator's credentials: a deployment mistake, never the
     public caller's, so it stays INTERNAL rather than UNAUTHENTICATED."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from specdec.engine.batching import batch_groups, call_waves, start_each, untraced_if_refused
+from specdec.engine.batching import batch_groups, call_waves, start_each, stopping, untraced_if_refused
 from specdec.engine.calls import Stopwatch, check_trees
 from specdec.engine.features import FeatureTap, check_feature_layers, decoder_parts
 from specdec.engine.runner import ModelRunner
@@ -146,7 +146,14 @@ class TargetRunner(ModelRunner):
     def _verify_group(
         self, members: list[tuple[int, Admitted]], trees: bool, results: list[Verification | Exception | None]
     ) -> None:
-        """One pass for `members` (alone: exactly as verify_one); each result or error into `results`."""
+        """One pass for `members` (alone: exactly as verify_one); each result or error into `results`.
+        A member whose caller left stops its prefill between passes (`stopping`), the others go on."""
+        with stopping(self, {item.session.session_id: item.call.should_stop for _, item in members}):
+            self._pass_group(members, trees, results)
+
+    def _pass_group(
+        self, members: list[tuple[int, Admitted]], trees: bool, results: list[Verification | Exception | None]
+    ) -> None:
         if len(members) == 1:
             index, item = members[0]
             try:

@@ -82,6 +82,7 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
         needed = self._runner.needs_draft_probs(params, request.return_distributions)
         vocab = self._runner.loaded.vocab_size if needed else 0
         draft_probs = wire.decode_distributions(list(request.draft_distributions), draft_token_ids, vocab)
+        stop = threading.Event()
         with traced_span("target.verify", context_of(request.trace_context)) as span:
             span.set_attributes(
                 {
@@ -106,8 +107,13 @@ class TargetServicer(SessionServicerMixin, target_pb2_grpc.TargetServicer):
                 top_logprobs,
                 max(0, request.output_start),
                 tuple(request.feature_layers),
+                should_stop=stop.is_set,
             )
-            steps, step_logprobs, result = await self._steps(request, call)
+            try:
+                steps, step_logprobs, result = await self._steps(request, call)
+            except asyncio.CancelledError:
+                stop.set()  # the client cancelled: a prefill batched with others stops at its next pass
+                raise
             span.set_attributes(
                 {
                     "specdec.processed_tokens": result.processed_tokens,

@@ -18,6 +18,7 @@ worker exits as soon as rank 0 is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import logging
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from target_service.runner import TargetRunner, VerifyCall
+from target_service.verification import never
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,14 @@ RANK_ZERO_ONLY = frozenset(
 )
 
 
+def in_step(call: VerifyCall) -> VerifyCall:
+    """`call` as every rank runs it: without its caller's stop (VerifyCall.should_stop), which
+    rank 0 alone could read, cutting a prefill's passes short where the other ranks would run
+    them and wait in their all-reduces (as ModelThread.between_passes never reaches the ranks:
+    specdec.rpc.serving.build_model_servicer); and so that it pickles."""
+    return call if call.should_stop is never else dataclasses.replace(call, should_stop=never)
+
+
 class TensorParallelRunner:
     """Rank 0's runner: the calls that run the model or change sessions are sent to the other
     ranks first, then run here; everything else (Info, metrics gauges) reads rank 0's copy."""
@@ -103,11 +113,13 @@ class TensorParallelRunner:
 
     def verify_one(self, call: VerifyCall):
         self.expire_sessions()
+        call = in_step(call)
         self._send("verify_one", call)
         return self._runner.verify_one(call)
 
     def verify_batch(self, calls: list[VerifyCall]):
         self.expire_sessions()
+        calls = [in_step(call) for call in calls]
         self._send("verify_batch", calls)
         return self._runner.verify_batch(calls)
 

@@ -6,6 +6,7 @@ verdicts, features), computed on the model's device and fetched to the host in o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,12 @@ from specdec.sampling.transfer import fetch_tensors, to_device
 from specdec.sampling.tree_sampling import tree_verify_outputs
 
 
+def never() -> bool:
+    """VerifyCall.should_stop's default: a module function, so that a call pickles (the tensor
+    parallel runner sends its calls to the other ranks)."""
+    return False
+
+
 @dataclass(frozen=True)
 class VerifyCall:
     """One Verify request, runner-side."""
@@ -48,6 +55,7 @@ class VerifyCall:
     top_logprobs: int | None = None  # VerifyRequest.return_logprobs: its top_logprobs; None: no logprobs
     output_start: int = 0  # VerifyRequest.output_start: where the generated tokens begin (penalties)
     feature_layers: tuple[int, ...] = ()  # VerifyRequest.feature_layers: hidden states to return; empty: none
+    should_stop: Callable[[], bool] = never  # polled between a prefill's passes (the caller cancelled)
 
     @property
     def greedy_fast_path(self) -> bool:

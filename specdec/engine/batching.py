@@ -3,7 +3,8 @@ their KV caches are padded into a batch and split back (used by both runners).""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -12,7 +13,7 @@ from transformers import DynamicCache
 from specdec.engine.kv import plain_cache
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.sessions import KVSession
-from specdec.errors import status_of
+from specdec.errors import JobGivenUp, status_of
 
 T = TypeVar("T")
 
@@ -126,6 +127,31 @@ def start_each(indices: list[int], start: Callable[[int], T], results: list) -> 
         except Exception as exc:  # noqa: BLE001 - handed back to that caller alone
             results[index] = exc
     return started
+
+
+@contextlib.contextmanager
+def stopping(runner: Any, should_stop: dict[str, Callable[[], bool]]) -> Iterator[None]:
+    """While open, a session's prefill that `runner` cuts into passes (ModelRunner._prefill_blocks)
+    also stops between them once `should_stop[session_id]()`: that caller of a batch gone while
+    the others still wait (JobGivenUp, for it alone). The job's own check stops a prefill only
+    once every caller is gone (ModelThread.between_passes): a long prompt whose client left
+    held the batch's other callers for its whole prefill."""
+    plain = runner.between_passes
+
+    def check(session: KVSession | None = None) -> None:
+        plain(session)
+        if session is not None and should_stop.get(session.session_id, _never)():
+            raise JobGivenUp("the caller stopped waiting for this call (cancelled or past its deadline)")
+
+    runner.between_passes = check
+    try:
+        yield
+    finally:
+        runner.between_passes = plain
+
+
+def _never() -> bool:
+    return False
 
 
 def result_or_error(fn, *args):

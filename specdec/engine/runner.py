@@ -84,7 +84,7 @@ class ModelRunner:
         self.processed_tokens_total = 0  # tokens run since start; tests use it to prove prefixes are reused
         # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
         self.batched_forwards = self.batched_sessions_total = self.max_batch_size_seen = 0
-        self.between_passes = lambda: None  # before each pass of a prefill cut in passes (ModelThread's)
+        self.between_passes = lambda session=None: None  # before each pass of a prefill cut in passes (ModelThread's)
         self.pass_costs: PassCosts | None = None  # set by specdec.engine.calibration
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
         # bench.emulated: every pass is held to an accelerator's time (specdec.engine.pace).
@@ -267,7 +267,7 @@ class ModelRunner:
                 return token_ids, None  # the caller's pass is the whole run
             logits = None
             for begin in range(0, run, size):
-                self.between_passes()
+                self.between_passes(session)
                 logits = self._forward_admitted(session, token_ids[begin : min(begin + size, run)], 1)
             return token_ids[run:], logits
         prefix = self.sessions.prefix
@@ -279,7 +279,7 @@ class ModelRunner:
         end = (start + len(token_ids) - tail) // size * size
         logits = None
         for block_start in range(start, end, size):
-            self.between_passes()
+            self.between_passes(session)
             logits = self._forward_admitted(session, token_ids[block_start - start : block_start - start + size], 1)
             session.aligned_tokens = block_start + size
         return token_ids[max(end - start, 0) :], logits

@@ -13,9 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-import grpc
-
-from specdec.errors import SpecDecError
+from specdec.errors import JobGivenUp
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,14 +32,6 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):  # no prctl here (not Linux)
         pass
-
-
-class JobGivenUp(SpecDecError):
-    """A job stopped between two passes: its caller no longer waits for it (ModelThread.between_passes).
-    A refusal, not a failure: kept without its traceback in a batch's results (whose frames would
-    hold the ended session's pages) and never logged as an unexpected error."""
-
-    code = grpc.StatusCode.CANCELLED
 
 
 class ModelThread:
@@ -89,8 +79,9 @@ class ModelThread:
         finally:
             self._given_up = None
 
-    def between_passes(self) -> None:
-        """On the thread, between two passes of one job (a long prompt's prefill): answers the
+    def between_passes(self, session: object = None) -> None:
+        """On the thread, between two passes of one job (a long prompt's prefill of `session`,
+        which specdec.engine.batching.stopping reads): answers the
         brief jobs waiting (Info, EndSession), and stops the job (JobGivenUp) if its caller
         no longer waits for it, rather than run its remaining passes for no one while every
         other call waits behind them."""

@@ -106,6 +106,49 @@ async def test_a_call_past_its_deadline_or_cancelled_cancels_its_stream_and_the_
             await draft.close()
 
 
+async def test_a_verify_cancelled_in_its_prefill_stops_it_while_a_call_batched_beside_it_goes_on(tiny_pair):
+    """The target's servicer marks a cancelled call's VerifyCall.should_stop: a long prompt's
+    prefill, cut in prefix-cache blocks, batched with another session's call, stops at its next
+    block, and the other call is answered without waiting for the rest of it."""
+    blocks: list[str] = []  # the session of each pass run alone (a prompt's blocks)
+
+    def prepare(draft_runner, target_runner) -> None:
+        slow_down(target_runner, 0.03)
+        plain = target_runner._forward_admitted
+
+        def counted(session, token_ids, logits_to_keep):
+            blocks.append(session.session_id)
+            return plain(session, token_ids, logits_to_keep)
+
+        target_runner._forward_admitted = counted
+
+    overrides = {"prefix_cache_bytes": 1 << 24, "prefix_block_tokens": 8, "batch_window_ms": 20.0}
+    async with inprocess_stack(tiny_pair, target_overrides=overrides, prepare_runners=prepare) as stack:
+        target = TargetClient(f"127.0.0.1:{stack.target.port}", timeout_s=30)
+
+        def verify(session_id: str, keep: int, new_tokens: list[int]):
+            request = target_pb2.VerifyRequest(
+                session_id=session_id, keep_tokens=keep, new_tokens=new_tokens, sampling=GREEDY
+            )
+            return asyncio.ensure_future(target.verify(request))
+
+        try:
+            # Two sessions decoding (recently active): the batcher waits its window for the other's
+            # call, and takes the new session's prompt (a fresh one goes in blocks) beside "short".
+            await asyncio.gather(verify("idle", 0, [5, 6, 7]), verify("short", 0, [5, 6, 7]))
+            short = verify("short", 3, [8])
+            prompt = [(7 * i + 3) % 40 + 1 for i in range(24 * 8)]  # 24 block passes of over 30 ms
+            long = verify("long", 0, prompt)
+            await asyncio.sleep(0.12)  # a few of them
+            long.cancel()
+            assert (await asyncio.wait_for(short, 5.0)).sequence_length == 4
+            assert blocks.count("long") < 20, f"{blocks.count('long')} of 24 blocks ran for no one"
+            await asyncio.sleep(0.05)
+            assert "long" not in stack.target_runner.sessions.ids()
+        finally:
+            await target.close()
+
+
 async def test_a_broken_stream_empties_the_pool(tiny_pair):
     async with inprocess_stack(tiny_pair) as stack:
         draft = DraftClient(f"127.0.0.1:{stack.draft.port}", timeout_s=5)

@@ -13,7 +13,7 @@ from draft_service.batched import step_all
 from draft_service.runner import DraftRunner, ProposeCall
 from specdec.engine.kv_pool import PoolCache
 from specdec.engine.modeling import load_causal_lm
-from specdec.errors import InvalidArgument, ModelOutputError, SessionNotFound, SpecDecError
+from specdec.errors import InvalidArgument, JobGivenUp, ModelOutputError, SessionNotFound, SpecDecError
 from specdec.sampling.probs import SamplingParams
 
 GREEDY = SamplingParams()
@@ -173,6 +173,33 @@ def test_a_cancelled_call_stops_after_its_current_step_while_the_others_go_on(lo
     stopped, went = runner.propose_batch(calls)
     assert len(stopped.token_ids) == 1 and len(went.token_ids) == 6
     assert runner.stopped_proposals == 1
+
+
+def test_a_prompt_whose_caller_left_stops_its_prefill_while_the_batchs_others_go_on(loaded):
+    """A long prompt runs alone in a batch, its prefill cut in prefix-cache blocks: its own
+    caller gone (cancelled), it stops at the next block, ending its session, and the batch's
+    other call drafts on. (Only the job's every caller gone stopped it before: the prompt's
+    whole prefill ran for no one while the others waited.)"""
+    runner = DraftRunner(
+        loaded, max_sessions=16, session_ttl_s=60, max_speculative_tokens=8, prefix_cache_bytes=1 << 24
+    )
+    runner.sessions.prefix.block_tokens = 8
+    vocab, passes = loaded.vocab_size, []
+    plain = runner._forward_admitted
+
+    def counted(session, token_ids, logits_to_keep):
+        passes.append(session.session_id)
+        return plain(session, token_ids, logits_to_keep)
+
+    runner._forward_admitted = counted  # type: ignore[method-assign]
+    calls = [
+        ProposeCall("long", 0, tokens(6, 12 * 8 + 3, vocab), 3, GREEDY, 0, should_stop=lambda: len(passes) >= 2),
+        ProposeCall("goes", 0, tokens(7, 3, vocab), 3, GREEDY, 0),
+    ]
+    stopped, went = runner.propose_batch(calls)
+    assert isinstance(stopped, JobGivenUp) and stopped.code == grpc.StatusCode.CANCELLED
+    assert passes.count("long") <= 3, f"{passes.count('long')} passes: the prefill ran on for no one"
+    assert len(went.token_ids) == 3 and runner.sessions.ids() == ["goes"]
 
 
 def test_a_fork_waits_for_its_parents_call_in_the_same_batch(loaded):

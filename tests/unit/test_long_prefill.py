@@ -8,6 +8,7 @@ Info waited behind it, and a replica pool took the busy replica for a hung one."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import threading
 import time
@@ -89,6 +90,28 @@ async def test_a_prefill_whose_caller_gave_up_stops_at_its_next_pass_and_ends_it
     assert time.perf_counter() - answered < 0.5 and next_call.sequence_length == 3
     assert runner.passes <= 4, f"{runner.passes} passes: the prefill ran on for no one"
     assert runner.sessions.ids() == ["next"], "the given-up session was left half prefilled"
+
+
+async def test_a_prefill_in_a_batch_stops_when_its_own_caller_leaves_and_the_others_go_on(slow_runner):
+    """A long prompt batched with another session's call runs its prefill alone first: its
+    caller cancelled (the servicer sets VerifyCall.should_stop), it stops at the next pass and
+    ends its session, and the other caller is answered at once. Before, only every caller gone
+    stopped the job: the whole prefill ran for no one while the other call waited."""
+    runner, thread = slow_runner
+    batcher = CallBatcher(thread, runner.verify_batch, 0.05, 4)
+    stop = threading.Event()
+    long = asyncio.ensure_future(
+        batcher.submit(dataclasses.replace(call(runner, "long", PROMPT), should_stop=stop.is_set))
+    )
+    other = asyncio.ensure_future(batcher.submit(call(runner, "other", [5, 6, 7])))
+    await started(runner, 2)
+    stop.set()
+    long.cancel()
+    answered = time.perf_counter()
+    assert (await asyncio.wait_for(other, 1.0)).sequence_length == 3
+    assert time.perf_counter() - answered < 0.3, "the other call waited for the prefill of no one"
+    assert runner.passes <= 5, f"{runner.passes} passes: the prefill ran on for no one"
+    assert runner.sessions.ids() == ["other"], "the given-up session was left half prefilled"
 
 
 async def test_a_job_whose_caller_waits_is_not_stopped_by_another_callers_cancellation(slow_runner):
