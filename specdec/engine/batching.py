@@ -140,7 +140,8 @@ def stopping(runner: Any, should_stop: dict[str, Callable[[], bool]]) -> Iterato
 
     def check(session: KVSession | None = None) -> None:
         plain(session)
-        if session is not None and should_stop.get(session.session_id, _never)():
+        stop = None if session is None else should_stop.get(session.session_id)
+        if stop is not None and stop():
             raise JobGivenUp("the caller stopped waiting for this call (cancelled or past its deadline)")
 
     runner.between_passes = check
@@ -148,10 +149,6 @@ def stopping(runner: Any, should_stop: dict[str, Callable[[], bool]]) -> Iterato
         yield
     finally:
         runner.between_passes = plain
-
-
-def _never() -> bool:
-    return False
 
 
 def result_or_error(fn, *args):
