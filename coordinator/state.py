@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from coordinator.text import Delta
-from specdec.errors import SpecDecError
+from specdec.errors import InvalidArgument, SpecDecError
 from specdec.rpc import wire
 from specdec.sampling.tree_sampling import check_parents
 from specdec.v1 import draft_pb2
@@ -204,7 +204,10 @@ def round_from(
         )
     check_reply(address, "distributions", len(proposal.distributions), len(proposal.token_ids))
     runner_up_ids, runner_up_probs = _runner_ups(proposal, address)
-    draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
+    try:
+        draft_probs = [wire.token_probability(d, t) for d, t in zip(proposal.distributions, proposal.token_ids)]
+    except InvalidArgument as exc:
+        raise MalformedReply(f"draft service at {address} sent a malformed distribution: {exc}") from None
     foreign: list[int] = []  # positions of tokens a bridged draft does not share with the target
     for position, (token, prob) in enumerate(zip(proposal.token_ids, draft_probs)):
         # u * 0 < target_prob would accept the token with probability 1, and NaN would never

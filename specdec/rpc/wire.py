@@ -61,9 +61,7 @@ def encode_distributions(
         and all(row is not None and len(row.ids) <= _SPARSE_MAX_FRACTION * probs.shape[-1] for row in supports)
     ):
         return [
-            common_pb2.ProposalDistribution(
-                sparse=common_pb2.SparseProbs(token_ids=row.ids.tolist(), probs=row.values.tolist())
-            )
+            common_pb2.ProposalDistribution(sparse=packed_sparse(row.ids.numpy(), row.values.numpy()))
             for row in supports
             if row is not None  # all are: for the type checker
         ]
@@ -77,11 +75,39 @@ def encode_distributions(
     for row, size in enumerate(sizes):
         if size <= _SPARSE_MAX_FRACTION * rows.shape[1]:
             ids = np.flatnonzero(nonzero[row])  # [size]
-            sparse = common_pb2.SparseProbs(token_ids=ids.tolist(), probs=rows[row, ids].tolist())
-            out.append(common_pb2.ProposalDistribution(sparse=sparse))
+            out.append(common_pb2.ProposalDistribution(sparse=packed_sparse(ids, rows[row, ids])))
         else:
             out.append(common_pb2.ProposalDistribution(dense=_dense_bytes(rows[row])))
     return out
+
+
+def packed_sparse(ids: np.ndarray, values: np.ndarray) -> common_pb2.SparseProbs:
+    """ids: [n] integer, values: [n] float → SparseProbs in its packed form (little-endian
+    int32 and float32). Four rows of 256 entries cost a tenth of the repeated fields' building
+    (and their reading and forwarding less still): the three processes' CPU per sampled round."""
+    return common_pb2.SparseProbs(token_ids_le=ids.astype("<i4").tobytes(), probs_le=values.astype("<f4").tobytes())
+
+
+def sparse_entries(sparse: common_pb2.SparseProbs, row: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """SparseProbs in either form → ([n] int64 ids, [n] float32 values), their lengths checked."""
+    if sparse.token_ids_le or sparse.probs_le:
+        if sparse.token_ids or sparse.probs:
+            raise InvalidArgument(f"sparse distribution {row} is both packed and repeated; send one form")
+        if len(sparse.token_ids_le) % 4 or len(sparse.probs_le) % 4:
+            raise InvalidArgument(
+                f"sparse distribution {row} has {len(sparse.token_ids_le)} bytes of ids and {len(sparse.probs_le)} "
+                "of probs; each must be a multiple of 4"
+            )
+        ids = np.frombuffer(sparse.token_ids_le, dtype="<i4").astype(np.int64)
+        values = np.frombuffer(sparse.probs_le, dtype="<f4")
+    else:
+        ids = np.asarray(sparse.token_ids, dtype=np.int64)
+        values = np.asarray(sparse.probs, dtype=np.float32)
+    if ids.shape != values.shape:
+        raise InvalidArgument(
+            f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
+        )
+    return ids, values
 
 
 def _dense_bytes(row: np.ndarray) -> common_pb2.DenseProbs:
@@ -126,12 +152,7 @@ def decode_distributions(
             kept = [token_id] if 0 <= token_id < vocab_size else []
             rows.append((np.array(kept, np.int64), np.ones(len(kept), np.float32)))
         elif kind == "sparse":
-            ids = np.asarray(dist.sparse.token_ids, dtype=np.int64)
-            values = np.asarray(dist.sparse.probs, dtype=np.float32)
-            if ids.shape != values.shape:
-                raise InvalidArgument(
-                    f"sparse distribution {row} has {ids.size} ids but {values.size} probs; they must pair up"
-                )
+            ids, values = sparse_entries(dist.sparse, row)
             _check_row(row, values)
             if ids.size and ids.min() < 0:
                 raise InvalidArgument(f"sparse distribution {row} names a negative token id")
@@ -186,10 +207,9 @@ def token_probability(distribution: common_pb2.ProposalDistribution, token_id: i
     if kind == "one_hot":
         return 1.0
     if kind == "sparse":
-        for candidate, prob in zip(distribution.sparse.token_ids, distribution.sparse.probs):
-            if candidate == token_id:
-                return float(prob)
-        return 0.0
+        ids, values = sparse_entries(distribution.sparse)
+        hits = np.flatnonzero(ids == token_id)  # the first, as decode_distributions refuses a repeat
+        return float(values[hits[0]]) if hits.size else 0.0
     if kind == "dense":
         values = decode_dense(distribution.dense)
         return float(values[token_id]) if 0 <= token_id < values.size else 0.0

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.state import MalformedReply, round_from
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.sampling.probs import SparseRows, rows_on
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2
 
 
 def _rows(seed: int, vocab: int) -> torch.Tensor:
@@ -31,9 +32,20 @@ def _encode_row(row: torch.Tensor) -> common_pb2.ProposalDistribution:
     support = torch.nonzero(row, as_tuple=True)[0]  # [nnz]
     if support.numel() <= row.numel() // 2:
         return common_pb2.ProposalDistribution(
-            sparse=common_pb2.SparseProbs(token_ids=support.tolist(), probs=row[support].tolist())
+            sparse=common_pb2.SparseProbs(
+                token_ids_le=np.array(support.tolist(), "<i4").tobytes(),
+                probs_le=np.array(row[support].tolist(), "<f4").tobytes(),
+            )
         )
     return common_pb2.ProposalDistribution(dense=wire.encode_dense(row))
+
+
+def _sparse_forms(ids: list[int], probs: list[float]) -> list[common_pb2.ProposalDistribution]:
+    """One sparse row in both wire forms: repeated fields (as older drafts send) and packed."""
+    return [
+        common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=ids, probs=probs)),
+        common_pb2.ProposalDistribution(sparse=wire.packed_sparse(np.array(ids), np.array(probs))),
+    ]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -53,11 +65,10 @@ def test_both_forms_appear():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
 def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
-    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=[1, 2], probs=[0.5, bad]))
     dense = common_pb2.ProposalDistribution(
         dense=common_pb2.DenseProbs(float32_le=np.array([0.5, bad, 0.0], "<f4").tobytes())
     )
-    for distribution in (sparse, dense):
+    for distribution in (*_sparse_forms([1, 2], [0.5, bad]), dense):
         with pytest.raises(InvalidArgument, match="finite, non-negative"):
             wire.decode_distributions([distribution], [1], 3)
 
@@ -65,12 +76,9 @@ def test_a_value_that_is_not_a_probability_is_refused_in_either_form(bad):
 @pytest.mark.parametrize("scale", [0.5, 0.99, 1.01, 2.0])
 def test_a_row_whose_mass_is_not_one_is_refused_in_either_form(scale):
     """A row scaled by c accepts each draft with min(1, p/(cq)) and leaves the wrong residual."""
-    sparse = common_pb2.ProposalDistribution(
-        sparse=common_pb2.SparseProbs(token_ids=[1, 2], probs=[0.25 * scale, 0.75 * scale])
-    )
     scaled = np.array([0.0, 0.25, 0.75], "<f4") * np.float32(scale)
     dense = common_pb2.ProposalDistribution(dense=common_pb2.DenseProbs(float32_le=scaled.tobytes()))
-    for distribution in (sparse, dense):
+    for distribution in (*_sparse_forms([1, 2], [0.25 * scale, 0.75 * scale]), dense):
         with pytest.raises(InvalidArgument, match="sums to .*, not 1"):
             wire.decode_distributions([distribution], [1], 3)
 
@@ -95,18 +103,48 @@ def test_mass_past_the_targets_width_counts():
 def test_a_sparse_row_naming_an_id_twice_or_a_negative_one_is_refused(ids):
     """A repeated id would give the target's residual its last value and the coordinator's
     acceptance test (token_probability) its first: the output would not be the target's."""
-    sparse = common_pb2.ProposalDistribution(sparse=common_pb2.SparseProbs(token_ids=ids, probs=[0.2, 0.8]))
-    with pytest.raises(InvalidArgument, match="negative token id|twice"):
-        wire.decode_distributions([sparse], [1], 3)
+    for sparse in _sparse_forms(ids, [0.2, 0.8]):
+        with pytest.raises(InvalidArgument, match="negative token id|twice"):
+            wire.decode_distributions([sparse], [1], 3)
 
 
 def test_a_sparse_row_naming_an_id_twice_with_one_value_is_refused():
     """Its mass counts the id twice (here 1) where the row it decodes to holds 0.75."""
-    sparse = common_pb2.ProposalDistribution(
-        sparse=common_pb2.SparseProbs(token_ids=[1, 1, 2], probs=[0.25, 0.25, 0.5])
-    )
-    with pytest.raises(InvalidArgument, match="names a token id twice"):
-        wire.decode_distributions([sparse], [1], 3)
+    for sparse in _sparse_forms([1, 1, 2], [0.25, 0.25, 0.5]):
+        with pytest.raises(InvalidArgument, match="names a token id twice"):
+            wire.decode_distributions([sparse], [1], 3)
+
+
+def test_a_sparse_row_reads_the_same_in_either_form():
+    """A draft older than the packed form keeps working: the same row, the same decoded
+    values, the same probability for the coordinator's acceptance test."""
+    repeated, packed = _sparse_forms([9, 2, 5], [0.5, 0.125, 0.375])
+    want = torch.tensor([[0, 0, 0.125, 0, 0, 0.375, 0, 0, 0, 0.5]])
+    for row in (repeated, packed):
+        assert torch.equal(rows_on(wire.decode_distributions([row], [5], 10), "cpu"), want)
+        assert [wire.token_probability(row, token) for token in (5, 9, 3)] == [0.375, 0.5, 0.0]
+
+
+@pytest.mark.parametrize(
+    "sparse, said",
+    [
+        (common_pb2.SparseProbs(token_ids_le=b"\x01\x00\x00", probs_le=b"\x00\x00\x80\x3f"), "multiple of 4"),
+        (common_pb2.SparseProbs(token_ids_le=bytes(8), probs_le=bytes(4)), "2 ids but 1 probs"),
+        (
+            common_pb2.SparseProbs(token_ids=[1], probs=[1.0], token_ids_le=bytes(4), probs_le=bytes(4)),
+            "both packed and repeated",
+        ),
+    ],
+)
+def test_a_malformed_packed_row_is_refused_by_the_target_and_the_coordinator(sparse, said):
+    """The target refuses the verify; the coordinator fails the request as a malformed reply
+    (counted), never reading a row other than the one the draft sent."""
+    row = common_pb2.ProposalDistribution(sparse=sparse)
+    with pytest.raises(InvalidArgument, match=said):
+        wire.decode_distributions([row], [1], 3)
+    reply = draft_pb2.ProposeResponse(token_ids=[1], distributions=[row])
+    with pytest.raises(MalformedReply, match=f"draft service at d:1 sent a malformed distribution: .*{said}"):
+        round_from(reply, 1, "d:1", 3)
 
 
 def test_features_with_rows_but_no_width_are_refused():
