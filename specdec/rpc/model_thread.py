@@ -274,7 +274,10 @@ class CallBatcher(Generic[C, R]):
             # In the order they arrived: with joins, every call waits in `_joinable` while one runs.
             self._waiting = left + self._waiting
             self._running = None
-            self._idle_since = loop.time()
+            # The next window waits for this batch's callers to come back; a batch that answered
+            # no one (its callers all left, so it ran nothing or stopped) has none coming.
+            if not all(future.cancelled() for future in futures):
+                self._idle_since = loop.time()
         for future, result in zip(futures, results):
             _settle(future, result)  # a call answered early keeps that answer
         self._schedule()

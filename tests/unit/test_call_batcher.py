@@ -155,6 +155,25 @@ async def test_a_batch_whose_callers_all_left_while_it_waited_for_the_thread_run
     assert not model_thread.queued()
 
 
+async def test_calls_queued_behind_a_batch_whose_callers_all_left_do_not_wait_another_window(model_thread):
+    """The window after a batch is for its callers to come back; one that answered no one
+    has none coming, so the calls that queued behind it start as soon as it is dropped."""
+    recorder = Recorder()
+    batcher = CallBatcher(model_thread, recorder, window_s=1.0, max_size=8, more_expected=lambda waiting: waiting < 2)
+    release = threading.Event()
+    busy = asyncio.ensure_future(model_thread.run(release.wait, 5))
+    await asyncio.sleep(0.05)
+    left = [asyncio.ensure_future(batcher.submit(n)) for n in (1, 2)]  # two waiting: the batch starts at once
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(batcher.submit(3))  # behind the running batch, its window passing
+    for caller in left:
+        caller.cancel()
+    await asyncio.sleep(1.1)
+    release.set()
+    assert await asyncio.wait_for(queued, 0.5) == 6  # a second window would be 1 s
+    assert await busy and recorder.batches == [[3]]
+
+
 async def test_a_job_cancelled_before_it_started_no_longer_counts_as_queued(model_thread):
     """ModelThread.queued: a caller cancelled while its job waited leaves nothing queued, so a
     stepping job (TargetRunner.verify_steps) is not told to yield forever after."""
