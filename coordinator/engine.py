@@ -207,11 +207,9 @@ class Engine:
             runner_ups=runner_ups_for(overlap.hedges),
         )
         target_view = SessionView(session_id, namespace=job.cache_namespace)
-        waited_s = await self.upstream.place(draft_view, target_view, job.prompt_ids, job.max_new_tokens, wait_for)
-        stats.queued_ms = waited_s * 1000
-        if waited_s:
-            trace.get_current_span().add_event("queued", {"specdec.queued_ms": stats.queued_ms})
-        return RequestState(
+        # Whatever can refuse the request does so before it holds a place (a place is freed
+        # only by the request's end, which a request that never started never reaches).
+        state = RequestState(
             job=job,
             pair=pair,
             stats=stats,
@@ -229,6 +227,11 @@ class Engine:
             # depends on K); greedy output is the target's whatever K is.
             load_aware=not job.seeded_sampled,
         )
+        waited_s = await self.upstream.place(draft_view, target_view, job.prompt_ids, job.max_new_tokens, wait_for)
+        stats.queued_ms = waited_s * 1000
+        if waited_s:
+            trace.get_current_span().add_event("queued", {"specdec.queued_ms": stats.queued_ms})
+        return state
 
     async def _run_round(
         self, state: RequestState, plan: RoundPlan, draws: RoundDraws

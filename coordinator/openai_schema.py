@@ -79,13 +79,8 @@ SAMPLING = {
 LOGPROBS = {"logprobs", "top_logprobs"}  # chat: logprobs true/false and top_logprobs; completions: logprobs N
 MAX_CHOICES = 16  # `n`: choices per request, each a generation of its own (sessions on both services)
 EXTRAS = {
-    "num_speculative_tokens",
-    "draft_min_confidence",
-    "tree_widths",
-    "cache_salt",
-    "acceptance_mode",
-    "relaxed_top_n",
-    "relaxed_delta",
+    *("num_speculative_tokens", "draft_min_confidence", "tree_widths", "cache_salt", "acceptance_mode"),
+    *("relaxed_top_n", "relaxed_delta"),
 }
 
 
@@ -229,6 +224,10 @@ def parse_request_body(raw: bytes, chat: bool, model_name: str) -> Parsed:
     model. Work in proportion to the body's size, so the API runs it off the event loop."""
     try:
         body = json.loads(raw)
+        if b"\\u" in raw:  # an escaped lone surrogate ("\\ud800") decodes to a str no text encoding holds
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad_request("the request body escapes a lone UTF-16 surrogate (\\ud800-\\udfff): not text") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not JSON: {shown(str(exc), quote=False)}") from None
     except RecursionError:

@@ -26,6 +26,7 @@ from specdec.v1 import common_pb2
 # such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
 # to float32 as the request carries it, so a client that sends 1e-5 is accepted.
 MIN_TEMPERATURE = float(np.float32(1e-5))
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # the wire's float32: above, the services would read inf
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,10 @@ def prompt_ids_of(request: GenerationRequest, pair: PairInfo, tokenizer: PreTrai
             raise InvalidArgument("prompt encodes to no tokens; send non-empty text", field="prompt")
     elif request.prompt_token_ids:
         check_prompt_length(len(request.prompt_token_ids), pair, "prompt_token_ids")  # before any per-id work
-        ids = np.asarray(request.prompt_token_ids, dtype=np.int64)  # [N]
+        try:
+            ids = np.asarray(request.prompt_token_ids, dtype=np.int64)  # [N]
+        except OverflowError:  # an HTTP body's id past 64 bits (gRPC's are int32)
+            raise InvalidArgument("prompt_token_ids holds an id past 64 bits", field="prompt_token_ids") from None
         outside = np.flatnonzero((ids < 0) | (ids >= pair.vocab_size))
         if outside.size:
             i = int(outside[0])
@@ -290,16 +294,14 @@ def max_new_tokens_of(request: GenerationRequest, config: CoordinatorConfig, con
 
 def checked_top_p(request: GenerationRequest) -> float:
     """Checks the temperature and top_k, then returns top_p (1.0, off, where unset)."""
-    if not (
-        math.isfinite(request.temperature) and (request.temperature == 0 or request.temperature >= MIN_TEMPERATURE)
-    ):
+    if not (request.temperature == 0 or MIN_TEMPERATURE <= request.temperature <= MAX_TEMPERATURE):
         raise InvalidArgument(
-            f"temperature must be a finite number >= 0 (0 = greedy), and if positive at least {MIN_TEMPERATURE:g} "
-            f"(smaller ones overflow the logits); got {request.temperature}",
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:.6g}] (smaller ones "
+            f"overflow the logits, larger ones the wire's float32); got {request.temperature}",
             field="temperature",
         )
-    if request.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {request.top_k}", field="top_k")
+    if not 0 <= request.top_k < 2**31:  # the wire's int32
+        raise InvalidArgument(f"top_k must be in [0, 2^31) (0 = off); got {request.top_k}", field="top_k")
     top_p = 1.0 if request.top_p is None else request.top_p
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidArgument(f"top_p must be in (0, 1] (1.0 = off); got {top_p}", field="top_p")

@@ -6,13 +6,17 @@ count them, and the coordinator counts them as its own, not another coordinator'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import AutoTokenizer
 
+from coordinator import engine as engine_module
 from coordinator import server as coordinator_server
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
 from specdec.engine.modeling import tokenizer_fingerprint
+from specdec.errors import InvalidArgument
 from specdec.tools.testing import word_tokenizer
 from tests.stack import configured
 from tests.table_services import TableDraft, TableModel, TableTarget
@@ -51,3 +55,39 @@ async def test_sessions_stop_pending_once_their_replica_answers(tokenizer_dir, o
     finally:
         engine.close()
         await engine.wait_cleanup()
+
+
+@pytest.mark.parametrize("refusal", ["top_k", "state"])
+async def test_a_request_refused_before_its_first_round_holds_no_place(tokenizer_dir, monkeypatch, refusal):
+    """A top_k past the wire's int32 is the caller's error, named; and whatever else fails
+    while the request's state is built fails it before its sessions take places: a place is
+    freed only at the request's end, which such a request never reaches, so each one used
+    to keep a session and its KV reservation on both replicas until the coordinator restarted."""
+    target_model = TableModel(24, salt=1, logit_scale=1.5)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
+    target = TableTarget(target_model, fingerprint)
+    config = CoordinatorConfig(
+        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+    )
+    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    if refusal == "state":
+        monkeypatch.setattr(engine_module.wire, "params_to_pb", _broken)
+    replicas = [*engine.upstream.drafts.replicas.values(), *engine.upstream.targets.replicas.values()]
+    try:
+        request = GenerationRequest(prompt_token_ids=(1, 0, 1), max_new_tokens=4, temperature=1.0, top_k=2**31 - 1)
+        if refusal == "top_k":
+            request = dataclasses.replace(request, top_k=2**31)
+        with pytest.raises(InvalidArgument if refusal == "top_k" else ValueError, match="top_k"):
+            async for _ in engine.generate(request):
+                pass
+        assert [(replica.sessions, replica.reserved_bytes, len(replica.pending)) for replica in replicas] == [
+            (0, 0, 0)
+        ] * 2
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
+
+
+def _broken(params):
+    raise ValueError(f"Value out of range: top_k {params.top_k}")

@@ -14,7 +14,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import GenerationStats
 from coordinator.openai_api import OpenAIApi
-from coordinator.openai_schema import ApiError, api_error, parse_body, speculation
+from coordinator.openai_schema import ApiError, api_error, parse_body, parse_request_body, speculation
 from coordinator.requests import GenerationRequest, prepare_job
 from specdec.errors import InvalidArgument
 from specdec.tools.testing import byte_level_tokenizer
@@ -163,3 +163,32 @@ def test_tokens_per_round_counts_each_rounds_next_token_over_every_choice():
     figures = speculation(first, second)
     assert figures["tokens_per_round"] == 2.0 and figures["rounds"] == 3
     assert speculation(first)["tokens_per_round"] == first.mean_accepted_length == 1.5
+
+
+@pytest.mark.parametrize(
+    "body, param, said",
+    [
+        ({"prompt": "abc", "top_k": 2**31}, "top_k", "top_k must be in"),
+        ({"prompt": "abc", "temperature": 1e39}, "temperature", "larger ones the wire's float32"),
+        ({"prompt": [1, 10**20]}, "prompt", "past 64 bits"),
+    ],
+)
+def test_a_value_the_wire_cannot_carry_is_the_clients_error_naming_it(body, param, said):
+    """HTTP's JSON numbers are unbounded where the services' fields are int32 or float32:
+    each was a 500 with a logged traceback (and top_k's held a session place for good)."""
+    config = CoordinatorConfig(draft_address="d:1", target_address="t:1", tokenizer="t")
+    with pytest.raises(InvalidArgument) as refused:
+        prepare_job(parse_body(body, chat=False).request, config, PAIR, byte_level_tokenizer())
+    error = api_error(refused.value)
+    assert (error.status, error.param) == (400, param) and said in error.message
+
+
+@pytest.mark.parametrize("field", ['"prompt": "a\\ud800b"', '"messages": [{"role": "user", "content": "\\udfff"}]'])
+def test_an_escaped_lone_surrogate_is_a_bad_request(field):
+    """JSON may escape half a UTF-16 pair; no text holds it, and the tokenizer raised a
+    TypeError (a 500) on it. A pair escaped whole is text, and passes."""
+    with pytest.raises(ApiError) as refused:
+        parse_request_body(("{" + field + "}").encode(), chat="messages" in field, model_name="m")
+    assert refused.value.status == 400 and "lone UTF-16 surrogate" in refused.value.message
+    whole = parse_request_body(b'{"prompt": "\\ud83d\\ude00"}', chat=False, model_name="m")
+    assert whole.request.prompt == "\U0001f600"
