@@ -308,7 +308,9 @@ class OpenAIApi:
         # their logprobs with the choice's next event that carries text.
         pending_ids: list[list[int]] = [[] for _ in relays]
         pending: list[list] = [[] for _ in relays]
-        sent_chars = [0] * len(relays)
+        # Where each choice's next token starts among its tokens' texts (completions' text_offset,
+        # as the whole response counts them: text held back for a stop string included).
+        offsets = [0] * len(relays)
         finals: list[GenerationStats] = []
         running = len(relays)
         while running:
@@ -321,9 +323,10 @@ class OpenAIApi:
             pending_ids[index] += chunk.token_ids
             pending[index] += chunk.logprobs
             if chunk.text or finish:
-                logprobs = self._logprobs(parsed, pending_ids[index], pending[index], sent_chars[index])
+                logprobs = self._logprobs(parsed, pending_ids[index], pending[index], offsets[index])
                 payload = stream_event(envelope, parsed.chat, index, chunk.text, finish, logprobs=logprobs)
-                sent_chars[index] += len(chunk.text)
+                if logprobs is not None and logprobs.get("tokens"):  # completions' shape
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 pending_ids[index], pending[index] = [], []
                 if chunk.stats is not None:
                     payload["speculation"] = speculation(chunk.stats)
