@@ -169,14 +169,14 @@ class Pool:
         Whether it answers at all is its health's to say, which its event loop answers at once:
         Info waits for its model thread, behind the pass running there (a long prompt's prefill
         runs for seconds on a CPU), so a replica whose Info is late is busy, not hung, and keeps
-        its last Info (which closes no breaker), for as long as a call's deadline
-        (`stuck_after_s`, or, if later, that of the last of this coordinator's calls sent there
-        before its Info went late, which grows with a prompt's prefill): past it, its model
-        thread is stuck in a pass (a GPU hang, a deadlocked collective), and it is hung too. One that refuses the
-        coordinator (its token) is refused: waiting will not mend that."""
+        its last Info (which closes no breaker), for as long as a call's deadline (`stuck_after_s`,
+        or, if later, that of the last of this coordinator's calls sent there before its Info went
+        late, which grows with a prompt's prefill): past it, its model thread is stuck in a pass (a
+        GPU hang, a deadlocked collective): hung. One refusing the coordinator (its token) is refused."""
         serving = await replica.client.serving(PROBE_TIMEOUT_S)
         replica.unanswered = replica.unanswered + 1 if serving is None else 0
-        if not serving:  # silent, draining or gone (its calls fail by themselves)
+        if not serving:  # silent, draining or gone (its calls fail by themselves): late from scratch when back
+            replica.late_since = None
             return None
         try:
             info = await replica.client.info(PROBE_TIMEOUT_S)
@@ -210,6 +210,7 @@ class Pool:
         if refused := self.mismatch(info):
             self._log_change(replica, info, refused)
             replica.refused, replica.serving = refused, False
+            replica.seen(info)  # what a refresh keeps while its Info is late (`_ask`)
             raise Unavailable(f"{self.role} replica {replica.address} lost the session, and is refused now: {refused}")
 
     def _apply(self, replica: Replica, info: common_pb2.ModelInfo | None) -> None:
@@ -223,7 +224,7 @@ class Pool:
             return
         if self.reference is None:
             self.reference = info
-        refused = self.mismatch(info)
+        refused = self.mismatch(info) or ("" if fresh else replica.refused)  # a late Info may predate a restart
         self._log_change(replica, info, refused)
         replica.refused = refused
         if fresh:
@@ -376,9 +377,8 @@ class Pool:
         """A serving replica with room, or with none serving `place_anywhere`; None: wait. A
         replica that stops counting as serving (one failed call, one missed probe) is no
         reason to place the queue on it past its room."""
-        if placed := self.place(prompt=prompt, reserve=reserve, fit=True, session_id=session_id):
-            return placed
-        return None if self.serving else self.place_anywhere(reserve, session_id)
+        placed = self.place(prompt=prompt, reserve=reserve, fit=True, session_id=session_id)
+        return placed or (None if self.serving else self.place_anywhere(reserve, session_id))
 
     @property
     def waiting(self) -> int:

@@ -14,7 +14,7 @@ from coordinator.placement import PREFIX_AFFINITY_SLACK, prefix_keys
 from coordinator.pools import Pool
 from coordinator.replica import HUNG_AFTER_PROBES, Replica
 from specdec.engine.modeling import load_causal_lm
-from specdec.errors import DeadlineExceeded, ResourceExhausted
+from specdec.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from specdec.rpc import wire
 from specdec.rpc.dns import parse_pool, resolve
 from specdec.rpc.security import ChannelSecurity
@@ -523,6 +523,62 @@ def test_calls_sent_to_a_late_replica_do_not_keep_it_from_being_found_hung():
 
     asyncio.run(late_then_new_calls())
     assert a.hung and a.client.abandoned > 0 and pool.place() is b
+
+
+class RestartedClient(BusyClient):
+    """A replica restarted serving another model: its Info answers once (the lost session's
+    check), then is late (busy re-prefilling), so a refresh keeps its last Info."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.answers = True
+
+    async def info(self, timeout_s: float) -> common_pb2.ModelInfo:
+        if not self.answers:
+            raise DeadlineExceeded(f"{self.address} did not answer")
+        self.answers = False
+        return common_pb2.ModelInfo(model_id="m", tokenizer_fingerprint="f", vocab_size=8, quantization="int8")
+
+
+def test_a_replica_refused_for_another_model_stays_refused_while_its_info_is_late():
+    """check_same_model refused it; a refresh that then found its Info late (busy) used to
+    keep its Info from before the restart, the old model's, which matched: the refusal was
+    cleared and the replica took new sessions, and failovers, for another model's tokens."""
+    pool, a, b = busy_pool()
+    a.client = RestartedClient("a:1")
+    with pytest.raises(Unavailable, match="refused now: .*quantization"):
+        asyncio.run(pool.check_same_model(a))
+    asyncio.run(refreshes(pool, 2))
+    assert a.refused and not a.serving and not a.usable and pool.place() is b
+
+
+class FlakyHealthClient(BusyClient):
+    """A busy replica (Info late) whose health stops answering while `down`."""
+
+    down = False
+
+    async def serving(self, timeout_s: float) -> bool | None:
+        return None if self.down else True
+
+
+def test_a_replica_late_before_it_went_down_is_late_from_scratch_when_back():
+    """Its Info was late, then its health stopped answering (a crash, a drain); back later and
+    busy again (re-prefills), it used to count as late since before it went down: hung at
+    once, its calls given up on, the very re-prefills that kept it busy."""
+    pool, a, b = busy_pool()
+    a.client = FlakyHealthClient("a:1")
+    pool.stuck_after_s = 0.2
+
+    async def late_down_then_back() -> None:
+        await pool.refresh()  # Info late from here
+        a.client.down = True
+        await pool.refresh()
+        await asyncio.sleep(0.3)  # down for longer than a call's deadline
+        a.client.down = False
+        await pool.refresh()  # back, and busy
+
+    asyncio.run(late_down_then_back())
+    assert not a.stuck and not a.hung and a.client.abandoned == 0
 
 
 def budgeted_pool(*addresses: str, budget: int, max_sessions: int = 0) -> Pool:
