@@ -31,7 +31,7 @@ from coordinator.pair import PairInfo
 from coordinator.rounds import RequestState, RoundDraws, RoundKind, RoundPlan, k_limit
 from coordinator.state import Round, Settled, Source
 from coordinator.upstream import Upstream
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.errors import ResourceExhausted, ServiceRefused, Unavailable
 from specdec.sampling.tree_sampling import tree_size
 
 
@@ -94,9 +94,10 @@ class DraftCall:
                 tree_widths=plan.widths,
                 features=state.features.message() if state.features is not None else None,
             )
-        except (Unavailable, CallRejected, ResourceExhausted) as exc:
+        except (Unavailable, CallRejected, ResourceExhausted, ServiceRefused) as exc:
             # Target-only for this round: the same output, only slower. Not only UNAVAILABLE: a
-            # draft restarted with other capabilities rejects calls it used to take, one short of
+            # draft restarted with other capabilities rejects calls it used to take, or with
+            # another token refuses the coordinator (its session moves where one serves), one short of
             # sessions or memory refuses this request (target-only rounds, then it asks again:
             # DraftRefusals), and the draft only ever speeds a request up. A broken draft (NaN
             # logits: INTERNAL) still fails the request, loudly (tests/integration/test_guards.py).

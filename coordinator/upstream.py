@@ -258,7 +258,8 @@ class Upstream:
             logger.info("draft refused the request, which runs target-only rounds before asking again: %s", exc)
             return
         logger.warning("draft call failed, round runs target-only: %s", exc)
-        draft_view.lost = isinstance(exc, Unavailable) and not isinstance(exc, DeadlineExceeded)
+        # Gone, or refusing the coordinator (another token): the session moves where one serves.
+        draft_view.lost = not isinstance(exc, (DeadlineExceeded, CallRejected))
         if replica.breaker.record_failure():
             logger.warning(
                 "draft at %s failed %d times in a row: no round calls it until a pool refresh finds it serving",

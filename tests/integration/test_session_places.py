@@ -16,7 +16,7 @@ from coordinator import server as coordinator_server
 from coordinator.config import CoordinatorConfig
 from coordinator.requests import GenerationRequest
 from specdec.engine.modeling import tokenizer_fingerprint
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ServiceRefused
 from specdec.tools.testing import word_tokenizer
 from tests.stack import configured
 from tests.table_services import TableDraft, TableModel, TableTarget
@@ -91,3 +91,43 @@ async def test_a_request_refused_before_its_first_round_holds_no_place(tokenizer
 
 def _broken(params):
     raise ValueError(f"Value out of range: top_k {params.top_k}")
+
+
+class TokenChangedDraft(TableDraft):
+    """A draft restarted with another --auth-token-file after `serves` proposals: it refuses
+    the coordinator (UNAUTHENTICATED), as ServiceClient translates it."""
+
+    def __init__(self, *args, serves: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.serves = serves
+
+    async def propose(self, request, allowance_s=0.0):
+        self.serves -= 1
+        if self.serves < 0:
+            raise ServiceRefused(f"draft service at {self.address} refused the coordinator (UNAUTHENTICATED)")
+        return await super().propose(request, allowance_s)
+
+
+async def test_a_draft_that_refuses_the_coordinator_mid_request_leaves_it_target_only(tokenizer_dir):
+    """The draft only ever speeds a request up: one restarted with another token failed every
+    request whose session it held at its next draft call (INTERNAL); now such a request runs
+    on target-only rounds, its session moving where another replica serves."""
+    target_model = TableModel(24, salt=1, logit_scale=1.5)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+    draft = TokenChangedDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint, serves=2)
+    target = TableTarget(target_model, fingerprint)
+    config = CoordinatorConfig(
+        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+    )
+    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    try:
+        request = GenerationRequest(
+            prompt_token_ids=(1, 0, 1), max_new_tokens=16, temperature=1.0, seed=5, num_speculative_tokens=2
+        )
+        chunks = [chunk async for chunk in engine.generate(request)]
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
+    stats = chunks[-1].stats
+    assert sum(len(chunk.token_ids) for chunk in chunks) == 16 and chunks[-1].finish_reason == "length"
+    assert stats is not None and stats.draft_failures >= 1 and stats.fallback_rounds >= 1
