@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -131,8 +132,8 @@ class Engine:
         (`plan_round`), never on a time measured during the request, so a seed maps to one
         output on one running deployment.
         """
-        pair = self.pair  # the request's snapshot, from validation to its last round
-        state = await self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s)
+        pair, received = self.pair, time.perf_counter()  # the request's snapshot, from validation to its last round
+        state = await self._start(await self.off_loop(self.prepare, request, pair), pair, time_remaining_s, received)
         branches: BranchCall | None = None  # drafted during the verify, until the outcome settles them
         try:
             while True:
@@ -176,14 +177,16 @@ class Engine:
         self.choosers.learn(state)
         return Chunk(delta.token_ids, delta.text, state.text.finish_reason, stats, delta.logprobs)
 
-    async def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None) -> RequestState:
+    async def _start(self, job: Job, pair: PairInfo, time_remaining_s: float | None, received: float) -> RequestState:
         """A request's state before its first round, its sessions placed (after waiting for
-        room on a target replica, if every one is full)."""
+        room on a target replica, if every one is full); its clock runs from `received`
+        (perf_counter), before it was prepared (tokenised, templated: in turn on one thread)."""
         # Give up on an unavailable target, or waiting for room, in time to tell the client so
         # before its own deadline.
         now, wait_for = asyncio.get_running_loop().time(), self.config.queue_timeout_s
         retry = RetryWindow(self.config.connect_timeout_s)
         if time_remaining_s is not None:
+            time_remaining_s -= time.perf_counter() - received
             wait_for = min(wait_for, 0.7 * time_remaining_s)
             retry = dataclasses.replace(retry, until=now + 0.7 * time_remaining_s)
         session_id = uuid.uuid4().hex
@@ -192,11 +195,12 @@ class Engine:
         stats = GenerationStats(
             prompt_tokens=len(job.prompt_ids),
             target_numerics=pair.target_numerics,
+            pipelined=overlap.pipelined,
             acceptance_mode=job.acceptance_mode.value,
             relaxed_top_n=job.relaxed.top_n if job.relaxed is not None else 0,
             relaxed_delta=job.relaxed.delta if job.relaxed is not None else 0.0,
+            _start=received,
         )
-        stats.pipelined = overlap.pipelined
         draft_view = SessionView(
             session_id,
             min_confidence=job.draft_min_confidence,

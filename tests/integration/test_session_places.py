@@ -7,6 +7,7 @@ count them, and the coordinator counts them as its own, not another coordinator'
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -131,3 +132,39 @@ async def test_a_draft_that_refuses_the_coordinator_mid_request_leaves_it_target
     stats = chunks[-1].stats
     assert sum(len(chunk.token_ids) for chunk in chunks) == 16 and chunks[-1].finish_reason == "length"
     assert stats is not None and stats.draft_failures >= 1 and stats.fallback_rounds >= 1
+
+
+async def test_a_requests_clock_and_deadline_run_from_its_receipt(tokenizer_dir, monkeypatch):
+    """Preparing a request (templating, tokenising) runs in turn on one thread, behind other
+    requests' long prompts: its time counts in time_to_first_token_ms and total_ms, and comes
+    off the client's deadline before the queue and retry windows are cut from it."""
+    target_model = TableModel(24, salt=1, logit_scale=1.5)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
+    target = TableTarget(target_model, fingerprint)
+    config = CoordinatorConfig(
+        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+    )
+    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    prepare, windows = engine.prepare, []
+
+    def slow_prepare(*args):
+        time.sleep(0.3)
+        return prepare(*args)
+
+    async def place(draft_view, target_view, prompt_ids, max_new_tokens, wait_s):
+        windows.append(wait_s)
+        return await upstream_place(draft_view, target_view, prompt_ids, max_new_tokens, wait_s)
+
+    upstream_place = engine.upstream.place
+    monkeypatch.setattr(engine, "prepare", slow_prepare)
+    monkeypatch.setattr(engine.upstream, "place", place)
+    try:
+        request = GenerationRequest(prompt_token_ids=(1, 0, 1), max_new_tokens=4, temperature=1.0, seed=1)
+        chunks = [chunk async for chunk in engine.generate(request, time_remaining_s=1.0)]
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
+    stats = chunks[-1].stats
+    assert stats is not None and stats.time_to_first_token_ms >= 300 and stats.total_ms >= 300
+    assert windows and windows[0] <= 0.7 * 0.7  # 0.7 of the 0.7 s left after preparing, at most
