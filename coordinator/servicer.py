@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import overload
 
 import grpc
@@ -127,11 +128,12 @@ def chunk_to_pb(chunk: Chunk) -> coordinator_pb2.GenerateResponse:
 
 
 async def metered(
-    chunks: AsyncGenerator[Chunk, None], metrics: CoordinatorMetrics | None
+    chunks: AsyncGenerator[Chunk, None], metrics: CoordinatorMetrics | None, expired: Callable[[], bool] = bool
 ) -> AsyncGenerator[Chunk, None]:
     """`chunks`, with the request counted in flight, then logged and counted by its outcome:
     what every request gets, from gRPC and from the HTTP API alike. The generation is closed
-    as soon as this is (a client gone), so its sessions are freed at once."""
+    as soon as this is (a client gone), so its sessions are freed at once. `expired()`: the
+    client's deadline has passed, which cancels the handler as a client leaving does."""
     if metrics is not None:
         metrics.requests_in_flight.inc()
     try:
@@ -144,7 +146,9 @@ async def metered(
                 yield chunk
     except BaseException as exc:
         if metrics is not None:
-            metrics.observe_failed(status_of(exc), isinstance(exc, MalformedReply))
+            cancelled = isinstance(exc, (asyncio.CancelledError, GeneratorExit))
+            code = grpc.StatusCode.DEADLINE_EXCEEDED.name if cancelled and expired() else status_of(exc)
+            metrics.observe_failed(code, isinstance(exc, MalformedReply))
         raise
     finally:
         if metrics is not None:
@@ -189,7 +193,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async for chunk in self._engine.generate(generation, remaining):
                 yield chunk
 
-        async for chunk in metered(chunks(), self._metrics):
+        def expired() -> bool:
+            return (left := context.time_remaining()) is not None and left <= 0
+
+        async for chunk in metered(chunks(), self._metrics, expired):
             yield chunk
 
     @grpc_errors
