@@ -155,11 +155,13 @@ class NgramDrafter:
             raise InvalidArgument("the n-gram drafter proposes chains only; tree_widths needs a model drafter")
         check_call_sizes(call, self.max_speculative_tokens, copies=True)
         check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
+        if call.keep_tokens == 0 and not call.new_tokens:  # before the call touches a live session of that id
+            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         check_context(
             call.keep_tokens + len(call.new_tokens) + max(call.num_tokens, call.copy_limit), self.info.max_context
         )
         session = self.sessions.for_call(call.session_id, call.keep_tokens, call.epoch, call.fork_from)
-        self.sessions.extend(session, call.keep_tokens, call.new_tokens)  # an empty sequence ends it
+        self.sessions.extend(session, call.keep_tokens, call.new_tokens)
         token_ids, clock = copy_tail(session, call, self.source)
         return copied_proposal(token_ids, session, clock.ms())
 

@@ -183,6 +183,8 @@ class DraftStepper(ModelRunner):
         clock = Stopwatch()
         keep, new_tokens, positions = self._own_ids(call)
         self.check_tokens(new_tokens, "new_tokens")
+        if keep == 0 and not new_tokens:  # before the call touches a live session of that id
+            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
         if self.bridge is not None and keep + len(new_tokens) + drafts > self.loaded.max_context:
             # The caller counts its own tokens, which this draft spells with more: a request near
             # the draft's context is this request's limit, not a fault of the node (the caller runs

@@ -92,11 +92,11 @@ class KVSession:
         self.tokens.extend(new_tokens)
         self.last_used = time.monotonic()
 
-    def extend(self, keep_tokens: int, new_tokens: list[int]) -> list[int]:
-        """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run."""
+    def extend(self, keep_tokens: int, new_tokens: list[int], scored: int = 1) -> list[int]:
+        """Rolls back to `keep_tokens`, appends `new_tokens`; returns the tokens to run, the last `scored` always."""
         if self.tree is not None:
             tree, self.tree = self.tree, None
-            keep_tokens, new_tokens = self._reuse_tree(tree, keep_tokens, new_tokens)
+            keep_tokens, new_tokens = self._reuse_tree(tree, keep_tokens, new_tokens, len(new_tokens) - scored)
         self.rollback(keep_tokens, new_tokens)
         surplus = self.cached_tokens - keep_tokens
         if surplus > 0:
@@ -117,17 +117,17 @@ class KVSession:
         and still the session's sequence (a rollback crops the cache only at the next call)."""
         return min(self.aligned_tokens, self.cached_tokens, len(self.tokens))
 
-    def _reuse_tree(self, tree: CachedTree, keep_tokens: int, new_tokens: list[int]) -> tuple[int, list[int]]:
-        """Keeps the cached tree nodes on the path `new_tokens` spells (a gather: the path's
-        entries need not be contiguous) and drops the others; returns the call's keep and new
-        tokens with that path counted as kept."""
+    def _reuse_tree(self, tree: CachedTree, keep_tokens: int, new_tokens: list[int], upto: int) -> tuple[int, list]:
+        """Keeps the cached tree nodes on the path the first `upto` of `new_tokens` spell (a
+        gather: the path's entries need not be contiguous) and drops the others; returns the
+        call's keep and new tokens with that path counted as kept."""
         cache = self.model_cache()
         if self.cached_tokens != tree.start + tree.cached_nodes:
             raise AssertionError(f"session {self.session_id}: the cache does not end in the tree it recorded")
         if keep_tokens != tree.start or keep_tokens != len(self.tokens):
             cache.crop(-tree.cached_nodes)  # a rollback past the tree: none of its nodes is kept
             return keep_tokens, new_tokens
-        path = tree.path(new_tokens)
+        path = tree.path(new_tokens[: max(0, upto)])
         keep_tree_path(cache, tree.start, path)
         self.tokens.extend(new_tokens[: len(path)])
         return keep_tokens + len(path), new_tokens[len(path) :]
@@ -315,8 +315,8 @@ class SessionStore:
                     session.cache = cache
                 self.prefix.started(hit)
                 session.aligned_tokens, session.tokens = hit, list(new_tokens[:hit])
-                return session.extend(hit, new_tokens[hit:])
-        return session.extend(keep_tokens, new_tokens)
+                return session.extend(hit, new_tokens[hit:], scored)
+        return session.extend(keep_tokens, new_tokens, scored)
 
     def for_call(
         self, session_id: str, keep_tokens: int, epoch: int, fork_from: str = "", namespace: str = ""
