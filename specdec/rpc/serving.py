@@ -147,9 +147,16 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Server
 
 
 async def expire_sessions_periodically(model_thread: ModelThread, expire: Callable[[], int], every_s: float) -> None:
+    """Ends idle sessions every `every_s` until cancelled. A round that fails (a prefix-cache
+    block's copy out of device memory) is logged and the next one runs: the task ending would
+    leave idle sessions held until a new session's opening expires them."""
     while True:
         await asyncio.sleep(every_s)
-        expired = await model_thread.run(expire)
+        try:
+            expired = await model_thread.run(expire)
+        except Exception:  # noqa: BLE001 - logged; the next round tries again
+            logger.exception("expiring idle sessions failed; trying again in %.0f s", every_s)
+            continue
         if expired:
             logger.info("expired %d idle sessions", expired)
 

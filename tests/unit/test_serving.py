@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from coordinator.openai_api import start_http
 from specdec.config.services import ServerSecurity
 from specdec.rpc import serving, telemetry
+from specdec.rpc.model_thread import ModelThread
 
 
 class _Running:
@@ -108,3 +109,26 @@ async def test_a_port_another_server_holds_is_a_one_line_start_up_error():
             await start_http(None, "m", "127.0.0.1", port, ServerSecurity())  # type: ignore[arg-type]
     finally:
         await first.stop(0)
+
+
+async def test_a_failed_expiry_round_is_logged_and_the_next_one_runs(caplog):
+    """One round raising (a prefix-cache block copied out of device memory) ended the task:
+    idle sessions were then held until a new session's opening expired them."""
+    rounds = []
+
+    def expire() -> int:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise RuntimeError("CUDA out of memory")
+        return 0
+
+    thread = ModelThread("test-expiry")
+    task = asyncio.ensure_future(serving.expire_sessions_periodically(thread, expire, 0.01))
+    try:
+        async with asyncio.timeout(5):
+            while len(rounds) < 3:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        thread.shutdown()
+    assert "expiring idle sessions failed" in caplog.text
