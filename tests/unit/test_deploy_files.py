@@ -1018,3 +1018,57 @@ def test_health_probe_follows_the_services_tls_settings(tls_files):
         "flags win over variables"
     )
     assert healthcheck.service_tls(argv, {"SPECDEC_DRAFT_TLS_CERT": ""}) is None, "an empty variable means unset"
+
+
+# What a service's shutdown takes past --shutdown-grace: health's notice (serving.py), the
+# coordinator's session ends (coordinator.server.CLEANUP_S), the trace flush (2 s), and a
+# tensor-parallel target's workers' exits (10 s); then the runtime kills it.
+SHUTDOWN_EXTRA_S = {"coordinator": 1 + 5 + 2, "draft_service": 1 + 2, "target_service": 1 + 2 + 10}
+
+
+def prestop_pause_s(manifest: dict) -> float:
+    command = manifest.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    match = re.search(r"time\.sleep\((\d+(?:\.\d+)?)\)", " ".join(command))
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("name", sorted(K8S_CONTAINERS))
+def test_k8s_pods_pause_before_sigterm_and_get_their_whole_shutdown(name):
+    """Endpoints drop a terminating pod on their own time: without a pause before SIGTERM, new
+    calls met a server that had stopped accepting after its one-second notice. And the grace
+    period must cover the shutdown, or the kill drops the sessions' ends (held till their TTL)."""
+    container, manifest, deployment = K8S_CONTAINERS[name]
+    pause = prestop_pause_s(manifest)
+    needed = pause + container.config().shutdown_grace_s + SHUTDOWN_EXTRA_S[container.module]
+    assert pause >= 5 and pod_spec(deployment)["terminationGracePeriodSeconds"] >= needed
+
+
+@pytest.mark.parametrize("services", [COMPOSE, COMPOSE_POOLS], ids=["compose", "compose+pools"])
+def test_compose_stop_grace_covers_each_services_shutdown(services):
+    for name, container in compose_containers(services).items():
+        grace = services[name]["stop_grace_period"]
+        assert grace.endswith("s"), f"{name}: stop_grace_period in seconds, please"
+        extra = SHUTDOWN_EXTRA_S[container.module] - (10 if container.module == "target_service" else 0)
+        assert float(grace[:-1]) >= container.config().shutdown_grace_s + extra, name
+
+
+def test_tensor_parallel_targets_get_room_in_dev_shm():
+    """NCCL shares buffers through /dev/shm; a container's 64 MB default fails its start."""
+    _, manifest, deployment = K8S_CONTAINERS["specdec-target"]
+    volumes = {volume["name"]: volume for volume in pod_spec(deployment)["volumes"]}
+    [shm] = [mount for mount in manifest["volumeMounts"] if mount["mountPath"] == "/dev/shm"]
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    for services in (COMPOSE, COMPOSE_POOLS):
+        for name, container in compose_containers(services).items():
+            if container.module == "target_service":
+                assert services[name]["shm_size"] == "1gb", name
+
+
+def test_every_target_replica_has_a_kv_budget():
+    """A replica without one counts as always having room (coordinator.replica.room), so a
+    pool's overflow went to it: on a GPU, until it ran out of memory."""
+    for services in (COMPOSE, COMPOSE_POOLS):
+        for name, container in compose_containers(services).items():
+            if container.module == "target_service":
+                assert container.config().max_kv_bytes, name
+    assert K8S_CONTAINERS["specdec-target"][0].config().max_kv_bytes
