@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
 
 from draft_service.config import DraftConfig, parse_config
 from draft_service.eagle import EagleRunner
@@ -168,8 +168,10 @@ def int8_on_cpu(loaded: LoadedModel) -> LoadedModel:
     session's keys as its lone pass does: bitwise. A prompt longer than MAX_ROWS runs alone
     (draft_service.batched), under SDPA."""
     quantize_int8(loaded.model)
-    if loaded.device == "cpu":
+    if loaded.device == "cpu" and isinstance(loaded.model, PreTrainedModel):
         loaded.model.set_attn_implementation(attention.BATCHES)
+    elif loaded.device == "cpu":  # an EAGLE head: its Llama layer reads its config's choice
+        loaded.model.config._attn_implementation = attention.BATCHES
     return dataclasses.replace(loaded, quantization=INT8_LABEL)
 
 

@@ -49,9 +49,8 @@ def eagle_runner(tiny_pair, head, **settings):
             model=str(tiny_pair.target),
             drafter="eagle",
             draft_head=str(head),
-            quantize="none",
             min_confidence=0.0,
-            **{"calibrate": False, **settings},
+            **{"calibrate": False, "quantize": "none", **settings},
         )
     )
 
@@ -304,12 +303,15 @@ def test_the_compact_form_shards_under_the_file_limit_and_loads_back(tmp_path, m
     torch.testing.assert_close(back["norm.weight"].float(), state["norm.weight"], atol=1e-3, rtol=1e-3)
 
 
-def test_sessions_share_the_heads_passes_and_draft_what_each_drafts_alone(tiny_pair, heads):
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_sessions_share_the_heads_passes_and_draft_what_each_drafts_alone(tiny_pair, heads, quantize):
     """propose_batch over an EAGLE head: each row of a shared pass reads its own session's
     track, so every call drafts what it drafts alone. Round 2 brings the target's features; in
     round 3 a call's second token reads the first's output, so that call runs alone, in two
-    passes, while the others still share theirs."""
-    lone, batched = eagle_runner(tiny_pair, heads[EAGLE3]), eagle_runner(tiny_pair, heads[EAGLE3])
+    passes, while the others still share theirs. In int8 too, the CPU's default (which failed
+    at start-up: the head has no set_attn_implementation), its batches row by row."""
+    lone = eagle_runner(tiny_pair, heads[EAGLE3], quantize=quantize)
+    batched = eagle_runner(tiny_pair, heads[EAGLE3], quantize=quantize)
     width = lone.feature_width
     prompts = {f"s{i}": list(range(5 + i, 12 + 3 * i)) for i in range(3)}
     features = {
