@@ -5,7 +5,6 @@ the speculation figures side by side."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import textwrap
@@ -196,7 +195,13 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
                 + (f" ({s.copied_rounds} of them copies, {s.copied_tokens} tokens)" if s.copied_rounds else "")
                 + f", acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/round, "
                 f"TTFT {s.time_to_first_token_ms:.0f} ms, draft {s.draft_ms:.0f} ms, target {s.target_ms:.0f} ms\n"
-                f"  speedup {s.tokens_per_second / target_only.stats.tokens_per_second:.2f}x"
+                + (
+                    f"  the draft failed {s.draft_failures} times: {s.fallback_rounds} rounds ran target-only "
+                    "(the draft service's log says why)\n"
+                    if s.fallback_rounds
+                    else ""
+                )
+                + f"  speedup {s.tokens_per_second / target_only.stats.tokens_per_second:.2f}x"
                 + (f"; output identical to target-only: {'yes' if same else 'no'}" if greedy else "")
             )
             rows.append((target_only.stats, s, same))
@@ -204,17 +209,21 @@ def run_prompts(address: str, args: argparse.Namespace) -> int:
     base_tps = sum(t.generated_tokens for t, _, _ in rows) / sum(t.total_ms / 1e3 for t, _, _ in rows)
     spec_tps = total_tokens / sum(s.total_ms / 1e3 for _, s, _ in rows)
     acceptance = sum(s.accepted_tokens for _, s, _ in rows) / max(1, sum(s.proposed_tokens for _, s, _ in rows))
+    committed = sum(s.accepted_tokens + s.recovered_tokens + s.bonus_tokens for _, s, _ in rows)
+    per_round = committed / max(1, sum(s.rounds for _, s, _ in rows))  # pooled, as the acceptance
     print("=" * 100)
     print(
         f"overall: target only {base_tps:.2f} tok/s, speculative {spec_tps:.2f} tok/s "
         f"({spec_tps / base_tps:.2f}x), acceptance {acceptance:.2f}, "
-        f"mean tokens/round {statistics.mean(s.mean_accepted_length for _, s, _ in rows):.2f}"
+        f"mean tokens/round {per_round:.2f}"
         + (
             f", identical outputs {sum(same for *_, same in rows)}/{len(rows)}"
             if greedy
             else f", temperature {args.temperature}"
         )
     )
+    if fallback := sum(s.fallback_rounds for _, s, _ in rows):
+        print(f"warning: {fallback} rounds ran target-only because the draft failed: these figures undersell it")
     if greedy and any(not same for *_, same in rows) and args.target_dtype != "float32":
         print(
             "note: in bfloat16 a K+1-token verify pass and a 1-token pass round differently, so greedy output can\n"
