@@ -83,16 +83,15 @@ class GenerationStats:
         return self.predrafts - self.predraft_hits - self.predraft_misses
 
     def record_round(
-        self, num_draft: int, num_accepted: int, bonus: bool | None = None, next_token: bool = True, judged: int = -1
+        self, num_draft: int, num_accepted: int, bonus: bool | None = None, next_token: bool = True
     ) -> None:
         """`bonus`: whether the round ended in a bonus token, where that is not "every draft
         accepted" (a tree: its accepted path reached a leaf); `next_token`: whether the output
-        took it (`num_accepted`: the accepted drafts it took); `judged`: the drafts up to the
-        output's end where it ended among them (-1: all)."""
+        took it (`num_accepted`: the accepted drafts it took)."""
         self.rounds += 1
         self.k_per_round.append(num_draft)
         self.accepted_per_round.append(num_accepted)
-        self.proposed_tokens += num_draft if judged < 0 else judged
+        self.proposed_tokens += num_draft
         self.accepted_tokens += num_accepted
         if next_token:
             ended_in_bonus = (num_accepted == num_draft) if bonus is None else bonus
@@ -106,13 +105,11 @@ class GenerationStats:
     def observe(self, record: RoundRecord) -> None:
         """A committed round's counters, from its record (`coordinator.commit.commit_round`);
         each further step of a target-only call counts as a round of its own."""
+        proposed = record.proposed
         # Only what the output took: a generation that ended inside the round counts the tokens
-        # it returned (generated = accepted + recovered + bonus + steps), and the drafts up to
-        # its end: one past it was neither accepted nor rejected (acceptance_rate read 2 of 4
-        # where a stop string ended the output at the 2nd of 4 accepted drafts).
-        proposed, taken = record.proposed, min(record.accepted, record.emitted)
-        judged = -1 if record.emitted > record.accepted else taken
-        self.record_round(proposed, taken, record.bonus, record.emitted > record.accepted, judged)
+        # it returned (generated = accepted + recovered + bonus + steps).
+        taken = min(record.accepted, record.emitted)
+        self.record_round(proposed, taken, record.bonus, record.emitted > record.accepted)
         self.ready_rounds += record.source in (Source.PREDRAFT, Source.HEDGE)
         self.catch_up_rounds += record.source is Source.CATCH_UP
         self.fallback_rounds += record.source is Source.FALLBACK
@@ -121,7 +118,7 @@ class GenerationStats:
         self.relaxed_accepted_tokens += sum(position < taken for position in record.relaxed_positions)
         if record.copied:  # from a draft call, a pre-draft or a hedge alike
             self.copied_rounds += 1
-            self.copied_tokens += proposed if judged < 0 else judged
+            self.copied_tokens += proposed
             self.copied_accepted += taken
         for _ in range(record.steps):
             self.record_round(0, 0)
