@@ -212,6 +212,7 @@ def summarise(results: dict) -> dict:
             pick = [s for s in samples if s["stack"] == name and s["temperature"] == temperature]
             base = [s for s in pick if s["k"] == 0]
             reference = {s["index"]: s["token_ids"] for s in base}
+            base_rate = {s["index"]: _rate([s]) for s in base}  # each prompt's own target-only
             info = results["info"][name]
             row: dict = {
                 "c": info["draft_pass_ms"][0] / info["target_pass_ms"][0] if info["draft_pass_ms"] else float("nan"),
@@ -232,6 +233,11 @@ def summarise(results: dict) -> dict:
                 row[f"{label} demo tok/s"] = [
                     s["tokens"] / s["total_ms"] * 1e3 for s in chosen if s["kind"] == "demo"
                 ]  # make run's prompts, one by one
+                row[f"{label} demo ratio"] = [  # ... each over its own target-only run, as make run prints it
+                    _rate([s]) / base_rate[s["index"]]
+                    for s in chosen
+                    if s["kind"] == "demo" and s["index"] in base_rate
+                ]
             row["requests"] = len(base)
             rows[f"{name} T={temperature}"] = row
         hf = [s for s in samples if s["stack"].startswith("hf") and s["temperature"] == temperature]
@@ -245,7 +251,7 @@ def summarise(results: dict) -> dict:
 
 
 def markdown(results: dict) -> str:
-    summary = results.setdefault("summary", summarise(results))
+    summary = results["summary"] = summarise(results)  # from the samples, never a stale copy
     machine, rows = results["machine"], summary["rows"]
     smol = results["info"]["smollm2-135m"]
     lines = [
@@ -266,7 +272,7 @@ def markdown(results: dict) -> str:
         for name in DRAFTS:
             row = rows[f"{name} T={temperature}"]
             base = row["target_only"]
-            demo = ", ".join(f"{rate / base:.2f}×" for rate in row["chosen demo tok/s"])
+            demo = ", ".join(f"{ratio:.2f}×" for ratio in row["chosen demo ratio"])
             identical = (
                 f"{row['k4 identical']}/{row['requests']}, {row['chosen identical']}/{row['requests']}"
                 if not temperature

@@ -329,7 +329,7 @@ def pick_all(samples: list[dict], stack: str, k) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    summary = results.setdefault("summary", summarise(results))
+    summary = results["summary"] = summarise(results)  # from the samples, never a stale copy
     machine = results["machine"]
     rates, ttft = summary["rates"], summary["ttft"]
     lines = [
