@@ -161,7 +161,7 @@ def answered(
             torch.save(done, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)
             bar.update(len(encoded))
-    return done
+    return done[: len(texts)]  # a folder answered for more prompts than asked now: the first ones
 
 
 def cut(sequences: list[list[int]], seq_len: int, eos: int | None) -> list[list[int]]:

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.engine.features import FeatureTap, decoder_parts
+from specdec.engine.fingerprint import checkpoint_fingerprint
 from specdec.tools import conversations
 
 SHARD_WINDOWS = 16  # windows per data shard
@@ -90,8 +91,10 @@ def collect(args, target, tokenizer, layers: tuple[int, ...]) -> list[Path]:
 
 def check_made_with(data: Path, args, target, layers: tuple[int, ...]) -> None:
     """The settings the shards in `data` are made with, in data/made-with.json: a later run
-    into the same folder with others (other layers, window length, corpus, seed or target)
-    would train on features its head does not read, so it stops, saying which differ."""
+    into the same folder with others (other layers, window length, corpus, seed, target
+    checkpoint or dtype, or answers written otherwise) would train on features and answers its
+    head does not read, or label a head with a checkpoint it never saw, so it stops, saying which
+    differ. A setting an older folder did not record is taken as it is now."""
     text = target.config.get_text_config()
     made = {
         "layers": list(layers),
@@ -99,11 +102,16 @@ def check_made_with(data: Path, args, target, layers: tuple[int, ...]) -> None:
         "corpus": str(Path(args.corpus).resolve()) if args.corpus else "",
         "seed": args.seed,
         "target": [text.model_type, text.hidden_size, text.num_hidden_layers, text.vocab_size],
+        "checkpoint": checkpoint_fingerprint(args.target),
+        "target_dtype": str(target.dtype).removeprefix("torch."),  # what computed the features
     }
+    if args.conversations:
+        made["answers"] = [args.answer_tokens, args.answer_batch, args.answer_temperature]
     path = data / "made-with.json"
     if path.is_file():
         earlier = json.loads(path.read_text())
-        differ = {key: (earlier.get(key), value) for key, value in made.items() if earlier.get(key) != value}
+        made = {**earlier, **made}  # answers recorded by an earlier run stay recorded
+        differ = {key: (earlier.get(key), value) for key, value in made.items() if earlier.get(key, value) != value}
         if differ:
             raise SystemExit(
                 f"{data} holds shards made with other settings (then, now): {differ}; "

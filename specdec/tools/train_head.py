@@ -45,6 +45,11 @@ from specdec.engine.fingerprint import checkpoint_fingerprint
 from specdec.tools.head_data import SHARD_WINDOWS, collect, draft_vocabulary
 
 logger = logging.getLogger(__name__)
+# Settings a --resume must share with the run it continues (train-state.pt records them).
+RESUMED_SETTINGS = (
+    *("steps", "lr", "warmup", "batch", "steps_ahead", "seed", "bf16", "windows", "seq_len"),
+    *("conversations", "draft_vocab", "intermediate_size", "layers", "init"),
+)
 
 
 def head_config(target_config, args, layers: tuple[int, ...], draft_vocab: int) -> HeadFolder:
@@ -220,8 +225,19 @@ def train(args) -> Path:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     start = 0
     state_path = out / "train-state.pt"
+    # What a resumed run must share with the run it continues: its schedule, its data's order and
+    # its head's shape and vocabulary (older states did not record them).
+    settings = {name: getattr(args, name) for name in RESUMED_SETTINGS}
     if args.resume and state_path.is_file():
         saved = torch.load(state_path, weights_only=False)
+        earlier = saved.get("settings", settings)
+        if differ := {
+            name: (earlier.get(name), value) for name, value in settings.items() if earlier.get(name, value) != value
+        }:
+            raise SystemExit(f"--resume: {state_path} was trained with other settings (then, now): {differ}")
+        if saved["step"] >= args.steps and (out / "model.safetensors").is_file():
+            logger.info("%s is trained already (%d steps): nothing to do", out, saved["step"])
+            return out  # exported again, it would lose its recorded agreement
         head.load_state_dict(saved["head"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
@@ -259,6 +275,7 @@ def train(args) -> Path:
                         "optimizer": optimizer.state_dict(),
                         "rng": torch.get_rng_state(),
                         "step": step + 1,
+                        "settings": settings,
                     },
                     state_path.with_suffix(".tmp"),
                 )

@@ -155,3 +155,38 @@ def test_conversation_prompts_are_seeded_and_never_the_benchmarks(tiny_pair):
     bench = [prompt["text"] for prompt in bench_prompts()]
     requests = {text.split("user")[-1][:60] for text in made}
     assert not any(request in text for text in bench for request in requests)
+
+
+def test_a_resume_with_other_settings_is_refused_and_a_finished_run_is_left_as_it_is(tiny_pair, tmp_path):
+    """A resumed run with another schedule, batch or vocabulary trained on under the earlier
+    weights without a word; rerunning a finished one (as `make head` does) exported its head
+    again with no agreement recorded."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 60)
+    out = tmp_path / "head"
+    run(tiny_pair.target, out, corpus, "--stop-after", "2")
+    with pytest.raises(SystemExit, match="other settings .*'lr'"):
+        run(tiny_pair.target, out, corpus, "--resume", "--lr", "1e-3")
+    run(tiny_pair.target, out, corpus, "--resume")
+    trained_by = json.loads((out / "config.json").read_text())["trained_by"]
+    assert trained_by["top1_agreement_last_batch"]
+    run(tiny_pair.target, out, corpus, "--resume")
+    assert json.loads((out / "config.json").read_text())["trained_by"] == trained_by
+
+
+def test_data_made_with_another_checkpoint_of_the_same_shape_is_refused(tiny_pair, tmp_path):
+    """The shards' features and the head's label are one checkpoint's: a fine-tune of the same
+    architecture matched the old check, and its head was labelled with a checkpoint it never saw."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 60)
+    out = tmp_path / "head"
+    run(tiny_pair.target, out, corpus, "--steps", "1")
+    tuned = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32)
+    with torch.no_grad():
+        cast(torch.nn.Module, tuned).get_input_embeddings().weight.add_(0.01)
+    tuned.save_pretrained(tmp_path / "tuned")
+    AutoTokenizer.from_pretrained(tiny_pair.target).save_pretrained(tmp_path / "tuned")
+    with pytest.raises(SystemExit, match="checkpoint"):
+        run(tmp_path / "tuned", out, corpus, "--steps", "1")
