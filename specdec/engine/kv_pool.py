@@ -164,7 +164,8 @@ class KVPool:
         reads zeros after it), so a pool's resident size follows what sessions hold."""
         columns = self.columns(extent)
         with torch.inference_mode():
-            for arena, memory in zip((*self.keys, *self.values), self._memory):
+            arenas = (arena for layer in zip(self.keys, self.values) for arena in layer)  # as _memory is built
+            for arena, memory in zip(arenas, self._memory, strict=True):
                 span = (columns.stop - columns.start) * arena.shape[2] * arena.element_size()  # bytes per head
                 if memory is None or span < 2 * mmap.PAGESIZE:
                     # No whole page worth a system call per head: one write of zeros for all.

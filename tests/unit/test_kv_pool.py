@@ -6,6 +6,7 @@ size is free)."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 import threading
@@ -297,3 +298,19 @@ def test_a_model_service_keeps_every_session_in_its_pool_and_frees_what_it_drops
     del session
     runner.end_session("a")
     assert pool.allocator.free_pages == pool.allocator.pages
+
+
+def test_freeing_hands_each_arenas_own_memory_back(monkeypatch):
+    """free() paired arenas (all keys, then all values) with their memory (key and value layer
+    by layer): the system got back another arena's pages. Harmless while every arena has one
+    shape and frees one extent at once; wrong the day they differ."""
+    pool = KVPool(layers=3, kv_heads=1, head_dim=64, pages=8, page_tokens=16)
+    cache = pool.open(64)
+    paired = []
+
+    def release(arena, memory, head, columns):
+        paired.append(arena.data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(memory)))
+
+    monkeypatch.setattr(KVPool, "_release", staticmethod(release))
+    cache.release()
+    assert paired and all(paired)
