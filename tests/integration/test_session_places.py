@@ -30,16 +30,21 @@ def tokenizer_dir(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pipeline": True}], ids=["sequential", "pipelined"])
-async def test_sessions_stop_pending_once_their_replica_answers(tokenizer_dir, overrides):
+async def table_engine(tokenizer_dir: str, overrides: dict | None = None, draft_class=TableDraft, **draft_args):
+    """The coordinator over lookup-table services, a draft that agrees with its target often."""
     target_model = TableModel(24, salt=1, logit_scale=1.5)
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
-    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
+    draft = draft_class(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint, **draft_args)
     target = TableTarget(target_model, fingerprint)
     config = CoordinatorConfig(
         draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
     )
-    engine = await coordinator_server.connect(config, draft, target, configured(config, overrides)[1])
+    return await coordinator_server.connect(config, draft, target, configured(config, overrides or {})[1])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pipeline": True}], ids=["sequential", "pipelined"])
+async def test_sessions_stop_pending_once_their_replica_answers(tokenizer_dir, overrides):
+    engine = await table_engine(tokenizer_dir, overrides)
     (draft_replica,) = engine.upstream.drafts.replicas.values()
     (target_replica,) = engine.upstream.targets.replicas.values()
     try:
@@ -64,14 +69,7 @@ async def test_a_request_refused_before_its_first_round_holds_no_place(tokenizer
     while the request's state is built fails it before its sessions take places: a place is
     freed only at the request's end, which such a request never reaches, so each one used
     to keep a session and its KV reservation on both replicas until the coordinator restarted."""
-    target_model = TableModel(24, salt=1, logit_scale=1.5)
-    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
-    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
-    target = TableTarget(target_model, fingerprint)
-    config = CoordinatorConfig(
-        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
-    )
-    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    engine = await table_engine(tokenizer_dir)
     if refusal == "state":
         monkeypatch.setattr(engine_module.wire, "params_to_pb", _broken)
     replicas = [*engine.upstream.drafts.replicas.values(), *engine.upstream.targets.replicas.values()]
@@ -113,14 +111,7 @@ async def test_a_draft_that_refuses_the_coordinator_mid_request_leaves_it_target
     """The draft only ever speeds a request up: one restarted with another token failed every
     request whose session it held at its next draft call (INTERNAL); now such a request runs
     on target-only rounds, its session moving where another replica serves."""
-    target_model = TableModel(24, salt=1, logit_scale=1.5)
-    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
-    draft = TokenChangedDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint, serves=2)
-    target = TableTarget(target_model, fingerprint)
-    config = CoordinatorConfig(
-        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
-    )
-    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    engine = await table_engine(tokenizer_dir, draft_class=TokenChangedDraft, serves=2)
     try:
         request = GenerationRequest(
             prompt_token_ids=(1, 0, 1), max_new_tokens=16, temperature=1.0, seed=5, num_speculative_tokens=2
@@ -138,14 +129,7 @@ async def test_a_requests_clock_and_deadline_run_from_its_receipt(tokenizer_dir,
     """Preparing a request (templating, tokenising) runs in turn on one thread, behind other
     requests' long prompts: its time counts in time_to_first_token_ms and total_ms, and comes
     off the client's deadline before the queue and retry windows are cut from it."""
-    target_model = TableModel(24, salt=1, logit_scale=1.5)
-    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
-    draft = TableDraft(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint)
-    target = TableTarget(target_model, fingerprint)
-    config = CoordinatorConfig(
-        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
-    )
-    engine = await coordinator_server.connect(config, draft, target, configured(config, {})[1])
+    engine = await table_engine(tokenizer_dir)
     prepare, windows = engine.prepare, []
 
     def slow_prepare(*args):
