@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.drafter import Proposal, ProposeCall
 from specdec.engine.batching import result_or_error
-from specdec.engine.calls import ModelDescription, Stopwatch, check_context, check_token_ids
+from specdec.engine.calls import ModelDescription, Stopwatch, check_context, check_sequence, check_token_ids
 from specdec.engine.modeling import TokenizerInfo
 from specdec.engine.sessions import KVSession, SessionStore
 from specdec.errors import InvalidArgument
@@ -155,8 +155,7 @@ class NgramDrafter:
             raise InvalidArgument("the n-gram drafter proposes chains only; tree_widths needs a model drafter")
         check_call_sizes(call, self.max_speculative_tokens, copies=True)
         check_token_ids(call.new_tokens, self.info.vocab_size, "new_tokens")
-        if call.keep_tokens == 0 and not call.new_tokens:  # before the call touches a live session of that id
-            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+        check_sequence(call.keep_tokens, call.new_tokens)  # before the call touches a live session of that id
         check_context(
             call.keep_tokens + len(call.new_tokens) + max(call.num_tokens, call.copy_limit), self.info.max_context
         )

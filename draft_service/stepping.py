@@ -16,7 +16,7 @@ import torch
 from draft_service.drafter import Proposal, ProposeCall, check_confidence, stops_on_confidence
 from draft_service.ngram import Lookup, check_call_sizes, copied_proposal, copy_tail
 from draft_service.vocab_bridge import VocabBridge
-from specdec.engine.calls import ModelDescription, Stopwatch
+from specdec.engine.calls import ModelDescription, Stopwatch, check_sequence
 from specdec.engine.kv import batchable_cache
 from specdec.engine.memory import MemoryShare
 from specdec.engine.modeling import LoadedModel
@@ -183,8 +183,7 @@ class DraftStepper(ModelRunner):
         clock = Stopwatch()
         keep, new_tokens, positions = self._own_ids(call)
         self.check_tokens(new_tokens, "new_tokens")
-        if keep == 0 and not new_tokens:  # before the call touches a live session of that id
-            raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+        check_sequence(keep, new_tokens)  # before the call touches a live session of that id
         if self.bridge is not None and keep + len(new_tokens) + drafts > self.loaded.max_context:
             # The caller counts its own tokens, which this draft spells with more: a request near
             # the draft's context is this request's limit, not a fault of the node (the caller runs

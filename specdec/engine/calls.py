@@ -112,6 +112,12 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
         raise InvalidArgument(f"{what} contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
+def check_sequence(keep_tokens: int, new_tokens: list[int]) -> None:
+    """A call must leave its session holding something: refused before it touches the session."""
+    if keep_tokens == 0 and not new_tokens:
+        raise InvalidArgument("the session's sequence is empty; send the prompt as new_tokens")
+
+
 def check_trees(serves_trees: bool, model_id: str) -> None:
     """Before a tree call opens anything (ModelRunner.trees; Info.trees says so)."""
     if not serves_trees:  # a tree's mask would leave a sliding window out
