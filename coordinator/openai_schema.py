@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,7 +225,7 @@ def parse_request_body(raw: bytes, chat: bool, model_name: str) -> Parsed:
     model. Work in proportion to the body's size, so the API runs it off the event loop."""
     try:
         body = json.loads(raw)
-        if b"\\u" in raw:  # an escaped lone surrogate ("\\ud800") decodes to a str no text encoding holds
+        if re.search(rb"\\u[dD][89a-fA-F]", raw):  # a surrogate escaped ("\\ud800") alone is a str no text holds
             json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise bad_request("the request body escapes a lone UTF-16 surrogate (\\ud800-\\udfff): not text") from None
