@@ -18,6 +18,8 @@ in-place write, one thread of a 2-core AMD EPYC). Here the memory is allocated o
   tokens that filled it: never a copy a step), or where none is free, down into the free
   pages before it. A fork copies its prefix into an extent of its
   own; a batched pass's rows and the prefix cache's blocks are copied in once (`load`).
+  Where no run is long enough but enough pages are free, idle sessions' extents are trimmed
+  to their entries and moved down (`compact`) before any session is evicted.
 
 What stays on transformers' own cache: models whose cache has other layer kinds (sliding
 windows) and models spread over several devices (specdec.engine.runner.ModelRunner).
@@ -84,7 +86,7 @@ class KVPool:
                     arenas.append(tensor)
                     self._memory.append(memory)
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self.relocations = 0  # extents moved to grow (each one copy of a session's entries)
+        self.relocations = 0  # extents moved to grow or compact (each one copy of a session's entries)
 
     @classmethod
     def for_bytes(
@@ -142,27 +144,66 @@ class KVPool:
 
     def _grow_down(self, extent: Extent, pages: int, used: int) -> Extent:
         """`grow` where no free run elsewhere is long enough, but the free pages right before
-        and after the extent, with its own, are: its entries move down into those before, in
-        steps no longer than the move (no entry is overwritten before it is copied), and the
-        columns they leave are zeroed. PoolFull if those pages are too few."""
+        and after the extent, with its own, are: its entries move down into those before
+        (`_move_down`). PoolFull if those pages are too few."""
         start = self.allocator.around(extent.start, extent.pages, pages)
-        source, target = extent.start * self.page_tokens, start * self.page_tokens
+        self._move_down(extent.start, start, used, extent.pages)
+        return Extent(start, pages)
+
+    def _move_down(self, source_page: int, target_page: int, used: int, pages: int) -> None:
+        """Copies the first `used` entries of the extent of `pages` pages at `source_page` down
+        to `target_page`, in steps no longer than the move (no entry is overwritten before it is
+        copied), and zeroes the old extent's columns from the copy's end on: free pages read as
+        zeros."""
+        if target_page >= source_page:
+            return
+        source, target = source_page * self.page_tokens, target_page * self.page_tokens
         with torch.inference_mode():
-            for arena in (*self.keys, *self.values) if source > target else ():
+            for arena in (*self.keys, *self.values):
                 for offset in range(0, used, source - target):
                     count = min(source - target, used - offset)
                     arena[:, target + offset : target + offset + count] = arena[
                         :, source + offset : source + offset + count
                     ]
-                arena[:, target + used : source + used].zero_()
-        self.relocations += source > target
-        return Extent(start, pages)
+        self._zero(slice(max(source, target + used), source + pages * self.page_tokens))
+        self.relocations += 1
+
+    def compact(self, caches: list[PoolCache], pages: int = 0) -> bool:
+        """Makes the free pages contiguous where no run is long enough for a call though enough
+        pages are free (extents grown by doubling, sessions ended between others): each of
+        these caches (none of which a pass is running or set up to run) gives back the pages
+        past those its entries fill and, lowest first, moves to the lowest free run that holds
+        it. Others stay where they are. One copy of each moved cache's entries (on a GPU,
+        device-to-device); no entry changes. Whether a page was freed or an extent moved; nothing
+        is where that could not make a run of `pages`, the free pages and those past the entries
+        too few."""
+        holdings = sorted((cache._holding for cache in caches if not cache.released), key=lambda h: h.extent.start)
+        spare = sum(h.extent.pages - max(-(-max(h.lengths) // self.page_tokens), 1) for h in holdings)
+        changed = False
+        if self.allocator.free_pages + spare < pages:
+            return False
+        for holding in holdings:
+            used = max(holding.lengths)
+            extent, keep = holding.extent, max(-(-used // self.page_tokens), 1)
+            if keep < extent.pages:
+                self.free(Extent(extent.start + keep, extent.pages - keep))
+                extent, changed = Extent(extent.start, keep), True
+            start = self.allocator.move_down(extent.start, extent.pages)
+            if start != extent.start:
+                self._move_down(extent.start, start, used, extent.pages)
+                extent, changed = Extent(start, extent.pages), True
+            holding.extent = extent
+        return changed
 
     def free(self, extent: Extent) -> None:
-        """Gives the extent's pages back, zeroed: nothing a later owner reads can be stale. On
-        CPU the memory goes back to the system too (MADV_DONTNEED: private anonymous memory
-        reads zeros after it), so a pool's resident size follows what sessions hold."""
-        columns = self.columns(extent)
+        """Gives the extent's pages back, zeroed: nothing a later owner reads can be stale."""
+        self._zero(self.columns(extent))
+        self.allocator.free(extent.start, extent.pages)
+
+    def _zero(self, columns: slice) -> None:
+        """Zeroes these columns of every arena. On CPU whole system pages go back to the system
+        (MADV_DONTNEED: private anonymous memory reads zeros after it), so a pool's resident
+        size follows what sessions hold."""
         with torch.inference_mode():
             arenas = (arena for layer in zip(self.keys, self.values) for arena in layer)  # as _memory is built
             for arena, memory in zip(arenas, self._memory, strict=True):
@@ -173,7 +214,6 @@ class KVPool:
                     continue
                 for head in range(arena.shape[0]):
                     self._release(arena, memory, head, columns)
-        self.allocator.free(extent.start, extent.pages)
 
     @staticmethod
     def _release(arena: torch.Tensor, memory: mmap.mmap, head: int, columns: slice) -> None:
@@ -380,6 +420,12 @@ class PoolCache(Cache):
     def release(self) -> None:
         """Gives the extent back to the pool now; the cache is unusable after."""
         self._finalizer()
+
+
+def compact(caches: list, pages: int = 0) -> bool:
+    """KVPool.compact over the pool caches among these (a session's cache may be another kind)."""
+    pooled = [cache for cache in caches if isinstance(cache, PoolCache)]
+    return bool(pooled) and pooled[0].pool.compact(pooled, pages)
 
 
 def kv_geometry(config) -> tuple[int, int, int]:

@@ -8,7 +8,12 @@ import threading
 
 
 class PoolFull(Exception):
-    """No free run of pages is long enough (the caller evicts, or refuses the call)."""
+    """No free run of pages is long enough (the caller compacts, evicts, or refuses the call).
+    `pages`: the run that was asked for."""
+
+    def __init__(self, message: str, pages: int = 0) -> None:
+        super().__init__(message)
+        self.pages = pages
 
 
 class PageAllocator:
@@ -43,7 +48,7 @@ class PageAllocator:
                     self._take(start, length, start, pages)
                     return start
             free = sum(self._lengths.values())
-        raise PoolFull(f"no free run of {pages} pages ({free} of {self.pages} free, fragmented)")
+        raise PoolFull(f"no free run of {pages} pages ({free} of {self.pages} free, fragmented)", pages)
 
     def extend(self, start: int, pages: int, more: int) -> bool:
         """Takes the `more` pages right after extent [start, start + pages) if they are free."""
@@ -68,7 +73,7 @@ class PageAllocator:
             after = self._lengths.get(end, 0)
             if pages + spare + after < need:
                 free = sum(self._lengths.values())
-                raise PoolFull(f"no free run of {need} pages ({free} of {self.pages} free, fragmented)")
+                raise PoolFull(f"no free run of {need} pages ({free} of {self.pages} free, fragmented)", need)
             upper = min(after, need - pages)
             if upper:
                 self._take(end, after, end, upper)
@@ -79,6 +84,17 @@ class PageAllocator:
             elif lower:
                 self._lengths[before] -= lower
             return start - lower
+
+    def move_down(self, start: int, pages: int) -> int:
+        """Moves extent [start, start + pages) to the lowest free run that holds it (its own
+        pages, with the free runs next to them, count), and returns where it starts now."""
+        with self._lock:
+            self._free(start, pages)
+            for run in self._starts:  # one holds it: its own run, at worst
+                if (length := self._lengths[run]) >= pages:
+                    self._take(run, length, run, pages)
+                    return run
+        raise AssertionError(f"[{start}, {start + pages}) did not fit its own pages")
 
     def free(self, start: int, pages: int) -> None:
         """Returns [start, start + pages) to the free runs, merged with its neighbours."""

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from specdec.engine.kv import cache_prefix
-from specdec.engine.kv_pool import PoolCache, PoolFull
+from specdec.engine.kv_pool import PoolCache, PoolFull, compact
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.tree_pass import CachedTree, keep_tree_path
 from specdec.errors import InvalidArgument, ResourceExhausted, SessionNotFound, StaleRequest
@@ -56,8 +56,7 @@ class KVSession:
     # (specdec.engine.features.FeatureTrack); None for every other model.
     features: FeatureTrack | None = None
 
-    def model_cache(self) -> Cache:
-        """The KV cache of a model's session (a model-free drafter's sessions have none)."""
+    def model_cache(self) -> Cache:  # a model-free drafter's sessions have none
         if self.cache is None:
             raise AssertionError(f"session {self.session_id} belongs to a model-free drafter and has no KV cache")
         return self.cache
@@ -68,8 +67,7 @@ class KVSession:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes held by the cache's key and value tensors (a pool cache's entries, not its
-        extent's spare room: what --max-kv-bytes counts)."""
+        """Bytes of the cache's entries (not a pool extent's spare room): what --max-kv-bytes counts."""
         if self.cache is None:
             return 0
         if isinstance(self.cache, PoolCache):
@@ -113,8 +111,7 @@ class KVSession:
 
     @property
     def cacheable_tokens(self) -> int:
-        """Leading tokens whose cache entries a prefix cache may keep: aligned, still cached,
-        and still the session's sequence (a rollback crops the cache only at the next call)."""
+        """Leading tokens a prefix cache may keep: aligned, still cached, still the sequence's."""
         return min(self.aligned_tokens, self.cached_tokens, len(self.tokens))
 
     def _reuse_tree(self, tree: CachedTree, keep_tokens: int, new_tokens: list[int], upto: int) -> tuple[int, list]:
@@ -241,14 +238,17 @@ class SessionStore:
         return evicted.kv_bytes
 
     def _with_room(self, take: Callable[[], T], session: KVSession | None = None) -> T:
-        """take(), which takes pages of the KV pool: where none are free, the least recently
-        used sessions (not those `_spared`) are evicted one by one until it fits;
-        RESOURCE_EXHAUSTED once none is left to evict."""
-        spared = self._spared(session)
+        """take(), which takes pages of the KV pool: where no run is long enough, the sessions
+        not `_spared` are compacted (KVPool.compact) where that can make one, else the least
+        recently used are evicted one by one until it fits; RESOURCE_EXHAUSTED once none is left."""
+        spared, compacted = self._spared(session), False
         while True:
             try:
                 return take()
             except PoolFull as full:
+                movable = [s.cache for sid, s in self._sessions.items() if sid not in spared]
+                if compacted := not compacted and compact(movable, full.pages):
+                    continue
                 victim = next((sid for sid in self._sessions if sid not in spared), None)
                 if victim is None:
                     raise ResourceExhausted(

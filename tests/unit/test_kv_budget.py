@@ -406,3 +406,39 @@ def test_a_capped_proposal_with_confidence_stops_is_the_same_whatever_the_budget
         assert capped.token_ids == whole.token_ids[:2]
         lengths.add(len(whole.token_ids))
     assert 1 in lengths and max(lengths) > 2, f"proposal lengths {lengths}: no confidence stop, or no cap to test"
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_pool_sized_to_its_budget_compacts_rather_than_evict_below_it(loaded, static):
+    """A CUDA pool holds the budget and a page a session, no more. Ten sessions growing by
+    doubling, ending and starting again in a random order left no run long enough for a call
+    while a quarter of the budget was free: the least recently used sessions were evicted (a
+    re-prefill each) at 72% of it. Compacting the idle sessions' extents makes the room: no
+    session is evicted below the budget, and every call's rows are bitwise those of a pool
+    with room to spare."""
+    per, budget = kv_bytes_per_token(loaded.model), 32 * PAGE_TOKENS
+    tight = TargetRunner(loaded, 16, 600, 4, max_kv_bytes=budget * per)
+    roomy = TargetRunner(loaded, 16, 600, 4)
+    tiny_pool(tight, budget // PAGE_TOKENS + 10 + static)  # a static runner's scratch page is one more
+    if static:
+        tight.use_static_passes("on")
+    lengths: dict[str, int] = {}
+    draws = torch.Generator().manual_seed(0)
+    for _ in range(220):
+        session_id = f"s{int(torch.randint(0, 10, (1,), generator=draws))}"
+        length, more = lengths.get(session_id, 0), int(torch.randint(1, 40, (1,), generator=draws))
+        if length + more > 250:  # the tiny model's context: a new generation in its place
+            for runner in (tight, roomy):
+                runner.end_session(session_id)
+            length = 0
+        new_tokens = [1 + (length + i) % 40 for i in range(more)]
+        got, expected = (
+            runner.verify_one(
+                VerifyCall(session_id, length, new_tokens, [], torch.zeros(0, loaded.vocab_size), GREEDY, 0, True)
+            )
+            for runner in (tight, roomy)
+        )
+        assert torch.equal(got.target_probs, expected.target_probs)
+        lengths[session_id] = length + more
+        assert tight.sessions.evicted == 0, f"evicted with {sum(lengths.values())} of the budget's {budget} tokens held"
+    assert tight.pool.relocations > roomy.pool.relocations

@@ -139,6 +139,45 @@ def test_an_extent_with_no_run_elsewhere_grows_down_into_the_free_pages_before_i
         grown.reserve(9 * 4)  # 9 pages: all of the free ones around it, with its own, are 8
 
 
+def filled(pool: KVPool, cache: PoolCache, used: int, base: float) -> torch.Tensor:
+    """Writes `used` distinct nonzero entries at the start of `cache`'s extent, every arena."""
+    entries = base + torch.arange(used * 2, dtype=torch.float32).reshape(1, used, 2) + 1  # [H, used, D]
+    start = cache.extent.start * pool.page_tokens
+    with torch.inference_mode():
+        for arena in (*pool.keys, *pool.values):
+            arena[:, start : start + used] = entries
+    cache.lengths[:] = [used]
+    return entries
+
+
+def test_compacting_trims_extents_to_their_entries_and_moves_them_to_the_lowest_free_runs():
+    """Extents grown by doubling and sessions ended between others leave enough pages free for a
+    run but none long enough: compacting gives back the pages past each movable cache's entries
+    and moves it to the lowest free run that holds it, so the free pages join at the top. Entries keep their
+    values, the pages left read zero, a cache not given (one a pass runs) stays where it is, and
+    nothing moves where even then no run of the pages asked for could be made."""
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, pages=16, page_tokens=4)
+    ended, a, pinned, b = pool.open(2 * 4), pool.open(4 * 4), pool.open(4 * 4), pool.open(4 * 4)  # [0, 14)
+    a_entries, pinned_entries = filled(pool, a, 5, 0.0), filled(pool, pinned, 9, 100.0)
+    b_entries = filled(pool, b, 2, 200.0)
+    ended.release()
+    assert pool.allocator.runs() == [(0, 2), (14, 2)]
+    with pytest.raises(PoolFull) as full:
+        pool.open(4 * 4)
+    assert full.value.pages == 4
+    assert not pool.compact([a, b], pages=10)  # 4 free and 2 + 3 past the entries: no run of 10 could be made
+    assert (a.extent, b.extent, pool.relocations) == (Extent(2, 4), Extent(10, 4), 0)
+    assert pool.compact([a, b], pages=4)
+    assert (a.extent, pinned.extent, b.extent) == (Extent(0, 2), Extent(6, 4), Extent(2, 1))
+    assert pool.allocator.runs() == [(3, 3), (10, 6)] and pool.relocations == 2
+    for arena in (*pool.keys, *pool.values):
+        assert torch.equal(arena[:, 0:5], a_entries) and torch.equal(arena[:, 8:10], b_entries)
+        assert torch.equal(arena[:, 24:33], pinned_entries)
+        assert not arena[:, 10:24].any() and not arena[:, 33 + 3 : 64].any()  # free pages, and past pinned's entries
+    assert pool.open(6 * 4).extent == Extent(10, 6)
+    assert not pool.compact([a, b])  # nothing left to trim or slide
+
+
 CONFIG = dict(
     vocab_size=64,
     hidden_size=32,
