@@ -17,7 +17,8 @@ in-place write, one thread of a 2-core AMD EPYC). Here the memory is allocated o
   free, else moves to a run twice its size (one copy of the entries, amortised over the
   tokens that filled it: never a copy a step), or where none is free, down into the free
   pages before it. A fork copies its prefix into an extent of its
-  own; a batched pass's rows and the prefix cache's blocks are copied in once (`load`).
+  own; a batched pass's rows and a prefix-cache hit are copied in once (`load`). The prefix
+  cache's blocks are pages of the pool too (specdec.engine.prefix_cache.Block).
   Where no run is long enough but enough pages are free, idle sessions' extents are trimmed
   to their entries and moved down (`compact`) before any session is evicted.
 
@@ -90,15 +91,24 @@ class KVPool:
 
     @classmethod
     def for_bytes(
-        cls, config, max_bytes: int, dtype: torch.dtype, device: str | torch.device = "cpu", shards: int = 1
+        cls,
+        config,
+        max_bytes: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        shards: int = 1,
+        block_tokens: int = 0,
     ) -> KVPool:
         """A pool of a model (its transformers config) holding at most `max_bytes` of KV; under
-        tensor parallelism (`shards` ranks) each rank's pool holds its share of the KV heads."""
+        tensor parallelism (`shards` ranks) each rank's pool holds its share of the KV heads.
+        Its pages are PAGE_TOKENS long, or a prefix cache's `block_tokens` where those divide
+        it, so that each block is a page (specdec.engine.prefix_cache)."""
+        page_tokens = block_tokens if block_tokens and PAGE_TOKENS % block_tokens == 0 else PAGE_TOKENS
         layers, kv_heads, head_dim = kv_geometry(config)
         kv_heads //= shards
-        per_page = 2 * layers * kv_heads * head_dim * PAGE_TOKENS
+        per_page = 2 * layers * kv_heads * head_dim * page_tokens
         per_page *= torch.empty((), dtype=dtype).element_size()
-        return cls(layers, kv_heads, head_dim, max(max_bytes // per_page, 1), dtype, device)
+        return cls(layers, kv_heads, head_dim, max(max_bytes // per_page, 1), dtype, device, page_tokens)
 
     @property
     def capacity_tokens(self) -> int:
@@ -168,16 +178,16 @@ class KVPool:
         self._zero(slice(max(source, target + used), source + pages * self.page_tokens))
         self.relocations += 1
 
-    def compact(self, caches: list[PoolCache], pages: int = 0) -> bool:
+    def compact(self, holdings: list[Holding], pages: int = 0) -> bool:
         """Makes the free pages contiguous where no run is long enough for a call though enough
         pages are free (extents grown by doubling, sessions ended between others): each of
-        these caches (none of which a pass is running or set up to run) gives back the pages
-        past those its entries fill and, lowest first, moves to the lowest free run that holds
-        it. Others stay where they are. One copy of each moved cache's entries (on a GPU,
+        these holdings (of sessions no pass is running or set up to run, of prefix blocks) gives
+        back the pages past those its entries fill and, lowest first, moves to the lowest free
+        run that holds it. Others stay where they are. One copy of each moved cache's entries (on a GPU,
         device-to-device); no entry changes. Whether a page was freed or an extent moved; nothing
         is where that could not make a run of `pages`, the free pages and those past the entries
         too few."""
-        holdings = sorted((cache._holding for cache in caches if not cache.released), key=lambda h: h.extent.start)
+        holdings = sorted((h for h in holdings if not h.released), key=lambda h: h.extent.start)
         spare = sum(h.extent.pages - max(-(-max(h.lengths) // self.page_tokens), 1) for h in holdings)
         changed = False
         if self.allocator.free_pages + spare < pages:
@@ -422,10 +432,14 @@ class PoolCache(Cache):
         self._finalizer()
 
 
-def compact(caches: list, pages: int = 0) -> bool:
-    """KVPool.compact over the pool caches among these (a session's cache may be another kind)."""
-    pooled = [cache for cache in caches if isinstance(cache, PoolCache)]
-    return bool(pooled) and pooled[0].pool.compact(pooled, pages)
+def compact(caches: list, pages: int = 0, blocks: list[Holding] | None = None) -> bool:
+    """KVPool.compact over the pool caches among these (a session's cache may be another kind)
+    and a prefix cache's `blocks` in the same pool."""
+    holdings = [cache._holding for cache in caches if isinstance(cache, PoolCache)]
+    if not holdings:
+        return False
+    pool = holdings[0].pool
+    return pool.compact([*holdings, *(block for block in blocks or () if block.pool is pool)], pages)
 
 
 def kv_geometry(config) -> tuple[int, int, int]:

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from specdec.engine.kv import plain_cache
+from specdec.engine.kv_pool import Extent, Holding, PoolCache, PoolFull
 
 # Tokens per block (ModelServiceConfig.prefix_block_tokens, a fixed value). Prefilling in
 # aligned blocks costs extra passes: a 512-token int8 1.5B prefill took 1.46 s in 256-token
@@ -41,13 +42,31 @@ DEFAULT_PREFIX_BLOCK_TOKENS = 64
 
 @dataclass(frozen=True)
 class Block:
+    """A cached block: its tokens, its parent's key, and its entries, either pages of the pool
+    the session it came from sits in (`holding`: so the pool holds all of a service's KV, and
+    a CUDA device no more than the budget) or tensors of its own (models outside a pool)."""
+
     parent: bytes  # the previous block's key (b"" for a namespace's first block)
     token_ids: tuple[int, ...]  # [block_tokens]
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values): [1, H, block_tokens, D]
+    tensors: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # per layer (keys, values): [1, H, block_tokens, D]
+    holding: Holding | None = None  # its pages (one block's worth), entries at their start
+
+    @property
+    def layers(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Per layer (keys, values) [1, H, block_tokens, D]: of a pooled block, views of its pages."""
+        if self.holding is None:
+            return self.tensors
+        pool, columns = self.holding.pool, self.holding.columns(len(self.token_ids))
+        return tuple((k[:, columns].unsqueeze(0), v[:, columns].unsqueeze(0)) for k, v in zip(pool.keys, pool.values))
 
     @property
     def nbytes(self) -> int:
         return sum(keys.nbytes + values.nbytes for keys, values in self.layers)
+
+    def release(self) -> None:
+        """Its pages back to the pool (tensors go with the block)."""
+        if self.holding is not None:
+            self.holding.release()
 
 
 def block_key(parent: bytes, namespace: str, token_ids: tuple[int, ...]) -> bytes:
@@ -138,13 +157,11 @@ class PrefixCache:
             start = index * self.block_tokens
             end = start + self.block_tokens
             layers: list = cache.layers  # full-attention layers: ModelRunner refuses a cache of any other kind
-            block = Block(
-                parent,
-                chunk,
-                tuple((layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in layers),
-            )
-            short = block.nbytes - (self.max_bytes - self.bytes)
-            if short > 0 and self.evict(short, keep=set(chain)) < short:
+            nbytes = sum(layer.keys[:, :, start:end].nbytes + layer.values[:, :, start:end].nbytes for layer in layers)
+            short = nbytes - (self.max_bytes - self.bytes)
+            fits = short <= 0 or self.evict(short, keep=set(chain)) >= short
+            block = self._cut(parent, chunk, cache, start, set(chain)) if fits else None
+            if block is None:  # over max_bytes, or no page free and no older block to give one up
                 chain.pop()
                 break
             self._blocks[key] = block
@@ -153,6 +170,35 @@ class PrefixCache:
         self._touch(chain)
         return added
 
+    def _cut(self, parent: bytes, chunk: tuple[int, ...], cache: Cache, start: int, keep: set[bytes]) -> Block | None:
+        """The block of `cache`'s entries [start, start + block_tokens): copied into a page of its
+        pool where a page holds a block (taking one from the least recently used blocks not in
+        `keep` where none is free; None where none can be), else into tensors of its own."""
+        end = start + self.block_tokens
+        layers: list = cache.layers
+        if not isinstance(cache, PoolCache) or cache.pool.page_tokens != self.block_tokens:
+            tensors = tuple((lr.keys[:, :, start:end].clone(), lr.values[:, :, start:end].clone()) for lr in layers)
+            return Block(parent, chunk, tensors)
+        pool = cache.pool
+        while True:
+            try:
+                holding = Holding(pool, Extent(pool.allocator.alloc(1), 1))
+                break
+            except PoolFull:
+                if not self.evict_pages(1, keep):
+                    return None
+        holding.lengths[:] = [self.block_tokens] * len(layers)
+        columns = holding.columns(self.block_tokens)
+        with torch.inference_mode():
+            for index, layer in enumerate(layers):
+                pool.keys[index][:, columns] = layer.keys[0, :, start:end]
+                pool.values[index][:, columns] = layer.values[0, :, start:end]
+        return Block(parent, chunk, holding=holding)
+
+    def holdings(self) -> list[Holding]:
+        """The pool pages the blocks hold (KVPool.compact moves them as it moves sessions)."""
+        return [block.holding for block in self._blocks.values() if block.holding is not None]
+
     def evict(self, needed_bytes: int, keep: frozenset[bytes] | set[bytes] = frozenset()) -> int:
         """Drops least recently used blocks (not in `keep`) until `needed_bytes` are freed or
         none is left; returns the bytes freed."""
@@ -160,13 +206,28 @@ class PrefixCache:
         for key in list(self._blocks):
             if freed >= needed_bytes:
                 break
-            if key in keep:
-                continue
-            block = self._blocks.pop(key)
-            self.bytes -= block.nbytes
-            freed += block.nbytes
-            self.evicted_blocks += 1
+            if key not in keep:
+                freed += self._drop(key)
         return freed
+
+    def evict_pages(self, pages: int, keep: frozenset[bytes] | set[bytes] = frozenset()) -> int:
+        """Drops least recently used blocks (not in `keep`) that sit in pool pages, a page each,
+        one at least and then until their pool has `pages` pages free; returns how many."""
+        dropped = 0
+        for key in [key for key, block in self._blocks.items() if block.holding is not None and key not in keep]:
+            holding = self._blocks[key].holding
+            if dropped and holding is not None and holding.pool.allocator.free_pages >= pages:
+                break
+            self._drop(key)
+            dropped += 1
+        return dropped
+
+    def _drop(self, key: bytes) -> int:  # → the bytes it held
+        block = self._blocks.pop(key)
+        self.bytes -= block.nbytes
+        self.evicted_blocks += 1
+        block.release()
+        return block.nbytes
 
     def _touch(self, chain: list[bytes]) -> None:
         for key in reversed(chain):
@@ -174,5 +235,7 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
 
     def clear(self) -> None:
+        for block in self._blocks.values():
+            block.release()
         self._blocks.clear()
         self.bytes = 0

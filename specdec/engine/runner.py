@@ -73,13 +73,14 @@ class ModelRunner:
         # Under tensor parallelism each rank caches 1/N of the KV heads; budgets count this rank's share.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model) // loaded.tensor_parallel_size
         max_kv_bytes = kv_budget(max_kv_bytes, self.kv_bytes_per_token, max_sessions, loaded.device, prefix_cache_bytes)
-        # Every session's KV sits in one preallocated pool (specdec.engine.kv_pool), written in place, but for
+        # Every session's KV and prefix block sits in one preallocated pool (specdec.engine.kv_pool), but for
         # models with other layer kinds (sliding windows) or over several devices: transformers' own cache.
         self.pool: KVPool | None = None
         if plain and loaded.device_label != "auto":
             device, parallel = loaded.device, loaded.tensor_parallel_size
             size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, device)
-            self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel)
+            block = prefix_block_tokens if prefix else 0  # a prefix block a page, where it divides one
+            self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel, block)
         self.sessions = SessionStore(max_sessions, session_ttl_s, self.new_cache, max_kv_bytes, prefix)
         self.processed_tokens_total = 0  # tokens run since start; tests use it to prove prefixes are reused
         # Passes that ran more than one session (forward_batch), the sessions they ran, the most at once.
@@ -87,8 +88,7 @@ class ModelRunner:
         self.between_passes = lambda session=None: None  # before each pass of a prefill cut in passes (ModelThread's)
         self.pass_costs: PassCosts | None = None  # set by specdec.engine.calibration
         self.max_batch_size = 1  # most sessions a batched pass serves (--max-batch-size; set by the loader)
-        # bench.emulated: every pass is held to an accelerator's time (specdec.engine.pace).
-        self.pacer: Pacer | None = None
+        self.pacer: Pacer | None = None  # bench.emulated: passes held to an accelerator's time (engine.pace)
         # --cuda-graphs: passes of fixed shapes over the pool, captured on CUDA (use_static_passes).
         self.static: StaticPasses | None = None
 

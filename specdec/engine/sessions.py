@@ -187,9 +187,8 @@ class SessionStore:
         """Before `session` grows its cache by `extra_bytes`: evicts least recently used other
         sessions until everything fits the budget; RESOURCE_EXHAUSTED if `session` alone
         cannot fit, saying by how much. `pending_bytes`: what other sessions sharing the same
-        batched forward pass will add; they count toward the total but not toward `session`,
-        and those sessions (`sharing`) are not evicted. A pool-backed session then reserves
-        the room in its extent, so no pass fails halfway for want of it."""
+        batched pass will add; they count toward the total, not toward `session`, and are not
+        evicted (`sharing`). A pool session then reserves the room, so no pass fails halfway."""
         if self.max_kv_bytes:
             self._fit_budget(session, extra_bytes, bytes_per_token, pending_bytes)
         if isinstance(pooled := session.cache, PoolCache):
@@ -216,14 +215,12 @@ class SessionStore:
             total -= self._evict(session_id)
 
     def _spared(self, session: KVSession | None) -> set[str]:
-        """Never evicted for `session`: itself, a decode batch's (`hold`) and those of the
-        calls run or set up together with it (`sharing`)."""
+        """Never evicted for `session`: itself, a decode batch's (`hold`), those `sharing` its batch."""
         return {*self._held, *self._sharing, *((session.session_id,) if session is not None else ())}
 
     @contextlib.contextmanager
     def sharing(self, session_ids: Iterable[str]) -> Iterator[None]:
-        """While the calls of one batch are set up and run, none of these sessions is evicted for
-        another; where nothing else can go, the call that does not fit is refused alone."""
+        """While a batch's calls are set up and run, none of these sessions is evicted for another."""
         before = self._sharing
         self._sharing = before | {session_id for session_id in session_ids if session_id}
         try:
@@ -247,8 +244,11 @@ class SessionStore:
                 return take()
             except PoolFull as full:
                 movable = [s.cache for sid, s in self._sessions.items() if sid not in spared]
-                if compacted := not compacted and compact(movable, full.pages):
+                blocks = self.prefix.holdings() if self.prefix is not None else []
+                if compacted := not compacted and compact(movable, full.pages, blocks):
                     continue
+                if self.prefix is not None and self.prefix.evict_pages(full.pages):
+                    continue  # blocks' pages before any session
                 victim = next((sid for sid in self._sessions if sid not in spared), None)
                 if victim is None:
                     raise ResourceExhausted(

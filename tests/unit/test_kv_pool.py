@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.engine import attention
-from specdec.engine.kv_pool import Extent, KVPool, PageAllocator, PoolCache, PoolFull
+from specdec.engine.kv_pool import Extent, KVPool, PageAllocator, PoolCache, PoolFull, compact
 from specdec.engine.modeling import with_cache
 from specdec.engine.tree_pass import keep_tree_path, tree_forward
 
@@ -165,9 +165,9 @@ def test_compacting_trims_extents_to_their_entries_and_moves_them_to_the_lowest_
     with pytest.raises(PoolFull) as full:
         pool.open(4 * 4)
     assert full.value.pages == 4
-    assert not pool.compact([a, b], pages=10)  # 4 free and 2 + 3 past the entries: no run of 10 could be made
+    assert not compact([a, b], pages=10)  # 4 free and 2 + 3 past the entries: no run of 10 could be made
     assert (a.extent, b.extent, pool.relocations) == (Extent(2, 4), Extent(10, 4), 0)
-    assert pool.compact([a, b], pages=4)
+    assert compact([a, b], pages=4)
     assert (a.extent, pinned.extent, b.extent) == (Extent(0, 2), Extent(6, 4), Extent(2, 1))
     assert pool.allocator.runs() == [(3, 3), (10, 6)] and pool.relocations == 2
     for arena in (*pool.keys, *pool.values):
@@ -175,7 +175,7 @@ def test_compacting_trims_extents_to_their_entries_and_moves_them_to_the_lowest_
         assert torch.equal(arena[:, 24:33], pinned_entries)
         assert not arena[:, 10:24].any() and not arena[:, 33 + 3 : 64].any()  # free pages, and past pinned's entries
     assert pool.open(6 * 4).extent == Extent(10, 6)
-    assert not pool.compact([a, b])  # nothing left to trim or slide
+    assert not compact([a, b])  # nothing left to trim or slide
 
 
 CONFIG = dict(

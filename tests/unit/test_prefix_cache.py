@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec.engine import attention, prefix_cache
+from specdec.engine.kv_pool import KVPool, kv_geometry
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
 from specdec.sampling.probs import SamplingParams
@@ -259,3 +260,37 @@ def test_a_per_token_exact_target_cuts_a_long_prefill_into_passes_with_the_same_
     verify(cut, "s", 0, prompt + decoded)
     for (keys, values), (one_keys, one_values) in zip(kv(cut, "s"), kv(one, "s"), strict=True):
         assert torch.equal(keys, one_keys) and torch.equal(values, one_values)
+
+
+def test_blocks_are_pages_of_the_sessions_pool_given_up_and_moved_before_any_session(loaded):
+    """The blocks sit in the pool the sessions do, a page each, so a pool sized to the budget
+    (as on CUDA) holds all of the service's KV: before, they were tensors beside it, up to
+    --prefix-cache-bytes more on the device. Where the pool has no run for a call, blocks are
+    moved (compacted) and then given up, before any session is evicted; a hit from moved
+    blocks is still bitwise a fresh prefill."""
+    runner = runner_for(loaded)
+    layers, heads, dim = kv_geometry(loaded.model.config)
+    runner.pool = pool = KVPool(layers, heads, dim, pages=14, dtype=loaded.model.dtype, page_tokens=BLOCK)
+    verify(runner, "idle", 0, [45] * 10)  # pages [0, 2)
+    verify(runner, "first", 0, PROMPT)  # 37 tokens: [2, 7)
+    runner.end_session("first")  # its 4 blocks copied to pages 7-10, then its pages freed
+    blocks = runner.sessions.prefix.holdings()
+    assert len(blocks) == 4 and all(block.pool is pool for block in blocks)
+    assert all(not block.tensors for block in runner.sessions.prefix._blocks.values())
+    assert sorted(block.extent.start for block in blocks) == [7, 8, 9, 10]
+    verify(runner, "other", 0, [46] * 30)  # [2, 6); free: 6 and [11, 14)
+    verify(runner, "other", 30, [47] * 20)  # needs 7 pages: 4 free in all
+    # The 3 least recently used blocks (the chain's last) give up their pages, the 4th moves to
+    # page 6, and "other" to the 7 pages after it: no session is evicted.
+    assert runner.sessions.evicted == 0 and runner.sessions.prefix.evicted_blocks == 3
+    assert [block.extent.start for block in runner.sessions.prefix.holdings()] == [6]
+    assert runner.sessions.peek("other").cache.extent.start == 7
+    verify(runner, "idle", 10, [45])  # still held
+    runner.end_session("other")
+    saved = runner.sessions.prefix.tokens_saved
+    verify(runner, "second", 0, OTHER)
+    assert runner.sessions.prefix.tokens_saved - saved == BLOCK  # from the moved block
+    cold = runner_for(loaded)
+    verify(cold, "second", 0, OTHER)
+    for (keys, values), (fresh_keys, fresh_values) in zip(kv(runner, "second"), kv(cold, "second"), strict=True):
+        assert torch.equal(keys, fresh_keys) and torch.equal(values, fresh_values)
