@@ -37,7 +37,7 @@ class EagleRunner(DraftRunner):
         self.head: EagleHead = loaded.model
         self.feature_layers = head.feature_layers
         self.target_fingerprint = head.folder.target_weights_fingerprint
-        self.target_checkpoint = head.folder.target_checkpoint_fingerprint
+        self.target_checkpoint = head.target_checkpoint
         self.kind = head.folder.kind
         self.recomputed_tokens = 0  # cache slots run again once the target's features came
         self.received_feature_rows = 0  # the target's rows calls brought

@@ -334,6 +334,9 @@ class LoadedHead:
     folder: HeadFolder
     feature_layers: tuple[int, ...]  # the target's hidden states it reads (specdec.engine.features)
     head_ids: torch.Tensor | None  # [Vd] ascending target ids of the head's rows (EAGLE-3); None: all V
+    # The checkpoint whose features it reads: the one it was trained on, or, where its folder does
+    # not say (a published head), the target folder's it runs with (checkpoint_fingerprint; "": none).
+    target_checkpoint: str = ""
 
 
 def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtype, device: str) -> LoadedHead:
@@ -341,7 +344,7 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
     from the target's folder where the head does not carry them. Published EAGLE-1 and EAGLE-3
     folders load as they are; a key missing or left over is an error naming it."""
     folder = read_head_config(head_dir)
-    check_checkpoint(head_dir, folder, target_dir)
+    target_checkpoint = check_checkpoint(head_dir, folder, target_dir)
     target_layers = int(target_config.num_hidden_layers)
     target_vocab = int(target_config.vocab_size)
     state = {name.removeprefix("model."): tensor for name, tensor in head_state(head_dir).items()}
@@ -395,7 +398,7 @@ def load_head(head_dir: Path, target_dir: Path, target_config, dtype: torch.dtyp
             f"{head_dir} reads the target's hidden states {list(layers)} ({head.feature_width} wide); the target "
             f"has states 0 to {target_layers}, {target_config.hidden_size} wide each ({width} for those layers)"
         )
-    return LoadedHead(head, folder, tuple(layers), head_ids)
+    return LoadedHead(head, folder, tuple(layers), head_ids, target_checkpoint)
 
 
 def check_vocabulary(head_dir: Path, folder: HeadFolder, vocab: int, t2d, d2t) -> None:
@@ -409,15 +412,16 @@ def check_vocabulary(head_dir: Path, folder: HeadFolder, vocab: int, t2d, d2t) -
         raise ValueError(f"{head_dir}: d2t maps {d2t.numel()} rows; its draft_vocab_size is {folder.draft_vocab}")
 
 
-def check_checkpoint(head_dir: Path, folder: HeadFolder, target_dir: Path) -> None:
+def check_checkpoint(head_dir: Path, folder: HeadFolder, target_dir: Path) -> str:
     """A head trained on one checkpoint refuses to load beside another: its features and its
     embedding rows would not be the ones the head learned (the output would stay the target's,
-    the drafts would mostly miss)."""
+    the drafts would mostly miss). → the checkpoint the head reads features of (LoadedHead)."""
     made_for = folder.target_checkpoint_fingerprint
-    found = checkpoint_fingerprint(target_dir) if made_for else ""
+    found = checkpoint_fingerprint(target_dir)
     if made_for and found and found != made_for:
         raise ValueError(
             f"{head_dir} was trained on the checkpoint whose fingerprint is {made_for[:16]}; {target_dir} holds "
             f"{found[:16]} (other weights, or the same saved in another dtype): train a head for it "
             "(python -m specdec.tools.train_head)"
         )
+    return made_for or found

@@ -263,7 +263,9 @@ def test_a_head_made_for_other_target_weights_is_refused():
 
 def test_a_head_trained_on_another_checkpoint_is_refused(tiny_pair, heads, tmp_path):
     """At load, beside another target folder, and by the coordinator, beside a target serving
-    another checkpoint; a published head, which names none, pairs with any."""
+    another checkpoint. A published head, which names none, reads the features of the target
+    folder it runs with (--model): a target serving another checkpoint is refused too (before,
+    it paired with any, and features of another width failed every verify)."""
     config = json.loads((tiny_pair.target / "config.json").read_text())
     folder = _edited(heads[EAGLE3], tmp_path / "h", target_checkpoint_fingerprint="c" * 64)
     with pytest.raises(ValueError, match="trained on the checkpoint"):
@@ -271,9 +273,11 @@ def test_a_head_trained_on_another_checkpoint_is_refused(tiny_pair, heads, tmp_p
     ours = checkpoint_fingerprint(tiny_pair.target)
     folder = _edited(heads[EAGLE3], tmp_path / "ours", target_checkpoint_fingerprint=ours)
     loaded = load_head(folder, tiny_pair.target, type("C", (), config), torch.float32, "cpu")
-    assert loaded.folder.target_checkpoint_fingerprint == ours
+    assert loaded.folder.target_checkpoint_fingerprint == loaded.target_checkpoint == ours
+    published = load_head(heads[EAGLE3], tiny_pair.target, type("C", (), config), torch.float32, "cpu")
+    assert not published.folder.target_checkpoint_fingerprint and published.target_checkpoint == ours
     draft = common_pb2.ModelInfo(tokenizer_fingerprint="t", feature_target_checkpoint="c" * 64, model_id="head")
-    with pytest.raises(InvalidArgument, match="trained on the checkpoint"):
+    with pytest.raises(InvalidArgument, match="reads the features of the checkpoint"):
         check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint=ours), "t", "d", "t")
     check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint="c" * 64), "t", "d", "t")
     check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t"), "t", "d", "t")  # a target that cannot say
