@@ -130,7 +130,7 @@ class TensorParallelRunner:
     verify_steps = TargetRunner.verify_steps
 
     def end_session(self, session_id: str, keep: bool = True) -> bool:
-        self._send("end_session", session_id)
+        self._send("end_session", session_id, keep)
         return self._runner.end_session(session_id, keep)
 
     def expire_sessions(self) -> int:

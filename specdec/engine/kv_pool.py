@@ -435,11 +435,11 @@ class PoolCache(Cache):
 def compact(caches: list, pages: int = 0, blocks: list[Holding] | None = None) -> bool:
     """KVPool.compact over the pool caches among these (a session's cache may be another kind)
     and a prefix cache's `blocks` in the same pool."""
-    holdings = [cache._holding for cache in caches if isinstance(cache, PoolCache)]
+    holdings = [*(cache._holding for cache in caches if isinstance(cache, PoolCache)), *(blocks or ())]
     if not holdings:
         return False
     pool = holdings[0].pool
-    return pool.compact([*holdings, *(block for block in blocks or () if block.pool is pool)], pages)
+    return pool.compact([holding for holding in holdings if holding.pool is pool], pages)
 
 
 def kv_geometry(config) -> tuple[int, int, int]:

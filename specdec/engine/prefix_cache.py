@@ -127,13 +127,13 @@ class PrefixCache:
         if not found:
             return None
         self._touch(found)
-        blocks = [self._blocks[key] for key in found]
+        blocks = [self._blocks[key].layers for key in found]  # a pooled block's views, made once
         layers = [
             (
-                torch.cat([block.layers[index][0] for block in blocks], dim=2),  # [1, H, n · block_tokens, D]
-                torch.cat([block.layers[index][1] for block in blocks], dim=2),
+                torch.cat([block[index][0] for block in blocks], dim=2),  # [1, H, n · block_tokens, D]
+                torch.cat([block[index][1] for block in blocks], dim=2),
             )
-            for index in range(len(blocks[0].layers))
+            for index in range(len(blocks[0]))
         ]
         return plain_cache(layers)  # the concatenated blocks: tensors of its own
 

@@ -14,6 +14,7 @@ from specdec.engine import attention, prefix_cache
 from specdec.engine.kv_pool import KVPool, kv_geometry
 from specdec.engine.modeling import load_causal_lm
 from specdec.engine.quantize import INT8_LABEL, int8_supported, quantize_int8
+from specdec.engine.sessions import SessionStore
 from specdec.sampling.probs import SamplingParams
 from target_service.runner import TargetRunner, VerifyCall
 
@@ -294,3 +295,22 @@ def test_blocks_are_pages_of_the_sessions_pool_given_up_and_moved_before_any_ses
     verify(cold, "second", 0, OTHER)
     for (keys, values), (fresh_keys, fresh_values) in zip(kv(runner, "second"), kv(cold, "second"), strict=True):
         assert torch.equal(keys, fresh_keys) and torch.equal(values, fresh_values)
+
+
+def test_blocks_are_compacted_where_no_idle_session_is_left_to_move():
+    """The pool used to be found from the idle sessions alone: with none (every other session
+    in the caller's batch), blocks that moving would have fitted were given up instead."""
+    pool = KVPool(1, 1, 2, pages=12, page_tokens=2)
+    store = SessionStore(10, 1e9, pool.open, 0, prefix_cache.PrefixCache(2, 1 << 30))
+    first = store.open("first", 0)
+    with torch.inference_mode():
+        first.cache.reserve(8)
+        for layer in first.cache.layers:
+            layer.update(torch.randn(1, 1, 8, 2), torch.randn(1, 1, 8, 2))
+    first.tokens, first.aligned_tokens = list(range(8)), 8
+    grows = store.open("grows", 0)  # page 4
+    store.finish("first")
+    del first  # its 4 blocks in pages 5-8, its own pages [0, 4) free
+    assert sorted(block.extent.start for block in store.prefix.holdings()) == [5, 6, 7, 8]
+    store.make_room(grows, 12 * pool.bytes_per_token, pool.bytes_per_token)  # 6 pages: no run of 6 is free
+    assert store.prefix.evicted_blocks == 0 and len(store.prefix) == 4 and grows.cache.extent.pages == 6
