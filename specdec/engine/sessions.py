@@ -333,8 +333,8 @@ class SessionStore:
             session = self.fork(fork_from, session_id, keep_tokens, epoch)
         else:
             session = self.open(session_id, keep_tokens, namespace)
-            session.forked = False  # a branch taken: its caller continues it
-        session.advance_epoch(epoch)
+        session.advance_epoch(epoch)  # first: a stale call takes no branch
+        session.forked = session.forked and bool(fork_from)  # a branch taken: its caller continues it
         return session
 
     def fork(self, parent_id: str, session_id: str, keep_tokens: int, epoch: int) -> KVSession:

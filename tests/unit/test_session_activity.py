@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.engine.sessions import SessionStore
+from specdec.errors import StaleRequest
 
 
 def test_active_counts_only_sessions_used_recently():
@@ -27,3 +30,17 @@ def test_held_sessions_leave_out_forks_but_not_a_fork_its_caller_forks_from():
     assert (store.held(), store.forks(), len(store)) == (1, 2, 3)
     store.fork("hedge", "next-hedge", 2, epoch=0)  # the hedge was taken: the request's session now
     assert (store.held(), store.forks()) == (2, 2)
+
+
+def test_a_stale_call_on_a_fork_leaves_it_a_fork():
+    """A call on a fork that is refused as stale took no branch: it used to clear the fork's
+    mark first, so Info counted one fork fewer and one held session more for its life."""
+    store = SessionStore(max_sessions=8, ttl_s=300.0, cache_factory=lambda: None)
+    store.for_call("request", 0, epoch=1).rollback(0, [1, 2, 3])
+    store.for_call("hedge", 2, epoch=2, fork_from="request")
+    assert (store.held(), store.forks()) == (1, 1)
+    with pytest.raises(StaleRequest):
+        store.for_call("hedge", 2, epoch=2)
+    assert (store.held(), store.forks()) == (1, 1)
+    store.for_call("hedge", 2, epoch=3)  # taken
+    assert (store.held(), store.forks()) == (2, 0)
