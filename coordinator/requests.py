@@ -17,15 +17,11 @@ from coordinator.metrics import GenerationStats
 from coordinator.pair import PairInfo
 from specdec.errors import InvalidArgument, shown
 from specdec.sampling.logprobs import check_top_logprobs
-from specdec.sampling.probs import SamplingParams, check_logit_bias, check_penalties
+from specdec.sampling.probs import MIN_TEMPERATURE, SamplingParams, check_logit_bias, check_penalties
 from specdec.sampling.relaxed import AcceptanceMode, RelaxedAcceptance, check_relaxed
 from specdec.sampling.tree_sampling import MAX_TREE_NODES, tree_size
 from specdec.v1 import common_pb2
 
-# Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
-# such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
-# to float32 as the request carries it, so a client that sends 1e-5 is accepted.
-MIN_TEMPERATURE = float(np.float32(1e-5))
 MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # the wire's float32: above, the services would read inf
 
 

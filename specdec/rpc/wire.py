@@ -17,6 +17,7 @@ from specdec.engine.features import FEATURE_DTYPES
 from specdec.errors import InvalidArgument
 from specdec.sampling.logprobs import PositionLogprobs, check_top_logprobs
 from specdec.sampling.probs import (
+    MIN_TEMPERATURE,
     RowSupport,
     SamplingParams,
     SparseRows,
@@ -218,8 +219,11 @@ def token_probability(distribution: common_pb2.ProposalDistribution, token_id: i
 
 def params_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
     """Validates internal sampling settings; the coordinator has already checked the request."""
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise InvalidArgument(f"temperature must be a finite number >= 0; got {sampling.temperature}")
+    temperature = sampling.temperature
+    if not math.isfinite(temperature) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
+        raise InvalidArgument(
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}; got {temperature}"
+        )
     if sampling.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0 (0 = off); got {sampling.top_k}")
     if not 0.0 < sampling.top_p <= 1.0:

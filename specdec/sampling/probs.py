@@ -59,6 +59,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+# Below this, logits / temperature overflows float32 to inf and the distributions become NaN;
+# such a temperature is greedy in all but ties anyway (vLLM treats < 1e-5 as greedy). Rounded
+# to float32 as the request carries it, so a client that sends 1e-5 is accepted.
+MIN_TEMPERATURE = float(np.float32(1e-5))
 MAX_LOGIT_BIAS = 100.0  # |value| of a logit_bias entry, as OpenAI bounds it
 MAX_LOGIT_BIAS_ENTRIES = 300
 

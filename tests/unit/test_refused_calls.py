@@ -11,7 +11,9 @@ from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
 from specdec.engine.modeling import load_causal_lm
 from specdec.errors import InvalidArgument
-from specdec.sampling.probs import SamplingParams
+from specdec.rpc import wire
+from specdec.sampling.probs import MIN_TEMPERATURE, SamplingParams
+from specdec.v1 import common_pb2
 from target_service.runner import TargetRunner, VerifyCall
 
 GREEDY = SamplingParams()
@@ -49,3 +51,14 @@ def test_a_chain_verify_after_a_tree_whose_drafts_are_cached_nodes_is_answered(t
     fresh = runner.verify_one(call("t", 0, [1, 2, 3, 4], [5, 6]))
     assert chained.sequence_length == fresh.sequence_length == 6
     assert (chained.recovered_token_ids, chained.bonus_token_id) == (fresh.recovered_token_ids, fresh.bonus_token_id)
+
+
+def test_a_services_sampling_refuses_a_temperature_that_overflows_the_logits():
+    """The coordinator refuses a temperature below MIN_TEMPERATURE; a caller of the draft or
+    target service directly was not: at 1e-40 logits / temperature overflowed, the draft's rows
+    were NaN and it answered OK with them (the target then refused them as the caller's error)."""
+    with pytest.raises(InvalidArgument, match="temperature"):
+        wire.params_from_pb(common_pb2.SamplingParams(temperature=1e-40, top_p=1.0))
+    for temperature in (0.0, MIN_TEMPERATURE, 0.7):
+        params = wire.params_from_pb(common_pb2.SamplingParams(temperature=temperature, top_p=1.0))
+        assert params.temperature == pytest.approx(temperature)
