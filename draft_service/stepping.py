@@ -245,6 +245,9 @@ class DraftStepper(ModelRunner):
     def _begin(self, call: ProposeCall) -> _Drafting:
         """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
         check_call_sizes(call, self.max_speculative_tokens, copies=self.lookup is not None)
+        ids, limit = self._host_caller_ids, call.vocab_limit
+        if limit and ids is not None and not bool((ids < limit).any()):  # before the session opens (`_below`)
+            raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
         session, pending, deterministic, generator, clock = self._open(call, drafts)

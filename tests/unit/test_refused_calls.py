@@ -9,7 +9,7 @@ import torch
 
 from draft_service.drafter import ProposeCall
 from draft_service.runner import DraftRunner
-from specdec.engine.modeling import load_causal_lm
+from specdec.engine.modeling import load_causal_lm, restrict_output_head
 from specdec.errors import InvalidArgument
 from specdec.rpc import wire
 from specdec.sampling.probs import MIN_TEMPERATURE, SamplingParams
@@ -62,3 +62,20 @@ def test_a_services_sampling_refuses_a_temperature_that_overflows_the_logits():
     for temperature in (0.0, MIN_TEMPERATURE, 0.7):
         params = wire.params_from_pb(common_pb2.SamplingParams(temperature=temperature, top_p=1.0))
         assert params.temperature == pytest.approx(temperature)
+
+
+def test_a_vocab_limit_below_every_row_of_a_cut_head_is_refused_before_the_session_opens(tiny_pair):
+    """A draft whose output head is cut to some ids (a bridge, --draft-vocab) refused a
+    vocab_limit below all of them only at its first draw, after opening the session and
+    prefilling its prompt, which then stayed until its TTL."""
+    loaded = load_causal_lm(str(tiny_pair.draft), "float32", "cpu")
+    head_ids = torch.arange(10, loaded.vocab_size)  # the head's rows stand for ids 10 and up
+    restrict_output_head(loaded.model, head_ids)
+    runner = DraftRunner(loaded, max_sessions=4, session_ttl_s=60, max_speculative_tokens=8, head_ids=head_ids)
+    with pytest.raises(InvalidArgument, match="no token to propose"):
+        runner.propose_one(ProposeCall("s", 0, [11, 12, 13], 3, GREEDY, 0, vocab_limit=10))
+    assert runner.sessions.ids() == [] and runner.processed_tokens_total == 0
+    assert set(runner.propose_one(ProposeCall("s", 0, [11, 12, 13], 3, GREEDY, 0, vocab_limit=12)).token_ids) <= {
+        10,
+        11,
+    }
