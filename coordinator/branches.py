@@ -254,8 +254,7 @@ class Branches:
                 guess_rank=rank,
                 **draft_view.draft_fields(),
             )
-            if pair.draft_copies:
-                request.max_copied_tokens = 0  # the model guesses, never a copy
+            request.max_copied_tokens = 0  # the model guesses, never a copy (any draft that copies)
             branches.append((plan, request))
         return branches
 

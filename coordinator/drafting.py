@@ -90,7 +90,9 @@ class DraftCall:
                 draws.draft_seed,
                 state.stats,
                 pair,
-                max_copied=plan.copy_limit if pair.draft_copies and not plan.widths else None,
+                # Always said (0: none): a draft that copies though its Info did not say so (a
+                # replica of a mixed pool, one restarted as prompt lookup) would copy up to K.
+                max_copied=None if plan.widths else plan.copy_limit if pair.draft_copies else 0,
                 tree_widths=plan.widths,
                 features=state.features.message() if state.features is not None else None,
             )

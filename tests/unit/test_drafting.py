@@ -6,6 +6,7 @@ accepted."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -99,3 +100,46 @@ async def test_a_source_fed_by_the_target_plugs_in_and_every_draft_it_sends_is_a
     assert len(set(outputs)) > 1, "sampled outputs must vary with the seed"
     again, _, _ = await generate(word_pair, 1.0, range(5))
     assert again == outputs[:5]
+
+
+class UnannouncedCopies(TableDraft):
+    """A draft that copies though its Info does not say so (a replica of a mixed pool, one
+    restarted as prompt lookup): it marks its proposals copies wherever the call lets it, as
+    a copying drafter does (max_copied_tokens unset: up to num_tokens; 0: none)."""
+
+    def _propose(self, request):
+        response = super()._propose(request)
+        response.copied = not request.HasField("max_copied_tokens") or request.max_copied_tokens > 0
+        return response
+
+
+@pytest.mark.parametrize(
+    "overlap", [{}, {"pipeline": True, "hedges": 1, "bonus_guesses": 2}], ids=["plain", "overlapped"]
+)
+async def test_a_draft_that_copies_unannounced_never_fails_a_request(word_pair, overlap):
+    """The coordinator sent no max_copied_tokens to a draft whose Info said it did not copy,
+    then checked its reply against a copy cap of 0: a copy of up to K tokens failed the
+    request (INTERNAL, MalformedReply), and every request after it."""
+    table = TableModel(4, salt=1)
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(word_pair.target))
+    draft, target = UnannouncedCopies(table, fingerprint), TableTarget(table, fingerprint)
+    config, rules = configured(
+        CoordinatorConfig(
+            draft_address=draft.address, target_address=target.address, tokenizer=str(word_pair.target), metrics_port=-1
+        ),
+        overlap,
+    )
+    engine = await coordinator_server.connect(config, draft, target, rules)
+    try:
+        assert not engine.pair.draft_copies
+        request = GenerationRequest(
+            prompt_token_ids=PROMPT, max_new_tokens=12, temperature=1.0, seed=3, num_speculative_tokens=3
+        )
+        chunks = [chunk async for chunk in engine.generate(request)]
+        assert sum(len(chunk.token_ids) for chunk in chunks) == 12
+        assert chunks[-1].stats.proposed_tokens > 0
+        if not overlap:  # its draft calls say 0; branch calls may copy up to their K, as they always could
+            assert chunks[-1].stats.copied_rounds == 0
+    finally:
+        engine.close()
+        await engine.wait_cleanup()
