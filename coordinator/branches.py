@@ -129,9 +129,10 @@ class Branches:
 
         `catch_up`: this round runs target-only and its drafts are not in the draft session; the
         pre-draft first appends the committed tokens the session lacks (opening it on a
-        request's first round), then guesses the step's token and drafts after it.
-        """
+        request's first round), then guesses the step's token and drafts after it."""
         draft_view = state.draft_view
+        if not (catch_up or draft_view.opened):  # moved to another replica since it drafted: nothing to branch from
+            return None
         branches: list[tuple[BranchPlan, draft_pb2.ProposeRequest]] = []
         if hedge_k and round_.runner_up_ids:  # prompt lookup has no distributions to hedge on
             branches += self._hedges(state, pair, round_, hedge_k)

@@ -69,7 +69,7 @@ def commit_round(
     # (the accepted path first) tell them which nodes to keep.
     held = base + (0 if round_.parents else outcome.num_accepted)
     state.target_view.synced = held + len(verification.step_token_ids)  # a step feeds the token before it
-    if round_.source.in_draft_session:
+    if round_.source.in_draft_session and state.draft_view.opened:  # not if it moved since (it holds nothing)
         state.draft_view.synced = held
         if round_.draft_token_ids and not round_.copied:  # the model drafted them: it ran what they follow
             state.draft_view.modeled = held

@@ -36,10 +36,13 @@ async def table_engine(tokenizer_dir: str, overrides: dict | None = None, draft_
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
     draft = draft_class(TableModel(24, salt=2, base=target_model, noise=1.0), fingerprint, **draft_args)
     target = TableTarget(target_model, fingerprint)
-    config = CoordinatorConfig(
-        draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+    config, rules = configured(
+        CoordinatorConfig(
+            draft_address=draft.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+        ),
+        overrides or {},
     )
-    return await coordinator_server.connect(config, draft, target, configured(config, overrides or {})[1])
+    return await coordinator_server.connect(config, draft, target, rules)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"pipeline": True}], ids=["sequential", "pipelined"])
@@ -152,3 +155,55 @@ async def test_a_requests_clock_and_deadline_run_from_its_receipt(tokenizer_dir,
     stats = chunks[-1].stats
     assert stats is not None and stats.time_to_first_token_ms >= 300 and stats.total_ms >= 300
     assert windows and windows[0] <= 0.7 * 0.7  # 0.7 of the 0.7 s left after preparing, at most
+
+
+async def test_a_draft_session_moved_with_a_pre_draft_ready_is_opened_afresh(tokenizer_dir):
+    """A pipelined request's draft session moves to another replica (its breaker tripped)
+    while a pre-draft from the old one waits to be verified: the round uses it, but the new
+    replica holds none of the session. The round counted it synced there all the same, so a
+    branch call forked from nothing and the next Propose sent only a tail: both NOT_FOUND, a
+    re-prefill and a branch failure counted where no service lost anything. Now the round
+    starts no branch there and the next call opens the session with the whole sequence."""
+
+    async def run(move: bool):
+        table = TableModel(24, salt=1, logit_scale=4.0)  # draft and target alike: pre-drafts are used
+        fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_dir))
+        first, other, target = (
+            TableDraft(table, fingerprint),
+            TableDraft(table, fingerprint),
+            TableTarget(table, fingerprint),
+        )
+        config, rules = configured(
+            CoordinatorConfig(
+                draft_address=first.address, target_address=target.address, tokenizer=tokenizer_dir, metrics_port=-1
+            ),
+            {"pipeline": True},
+        )
+        engine = await coordinator_server.connect(config, first, target, rules)
+        replica = engine.upstream.drafts.add("draft-b", other)
+        replica.serving, replica.info = True, await other.info()
+        calls, allowed = [0], engine.upstream.draft_allowed
+
+        def trip_on_the_fourth(view, unused):
+            calls[0] += 1
+            if move and calls[0] == 4 and view.replica is not None:
+                view.replica.breaker.trip()
+            return allowed(view, unused)
+
+        engine.upstream.draft_allowed = trip_on_the_fourth
+        try:
+            request = GenerationRequest(
+                prompt_token_ids=(1, 0, 1), max_new_tokens=30, temperature=1.0, seed=1, num_speculative_tokens=3
+            )
+            tokens, stats = [], None
+            async for chunk in engine.generate(request):
+                tokens += chunk.token_ids
+                stats = chunk.stats or stats
+            return tokens, stats
+        finally:
+            engine.close()
+            await engine.wait_cleanup()
+
+    (moved_tokens, moved), (tokens, _) = await run(True), await run(False)
+    assert moved.replica_moves == 1 and moved.ready_rounds > 0
+    assert (moved.reprefills, moved.branch_failures) == (0, 0) and len(moved_tokens) == len(tokens) == 30
