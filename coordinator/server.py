@@ -80,8 +80,8 @@ def build_pools(
     checks their certificates for the pool's name."""
     draft_spec = PoolSpec(draft.address, (draft.address,)) if draft else parse_pool(config.draft_address)
     target_spec = PoolSpec(target.address, (target.address,)) if target else parse_pool(config.target_address)
-    draft_security = upstream.for_name(draft_spec.name) if draft_spec.dynamic else upstream
-    target_security = upstream.for_name(target_spec.name) if target_spec.dynamic else upstream
+    draft_security = upstream.for_name(draft_spec.host_name) if draft_spec.dynamic else upstream
+    target_security = upstream.for_name(target_spec.host_name) if target_spec.dynamic else upstream
     drafts = Pool(
         "draft",
         draft_spec,

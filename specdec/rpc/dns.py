@@ -50,6 +50,15 @@ class PoolSpec:
     def srv(self) -> bool:
         return self.dynamic and not self.port
 
+    @property
+    def host_name(self) -> str:
+        """The name its replicas' TLS certificates carry: an SRV name less its _service._proto
+        labels (_grpc._tcp.target.svc: target.svc), any other DNS name as it is."""
+        labels = self.name.split(".")
+        while self.srv and len(labels) > 1 and labels[0].startswith("_"):
+            labels.pop(0)
+        return ".".join(labels)
+
 
 def parse_pool(text: str) -> PoolSpec:
     """The spec of a pool; ValueError, in words, for one that cannot be."""

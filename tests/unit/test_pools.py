@@ -327,6 +327,9 @@ def test_a_dns_pool_checks_tls_certificates_for_its_name():
     assert ("grpc.ssl_target_name_override", "target.svc") in tls.for_name("target.svc").options
     named = ChannelSecurity(tls.credentials, (("grpc.ssl_target_name_override", "set"),))
     assert named.for_name("target.svc") is named
+    # An SRV pool's certificates name the Service, not the SRV record (before: "_grpc._tcp.target.svc").
+    assert parse_pool("dns:///_grpc._tcp.target.svc").host_name == "target.svc"
+    assert parse_pool("dns:///target.svc:50062").host_name == "target.svc"
 
 
 def test_draft_replicas_must_share_the_same_tokens_with_the_target():
