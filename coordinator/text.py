@@ -8,8 +8,11 @@ could still grow into a stop string.
 
 from __future__ import annotations
 
+import codecs
+import weakref
 from dataclasses import dataclass, field
 
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 from specdec.v1 import common_pb2
@@ -30,10 +33,61 @@ class Delta:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, where asked for
 
 
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte → the byte
+    (printable Latin-1 bytes stand for themselves, the others for 256 + n in order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {byte: chr(byte) for byte in kept}, 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte], extra = chr(256 + extra), extra + 1
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF = _byte_of()  # a byte-level token's characters → bytes
+
+
+class TokenBytes:
+    """What each token adds to the text as bytes, for a tokenizer whose decoder is byte-level
+    alone (GPT-2's, Qwen's, Llama 3's): the text is then the UTF-8 decoding of every kept token's
+    bytes, lossy as the tokenizer's own decoder is, and can be decoded incrementally. None for
+    any other tokenizer (`of`)."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        added = backend.get_added_tokens_decoder()
+        self._special = {token_id for token_id, token in added.items() if token.special}  # skip_special_tokens
+        self._bytes: dict[int, bytes] = {}  # at most one entry a vocabulary id
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TokenBytes | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        return cls(backend) if backend is not None and isinstance(backend.decoder, decoders.ByteLevel) else None
+
+    def __call__(self, token_id: int) -> bytes:
+        known = self._bytes.get(token_id)
+        if known is None:
+            token = None if token_id in self._special else self._backend.id_to_token(token_id)
+            # As the byte-level decoder: a token all of whose characters stand for bytes is those
+            # bytes; any other (an added token's text) is its own UTF-8.
+            if token is None:
+                known = b""
+            elif all(char in _BYTE_OF for char in token):
+                known = bytes(_BYTE_OF[char] for char in token)
+            else:
+                known = token.encode()
+            self._bytes[token_id] = known
+        return known
+
+
 class TextAssembler:
-    """Incremental detokenisation as in TGI: each token decodes only a short window
-    (`prefix_offset`..end) and is compared with the window's previous text, so the cost per
-    token stays constant however long the output grows."""
+    """Incremental detokenisation. With a byte-level tokenizer (`TokenBytes`), each token's
+    bytes go through an incremental UTF-8 decoder: constant work a token, a character split
+    over tokens held until it is whole, and invalid bytes rendered as the tokenizer renders
+    them. With any other, as in TGI: each token decodes only a short window
+    (`prefix_offset`..end) and is compared with the window's previous text; that window grows
+    while the text ends in an incomplete character, so a run of invalid bytes (a logit_bias
+    can force one) would cost time quadratic in its length there."""
 
     def __init__(
         self,
@@ -47,6 +101,8 @@ class TextAssembler:
         # A fast tokenizer's own Rust decoder: what `decode` returns without clean-up, minus a
         # layer of Python checks that cost five times the decoding (two decodes per token).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._token_bytes = token_bytes(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._ids = context  # prompt context + generated tokens
         self._prefix_offset = 0
@@ -69,6 +125,10 @@ class TextAssembler:
 
     def _decode_new(self, flush: bool = False) -> str:
         """Text the tokens since `read_offset` add; "" while they end inside a UTF-8 character."""
+        if self._token_bytes is not None:
+            new = self._ids[self._read_offset :]
+            self._read_offset = len(self._ids)
+            return self._utf8.decode(b"".join(self._token_bytes(token) for token in new), final=flush)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._ids[self._prefix_offset :])
         if len(window_text) > len(prefix_text) and (flush or not window_text.endswith("\ufffd")):
@@ -136,3 +196,13 @@ class TextAssembler:
         self._emitted_tokens = len(self.token_ids)
         self._emitted_chars = safe_end
         return delta
+
+
+_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase) -> TokenBytes | None:
+    """TokenBytes.of(tokenizer), made once per tokenizer (its cache serves every request)."""
+    if tokenizer not in _TOKEN_BYTES:
+        _TOKEN_BYTES[tokenizer] = TokenBytes.of(tokenizer)
+    return _TOKEN_BYTES[tokenizer]
