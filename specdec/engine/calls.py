@@ -65,7 +65,7 @@ class ModelDescription:
     feature_layers: tuple[int, ...] = ()  # an EAGLE head: the target's hidden states it reads
     feature_target_fingerprint: str = ""  # an EAGLE head: the weights of the target it was made for
     checkpoint_fingerprint: str = ""  # the model folder's tensors as stored (fingerprint.checkpoint_fingerprint)
-    feature_target_checkpoint: str = ""  # an EAGLE head: the checkpoint of the target it was trained on
+    feature_target_checkpoint: str = ""  # an EAGLE head: the checkpoint it reads (trained on, or --model)
     pass_cost_profile: str = ""  # the accelerator the passes are held to (bench.emulated), "" = none
     static_passes: str = ""  # --cuda-graphs: the buckets run so far (StaticPasses.describe), "" = eager
     emulation_overruns: int = 0  # passes whose real compute took longer than that profile allows

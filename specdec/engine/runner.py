@@ -79,7 +79,7 @@ class ModelRunner:
         if plain and loaded.device_label != "auto":
             device, parallel = loaded.device, loaded.tensor_parallel_size
             size = pool_bytes(max_kv_bytes, self.kv_bytes_per_token, max_sessions, device)
-            block = prefix_block_tokens if prefix else 0  # a prefix block a page, where it divides one
+            block = prefix_block_tokens if prefix is not None else 0  # a prefix block a page, where it divides one
             self.pool = KVPool.for_bytes(self.model.config, size, self.model.dtype, device, parallel, block)
         self.sessions = SessionStore(max_sessions, session_ttl_s, self.new_cache, max_kv_bytes, prefix)
         self.processed_tokens_total = 0  # tokens run since start; tests use it to prove prefixes are reused

@@ -67,6 +67,7 @@ def test_a_hit_holds_bitwise_what_a_fresh_prefill_computes(loaded):
     warm = runner_for(loaded)
     verify(warm, "first", 0, PROMPT)
     assert warm.end_session("first") and len(warm.sessions.prefix) == 4
+    assert len(warm.sessions.prefix.holdings()) == 4  # pages of the sessions' pool, a block a page
     before = warm.processed_tokens_total
     logits, admitted = verify(warm, "second", 0, OTHER, drafts=[4, 5])
     assert warm.processed_tokens_total - before == len(OTHER) + 2 - 32, "the 4 cached blocks ran again"
@@ -270,8 +271,11 @@ def test_blocks_are_pages_of_the_sessions_pool_given_up_and_moved_before_any_ses
     moved (compacted) and then given up, before any session is evicted; a hit from moved
     blocks is still bitwise a fresh prefill."""
     runner = runner_for(loaded)
+    assert runner.pool is not None and runner.pool.page_tokens == BLOCK  # with the cache on, a page is a block
     layers, heads, dim = kv_geometry(loaded.model.config)
-    runner.pool = pool = KVPool(layers, heads, dim, pages=14, dtype=loaded.model.dtype, page_tokens=BLOCK)
+    runner.pool = pool = KVPool(
+        layers, heads, dim, pages=14, dtype=loaded.model.dtype, page_tokens=BLOCK
+    )  # a tight one
     verify(runner, "idle", 0, [45] * 10)  # pages [0, 2)
     verify(runner, "first", 0, PROMPT)  # 37 tokens: [2, 7)
     runner.end_session("first")  # its 4 blocks copied to pages 7-10, then its pages freed
