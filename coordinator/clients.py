@@ -439,10 +439,9 @@ def check_pair(
     trained_on = draft.feature_target_checkpoint
     if trained_on and target.checkpoint_fingerprint and trained_on != target.checkpoint_fingerprint:
         raise InvalidArgument(
-            f"draft {draft.model_id!r} at {draft_address} is a head that reads the features of the checkpoint whose "
-            f"fingerprint is {trained_on[:16]} (the one it was trained on, or its --model folder's); target "
-            f"{target.model_id!r} at {target_address} serves checkpoint {target.checkpoint_fingerprint[:16]}: its "
-            "features would not be the ones the head learned (start the draft with --model set to the target's folder)"
+            f"draft {draft.model_id!r} at {draft_address} is a head that reads the features of checkpoint "
+            f"{trained_on[:16]} (trained on, or its --model folder's); target {target.model_id!r} at {target_address} "
+            f"serves {target.checkpoint_fingerprint[:16]}: start the draft with --model set to the target's folder"
         )
     if tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise InvalidArgument(

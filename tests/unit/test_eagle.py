@@ -277,7 +277,7 @@ def test_a_head_trained_on_another_checkpoint_is_refused(tiny_pair, heads, tmp_p
     published = load_head(heads[EAGLE3], tiny_pair.target, type("C", (), config), torch.float32, "cpu")
     assert not published.folder.target_checkpoint_fingerprint and published.target_checkpoint == ours
     draft = common_pb2.ModelInfo(tokenizer_fingerprint="t", feature_target_checkpoint="c" * 64, model_id="head")
-    with pytest.raises(InvalidArgument, match="reads the features of the checkpoint"):
+    with pytest.raises(InvalidArgument, match="reads the features of checkpoint"):
         check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint=ours), "t", "d", "t")
     check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t", checkpoint_fingerprint="c" * 64), "t", "d", "t")
     check_pair(draft, common_pb2.ModelInfo(tokenizer_fingerprint="t"), "t", "d", "t")  # a target that cannot say

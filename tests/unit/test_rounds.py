@@ -229,7 +229,7 @@ COMMITS = {
 @pytest.mark.parametrize("case", COMMITS)
 def test_commit_round(case):
     round_, outcome, (committed, synced, counters) = COMMITS[case]
-    request = state(ready=READY)
+    request = state(ready=READY, draft_view=SessionView("s", opened=True))  # a session its replica holds
     plan = plan_round(request, True, True)
     record = commit_round(request, plan, verified(round_, outcome))
     request.stats.observe(record)
@@ -241,6 +241,15 @@ def test_commit_round(case):
     assert request.stats.rounds == request.round_index == 1
     assert request.stats.k_per_round == [len(round_.draft_token_ids)]
     assert request.finished == record.finished == (0 in committed)
+
+
+def test_commit_round_leaves_a_moved_draft_session_unsynced():
+    """A draft session moved to another replica since its pre-draft (not opened there) holds
+    none of the round's tokens: the next call sends it the whole sequence."""
+    round_, outcome, _ = COMMITS["a pre-draft's round is a ready round"]
+    request = state(ready=READY, draft_view=SessionView("s", opened=False))
+    commit_round(request, plan_round(request, True, True), verified(round_, outcome))
+    assert request.draft_view.synced == 0 and request.target_view.synced > 0
 
 
 def test_commit_round_finishes_at_the_context_and_at_max_new_tokens():
