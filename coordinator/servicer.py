@@ -136,16 +136,18 @@ async def metered(
     client's deadline has passed, which cancels the handler as a client leaving does."""
     if metrics is not None:
         metrics.requests_in_flight.inc()
+    finished = False  # counted as finished: a client leaving while its last chunk is sent is no second outcome
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.stats is not None:
                     log_finished(chunk.stats, chunk.finish_reason or "")
+                    finished = True
                     if metrics is not None:
                         metrics.observe_finished(chunk.stats, chunk.finish_reason or "")
                 yield chunk
     except BaseException as exc:
-        if metrics is not None:
+        if metrics is not None and not finished:
             cancelled = isinstance(exc, (asyncio.CancelledError, GeneratorExit))
             code = grpc.StatusCode.DEADLINE_EXCEEDED.name if cancelled and expired() else status_of(exc)
             metrics.observe_failed(code, isinstance(exc, MalformedReply))

@@ -186,7 +186,7 @@ class Upstream:
         if unused_forks:
             unused_forks.clear()
         view.replica, view.synced, view.modeled, view.opened, view.lost = new, 0, 0, False, False
-        view.moves += 1
+        view.moves += old is not None  # a first placement is no move
         return True
 
     async def propose(
