@@ -75,6 +75,10 @@ class DraftConfig(ModelServiceConfig):
             return "--device auto (layers over every visible GPU) is the target's; give the draft one device"
         if self.drafter in ("ngram", "hybrid", "suffix") and not 1 <= self.ngram_min <= self.ngram_max:
             return f"ngram_min must be in [1, {self.ngram_max}]; got {self.ngram_min}"
+        if (self.drafter == "eagle") != bool(self.draft_head):
+            return "--draft-head goes with --drafter eagle, and --drafter eagle needs a --draft-head"
+        if not 0.0 <= self.min_confidence <= 1.0:
+            return f"--min-confidence must be in [0, 1] (0 = never stop early); got {self.min_confidence}"
         if self.drafter == "ngram":
             if self.quantize == "int8" or self.draft_vocab or self.target_tokenizer:
                 return (
@@ -89,8 +93,6 @@ class DraftConfig(ModelServiceConfig):
             return super().problem()
         if problem := super().problem():
             return problem
-        if (self.drafter == "eagle") != bool(self.draft_head):
-            return "--draft-head goes with --drafter eagle, and --drafter eagle needs a --draft-head"
         if self.drafter == "eagle" and (self.draft_vocab or self.target_tokenizer or self.prefix_cache_bytes):
             return (
                 "--draft-vocab, --target-tokenizer and --prefix-cache-bytes do not apply to --drafter eagle: its "
@@ -104,8 +106,6 @@ class DraftConfig(ModelServiceConfig):
             return f"--draft-vocab must be >= 0 (0 = full vocabulary); got {self.draft_vocab}"
         if self.draft_vocab and self.target_tokenizer:
             return "--draft-vocab and --target-tokenizer both cut the output head (the latter to the shared tokens)"
-        if not 0.0 <= self.min_confidence <= 1.0:
-            return f"--min-confidence must be in [0, 1] (0 = never stop early); got {self.min_confidence}"
         return None
 
 

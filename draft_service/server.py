@@ -24,6 +24,7 @@ from specdec.engine.eagle import load_head
 from specdec.engine.modeling import (
     DTYPES,
     LoadedModel,
+    check_device,
     frequent_token_ids,
     load_causal_lm,
     load_tokenizer_info,
@@ -114,6 +115,7 @@ def load_runner(config: DraftConfig, **runner_options) -> DraftRunner | NgramDra
 def _eagle_runner(config: DraftConfig, runner_options: dict) -> EagleRunner:
     """--drafter eagle: the head of --draft-head over the embedding (and EAGLE-1's LM head) of
     the target in --model, whose tokenizer it speaks."""
+    check_device(config.device)
     info = load_tokenizer_info(config.model, config.trust_remote_code)
     target_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     head = load_head(Path(config.draft_head), Path(config.model), target_config, DTYPES[config.dtype], config.device)

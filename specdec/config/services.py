@@ -61,7 +61,10 @@ def parse_kv_budget(text: str) -> int | MemoryShare:
         except ValueError:
             raise ValueError(f"{text!r} is not a share of memory; use a percentage such as 90%") from None
         return MemoryShare(percent / 100)
-    return parse_bytes(text)
+    size = parse_bytes(text)
+    if size == 0 and float(re.sub(r"[^\d.]", "", text) or 0) > 0:  # 0.9: a share meant, no budget given
+        raise ValueError(f"{text!r} is less than a byte; a share of memory is a percentage, such as 90%")
+    return size
 
 
 # --- TLS and token settings (loaded and enforced by specdec.rpc.security) ---------------------

@@ -63,6 +63,20 @@ def session_inputs(model: torch.nn.Module, sessions: list) -> dict:
     return {}
 
 
+def check_device(device: str) -> None:
+    """Before any weight is read: ValueError, in words, for a device this host cannot load onto
+    (it failed with a traceback once the weights had loaded). "auto" is the device map's."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    visible = torch.cuda.device_count() if parsed.type == "cuda" and torch.cuda.is_available() else 0
+    if parsed.type == "cuda" and (parsed.index or 0) >= visible:
+        raise ValueError(f"--device {device}: this host has {visible} CUDA device(s) torch can use; use --device cpu")
+
+
 def load_causal_lm(
     model_id: str,
     dtype: str,
@@ -83,6 +97,7 @@ def load_causal_lm(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    check_device(device_map or device)
     tokenizer = load_tokenizer(model_id, trust_remote_code)
     kwargs = _from_pretrained_kwargs(model_id, dtype, device_map, trust_remote_code, tensor_parallel)
     from transformers import AutoModelForCausalLM

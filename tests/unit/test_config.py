@@ -6,11 +6,14 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from coordinator import server as coordinator_server
 from coordinator.config import CoordinatorConfig
 from coordinator.config import parse_config as coordinator_config
 from draft_service.config import parse_config as draft_config
+from specdec.config.services import parse_kv_budget
+from specdec.engine.modeling import check_device
 from target_service.config import parse_config as target_config
 
 
@@ -159,3 +162,24 @@ def test_a_coordinator_tokenizer_that_is_no_tokenizer_folder_names_the_flag(fold
     config = CoordinatorConfig(draft_address="a:1", target_address="b:2", tokenizer=path)
     with pytest.raises(ValueError, match=f"--tokenizer {path}: "):
         asyncio.run(coordinator_server.connect(config))
+
+
+def test_a_device_this_host_lacks_and_a_budget_under_a_byte_are_refused_in_words():
+    """--device cuda on a host without CUDA, or a device torch cannot read, failed with a
+    traceback once the weights had loaded; --max-kv-bytes 0.9 (90% meant) meant no budget."""
+    check_device("cpu")
+    check_device("auto")
+    with pytest.raises(ValueError, match="not a torch device"):
+        check_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            check_device("cuda:0")
+    with pytest.raises(ValueError, match="percentage"):
+        parse_kv_budget("0.9")
+    assert parse_kv_budget("0") == 0 and parse_kv_budget("90%").fraction == 0.9
+
+
+def test_the_ngram_drafter_is_refused_what_every_drafter_is():
+    for bad in (["--draft-head", "/h"], ["--min-confidence", "5"]):
+        with pytest.raises(SystemExit):
+            draft_config(["--model", "m", "--drafter", "ngram", "--quantize", "none", *bad], {})
