@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from bench.demo_prompts import QUESTIONS, SYSTEM  # noqa: E402
 from specdec.engine.calls import numerics  # noqa: E402
 from specdec.engine.costs import cpu_flags, cpu_model  # noqa: E402
-from specdec.tools.launch import local_stack  # noqa: E402
+from specdec.tools.launch import local_stack, stopped_on_sigterm  # noqa: E402
 from specdec.tools.real_models import DRAFT, TARGET  # noqa: E402
 from specdec.v1 import (  # noqa: E402
     common_pb2,
@@ -99,7 +99,10 @@ def main() -> int:
         draft_dir, draft_args, draft_name = target_dir, [*draft_args, "--draft-head", str(head)], head.name
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specdec-logs-"))
     print(cpu_line())
-    setting = args.target_setting if args.target_setting != "auto" else pick_target(target_dir, args.threads)
+    setting = args.target_setting
+    if setting == "auto":
+        with stopped_on_sigterm():  # SIGTERM stops the pick's process too (it loads the target three times)
+            setting = pick_target(target_dir, args.threads)
     args.target_dtype, target_quantize = TARGET_SETTINGS[setting]
     print(
         f"starting draft ({draft_name}, {args.draft_dtype}, drafter {args.drafter}) and target ({TARGET.name}, "
