@@ -92,7 +92,7 @@ class DraftCall:
                 pair,
                 # Always said (0: none): a draft that copies though its Info did not say so (a
                 # replica of a mixed pool, one restarted as prompt lookup) would copy up to K.
-                max_copied=None if plan.widths else plan.copy_limit if pair.draft_copies else 0,
+                max_copied=None if plan.widths else (plan.copy_limit if pair.draft_copies else 0),
                 tree_widths=plan.widths,
                 features=state.features.message() if state.features is not None else None,
             )

@@ -184,6 +184,9 @@ class DraftStepper(ModelRunner):
         keep, new_tokens, positions = self._own_ids(call)
         self.check_tokens(new_tokens, "new_tokens")
         check_sequence(keep, new_tokens)  # before the call touches a live session of that id
+        ids, limit = self._host_caller_ids, call.vocab_limit
+        if limit and ids is not None and not bool((ids < limit).any()):  # chains and trees alike (`_below`)
+            raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         if self.bridge is not None and keep + len(new_tokens) + drafts > self.loaded.max_context:
             # The caller counts its own tokens, which this draft spells with more: a request near
             # the draft's context is this request's limit, not a fault of the node (the caller runs
@@ -245,9 +248,6 @@ class DraftStepper(ModelRunner):
     def _begin(self, call: ProposeCall) -> _Drafting:
         """Checks the call and rolls its session back to `keep_tokens` plus the new tokens."""
         check_call_sizes(call, self.max_speculative_tokens, copies=self.lookup is not None)
-        ids, limit = self._host_caller_ids, call.vocab_limit
-        if limit and ids is not None and not bool((ids < limit).any()):  # before the session opens (`_below`)
-            raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         min_confidence = self.min_confidence if call.min_confidence is None else check_confidence(call.min_confidence)
         drafts = max(call.num_tokens, call.copy_limit) if self.lookup is not None else call.num_tokens
         session, pending, deterministic, generator, clock = self._open(call, drafts)
@@ -392,11 +392,9 @@ class DraftStepper(ModelRunner):
         them probability 0, and that distribution is what it samples from and sends. Which rows
         those are is decided on the host (the caller's ids: the limit is its vocabulary's)."""
         ids, width = self._host_caller_ids, logits.shape[-1]
-        host = torch.arange(width) >= limit if ids is None else ids >= limit  # [N]
+        host = torch.arange(width) >= limit if ids is None else ids >= limit  # [N], never all (`_open`)
         if not bool(host.any()):
             return logits
-        if bool(host.all()):
-            raise InvalidArgument(f"vocab_limit {limit} leaves the draft no token to propose")
         outside = to_device(host, logits.device)
         return logits.masked_fill(outside, float("-inf"))  # [..., N]
 

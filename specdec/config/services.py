@@ -50,7 +50,13 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"{text!r} is not a size; use bytes or a unit such as 512MiB or 8GiB")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]
+    if 0 < size < 1:  # 0.9: a share meant, which int() would have made 0 (no budget)
+        raise ValueError(
+            f"{text!r} is less than a byte; give bytes or a unit such as 512MiB (a share of memory, where a flag "
+            "takes one, is a percentage such as 90%)"
+        )
+    return int(size)
 
 
 def parse_kv_budget(text: str) -> int | MemoryShare:
@@ -61,10 +67,7 @@ def parse_kv_budget(text: str) -> int | MemoryShare:
         except ValueError:
             raise ValueError(f"{text!r} is not a share of memory; use a percentage such as 90%") from None
         return MemoryShare(percent / 100)
-    size = parse_bytes(text)
-    if size == 0 and float(re.sub(r"[^\d.]", "", text) or 0) > 0:  # 0.9: a share meant, no budget given
-        raise ValueError(f"{text!r} is less than a byte; a share of memory is a percentage, such as 90%")
-    return size
+    return parse_bytes(text)
 
 
 # --- TLS and token settings (loaded and enforced by specdec.rpc.security) ---------------------

@@ -114,9 +114,13 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return self.allocator.pages * self.page_tokens
 
+    def pages_for(self, tokens: int) -> int:
+        """The pages an extent needs to hold `tokens` entries: one at least."""
+        return max(-(-tokens // self.page_tokens), 1)
+
     def open(self, tokens: int = 1) -> PoolCache:
         """A cache of its own, empty, with room for `tokens` entries; PoolFull if none is free."""
-        pages = max(-(-tokens // self.page_tokens), 1)
+        pages = self.pages_for(tokens)
         return PoolCache(self, Extent(self.allocator.alloc(pages), pages))
 
     def columns(self, extent: Extent) -> slice:
@@ -188,13 +192,13 @@ class KVPool:
         is where that could not make a run of `pages`, the free pages and those past the entries
         too few."""
         holdings = sorted((h for h in holdings if not h.released), key=lambda h: h.extent.start)
-        spare = sum(h.extent.pages - max(-(-max(h.lengths) // self.page_tokens), 1) for h in holdings)
+        spare = sum(h.extent.pages - self.pages_for(max(h.lengths)) for h in holdings)
         changed = False
         if self.allocator.free_pages + spare < pages:
             return False
         for holding in holdings:
             used = max(holding.lengths)
-            extent, keep = holding.extent, max(-(-used // self.page_tokens), 1)
+            extent, keep = holding.extent, self.pages_for(used)
             if keep < extent.pages:
                 self.free(Extent(extent.start + keep, extent.pages - keep))
                 extent, changed = Extent(extent.start, keep), True

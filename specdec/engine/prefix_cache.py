@@ -148,6 +148,9 @@ class PrefixCache:
         hold `token_ids`' KV) that are not held yet; returns how many it added. Stops at the
         first block that will not fit `max_bytes` after evicting older blocks."""
         added, chain = 0, []
+        layers: list = cache.layers  # full-attention layers: ModelRunner refuses a cache of any other kind
+        size = self.block_tokens  # every block's bytes, the first's
+        nbytes = sum(layer.keys[:, :, :size].nbytes + layer.values[:, :, :size].nbytes for layer in layers)
         for index, (key, parent, chunk) in enumerate(
             self._chain(namespace, token_ids, aligned_tokens // self.block_tokens)
         ):
@@ -155,9 +158,6 @@ class PrefixCache:
             if key in self._blocks:
                 continue
             start = index * self.block_tokens
-            end = start + self.block_tokens
-            layers: list = cache.layers  # full-attention layers: ModelRunner refuses a cache of any other kind
-            nbytes = sum(layer.keys[:, :, start:end].nbytes + layer.values[:, :, start:end].nbytes for layer in layers)
             short = nbytes - (self.max_bytes - self.bytes)
             fits = short <= 0 or self.evict(short, keep=set(chain)) >= short
             block = self._cut(parent, chunk, cache, start, set(chain)) if fits else None
