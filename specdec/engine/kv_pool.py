@@ -183,19 +183,16 @@ class KVPool:
         self.relocations += 1
 
     def compact(self, holdings: list[Holding], pages: int = 0) -> bool:
-        """Makes the free pages contiguous where no run is long enough for a call though enough
-        pages are free (extents grown by doubling, sessions ended between others): each of
-        these holdings (of sessions no pass is running or set up to run, of prefix blocks) gives
-        back the pages past those its entries fill and, lowest first, moves to the lowest free
-        run that holds it. Others stay where they are. One copy of each moved cache's entries (on a GPU,
-        device-to-device); no entry changes. Whether a page was freed or an extent moved; nothing
-        is where that could not make a run of `pages`, the free pages and those past the entries
-        too few."""
+        """Makes the free pages contiguous where no run is long enough though enough pages are free
+        (growth by doubling, sessions ended between others): each of these holdings (of sessions
+        no pass runs or is set up to run, of prefix blocks) gives back the pages past its entries
+        and, lowest first, moves to the lowest free run that holds it (one copy of its entries, on
+        a GPU device to device); others stay. Whether a page was freed or an extent moved (nothing
+        is where no run of `pages` could come of it)."""
         holdings = sorted((h for h in holdings if not h.released), key=lambda h: h.extent.start)
-        spare = sum(h.extent.pages - self.pages_for(max(h.lengths)) for h in holdings)
-        changed = False
-        if self.allocator.free_pages + spare < pages:
+        if self.allocator.free_pages + sum(h.extent.pages - self.pages_for(max(h.lengths)) for h in holdings) < pages:
             return False
+        changed = False
         for holding in holdings:
             used = max(holding.lengths)
             extent, keep = holding.extent, self.pages_for(used)
@@ -437,8 +434,7 @@ class PoolCache(Cache):
 
 
 def compact(caches: list, pages: int = 0, blocks: list[Holding] | None = None) -> bool:
-    """KVPool.compact over the pool caches among these (a session's cache may be another kind)
-    and a prefix cache's `blocks` in the same pool."""
+    """KVPool.compact over these caches' pool holdings (other kinds skipped) and a prefix cache's `blocks`."""
     holdings = [*(cache._holding for cache in caches if isinstance(cache, PoolCache)), *(blocks or ())]
     if not holdings:
         return False
